@@ -1,0 +1,238 @@
+"""Engine format v1: the typed configuration that the builder writes and the runtime reads.
+
+One place for the contract between `infhip.builder` and `infhip.runtime`. Everything here is
+plain data (dataclasses validated in ``__post_init__``) serialised to ``config.json``; values
+computed at load time (number of KV pages, CUDA-graph pools) live in runtime objects instead.
+
+Engine directory (SPEC §3)::
+
+    <engine>/config.json        EngineConfig.to_dict()
+    <engine>/rank0.safetensors  weights, our names (see WEIGHT NAMES below)
+    <engine>/tokenizer/         tokenizer.json + tokenizer_config.json (may be absent: random weights)
+    <engine>/kernels/index.json plugin kernels known for the target
+    <engine>/build_report.json  what was built, sizes, timings, warnings
+
+WEIGHT NAMES (``L`` = layer index; norm weights are float32 with any ``1 + w`` offset folded in):
+    embed_tokens.weight                      [vocab, hidden]
+    layers.L.input_layernorm.weight          [hidden]
+    layers.L.self_attn.qkv_proj.weight       [(num_heads + 2 * num_kv_heads) * head_dim, hidden]
+    layers.L.self_attn.qkv_proj.bias         (only when ``attention_bias``)
+    layers.L.self_attn.q_norm.weight         [head_dim]   (only when ``qk_norm``)
+    layers.L.self_attn.k_norm.weight         [head_dim]   (only when ``qk_norm``)
+    layers.L.self_attn.o_proj.weight         [hidden, num_heads * head_dim]
+    layers.L.post_attention_layernorm.weight [hidden]     (Llama: the pre-MLP norm; Gemma-3: after attention)
+    layers.L.pre_feedforward_layernorm.weight, layers.L.post_feedforward_layernorm.weight  (Gemma-3 only)
+    layers.L.mlp.gate_up_proj.weight         [2 * intermediate, hidden]  (gate rows first, then up)
+    layers.L.mlp.down_proj.weight            [hidden, intermediate]
+    norm.weight                              [hidden]
+    lm_head.weight                           [vocab, hidden]  (absent when ``tie_word_embeddings``)
+    rope.<layer_type>.inv_freq               [head_dim // 2] float32, from transformers' RoPE init
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+FORMAT_VERSION = 1
+
+ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma3")
+LAYER_TYPES = ("full_attention", "sliding_attention")
+DTYPES = ("bfloat16", "float16", "float32")
+ACTIVATIONS = ("silu", "gelu_tanh")
+
+
+class EngineFormatError(ValueError):
+    """An engine directory that this runtime cannot load (wrong version, target, or damaged)."""
+
+
+def _check(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ValueError(msg)
+
+
+@dataclass(frozen=True)
+class RopeSpec:
+    """RoPE of one layer type. ``inv_freq`` itself is a tensor in the weights file
+    (``rope.<layer_type>.inv_freq``) so every rope flavour (default, linear, llama3, yarn) is
+    reduced at build time to: angle = position * inv_freq; cos/sin multiplied by
+    ``attention_scaling``."""
+
+    rope_type: str
+    rope_theta: float
+    attention_scaling: float = 1.0
+    params: dict[str, Any] = field(default_factory=dict)  # the HF rope_parameters, for the record
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Architecture dimensions, normalised from any transformers config style."""
+
+    architecture: str  # one of ARCHITECTURES
+    hf_model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    hidden_act: str  # one of ACTIVATIONS
+    tie_word_embeddings: bool
+    attention_bias: bool  # bias on q/k/v (Qwen2)
+    qk_norm: bool  # per-head RMSNorm of q and k before RoPE (Qwen3, Gemma-3)
+    attention_scale: float  # softmax scale (head_dim**-0.5, Gemma-3: query_pre_attn_scalar**-0.5)
+    embedding_multiplier: float  # Gemma-3: sqrt(hidden_size), cast to the model dtype; else 1.0
+    max_position_embeddings: int  # trained context window
+    layer_types: tuple[str, ...]  # per layer, one of LAYER_TYPES
+    sliding_window: int | None  # tokens a sliding layer sees, the query included
+    rope: dict[str, RopeSpec]  # keyed by layer type
+    final_logit_softcapping: float | None = None
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        _check(self.architecture in ARCHITECTURES,
+               f"unknown architecture {self.architecture!r}; supported: {', '.join(ARCHITECTURES)}")
+        _check(self.hidden_act in ACTIVATIONS, f"hidden_act {self.hidden_act!r} not in {ACTIVATIONS}")
+        _check(self.num_heads % self.num_kv_heads == 0,
+               f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}")
+        _check(len(self.layer_types) == self.num_layers,
+               f"{len(self.layer_types)} layer types for {self.num_layers} layers")
+        for t in self.layer_types:
+            _check(t in LAYER_TYPES, f"layer type {t!r} not in {LAYER_TYPES}")
+            _check(t in self.rope, f"no RoPE parameters for layer type {t!r}")
+        if "sliding_attention" in self.layer_types:
+            _check(bool(self.sliding_window) and self.sliding_window > 0,
+                   "sliding_attention layers need a positive sliding_window")
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    def window_of(self, layer: int) -> int | None:
+        """Sliding window of a layer (None for full attention)."""
+        return self.sliding_window if self.layer_types[layer] == "sliding_attention" else None
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "ModelConfig":
+        d = dict(d)
+        d["layer_types"] = tuple(d["layer_types"])
+        d["eos_token_ids"] = tuple(d.get("eos_token_ids", ()))
+        d["rope"] = {k: RopeSpec(**v) for k, v in d["rope"].items()}
+        return cls(**d)
+
+
+@dataclass(frozen=True)
+class LayerPlan:
+    """What runs at one decoder layer. Later plugins (InfiniteHiP, token drop) add fields here."""
+
+    index: int
+    attention: str  # "global" | "sliding"
+    window: int | None  # sliding window, None for global
+    plugin: str  # attention plugin: "dense" for now
+    rope_group: str  # key into ModelConfig.rope
+
+
+@dataclass(frozen=True)
+class Plan:
+    preset: str
+    layers: tuple[LayerPlan, ...]
+
+    @classmethod
+    def dense(cls, model: ModelConfig) -> "Plan":
+        layers = tuple(
+            LayerPlan(index=i, attention="sliding" if t == "sliding_attention" else "global",
+                      window=model.window_of(i), plugin="dense", rope_group=t)
+            for i, t in enumerate(model.layer_types))
+        return cls(preset="dense", layers=layers)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Plan":
+        return cls(preset=d["preset"], layers=tuple(LayerPlan(**x) for x in d["layers"]))
+
+
+@dataclass(frozen=True)
+class BuildConfig:
+    dtype: str = "bfloat16"
+    kv_dtype: str = "bfloat16"
+    max_seq_len: int = 8192
+    max_batch_size: int = 16
+    page_size: int = 16  # tokens per KV page
+    max_num_batched_tokens: int = 8192  # token budget of one scheduler step (chunked prefill)
+    cuda_graph_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16)
+    target: str = "cpu"  # "cpu" or "sm_<major><minor>"
+    created_at: str = ""
+    random_weights: bool = False
+
+    def __post_init__(self) -> None:
+        _check(self.dtype in DTYPES, f"dtype {self.dtype!r} not in {DTYPES}")
+        _check(self.kv_dtype in DTYPES, f"kv_dtype {self.kv_dtype!r} not in {DTYPES}")
+        _check(self.max_seq_len > 0, f"max_seq_len must be positive, got {self.max_seq_len}")
+        _check(self.max_batch_size > 0, f"max_batch_size must be positive, got {self.max_batch_size}")
+        _check(self.page_size > 0 and self.page_size & (self.page_size - 1) == 0,
+               f"page_size must be a power of two, got {self.page_size}")
+        _check(self.max_num_batched_tokens >= self.max_batch_size,
+               "max_num_batched_tokens must be at least max_batch_size")
+        _check(self.target == "cpu" or self.target.startswith("sm_"),
+               f"target must be 'cpu' or 'sm_XY', got {self.target!r}")
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "BuildConfig":
+        d = dict(d)
+        d["cuda_graph_batch_sizes"] = tuple(d.get("cuda_graph_batch_sizes", ()))
+        return cls(**d)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig
+    plan: Plan
+    build: BuildConfig
+    format_version: int = FORMAT_VERSION
+    infhip_version: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "format_version": self.format_version,
+            "infhip_version": self.infhip_version,
+            "model": dataclasses.asdict(self.model),
+            "plan": dataclasses.asdict(self.plan),
+            "preset": {"name": self.plan.preset},
+            "build": dataclasses.asdict(self.build),
+        }
+
+    def save(self, engine_dir: str | Path) -> None:
+        Path(engine_dir, "config.json").write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+
+    @classmethod
+    def load(cls, engine_dir: str | Path) -> "EngineConfig":
+        """Read and validate ``<engine_dir>/config.json``; every failure names the fix."""
+        path = Path(engine_dir) / "config.json"
+        if not path.is_file():
+            raise EngineFormatError(
+                f"{engine_dir} is not an infhip engine (no config.json). "
+                "Build one with: infhip-build --model NAME --output DIR")
+        try:
+            d = json.loads(path.read_text())
+        except json.JSONDecodeError as e:
+            raise EngineFormatError(f"{path} is not valid JSON ({e}); rebuild the engine") from e
+        version = d.get("format_version")
+        if version != FORMAT_VERSION:
+            raise EngineFormatError(
+                f"engine {engine_dir} has format version {version}, this infhip reads version "
+                f"{FORMAT_VERSION}; rebuild it with this infhip's infhip-build")
+        try:
+            return cls(model=ModelConfig.from_dict(d["model"]), plan=Plan.from_dict(d["plan"]),
+                       build=BuildConfig.from_dict(d["build"]), format_version=version,
+                       infhip_version=d.get("infhip_version", ""))
+        except (KeyError, TypeError, ValueError) as e:
+            raise EngineFormatError(f"{path} is damaged or incomplete ({e}); rebuild the engine") from e
