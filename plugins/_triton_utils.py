@@ -1,0 +1,42 @@
+"""Small helpers shared by the Triton plugins.
+
+Dispatch rule used by every plugin: a tensor on CUDA goes to the Triton launcher,
+anything else to the plain-torch reference. The launchers themselves also run on
+CPU tensors under ``TRITON_INTERPRET=1`` (that is how the tests exercise them).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+
+
+def use_triton(*tensors: torch.Tensor) -> bool:
+    """True when the fused Triton path should run (all given tensors on CUDA)."""
+    return all(t.is_cuda for t in tensors)
+
+
+def next_pow2(n: int) -> int:
+    """Smallest power of two >= n (tl.arange needs power-of-two extents)."""
+    return triton.next_power_of_2(max(int(n), 1))
+
+
+@functools.lru_cache(maxsize=None)
+def num_sms(device_index: int) -> int:
+    """Streaming multiprocessors of a CUDA device (cached: the query is slow)."""
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def device_num_sms(device: torch.device) -> int:
+    """SM count for `device`; a nominal 4 off-GPU (interpreter tests)."""
+    if device.type != "cuda":
+        return 4
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return num_sms(index)
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """tl.dot input precision: exact fp32 for fp32 inputs, default tensor cores otherwise."""
+    return "ieee" if dtype == torch.float32 else "tf32"

@@ -1,0 +1,203 @@
+"""Rotary position embedding (neox / Hugging Face Llama "rotate half" style), fused
+with the write of the new keys and values into the paged KV cache.
+
+For a head vector x of width D (half = D/2) at position p, with j < half:
+
+    angle[j] = float32(p) * inv_freq[j]               (float32 product, as HF)
+    cos[j]   = cos(angle[j]) * attention_scaling,  sin[j] likewise
+    out[:half] = x[:half] * cos - x[half:] * sin
+    out[half:] = x[half:] * cos + x[:half] * sin
+
+which is HF's x * cat(cos, cos) + rotate_half(x) * cat(sin, sin) with
+rotate_half(x) = cat(-x[half:], x[:half]). Math in float32, stored in x.dtype.
+
+KV write: token t goes to flat slot s = slot_mapping[t] of the cache
+[num_pages, page_size, Hkv, D], i.e. page s // page_size, row s % page_size;
+s < 0 means "skip" (padding). The cache dtype may differ (cast on store).
+
+Accuracy note: angles reach ~1e5 rad at 128K context; GPU sin/cos may use fast
+approximations that are only accurate near [-pi, pi], so the kernel reduces the
+float32 angle modulo 2*pi in float64 first (cheap: D/2 values per token).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._triton_utils import next_pow2, use_triton
+
+
+@triton.jit
+def _rotate_heads(x_ptr, stride_h, num_heads, cos, sin, half_dim,
+                  BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    """Rotate the [num_heads, D] rows at x_ptr in place; returns the rotated halves."""
+    heads = tl.arange(0, BLOCK_H)[:, None]
+    cols = tl.arange(0, BLOCK_HALF)[None, :]
+    mask = (heads < num_heads) & (cols < half_dim)
+    ptr1 = x_ptr + heads * stride_h + cols  # [BLOCK_H, BLOCK_HALF] first halves
+    x1 = tl.load(ptr1, mask=mask, other=0.0)
+    x2 = tl.load(ptr1 + half_dim, mask=mask, other=0.0)
+    y1 = (x1.to(tl.float32) * cos - x2.to(tl.float32) * sin).to(x1.dtype)
+    y2 = (x2.to(tl.float32) * cos + x1.to(tl.float32) * sin).to(x1.dtype)
+    tl.store(ptr1, y1, mask=mask)
+    tl.store(ptr1 + half_dim, y2, mask=mask)
+    return y1, y2
+
+
+@triton.jit
+def _rope_kv_kernel(
+    # inputs
+    q_ptr,  # [T, Hq, D] (rotated in place; any row/head stride)
+    k_ptr,  # [T, Hkv, D] (rotated in place)
+    v_ptr,  # [T, Hkv, D]
+    positions_ptr,  # [T] int32/int64
+    inv_freq_ptr,  # [D/2] float32
+    slot_mapping_ptr,  # [T] int32/int64, < 0 = do not write
+    # outputs
+    k_cache_ptr,  # [num_pages, page_size, Hkv, D]
+    v_cache_ptr,  # [num_pages, page_size, Hkv, D], same strides as k_cache
+    # constants
+    stride_qt, stride_qh,
+    stride_kt, stride_kh,
+    stride_vt, stride_vh,
+    stride_cp, stride_cs, stride_ch,  # cache page / slot / head strides
+    num_q_heads, num_kv_heads, half_dim, page_size,
+    attention_scaling,
+    BLOCK_HQ: tl.constexpr,
+    BLOCK_HKV: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+    APPLY_ROPE: tl.constexpr,
+    WRITE_KV: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)  # one program per token, all heads at once
+    heads = tl.arange(0, BLOCK_HKV)[:, None]
+    cols = tl.arange(0, BLOCK_HALF)[None, :]
+    kv_mask = (heads < num_kv_heads) & (cols < half_dim)  # [BLOCK_HKV, BLOCK_HALF]
+    k_row = k_ptr + t * stride_kt
+    if APPLY_ROPE:
+        j = tl.arange(0, BLOCK_HALF)
+        inv_freq = tl.load(inv_freq_ptr + j, mask=j < half_dim, other=0.0)
+        angle = tl.load(positions_ptr + t).to(tl.float32) * inv_freq  # [BLOCK_HALF] float32
+        # float64 reduction to [-pi, pi]: exact enough that the fast sin/cos see a small argument
+        a64 = angle.to(tl.float64)
+        turns = tl.floor(a64 * 0.15915494309189535 + 0.5)  # round(angle / 2pi)
+        reduced = (a64 - turns * 6.283185307179586).to(tl.float32)
+        cos = (tl.cos(reduced) * attention_scaling)[None, :]
+        sin = (tl.sin(reduced) * attention_scaling)[None, :]
+        _rotate_heads(q_ptr + t * stride_qt, stride_qh, num_q_heads, cos, sin, half_dim,
+                      BLOCK_HQ, BLOCK_HALF)
+        k1, k2 = _rotate_heads(k_row, stride_kh, num_kv_heads, cos, sin, half_dim,
+                               BLOCK_HKV, BLOCK_HALF)
+    else:
+        k1 = tl.load(k_row + heads * stride_kh + cols, mask=kv_mask, other=0.0)
+        k2 = tl.load(k_row + heads * stride_kh + cols + half_dim, mask=kv_mask, other=0.0)
+    if WRITE_KV:
+        slot = tl.load(slot_mapping_ptr + t).to(tl.int64)
+        if slot >= 0:  # slot < 0: padding token, nothing to write
+            page = slot // page_size
+            cache_off = page * stride_cp + (slot - page * page_size) * stride_cs + heads * stride_ch + cols
+            kc = k_cache_ptr + cache_off  # [BLOCK_HKV, BLOCK_HALF] first halves
+            tl.store(kc, k1.to(k_cache_ptr.dtype.element_ty), mask=kv_mask)
+            tl.store(kc + half_dim, k2.to(k_cache_ptr.dtype.element_ty), mask=kv_mask)
+            v_row = v_ptr + t * stride_vt + heads * stride_vh + cols
+            v1 = tl.load(v_row, mask=kv_mask, other=0.0)
+            v2 = tl.load(v_row + half_dim, mask=kv_mask, other=0.0)
+            vc = v_cache_ptr + cache_off
+            tl.store(vc, v1.to(v_cache_ptr.dtype.element_ty), mask=kv_mask)
+            tl.store(vc + half_dim, v2.to(v_cache_ptr.dtype.element_ty), mask=kv_mask)
+
+
+def rope_kv_triton(q, k, v, positions, inv_freq, attention_scaling,
+                   k_cache, v_cache, slot_mapping, apply_rope: bool, write: bool) -> None:
+    """Launcher for every combination: rope only, rope + KV write, KV write only (q unused)."""
+    T, Hkv, D = k.shape
+    assert D % 2 == 0 and k.stride(2) == 1, "k: [T, Hkv, D], last dim contiguous, D even"
+    if apply_rope:
+        assert q.dim() == 3 and q.shape[0] == T and q.shape[2] == D and q.stride(2) == 1
+        assert inv_freq.shape == (D // 2,) and inv_freq.dtype == torch.float32
+        assert positions.shape == (T,) and positions.dtype in (torch.int32, torch.int64)
+        assert inv_freq.is_contiguous() and positions.is_contiguous()
+    else:
+        q, positions, inv_freq = k, slot_mapping, k  # dummies, never read
+    if write:
+        assert v.shape == k.shape and v.stride(2) == 1
+        assert k_cache.shape == v_cache.shape and k_cache.stride() == v_cache.stride()
+        assert k_cache.dim() == 4 and k_cache.shape[2:] == (Hkv, D) and k_cache.stride(3) == 1
+        assert slot_mapping.shape == (T,) and slot_mapping.dtype in (torch.int32, torch.int64)
+        assert slot_mapping.is_contiguous()
+    else:
+        v, k_cache, v_cache, slot_mapping = k, k, k, positions  # dummies
+    if T == 0:
+        return
+    Hq = q.shape[1] if apply_rope else 0
+    page_size = k_cache.shape[1] if write else 1
+    cache_strides = k_cache.stride()[:3] if write else (0, 0, 0)
+    _rope_kv_kernel[(T,)](
+        q, k, v, positions, inv_freq, slot_mapping,
+        k_cache, v_cache,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        *cache_strides,
+        Hq, Hkv, D // 2, page_size, float(attention_scaling),
+        BLOCK_HQ=next_pow2(Hq), BLOCK_HKV=next_pow2(Hkv), BLOCK_HALF=next_pow2(D // 2),
+        APPLY_ROPE=apply_rope, WRITE_KV=write, num_warps=4,
+    )
+
+
+# ----------------------------------------------------------------------------- references
+
+def _rotate_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [T, H, D]; cos/sin: [T, D/2] float32 -> rotated x in x.dtype."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half].float(), x[..., half:].float()
+    c, s = cos[:, None, :], sin[:, None, :]
+    return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1).to(x.dtype)
+
+
+def apply_rope_ref_(q, k, positions, inv_freq, attention_scaling) -> None:
+    """Reference in-place rope of q [T, Hq, D] and k [T, Hkv, D] (float32 math)."""
+    angle = positions.float()[:, None] * inv_freq.float()[None, :]  # [T, D/2]
+    cos, sin = angle.cos() * attention_scaling, angle.sin() * attention_scaling
+    q.copy_(_rotate_ref(q, cos, sin))
+    k.copy_(_rotate_ref(k, cos, sin))
+
+
+def write_kv_ref(k, v, k_cache, v_cache, slot_mapping) -> None:
+    """Reference KV write: cache[slot // page_size, slot % page_size] = k/v[t] for slot >= 0."""
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep].long()
+    page, row = slots // k_cache.shape[1], slots % k_cache.shape[1]
+    k_cache[page, row] = k[keep].to(k_cache.dtype)
+    v_cache[page, row] = v[keep].to(v_cache.dtype)
+
+
+# ----------------------------------------------------------------------------- public API
+
+def apply_rope_(q, k, positions, inv_freq, attention_scaling: float) -> None:
+    """Rotate q [T, Hq, D] and k [T, Hkv, D] in place (row-strided views allowed)."""
+    if use_triton(q, k):
+        rope_kv_triton(q, k, None, positions, inv_freq, attention_scaling,
+                       None, None, None, apply_rope=True, write=False)
+    else:
+        apply_rope_ref_(q, k, positions, inv_freq, attention_scaling)
+
+
+def write_kv(k, v, k_cache, v_cache, slot_mapping) -> None:
+    """Write k, v [T, Hkv, D] into the paged caches at slot_mapping (slot < 0 skipped)."""
+    if use_triton(k, k_cache):
+        rope_kv_triton(None, k, v, None, None, 1.0, k_cache, v_cache, slot_mapping,
+                       apply_rope=False, write=True)
+    else:
+        write_kv_ref(k, v, k_cache, v_cache, slot_mapping)
+
+
+def rope_and_write_kv(q, k, v, positions, inv_freq, attention_scaling: float,
+                      k_cache, v_cache, slot_mapping) -> None:
+    """Rotate q and k in place and write rotated k and v into the paged KV cache (one launch on CUDA)."""
+    if use_triton(q, k, k_cache):
+        rope_kv_triton(q, k, v, positions, inv_freq, attention_scaling,
+                       k_cache, v_cache, slot_mapping, apply_rope=True, write=True)
+    else:
+        apply_rope_ref_(q, k, positions, inv_freq, attention_scaling)
+        write_kv_ref(k, v, k_cache, v_cache, slot_mapping)

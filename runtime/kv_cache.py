@@ -1,0 +1,226 @@
+"""Paged KV-cache bookkeeping: which physical page holds which positions of which sequence.
+
+No tensors here. The executor allocates, per layer, a cache ``[num_pages, page_size, Hkv, D]``
+for keys and one for values, with ``num_pages`` from the layer's KV group, and reads/writes it
+through the block tables and slot mappings computed here.
+
+Page 0 of every group is a reserved *null page*: never handed out, so padding entries of block
+tables / slot mappings (and entries of released pages) can point at it harmlessly.
+
+A *KV group* is a set of layers sharing one page table per sequence: Llama has one "global"
+group; Gemma-3 has "global" and "sliding" (window W). A query at position p of a windowed group
+needs keys p-W+1..p only, so pages whose positions all lie before the window of the next chunk's
+first query are released early: such a group holds at most ``pages_for(W, ...)`` pages per
+sequence however long it grows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+NULL_PAGE = 0
+
+
+class OutOfPages(RuntimeError):
+    """No free page left (transient: the scheduler preempts or waits)."""
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class PageAllocator:
+    """Free list of the pages 1..num_pages-1 of one KV group (page 0 is the null page)."""
+
+    def __init__(self, num_pages: int):
+        if isinstance(num_pages, bool) or not isinstance(num_pages, int) or num_pages < 2:
+            raise ValueError(f"PageAllocator.num_pages must be an int >= 2 (page 0 is reserved), "
+                             f"got {num_pages!r}")
+        self._num_pages = num_pages
+        # A stack: pop() hands out the lowest page first; freed pages are reused first (LIFO).
+        self._free = list(range(num_pages - 1, 0, -1))
+        self._is_free = bytearray([0] + [1] * (num_pages - 1))
+
+    @property
+    def num_pages(self) -> int:
+        """All pages, the null page included (the first dimension of the cache tensors)."""
+        return self._num_pages
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def allocate(self) -> int:
+        if not self._free:
+            raise OutOfPages(f"all {self._num_pages - 1} KV pages are in use")
+        page = self._free.pop()
+        self._is_free[page] = 0
+        return page
+
+    def free(self, page: int) -> None:
+        if page == NULL_PAGE:
+            raise ValueError("page 0 is the reserved null page; it is never allocated or freed")
+        if not (isinstance(page, int) and 0 < page < self._num_pages):
+            raise ValueError(f"page {page!r} does not belong to this allocator "
+                             f"(pages 1..{self._num_pages - 1})")
+        if self._is_free[page]:
+            raise ValueError(f"double free of KV page {page}")
+        self._is_free[page] = 1
+        self._free.append(page)
+
+
+@dataclass(frozen=True)
+class KVGroupSpec:
+    num_pages: int  # physical pages, the null page included
+    window: int | None  # sliding window (keys p-window+1..p), None = full attention
+
+    def __post_init__(self) -> None:
+        if isinstance(self.num_pages, bool) or not isinstance(self.num_pages, int) \
+                or self.num_pages < 2:
+            raise ValueError(f"KVGroupSpec.num_pages must be an int >= 2, got {self.num_pages!r}")
+        if self.window is not None and (not isinstance(self.window, int) or self.window < 1):
+            raise ValueError(f"KVGroupSpec.window must be None or an int >= 1, got {self.window!r}")
+
+
+@dataclass
+class _Table:
+    """Page table of one sequence in one group: pages[i] holds positions i*page_size.. .
+    Entries below ``lo`` are released (0); entries from ``lo`` on are allocated."""
+
+    pages: list[int] = field(default_factory=list)
+    lo: int = 0
+
+
+class KVCacheManager:
+    def __init__(self, page_size: int, groups: dict[str, KVGroupSpec], max_pages_per_seq: int):
+        if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 1:
+            raise ValueError(f"KVCacheManager.page_size must be an int >= 1, got {page_size!r}")
+        if not groups or not all(isinstance(g, KVGroupSpec) for g in groups.values()):
+            raise ValueError("KVCacheManager.groups must be a non-empty dict name -> KVGroupSpec")
+        if isinstance(max_pages_per_seq, bool) or not isinstance(max_pages_per_seq, int) \
+                or max_pages_per_seq < 1:
+            raise ValueError(f"KVCacheManager.max_pages_per_seq must be an int >= 1, "
+                             f"got {max_pages_per_seq!r}")
+        self.page_size = page_size
+        self.groups = dict(groups)
+        self.max_pages_per_seq = max_pages_per_seq
+        self._alloc = {name: PageAllocator(spec.num_pages) for name, spec in self.groups.items()}
+        self._tables: dict[str, dict[int, _Table]] = {name: {} for name in self.groups}
+
+    # ---- sizing -------------------------------------------------------------------------
+    @staticmethod
+    def pages_for(spec_window: int | None, page_size: int, max_seq_len: int, max_chunk: int) -> int:
+        """Pages one sequence may hold at once in a group: all of its ceil(len / page_size) pages,
+        or for a window W with chunks of <= max_chunk tokens the pages spanning positions
+        start-W+1 .. start+chunk-1, at most ceil((W - 1 + max_chunk) / page_size) + 1."""
+        full = _cdiv(max_seq_len, page_size)
+        if spec_window is None:
+            return full
+        chunk = min(max_chunk, max_seq_len)
+        return min(full, _cdiv(spec_window - 1 + chunk, page_size) + 1)
+
+    def pages_needed(self, group: str, num_tokens: int, max_chunk: int | None = None) -> int:
+        """Pages a sequence growing to ``num_tokens`` tokens in chunks of <= ``max_chunk`` (default:
+        all at once) holds at most in ``group``."""
+        return self.pages_for(self._spec(group).window, self.page_size, num_tokens,
+                              num_tokens if max_chunk is None else max_chunk)
+
+    def num_free_pages(self, group: str) -> int:
+        self._spec(group)
+        return self._alloc[group].num_free
+
+    # ---- allocation ---------------------------------------------------------------------
+    def _spec(self, group: str) -> KVGroupSpec:
+        if group not in self.groups:
+            raise ValueError(f"unknown KV group {group!r}; groups are {sorted(self.groups)}")
+        return self.groups[group]
+
+    def _plan(self, seq_id: int, start: int, end: int) -> dict[str, tuple[int, int, int]]:
+        """Per group (keep_from, num_release, num_new) for computing positions [start, end)."""
+        if not 0 <= start < end:
+            raise ValueError(f"need 0 <= start < end, got start={start}, end={end}")
+        if end > self.max_pages_per_seq * self.page_size:
+            raise ValueError(
+                f"position {end - 1} of sequence {seq_id} is beyond the page table "
+                f"({self.max_pages_per_seq} pages x {self.page_size} = "
+                f"{self.max_pages_per_seq * self.page_size} positions); raise max_seq_len")
+        plan = {}
+        last = (end - 1) // self.page_size  # last logical page the chunk writes
+        for name, spec in self.groups.items():
+            t = self._tables[name].get(seq_id) or _Table()
+            # First logical page still needed: it holds key start-W+1 of the chunk's first query.
+            keep_from = max(0, start - spec.window + 1) // self.page_size if spec.window else 0
+            if keep_from < t.lo:
+                raise ValueError(
+                    f"sequence {seq_id} group {name!r}: positions from {keep_from * self.page_size} "
+                    f"were already released (a sequence only moves forward; free it and recompute)")
+            num_release = max(0, min(keep_from, len(t.pages)) - t.lo)
+            num_new = max(0, last + 1 - max(len(t.pages), keep_from))
+            plan[name] = (keep_from, num_release, num_new)
+        return plan
+
+    def can_append(self, seq_id: int, start: int, end: int) -> bool:
+        """Could ``seq_id`` compute positions [start, end) now, in every group?"""
+        plan = self._plan(seq_id, start, end)
+        return all(new <= self._alloc[g].num_free + rel for g, (_, rel, new) in plan.items())
+
+    def append(self, seq_id: int, start: int, end: int) -> None:
+        """Give ``seq_id`` pages for positions [start, end), first releasing the pages a windowed
+        group no longer needs. All-or-nothing: raises OutOfPages and changes nothing if any
+        group lacks pages."""
+        plan = self._plan(seq_id, start, end)
+        for g, (_, rel, new) in plan.items():
+            if new > self._alloc[g].num_free + rel:
+                raise OutOfPages(f"sequence {seq_id} needs {new} new KV pages in group {g!r} "
+                                 f"for positions [{start}, {end}); "
+                                 f"{self._alloc[g].num_free + rel} available")
+        for g, (keep_from, _, new) in plan.items():
+            t = self._tables[g].setdefault(seq_id, _Table())
+            alloc = self._alloc[g]
+            for i in range(t.lo, min(keep_from, len(t.pages))):
+                alloc.free(t.pages[i])
+                t.pages[i] = NULL_PAGE
+            if keep_from > len(t.pages):  # never-allocated pages before the window
+                t.pages.extend([NULL_PAGE] * (keep_from - len(t.pages)))
+            t.lo = max(t.lo, keep_from)
+            t.pages.extend(alloc.allocate() for _ in range(new))
+
+    def free(self, seq_id: int) -> None:
+        """Release every page of ``seq_id`` (no-op for an unknown id)."""
+        for g, tables in self._tables.items():
+            t = tables.pop(seq_id, None)
+            if t is not None:
+                for page in t.pages[t.lo:]:
+                    self._alloc[g].free(page)
+
+    # ---- views for the executor ---------------------------------------------------------
+    def block_table(self, seq_id: int, group: str) -> list[int]:
+        """Physical page of each logical page so far (0 = released / never allocated)."""
+        self._spec(group)
+        t = self._tables[group].get(seq_id)
+        return list(t.pages) if t is not None else []
+
+    def num_pages_held(self, seq_id: int, group: str) -> int:
+        self._spec(group)
+        t = self._tables[group].get(seq_id)
+        return len(t.pages) - t.lo if t is not None else 0
+
+    def slot_mapping(self, seq_id: int, group: str, start: int, end: int) -> list[int]:
+        """Flat cache slot ``page * page_size + offset`` of each position in [start, end)."""
+        self._spec(group)
+        t = self._tables[group].get(seq_id) or _Table()
+        ps = self.page_size
+        if not 0 <= start <= end or (end > start and not (
+                t.lo * ps <= start and end <= len(t.pages) * ps)):
+            raise ValueError(f"sequence {seq_id} group {group!r} holds pages for positions "
+                             f"[{t.lo * ps}, {len(t.pages) * ps}), not all of [{start}, {end}); "
+                             f"call append() first")
+        slots: list[int] = []
+        pos = start
+        while pos < end:  # one range per page: fast for long chunks
+            i, off = divmod(pos, ps)
+            n = min(ps - off, end - pos)
+            base = t.pages[i] * ps
+            slots.extend(range(base + off, base + off + n))
+            pos += n
+        return slots
