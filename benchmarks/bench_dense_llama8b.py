@@ -1,0 +1,144 @@
+"""Dense engine vs Hugging Face transformers, Llama-3.1-8B shapes, random weights, bf16, one GPU.
+
+    python benchmarks/bench_dense_llama8b.py --out $OUT
+
+1. Random-init a transformers LlamaForCausalLM from the shipped llama-3.1-8b config, save it as a
+   Hugging Face checkpoint, build an infhip engine from it (the real conversion path).
+2. Logits of a 1K-token prompt: infhip vs transformers (both bf16), relative L2 error.
+3. Decode tokens/s at batch 1 and 16 (short context): infhip (CUDA graphs) vs transformers generate.
+4. Prefill tokens/s at 8K and 32K: infhip vs transformers forward (SDPA, logits of the last token).
+Prints a table last and writes JSON to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import time
+from pathlib import Path
+
+import torch
+
+FLOOR_NOTE = "weight-bandwidth floor: bytes of weights read per token / 4.3 TB/s"
+
+
+def sync_time(fn, reps: int = 1) -> float:
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t) / reps
+
+
+def make_hf_checkpoint(path: Path, num_layers: int | None):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from infhip.builder.registry import bundled_config
+    cfg = json.loads(bundled_config("llama-3.1-8b").read_text())
+    if num_layers:
+        cfg["num_hidden_layers"] = num_layers
+    config = LlamaConfig(**cfg)
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = LlamaForCausalLM(config).to(torch.bfloat16)
+    model.save_pretrained(path, safe_serialization=True)
+    return model.eval()
+
+
+def decode_tok_s(llm, SamplingParams, batch: int, prompt_len: int = 128, n1: int = 32, n2: int = 160) -> float:
+    """Decode throughput from the difference of two runs (prefill cost cancels)."""
+    ids = [[(7 * i + j) % 1000 + 10 for j in range(prompt_len)] for i in range(batch)]
+
+    def run(n):
+        sp = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+        return sync_time(lambda: llm.generate(prompt_token_ids=ids, sampling_params=sp))
+    run(n1)  # warm-up
+    t1, t2 = run(n1), run(n2)
+    return batch * (n2 - n1) / (t2 - t1)
+
+
+def hf_decode_tok_s(hf, batch: int, prompt_len: int = 128, n1: int = 8, n2: int = 40) -> float:
+    ids = torch.randint(10, 1000, (batch, prompt_len), device="cuda")
+
+    def run(n):
+        return sync_time(lambda: hf.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False))
+    run(n1)
+    t1, t2 = run(n1), run(n2)
+    return batch * (n2 - n1) / (t2 - t1)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--work", type=Path, default=Path("/tmp/infhip-bench"))
+    p.add_argument("--num-layers", type=int, default=None, help="fewer layers for a quick smoke run")
+    p.add_argument("--prefill-lens", default="8192,32768")
+    args = p.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(args.work, ignore_errors=True)
+    from infhip import LLM, SamplingParams
+    from infhip.builder.build import build_engine
+
+    res: dict = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__}
+    import transformers
+    import triton
+    res["triton"], res["transformers"] = triton.__version__, transformers.__version__
+    t = time.perf_counter()
+    hf = make_hf_checkpoint(args.work / "hf", args.num_layers)
+    res["hf_init_save_s"] = time.perf_counter() - t
+    t = time.perf_counter()
+    engine = build_engine(checkpoint=args.work / "hf", output_dir=args.work / "engine", dtype="bfloat16",
+                          device="cuda", max_seq_len=40960, max_batch_size=16)
+    res["build_s"] = time.perf_counter() - t
+    t = time.perf_counter()
+    llm = LLM(engine)
+    res["load_s"] = time.perf_counter() - t
+    weight_bytes = sum(p.numel() * p.element_size() for p in llm.engine.model.parameters())
+    res["floor_tok_s"] = 4.3e12 / weight_bytes
+
+    # 2. Logits of a 1K prompt.
+    from infhip.runtime.sequence import Sequence
+    ids = torch.randint(10, 100000, (1024,), generator=torch.Generator().manual_seed(0)).tolist()
+    seq = Sequence(seq_id=99_999, prompt_token_ids=ids, params=SamplingParams(max_tokens=1))
+    llm.scheduler.add(seq)
+    out = llm.scheduler.schedule()
+    ours = llm.runner.execute(out)[0]
+    llm.scheduler.finish(seq, "abort")
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids], device="cuda"), logits_to_keep=1).logits[0, -1].float()
+    res["logits_rel_l2"] = ((ours - ref).norm() / ref.norm()).item()
+
+    # 3. Decode.
+    for b in (1, 16):
+        res[f"decode_b{b}_tok_s"] = decode_tok_s(llm, SamplingParams, b)
+        res[f"hf_decode_b{b}_tok_s"] = hf_decode_tok_s(hf, b)
+
+    # 4. Prefill.
+    for n in [int(x) for x in args.prefill_lens.split(",")]:
+        ids = torch.randint(10, 100000, (n,)).tolist()
+        sp = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+        llm.generate(prompt_token_ids=[ids[:1024]], sampling_params=sp)
+        t_ours = min(sync_time(lambda: llm.generate(prompt_token_ids=[ids], sampling_params=sp)) for _ in range(2))
+        x = torch.tensor([ids], device="cuda")
+        with torch.no_grad():
+            hf(x[:, :1024], logits_to_keep=1)
+            t_hf = min(sync_time(lambda: hf(x, logits_to_keep=1)) for _ in range(2))
+        res[f"prefill_{n}_tok_s"], res[f"hf_prefill_{n}_tok_s"] = n / t_ours, n / t_hf
+        torch.cuda.empty_cache()
+
+    (args.out / "bench_dense_llama8b.json").write_text(json.dumps(res, indent=2))
+    print(f"\n{res['gpu']}  torch {res['torch']}  triton {res['triton']}  transformers {res['transformers']}")
+    print(f"build {res['build_s']:.0f} s, load {res['load_s']:.0f} s; {FLOOR_NOTE}: {res['floor_tok_s']:.0f} tok/s")
+    print(f"{'metric':<28}{'infhip':>12}{'transformers':>14}{'ratio':>8}")
+    print(f"{'logits rel L2 (1K prompt)':<28}{res['logits_rel_l2']:>12.2e}")
+    for key, name in [("decode_b1", "decode b=1 tok/s"), ("decode_b16", "decode b=16 tok/s")] + [
+            (f"prefill_{n}", f"prefill {n} tok/s") for n in args.prefill_lens.split(",")]:
+        a, b = res[f"{key}_tok_s"], res[f"hf_{key}_tok_s"]
+        print(f"{name:<28}{a:>12.1f}{b:>14.1f}{a / b:>8.2f}")
+    print(f"{'decode b=1 / floor':<28}{res['decode_b1_tok_s'] / res['floor_tok_s']:>12.2f}")
+
+
+if __name__ == "__main__":
+    main()

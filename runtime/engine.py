@@ -1,0 +1,81 @@
+"""Engine loader: check format and target, build the model on the meta device, assign weights
+straight from the safetensors file onto the target device (no pickle, no second copy)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from infhip.config import EngineConfig, EngineFormatError
+from infhip.runtime.models import MODEL_CLASSES
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def gpu_target(device: torch.device) -> str:
+    major, minor = torch.cuda.get_device_capability(device)
+    return f"sm_{major}{minor}"
+
+
+def resolve_device(config: EngineConfig, device: str | torch.device | None) -> torch.device:
+    """The engine's target decides the device unless one is given; mismatches are refused."""
+    target = config.build.target
+    if device is None:
+        device = "cpu" if target == "cpu" else "cuda"
+    device = torch.device(device)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise EngineFormatError(
+                f"engine targets {target} but no CUDA GPU is available here; run it on a GPU, or "
+                "rebuild for the CPU with: infhip-build ... --device cpu")
+        have = gpu_target(device)
+        if target != "cpu" and target != have:
+            raise EngineFormatError(
+                f"engine was built for {target} but this GPU is {have}; rebuild it on this machine "
+                "with: infhip-build ... --device cuda")
+    elif target != "cpu":
+        raise EngineFormatError(
+            f"engine was built for GPU target {target}; load it on a GPU (device='cuda') or rebuild "
+            "for the CPU with: infhip-build ... --device cpu")
+    return device
+
+
+@dataclass
+class LoadedEngine:
+    config: EngineConfig
+    model: torch.nn.Module
+    tokenizer: object | None  # a transformers tokenizer, None for random-weights engines
+    device: torch.device
+    dtype: torch.dtype
+
+
+def load_tokenizer(engine_dir: Path):
+    tok_dir = engine_dir / "tokenizer"
+    if not tok_dir.is_dir():
+        return None
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(str(tok_dir))
+
+
+def load_engine(engine_dir: str | Path, device: str | torch.device | None = None) -> LoadedEngine:
+    engine_dir = Path(engine_dir)
+    config = EngineConfig.load(engine_dir)
+    device = resolve_device(config, device)
+    weights_path = engine_dir / "rank0.safetensors"
+    if not weights_path.is_file():
+        raise EngineFormatError(f"{weights_path} is missing; rebuild the engine")
+    model = MODEL_CLASSES[config.model.architecture](config.model, config.plan.layers)
+    try:
+        state = load_file(str(weights_path), device=str(device))
+    except Exception as e:  # safetensors raises several types for damaged files
+        raise EngineFormatError(f"{weights_path} cannot be read ({e}); rebuild the engine") from e
+    try:
+        model.load_state_dict(state, strict=True, assign=True)
+    except RuntimeError as e:
+        raise EngineFormatError(f"{weights_path} does not match config.json ({e}); rebuild the engine") from e
+    model.eval().requires_grad_(False)
+    return LoadedEngine(config=config, model=model, tokenizer=load_tokenizer(engine_dir),
+                        device=device, dtype=DTYPES[config.build.dtype])

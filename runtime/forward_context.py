@@ -1,0 +1,55 @@
+"""Per-step attention metadata, handed to every attention layer through a forward context.
+
+`forward` of a model block takes tensors only (SPEC §8.2); what an attention layer needs to know
+about the step — where to write K/V, which pages to read, how long each sequence is — is planned
+once per step on the host (`ModelRunner.prepare`) and read here by each layer.
+
+Token layout of a step (packed, variable length): the rows of the B_dec decode sequences come
+first (one query row each), then the prefill chunks of the other sequences, back to back.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class KVGroupMetadata:
+    """Paging of one KV group (layers sharing a page table: "global" or "sliding")."""
+
+    slot_mapping: torch.Tensor  # [T] int64, flat cache slot of each new token (-1: do not write)
+    block_tables: torch.Tensor  # [B, max_pages] int32, logical page -> physical page (0 = null page)
+
+
+@dataclass
+class ForwardContext:
+    positions: torch.Tensor  # [T] int64, position of each token in its sequence
+    context_lens: torch.Tensor  # [B] int32, tokens in the cache after this step, per sequence
+    cu_seqlens_q: torch.Tensor  # [B + 1] int32, query rows of sequence b: cu[b]:cu[b+1]
+    num_decodes: int  # the first num_decodes sequences have exactly one query row
+    groups: dict[str, KVGroupMetadata]
+    # Host copies, so prefill attention can loop over sequences without a device sync.
+    cu_seqlens_q_list: list[int]
+    context_lens_list: list[int]
+
+
+_CONTEXT: ForwardContext | None = None
+
+
+def get_forward_context() -> ForwardContext:
+    if _CONTEXT is None:
+        raise RuntimeError("attention layer called outside of a forward context (ModelRunner sets it)")
+    return _CONTEXT
+
+
+@contextlib.contextmanager
+def forward_context(ctx: ForwardContext):
+    global _CONTEXT
+    prev, _CONTEXT = _CONTEXT, ctx
+    try:
+        yield ctx
+    finally:
+        _CONTEXT = prev

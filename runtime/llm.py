@@ -1,0 +1,157 @@
+"""The in-process API: `LLM(engine_dir).generate(...)` and `.generate_stream(...)`.
+
+    >>> from infhip import LLM, SamplingParams                       # doctest: +SKIP
+    >>> llm = LLM("engines/smollm2-135m")
+    >>> out = llm.generate(["The capital of France is"], SamplingParams(max_tokens=8, temperature=0))
+    >>> out[0].text, out[0].finish_reason
+    >>> for delta in llm.generate_stream("Once upon a time", SamplingParams(max_tokens=32)):
+    ...     print(delta.text, end="", flush=True)
+
+Every step the scheduler picks decodes and prefill chunks (requests join and leave per step),
+the runner computes logits for the sequences that need a token, the sampler picks tokens, and
+the detokenizer applies stop strings.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from infhip.runtime.detokenizer import Detokenizer
+from infhip.runtime.engine import load_engine
+from infhip.runtime.model_runner import ModelRunner
+from infhip.runtime.outputs import RequestOutput, StreamDelta
+from infhip.runtime.sampler import Sampler, make_generator
+from infhip.runtime.sampling_params import SamplingParams
+from infhip.runtime.scheduler import Scheduler
+from infhip.runtime.sequence import Sequence
+
+
+@dataclass
+class _Request:
+    seq: Sequence
+    prompt: str | None
+    detok: Detokenizer
+    generator: torch.Generator | None
+    emitted_tokens: int = 0
+
+
+class LLM:
+    """Load an engine and serve it in-process.
+
+    Args:
+        engine_dir: a directory written by `infhip-build`.
+        device: "cpu" / "cuda"; default from the engine's build target.
+        max_num_seqs: most sequences in one step (default: the engine's max_batch_size).
+        max_num_batched_tokens: token budget of one step (chunked prefill), default from the engine.
+        kv_cache_memory_bytes: KV cache size; default 90% of free GPU memory, or 2 GiB on CPU.
+        enforce_eager: never use CUDA graphs.
+    """
+
+    def __init__(self, engine_dir: str | Path, device: str | None = None, max_num_seqs: int | None = None,
+                 max_num_batched_tokens: int | None = None, kv_cache_memory_bytes: int | None = None,
+                 enforce_eager: bool = False):
+        self.engine = load_engine(engine_dir, device)
+        build = self.engine.config.build
+        self.max_num_seqs = max_num_seqs or build.max_batch_size
+        budget = max_num_batched_tokens or build.max_num_batched_tokens
+        if budget < self.max_num_seqs:
+            raise ValueError(f"max_num_batched_tokens ({budget}) must be >= max_num_seqs ({self.max_num_seqs})")
+        self.runner = ModelRunner(self.engine, self.max_num_seqs, budget, kv_cache_memory_bytes,
+                                  enforce_eager=enforce_eager)
+        self.scheduler = Scheduler(self.runner.kv, self.max_num_seqs, budget, build.max_seq_len)
+        self.sampler = Sampler()
+        self.tokenizer = self.engine.tokenizer
+        self.eos_token_ids = tuple(self.engine.config.model.eos_token_ids)
+        self._ids = itertools.count()
+        self._requests: dict[int, _Request] = {}
+
+    # -- requests -------------------------------------------------------------------------------
+    def _add(self, prompt: str | None, token_ids: list[int] | None, params: SamplingParams) -> _Request:
+        if token_ids is None:
+            if self.tokenizer is None:
+                raise ValueError("this engine has no tokenizer (built with --random-weights from a config); "
+                                 "pass prompt_token_ids instead of prompts")
+            token_ids = self.tokenizer(prompt)["input_ids"]
+        vocab = self.engine.config.model.vocab_size
+        if any(not 0 <= t < vocab for t in token_ids):
+            raise ValueError(f"prompt token ids must be in [0, {vocab}); got {min(token_ids)}..{max(token_ids)}")
+        seq = Sequence(seq_id=next(self._ids), prompt_token_ids=list(token_ids), params=params)
+        self.scheduler.add(seq)
+        req = _Request(seq, prompt, Detokenizer(self.tokenizer, params.stop),
+                       make_generator(params.seed, self.runner.device))
+        self._requests[seq.seq_id] = req
+        return req
+
+    def step(self) -> list[_Request]:
+        """Run one scheduler step; returns the requests that got a new token or finished."""
+        out = self.scheduler.schedule()
+        if out.is_empty:
+            raise RuntimeError("scheduler made no progress although requests are pending (KV cache too small?)")
+        logits = self.runner.execute(out)
+        sampled_chunks = [ch for ch in out.chunks if ch.needs_logits]
+        sampled = {}
+        if sampled_chunks:
+            reqs = [self._requests[ch.seq.seq_id] for ch in sampled_chunks]
+            tokens = self.sampler(logits, [r.seq.params for r in reqs], [r.generator for r in reqs]).tolist()
+            sampled = {ch.seq.seq_id: t for ch, t in zip(sampled_chunks, tokens)}
+        self.scheduler.update(out, sampled, self.eos_token_ids)
+        touched = []
+        for seq_id in sampled:
+            req = self._requests[seq_id]
+            if req.detok.update(req.seq.output_token_ids) and not req.seq.is_finished:
+                self.scheduler.finish(req.seq, "stop")
+            touched.append(req)
+        return touched
+
+    def _output(self, req: _Request) -> RequestOutput:
+        self._requests.pop(req.seq.seq_id, None)
+        return RequestOutput(request_id=req.seq.seq_id, prompt=req.prompt,
+                             prompt_token_ids=req.seq.prompt_token_ids,
+                             token_ids=list(req.seq.output_token_ids), text=req.detok.text,
+                             finish_reason=req.seq.finish_reason)
+
+    @staticmethod
+    def _normalise(prompts, prompt_token_ids, sampling_params):
+        if (prompts is None) == (prompt_token_ids is None):
+            raise ValueError("pass exactly one of prompts or prompt_token_ids")
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        if prompt_token_ids is not None and prompt_token_ids and isinstance(prompt_token_ids[0], int):
+            prompt_token_ids = [prompt_token_ids]
+        n = len(prompts) if prompts is not None else len(prompt_token_ids)
+        params = sampling_params if sampling_params is not None else SamplingParams()
+        params = params if isinstance(params, list) else [params] * n
+        if len(params) != n:
+            raise ValueError(f"{len(params)} sampling params for {n} prompts")
+        items = [(prompts[i] if prompts is not None else None,
+                  prompt_token_ids[i] if prompt_token_ids is not None else None, params[i]) for i in range(n)]
+        return items
+
+    # -- public API -----------------------------------------------------------------------------
+    def generate(self, prompts: list[str] | str | None = None,
+                 sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 prompt_token_ids: list[list[int]] | None = None) -> list[RequestOutput]:
+        """Generate completions for a batch of prompts (continuous batching); outputs in input order."""
+        reqs = [self._add(p, ids, sp) for p, ids, sp in self._normalise(prompts, prompt_token_ids, sampling_params)]
+        while not all(r.seq.is_finished for r in reqs):
+            self.step()
+        return [self._output(r) for r in reqs]
+
+    def generate_stream(self, prompt: str | None = None, sampling_params: SamplingParams | None = None,
+                        prompt_token_ids: list[int] | None = None) -> Iterator[StreamDelta]:
+        """Yield the completion of one prompt piece by piece as it is generated."""
+        [(p, ids, sp)] = self._normalise(prompt, prompt_token_ids, sampling_params)
+        req = self._add(p, ids, sp)
+        while not req.seq.is_finished:
+            if req in self.step() or req.seq.is_finished:
+                new_tokens = req.seq.output_token_ids[req.emitted_tokens:]
+                req.emitted_tokens = len(req.seq.output_token_ids)
+                text = req.detok.delta(final=req.seq.is_finished)
+                if new_tokens or text or req.seq.is_finished:
+                    yield StreamDelta(new_tokens, text, req.seq.finish_reason)
+        self._output(req)

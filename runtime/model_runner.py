@@ -1,0 +1,134 @@
+"""ModelRunner: owns the model, the paged KV cache tensors and the CUDA graphs; runs one step.
+
+plan/run split (SPEC §8.5): `prepare` turns the scheduler's chunks into flat tensors and a
+`ForwardContext` on the host, once per step; the model's forward only launches kernels. A step
+made only of decodes whose batch size has a captured graph copies its inputs into the graph's
+static buffers (padding with sentinels: slot -1 writes nothing, context length 0 reads nothing)
+and replays it.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from infhip.runtime.cuda_graphs import DecodeGraphs
+from infhip.runtime.engine import LoadedEngine
+from infhip.runtime.forward_context import ForwardContext, KVGroupMetadata, forward_context
+from infhip.runtime.kv_cache import KVCacheManager, KVGroupSpec
+from infhip.runtime.scheduler import SchedulerOutput
+
+GiB = 1 << 30
+
+
+def kv_group_of(window: int | None) -> str:
+    return "sliding" if window else "global"
+
+
+class ModelRunner:
+    def __init__(self, engine: LoadedEngine, max_num_seqs: int, max_num_batched_tokens: int,
+                 kv_cache_memory_bytes: int | None = None, gpu_memory_utilization: float = 0.9,
+                 enforce_eager: bool = False):
+        self.engine, self.model, self.device = engine, engine.model, engine.device
+        cfg, build = engine.config.model, engine.config.build
+        self.page_size = build.page_size
+        self.max_seq_len = build.max_seq_len
+        self.max_pages_per_seq = math.ceil(build.max_seq_len / self.page_size)
+        kv_dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16,
+                    "float32": torch.float32}[build.kv_dtype]
+        attn_layers = [layer.self_attn for layer in self.model.layers]
+        layer_groups = [a.kv_group for a in attn_layers]
+        windows = {a.kv_group: a.window for a in attn_layers}
+        page_bytes = 2 * self.page_size * cfg.num_kv_heads * cfg.head_dim * kv_dtype.itemsize
+
+        budget = kv_cache_memory_bytes or self._default_kv_budget(max_num_batched_tokens, gpu_memory_utilization)
+        specs: dict[str, KVGroupSpec] = {}
+        # Sliding groups get exactly what max_num_seqs windows need; the global group the rest.
+        for group in sorted(set(layer_groups), key=lambda g: g != "sliding"):
+            num_layers = layer_groups.count(group)
+            per_seq = KVCacheManager.pages_for(windows[group], self.page_size, self.max_seq_len,
+                                               max_num_batched_tokens)
+            wanted = max_num_seqs * per_seq + 1  # + the null page
+            affordable = budget // (page_bytes * num_layers)
+            num_pages = min(wanted, affordable)
+            if num_pages < per_seq + 1:
+                raise MemoryError(
+                    f"KV cache budget of {budget / GiB:.2f} GiB holds {affordable} pages of the "
+                    f"{group} layers, one sequence of {self.max_seq_len} tokens needs {per_seq + 1}; "
+                    "pass a larger kv_cache_memory_bytes or rebuild with a smaller --max-seq-len")
+            budget -= num_pages * page_bytes * num_layers
+            specs[group] = KVGroupSpec(num_pages=num_pages, window=windows[group])
+        self.kv = KVCacheManager(self.page_size, specs, self.max_pages_per_seq)
+        for attn in attn_layers:
+            shape = (specs[attn.kv_group].num_pages, self.page_size, cfg.num_kv_heads, cfg.head_dim)
+            attn.k_cache = torch.zeros(shape, dtype=kv_dtype, device=self.device)
+            attn.v_cache = torch.zeros(shape, dtype=kv_dtype, device=self.device)
+        self.groups = sorted(specs)
+
+        self.graphs = None
+        if self.device.type == "cuda" and not enforce_eager:
+            sizes = [b for b in build.cuda_graph_batch_sizes if b <= max_num_seqs]
+            self.graphs = DecodeGraphs(self, sizes)
+
+    def _default_kv_budget(self, max_num_batched_tokens: int, utilization: float) -> int:
+        if self.device.type != "cuda":
+            return 2 * GiB
+        free, total = torch.cuda.mem_get_info(self.device)
+        cfg = self.engine.config.model
+        # Activations of the largest step: a few [T, hidden]/[T, 2I] tensors and fp32 logits.
+        act = max_num_batched_tokens * (8 * cfg.hidden_size + 6 * cfg.intermediate_size) * 4
+        return max(0, int(free - (1 - utilization) * total) - act - GiB)
+
+    # -- plan: host-side, once per step -------------------------------------------------------
+    def prepare(self, out: SchedulerOutput):
+        input_ids, positions, cu, ctx_lens, logits_rows = [], [], [0], [], []
+        slots = {g: [] for g in self.groups}
+        tables = {g: [] for g in self.groups}
+        num_decodes = 0
+        for i, ch in enumerate(out.chunks):
+            seq = ch.seq
+            if ch.num_tokens == 1 and num_decodes == i:
+                num_decodes += 1
+            input_ids += seq.all_token_ids[ch.start:ch.end]
+            positions += range(ch.start, ch.end)
+            cu.append(cu[-1] + ch.num_tokens)
+            ctx_lens.append(ch.end)
+            if ch.needs_logits:
+                logits_rows.append(cu[-1] - 1)
+            for g in self.groups:
+                slots[g] += self.kv.slot_mapping(seq.seq_id, g, ch.start, ch.end)
+                tables[g].append(self.kv.block_table(seq.seq_id, g))
+        return dict(input_ids=input_ids, positions=positions, cu=cu, ctx_lens=ctx_lens,
+                    logits_rows=logits_rows, slots=slots, tables=tables, num_decodes=num_decodes)
+
+    def _tensor(self, values, dtype) -> torch.Tensor:
+        t = torch.tensor(values, dtype=dtype)
+        return t.pin_memory().to(self.device, non_blocking=True) if self.device.type == "cuda" else t
+
+    def _block_tables(self, rows: list[list[int]]) -> torch.Tensor:
+        width = max(1, max(len(r) for r in rows))
+        padded = [r + [0] * (width - len(r)) for r in rows]
+        return self._tensor(padded, torch.int32)
+
+    # -- run ------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> torch.Tensor:
+        """Run one step; returns fp32 logits [num chunks with needs_logits, vocab] in chunk order."""
+        p = self.prepare(out)
+        num_seqs = len(out.chunks)
+        if self.graphs is not None and p["num_decodes"] == num_seqs and self.graphs.fits(num_seqs):
+            logits = self.graphs.replay(p)
+            return logits[[i for i, ch in enumerate(out.chunks) if ch.needs_logits]]
+        ctx = ForwardContext(
+            positions=self._tensor(p["positions"], torch.int64),
+            context_lens=self._tensor(p["ctx_lens"], torch.int32),
+            cu_seqlens_q=self._tensor(p["cu"], torch.int32),
+            num_decodes=p["num_decodes"],
+            groups={g: KVGroupMetadata(slot_mapping=self._tensor(p["slots"][g], torch.int64),
+                                       block_tables=self._block_tables(p["tables"][g]))
+                    for g in self.groups},
+            cu_seqlens_q_list=p["cu"], context_lens_list=p["ctx_lens"])
+        with forward_context(ctx):
+            hidden = self.model(self._tensor(p["input_ids"], torch.int64))
+        return self.model.compute_logits(hidden[self._tensor(p["logits_rows"], torch.int64)])

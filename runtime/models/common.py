@@ -1,0 +1,157 @@
+"""Building blocks shared by every decoder family: norm, RoPE table, paged attention, gated MLP.
+
+Modules are created on the meta device and their weights assigned from the engine's safetensors
+file (`load_state_dict(assign=True)`), so module attribute paths equal the engine's weight names
+(see `infhip/config.py`). `forward` takes tensors only; step metadata comes from the forward
+context.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from infhip.config import LayerPlan, ModelConfig
+from infhip.plugins.activation import gated_act
+from infhip.plugins.dense_attention import paged_decode_attention, paged_prefill_attention
+from infhip.plugins.rms_norm import rms_norm
+from infhip.plugins.rope import rope_and_write_kv
+from infhip.runtime.forward_context import get_forward_context
+
+
+def linear(in_features: int, out_features: int, bias: bool = False) -> nn.Linear:
+    return nn.Linear(in_features, out_features, bias=bias, device="meta")
+
+
+class RMSNorm(nn.Module):
+    """y = x / rms(x) * w, in float32; any `1 + w` offset (Gemma) was folded into w by the builder."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(dim, device="meta"), requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        return rms_norm(x, self.weight, self.eps, residual)
+
+
+class RopeTable(nn.Module):
+    """inv_freq of one layer type, computed by the builder with transformers' RoPE init."""
+
+    def __init__(self, head_dim: int, attention_scaling: float):
+        super().__init__()
+        self.register_buffer("inv_freq", torch.empty(head_dim // 2, device="meta"))
+        self.attention_scaling = attention_scaling
+
+
+class Attention(nn.Module):
+    """Fused-QKV self-attention over the paged KV cache.
+
+    Shapes: hidden [T, hidden] -> qkv [T, (Hq + 2 Hkv) D] -> q [T, Hq, D], k/v [T, Hkv, D]
+    -> (q/k norm) -> RoPE + K/V written to the cache -> attention [T, Hq, D] -> o_proj [T, hidden].
+    """
+
+    def __init__(self, cfg: ModelConfig, plan: LayerPlan, rope: RopeTable):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.qkv_proj = linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, bias=cfg.attention_bias)
+        self.o_proj = linear(cfg.q_size, cfg.hidden_size)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+        self.qk_norm = cfg.qk_norm
+        self.scale = cfg.attention_scale
+        self.window = plan.window
+        self.kv_group = "sliding" if plan.window else "global"
+        self.rope = [rope]  # a list: not a submodule (its buffer is owned by the model's `rope` dict)
+        # Set by the ModelRunner after loading: [num_pages, page_size, Hkv, D] each.
+        self.k_cache: torch.Tensor | None = None
+        self.v_cache: torch.Tensor | None = None
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        ctx = get_forward_context()
+        num_tokens = hidden.shape[0]
+        qkv = self.qkv_proj(hidden)
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        q = qkv[:, :q_size].view(num_tokens, self.num_heads, self.head_dim)
+        k = qkv[:, q_size:q_size + kv_size].view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = qkv[:, q_size + kv_size:].view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q = self.q_norm(q.contiguous())
+            k = self.k_norm(k.contiguous())
+        meta = ctx.groups[self.kv_group]
+        rope = self.rope[0]
+        rope_and_write_kv(q, k, v, ctx.positions, rope.inv_freq, rope.attention_scaling,
+                          self.k_cache, self.v_cache, meta.slot_mapping)
+        out = torch.empty_like(q)
+        nd = ctx.num_decodes
+        if nd:  # decode rows first: one query each, flash-decoding over the pages
+            paged_decode_attention(q[:nd], self.k_cache, self.v_cache, meta.block_tables[:nd],
+                                   ctx.context_lens[:nd], self.scale, self.window, out=out[:nd])
+        if nd < len(ctx.context_lens_list):  # prefill chunks: causal over context + chunk
+            cu = ctx.cu_seqlens_q_list
+            first = cu[nd]
+            cu_local = [c - first for c in cu[nd:]]
+            out[first:] = paged_prefill_attention(
+                q[first:], self.k_cache, self.v_cache, meta.block_tables[nd:],
+                ctx.cu_seqlens_q[nd:] - first, ctx.context_lens[nd:], self.scale, self.window,
+                k_new=k[first:], v_new=v[first:],
+                cu_seqlens_q_list=cu_local, context_lens_list=ctx.context_lens_list[nd:])
+        return self.o_proj(out.view(num_tokens, -1))
+
+
+class GatedMLP(nn.Module):
+    """down(act(gate(x)) * up(x)) with gate and up fused into one GEMM: [T, hidden] -> [T, 2I]."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate_up_proj = linear(cfg.hidden_size, 2 * cfg.intermediate_size)
+        self.down_proj = linear(cfg.intermediate_size, cfg.hidden_size)
+        self.act = cfg.hidden_act
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(gated_act(self.gate_up_proj(x), self.act))
+
+
+class CausalLM(nn.Module):
+    """Shared top of every family: embeddings, decoder layers, final norm, LM head.
+
+    Subclasses set `layer_cls`. `forward(input_ids [T]) -> hidden [T, hidden]`;
+    `compute_logits(hidden [N, hidden]) -> [N, vocab] float32`.
+    """
+
+    layer_cls: type[nn.Module]
+
+    def __init__(self, cfg: ModelConfig, layers: tuple[LayerPlan, ...]):
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, device="meta")
+        self.rope = nn.ModuleDict({name: RopeTable(cfg.head_dim, spec.attention_scaling)
+                                   for name, spec in cfg.rope.items()})
+        self.layers = nn.ModuleList(self.layer_cls(cfg, p, self.rope[p.rope_group]) for p in layers)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        if not cfg.tie_word_embeddings:
+            self.lm_head = linear(cfg.hidden_size, cfg.vocab_size)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        if self.cfg.embedding_multiplier != 1.0:
+            # Gemma multiplies by sqrt(hidden) rounded to the model dtype, as transformers does.
+            hidden = hidden * torch.tensor(self.cfg.embedding_multiplier, dtype=hidden.dtype)
+        return hidden
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        hidden, residual = self.embed(input_ids), None
+        for layer in self.layers:
+            hidden, residual = layer(hidden, residual)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.embed_tokens.weight if self.cfg.tie_word_embeddings else self.lm_head.weight
+        logits = F.linear(hidden, weight).float()
+        cap = self.cfg.final_logit_softcapping
+        if cap:
+            logits = torch.tanh(logits / cap) * cap
+        return logits

@@ -1,0 +1,49 @@
+"""Gemma-3 text decoder: 5:1 sliding/global layers, q/k norm, four norms per layer, GeGLU,
+embeddings scaled by sqrt(hidden). Sliding and global layers differ only in their LayerPlan
+(window, RoPE table), which the shared `Attention` reads.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from infhip.config import LayerPlan, ModelConfig
+from infhip.runtime.models.common import Attention, CausalLM, GatedMLP, RMSNorm, RopeTable
+
+
+class Gemma3Attention(Attention):
+    pass
+
+
+class Gemma3MLP(GatedMLP):
+    pass
+
+
+class Gemma3DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, plan: LayerPlan, rope: RopeTable):
+        super().__init__()
+        eps = cfg.rms_norm_eps
+        self.input_layernorm = RMSNorm(cfg.hidden_size, eps)
+        self.self_attn = Gemma3Attention(cfg, plan, rope)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps)
+        self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, eps)
+        self.mlp = Gemma3MLP(cfg)
+        self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, eps)
+
+    def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None):
+        """(hidden, residual) -> (hidden, residual); the stream is hidden + residual.
+
+        transformers: h = h + post_attn_norm(attn(in_norm(h))); h = h + post_ff_norm(mlp(pre_ff_norm(h))).
+        """
+        if residual is None:
+            hidden, residual = self.input_layernorm(hidden), hidden
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.post_attention_layernorm(self.self_attn(hidden))
+        hidden, residual = self.pre_feedforward_layernorm(hidden, residual)
+        return self.post_feedforward_layernorm(self.mlp(hidden)), residual
+
+
+class Gemma3ForCausalLM(CausalLM):
+    layer_cls = Gemma3DecoderLayer

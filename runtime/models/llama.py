@@ -1,0 +1,45 @@
+"""Llama-family decoders: Llama-3.x, Mistral, Qwen2 (qkv bias), Qwen3 (q/k norm).
+
+The four differ only in flags of `ModelConfig` (attention_bias, qk_norm, rope) that the shared
+`Attention` reads, so one decoder layer serves them all. The residual stream is carried as
+(hidden, residual) so each norm also performs the preceding residual add in one kernel.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from infhip.config import LayerPlan, ModelConfig
+from infhip.runtime.models.common import Attention, CausalLM, GatedMLP, RMSNorm, RopeTable
+
+
+class LlamaAttention(Attention):
+    pass
+
+
+class LlamaMLP(GatedMLP):
+    pass
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, plan: LayerPlan, rope: RopeTable):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = LlamaAttention(cfg, plan, rope)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = LlamaMLP(cfg)
+
+    def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None):
+        """(hidden, residual) -> (hidden, residual); the stream is hidden + residual."""
+        if residual is None:
+            hidden, residual = self.input_layernorm(hidden), hidden
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(hidden)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class LlamaForCausalLM(CausalLM):
+    layer_cls = LlamaDecoderLayer

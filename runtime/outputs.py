@@ -1,0 +1,27 @@
+"""What `LLM.generate` and `LLM.generate_stream` hand back."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class RequestOutput:
+    """One finished request: `token_ids` and `text` are the completion only."""
+
+    request_id: int
+    prompt: str | None
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str  # "stop" | "length" | "abort"
+
+
+@dataclass
+class StreamDelta:
+    """A piece of a streamed completion: the tokens produced since the last delta and the text
+    they completed (text may lag tokens by an incomplete UTF-8 character)."""
+
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None = None  # set on the last delta
