@@ -1,0 +1,288 @@
+"""``build_engine``: checkpoint -> engine directory (format v1, infhip/config.py), written atomically.
+
+Phases: resolve the source, read and normalise its config, convert (or generate) the weights,
+then write ``rank0.safetensors``, ``config.json``, ``tokenizer/``, ``kernels/index.json`` and
+``build_report.json`` into a temporary sibling ``.<name>.tmp-XXXX`` that is renamed into place only
+when complete. Any failure (or Ctrl-C) removes the temporary directory; an existing engine is
+replaced only with ``force=True`` and only after the new one is complete.
+
+    >>> from infhip.builder import build_engine
+    >>> build_engine("smollm2-135m", "engines/smollm2-135m", dtype="float32", device="cpu")  # doctest: +SKIP
+    PosixPath('engines/smollm2-135m')
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from infhip import __version__
+from infhip.config import DTYPES, BuildConfig, EngineConfig, EngineFormatError, Plan
+from infhip.builder.checkpoint import GGUFCheckpoint, HFDirCheckpoint
+from infhip.builder.convert import convert_weights, random_weights, unused_tensors, weight_specs
+from infhip.builder.errors import BuildError
+from infhip.builder.hf_config import model_config_from_hf
+from infhip.builder.registry import ModelSource, resolve_model
+from infhip.builder.tokenizer import save_tokenizer
+
+PRESETS = ("dense",)
+MAX_DEFAULT_SEQ_LEN = 131072
+
+
+def _resolve_source(source: str | os.PathLike | ModelSource) -> ModelSource:
+    """An existing path is a checkpoint; anything else a model name (alias or HF repo id)."""
+    if isinstance(source, ModelSource):
+        return source
+    path = Path(source).expanduser()
+    if path.exists():
+        return ModelSource(str(source), path)
+    return resolve_model(str(source))
+
+
+def _device_and_target(device: str | None) -> tuple[str, str]:
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device not in ("cpu", "cuda") and not device.startswith("cuda:"):
+        raise BuildError(f"--device must be cpu or cuda, got {device!r}")
+    if device == "cpu":
+        return device, "cpu"
+    if not torch.cuda.is_available():
+        raise BuildError("--device cuda asked for, but no CUDA GPU is visible here; use --device cpu")
+    major, minor = torch.cuda.get_device_capability(torch.device(device))
+    return device, f"sm_{major}{minor}"
+
+
+def _graph_batch_sizes(max_batch_size: int) -> tuple[int, ...]:
+    """Powers of two up to max_batch_size, plus max_batch_size itself."""
+    sizes = {1 << k for k in range(max_batch_size.bit_length()) if 1 << k <= max_batch_size}
+    return tuple(sorted(sizes | {max_batch_size}))
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def _dir_size(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def _check_output(out: Path, force: bool) -> None:
+    if not out.exists():
+        return
+    if not force:
+        raise BuildError(f"{out} already exists; pass --force to replace it")
+    if not out.is_dir():
+        raise BuildError(f"{out} exists and is not a directory; remove it or choose another --output")
+    # --force replaces engines, never arbitrary folders (think --output ~ --force).
+    if any(out.iterdir()) and not (out / "config.json").is_file():
+        raise BuildError(f"refusing to replace {out}: it is not an infhip engine directory (no config.json)")
+
+
+def _install(tmp: Path, out: Path, force: bool) -> None:
+    """Rename tmp to out; an existing out is moved aside first and deleted only after success."""
+    old = None
+    if out.exists():
+        _check_output(out, force)  # it may have appeared while we were building
+        old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
+        os.rename(out, old / out.name)
+    try:
+        os.rename(tmp, out)
+    except OSError:
+        if old is not None:
+            os.rename(old / out.name, out)
+        raise
+    finally:
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+
+
+def build_engine(
+    source: str | os.PathLike | ModelSource | None = None,
+    output_dir: str | os.PathLike | None = None,
+    preset: str = "dense",
+    dtype: str = "bfloat16",
+    max_seq_len: int | None = None,
+    max_batch_size: int = 16,
+    device: str | None = None,
+    random_weights: bool = False,
+    page_size: int = 16,
+    max_num_batched_tokens: int | None = None,
+    kv_dtype: str | None = None,
+    force: bool = False,
+    seed: int = 0,
+    progress: bool = True,
+    *,
+    checkpoint: str | os.PathLike | None = None,
+    model: str | None = None,
+) -> Path:
+    """Build an engine from ``source`` (a checkpoint path, a model alias or a cached HF repo id;
+    or say which with ``checkpoint=PATH`` / ``model=NAME``, as the CLI does) into ``output_dir``
+    and return its path. Raises :class:`BuildError` for anything the user can fix.
+    ``max_seq_len`` defaults to the model's trained window capped at 131072;
+    ``max_num_batched_tokens`` to max(8192, max_batch_size); ``kv_dtype`` to ``dtype``; ``device`` to cuda when a GPU is visible (the target then is its ``sm_XY``), else cpu."""
+    given = [x for x in (source, checkpoint, model) if x is not None]
+    if len(given) != 1 or output_dir is None:
+        raise TypeError("build_engine needs output_dir and exactly one of source, checkpoint=, model=")
+    t_start = time.perf_counter()
+    timings: dict[str, float] = {}
+    warnings: list[str] = []
+
+    def lap(phase: str, t0: float) -> float:
+        now = time.perf_counter()
+        timings[phase] = round(now - t0, 3)
+        return now
+
+    if preset not in PRESETS:
+        raise BuildError(f"preset {preset!r} is not available yet; available: {', '.join(PRESETS)}")
+    for flag, value in (("--dtype", dtype), ("--kv-dtype", kv_dtype or dtype)):
+        if value not in DTYPES:
+            raise BuildError(f"{flag} must be one of {', '.join(DTYPES)}, got {value!r}")
+    for flag, value in (("--max-seq-len", max_seq_len), ("--max-batch-size", max_batch_size),
+                        ("--page-size", page_size), ("--max-num-batched-tokens", max_num_batched_tokens)):
+        if value is not None and (not isinstance(value, int) or value <= 0):
+            raise BuildError(f"{flag} must be a positive integer, got {value!r}")
+    device, target = _device_and_target(device)
+    out = Path(output_dir).expanduser()
+    _check_output(out, force)
+
+    t = time.perf_counter()
+    if checkpoint is not None:  # a path, never an alias: a typo must say "does not exist"
+        src = ModelSource(str(checkpoint), Path(checkpoint).expanduser())
+    else:
+        src = resolve_model(str(model)) if model is not None else _resolve_source(source)
+    ckpt = src.open()
+    warnings.extend(ckpt.notes)
+    t = lap("open_source", t)
+    try:
+        if not ckpt.has_weights and not random_weights:
+            raise BuildError(src.weights_hint or f"{src.path} holds no weights; pass --random-weights "
+                             "to build a random-weight engine of its shape")
+        where = str(src.path / "config.json") if src.path.is_dir() else str(src.path)
+        mcfg, inv_freqs = model_config_from_hf(ckpt.config, where)
+        t = lap("read_config", t)
+
+        if max_seq_len is None:
+            max_seq_len = min(mcfg.max_position_embeddings, MAX_DEFAULT_SEQ_LEN)
+        elif max_seq_len > mcfg.max_position_embeddings:
+            warnings.append(f"max_seq_len {max_seq_len} exceeds the trained window "
+                            f"({mcfg.max_position_embeddings} tokens)")
+        try:
+            build = BuildConfig(
+                dtype=dtype, kv_dtype=kv_dtype or dtype, max_seq_len=max_seq_len,
+                max_batch_size=max_batch_size, page_size=page_size,
+                max_num_batched_tokens=max_num_batched_tokens or max(8192, max_batch_size),
+                cuda_graph_batch_sizes=_graph_batch_sizes(max_batch_size), target=target,
+                created_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                random_weights=random_weights)
+        except ValueError as e:
+            raise BuildError(str(e)) from e
+        engine = EngineConfig(model=mcfg, plan=Plan.dense(mcfg), build=build, infhip_version=__version__)
+
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+        os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes it 0700; the engine is a normal folder
+        try:
+            _write_engine(tmp, engine, ckpt, src, inv_freqs, device, seed, progress, warnings, timings, t)
+            timings["total"] = round(time.perf_counter() - t_start, 3)
+            _finish_report(tmp, timings)
+            _install(tmp, out, force)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+    finally:
+        ckpt.close()
+    return out
+
+
+def _write_engine(tmp: Path, engine: EngineConfig, ckpt, src: ModelSource, inv_freqs: dict[str, torch.Tensor],
+                  device: str, seed: int, progress: bool, warnings: list[str], timings: dict[str, float],
+                  t: float) -> None:
+    from safetensors.torch import save_file
+    from tqdm.auto import tqdm
+
+    model, build = engine.model, engine.build
+    desc = "random weights" if build.random_weights else "converting"
+    wrap = lambda specs: tqdm(specs, desc=desc, unit="tensor", disable=not progress)  # noqa: E731
+    if build.random_weights:
+        stream = random_weights(model, build.dtype, device=device, seed=seed, wrap=wrap)
+    else:
+        stream = convert_weights(ckpt, model, build.dtype, wrap=wrap)
+    tensors = dict(stream)
+    if not build.random_weights:
+        unused = unused_tensors(ckpt, weight_specs(model))
+        if unused:
+            warnings.append(f"ignored {len(unused)} checkpoint tensor(s) not used by the decoder: "
+                            + ", ".join(unused[:5]) + (" ..." if len(unused) > 5 else ""))
+    num_parameters = sum(v.numel() for v in tensors.values())
+    for layer_type, inv_freq in inv_freqs.items():
+        tensors[f"rope.{layer_type}.inv_freq"] = inv_freq
+    t_now = time.perf_counter()
+    timings["weights"] = round(t_now - t, 3)
+
+    save_file(tensors, str(tmp / "rank0.safetensors"), metadata={"format": "pt"})
+    os.chmod(tmp / "rank0.safetensors", 0o666 & ~_umask())  # save_file creates it 0600
+    del tensors
+    engine.save(tmp)
+    (tmp / "kernels").mkdir()
+    (tmp / "kernels" / "index.json").write_text(json.dumps(
+        {"target": build.target, "kernels": [],
+         "note": "Triton JIT: kernels compile on first use for the target"}, indent=2) + "\n")
+    t = time.perf_counter()
+    timings["save"] = round(t - t_now, 3)
+
+    has_tokenizer = False
+    try:
+        tok = ckpt.load_tokenizer()
+        if tok is None:
+            warnings.append("no tokenizer in the source: the engine takes and returns token ids only")
+        else:
+            warnings.extend(save_tokenizer(tok, tmp / "tokenizer"))
+            has_tokenizer = True
+    except Exception as e:  # a broken tokenizer should not cost the weights; say so loudly
+        shutil.rmtree(tmp / "tokenizer", ignore_errors=True)
+        warnings.append(f"tokenizer not saved ({type(e).__name__}: {e})")
+    timings["tokenizer"] = round(time.perf_counter() - t, 3)
+
+    try:  # what the runtime will do first; fail here rather than there
+        reloaded = EngineConfig.load(tmp)
+    except EngineFormatError as e:
+        raise RuntimeError(f"infhip bug: the engine config does not load back ({e})") from e
+    if reloaded != engine:
+        raise RuntimeError("infhip bug: config.json does not round-trip to the same EngineConfig")
+
+    kind = ("gguf" if isinstance(ckpt, GGUFCheckpoint) else "hf_dir" if isinstance(ckpt, HFDirCheckpoint)
+            else "config")
+    report: dict[str, Any] = {
+        "infhip_version": __version__,
+        "source": {"name": src.name, "path": str(src.path), "kind": kind,
+                   "hf_model_type": model.hf_model_type, "random_weights": build.random_weights},
+        "architecture": model.architecture,
+        "preset": engine.plan.preset,
+        "dtype": build.dtype,
+        "target": build.target,
+        "num_parameters": num_parameters,
+        "sizes_bytes": {"rank0.safetensors": (tmp / "rank0.safetensors").stat().st_size,
+                        "tokenizer": _dir_size(tmp / "tokenizer") if has_tokenizer else 0},
+        "timings_s": timings,
+        "warnings": warnings,
+    }
+    (tmp / "build_report.json").write_text(json.dumps(report, indent=2) + "\n")
+
+
+def _finish_report(tmp: Path, timings: dict[str, float]) -> None:
+    """Add the total time and size once everything else is written."""
+    path = tmp / "build_report.json"
+    report = json.loads(path.read_text())
+    report["timings_s"] = timings
+    report["sizes_bytes"]["total"] = _dir_size(tmp)
+    path.write_text(json.dumps(report, indent=2) + "\n")

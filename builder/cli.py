@@ -1,0 +1,92 @@
+"""``infhip-build``: the command-line front of :func:`infhip.builder.build.build_engine`.
+
+    infhip-build --model smollm2-135m --output engines/smollm2-135m --dtype float32
+    infhip-build --checkpoint ~/models/Llama-3.2-1B --output engines/llama-1b --max-seq-len 32768
+    infhip-build --model llama-3.1-8b --random-weights --device cuda --output engines/l8b-random
+
+User errors (missing/corrupt checkpoint, unknown architecture or alias, bad flag values) print one
+line on stderr and exit with status 1 (argparse's own usage errors: 2); no traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from infhip.config import DTYPES
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def make_parser() -> argparse.ArgumentParser:
+    from infhip.builder.build import PRESETS
+    from infhip.builder.registry import ALIASES
+
+    p = argparse.ArgumentParser(
+        prog="infhip-build",
+        description="Build an infhip engine (converted weights, plan, tokenizer) from a checkpoint.",
+        epilog="model names: " + ", ".join(ALIASES) + ", or a Hugging Face repo id in the local cache")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--checkpoint", metavar="PATH",
+                     help="Hugging Face model directory, .gguf file, or a config.json (with --random-weights)")
+    src.add_argument("--model", metavar="NAME", help="model alias or Hugging Face repo id (offline cache)")
+    p.add_argument("--output", required=True, metavar="DIR", help="engine directory to write")
+    p.add_argument("--preset", default="dense", help=f"execution preset (available: {', '.join(PRESETS)})")
+    p.add_argument("--dtype", default="bfloat16", choices=DTYPES, help="weight dtype (default bfloat16)")
+    p.add_argument("--kv-dtype", choices=DTYPES, help="KV-cache dtype (default: --dtype)")
+    p.add_argument("--max-seq-len", type=_positive_int,
+                   help="longest sequence served (default: the model's window, at most 131072)")
+    p.add_argument("--max-batch-size", type=_positive_int, default=16, help="most concurrent sequences (16)")
+    p.add_argument("--page-size", type=_positive_int, default=16, help="tokens per KV page, a power of two (16)")
+    p.add_argument("--max-num-batched-tokens", type=_positive_int,
+                   help="token budget of one scheduler step (default max(8192, max batch size))")
+    p.add_argument("--device", choices=("cpu", "cuda"),
+                   help="target device (default: cuda when a GPU is visible, else cpu)")
+    p.add_argument("--random-weights", action="store_true",
+                   help="random weights of the model's shape (no checkpoint weights needed)")
+    p.add_argument("--seed", type=int, default=0, help="seed of --random-weights (0)")
+    p.add_argument("--force", action="store_true", help="replace an existing engine at --output")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = make_parser().parse_args(argv)
+    from infhip.builder.build import build_engine
+    from infhip.builder.errors import BuildError
+
+    try:
+        out = build_engine(
+            checkpoint=args.checkpoint, model=args.model, output_dir=args.output, preset=args.preset, dtype=args.dtype, kv_dtype=args.kv_dtype,
+            max_seq_len=args.max_seq_len, max_batch_size=args.max_batch_size, page_size=args.page_size,
+            max_num_batched_tokens=args.max_num_batched_tokens, device=args.device,
+            random_weights=args.random_weights, seed=args.seed, force=args.force, progress=not args.quiet)
+    except BuildError as e:
+        print(f"infhip-build: error: {e}", file=sys.stderr)
+        return 1
+    except OSError as e:  # unwritable --output, disk full, ...: the environment, not a bug
+        print(f"infhip-build: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("infhip-build: interrupted; nothing was written", file=sys.stderr)
+        return 130
+    report = json.loads((out / "build_report.json").read_text())
+    size_mb = report["sizes_bytes"]["total"] / 2**20
+    print(f"engine written to {out}: {report['architecture']}, {report['num_parameters']:,} parameters, "
+          f"{report['dtype']}, target {report['target']}, {size_mb:.1f} MiB in {report['timings_s']['total']:.1f} s")
+    for w in report["warnings"]:
+        print(f"warning: {w}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

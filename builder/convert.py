@@ -1,0 +1,141 @@
+"""HF-named checkpoint tensors -> infhip weights (names and layout of infhip/config.py's docstring).
+
+Driven by one declarative table per layer: each of our weights lists the HF tensors it is made of
+and how (``copy``, ``cat`` along rows, ``norm``). Fusions: q/k/v -> ``qkv_proj`` (rows q, k, v;
+biases alike) and gate/up -> ``gate_up_proj`` (gate rows first), so the runtime runs one GEMM
+where HF runs three (two). Norm weights are stored float32 with Gemma's ``1 + w`` folded in (the
+runtime's RMSNorm multiplies by the stored weight, for every architecture); everything else is
+cast to the build dtype.
+
+    >>> from infhip.builder.hf_config import model_config_from_hf
+    >>> import json; from infhip.builder.registry import bundled_config
+    >>> model, _ = model_config_from_hf(json.loads(bundled_config("qwen2.5-7b").read_text()))
+    >>> [s.name for s in weight_specs(model)][:4]
+    ['embed_tokens.weight', 'layers.0.input_layernorm.weight', 'layers.0.self_attn.qkv_proj.weight', 'layers.0.self_attn.qkv_proj.bias']
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+import torch
+
+from infhip.config import ModelConfig
+from infhip.builder.checkpoint import Checkpoint
+from infhip.builder.errors import BuildError
+
+TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+# Checkpoint tensors that the text decoder does not need (buffers, other modalities).
+IGNORABLE_PREFIXES = ("vision_tower.", "multi_modal_projector.", "vision_model.", "audio_tower.")
+IGNORABLE_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+@dataclass(frozen=True)
+class WeightSpec:
+    name: str  # our name
+    sources: tuple[str, ...]  # HF names (prefix-stripped), concatenated along dim 0 in this order
+    kind: str  # "matrix" (build dtype) | "norm" (float32, offset folded)
+    shape: tuple[int, ...]
+
+
+def _layer_table(m: ModelConfig) -> list[tuple[str, tuple[str, ...], str, tuple[int, ...]]]:
+    """(our suffix, HF suffixes, kind, shape) of one decoder layer; the name map itself."""
+    qkv_rows = m.q_size + 2 * m.kv_size
+    h, i, d = m.hidden_size, m.intermediate_size, m.head_dim
+    gemma = m.architecture == "gemma3"
+    table = [
+        ("input_layernorm.weight", ("input_layernorm.weight",), "norm", (h,)),
+        ("self_attn.qkv_proj.weight",
+         ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"), "matrix", (qkv_rows, h)),
+    ]
+    if m.attention_bias:
+        table.append(("self_attn.qkv_proj.bias",
+                      ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"), "matrix", (qkv_rows,)))
+    if m.qk_norm:
+        table += [("self_attn.q_norm.weight", ("self_attn.q_norm.weight",), "norm", (d,)),
+                  ("self_attn.k_norm.weight", ("self_attn.k_norm.weight",), "norm", (d,))]
+    table += [
+        ("self_attn.o_proj.weight", ("self_attn.o_proj.weight",), "matrix", (h, m.q_size)),
+        ("post_attention_layernorm.weight", ("post_attention_layernorm.weight",), "norm", (h,)),
+    ]
+    if gemma:
+        table += [("pre_feedforward_layernorm.weight", ("pre_feedforward_layernorm.weight",), "norm", (h,)),
+                  ("post_feedforward_layernorm.weight", ("post_feedforward_layernorm.weight",), "norm", (h,))]
+    table += [
+        ("mlp.gate_up_proj.weight", ("mlp.gate_proj.weight", "mlp.up_proj.weight"), "matrix", (2 * i, h)),
+        ("mlp.down_proj.weight", ("mlp.down_proj.weight",), "matrix", (h, i)),
+    ]
+    return table
+
+
+def weight_specs(m: ModelConfig) -> list[WeightSpec]:
+    """Every weight of the engine (rope inv_freq aside), in file order."""
+    specs = [WeightSpec("embed_tokens.weight", ("embed_tokens.weight",), "matrix", (m.vocab_size, m.hidden_size))]
+    for layer in range(m.num_layers):
+        p = f"layers.{layer}."
+        specs += [WeightSpec(p + ours, tuple(p + s for s in srcs), kind, shape)
+                  for ours, srcs, kind, shape in _layer_table(m)]
+    specs.append(WeightSpec("norm.weight", ("norm.weight",), "norm", (m.hidden_size,)))
+    if not m.tie_word_embeddings:
+        specs.append(WeightSpec("lm_head.weight", ("lm_head.weight",), "matrix", (m.vocab_size, m.hidden_size)))
+    return specs
+
+
+def norm_offset(m: ModelConfig) -> float:
+    """Gemma's RMSNorm multiplies by (1 + w): fold the 1 so every norm is plain ``x_hat * w``."""
+    return 1.0 if m.architecture == "gemma3" else 0.0
+
+
+def unused_tensors(ckpt: Checkpoint, specs: list[WeightSpec]) -> list[str]:
+    """Checkpoint tensors no spec reads, excluding the known-harmless ones."""
+    used = {s for spec in specs for s in spec.sources}
+    return [n for n in ckpt.names() if n not in used and not n.startswith(IGNORABLE_PREFIXES)
+            and not n.endswith(IGNORABLE_SUFFIXES)]
+
+
+def check_complete(ckpt: Checkpoint, specs: list[WeightSpec]) -> None:
+    have = set(ckpt.names())
+    missing = [s for spec in specs for s in spec.sources if s not in have]
+    if missing:
+        shown = ", ".join(missing[:8]) + (f" ... ({len(missing)} in all)" if len(missing) > 8 else "")
+        raise BuildError(f"{ckpt.description} lacks tensors its config requires: {shown}; "
+                         "the checkpoint is incomplete or does not match its config.json")
+
+
+def convert_weights(ckpt: Checkpoint, m: ModelConfig, dtype: str,
+                    wrap: Callable[[list], list] = lambda x: x) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (our name, CPU tensor) one at a time; ``wrap`` may add a progress bar over the specs."""
+    specs = weight_specs(m)
+    check_complete(ckpt, specs)
+    target, offset = TORCH_DTYPES[dtype], norm_offset(m)
+    for spec in wrap(specs):
+        parts = [ckpt.get(s) for s in spec.sources]
+        for src, t in zip(spec.sources, parts):
+            if t.dim() != len(spec.shape) or (len(spec.sources) == 1 and tuple(t.shape) != spec.shape):
+                raise BuildError(f"{ckpt.description}: {src} has shape {tuple(t.shape)}, config implies "
+                                 f"{spec.shape}; the checkpoint does not match its config.json")
+        t = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+        if tuple(t.shape) != spec.shape:
+            raise BuildError(f"{ckpt.description}: {' + '.join(spec.sources)} give shape {tuple(t.shape)}, "
+                             f"config implies {spec.shape}; the checkpoint does not match its config.json")
+        if spec.kind == "norm":
+            t = t.to(torch.float32) + offset
+        else:
+            t = t.to(target)
+        yield spec.name, t.contiguous()
+
+
+def random_weights(m: ModelConfig, dtype: str, device: str = "cpu", seed: int = 0,
+                   wrap: Callable[[list], list] = lambda x: x) -> Iterator[tuple[str, torch.Tensor]]:
+    """Same names and shapes as ``convert_weights`` without a checkpoint: matrices and biases
+    ~ N(0, 0.02) generated directly in the build dtype on ``device`` (cuda makes an 8B bf16 engine
+    quick), norms 1.0 (i.e. already folded: Gemma's 1 + 0). Deterministic for a seed and device."""
+    target = TORCH_DTYPES[dtype]
+    gen = torch.Generator(device=device).manual_seed(seed)
+    for spec in wrap(weight_specs(m)):
+        if spec.kind == "norm":
+            t = torch.ones(spec.shape, dtype=torch.float32)
+        else:
+            t = torch.empty(spec.shape, dtype=target, device=device).normal_(0.0, 0.02, generator=gen).cpu()
+        yield spec.name, t
