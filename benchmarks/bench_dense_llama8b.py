@@ -44,7 +44,11 @@ def make_hf_checkpoint(path: Path, num_layers: int | None):
     with torch.device("cuda"):
         model = LlamaForCausalLM(config).to(torch.bfloat16)
     model.save_pretrained(path, safe_serialization=True)
-    return model.eval()
+    del model
+    torch.cuda.empty_cache()
+    # Reload the way users do: from_pretrained keeps RoPE's inv_freq in float32 (a `.to(bf16)`
+    # of a freshly built model would round it to bf16).
+    return LlamaForCausalLM.from_pretrained(path, dtype=torch.bfloat16, device_map="cuda").eval()
 
 
 def decode_tok_s(llm, SamplingParams, batch: int, prompt_len: int = 128, n1: int = 32, n2: int = 160) -> float:
@@ -117,6 +121,12 @@ def main() -> None:
         res[f"decode_b{b}_tok_s"] = decode_tok_s(llm, SamplingParams, b)
         res[f"hf_decode_b{b}_tok_s"] = hf_decode_tok_s(hf, b)
         print(f"decode b={b}: {res[f'decode_b{b}_tok_s']:.1f} vs {res[f'hf_decode_b{b}_tok_s']:.1f} tok/s", flush=True)
+
+    # Where decode time goes at batch 1: the captured graph alone vs a whole engine step.
+    graph = llm.runner.graphs.graphs[1]
+    res["decode_b1_graph_ms"] = sync_time(graph.replay, reps=200) * 1e3
+    print(f"decode b=1: graph replay {res['decode_b1_graph_ms']:.3f} ms/token, "
+          f"engine step {1e3 / res['decode_b1_tok_s']:.3f} ms/token", flush=True)
 
     # 4. Prefill.
     for n in [int(x) for x in args.prefill_lens.split(",")]:

@@ -129,7 +129,8 @@ def build_engine(
     or say which with ``checkpoint=PATH`` / ``model=NAME``, as the CLI does) into ``output_dir``
     and return its path. Raises :class:`BuildError` for anything the user can fix.
     ``max_seq_len`` defaults to the model's trained window capped at 131072;
-    ``max_num_batched_tokens`` to max(8192, max_batch_size); ``kv_dtype`` to ``dtype``; ``device`` to cuda when a GPU is visible (the target then is its ``sm_XY``), else cpu."""
+    ``max_num_batched_tokens`` to 32768 on a GPU target (one long-context prefill chunk: the
+    InfiniteHiP query-chunk size) and 8192 on the CPU, at least max_batch_size; ``kv_dtype`` to ``dtype``; ``device`` to cuda when a GPU is visible (the target then is its ``sm_XY``), else cpu."""
     given = [x for x in (source, checkpoint, model) if x is not None]
     if len(given) != 1 or output_dir is None:
         raise TypeError("build_engine needs output_dir and exactly one of source, checkpoint=, model=")
@@ -180,7 +181,7 @@ def build_engine(
             build = BuildConfig(
                 dtype=dtype, kv_dtype=kv_dtype or dtype, max_seq_len=max_seq_len,
                 max_batch_size=max_batch_size, page_size=page_size,
-                max_num_batched_tokens=max_num_batched_tokens or max(8192, max_batch_size),
+                max_num_batched_tokens=max_num_batched_tokens or max(8192 if target == "cpu" else 32768, max_batch_size),
                 cuda_graph_batch_sizes=_graph_batch_sizes(max_batch_size), target=target,
                 created_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
                 random_weights=random_weights)
