@@ -1,0 +1,114 @@
+"""The public runtime surface on a tiny engine with a tokenizer: generate vs stream, stop strings,
+sampling seeds, infhip-run, and every bad input getting a clear error."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from infhip import LLM, SamplingParams
+from infhip.builder.build import build_engine
+from infhip.config import EngineFormatError
+from infhip.runtime import cli as run_cli
+from tests._tiny import write_tiny_hf_checkpoint
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    root = tmp_path_factory.mktemp("api")
+    write_tiny_hf_checkpoint(root / "hf", "llama", tokenizer=True)
+    return build_engine(checkpoint=root / "hf", output_dir=root / "engine", dtype="float32", device="cpu",
+                        max_seq_len=128, max_batch_size=4, progress=False)
+
+
+@pytest.fixture(scope="module")
+def llm(engine):
+    return LLM(engine)
+
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+
+
+def test_stream_equals_generate(llm):
+    whole = llm.generate(["hello world"], GREEDY)[0]
+    deltas = list(llm.generate_stream("hello world", GREEDY))
+    assert [t for d in deltas for t in d.token_ids] == whole.token_ids
+    assert "".join(d.text for d in deltas) == whole.text
+    assert deltas[-1].finish_reason == "length" and all(d.finish_reason is None for d in deltas[:-1])
+
+
+def test_stop_string_cuts_text(llm):
+    whole = llm.generate(["abc"], GREEDY)[0]
+    assert len(whole.text) >= 4, "tiny model must produce some text for this test"
+    stop = whole.text[2:4]
+    out = llm.generate(["abc"], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, stop=[stop]))[0]
+    assert out.finish_reason == "stop"
+    assert out.text == whole.text[:whole.text.find(stop)]
+    streamed = "".join(d.text for d in llm.generate_stream("abc", SamplingParams(
+        max_tokens=12, temperature=0.0, ignore_eos=True, stop=[stop])))
+    assert streamed == out.text
+
+
+def test_stop_token_ids_and_seeds(llm):
+    whole = llm.generate(["xyz"], GREEDY)[0]
+    out = llm.generate(["xyz"], SamplingParams(max_tokens=12, temperature=0.0, stop_token_ids=[whole.token_ids[3]]))[0]
+    assert out.finish_reason == "stop" and out.token_ids == whole.token_ids[:whole.token_ids.index(whole.token_ids[3]) + 1]
+    sp = SamplingParams(max_tokens=10, temperature=1.0, seed=7, ignore_eos=True)
+    a, b = llm.generate(["xyz", "xyz"], [sp, sp])
+    assert a.token_ids == b.token_ids  # same seed, same tokens, even in one batch
+    c = llm.generate(["xyz"], SamplingParams(max_tokens=10, temperature=1.0, seed=8, ignore_eos=True))[0]
+    assert c.token_ids != a.token_ids
+
+
+def test_bad_requests(llm):
+    with pytest.raises(ValueError, match="max_seq_len"):
+        llm.generate(prompt_token_ids=[[5] * 200], sampling_params=GREEDY)
+    with pytest.raises(ValueError, match="exactly one"):
+        llm.generate()
+    with pytest.raises(ValueError, match=r"\[0, "):
+        llm.generate(prompt_token_ids=[[10**6]], sampling_params=GREEDY)
+    with pytest.raises(ValueError, match="top_p"):
+        SamplingParams(top_p=1.5)
+    with pytest.raises(ValueError, match="temperature"):
+        SamplingParams(temperature=-1.0)
+    # The engine keeps serving after rejected requests.
+    assert len(llm.generate(["ok"], GREEDY)[0].token_ids) == 12
+
+
+def _copy_with(engine, tmp_path, **build_changes):
+    bad = tmp_path / "bad"
+    shutil.copytree(engine, bad)
+    cfg = json.loads((bad / "config.json").read_text())
+    for key, value in build_changes.items():
+        if key == "format_version":
+            cfg[key] = value
+        else:
+            cfg["build"][key] = value
+    (bad / "config.json").write_text(json.dumps(cfg))
+    return bad
+
+
+def test_bad_engines(engine, tmp_path):
+    with pytest.raises(EngineFormatError, match="format version 99"):
+        LLM(_copy_with(engine, tmp_path / "v", format_version=99))
+    with pytest.raises(EngineFormatError, match="sm_90"):
+        LLM(_copy_with(engine, tmp_path / "t", target="sm_90"), device="cpu")
+    with pytest.raises(EngineFormatError, match="not an infhip engine"):
+        LLM(tmp_path)
+    broken = tmp_path / "w"
+    shutil.copytree(engine, broken)
+    (broken / "rank0.safetensors").write_bytes(b"\x00" * 16)
+    with pytest.raises(EngineFormatError, match="rebuild"):
+        LLM(broken)
+
+
+def test_infhip_run_cli(engine, capsys):
+    assert run_cli.main(["--engine", str(engine), "--prompt", "hello", "--max-tokens", "5", "--ignore-eos",
+                         "--stats"]) == 0
+    assert "5 tokens" in capsys.readouterr().err
+    assert run_cli.main(["--engine", str(engine), "--prompt", "x", "--top-p", "2"]) == 2
+    assert "top_p" in capsys.readouterr().err
+    assert run_cli.main(["--engine", str(engine) + "-missing", "--prompt", "x"]) == 2
+    assert "not an infhip engine" in capsys.readouterr().err
