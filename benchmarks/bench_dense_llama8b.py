@@ -32,6 +32,23 @@ def sync_time(fn, reps: int = 1) -> float:
     return (time.perf_counter() - t) / reps
 
 
+def profile_graph(graph, path: Path, reps: int = 10) -> dict:
+    """Per-kernel GPU time of one graph replay (torch.profiler/CUPTI), grouped by kernel name."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            graph.replay()
+        torch.cuda.synchronize()
+    rows = [(e.key, e.device_time_total / reps, e.count // reps) for e in prof.key_averages()
+            if e.device_time_total > 0]
+    rows.sort(key=lambda r: -r[1])
+    lines = [f"{us:10.1f} us {n:5d}x  {name[:100]}" for name, us, n in rows]
+    total = sum(r[1] for r in rows)
+    path.write_text(f"kernel time per replay: {total:.1f} us\n" + "\n".join(lines) + "\n")
+    print(f"decode b=1 kernels: {total:.0f} us of GPU time per step; top:\n  " + "\n  ".join(lines[:8]), flush=True)
+    return {"total_us": total, "top": rows[:12]}
+
+
 def make_hf_checkpoint(path: Path, num_layers: int | None):
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -114,6 +131,18 @@ def main() -> None:
     with torch.no_grad():
         ref = hf(torch.tensor([ids], device="cuda"), logits_to_keep=1).logits[0, -1].float()
     res["logits_rel_l2"] = ((ours - ref).norm() / ref.norm()).item()
+    # Both bf16 runs against a float32 transformers run of the same weights: how far each is from
+    # the exact answer, so the bf16-vs-bf16 distance can be read in context.
+    from transformers import LlamaForCausalLM
+    hf32 = LlamaForCausalLM.from_pretrained(args.work / "hf", dtype=torch.float32, device_map="cuda").eval()
+    with torch.no_grad():
+        ref32 = hf32(torch.tensor([ids], device="cuda"), logits_to_keep=1).logits[0, -1].float()
+    del hf32
+    torch.cuda.empty_cache()
+    res["logits_rel_l2_ours_vs_fp32"] = ((ours - ref32).norm() / ref32.norm()).item()
+    res["logits_rel_l2_hf_vs_fp32"] = ((ref - ref32).norm() / ref32.norm()).item()
+    print(f"vs float32 transformers: infhip {res['logits_rel_l2_ours_vs_fp32']:.3e}, "
+          f"transformers bf16 {res['logits_rel_l2_hf_vs_fp32']:.3e}", flush=True)
     print(f"logits rel L2 {res['logits_rel_l2']:.3e}", flush=True)
 
     # 3. Decode.
@@ -127,6 +156,8 @@ def main() -> None:
     res["decode_b1_graph_ms"] = sync_time(graph.replay, reps=200) * 1e3
     print(f"decode b=1: graph replay {res['decode_b1_graph_ms']:.3f} ms/token, "
           f"engine step {1e3 / res['decode_b1_tok_s']:.3f} ms/token", flush=True)
+
+    res["decode_b1_kernels"] = profile_graph(graph, args.out / "decode_b1_kernels.txt")
 
     # 4. Prefill.
     for n in [int(x) for x in args.prefill_lens.split(",")]:
@@ -145,7 +176,9 @@ def main() -> None:
     print(f"\n{res['gpu']}  torch {res['torch']}  triton {res['triton']}  transformers {res['transformers']}")
     print(f"build {res['build_s']:.0f} s, load {res['load_s']:.0f} s; {FLOOR_NOTE}: {res['floor_tok_s']:.0f} tok/s")
     print(f"{'metric':<28}{'infhip':>12}{'transformers':>14}{'ratio':>8}")
-    print(f"{'logits rel L2 (1K prompt)':<28}{res['logits_rel_l2']:>12.2e}")
+    print(f"{'logits rel L2 (1K prompt)':<28}{res['logits_rel_l2']:>12.2e}   (bf16 infhip vs bf16 transformers)")
+    print(f"{'  each vs fp32 transformers':<28}{res['logits_rel_l2_ours_vs_fp32']:>12.2e}"
+          f"{res['logits_rel_l2_hf_vs_fp32']:>14.2e}")
     for key, name in [("decode_b1", "decode b=1 tok/s"), ("decode_b16", "decode b=16 tok/s")] + [
             (f"prefill_{n}", f"prefill {n} tok/s") for n in args.prefill_lens.split(",")]:
         a, b = res[f"{key}_tok_s"], res[f"hf_{key}_tok_s"]
