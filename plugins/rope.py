@@ -47,6 +47,27 @@ def _rotate_heads(x_ptr, stride_h, num_heads, cos, sin, half_dim,
 
 
 @triton.jit
+def _write_kv_row(k1, k2, v_row_ptr, slot, k_cache_ptr, v_cache_ptr, stride_vh,
+                  stride_cp, stride_cs, stride_ch, num_kv_heads, half_dim, page_size,
+                  BLOCK_HKV: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    """Store one token's k halves (k1, k2: [BLOCK_HKV, BLOCK_HALF]) and its v row at cache `slot`."""
+    heads = tl.arange(0, BLOCK_HKV)[:, None]
+    cols = tl.arange(0, BLOCK_HALF)[None, :]
+    kv_mask = (heads < num_kv_heads) & (cols < half_dim)
+    page = slot // page_size
+    cache_off = page * stride_cp + (slot - page * page_size) * stride_cs + heads * stride_ch + cols
+    kc = k_cache_ptr + cache_off  # first halves
+    tl.store(kc, k1.to(k_cache_ptr.dtype.element_ty), mask=kv_mask)
+    tl.store(kc + half_dim, k2.to(k_cache_ptr.dtype.element_ty), mask=kv_mask)
+    v_row = v_row_ptr + heads * stride_vh + cols
+    v1 = tl.load(v_row, mask=kv_mask, other=0.0)
+    v2 = tl.load(v_row + half_dim, mask=kv_mask, other=0.0)
+    vc = v_cache_ptr + cache_off
+    tl.store(vc, v1.to(v_cache_ptr.dtype.element_ty), mask=kv_mask)
+    tl.store(vc + half_dim, v2.to(v_cache_ptr.dtype.element_ty), mask=kv_mask)
+
+
+@triton.jit
 def _rope_kv_kernel(
     # inputs
     q_ptr,  # [T, Hq, D] (rotated in place; any row/head stride)
@@ -65,17 +86,19 @@ def _rope_kv_kernel(
     stride_cp, stride_cs, stride_ch,  # cache page / slot / head strides
     num_q_heads, num_kv_heads, half_dim, page_size,
     attention_scaling,
-    BLOCK_HQ: tl.constexpr,
+    BLOCK_HQ: tl.constexpr,  # query heads per program
     BLOCK_HKV: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
     APPLY_ROPE: tl.constexpr,
     WRITE_KV: tl.constexpr,
 ):
-    t = tl.program_id(0).to(tl.int64)  # one program per token, all heads at once
-    heads = tl.arange(0, BLOCK_HKV)[:, None]
-    cols = tl.arange(0, BLOCK_HALF)[None, :]
-    kv_mask = (heads < num_kv_heads) & (cols < half_dim)  # [BLOCK_HKV, BLOCK_HALF]
+    # Grid (T, 1 + cdiv(Hq, BLOCK_HQ)): program 0 of a token handles k (rotation, cache write of
+    # k and v); programs 1.. rotate BLOCK_HQ query heads each, so a decode step (T = 1..16) does
+    # not run all heads on one SM.
+    t = tl.program_id(0).to(tl.int64)
+    part = tl.program_id(1)
     k_row = k_ptr + t * stride_kt
+    v_row = v_ptr + t * stride_vt
     if APPLY_ROPE:
         j = tl.arange(0, BLOCK_HALF)
         inv_freq = tl.load(inv_freq_ptr + j, mask=j < half_dim, other=0.0)
@@ -86,27 +109,30 @@ def _rope_kv_kernel(
         reduced = (a64 - turns * 6.283185307179586).to(tl.float32)
         cos = (tl.cos(reduced) * attention_scaling)[None, :]
         sin = (tl.sin(reduced) * attention_scaling)[None, :]
-        _rotate_heads(q_ptr + t * stride_qt, stride_qh, num_q_heads, cos, sin, half_dim,
-                      BLOCK_HQ, BLOCK_HALF)
-        k1, k2 = _rotate_heads(k_row, stride_kh, num_kv_heads, cos, sin, half_dim,
-                               BLOCK_HKV, BLOCK_HALF)
+        if part > 0:
+            h0 = (part - 1) * BLOCK_HQ
+            _rotate_heads(q_ptr + t * stride_qt + h0 * stride_qh, stride_qh, num_q_heads - h0,
+                          cos, sin, half_dim, BLOCK_HQ, BLOCK_HALF)
+        else:
+            k1, k2 = _rotate_heads(k_row, stride_kh, num_kv_heads, cos, sin, half_dim,
+                                   BLOCK_HKV, BLOCK_HALF)
+            if WRITE_KV:
+                slot = tl.load(slot_mapping_ptr + t).to(tl.int64)
+                if slot >= 0:  # slot < 0: padding token, nothing to write
+                    _write_kv_row(k1, k2, v_row, slot, k_cache_ptr, v_cache_ptr, stride_vh,
+                                  stride_cp, stride_cs, stride_ch, num_kv_heads, half_dim, page_size,
+                                  BLOCK_HKV, BLOCK_HALF)
     else:
+        heads = tl.arange(0, BLOCK_HKV)[:, None]
+        cols = tl.arange(0, BLOCK_HALF)[None, :]
+        kv_mask = (heads < num_kv_heads) & (cols < half_dim)
         k1 = tl.load(k_row + heads * stride_kh + cols, mask=kv_mask, other=0.0)
         k2 = tl.load(k_row + heads * stride_kh + cols + half_dim, mask=kv_mask, other=0.0)
-    if WRITE_KV:
         slot = tl.load(slot_mapping_ptr + t).to(tl.int64)
-        if slot >= 0:  # slot < 0: padding token, nothing to write
-            page = slot // page_size
-            cache_off = page * stride_cp + (slot - page * page_size) * stride_cs + heads * stride_ch + cols
-            kc = k_cache_ptr + cache_off  # [BLOCK_HKV, BLOCK_HALF] first halves
-            tl.store(kc, k1.to(k_cache_ptr.dtype.element_ty), mask=kv_mask)
-            tl.store(kc + half_dim, k2.to(k_cache_ptr.dtype.element_ty), mask=kv_mask)
-            v_row = v_ptr + t * stride_vt + heads * stride_vh + cols
-            v1 = tl.load(v_row, mask=kv_mask, other=0.0)
-            v2 = tl.load(v_row + half_dim, mask=kv_mask, other=0.0)
-            vc = v_cache_ptr + cache_off
-            tl.store(vc, v1.to(v_cache_ptr.dtype.element_ty), mask=kv_mask)
-            tl.store(vc + half_dim, v2.to(v_cache_ptr.dtype.element_ty), mask=kv_mask)
+        if slot >= 0:
+            _write_kv_row(k1, k2, v_row, slot, k_cache_ptr, v_cache_ptr, stride_vh,
+                          stride_cp, stride_cs, stride_ch, num_kv_heads, half_dim, page_size,
+                          BLOCK_HKV, BLOCK_HALF)
 
 
 def rope_kv_triton(q, k, v, positions, inv_freq, attention_scaling,
@@ -134,13 +160,15 @@ def rope_kv_triton(q, k, v, positions, inv_freq, attention_scaling,
     Hq = q.shape[1] if apply_rope else 0
     page_size = k_cache.shape[1] if write else 1
     cache_strides = k_cache.stride()[:3] if write else (0, 0, 0)
-    _rope_kv_kernel[(T,)](
+    BLOCK_HQ = min(next_pow2(Hq), 8) if apply_rope else 1
+    num_q_parts = triton.cdiv(Hq, BLOCK_HQ) if apply_rope else 0
+    _rope_kv_kernel[(T, 1 + num_q_parts)](
         q, k, v, positions, inv_freq, slot_mapping,
         k_cache, v_cache,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         *cache_strides,
         Hq, Hkv, D // 2, page_size, float(attention_scaling),
-        BLOCK_HQ=next_pow2(Hq), BLOCK_HKV=next_pow2(Hkv), BLOCK_HALF=next_pow2(D // 2),
+        BLOCK_HQ=BLOCK_HQ, BLOCK_HKV=next_pow2(Hkv), BLOCK_HALF=next_pow2(D // 2),
         APPLY_ROPE=apply_rope, WRITE_KV=write, num_warps=4,
     )
 

@@ -20,13 +20,23 @@ class DecodeGraphs:
         self.runner = runner
         self.sizes = sorted(set(batch_sizes))
         max_bs, dev = self.sizes[-1], runner.device
-        self.input_ids = torch.zeros(max_bs, dtype=torch.int64, device=dev)
-        self.positions = torch.zeros(max_bs, dtype=torch.int64, device=dev)
+        self.groups = list(runner.groups)
+        # Step inputs travel in one pinned int64 block, one host-to-device copy per step:
+        # rows = input_ids, positions, context_lens, then one slot row per KV group.
+        self.host_rows = torch.zeros((3 + len(self.groups), max_bs), dtype=torch.int64).pin_memory()
+        self.host_rows_np = self.host_rows.numpy()
+        self.host_rows_np[3:] = -1  # slots of rows never used write nothing (also while capturing)
+        self.rows = self.host_rows.to(dev)
+        self.input_ids, self.positions = self.rows[0], self.rows[1]
+        self.slots = {g: self.rows[3 + i] for i, g in enumerate(self.groups)}
+        # The attention kernels want int32 lengths: converted on the device inside the graph.
         self.context_lens = torch.zeros(max_bs, dtype=torch.int32, device=dev)
         self.cu_seqlens_q = torch.arange(max_bs + 1, dtype=torch.int32, device=dev)
-        self.slots = {g: torch.full((max_bs,), -1, dtype=torch.int64, device=dev) for g in runner.groups}
+        self.host_tables = torch.zeros((len(self.groups), max_bs, runner.max_pages_per_seq),
+                                       dtype=torch.int32).pin_memory()
+        self.host_tables_np = self.host_tables.numpy()
         self.tables = {g: torch.zeros(max_bs, runner.max_pages_per_seq, dtype=torch.int32, device=dev)
-                       for g in runner.groups}
+                       for g in self.groups}
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
         self.pool = None
@@ -45,15 +55,20 @@ class DecodeGraphs:
         for bs in reversed(self.sizes):
             ctx = self._context(bs)
             with forward_context(ctx):
-                model.compute_logits(model(self.input_ids[:bs]))  # warm-up: compiles Triton kernels
+                self._forward(bs)  # warm-up: compiles the Triton kernels outside the capture
                 torch.cuda.synchronize()
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=self.pool):
-                    self.logits[bs] = model.compute_logits(model(self.input_ids[:bs]))
+                    self.logits[bs] = self._forward(bs)
             if self.pool is None:
                 self.pool = graph.pool()
             self.graphs[bs] = graph
         torch.cuda.synchronize()
+
+    def _forward(self, bs: int) -> torch.Tensor:
+        self.context_lens[:bs].copy_(self.rows[2, :bs])
+        model = self.runner.model
+        return model.compute_logits(model(self.input_ids[:bs]))
 
     def fits(self, num_seqs: int) -> bool:
         return num_seqs <= self.sizes[-1]
@@ -62,17 +77,19 @@ class DecodeGraphs:
         """Copy the step's host-planned inputs into the static buffers, replay, return logits [B, V]."""
         n = len(p["input_ids"])
         bs = self.sizes[bisect.bisect_left(self.sizes, n)]
-        pad = bs - n
-        self.input_ids[:bs].copy_(torch.tensor(p["input_ids"] + [0] * pad), non_blocking=True)
-        self.positions[:bs].copy_(torch.tensor(p["positions"] + [0] * pad), non_blocking=True)
-        self.context_lens[:bs].copy_(torch.tensor(p["ctx_lens"] + [0] * pad, dtype=torch.int32),
-                                     non_blocking=True)
-        for g in self.slots:
-            self.slots[g][:bs].copy_(torch.tensor(p["slots"][g] + [-1] * pad), non_blocking=True)
-            rows = p["tables"][g]
-            width = max(len(r) for r in rows)
+        rows = self.host_rows_np
+        rows[0, :n], rows[1, :n], rows[2, :n] = p["input_ids"], p["positions"], p["ctx_lens"]
+        rows[0:3, n:bs] = 0  # padding rows: token 0 at position 0 with no context
+        for i, g in enumerate(self.groups):
+            rows[3 + i, :n] = p["slots"][g]
+            rows[3 + i, n:bs] = -1  # padding writes nothing
+        self.rows[:, :bs].copy_(self.host_rows[:, :bs], non_blocking=True)
+        for i, g in enumerate(self.groups):
+            table_rows = p["tables"][g]
+            width = max(len(r) for r in table_rows)
             # Entries past a row's length are never read (context_lens bounds the kernel).
-            table = torch.tensor([r + [0] * (width - len(r)) for r in rows], dtype=torch.int32)
-            self.tables[g][:n, :width].copy_(table, non_blocking=True)
+            for b, r in enumerate(table_rows):
+                self.host_tables_np[i, b, :len(r)] = r
+            self.tables[g][:n, :width].copy_(self.host_tables[i, :n, :width], non_blocking=True)
         self.graphs[bs].replay()
         return self.logits[bs][:n]

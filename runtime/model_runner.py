@@ -118,8 +118,9 @@ class ModelRunner:
         p = self.prepare(out)
         num_seqs = len(out.chunks)
         if self.graphs is not None and p["num_decodes"] == num_seqs and self.graphs.fits(num_seqs):
-            logits = self.graphs.replay(p)
-            return logits[[i for i, ch in enumerate(out.chunks) if ch.needs_logits]]
+            logits = self.graphs.replay(p)  # a decode chunk always samples: one row per chunk
+            assert all(ch.needs_logits for ch in out.chunks)
+            return logits
         ctx = ForwardContext(
             positions=self._tensor(p["positions"], torch.int64),
             context_lens=self._tensor(p["ctx_lens"], torch.int32),
