@@ -16,17 +16,21 @@ from infhip.runtime.forward_context import ForwardContext, KVGroupMetadata, forw
 
 
 class DecodeGraphs:
-    def __init__(self, runner, batch_sizes: list[int]):
+    def __init__(self, runner, batch_sizes: list[int], max_steps: int = 1):
         self.runner = runner
         self.sizes = sorted(set(batch_sizes))
         max_bs, dev = self.sizes[-1], runner.device
         self.groups = list(runner.groups)
-        # Step inputs travel in one pinned int64 block, one host-to-device copy per step:
-        # rows = input_ids, positions, context_lens, then one slot row per KV group.
-        self.host_rows = torch.zeros((3 + len(self.groups), max_bs), dtype=torch.int64).pin_memory()
-        self.host_rows_np = self.host_rows.numpy()
-        self.host_rows_np[3:] = -1  # slots of rows never used write nothing (also while capturing)
-        self.rows = self.host_rows.to(dev)
+        # The inputs of up to max_steps decode steps travel in one pinned int64 block, one
+        # host-to-device copy: per step, rows = input_ids, positions, context_lens, then one slot
+        # row per KV group. Before each replay the step's rows are copied (on the device) into
+        # `rows`, which the graphs read.
+        num_rows = 3 + len(self.groups)
+        self.host_steps = torch.zeros((max_steps, num_rows, max_bs), dtype=torch.int64).pin_memory()
+        self.host_steps_np = self.host_steps.numpy()
+        self.steps = torch.zeros_like(self.host_steps, device=dev)
+        self.rows = torch.zeros((num_rows, max_bs), dtype=torch.int64, device=dev)
+        self.rows[3:] = -1  # slots of rows never used write nothing (also while capturing)
         self.input_ids, self.positions = self.rows[0], self.rows[1]
         self.slots = {g: self.rows[3 + i] for i, g in enumerate(self.groups)}
         # The attention kernels want int32 lengths: converted on the device inside the graph.
@@ -73,23 +77,37 @@ class DecodeGraphs:
     def fits(self, num_seqs: int) -> bool:
         return num_seqs <= self.sizes[-1]
 
-    def replay(self, p: dict) -> torch.Tensor:
-        """Copy the step's host-planned inputs into the static buffers, replay, return logits [B, V]."""
-        n = len(p["input_ids"])
+    def load(self, plans: list[dict]) -> int:
+        """Stage the host-planned inputs of len(plans) consecutive decode steps of one batch (step
+        j > 0 takes its input tokens from the device, see `replay`); returns the padded batch size."""
+        n = len(plans[0]["positions"])
         bs = self.sizes[bisect.bisect_left(self.sizes, n)]
-        rows = self.host_rows_np
-        rows[0, :n], rows[1, :n], rows[2, :n] = p["input_ids"], p["positions"], p["ctx_lens"]
-        rows[0:3, n:bs] = 0  # padding rows: token 0 at position 0 with no context
+        for j, p in enumerate(plans):
+            rows = self.host_steps_np[j]
+            if j == 0:
+                rows[0, :n] = p["input_ids"]
+            rows[1, :n], rows[2, :n] = p["positions"], p["ctx_lens"]
+            rows[0:3, n:bs] = 0  # padding rows: token 0 at position 0 with no context
+            for i, g in enumerate(self.groups):
+                rows[3 + i, :n] = p["slots"][g]
+                rows[3 + i, n:bs] = -1  # padding writes nothing
+        k = len(plans)
+        self.steps[:k, :, :bs].copy_(self.host_steps[:k, :, :bs], non_blocking=True)
         for i, g in enumerate(self.groups):
-            rows[3 + i, :n] = p["slots"][g]
-            rows[3 + i, n:bs] = -1  # padding writes nothing
-        self.rows[:, :bs].copy_(self.host_rows[:, :bs], non_blocking=True)
-        for i, g in enumerate(self.groups):
-            table_rows = p["tables"][g]
+            # The last step's tables cover every step (pages were allocated for all of them);
+            # entries past a row's length are never read (context_lens bounds the kernel).
+            table_rows = plans[-1]["tables"][g]
             width = max(len(r) for r in table_rows)
-            # Entries past a row's length are never read (context_lens bounds the kernel).
             for b, r in enumerate(table_rows):
                 self.host_tables_np[i, b, :len(r)] = r
             self.tables[g][:n, :width].copy_(self.host_tables[i, :n, :width], non_blocking=True)
+        return bs
+
+    def replay(self, step: int, bs: int, n: int, input_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Replay staged step `step` (input_ids: the previous step's sampled tokens [n], on the
+        device, for step > 0); returns logits [n, vocab]."""
+        self.rows[:, :bs].copy_(self.steps[step, :, :bs])
+        if input_ids is not None:
+            self.input_ids[:n].copy_(input_ids)
         self.graphs[bs].replay()
         return self.logits[bs][:n]

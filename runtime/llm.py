@@ -27,8 +27,9 @@ from infhip.runtime.model_runner import ModelRunner
 from infhip.runtime.outputs import RequestOutput, StreamDelta
 from infhip.runtime.sampler import Sampler, make_generator
 from infhip.runtime.sampling_params import SamplingParams
-from infhip.runtime.scheduler import Scheduler
-from infhip.runtime.sequence import Sequence
+from infhip.runtime.kv_cache import OutOfPages
+from infhip.runtime.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
+from infhip.runtime.sequence import Sequence, SequenceStatus
 
 
 @dataclass
@@ -50,19 +51,29 @@ class LLM:
         max_num_batched_tokens: token budget of one step (chunked prefill), default from the engine.
         kv_cache_memory_bytes: KV cache size; default 90% of free GPU memory, or 2 GiB on CPU.
         enforce_eager: never use CUDA graphs.
+        num_decode_steps: when a step is all decodes and nobody waits, run this many decode steps
+            back to back on the device (each feeds on the last one's tokens) before the host looks
+            at the tokens: the host's per-step work then overlaps the GPU's. Stops are applied
+            afterwards, so up to num_decode_steps - 1 tokens past a stop are computed and
+            discarded. Default 8 on GPU, 1 on CPU.
     """
 
     def __init__(self, engine_dir: str | Path, device: str | None = None, max_num_seqs: int | None = None,
                  max_num_batched_tokens: int | None = None, kv_cache_memory_bytes: int | None = None,
-                 enforce_eager: bool = False):
+                 enforce_eager: bool = False, num_decode_steps: int | None = None):
         self.engine = load_engine(engine_dir, device)
+        if num_decode_steps is None:
+            num_decode_steps = 8 if self.engine.device.type == "cuda" else 1
+        if num_decode_steps < 1:
+            raise ValueError(f"num_decode_steps must be >= 1, got {num_decode_steps}")
+        self.num_decode_steps = num_decode_steps
         build = self.engine.config.build
         self.max_num_seqs = max_num_seqs or build.max_batch_size
         budget = max_num_batched_tokens or build.max_num_batched_tokens
         if budget < self.max_num_seqs:
             raise ValueError(f"max_num_batched_tokens ({budget}) must be >= max_num_seqs ({self.max_num_seqs})")
         self.runner = ModelRunner(self.engine, self.max_num_seqs, budget, kv_cache_memory_bytes,
-                                  enforce_eager=enforce_eager)
+                                  enforce_eager=enforce_eager, max_decode_steps=num_decode_steps)
         self.scheduler = Scheduler(self.runner.kv, self.max_num_seqs, budget, build.max_seq_len)
         self.sampler = Sampler()
         self.tokenizer = self.engine.tokenizer
@@ -88,10 +99,13 @@ class LLM:
         return req
 
     def step(self) -> list[_Request]:
-        """Run one scheduler step; returns the requests that got a new token or finished."""
+        """Run one scheduler step; returns the requests that got new tokens or finished."""
         out = self.scheduler.schedule()
         if out.is_empty:
             raise RuntimeError("scheduler made no progress although requests are pending (KV cache too small?)")
+        num_steps = self._num_decode_steps(out)
+        if num_steps > 1:
+            return self._decode_steps(out, num_steps)
         logits = self.runner.execute(out)
         sampled_chunks = [ch for ch in out.chunks if ch.needs_logits]
         sampled = {}
@@ -99,6 +113,10 @@ class LLM:
             reqs = [self._requests[ch.seq.seq_id] for ch in sampled_chunks]
             tokens = self.sampler(logits, [r.seq.params for r in reqs], [r.generator for r in reqs]).tolist()
             sampled = {ch.seq.seq_id: t for ch, t in zip(sampled_chunks, tokens)}
+        return self._commit(out, sampled)
+
+    def _commit(self, out: SchedulerOutput, sampled: dict[int, int]) -> list[_Request]:
+        """Hand one executed step to the scheduler, then apply stop strings to the new text."""
         self.scheduler.update(out, sampled, self.eos_token_ids)
         touched = []
         for seq_id in sampled:
@@ -107,6 +125,35 @@ class LLM:
                 self.scheduler.finish(req.seq, "stop")
             touched.append(req)
         return touched
+
+    def _num_decode_steps(self, out: SchedulerOutput) -> int:
+        """How many decode steps to run back to back for this step (1 = an ordinary step)."""
+        k = self.num_decode_steps
+        if (k <= 1 or out.num_decodes != len(out.chunks) or out.preempted or self.scheduler.num_waiting
+                or any(ch.start + k > self.runner.max_seq_len for ch in out.chunks)):
+            return 1
+        try:  # pages for all k positions up front; a sequence that got them keeps them
+            for ch in out.chunks:
+                self.runner.kv.append(ch.seq.seq_id, ch.start, ch.start + k)
+        except OutOfPages:
+            return 1
+        return k
+
+    def _decode_steps(self, out: SchedulerOutput, num_steps: int) -> list[_Request]:
+        reqs = [self._requests[ch.seq.seq_id] for ch in out.chunks]
+        params, gens = [r.seq.params for r in reqs], [r.generator for r in reqs]
+        steps = self.runner.execute_decode_steps(out, num_steps, lambda logits: self.sampler(logits, params, gens))
+        tokens = torch.stack(steps).tolist()  # the one host sync of the whole run
+        touched = {}
+        for j in range(num_steps):
+            live = [(i, r) for i, r in enumerate(reqs) if r.seq.status is SequenceStatus.RUNNING]
+            if not live:
+                break
+            step_out = out if j == 0 else SchedulerOutput(
+                chunks=[ScheduledChunk(r.seq, r.seq.num_computed_tokens, 1) for _, r in live])
+            for r in self._commit(step_out, {r.seq.seq_id: tokens[j][i] for i, r in live}):
+                touched[r.seq.seq_id] = r
+        return list(touched.values())
 
     def _output(self, req: _Request) -> RequestOutput:
         self._requests.pop(req.seq.seq_id, None)

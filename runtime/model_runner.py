@@ -29,7 +29,7 @@ def kv_group_of(window: int | None) -> str:
 class ModelRunner:
     def __init__(self, engine: LoadedEngine, max_num_seqs: int, max_num_batched_tokens: int,
                  kv_cache_memory_bytes: int | None = None, gpu_memory_utilization: float = 0.9,
-                 enforce_eager: bool = False):
+                 enforce_eager: bool = False, max_decode_steps: int = 1):
         self.engine, self.model, self.device = engine, engine.model, engine.device
         cfg, build = engine.config.model, engine.config.build
         self.page_size = build.page_size
@@ -69,7 +69,7 @@ class ModelRunner:
         self.graphs = None
         if self.device.type == "cuda" and not enforce_eager:
             sizes = [b for b in build.cuda_graph_batch_sizes if b <= max_num_seqs]
-            self.graphs = DecodeGraphs(self, sizes)
+            self.graphs = DecodeGraphs(self, sizes, max_decode_steps)
 
     def _default_kv_budget(self, max_num_batched_tokens: int, utilization: float) -> int:
         if self.device.type != "cuda":
@@ -112,16 +112,8 @@ class ModelRunner:
         return self._tensor(padded, torch.int32)
 
     # -- run ------------------------------------------------------------------------------------
-    @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> torch.Tensor:
-        """Run one step; returns fp32 logits [num chunks with needs_logits, vocab] in chunk order."""
-        p = self.prepare(out)
-        num_seqs = len(out.chunks)
-        if self.graphs is not None and p["num_decodes"] == num_seqs and self.graphs.fits(num_seqs):
-            logits = self.graphs.replay(p)  # a decode chunk always samples: one row per chunk
-            assert all(ch.needs_logits for ch in out.chunks)
-            return logits
-        ctx = ForwardContext(
+    def _context(self, p: dict) -> ForwardContext:
+        return ForwardContext(
             positions=self._tensor(p["positions"], torch.int64),
             context_lens=self._tensor(p["ctx_lens"], torch.int32),
             cu_seqlens_q=self._tensor(p["cu"], torch.int32),
@@ -130,6 +122,42 @@ class ModelRunner:
                                        block_tables=self._block_tables(p["tables"][g]))
                     for g in self.groups},
             cu_seqlens_q_list=p["cu"], context_lens_list=p["ctx_lens"])
-        with forward_context(ctx):
+
+    def _uses_graph(self, p: dict, num_seqs: int) -> bool:
+        return self.graphs is not None and p["num_decodes"] == num_seqs and self.graphs.fits(num_seqs)
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> torch.Tensor:
+        """Run one step; returns fp32 logits [num chunks with needs_logits, vocab] in chunk order."""
+        p = self.prepare(out)
+        if self._uses_graph(p, len(out.chunks)):
+            bs = self.graphs.load([p])
+            return self.graphs.replay(0, bs, len(out.chunks))  # a decode chunk always samples
+        with forward_context(self._context(p)):
             hidden = self.model(self._tensor(p["input_ids"], torch.int64))
         return self.model.compute_logits(hidden[self._tensor(p["logits_rows"], torch.int64)])
+
+    @torch.inference_mode()
+    def execute_decode_steps(self, out: SchedulerOutput, num_steps: int, sample) -> list[torch.Tensor]:
+        """Run `num_steps` decode steps of the pure-decode batch `out` with no host sync between
+        them: step j + 1 feeds on step j's sampled tokens, which stay on the device. The caller
+        has allocated KV pages for all steps. `sample(logits [B, V]) -> tokens [B]` (device).
+        Returns each step's sampled tokens."""
+        plans = [self.prepare(out)]
+        starts = [ch.start for ch in out.chunks]
+        for j in range(1, num_steps):  # the same batch, one position further per step
+            q = dict(plans[0], positions=[s + j for s in starts], ctx_lens=[s + j + 1 for s in starts])
+            q["slots"] = {g: [self.kv.slot_mapping(ch.seq.seq_id, g, s + j, s + j + 1)[0]
+                              for ch, s in zip(out.chunks, starts)] for g in self.groups}
+            plans.append(q)
+        n, tokens = len(out.chunks), []
+        if self._uses_graph(plans[0], n):
+            bs = self.graphs.load(plans)
+            for j in range(num_steps):
+                tokens.append(sample(self.graphs.replay(j, bs, n, tokens[-1] if tokens else None)))
+            return tokens
+        for j, p in enumerate(plans):
+            input_ids = tokens[-1] if tokens else self._tensor(p["input_ids"], torch.int64)
+            with forward_context(self._context(p)):
+                tokens.append(sample(self.model.compute_logits(self.model(input_ids))))
+        return tokens

@@ -112,3 +112,30 @@ def test_infhip_run_cli(engine, capsys):
     assert "top_p" in capsys.readouterr().err
     assert run_cli.main(["--engine", str(engine) + "-missing", "--prompt", "x"]) == 2
     assert "not an infhip engine" in capsys.readouterr().err
+
+
+def test_multi_step_decode_equals_single_step(engine, llm):
+    """Decode steps run back to back on the device (tokens fed forward without a host look)
+    give exactly what single steps give, stops included (tokens past a stop are discarded)."""
+    multi = LLM(engine, num_decode_steps=4)
+    fused_runs = []
+    run_fused = multi._decode_steps
+    multi._decode_steps = lambda out, k: fused_runs.append(k) or run_fused(out, k)
+    whole = llm.generate(["stop here"], GREEDY)[0]
+    cases = [
+        (["a", "bbbbbbbbbb", "hello there"], SamplingParams(max_tokens=11, temperature=0.0, ignore_eos=True)),
+        (["stop here"], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, stop=[whole.text[3:5]])),
+        (["stop here"], SamplingParams(max_tokens=12, temperature=0.0, stop_token_ids=[whole.token_ids[5]])),
+        (["xyz", "q"], SamplingParams(max_tokens=9, temperature=0.9, top_p=0.9, seed=3, ignore_eos=True)),
+    ]
+    for prompts, sp in cases:
+        single = llm.generate(prompts, sp)
+        fused = multi.generate(prompts, sp)
+        assert [o.token_ids for o in fused] == [o.token_ids for o in single]
+        assert [(o.text, o.finish_reason) for o in fused] == [(o.text, o.finish_reason) for o in single]
+    assert len(fused_runs) >= 5 and set(fused_runs) == {4}  # the fused path really ran
+    streamed = list(multi.generate_stream("a", cases[0][1]))
+    assert [t for d in streamed for t in d.token_ids] == llm.generate(["a"], cases[0][1])[0].token_ids
+    # Near max_seq_len (128) the fused steps fall back to single steps and still stop on "length".
+    long = multi.generate(prompt_token_ids=[[7] * 120], sampling_params=GREEDY)[0]
+    assert long.finish_reason == "length" and len(long.token_ids) == 8
