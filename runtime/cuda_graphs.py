@@ -92,15 +92,15 @@ class DecodeGraphs:
                 rows[3 + i, :n] = p["slots"][g]
                 rows[3 + i, n:bs] = -1  # padding writes nothing
         k = len(plans)
-        self.steps[:k, :, :bs].copy_(self.host_steps[:k, :, :bs], non_blocking=True)
+        # Whole contiguous blocks (a few KB): a strided pinned copy could be staged through pageable memory.
+        self.steps[:k].copy_(self.host_steps[:k], non_blocking=True)
         for i, g in enumerate(self.groups):
             # The last step's tables cover every step (pages were allocated for all of them);
             # entries past a row's length are never read (context_lens bounds the kernel).
             table_rows = plans[-1]["tables"][g]
-            width = max(len(r) for r in table_rows)
             for b, r in enumerate(table_rows):
                 self.host_tables_np[i, b, :len(r)] = r
-            self.tables[g][:n, :width].copy_(self.host_tables[i, :n, :width], non_blocking=True)
+            self.tables[g][:n].copy_(self.host_tables[i, :n], non_blocking=True)
         return bs
 
     def replay(self, step: int, bs: int, n: int, input_ids: torch.Tensor | None = None) -> torch.Tensor:
