@@ -77,19 +77,19 @@ class DecodeGraphs:
     def fits(self, num_seqs: int) -> bool:
         return num_seqs <= self.sizes[-1]
 
-    def load(self, plans: list[dict]) -> int:
+    def load(self, plans: list) -> int:
         """Stage the host-planned inputs of len(plans) consecutive decode steps of one batch (step
         j > 0 takes its input tokens from the device, see `replay`); returns the padded batch size."""
-        n = len(plans[0]["positions"])
+        n = len(plans[0].positions)
         bs = self.sizes[bisect.bisect_left(self.sizes, n)]
         for j, p in enumerate(plans):
             rows = self.host_steps_np[j]
             if j == 0:
-                rows[0, :n] = p["input_ids"]
-            rows[1, :n], rows[2, :n] = p["positions"], p["ctx_lens"]
+                rows[0, :n] = p.input_ids
+            rows[1, :n], rows[2, :n] = p.positions, p.ctx_lens
             rows[0:3, n:bs] = 0  # padding rows: token 0 at position 0 with no context
             for i, g in enumerate(self.groups):
-                rows[3 + i, :n] = p["slots"][g]
+                rows[3 + i, :n] = p.slots[g]
                 rows[3 + i, n:bs] = -1  # padding writes nothing
         k = len(plans)
         # Whole contiguous blocks (a few KB): a strided pinned copy could be staged through pageable memory.
@@ -97,7 +97,7 @@ class DecodeGraphs:
         for i, g in enumerate(self.groups):
             # The last step's tables cover every step (pages were allocated for all of them);
             # entries past a row's length are never read (context_lens bounds the kernel).
-            table_rows = plans[-1]["tables"][g]
+            table_rows = plans[-1].tables[g]
             for b, r in enumerate(table_rows):
                 self.host_tables_np[i, b, :len(r)] = r
             self.tables[g][:n].copy_(self.host_tables[i, :n], non_blocking=True)

@@ -9,7 +9,9 @@ and replays it.
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -20,6 +22,22 @@ from infhip.runtime.kv_cache import KVCacheManager, KVGroupSpec
 from infhip.runtime.scheduler import SchedulerOutput
 
 GiB = 1 << 30
+
+
+@dataclass
+class StepPlan:
+    """Host-side inputs of one step, in batch order (decodes first): flat token lists, the prefix
+    sums of query rows, and per KV group the cache slot of each new token and each sequence's
+    page table."""
+
+    input_ids: list[int]
+    positions: list[int]
+    cu: list[int]  # [B + 1] query-row prefix sums
+    ctx_lens: list[int]  # [B] tokens in the cache after the step
+    logits_rows: list[int]  # rows whose logits are sampled
+    slots: dict[str, list[int]]
+    tables: dict[str, list[list[int]]]
+    num_decodes: int
 
 
 def kv_group_of(window: int | None) -> str:
@@ -81,7 +99,7 @@ class ModelRunner:
         return max(0, int(free - (1 - utilization) * total) - act - GiB)
 
     # -- plan: host-side, once per step -------------------------------------------------------
-    def prepare(self, out: SchedulerOutput):
+    def prepare(self, out: SchedulerOutput) -> StepPlan:
         input_ids, positions, cu, ctx_lens, logits_rows = [], [], [0], [], []
         slots = {g: [] for g in self.groups}
         tables = {g: [] for g in self.groups}
@@ -90,7 +108,10 @@ class ModelRunner:
             seq = ch.seq
             if ch.num_tokens == 1 and num_decodes == i:
                 num_decodes += 1
-            input_ids += seq.all_token_ids[ch.start:ch.end]
+            if ch.num_tokens == 1 and ch.end == seq.num_tokens:
+                input_ids.append(seq.last_token_id)  # decode: no copy of the whole token list
+            else:
+                input_ids += seq.all_token_ids[ch.start:ch.end]
             positions += range(ch.start, ch.end)
             cu.append(cu[-1] + ch.num_tokens)
             ctx_lens.append(ch.end)
@@ -99,8 +120,8 @@ class ModelRunner:
             for g in self.groups:
                 slots[g] += self.kv.slot_mapping(seq.seq_id, g, ch.start, ch.end)
                 tables[g].append(self.kv.block_table(seq.seq_id, g))
-        return dict(input_ids=input_ids, positions=positions, cu=cu, ctx_lens=ctx_lens,
-                    logits_rows=logits_rows, slots=slots, tables=tables, num_decodes=num_decodes)
+        return StepPlan(input_ids=input_ids, positions=positions, cu=cu, ctx_lens=ctx_lens,
+                        logits_rows=logits_rows, slots=slots, tables=tables, num_decodes=num_decodes)
 
     def _tensor(self, values, dtype) -> torch.Tensor:
         t = torch.tensor(values, dtype=dtype)
@@ -112,19 +133,19 @@ class ModelRunner:
         return self._tensor(padded, torch.int32)
 
     # -- run ------------------------------------------------------------------------------------
-    def _context(self, p: dict) -> ForwardContext:
+    def _context(self, p: StepPlan) -> ForwardContext:
         return ForwardContext(
-            positions=self._tensor(p["positions"], torch.int64),
-            context_lens=self._tensor(p["ctx_lens"], torch.int32),
-            cu_seqlens_q=self._tensor(p["cu"], torch.int32),
-            num_decodes=p["num_decodes"],
-            groups={g: KVGroupMetadata(slot_mapping=self._tensor(p["slots"][g], torch.int64),
-                                       block_tables=self._block_tables(p["tables"][g]))
+            positions=self._tensor(p.positions, torch.int64),
+            context_lens=self._tensor(p.ctx_lens, torch.int32),
+            cu_seqlens_q=self._tensor(p.cu, torch.int32),
+            num_decodes=p.num_decodes,
+            groups={g: KVGroupMetadata(slot_mapping=self._tensor(p.slots[g], torch.int64),
+                                       block_tables=self._block_tables(p.tables[g]))
                     for g in self.groups},
-            cu_seqlens_q_list=p["cu"], context_lens_list=p["ctx_lens"])
+            cu_seqlens_q_list=p.cu, context_lens_list=p.ctx_lens)
 
-    def _uses_graph(self, p: dict, num_seqs: int) -> bool:
-        return self.graphs is not None and p["num_decodes"] == num_seqs and self.graphs.fits(num_seqs)
+    def _uses_graph(self, p: StepPlan, num_seqs: int) -> bool:
+        return self.graphs is not None and p.num_decodes == num_seqs and self.graphs.fits(num_seqs)
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> torch.Tensor:
@@ -134,8 +155,8 @@ class ModelRunner:
             bs = self.graphs.load([p])
             return self.graphs.replay(0, bs, len(out.chunks))  # a decode chunk always samples
         with forward_context(self._context(p)):
-            hidden = self.model(self._tensor(p["input_ids"], torch.int64))
-        return self.model.compute_logits(hidden[self._tensor(p["logits_rows"], torch.int64)])
+            hidden = self.model(self._tensor(p.input_ids, torch.int64))
+        return self.model.compute_logits(hidden[self._tensor(p.logits_rows, torch.int64)])
 
     @torch.inference_mode()
     def execute_decode_steps(self, out: SchedulerOutput, num_steps: int, sample) -> list[torch.Tensor]:
@@ -146,10 +167,10 @@ class ModelRunner:
         plans = [self.prepare(out)]
         starts = [ch.start for ch in out.chunks]
         for j in range(1, num_steps):  # the same batch, one position further per step
-            q = dict(plans[0], positions=[s + j for s in starts], ctx_lens=[s + j + 1 for s in starts])
-            q["slots"] = {g: [self.kv.slot_mapping(ch.seq.seq_id, g, s + j, s + j + 1)[0]
-                              for ch, s in zip(out.chunks, starts)] for g in self.groups}
-            plans.append(q)
+            slots = {g: [self.kv.slot_mapping(ch.seq.seq_id, g, s + j, s + j + 1)[0]
+                         for ch, s in zip(out.chunks, starts)] for g in self.groups}
+            plans.append(dataclasses.replace(plans[0], positions=[s + j for s in starts],
+                                             ctx_lens=[s + j + 1 for s in starts], slots=slots))
         n, tokens = len(out.chunks), []
         if self._uses_graph(plans[0], n):
             bs = self.graphs.load(plans)
@@ -157,7 +178,7 @@ class ModelRunner:
                 tokens.append(sample(self.graphs.replay(j, bs, n, tokens[-1] if tokens else None)))
             return tokens
         for j, p in enumerate(plans):
-            input_ids = tokens[-1] if tokens else self._tensor(p["input_ids"], torch.int64)
+            input_ids = tokens[-1] if tokens else self._tensor(p.input_ids, torch.int64)
             with forward_context(self._context(p)):
                 tokens.append(sample(self.model.compute_logits(self.model(input_ids))))
         return tokens
