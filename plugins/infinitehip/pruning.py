@@ -1,0 +1,267 @@
+"""InfiniteHiP pruning stage (paper 000, Algorithms 2-3): one kernel for every stage (b_q, l_c, k).
+
+For a query block (blocks.py) with queries q_t (all q heads h of kv head g(h)) and sorted
+candidate tokens I (stage 1: the whole middle [n_sink, s), walked implicitly), split I into
+chunks C_j = I[j l_c : (j+1) l_c] (the last one may be short) and, per chunk and kv head g,
+pick a representative with SelectRep, a top-1 tournament of ceil(log2 l_c) halvings:
+
+    sigma(i)    = max over the block's queries t and the q heads h of g, causal (I[i] <= pos_t),
+                  of q_{t,h} . k_{I[i], g}                   (unscaled; keys per RoPE style)
+    range [f, f + 2w) -> compare sigma(f) (left half's first) with sigma(f + w) (right half's
+                  first); the right half wins only if strictly greater (ties keep the left);
+                  a right half starting past the chunk's end never wins
+    r_{j,g}     = f after the last halving,   s_j = max over g of the last winner's sigma
+
+then keep the top K = k / l_c chunks by s_j (torch.topk in the launcher: the one global step)
+and return their candidates, ascending: int32 [NB, k], PAD-padded, plus their count (k unless
+the short last chunk or fewer than K chunks were kept). l_c must be a power of two.
+
+Kernel: grid (NB, cdiv(max_chunks, BLOCK_C)); a program takes BLOCK_C chunks of one query block
+through the tournament for every kv head in turn, all chunks in lock-step: each halving loads
+one key per chunk (the right representative; the left one's sigma is the previous winner's),
+scores it against the block's [b_q * group, D] queries with one tl.dot and a max. No program
+waits on another. RoPE styles (rope_styles.py) re-rotate the queries once per kv head and each
+loaded key; RELATIVE also rescores the left representative every halving, because its position
+depends on the branch. CHUNK_INDEXED numbers chunks within the block's own candidate list.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .._triton_utils import dot_precision, next_pow2
+from .blocks import PAD, stream_starts
+from .rope_styles import (C_CHUNK_INDEXED, C_NONE, C_RELATIVE, CHUNK_INDEXED, NONE, RELATIVE,
+                          load_rotated, rope_style_id)
+
+_BLOCK_C = 16  # chunks per program (tl.dot needs >= 16 columns)
+
+
+@triton.jit
+def _candidate_tokens(cand_row, idx, valid, n_sink, CAND_IMPLICIT: tl.constexpr):
+    """Token of candidate idx of the block: n_sink + idx (stage 1) or the stored index."""
+    if CAND_IMPLICIT:
+        tok = n_sink + idx
+    else:
+        tok = tl.load(cand_row + idx, mask=valid, other=0)
+    return tok
+
+
+@triton.jit
+def _rep_scores(q, q_pos, row_valid, tok, tok_valid, key_pos, k_head_ptr, table_row,
+                stride_cp, stride_cs, inv_freq_ptr, head_dim,
+                PAGE_SIZE: tl.constexpr, BLOCK_D: tl.constexpr, ROTATE: tl.constexpr,
+                DOT_F32: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """sigma of BLOCK_C tokens: causal max over the q rows [BLOCK_Q, BLOCK_D] of q . k -> [BLOCK_C]
+    (-inf where invalid). key_pos: the style's position of each key (ignored unless ROTATE)."""
+    page = tl.load(table_row + tok // PAGE_SIZE, mask=tok_valid, other=0)
+    rows = k_head_ptr + page.to(tl.int64) * stride_cp + (tok % PAGE_SIZE) * stride_cs
+    k = load_rotated(rows, tok_valid, key_pos - tok, inv_freq_ptr, head_dim, BLOCK_D, ROTATE)
+    if not DOT_F32:
+        k = k.to(k_head_ptr.dtype.element_ty)
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [BLOCK_Q, BLOCK_C]
+    visible = row_valid[:, None] & tok_valid[None, :] & (tok[None, :] <= q_pos[:, None])
+    return tl.max(tl.where(visible, s, float("-inf")), axis=0)
+
+
+@triton.jit
+def _select_rep_kernel(
+    # inputs
+    q_ptr,  # [T, Hq, D] packed queries, rotated at their positions
+    k_cache_ptr,  # [num_pages, page_size, Hkv, D]
+    block_tables_ptr,  # [NB, max_pages] int32
+    q_start_ptr, q_lens_ptr, ends_ptr,  # [NB] int32 query blocks
+    cand_ptr,  # [NB, max_cand] int32 ascending candidates (unused if CAND_IMPLICIT)
+    cand_lens_ptr,  # [NB] int32 (unused if CAND_IMPLICIT)
+    inv_freq_ptr,  # [D/2] float32 (unused if ROPE_STYLE == NONE)
+    # outputs
+    scores_ptr,  # [NB, max_chunks] float32 chunk scores, -inf past the block's chunks
+    reps_ptr,  # [NB, Hkv, max_chunks] int32 representatives, PAD past the chunks (STORE_REPS)
+    # constants
+    stride_qt, stride_qh,
+    stride_cp, stride_cs, stride_ch,
+    stride_bt, stride_cand,
+    max_chunks, num_kv_heads, group_size, head_dim,
+    n_sink, n_stream, chunk_size, num_iters,
+    PAGE_SIZE: tl.constexpr,
+    BLOCK_Q: tl.constexpr,  # b_q * group_size query rows, padded to a power of two >= 16
+    BLOCK_C: tl.constexpr,  # chunks per program
+    BLOCK_D: tl.constexpr,
+    CAND_IMPLICIT: tl.constexpr,  # stage 1: candidates are the block's middle [n_sink, s)
+    STORE_REPS: tl.constexpr,
+    ROPE_STYLE: tl.constexpr,  # NONE | RELATIVE | CHUNK_INDEXED
+    DOT_F32: tl.constexpr,  # float32 dot operands (CPU interpreter, float32 caches)
+    DOT_PRECISION: tl.constexpr,
+):
+    blk = tl.program_id(0)
+    chunk = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)  # [BLOCK_C]
+    q_len = tl.load(q_lens_ptr + blk)
+    q0 = tl.load(q_start_ptr + blk)
+    end = tl.load(ends_ptr + blk)
+    cand_row = cand_ptr + blk.to(tl.int64) * stride_cand
+    table_row = block_tables_ptr + blk.to(tl.int64) * stride_bt
+    if CAND_IMPLICIT:
+        n_cand = tl.maximum(tl.maximum(tl.minimum(n_sink, end), end - n_stream) - n_sink, 0)
+    else:
+        n_cand = tl.load(cand_lens_ptr + blk)
+    base = chunk * chunk_size
+    chunk_len = tl.minimum(tl.maximum(n_cand - base, 0), chunk_size)  # valid candidates per chunk
+    has = chunk_len > 0
+
+    rows = tl.arange(0, BLOCK_Q)
+    t = rows // group_size
+    row_valid = t < q_len
+    q_pos = end - q_len + t  # [BLOCK_Q] original query positions
+    q_rows = q_ptr + (q0 + t).to(tl.int64) * stride_qt + (rows % group_size) * stride_qh
+    if ROPE_STYLE == C_RELATIVE:
+        q_delta = n_stream + 1 - q_pos
+        left_pos = chunk * 0
+        right_pos = chunk * 0 + 1
+    elif ROPE_STYLE == C_CHUNK_INDEXED:
+        q_delta = tl.minimum(q_pos, tl.cdiv(n_cand, chunk_size) + n_stream) - q_pos
+        left_pos = chunk
+        right_pos = chunk
+    else:
+        q_delta = q_pos * 0
+        left_pos = chunk
+        right_pos = chunk
+    ROTATE: tl.constexpr = ROPE_STYLE != C_NONE
+
+    best = tl.full([BLOCK_C], float("-inf"), tl.float32)
+    for kv_head in range(num_kv_heads):
+        q = load_rotated(q_rows + kv_head * group_size * stride_qh, row_valid, q_delta,
+                         inv_freq_ptr, head_dim, BLOCK_D, ROTATE)
+        if not DOT_F32:
+            q = q.to(k_cache_ptr.dtype.element_ty)
+        k_head = k_cache_ptr + kv_head * stride_ch
+        first = chunk * 0  # offset of the current range's first candidate within the chunk
+        tok = _candidate_tokens(cand_row, base, has, n_sink, CAND_IMPLICIT)
+        s_left = _rep_scores(q, q_pos, row_valid, tok, has, left_pos, k_head, table_row,
+                             stride_cp, stride_cs, inv_freq_ptr, head_dim,
+                             PAGE_SIZE, BLOCK_D, ROTATE, DOT_F32, DOT_PRECISION)
+        half = chunk_size
+        for _ in range(num_iters):
+            half = half // 2
+            right = first + half
+            r_valid = right < chunk_len
+            r_tok = _candidate_tokens(cand_row, base + right, r_valid, n_sink, CAND_IMPLICIT)
+            s_right = _rep_scores(q, q_pos, row_valid, r_tok, r_valid, right_pos, k_head, table_row,
+                                  stride_cp, stride_cs, inv_freq_ptr, head_dim,
+                                  PAGE_SIZE, BLOCK_D, ROTATE, DOT_F32, DOT_PRECISION)
+            if ROPE_STYLE == C_RELATIVE:  # the winner moved from branch 2 to branch 1: rescore
+                l_tok = _candidate_tokens(cand_row, base + first, has, n_sink, CAND_IMPLICIT)
+                s_left = _rep_scores(q, q_pos, row_valid, l_tok, has, left_pos, k_head, table_row,
+                                     stride_cp, stride_cs, inv_freq_ptr, head_dim,
+                                     PAGE_SIZE, BLOCK_D, ROTATE, DOT_F32, DOT_PRECISION)
+            first = tl.where(s_right > s_left, right, first)
+            s_left = tl.maximum(s_left, s_right)  # sigma of the winner = next range's first
+        best = tl.maximum(best, s_left)
+        if STORE_REPS:
+            rep = _candidate_tokens(cand_row, base + first, has, n_sink, CAND_IMPLICIT)
+            rep_off = (blk.to(tl.int64) * num_kv_heads + kv_head) * max_chunks + chunk
+            tl.store(reps_ptr + rep_off, tl.where(has, rep, 2147483647), mask=chunk < max_chunks)
+    tl.store(scores_ptr + blk.to(tl.int64) * max_chunks + chunk, best, mask=chunk < max_chunks)
+
+
+def _num_iters(chunk_size: int) -> int:
+    assert chunk_size >= 1 and chunk_size & (chunk_size - 1) == 0, "l_c must be a power of two"
+    return chunk_size.bit_length() - 1
+
+
+def _candidate_lens(ends, candidates, cand_lens, n_sink, n_stream):
+    if candidates is None:
+        return (stream_starts(ends, n_sink, n_stream) - n_sink).clamp(min=0)
+    return cand_lens if cand_lens is not None else (candidates != PAD).sum(-1).to(torch.int32)
+
+
+def select_rep_scores(q, k_cache, block_tables, q_start, q_lens, ends, candidates=None,
+                      cand_lens=None, *, chunk_size: int, block_q: int, n_sink: int, n_stream: int,
+                      max_candidates: int | None = None, rope_style="none",
+                      inv_freq: torch.Tensor | None = None, store_reps: bool = False):
+    """Triton SelectRep: chunk scores float32 [NB, max_chunks] and (store_reps) representatives
+    int32 [NB, Hkv, max_chunks]. candidates None = stage 1 (the middle, implicitly); then
+    max_candidates must be >= every block's middle length (a fixed capacity keeps the grid
+    graph-capturable; a smaller one silently drops the newest candidates; default: read from
+    ends, a host sync)."""
+    T, Hq, D = q.shape
+    num_pages, page_size, Hkv, Dk = k_cache.shape
+    NB = ends.shape[0]
+    assert Dk == D and Hq % Hkv == 0 and q.dtype == k_cache.dtype
+    assert q.stride(2) == 1 and k_cache.stride(3) == 1 and page_size & (page_size - 1) == 0
+    for meta in (q_start, q_lens, ends):
+        assert meta.shape == (NB,) and meta.dtype == torch.int32 and meta.is_contiguous()
+    assert block_tables.dtype == torch.int32 and block_tables.shape[0] == NB and block_tables.stride(1) == 1
+    style = rope_style_id(rope_style)
+    assert style in (NONE, RELATIVE, CHUNK_INDEXED), "pruning takes none | relative | chunk_indexed"
+    if style != NONE:
+        assert inv_freq is not None and inv_freq.shape == (D // 2,) and inv_freq.dtype == torch.float32
+    implicit = candidates is None
+    if implicit:
+        if max_candidates is None:
+            max_candidates = int(_candidate_lens(ends, None, None, n_sink, n_stream).max().item()) if NB else 0
+        cand, cand_lens = ends, ends  # dummies, never read
+    else:
+        assert candidates.dtype == torch.int32 and candidates.shape[0] == NB and candidates.stride(1) == 1
+        max_candidates = candidates.shape[1]
+        cand_lens = _candidate_lens(ends, candidates, cand_lens, n_sink, n_stream)
+        cand = candidates
+    max_chunks = triton.cdiv(max_candidates, chunk_size)
+    scores = torch.full((NB, max_chunks), float("-inf"), dtype=torch.float32, device=q.device)
+    reps = torch.full((NB, Hkv, max_chunks), PAD, dtype=torch.int32, device=q.device) if store_reps else scores
+    if NB == 0 or max_chunks == 0:
+        return scores, (reps if store_reps else None)
+    G = Hq // Hkv
+    _select_rep_kernel[(NB, triton.cdiv(max_chunks, _BLOCK_C))](
+        q, k_cache, block_tables, q_start, q_lens, ends, cand, cand_lens,
+        inv_freq if inv_freq is not None else scores,
+        scores, reps,
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        block_tables.stride(0), cand.stride(0),
+        max_chunks, Hkv, G, D, n_sink, n_stream, chunk_size, _num_iters(chunk_size),
+        PAGE_SIZE=page_size, BLOCK_Q=max(16, next_pow2(block_q * G)), BLOCK_C=_BLOCK_C,
+        BLOCK_D=max(16, next_pow2(D)), CAND_IMPLICIT=implicit, STORE_REPS=store_reps,
+        ROPE_STYLE=style, DOT_F32=not q.is_cuda or q.dtype == torch.float32,
+        DOT_PRECISION=dot_precision(q.dtype if q.is_cuda else torch.float32),
+        num_warps=8 if block_q * G >= 128 else 4,  # the [b_q * group, D] query tile stays in registers
+    )
+    return scores, (reps if store_reps else None)
+
+
+def topk_chunks(scores, candidates, cand_lens, *, chunk_size: int, k: int, n_sink: int):
+    """Keep the K = k / l_c best chunks (torch.topk) and list their candidates ascending:
+    (int32 [NB, k] PAD-padded, lens int32 [NB]). candidates None = stage 1 (n_sink + index)."""
+    assert k % chunk_size == 0, "k must be a multiple of l_c"
+    NB, C = scores.shape
+    K = min(k // chunk_size, C)
+    num_chunks = (cand_lens.long() + chunk_size - 1) // chunk_size  # [NB]
+    top = scores.topk(K, dim=1).indices  # [NB, K]
+    top = torch.where(top < num_chunks[:, None], top, C).sort(dim=1).values  # unused chunks last
+    idx = (top[:, :, None] * chunk_size + torch.arange(chunk_size, device=scores.device)).flatten(1)
+    valid = (idx < cand_lens.long()[:, None]) & (idx < C * chunk_size)
+    if candidates is None:
+        tok = n_sink + idx
+    else:
+        tok = candidates.long().gather(1, idx.clamp(max=max(candidates.shape[1] - 1, 0)))
+    out = torch.full((NB, k), PAD, dtype=torch.int32, device=scores.device)
+    out[:, :K * chunk_size] = torch.where(valid, tok, PAD).to(torch.int32)
+    return out, valid.sum(1).to(torch.int32)
+
+
+def pruning_stage(q, k_cache, block_tables, q_start, q_lens, ends, candidates=None, cand_lens=None,
+                  *, chunk_size: int, k: int, block_q: int, n_sink: int, n_stream: int,
+                  max_candidates: int | None = None, rope_style="none", inv_freq=None):
+    """One pruning stage: the Triton SelectRep kernel, then topk_chunks. Returns the survivors
+    (int32 [NB, k] ascending, PAD-padded) and their counts (int32 [NB]), the next stage's input.
+
+        >>> sel, n = pruning_stage(q, k_cache, tables, q_start, q_lens, ends,   # doctest: +SKIP
+        ...                        chunk_size=256, k=32768, block_q=64, n_sink=256, n_stream=1024)
+    """
+    scores, _ = select_rep_scores(q, k_cache, block_tables, q_start, q_lens, ends, candidates,
+                                  cand_lens, chunk_size=chunk_size, block_q=block_q, n_sink=n_sink,
+                                  n_stream=n_stream, max_candidates=max_candidates,
+                                  rope_style=rope_style, inv_freq=inv_freq)
+    lens = _candidate_lens(ends, candidates, cand_lens, n_sink, n_stream)
+    return topk_chunks(scores, candidates, lens, chunk_size=chunk_size, k=k, n_sink=n_sink)

@@ -1,0 +1,105 @@
+"""Dynamic RoPE for InfiniteHiP: re-rotate cached keys and queries to style-chosen positions.
+
+The KV cache holds keys already rotated (neox "rotate half", plugins/rope.py) at their original
+position p, and queries arrive rotated at theirs. A rotation is a group action,
+R(p_new) x = R(p_new - p) R(p) x, so moving a vector to a new position p_new only needs the
+delta  delta = p_new - p:
+
+    angle[j] = delta * inv_freq[j]                       (j < D/2; float64, reduced mod 2 pi)
+    out      = x * cos(angle[j % half]) + sign * x_rot * sin(angle[j % half])
+    x_rot[j] = x[j + half] (j < half) | x[j - half] (j >= half),  sign = -1 | +1
+
+(attention_scaling is already in the stored vectors and a rotation keeps it.)
+
+Styles (paper 000, "Dynamic RoPE"; positions are relative to nothing else, only differences
+matter inside a dot product):
+
+    NONE           keep the stored rotation (original positions; inside the trained window)
+    RELATIVE       pruning, layers >= 4: every query at n_stream + 1, SelectRep's left-branch
+                   representative at 0 and right-branch one at 1 (distances n_stream + 1, n_stream)
+    CHUNK_INDEXED  pruning, layers 1-3: a key at the index c of its chunk in this stage, a query
+                   at min(p, num_chunks + n_stream) (the newest chunk n_stream + 1 behind it)
+    STREAMING      block-sparse attention: the keys of the block's set at their rank 0, 1, ...
+                   in original order, a query at the rank of its own token (StreamingLLM)
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+NONE, RELATIVE, CHUNK_INDEXED, STREAMING = 0, 1, 2, 3
+# the same ids for kernels (compiled Triton reads only constexpr globals)
+C_NONE, C_RELATIVE = tl.constexpr(NONE), tl.constexpr(RELATIVE)
+C_CHUNK_INDEXED, C_STREAMING = tl.constexpr(CHUNK_INDEXED), tl.constexpr(STREAMING)
+_NAMES = {"none": NONE, "relative": RELATIVE, "chunk_indexed": CHUNK_INDEXED, "streaming": STREAMING}
+
+
+def rope_style_id(style: str | int) -> int:
+    """'none' | 'relative' | 'chunk_indexed' | 'streaming' (or the id itself) -> int id."""
+    if isinstance(style, int):
+        assert style in _NAMES.values(), f"unknown rope style id {style}"
+        return style
+    assert style in _NAMES, f"unknown rope style {style!r}; one of {sorted(_NAMES)}"
+    return _NAMES[style]
+
+
+@triton.jit
+def _sin_cos(a):
+    """sin and cos of a float32 angle already reduced to [-pi, pi] (Taylor to x^17 / x^18, error
+    < 5e-7): libdevice's sinf/cosf carry a large-argument path that, inlined for every element,
+    makes the kernels megabytes big."""
+    a2 = a * a
+    s = a2 * 2.8114572543455206e-15 + -7.647163731819816e-13
+    s = s * a2 + 1.6059043836821613e-10
+    s = s * a2 + -2.505210838544172e-08
+    s = s * a2 + 2.7557319223985893e-06
+    s = s * a2 + -0.0001984126984126984
+    s = s * a2 + 0.008333333333333333
+    s = s * a2 + -0.16666666666666666
+    s = s * a2 + 1.0
+    c = a2 * -1.5619206968586225e-16 + 4.779477332387385e-14
+    c = c * a2 + -1.1470745597729725e-11
+    c = c * a2 + 2.08767569878681e-09
+    c = c * a2 + -2.755731922398589e-07
+    c = c * a2 + 2.48015873015873e-05
+    c = c * a2 + -0.001388888888888889
+    c = c * a2 + 0.041666666666666664
+    c = c * a2 + -0.5
+    c = c * a2 + 1.0
+    return a * s, c
+
+
+@triton.jit
+def load_rotated(row_ptrs, row_mask, delta, inv_freq_ptr, head_dim,
+                 BLOCK_D: tl.constexpr, ROTATE: tl.constexpr):
+    """Load rows [R, BLOCK_D] (row_ptrs [R]: address of element 0 of each row, unit stride) and,
+    when ROTATE, rotate row r by the position delta[r] (int [R]); float32 result."""
+    d = tl.arange(0, BLOCK_D)
+    mask = row_mask[:, None] & (d < head_dim)[None, :]
+    x = tl.load(row_ptrs[:, None] + d[None, :], mask=mask, other=0.0).to(tl.float32)
+    if ROTATE:
+        half = head_dim // 2
+        lower = d < half
+        partner = tl.where(lower, d + half, d - half)
+        x_rot = tl.load(row_ptrs[:, None] + partner[None, :], mask=mask, other=0.0).to(tl.float32)
+        freq = tl.load(inv_freq_ptr + tl.where(lower, d, d - half), mask=d < head_dim, other=0.0)
+        # float64 product and reduction to [-pi, pi]: deltas reach 1e6+ at long context
+        angle = delta.to(tl.float64)[:, None] * freq.to(tl.float64)[None, :]
+        turns = tl.floor(angle * 0.15915494309189535 + 0.5)  # round(angle / 2 pi)
+        angle = (angle - turns * 6.283185307179586).to(tl.float32)
+        sin, cos = _sin_cos(angle)
+        x = x * cos + tl.where(lower, -1.0, 1.0)[None, :] * x_rot * sin
+    return x
+
+
+def rotate_by_ref(x: torch.Tensor, delta: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+    """Reference: rotate x [N, H, D] (or [N, D]) by the position deltas [N]; float64 result."""
+    half = x.shape[-1] // 2
+    angle = delta.double()[:, None] * inv_freq.double()[None, :]  # [N, D/2]
+    cos, sin = angle.cos(), angle.sin()
+    if x.dim() == 3:
+        cos, sin = cos[:, None, :], sin[:, None, :]
+    x1, x2 = x[..., :half].double(), x[..., half:].double()
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)

@@ -1,0 +1,261 @@
+"""InfiniteHiP block-sparse attention over a paged KV cache (decode and prefill, one kernel).
+
+Each query block (blocks.py) attends to exactly its key set, listed in original order:
+
+    keys(e) = sink [0, n0) ++ selected middle (sorted, inside [n_sink, s)) ++ stream [s, e)
+    n0 = min(n_sink, e),  s = max(n0, e - n_stream),  n_keys = n0 + n_sel + (e - s)
+
+(the list index r is a key's *rank*), with the causal cut key <= query position, and
+
+    out = softmax(scale * q . K_set^T) V_set          (float32 accumulation, exact softmax)
+
+Kernel: grid (NB, Hkv, NUM_SPLITS). A program takes the [b_q * group, D] query rows of one kv
+head and walks its share of the rank range [0, n_keys) in tiles of BLOCK_N; a rank maps to a
+token with two compares (sink: r, selected: selected[begin + r - n0], stream: s + r - n0 - n_sel)
+and a token to a cache row through the page table. Online softmax in base 2 as in
+plugins/dense_attention.py; with NUM_SPLITS > 1 (flash-decoding split-K) each split writes a
+normalised partial and its log2-sum-exp, and dense_attention's merge kernel combines them:
+
+    out = sum_s 2^(lse_s - M) o_s / sum_s 2^(lse_s - M),  M = max_s lse_s
+
+Decode = blocks of one query (q_start = b, ends = context_lens) with splits; prefill = blocks of
+b_q queries, one split. The grid depends only on shapes (graph-capturable); selected entries
+outside the middle (a cached mask while the stream moved on) are skipped via `selected_range`.
+
+RoPE: NONE keeps the cached rotation; STREAMING (StreamingLLM) moves a key to its rank and a
+query to its own token's rank (rope_styles.py). Needs n_stream >= b_q so every query's own
+token is a streaming token (a query always sees itself).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .._triton_utils import device_num_sms, dot_precision, next_pow2
+from ..dense_attention import _decode_merge_kernel, choose_num_splits, dense_attention_ref
+from .blocks import block_key_mask, selected_range
+from .rope_styles import C_STREAMING, NONE, STREAMING, load_rotated, rope_style_id, rotate_by_ref
+
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _sparse_attn_kernel(
+    # inputs
+    q_ptr,  # [T, Hq, D] packed queries
+    k_cache_ptr, v_cache_ptr,  # [num_pages, page_size, Hkv, D] (same strides)
+    block_tables_ptr,  # [NB, max_pages] int32
+    q_start_ptr, q_lens_ptr, ends_ptr,  # [NB] int32 query blocks
+    sel_ptr,  # [NB, K] int32 selected tokens, ascending, PAD-padded
+    sel_begin_ptr, sel_end_ptr,  # [NB] int32: the entries of sel inside the middle
+    inv_freq_ptr,  # [D/2] float32 (unused unless ROPE_STYLE == STREAMING)
+    # outputs
+    out_ptr,  # [T, Hq, D], written when NUM_SPLITS == 1
+    part_out_ptr,  # [T, Hq, NUM_SPLITS, D] float32, normalised per split
+    part_lse_ptr,  # [T, Hq, NUM_SPLITS] float32, log2-sum-exp per split
+    # constants
+    stride_qt, stride_qh,
+    stride_cp, stride_cs, stride_ch,
+    stride_bt, stride_sel,
+    stride_ot, stride_oh,
+    num_q_heads, group_size, head_dim,
+    n_sink, n_stream,
+    scale_log2,  # softmax scale * log2(e)
+    PAGE_SIZE: tl.constexpr,
+    BLOCK_Q: tl.constexpr,  # b_q * group_size query rows, padded to a power of two >= 16
+    BLOCK_N: tl.constexpr,  # keys (ranks) per iteration
+    BLOCK_D: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    ROPE_STYLE: tl.constexpr,  # NONE | STREAMING
+    DOT_F32: tl.constexpr,  # float32 dot operands (CPU interpreter, float32 caches)
+    DOT_PRECISION: tl.constexpr,
+):
+    blk = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    q_len = tl.load(q_lens_ptr + blk)
+    q0 = tl.load(q_start_ptr + blk)
+    end = tl.load(ends_ptr + blk)
+    sel_begin = tl.load(sel_begin_ptr + blk)
+    n0 = tl.minimum(n_sink, end)  # sink keys
+    s = tl.maximum(n0, end - n_stream)  # first streaming token
+    mid_end = n0 + tl.load(sel_end_ptr + blk) - sel_begin  # rank after the last selected key
+    n_keys = mid_end + end - s
+    num_tiles = tl.cdiv(n_keys, BLOCK_N)
+    per_split = tl.cdiv(num_tiles, NUM_SPLITS)
+    tile_lo = split * per_split
+    tile_hi = tl.minimum(tile_lo + per_split, num_tiles)
+
+    rows = tl.arange(0, BLOCK_Q)
+    t = rows // group_size
+    heads = kv_head * group_size + rows % group_size
+    row_valid = t < q_len
+    q_pos = end - q_len + t  # [BLOCK_Q]
+    q_rank = tl.where(q_pos < s, q_pos, mid_end + q_pos - s)  # rank of the query's own token
+    ROTATE: tl.constexpr = ROPE_STYLE == C_STREAMING
+    q = load_rotated(q_ptr + (q0 + t).to(tl.int64) * stride_qt + heads * stride_qh, row_valid,
+                     q_rank - q_pos, inv_freq_ptr, head_dim, BLOCK_D, ROTATE)
+    if not DOT_F32:
+        q = q.to(k_cache_ptr.dtype.element_ty)
+    d = tl.arange(0, BLOCK_D)
+    sel_row = sel_ptr + blk.to(tl.int64) * stride_sel + sel_begin - n0  # indexed by rank
+    table_row = block_tables_ptr + blk.to(tl.int64) * stride_bt
+
+    m = tl.full([BLOCK_Q], float("-inf"), tl.float32)
+    l = tl.zeros([BLOCK_Q], tl.float32)
+    acc = tl.zeros([BLOCK_Q, BLOCK_D], tl.float32)
+    for tile in range(tile_lo, tile_hi):
+        rank = tile * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+        valid = rank < n_keys
+        is_sel = (rank >= n0) & (rank < mid_end)
+        sel_tok = tl.load(sel_row + rank, mask=valid & is_sel, other=0)
+        tok = tl.where(rank < n0, rank, tl.where(is_sel, sel_tok, s + rank - mid_end))
+        page = tl.load(table_row + tok // PAGE_SIZE, mask=valid, other=0)
+        kv_row = page.to(tl.int64) * stride_cp + (tok % PAGE_SIZE) * stride_cs + kv_head * stride_ch
+        k = load_rotated(k_cache_ptr + kv_row, valid, rank - tok, inv_freq_ptr, head_dim, BLOCK_D, ROTATE)
+        v = tl.load(v_cache_ptr + kv_row[:, None] + d[None, :],
+                    mask=valid[:, None] & (d < head_dim)[None, :], other=0.0)
+        if DOT_F32:
+            v = v.to(tl.float32)
+        else:
+            k = k.to(k_cache_ptr.dtype.element_ty)
+        sc = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2  # [BLOCK_Q, BLOCK_N]
+        visible = valid[None, :] & (tok[None, :] <= q_pos[:, None])
+        sc = tl.where(visible, sc, float("-inf"))
+        m_new = tl.maximum(m, tl.max(sc, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row may see nothing yet (causal)
+        alpha = tl.exp2(m - m_safe)
+        p = tl.exp2(sc - m_safe[:, None])
+        l = l * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m = m_new
+
+    has_keys = l > 0.0
+    o = tl.where(has_keys[:, None], acc / tl.where(has_keys, l, 1.0)[:, None], 0.0)
+    o_mask = row_valid[:, None] & (d < head_dim)[None, :]
+    q_row = (q0 + t).to(tl.int64)
+    if NUM_SPLITS == 1:
+        out_off = q_row[:, None] * stride_ot + heads[:, None] * stride_oh + d[None, :]
+        tl.store(out_ptr + out_off, o.to(out_ptr.dtype.element_ty), mask=o_mask)
+    else:
+        row_id = q_row * num_q_heads + heads  # [BLOCK_Q] index into [T, Hq]
+        lse = tl.where(has_keys, m + tl.log2(tl.where(has_keys, l, 1.0)), float("-inf"))
+        tl.store(part_lse_ptr + row_id * NUM_SPLITS + split, lse, mask=row_valid)
+        part_off = (row_id * NUM_SPLITS + split)[:, None] * head_dim + d[None, :]
+        tl.store(part_out_ptr + part_off, o, mask=o_mask)
+
+
+def block_sparse_attention(q, k_cache, v_cache, block_tables, q_start, q_lens, ends, selected, *,
+                     block_q: int, n_sink: int, n_stream: int, scale: float, rope_style="none",
+                     inv_freq: torch.Tensor | None = None, num_splits: int = 1,
+                     block_n: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Triton launcher: q [T, Hq, D] packed, query blocks [NB] (blocks.py, q_lens <= block_q),
+    selected int32 [NB, K] (last pruning stage). Returns out [T, Hq, D] (rows of no block: 0)."""
+    T, Hq, D = q.shape
+    num_pages, page_size, Hkv, Dk = k_cache.shape
+    NB = ends.shape[0]
+    assert Dk == D and Hq % Hkv == 0 and q.dtype == k_cache.dtype == v_cache.dtype
+    assert v_cache.shape == k_cache.shape and v_cache.stride() == k_cache.stride()
+    assert q.stride(2) == 1 and k_cache.stride(3) == 1 and page_size & (page_size - 1) == 0
+    for meta in (q_start, q_lens, ends):
+        assert meta.shape == (NB,) and meta.dtype == torch.int32 and meta.is_contiguous()
+    assert block_tables.dtype == torch.int32 and block_tables.shape[0] == NB and block_tables.stride(1) == 1
+    assert selected.dtype == torch.int32 and selected.shape[0] == NB and selected.stride(1) == 1
+    assert n_stream >= block_q >= 1, "every query's own token must be a streaming token"
+    style = rope_style_id(rope_style)
+    assert style in (NONE, STREAMING), "block-sparse attention takes none | streaming"
+    if style == STREAMING:
+        assert inv_freq is not None and inv_freq.shape == (D // 2,) and inv_freq.dtype == torch.float32
+    if out is None:
+        out = torch.zeros_like(q)
+    assert out.shape == q.shape and out.stride(2) == 1
+    if NB == 0:
+        return out
+    sel_begin, sel_end = selected_range(selected, ends, n_sink, n_stream)
+    BLOCK_D = max(16, next_pow2(D))
+    BLOCK_N = block_n or (64 if BLOCK_D <= 128 else 32)
+    if num_splits > 1:
+        part_out = torch.empty((T, Hq, num_splits, D), dtype=torch.float32, device=q.device)
+        part_lse = torch.full((T, Hq, num_splits), float("-inf"), dtype=torch.float32, device=q.device)
+    else:
+        part_out = part_lse = out  # unused
+    G = Hq // Hkv
+    _sparse_attn_kernel[(NB, Hkv, num_splits)](
+        q, k_cache, v_cache, block_tables, q_start, q_lens, ends, selected, sel_begin, sel_end,
+        inv_freq if inv_freq is not None else part_lse,
+        out, part_out, part_lse,
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        block_tables.stride(0), selected.stride(0),
+        out.stride(0), out.stride(1),
+        Hq, G, D, n_sink, n_stream, float(scale) * _LOG2E,
+        PAGE_SIZE=page_size, BLOCK_Q=max(16, next_pow2(block_q * G)), BLOCK_N=BLOCK_N,
+        BLOCK_D=BLOCK_D, NUM_SPLITS=num_splits, ROPE_STYLE=style,
+        DOT_F32=not q.is_cuda or q.dtype == torch.float32,
+        DOT_PRECISION=dot_precision(q.dtype if q.is_cuda else torch.float32), num_warps=4,
+    )
+    if num_splits > 1:
+        _decode_merge_kernel[(T, Hq)](
+            part_out, part_lse, out, out.stride(0), out.stride(1), Hq, D,
+            NUM_SPLITS=num_splits, BLOCK_S=next_pow2(num_splits), BLOCK_D=BLOCK_D, num_warps=4,
+        )
+    return out
+
+
+def sparse_decode_attention(q, k_cache, v_cache, block_tables, context_lens, selected, *,
+                            n_sink: int, n_stream: int, scale: float, rope_style="none",
+                            inv_freq=None, num_splits: int | None = None, block_n: int | None = None,
+                            out=None) -> torch.Tensor:
+    """Decode: q [B, Hq, D] (one query per sequence, position context_lens[b] - 1), selected
+    int32 [B, K]. Flash-decoding split-K over sink + selected + stream; out [B, Hq, D]."""
+    B = q.shape[0]
+    q_start = torch.arange(B, dtype=torch.int32, device=q.device)
+    q_lens = torch.ones(B, dtype=torch.int32, device=q.device)
+    if num_splits is None:
+        tiles = triton.cdiv(n_sink + selected.shape[1] + n_stream, block_n or 64)
+        num_splits = choose_num_splits(B, k_cache.shape[2], tiles, device_num_sms(q.device))
+    return block_sparse_attention(q, k_cache, v_cache, block_tables, q_start, q_lens, context_lens, selected,
+                            block_q=1, n_sink=n_sink, n_stream=n_stream, scale=scale,
+                            rope_style=rope_style, inv_freq=inv_freq, num_splits=num_splits,
+                            block_n=block_n, out=out)
+
+
+def sparse_prefill_attention(q, k_cache, v_cache, block_tables, q_start, q_lens, ends, selected, *,
+                             block_q: int, n_sink: int, n_stream: int, scale: float,
+                             rope_style="none", inv_freq=None, block_n: int | None = None,
+                             out=None) -> torch.Tensor:
+    """Prefill: flash-style, each query block of <= block_q queries over its own key set with the
+    causal cut; q [T, Hq, D] packed, blocks from blocks.plan_query_blocks."""
+    return block_sparse_attention(q, k_cache, v_cache, block_tables, q_start, q_lens, ends, selected,
+                            block_q=block_q, n_sink=n_sink, n_stream=n_stream, scale=scale,
+                            rope_style=rope_style, inv_freq=inv_freq, num_splits=1,
+                            block_n=block_n, out=out)
+
+
+def sparse_attention_ref(q, k_cache, v_cache, block_tables, q_start, q_lens, ends, selected, *,
+                         n_sink: int, n_stream: int, scale: float, rope_style="none",
+                         inv_freq=None) -> torch.Tensor:
+    """Reference: per block, gather the key set (blocks.block_key_mask) and run an explicit
+    float64 softmax (dense_attention_ref, causal by position). STREAMING rotates keys to their
+    rank and each query to the rank of its own token. Returns float32 [T, Hq, D]."""
+    style = rope_style_id(rope_style)
+    page = k_cache.shape[1]
+    out = torch.zeros(q.shape, dtype=torch.float32)
+    num_keys = int(ends.max()) if ends.numel() else 0
+    masks = block_key_mask(selected.cpu(), ends.cpu(), n_sink, n_stream, num_keys)
+    for i in range(ends.shape[0]):
+        q_len, e, q0 = int(q_lens[i]), int(ends[i]), int(q_start[i])
+        if q_len == 0:
+            continue
+        toks = masks[i].nonzero()[:, 0]  # ascending
+        k = k_cache[block_tables[i, toks // page].long(), toks % page].cpu()
+        v = v_cache[block_tables[i, toks // page].long(), toks % page].cpu()
+        q_rows, q_pos = q[q0:q0 + q_len].cpu(), torch.arange(e - q_len, e)
+        if style == STREAMING:
+            ranks = torch.arange(toks.numel())
+            k = rotate_by_ref(k, ranks - toks, inv_freq.cpu())
+            q_rows = rotate_by_ref(q_rows, torch.searchsorted(toks, q_pos) - q_pos, inv_freq.cpu())
+        out[q0:q0 + q_len] = dense_attention_ref(q_rows, k, v, q_pos, toks, scale)
+    return out.to(q.device)

@@ -1,0 +1,180 @@
+"""InfiniteHiP pruning stage: the Triton SelectRep kernel (interpreter on CPU) against the float64
+torch reference, GQA, sink/stream exclusion, a 3-stage chain and the RoPE styles."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from infhip.plugins.infinitehip import (PAD, pruning_stage, pruning_stage_ref, select_rep_scores,
+                                        select_rep_scores_ref, stream_starts, topk_chunks,
+                                        topk_chunks_ref)
+
+from .test_infinitehip_common import DEVICE, PagedSeqs, inv_freq, random_rows
+
+N_SINK, N_STREAM = 4, 8
+
+
+def random_candidates(g, ends, keep=0.6):
+    """A random sorted subset of every block's middle, PAD-padded: (int32 [NB, w], lens [NB])."""
+    rows = []
+    for s in stream_starts(ends.cpu(), N_SINK, N_STREAM).tolist():
+        middle = torch.arange(N_SINK, max(s, N_SINK))
+        rows.append(middle[torch.rand(middle.numel(), generator=g) < keep])
+    width = max(r.numel() for r in rows) + 3  # trailing padding, like a real buffer
+    cand = torch.full((len(rows), width), PAD, dtype=torch.int32)
+    for i, r in enumerate(rows):
+        cand[i, :r.numel()] = r
+    return cand.to(DEVICE), torch.tensor([r.numel() for r in rows], dtype=torch.int32, device=DEVICE)
+
+
+def chosen_chunk_scores(selected, lens, candidates, scores, chunk_size):
+    """Per block, the sorted scores of the chunks a stage kept (tie-proof comparison of top-k)."""
+    out = []
+    for i in range(selected.shape[0]):
+        toks = selected[i, :int(lens[i])].long().cpu()
+        if candidates is None:
+            idx = toks - N_SINK
+        else:
+            idx = torch.searchsorted(candidates[i].long().cpu(), toks)
+        chunks = torch.unique(idx // chunk_size)
+        out.append(sorted(scores[i, chunks].tolist()))
+    return out
+
+
+def setup(Hq, Hkv, D, page_size, q_lens, block_q, seed, dyadic, contexts=(97, 203)):
+    seqs = PagedSeqs(list(contexts), Hkv, D, page_size, seed, dyadic=dyadic)
+    q = random_rows(seqs.generator, (sum(q_lens), Hq, D), dyadic).to(DEVICE)
+    return seqs, q, seqs.blocks(q_lens, block_q)
+
+
+SHAPES = [(6, 2, 16, 4), (4, 4, 32, 16)]  # Hq, Hkv, D, page_size
+QUERIES = [(1, [1, 1]), (8, [13, 20])]  # block_q, q_lens per sequence (decode, prefill blocks)
+
+
+@pytest.mark.parametrize("Hq,Hkv,D,page_size", SHAPES)
+@pytest.mark.parametrize("block_q,q_lens", QUERIES)
+@pytest.mark.parametrize("chunk_size", [4, 8])
+@pytest.mark.parametrize("explicit", [False, True])
+def test_select_rep_matches_reference_exactly(Hq, Hkv, D, page_size, block_q, q_lens, chunk_size, explicit):
+    """Dyadic inputs: every dot product is exact, so representatives and chunk scores must agree
+    bit for bit, and the kept chunks must have the same scores (identical sets barring ties)."""
+    seed = hash((Hq, D, block_q, chunk_size, explicit)) % 10_000
+    seqs, q, (q_start, lens, ends, tables) = setup(Hq, Hkv, D, page_size, q_lens, block_q, seed, True)
+    cand, cand_lens = random_candidates(seqs.generator, ends) if explicit else (None, None)
+    kw = dict(chunk_size=chunk_size, n_sink=N_SINK, n_stream=N_STREAM)
+    scores, reps = select_rep_scores(q, seqs.k_cache, tables, q_start, lens, ends, cand, cand_lens,
+                                     block_q=block_q, store_reps=True, **kw)
+    ref_scores, ref_reps, _ = select_rep_scores_ref(q, seqs.k_cache, tables, q_start, lens, ends, cand,
+                                                    cand_lens, max_candidates=scores.shape[1] * chunk_size
+                                                    if not explicit else None, **kw)
+    assert torch.equal(scores.double().cpu()[:, :ref_scores.shape[1]], ref_scores)
+    assert torch.equal(reps.cpu()[..., :ref_reps.shape[2]], ref_reps)
+    if not explicit:
+        cand_lens = (stream_starts(ends, N_SINK, N_STREAM) - N_SINK).clamp(min=0)
+    k = 3 * chunk_size
+    sel, n = topk_chunks(scores, cand, cand_lens, chunk_size=chunk_size, k=k, n_sink=N_SINK)
+    ref_sel, ref_n = topk_chunks_ref(ref_scores, cand, cand_lens, chunk_size=chunk_size, k=k, n_sink=N_SINK)
+    assert (chosen_chunk_scores(sel, n, cand, ref_scores, chunk_size)
+            == chosen_chunk_scores(ref_sel, ref_n, cand, ref_scores, chunk_size))
+
+
+def test_topk_chunks_matches_reference():
+    """Continuous random scores (no ties): identical survivors, ascending, PAD-padded, short last
+    chunk and blocks with fewer chunks than K included."""
+    g = torch.Generator().manual_seed(7)
+    cand_lens = torch.tensor([37, 40, 9, 0], dtype=torch.int32)
+    cand = torch.full((4, 43), PAD, dtype=torch.int32)
+    for i, n in enumerate(cand_lens.tolist()):
+        cand[i, :n] = torch.randperm(500, generator=g)[:n].sort().values
+    scores = torch.randn(4, 11, generator=g)
+    scores[torch.arange(11)[None, :] >= (cand_lens[:, None] + 3) // 4] = float("-inf")
+    for c in (cand, None):
+        sel, n = topk_chunks(scores, c, cand_lens, chunk_size=4, k=16, n_sink=N_SINK)
+        ref_sel, ref_n = topk_chunks_ref(scores, c, cand_lens, chunk_size=4, k=16, n_sink=N_SINK)
+        assert torch.equal(sel, ref_sel) and torch.equal(n, ref_n)
+        assert n[2] == 9 and n[3] == 0 and 12 < n[0] <= 16 and n[1] == 16
+
+
+def test_gqa_one_query_head_keeps_a_chunk():
+    """Only q head 4 (kv head 1's second query head) sees a strong run of keys at offsets 4..7
+    of one chunk: the tournament finds it for kv head 1 and the chunk is the one kept."""
+    Hq, Hkv, D, page_size, ctx, chunk_size = 6, 2, 16, 4, 203, 8
+    seqs = PagedSeqs([ctx], Hkv, D, page_size, seed=3)
+    seqs.k_cache *= 0.05
+    q = 0.05 * torch.randn(1, Hq, D, generator=seqs.generator).to(DEVICE)
+    q[0, 4] = 0.0
+    q[0, 4, 0] = 4.0
+    run = [N_SINK + 12 * chunk_size + j for j in range(4, 8)]  # tokens 104..107
+    for tok in run:
+        page, row = seqs.block_tables[0, tok // page_size], tok % page_size
+        seqs.k_cache[page, row, 1, 0] = 4.0
+    q_start, lens, ends, tables = seqs.blocks([1], 1)
+    kw = dict(chunk_size=chunk_size, n_sink=N_SINK, n_stream=N_STREAM, block_q=1)
+    scores, reps = select_rep_scores(q, seqs.k_cache, tables, q_start, lens, ends, store_reps=True, **kw)
+    assert int(reps[0, 1, 12]) in run and scores[0].argmax() == 12
+    sel, n = pruning_stage(q, seqs.k_cache, tables, q_start, lens, ends, k=chunk_size, **kw)
+    assert sel[0, :int(n[0])].tolist() == list(range(N_SINK + 96, N_SINK + 104))
+
+
+@pytest.mark.parametrize("block_q,q_lens", QUERIES)
+def test_three_stage_chain_keeps_k(block_q, q_lens):
+    """(l_c, k) = (16, 64) -> (8, 32) -> (4, 16): every stage equals the reference chain, keeps
+    sorted unique tokens of its input inside the middle (never sink or stream), and exactly k of
+    them when the middle is a multiple of l_c (always more than k - l_c otherwise)."""
+    stages = [(16, 64), (8, 32), (4, 16)]
+    seqs, q, (q_start, lens, ends, tables) = setup(6, 2, 16, 4, q_lens, block_q, seed=11, dyadic=False,
+                                                   contexts=(97, 204))
+    s = stream_starts(ends, N_SINK, N_STREAM).cpu()
+    sel = n = ref_sel = ref_n = None
+    prev = [set(range(N_SINK, int(x))) for x in s]
+    for chunk_size, k in stages:
+        kw = dict(chunk_size=chunk_size, k=k, n_sink=N_SINK, n_stream=N_STREAM)
+        sel, n = pruning_stage(q, seqs.k_cache, tables, q_start, lens, ends, sel, n,
+                               block_q=block_q, **kw)
+        ref_sel, ref_n = pruning_stage_ref(q, seqs.k_cache, tables, q_start, lens, ends, ref_sel, ref_n, **kw)
+        assert torch.equal(sel.cpu(), ref_sel) and torch.equal(n.cpu(), ref_n)
+        for i in range(ends.shape[0]):
+            toks = sel[i, :int(n[i])].cpu()
+            assert (sel[i, int(n[i]):] == PAD).all() and (toks[1:] > toks[:-1]).all()
+            assert set(toks.tolist()) <= prev[i] and (toks >= N_SINK).all() and (toks < s[i]).all()
+            available = len(prev[i])
+            if available <= k:
+                assert int(n[i]) == available
+            elif (int(s[i]) - N_SINK) % stages[0][0] == 0:
+                assert int(n[i]) == k
+            else:
+                assert k - stages[0][0] < int(n[i]) <= k
+            prev[i] = set(toks.tolist())
+    assert any(int(x) - N_SINK == 192 for x in s)  # the aligned case (context 204) was exercised
+
+
+@pytest.mark.parametrize("rope_style", ["relative", "chunk_indexed"])
+@pytest.mark.parametrize("block_q,q_lens", QUERIES)
+def test_select_rep_rope_styles_match_reference(rope_style, block_q, q_lens):
+    """Keys re-rotated in-kernel to the style's positions (float32 vs float64: representatives
+    compared where the reference tournament is not a near-tie)."""
+    Hq, Hkv, D = 6, 2, 32
+    seqs, q, (q_start, lens, ends, tables) = setup(Hq, Hkv, D, 16, q_lens, block_q, seed=5, dyadic=False)
+    kw = dict(chunk_size=8, n_sink=N_SINK, n_stream=N_STREAM, rope_style=rope_style, inv_freq=inv_freq(D))
+    scores, reps = select_rep_scores(q, seqs.k_cache, tables, q_start, lens, ends, block_q=block_q,
+                                     store_reps=True, **kw)
+    ref_scores, ref_reps, margins = select_rep_scores_ref(q, seqs.k_cache, tables, q_start, lens, ends, **kw)
+    assert torch.allclose(scores.double().cpu(), ref_scores, rtol=1e-5, atol=1e-5)
+    clear = margins > 1e-4
+    assert clear.float().mean() > 0.95 and torch.equal(reps.cpu()[clear], ref_reps[clear])
+    # the style matters: the same inputs without re-rotation pick differently somewhere
+    plain, _ = select_rep_scores(q, seqs.k_cache, tables, q_start, lens, ends, block_q=block_q,
+                                 chunk_size=8, n_sink=N_SINK, n_stream=N_STREAM)
+    assert not torch.allclose(plain, scores)
+
+
+def test_select_rep_causal_within_block():
+    """n_stream < b_q: the newest candidates lie after the block's first queries, which must not
+    score them (causal), exactly as in the reference."""
+    seqs, q, (q_start, lens, ends, tables) = setup(6, 2, 16, 4, [13, 20], 8, seed=9, dyadic=True)
+    kw = dict(chunk_size=4, n_sink=N_SINK, n_stream=2)
+    scores, reps = select_rep_scores(q, seqs.k_cache, tables, q_start, lens, ends, block_q=8,
+                                     store_reps=True, **kw)
+    ref_scores, ref_reps, _ = select_rep_scores_ref(q, seqs.k_cache, tables, q_start, lens, ends, **kw)
+    assert torch.equal(scores.double().cpu(), ref_scores) and torch.equal(reps.cpu(), ref_reps)

@@ -1,0 +1,143 @@
+"""InfiniteHiP block-sparse attention: decode (split-K) and prefill kernels (interpreter on CPU)
+against the gather + explicit-softmax reference, against dense attention when nothing is pruned,
+decode == the last prefill query, sink/stream always attended, StreamingLLM RoPE."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from infhip.plugins.dense_attention import dense_attention_ref
+from infhip.plugins.infinitehip import (PAD, initial_candidates, pruning_stage, sparse_attention_ref,
+                                        sparse_decode_attention, sparse_prefill_attention,
+                                        stream_starts)
+
+from .test_infinitehip_common import DEVICE, PagedSeqs, inv_freq, rel_err
+
+N_SINK = 4
+SHAPES = [(6, 2, 16, 4), (4, 4, 32, 16)]  # Hq, Hkv, D, page_size
+TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+
+
+def random_selection(g, ends, n_sink, n_stream, k, strays=True):
+    """Up to k random sorted middle tokens per block, PAD-padded to k + 2; with strays, a sink
+    token and a stream token too (what a cached mask holds once the stream moved on: the
+    kernels must skip them, not count them twice)."""
+    sel = torch.full((ends.shape[0], k + 2), PAD, dtype=torch.int32)
+    for i, (e, s) in enumerate(zip(ends.tolist(), stream_starts(ends.cpu(), n_sink, n_stream).tolist())):
+        middle = torch.arange(n_sink, max(s, n_sink))
+        row = middle[torch.randperm(middle.numel(), generator=g)[:k]].sort().values
+        if strays and s > n_sink:
+            row = torch.cat([torch.tensor([1]), row, torch.tensor([e - 2])])
+        sel[i, :row.numel()] = row
+    return sel.to(DEVICE)
+
+
+def kw(n_stream, scale=0.3, **extra):
+    return dict(n_sink=N_SINK, n_stream=n_stream, scale=scale, **extra)
+
+
+@pytest.mark.parametrize("Hq,Hkv,D,page_size", SHAPES)
+@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("rope_style", ["none", "streaming"])
+def test_decode_matches_reference(Hq, Hkv, D, page_size, num_splits, rope_style):
+    seqs = PagedSeqs([97, 203, 6], Hkv, D, page_size, seed=D + num_splits)  # 6: all sink + stream
+    q = torch.randn(3, Hq, D, generator=seqs.generator).to(DEVICE)
+    sel = random_selection(seqs.generator, seqs.context_lens, N_SINK, 8, k=24)
+    args = (q, seqs.k_cache, seqs.v_cache, seqs.block_tables)
+    opts = kw(8, rope_style=rope_style, inv_freq=inv_freq(D))
+    out = sparse_decode_attention(*args, seqs.context_lens, sel, num_splits=num_splits, block_n=16, **opts)
+    ones = torch.ones(3, dtype=torch.int32, device=DEVICE)
+    ref = sparse_attention_ref(*args, torch.arange(3, dtype=torch.int32, device=DEVICE), ones,
+                               seqs.context_lens, sel, **opts)
+    assert rel_err(out, ref) < TOL[torch.float32]
+
+
+def test_decode_bf16_and_default_splits():
+    seqs = PagedSeqs([203, 150], 2, 64, 16, seed=4, dtype=torch.bfloat16)
+    q = torch.randn(2, 6, 64, generator=seqs.generator).to(torch.bfloat16).to(DEVICE)
+    sel = random_selection(seqs.generator, seqs.context_lens, N_SINK, 16, k=40)
+    args = (q, seqs.k_cache, seqs.v_cache, seqs.block_tables)
+    out = sparse_decode_attention(*args, seqs.context_lens, sel, **kw(16, scale=0.125))
+    ref = sparse_attention_ref(*args, torch.arange(2, dtype=torch.int32, device=DEVICE),
+                               torch.ones(2, dtype=torch.int32, device=DEVICE), seqs.context_lens, sel,
+                               **kw(16, scale=0.125))
+    assert out.dtype == torch.bfloat16 and rel_err(out, ref) < TOL[torch.bfloat16]
+
+
+PREFILL = [(8, 8, [13, 20]), (16, 16, [16, 37])]  # block_q, n_stream, q_lens
+
+
+@pytest.mark.parametrize("Hq,Hkv,D,page_size", SHAPES)
+@pytest.mark.parametrize("block_q,n_stream,q_lens", PREFILL)
+@pytest.mark.parametrize("rope_style", ["none", "streaming"])
+def test_prefill_matches_reference(Hq, Hkv, D, page_size, block_q, n_stream, q_lens, rope_style):
+    seqs = PagedSeqs([97, 203], Hkv, D, page_size, seed=block_q + D)
+    q = torch.randn(sum(q_lens), Hq, D, generator=seqs.generator).to(DEVICE)
+    q_start, lens, ends, tables = seqs.blocks(q_lens, block_q)
+    sel = random_selection(seqs.generator, ends, N_SINK, n_stream, k=20)
+    args = (q, seqs.k_cache, seqs.v_cache, tables, q_start, lens, ends, sel)
+    opts = kw(n_stream, rope_style=rope_style, inv_freq=inv_freq(D))
+    out = sparse_prefill_attention(*args, block_q=block_q, block_n=16, **opts)
+    assert rel_err(out, sparse_attention_ref(*args, **opts)) < TOL[torch.float32]
+
+
+def test_prefill_last_query_equals_decode():
+    """The last query of a prefill block sees what a decode step at that length sees."""
+    Hq, Hkv, D, block_q, n_stream = 6, 2, 16, 8, 8
+    seqs = PagedSeqs([97, 203], Hkv, D, 4, seed=21)
+    q = torch.randn(33, Hq, D, generator=seqs.generator).to(DEVICE)
+    q_start, lens, ends, tables = seqs.blocks([13, 20], block_q)
+    sel, _ = pruning_stage(q, seqs.k_cache, tables, q_start, lens, ends, chunk_size=4, k=16,
+                           block_q=block_q, n_sink=N_SINK, n_stream=n_stream)
+    out = sparse_prefill_attention(q, seqs.k_cache, seqs.v_cache, tables, q_start, lens, ends, sel,
+                                   block_q=block_q, **kw(n_stream))
+    last = (q_start + lens - 1).long()  # every block's last query
+    dec = sparse_decode_attention(q[last].contiguous(), seqs.k_cache, seqs.v_cache, tables, ends, sel,
+                                  num_splits=3, block_n=16, **kw(n_stream))
+    assert rel_err(dec, out[last]) < 1e-6
+
+
+@pytest.mark.parametrize("Hq,Hkv,D,page_size", SHAPES)
+def test_full_selection_equals_dense(Hq, Hkv, D, page_size):
+    """Selecting the whole middle makes the key set every earlier token: dense attention, with
+    the STREAMING RoPE a no-op (ranks are the original positions)."""
+    block_q, n_stream, q_lens = 8, 8, [13, 20]
+    seqs = PagedSeqs([97, 203], Hkv, D, page_size, seed=31 + D)
+    q = torch.randn(sum(q_lens), Hq, D, generator=seqs.generator).to(DEVICE)
+    q_start, lens, ends, tables = seqs.blocks(q_lens, block_q)
+    sel, _ = initial_candidates(ends, N_SINK, n_stream)
+    args = (q, seqs.k_cache, seqs.v_cache, tables, q_start, lens, ends, sel)
+    expected, row = [], 0
+    for b, ctx in enumerate(seqs.context_lens.tolist()):
+        pos = torch.arange(ctx, device=DEVICE)
+        expected.append(dense_attention_ref(q[row:row + q_lens[b]], seqs.keys[b], seqs.values[b],
+                                            pos[ctx - q_lens[b]:], pos, 0.3))
+        row += q_lens[b]
+    expected = torch.cat(expected)
+    for style in ("none", "streaming"):
+        out = sparse_prefill_attention(*args, block_q=block_q, **kw(n_stream, rope_style=style,
+                                                                     inv_freq=inv_freq(D)))
+        assert rel_err(out, expected) < 1e-5
+    last = (q_start + lens - 1).long()[[1, 4]]  # the two sequences' newest tokens
+    dec = sparse_decode_attention(q[last].contiguous(), seqs.k_cache, seqs.v_cache, seqs.block_tables,
+                                  seqs.context_lens, sel[[1, 4]].contiguous(), **kw(n_stream))
+    assert rel_err(dec, expected[last]) < 1e-5
+
+
+def test_sink_and_stream_always_attended():
+    """Nothing selected: a query aligned with one sink key and one stream key attends to those two
+    (values averaged); a middle key aligned even more strongly is not in the set and is ignored."""
+    Hq, Hkv, D, ctx, n_stream = 2, 1, 16, 97, 8
+    seqs = PagedSeqs([ctx], Hkv, D, 4, seed=2)
+    seqs.k_cache *= 0.01
+    q = torch.zeros(1, Hq, D, device=DEVICE)
+    q[0, :, 0] = 1.0
+    table = seqs.block_tables[0]
+    for tok, strength in ((1, 20.0), (ctx - 3, 20.0), (50, 40.0)):  # sink, stream, middle
+        seqs.k_cache[table[tok // 4], tok % 4, 0, 0] = strength
+    sel = torch.full((1, 8), PAD, dtype=torch.int32, device=DEVICE)
+    out = sparse_decode_attention(q, seqs.k_cache, seqs.v_cache, seqs.block_tables, seqs.context_lens, sel,
+                                  **kw(n_stream, scale=1.0))
+    v = seqs.values[0][:, 0]
+    assert rel_err(out[0, 0], (v[1] + v[ctx - 3]) / 2) < 1e-4
