@@ -25,15 +25,15 @@ from typing import Any
 import torch
 
 from infhip import __version__
-from infhip.config import DTYPES, BuildConfig, EngineConfig, EngineFormatError, Plan
+from infhip.config import DTYPES, BuildConfig, EngineConfig, EngineFormatError
 from infhip.builder.checkpoint import GGUFCheckpoint, HFDirCheckpoint
 from infhip.builder.convert import convert_weights, random_weights, unused_tensors, weight_specs
 from infhip.builder.errors import BuildError
 from infhip.builder.hf_config import model_config_from_hf
+from infhip.builder.presets import PRESETS, make_plan
 from infhip.builder.registry import ModelSource, resolve_model
 from infhip.builder.tokenizer import save_tokenizer
 
-PRESETS = ("dense",)
 MAX_DEFAULT_SEQ_LEN = 131072
 
 
@@ -124,13 +124,16 @@ def build_engine(
     *,
     checkpoint: str | os.PathLike | None = None,
     model: str | None = None,
+    infinitehip_overrides: dict[str, Any] | None = None,
 ) -> Path:
     """Build an engine from ``source`` (a checkpoint path, a model alias or a cached HF repo id;
     or say which with ``checkpoint=PATH`` / ``model=NAME``, as the CLI does) into ``output_dir``
     and return its path. Raises :class:`BuildError` for anything the user can fix.
     ``max_seq_len`` defaults to the model's trained window capped at 131072;
     ``max_num_batched_tokens`` to 32768 on a GPU target (one long-context prefill chunk: the
-    InfiniteHiP query-chunk size) and 8192 on the CPU, at least max_batch_size; ``kv_dtype`` to ``dtype``; ``device`` to cuda when a GPU is visible (the target then is its ``sm_XY``), else cpu."""
+    InfiniteHiP query-chunk size) and 8192 on the CPU, at least max_batch_size; ``kv_dtype`` to ``dtype``; ``device`` to cuda when a GPU is visible (the target then is its ``sm_XY``), else cpu.
+    ``preset`` is one of builder/presets.py's PRESETS; ``infinitehip_overrides`` changes any
+    InfiniteHiP knob of it (e.g. tiny stages for tests)."""
     given = [x for x in (source, checkpoint, model) if x is not None]
     if len(given) != 1 or output_dir is None:
         raise TypeError("build_engine needs output_dir and exactly one of source, checkpoint=, model=")
@@ -144,7 +147,7 @@ def build_engine(
         return now
 
     if preset not in PRESETS:
-        raise BuildError(f"preset {preset!r} is not available yet; available: {', '.join(PRESETS)}")
+        raise BuildError(f"unknown preset {preset!r}; available: {', '.join(PRESETS)}")
     for flag, value in (("--dtype", dtype), ("--kv-dtype", kv_dtype or dtype)):
         if value not in DTYPES:
             raise BuildError(f"{flag} must be one of {', '.join(DTYPES)}, got {value!r}")
@@ -187,7 +190,11 @@ def build_engine(
                 random_weights=random_weights)
         except ValueError as e:
             raise BuildError(str(e)) from e
-        engine = EngineConfig(model=mcfg, plan=Plan.dense(mcfg), build=build, infhip_version=__version__)
+        try:
+            plan = make_plan(mcfg, preset, infinitehip_overrides)
+        except ValueError as e:
+            raise BuildError(str(e)) from e
+        engine = EngineConfig(model=mcfg, plan=plan, build=build, infhip_version=__version__)
 
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))

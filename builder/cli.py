@@ -3,6 +3,7 @@
     infhip-build --model smollm2-135m --output engines/smollm2-135m --dtype float32
     infhip-build --checkpoint ~/models/Llama-3.2-1B --output engines/llama-1b --max-seq-len 32768
     infhip-build --model llama-3.1-8b --random-weights --device cuda --output engines/l8b-random
+    infhip-build --model llama-3.1-8b --preset 3k --output engines/l8b-3k
 
 User errors (missing/corrupt checkpoint, unknown architecture or alias, bad flag values) print one
 line on stderr and exit with status 1 (argparse's own usage errors: 2); no traceback.
@@ -28,7 +29,7 @@ def _positive_int(text: str) -> int:
 
 
 def make_parser() -> argparse.ArgumentParser:
-    from infhip.builder.build import PRESETS
+    from infhip.builder.presets import PRESETS
     from infhip.builder.registry import ALIASES
 
     p = argparse.ArgumentParser(
@@ -40,7 +41,9 @@ def make_parser() -> argparse.ArgumentParser:
                      help="Hugging Face model directory, .gguf file, or a config.json (with --random-weights)")
     src.add_argument("--model", metavar="NAME", help="model alias or Hugging Face repo id (offline cache)")
     p.add_argument("--output", required=True, metavar="DIR", help="engine directory to write")
-    p.add_argument("--preset", default="dense", help=f"execution preset (available: {', '.join(PRESETS)})")
+    p.add_argument("--preset", default="dense", choices=PRESETS,
+                   help="execution preset: dense (default) or InfiniteHiP 3k | 3k-fast | 3k-flash | 5k "
+                        "on the full-attention layers (knobs in config.json, plan.infinitehip)")
     p.add_argument("--dtype", default="bfloat16", choices=DTYPES, help="weight dtype (default bfloat16)")
     p.add_argument("--kv-dtype", choices=DTYPES, help="KV-cache dtype (default: --dtype)")
     p.add_argument("--max-seq-len", type=_positive_int,

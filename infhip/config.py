@@ -131,21 +131,144 @@ class ModelConfig:
         return cls(**d)
 
 
+PRUNING_ROPE_STYLES = ("none", "relative", "chunk_indexed")
+ATTENTION_ROPE_STYLES = ("none", "streaming")
+
+
+@dataclass(frozen=True)
+class PruningStage:
+    """One InfiniteHiP pruning stage (SPEC §4): query blocks of ``block_q`` queries, candidate
+    chunks of ``chunk_size`` keys (a power of two), keep ``k`` keys (k / chunk_size chunks)."""
+
+    block_q: int
+    chunk_size: int
+    k: int
+
+    def __post_init__(self) -> None:
+        _check(self.block_q > 0, f"block_q must be positive, got {self.block_q}")
+        _check(self.chunk_size > 0 and self.chunk_size & (self.chunk_size - 1) == 0,
+               f"chunk_size must be a power of two, got {self.chunk_size}")
+        _check(self.k > 0 and self.k % self.chunk_size == 0,
+               f"k ({self.k}) must be a positive multiple of chunk_size ({self.chunk_size})")
+
+
+@dataclass(frozen=True)
+class InfiniteHipConfig:
+    """Knobs of every "infinitehip" layer of an engine (paper 000; presets: builder/presets.py).
+
+    A request whose context (after the step) is below ``dense_threshold`` runs dense attention;
+    at or above it, each query block goes through ``stages`` then block-sparse attention over
+    sink [0, n_sink) + the last stage's survivors + the newest ``n_stream`` tokens. Layers in
+    ``special_layers`` (0-based) keep ``special_final_k`` keys in the last stage and prune with
+    ``special_pruning_rope``. In decode, stage i is recomputed every ``refresh_intervals[i]``
+    steps of a request (mask caching); each interval must be a multiple of the next, so a stage's
+    refresh always comes with the later stages'. With ``rope_off_in_trained_window`` the dynamic
+    RoPE styles apply only once a context exceeds the model's trained window.
+    """
+
+    n_sink: int = 256
+    n_stream: int = 1024
+    stages: tuple[PruningStage, ...] = (PruningStage(64, 256, 32768), PruningStage(64, 32, 8192),
+                                        PruningStage(64, 8, 2048))
+    refresh_intervals: tuple[int, ...] = (16, 8, 4)
+    special_layers: tuple[int, ...] = (0, 1, 2)
+    special_final_k: int = 4096
+    dense_threshold: int = 34048  # n_sink + n_stream + stages[0].k: below it stage 1 keeps everything
+    pruning_rope: str = "relative"
+    special_pruning_rope: str = "chunk_indexed"
+    attention_rope: str = "streaming"
+    rope_off_in_trained_window: bool = True
+    stagger_refresh: bool = True  # offset each request's refresh schedule by its mask-cache slot
+
+    def __post_init__(self) -> None:
+        _check(self.n_sink >= 0 and self.n_stream > 0, "n_sink must be >= 0 and n_stream > 0")
+        _check(len(self.stages) > 0, "at least one pruning stage")
+        _check(len(self.refresh_intervals) == len(self.stages),
+               f"{len(self.refresh_intervals)} refresh intervals for {len(self.stages)} stages")
+        _check(all(n > 0 for n in self.refresh_intervals), "refresh intervals must be positive")
+        for a, b in zip(self.refresh_intervals, self.refresh_intervals[1:]):
+            _check(a % b == 0, f"refresh interval {a} is not a multiple of the next stage's {b}: a "
+                   "stage's refresh must imply the later stages' refresh")
+        _check(len({s.block_q for s in self.stages}) == 1, "all stages share one block_q")
+        _check(self.n_stream >= self.stages[0].block_q, "n_stream must be >= block_q (a query sees itself)")
+        for a, b in zip(self.stages, self.stages[1:]):
+            _check(b.k <= a.k, f"stage k must not grow: {a.k} then {b.k}")
+        last = self.stages[-1]
+        prev_k = self.stages[-2].k if len(self.stages) > 1 else None
+        _check(self.special_final_k % last.chunk_size == 0 and self.special_final_k > 0,
+               f"special_final_k {self.special_final_k} must be a positive multiple of {last.chunk_size}")
+        _check(prev_k is None or self.special_final_k <= prev_k,
+               f"special_final_k {self.special_final_k} exceeds the previous stage's k {prev_k}")
+        _check(all(i >= 0 for i in self.special_layers), "special_layers are 0-based layer indices")
+        _check(self.dense_threshold >= 1, "dense_threshold must be >= 1")
+        _check(self.pruning_rope in PRUNING_ROPE_STYLES and self.special_pruning_rope in PRUNING_ROPE_STYLES,
+               f"pruning RoPE styles must be in {PRUNING_ROPE_STYLES}")
+        _check(self.attention_rope in ATTENTION_ROPE_STYLES,
+               f"attention_rope must be in {ATTENTION_ROPE_STYLES}")
+
+    @property
+    def block_q(self) -> int:
+        return self.stages[0].block_q
+
+    def stages_of(self, layer: int) -> tuple[PruningStage, ...]:
+        """The stages of one layer: the special layers keep special_final_k in the last one."""
+        if layer not in self.special_layers:
+            return self.stages
+        last = self.stages[-1]
+        return self.stages[:-1] + (PruningStage(last.block_q, last.chunk_size, self.special_final_k),)
+
+    def pruning_rope_of(self, layer: int) -> str:
+        return self.special_pruning_rope if layer in self.special_layers else self.pruning_rope
+
+    def replace(self, **overrides: Any) -> "InfiniteHipConfig":
+        """A validated copy with some knobs changed (lists accepted for tuple fields)."""
+        unknown = set(overrides) - {f.name for f in dataclasses.fields(self)}
+        _check(not unknown, f"unknown InfiniteHiP knob(s): {', '.join(sorted(unknown))}")
+        fixed = {k: tuple(v) if isinstance(v, list) else v for k, v in overrides.items()}
+        if "stages" in fixed:
+            fixed["stages"] = tuple(s if isinstance(s, PruningStage) else PruningStage(*s)
+                                    for s in fixed["stages"])
+        return dataclasses.replace(self, **fixed)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "InfiniteHipConfig":
+        d = dict(d)
+        d["stages"] = tuple(PruningStage(**s) for s in d["stages"])
+        for key in ("refresh_intervals", "special_layers"):
+            d[key] = tuple(d[key])
+        return cls(**d)
+
+
+ATTENTION_PLUGINS = ("dense", "infinitehip")
+
+
 @dataclass(frozen=True)
 class LayerPlan:
-    """What runs at one decoder layer. Later plugins (InfiniteHiP, token drop) add fields here."""
+    """What runs at one decoder layer. Later plugins (token drop) add fields here."""
 
     index: int
     attention: str  # "global" | "sliding"
     window: int | None  # sliding window, None for global
-    plugin: str  # attention plugin: "dense" for now
+    plugin: str  # attention plugin, one of ATTENTION_PLUGINS ("infinitehip": global layers only)
     rope_group: str  # key into ModelConfig.rope
+
+    def __post_init__(self) -> None:
+        _check(self.plugin in ATTENTION_PLUGINS, f"plugin {self.plugin!r} not in {ATTENTION_PLUGINS}")
+        _check(self.plugin != "infinitehip" or self.window is None,
+               f"layer {self.index}: infinitehip runs on full-attention layers only")
 
 
 @dataclass(frozen=True)
 class Plan:
     preset: str
     layers: tuple[LayerPlan, ...]
+    # Knobs of the "infinitehip" layers; None when no layer uses it (dense engines).
+    infinitehip: InfiniteHipConfig | None = None
+
+    def __post_init__(self) -> None:
+        uses = any(layer.plugin == "infinitehip" for layer in self.layers)
+        _check(uses == (self.infinitehip is not None),
+               "a plan has infinitehip knobs exactly when some layer uses the infinitehip plugin")
 
     @classmethod
     def dense(cls, model: ModelConfig) -> "Plan":
@@ -157,7 +280,9 @@ class Plan:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "Plan":
-        return cls(preset=d["preset"], layers=tuple(LayerPlan(**x) for x in d["layers"]))
+        ih = d.get("infinitehip")  # absent in engines written before InfiniteHiP: dense
+        return cls(preset=d["preset"], layers=tuple(LayerPlan(**x) for x in d["layers"]),
+                   infinitehip=InfiniteHipConfig.from_dict(ih) if ih is not None else None)
 
 
 @dataclass(frozen=True)
@@ -206,7 +331,7 @@ class EngineConfig:
             "infhip_version": self.infhip_version,
             "model": dataclasses.asdict(self.model),
             "plan": dataclasses.asdict(self.plan),
-            "preset": {"name": self.plan.preset},
+            "preset": {"name": self.plan.preset},  # the knobs live in plan.infinitehip
             "build": dataclasses.asdict(self.build),
         }
 

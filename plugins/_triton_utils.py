@@ -8,6 +8,7 @@ CPU tensors under ``TRITON_INTERPRET=1`` (that is how the tests exercise them).
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 import triton
@@ -16,6 +17,12 @@ import triton
 def use_triton(*tensors: torch.Tensor) -> bool:
     """True when the fused Triton path should run (all given tensors on CUDA)."""
     return all(t.is_cuda for t in tensors)
+
+
+def triton_on(*tensors: torch.Tensor) -> bool:
+    """Like use_triton, but CPU tensors also take the Triton launcher under TRITON_INTERPRET=1
+    (the plugins whose launchers the tests exercise through the interpreter)."""
+    return use_triton(*tensors) or os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def next_pow2(n: int) -> int:

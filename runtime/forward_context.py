@@ -12,8 +12,12 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from infhip.runtime.sparse_attention import SparseStep
 
 
 @dataclass
@@ -34,6 +38,9 @@ class ForwardContext:
     # Host copies, so prefill attention can loop over sequences without a device sync.
     cu_seqlens_q_list: list[int]
     context_lens_list: list[int]
+    # InfiniteHiP decisions of the step (which rows go sparse, which stages refresh); None when
+    # the engine has no InfiniteHiP layers or no sequence reaches its dense_threshold.
+    sparse: SparseStep | None = None
 
 
 _CONTEXT: ForwardContext | None = None

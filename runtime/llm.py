@@ -14,6 +14,7 @@ the detokenizer applies stop strings.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -21,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from infhip.builder.presets import apply_runtime_overrides
 from infhip.runtime.detokenizer import Detokenizer
 from infhip.runtime.engine import load_engine
 from infhip.runtime.model_runner import ModelRunner
@@ -56,12 +58,20 @@ class LLM:
             at the tokens: the host's per-step work then overlaps the GPU's. Stops are applied
             afterwards, so up to num_decode_steps - 1 tokens past a stop are computed and
             discarded. Default 8 on GPU, 1 on CPU.
+        infinitehip_overrides: safe InfiniteHiP knobs to change for this load, e.g.
+            ``{"dense_threshold": 2048, "refresh_intervals": (32, 16, 8)}`` (builder/presets.py
+            RUNTIME_KNOBS); only for engines built with an InfiniteHiP preset.
     """
 
     def __init__(self, engine_dir: str | Path, device: str | None = None, max_num_seqs: int | None = None,
                  max_num_batched_tokens: int | None = None, kv_cache_memory_bytes: int | None = None,
-                 enforce_eager: bool = False, num_decode_steps: int | None = None):
+                 enforce_eager: bool = False, num_decode_steps: int | None = None,
+                 infinitehip_overrides: dict | None = None):
         self.engine = load_engine(engine_dir, device)
+        if infinitehip_overrides:
+            config = self.engine.config
+            self.engine.config = dataclasses.replace(
+                config, plan=apply_runtime_overrides(config.plan, infinitehip_overrides))
         if num_decode_steps is None:
             num_decode_steps = 8 if self.engine.device.type == "cuda" else 1
         if num_decode_steps < 1:

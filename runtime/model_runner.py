@@ -20,6 +20,7 @@ from infhip.runtime.engine import LoadedEngine
 from infhip.runtime.forward_context import ForwardContext, KVGroupMetadata, forward_context
 from infhip.runtime.kv_cache import KVCacheManager, KVGroupSpec
 from infhip.runtime.scheduler import SchedulerOutput
+from infhip.runtime.sparse_attention import InfiniteHipLayer, SparsePlanner, SparseStepHost
 
 GiB = 1 << 30
 
@@ -38,6 +39,12 @@ class StepPlan:
     slots: dict[str, list[int]]
     tables: dict[str, list[list[int]]]
     num_decodes: int
+    sparse: SparseStepHost | None = None  # InfiniteHiP decisions (engines with such layers)
+
+    @property
+    def has_sparse(self) -> bool:
+        s = self.sparse
+        return s is not None and bool(s.decode_rows or s.prefill_seqs)
 
 
 def kv_group_of(window: int | None) -> str:
@@ -84,6 +91,17 @@ class ModelRunner:
             attn.v_cache = torch.zeros(shape, dtype=kv_dtype, device=self.device)
         self.groups = sorted(specs)
 
+        # InfiniteHiP: a host planner (mask-cache slots, refresh schedule) and, per layer, the
+        # run side with its mask cache of max_num_seqs slots.
+        self.sparse_planner = None
+        ih = engine.config.plan.infinitehip
+        if ih is not None:
+            self.sparse_planner = SparsePlanner(ih, max_num_seqs, cfg.max_position_embeddings)
+            for attn, lp in zip(attn_layers, engine.config.plan.layers):
+                if lp.plugin == "infinitehip":
+                    attn.sparse = InfiniteHipLayer(ih, lp.index, max_num_seqs, attn.scale,
+                                                   attn.rope[0].inv_freq, self.device)
+
         self.graphs = None
         if self.device.type == "cuda" and not enforce_eager:
             sizes = [b for b in build.cuda_graph_batch_sizes if b <= max_num_seqs]
@@ -121,7 +139,13 @@ class ModelRunner:
                 slots[g] += self.kv.slot_mapping(seq.seq_id, g, ch.start, ch.end)
                 tables[g].append(self.kv.block_table(seq.seq_id, g))
         return StepPlan(input_ids=input_ids, positions=positions, cu=cu, ctx_lens=ctx_lens,
-                        logits_rows=logits_rows, slots=slots, tables=tables, num_decodes=num_decodes)
+                        logits_rows=logits_rows, slots=slots, tables=tables, num_decodes=num_decodes,
+                        sparse=self._plan_sparse([ch.seq for ch in out.chunks], ctx_lens, num_decodes))
+
+    def _plan_sparse(self, seqs: list, ctx_lens: list[int], num_decodes: int) -> SparseStepHost | None:
+        if self.sparse_planner is None:
+            return None
+        return self.sparse_planner.plan(seqs, ctx_lens, num_decodes)
 
     def _tensor(self, values, dtype) -> torch.Tensor:
         t = torch.tensor(values, dtype=dtype)
@@ -142,10 +166,14 @@ class ModelRunner:
             groups={g: KVGroupMetadata(slot_mapping=self._tensor(p.slots[g], torch.int64),
                                        block_tables=self._block_tables(p.tables[g]))
                     for g in self.groups},
-            cu_seqlens_q_list=p.cu, context_lens_list=p.ctx_lens)
+            cu_seqlens_q_list=p.cu, context_lens_list=p.ctx_lens,
+            sparse=self.sparse_planner.to_device(p.sparse, p.cu, p.ctx_lens, self._tensor) if p.has_sparse else None)
 
     def _uses_graph(self, p: StepPlan, num_seqs: int) -> bool:
-        return self.graphs is not None and p.num_decodes == num_seqs and self.graphs.fits(num_seqs)
+        # The captured decode graphs are dense; a step with sparse rows runs eagerly (graphs per
+        # (batch size, SparseStep.refresh) are future work).
+        return (self.graphs is not None and p.num_decodes == num_seqs and self.graphs.fits(num_seqs)
+                and not p.has_sparse)
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> torch.Tensor:
@@ -166,13 +194,15 @@ class ModelRunner:
         Returns each step's sampled tokens."""
         plans = [self.prepare(out)]
         starts = [ch.start for ch in out.chunks]
+        seqs = [ch.seq for ch in out.chunks]
         for j in range(1, num_steps):  # the same batch, one position further per step
             slots = {g: [self.kv.slot_mapping(ch.seq.seq_id, g, s + j, s + j + 1)[0]
                          for ch, s in zip(out.chunks, starts)] for g in self.groups}
-            plans.append(dataclasses.replace(plans[0], positions=[s + j for s in starts],
-                                             ctx_lens=[s + j + 1 for s in starts], slots=slots))
+            ctx_lens = [s + j + 1 for s in starts]
+            plans.append(dataclasses.replace(plans[0], positions=[s + j for s in starts], ctx_lens=ctx_lens,
+                                             slots=slots, sparse=self._plan_sparse(seqs, ctx_lens, len(seqs))))
         n, tokens = len(out.chunks), []
-        if self._uses_graph(plans[0], n):
+        if all(self._uses_graph(p, n) for p in plans):
             bs = self.graphs.load(plans)
             for j in range(num_steps):
                 tokens.append(sample(self.graphs.replay(j, bs, n, tokens[-1] if tokens else None)))

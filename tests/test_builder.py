@@ -481,7 +481,7 @@ def test_bad_names_and_flags_give_one_line_errors(tiny, tmp_path, capsys, monkey
         (["--model", "llama-9000"], ["unknown model", "smollm2-135m"]),
         (["--model", "someone/not-cached"], ["not in the local Hugging Face cache", "--checkpoint"]),
         (["--model", "qwen3-8b"], ["--random-weights", "Qwen/Qwen3-8B"]),
-        (["--checkpoint", src, "--preset", "3k"], ["preset '3k' is not available yet; available: dense"]),
+        (["--checkpoint", src, "--preset", "9k"], ["invalid choice"]),
         (["--checkpoint", src, "--page-size", "12"], ["page_size must be a power of two"]),
         (["--checkpoint", src, "--max-batch-size", "0"], ["positive integer"]),
         (["--checkpoint", src, "--dtype", "int8"], ["invalid choice"]),
@@ -489,7 +489,7 @@ def test_bad_names_and_flags_give_one_line_errors(tiny, tmp_path, capsys, monkey
     ]
     for argv, needles in cases:
         rc, err = run_cli(capsys, *argv, "--output", out, "--device", "cpu")
-        if argv[-1] in ("0", "int8"):  # argparse: usage line + error line, exit 2
+        if argv[-1] in ("0", "int8", "9k"):  # argparse: usage line + error line, exit 2
             assert rc == 2 and needles[0] in err and "Traceback" not in err
         else:
             assert_one_line_error(rc, err, *needles)

@@ -7,6 +7,11 @@ attention over the paged KV cache, plus a recall measurement.
     rope_styles.py       dynamic RoPE: none | relative | chunk_indexed | streaming
     recall.py            fraction of dense attention mass a key set keeps
 
+Dispatch: `pruning_stage` and the sparse attention entry points launch Triton on CUDA tensors
+(and on CPU tensors under TRITON_INTERPRET=1, as the tests do); other CPU tensors take the
+torch references (pruning_ref.py, sparse_attention_ref), same contract. The runtime wires them
+in runtime/sparse_attention.py.
+
 A decode step with the "3k" stages, without mask caching:
 
     >>> sel, n = None, None                                                    # doctest: +SKIP

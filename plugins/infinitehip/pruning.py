@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .._triton_utils import dot_precision, next_pow2
+from .._triton_utils import dot_precision, next_pow2, triton_on
 from .blocks import PAD, stream_starts
 from .rope_styles import (C_CHUNK_INDEXED, C_NONE, C_RELATIVE, CHUNK_INDEXED, NONE, RELATIVE,
                           load_rotated, rope_style_id)
@@ -253,12 +253,21 @@ def topk_chunks(scores, candidates, cand_lens, *, chunk_size: int, k: int, n_sin
 def pruning_stage(q, k_cache, block_tables, q_start, q_lens, ends, candidates=None, cand_lens=None,
                   *, chunk_size: int, k: int, block_q: int, n_sink: int, n_stream: int,
                   max_candidates: int | None = None, rope_style="none", inv_freq=None):
-    """One pruning stage: the Triton SelectRep kernel, then topk_chunks. Returns the survivors
+    """One pruning stage: the Triton SelectRep kernel, then topk_chunks (CPU tensors without
+    TRITON_INTERPRET: pruning_ref.pruning_stage_ref, same contract). Returns the survivors
     (int32 [NB, k] ascending, PAD-padded) and their counts (int32 [NB]), the next stage's input.
 
         >>> sel, n = pruning_stage(q, k_cache, tables, q_start, q_lens, ends,   # doctest: +SKIP
         ...                        chunk_size=256, k=32768, block_q=64, n_sink=256, n_stream=1024)
     """
+    if not triton_on(q, k_cache):  # CPU without the interpreter: the float64 torch reference
+        from .pruning_ref import pruning_stage_ref
+        if ends.shape[0] == 0:
+            return (torch.full((0, k), PAD, dtype=torch.int32, device=q.device),
+                    torch.zeros(0, dtype=torch.int32, device=q.device))
+        return pruning_stage_ref(q, k_cache, block_tables, q_start, q_lens, ends, candidates, cand_lens,
+                                 chunk_size=chunk_size, k=k, n_sink=n_sink, n_stream=n_stream,
+                                 max_candidates=max_candidates, rope_style=rope_style, inv_freq=inv_freq)
     scores, _ = select_rep_scores(q, k_cache, block_tables, q_start, q_lens, ends, candidates,
                                   cand_lens, chunk_size=chunk_size, block_q=block_q, n_sink=n_sink,
                                   n_stream=n_stream, max_candidates=max_candidates,

@@ -33,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .._triton_utils import device_num_sms, dot_precision, next_pow2
+from .._triton_utils import device_num_sms, dot_precision, next_pow2, triton_on
 from ..dense_attention import _decode_merge_kernel, choose_num_splits, dense_attention_ref
 from .blocks import block_key_mask, selected_range
 from .rope_styles import C_STREAMING, NONE, STREAMING, load_rotated, rope_style_id, rotate_by_ref
@@ -151,7 +151,8 @@ def block_sparse_attention(q, k_cache, v_cache, block_tables, q_start, q_lens, e
                      block_q: int, n_sink: int, n_stream: int, scale: float, rope_style="none",
                      inv_freq: torch.Tensor | None = None, num_splits: int = 1,
                      block_n: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
-    """Triton launcher: q [T, Hq, D] packed, query blocks [NB] (blocks.py, q_lens <= block_q),
+    """Triton launcher (CPU tensors without TRITON_INTERPRET: sparse_attention_ref, same
+    contract): q [T, Hq, D] packed, query blocks [NB] (blocks.py, q_lens <= block_q),
     selected int32 [NB, K] (last pruning stage). Returns out [T, Hq, D] (rows of no block: 0)."""
     T, Hq, D = q.shape
     num_pages, page_size, Hkv, Dk = k_cache.shape
@@ -172,6 +173,13 @@ def block_sparse_attention(q, k_cache, v_cache, block_tables, q_start, q_lens, e
         out = torch.zeros_like(q)
     assert out.shape == q.shape and out.stride(2) == 1
     if NB == 0:
+        return out
+    if not triton_on(q, k_cache):  # CPU without the interpreter: torch reference, block rows only
+        ref = sparse_attention_ref(q, k_cache, v_cache, block_tables, q_start, q_lens, ends, selected,
+                                   n_sink=n_sink, n_stream=n_stream, scale=scale, rope_style=rope_style,
+                                   inv_freq=inv_freq)
+        for q0, n in zip(q_start.tolist(), q_lens.tolist()):
+            out[q0:q0 + n] = ref[q0:q0 + n].to(out.dtype)
         return out
     sel_begin, sel_end = selected_range(selected, ends, n_sink, n_stream)
     BLOCK_D = max(16, next_pow2(D))

@@ -68,6 +68,18 @@ class Attention(nn.Module):
         # Set by the ModelRunner after loading: [num_pages, page_size, Hkv, D] each.
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
+        # Set by the ModelRunner on "infinitehip" layers: an InfiniteHipLayer (its mask cache).
+        self.sparse = None
+
+    def _dense_prefill(self, q, k, v, out, ctx, meta, lo: int, hi: int) -> None:
+        """Dense causal attention of the prefill chunks of sequences lo..hi-1 (batch order)."""
+        cu = ctx.cu_seqlens_q_list
+        first, last = cu[lo], cu[hi]
+        out[first:last] = paged_prefill_attention(
+            q[first:last], self.k_cache, self.v_cache, meta.block_tables[lo:hi],
+            ctx.cu_seqlens_q[lo:hi + 1] - first, ctx.context_lens[lo:hi], self.scale, self.window,
+            k_new=k[first:last], v_new=v[first:last],
+            cu_seqlens_q_list=[c - first for c in cu[lo:hi + 1]], context_lens_list=ctx.context_lens_list[lo:hi])
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         ctx = get_forward_context()
@@ -85,19 +97,22 @@ class Attention(nn.Module):
         rope_and_write_kv(q, k, v, ctx.positions, rope.inv_freq, rope.attention_scaling,
                           self.k_cache, self.v_cache, meta.slot_mapping)
         out = torch.empty_like(q)
-        nd = ctx.num_decodes
-        if nd:  # decode rows first: one query each, flash-decoding over the pages
+        # InfiniteHiP layers hand the step's long-context rows to the sparse path (runtime/
+        # sparse_attention.py); every other row goes through the dense kernels below.
+        sparse = ctx.sparse if self.sparse is not None else None
+        nd, num_seqs = ctx.num_decodes, len(ctx.context_lens_list)
+        if sparse is None:
+            dense_decode_lens, prefill_runs = ctx.context_lens[:nd], [(nd, num_seqs)] if nd < num_seqs else []
+        else:  # sparse decode rows get context length 0 (read nothing)
+            dense_decode_lens = sparse.dense_decode_lens if sparse.num_dense_decodes else None
+            prefill_runs = sparse.dense_prefill_runs
+        if nd and dense_decode_lens is not None:  # decode rows first: one query each, flash-decoding
             paged_decode_attention(q[:nd], self.k_cache, self.v_cache, meta.block_tables[:nd],
-                                   ctx.context_lens[:nd], self.scale, self.window, out=out[:nd])
-        if nd < len(ctx.context_lens_list):  # prefill chunks: causal over context + chunk
-            cu = ctx.cu_seqlens_q_list
-            first = cu[nd]
-            cu_local = [c - first for c in cu[nd:]]
-            out[first:] = paged_prefill_attention(
-                q[first:], self.k_cache, self.v_cache, meta.block_tables[nd:],
-                ctx.cu_seqlens_q[nd:] - first, ctx.context_lens[nd:], self.scale, self.window,
-                k_new=k[first:], v_new=v[first:],
-                cu_seqlens_q_list=cu_local, context_lens_list=ctx.context_lens_list[nd:])
+                                   dense_decode_lens, self.scale, self.window, out=out[:nd])
+        for lo, hi in prefill_runs:  # prefill chunks lo..hi-1: causal over context + chunk
+            self._dense_prefill(q, k, v, out, ctx, meta, lo, hi)
+        if sparse is not None:
+            self.sparse.run(q, self.k_cache, self.v_cache, meta.block_tables, sparse, out)
         return self.o_proj(out.view(num_tokens, -1))
 
 

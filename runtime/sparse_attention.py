@@ -1,0 +1,184 @@
+"""InfiniteHiP in the runtime: the per-step plan (host) and the per-layer run (kernels only).
+
+plan (once per step, :class:`SparsePlanner`): a sequence whose context after the step is at
+least ``dense_threshold`` goes sparse, the others stay dense. Sparse decode rows get their
+mask-cache slot and the first pruning stage they recompute (mask_cache.py); sparse prefill
+chunks are cut into query blocks of ``block_q``. The dense kernels see the rest: decode rows
+through context lengths with 0 for the sparse rows (reads nothing), prefill chunks as runs of
+consecutive dense chunks. ``SparseStep.refresh`` (which stages anyone recomputes) together with
+the decode batch size is what a CUDA graph of a sparse decode step would be keyed on; sparse
+decode steps run eagerly for now (the runner skips its dense decode graphs for them).
+
+run (per layer, :class:`InfiniteHipLayer`): decode rows recompute the stages they must (each
+from the previous stage's cached or fresh output), store them in the layer's MaskCache, then
+attend over sink + the last stage's survivors + stream; prefill blocks run every stage fresh
+and the flash-style block-sparse kernel. RoPE: the dynamic styles (config) apply only when some
+sparse context exceeds the trained window, unless ``rope_off_in_trained_window`` is off.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from infhip.config import InfiniteHipConfig
+from infhip.plugins.infinitehip import (plan_query_blocks, pruning_stage, sparse_decode_attention,
+                                        sparse_prefill_attention)
+from infhip.runtime.mask_cache import MaskCache, MaskSlots
+
+
+@dataclass
+class SparseStepHost:
+    """Host lists of one step's InfiniteHiP decisions (built by SparsePlanner.plan)."""
+
+    decode_rows: list[int]  # batch index (= q row) of each sparse decode row
+    decode_ends: list[int]  # its context length after the step
+    decode_slots: list[int]  # its mask-cache slot
+    decode_first_stage: list[int]  # first stage it recomputes (num_stages: none)
+    prefill_seqs: list[int]  # batch index of each sparse prefill chunk
+    dense_decode_lens: list[int]  # [num_decodes] context lengths, 0 for the sparse rows
+    dense_prefill_runs: list[tuple[int, int]]  # batch ranges [lo, hi) of dense prefill chunks
+    dynamic_rope: bool
+    refresh: tuple[bool, ...]  # per stage: does any decode row recompute it (graph key)
+
+
+@dataclass
+class SparseStep:
+    """Device view of SparseStepHost, read by every InfiniteHiP layer through the forward context."""
+
+    decode_rows: torch.Tensor  # int64 [Bs]
+    decode_q_start: torch.Tensor  # int32 [Bs] (= decode_rows)
+    decode_q_lens: torch.Tensor  # int32 [Bs] ones
+    decode_ends: torch.Tensor  # int32 [Bs]
+    decode_slots: torch.Tensor  # int64 [Bs]
+    stage_rows: list[torch.Tensor]  # per stage: int64 indices into [Bs] of rows recomputing it
+    refresh: tuple[bool, ...]
+    max_middle: int  # longest stage-1 candidate range of the step (implicit walk capacity)
+    prefill_q_start: torch.Tensor  # int32 [NB] query blocks of the sparse prefill chunks
+    prefill_q_lens: torch.Tensor  # int32 [NB]
+    prefill_ends: torch.Tensor  # int32 [NB]
+    prefill_seqs: torch.Tensor  # int64 [NB] batch index of each block
+    dense_decode_lens: torch.Tensor  # int32 [num_decodes]
+    num_dense_decodes: int
+    dense_prefill_runs: list[tuple[int, int]]
+    dynamic_rope: bool
+
+
+class SparsePlanner:
+    """Host side: decides per step which rows go sparse and which stages they recompute."""
+
+    def __init__(self, cfg: InfiniteHipConfig, max_slots: int, trained_window: int):
+        self.cfg, self.trained_window = cfg, trained_window
+        self.slots = MaskSlots(max_slots, cfg.refresh_intervals, cfg.stagger_refresh)
+
+    def plan(self, seqs: list, ctx_lens: list[int], num_decodes: int) -> SparseStepHost:
+        cfg, n = self.cfg, len(self.cfg.stages)
+        rows, ends, slots, firsts, prefill, dense_lens, runs = [], [], [], [], [], [], []
+        for b, (seq, end) in enumerate(zip(seqs, ctx_lens)):
+            sparse = end >= cfg.dense_threshold
+            if b < num_decodes:
+                dense_lens.append(0 if sparse else end)
+                if sparse:
+                    slot, first = self.slots.next_decode(seq)
+                    rows.append(b), ends.append(end), slots.append(slot), firsts.append(first)
+                    continue
+            elif sparse:
+                prefill.append(b)
+            elif runs and runs[-1][1] == b:
+                runs[-1] = (runs[-1][0], b + 1)
+            else:
+                runs.append((b, b + 1))
+            self.slots.invalidate(seq.seq_id)  # not a sparse decode step: masks go stale
+        sparse_ends = ends + [ctx_lens[b] for b in prefill]
+        dynamic = bool(sparse_ends) and (not cfg.rope_off_in_trained_window
+                                         or max(sparse_ends) > self.trained_window)
+        return SparseStepHost(decode_rows=rows, decode_ends=ends, decode_slots=slots,
+                              decode_first_stage=firsts, prefill_seqs=prefill, dense_decode_lens=dense_lens,
+                              dense_prefill_runs=runs, dynamic_rope=dynamic,
+                              refresh=tuple(any(f <= i for f in firsts) for i in range(n)))
+
+    def to_device(self, h: SparseStepHost, cu: list[int], ctx_lens: list[int], tensor) -> SparseStep:
+        """Tensors of a host plan; ``tensor(values, dtype)`` puts a list on the device."""
+        cfg = self.cfg
+        q_lens = [cu[b + 1] - cu[b] for b in h.prefill_seqs]
+        starts, lens, ends, seq_of = plan_query_blocks(q_lens, [ctx_lens[b] for b in h.prefill_seqs], cfg.block_q)
+        seq_of = seq_of.tolist()  # index into h.prefill_seqs of each block
+        # plan_query_blocks numbers rows from 0 over the chunks it is given; shift each block to
+        # its chunk's first row in the step's packed q.
+        shift = [cu[h.prefill_seqs[s]] - sum(q_lens[:s]) for s in seq_of]
+        all_ends = h.decode_ends + ends.tolist()
+        middle = max([max(0, max(min(cfg.n_sink, e), e - cfg.n_stream) - cfg.n_sink) for e in all_ends] or [0])
+        idx = range(len(h.decode_rows))
+        return SparseStep(
+            decode_rows=tensor(h.decode_rows, torch.int64), decode_q_start=tensor(h.decode_rows, torch.int32),
+            decode_q_lens=tensor([1] * len(h.decode_rows), torch.int32),
+            decode_ends=tensor(h.decode_ends, torch.int32), decode_slots=tensor(h.decode_slots, torch.int64),
+            stage_rows=[tensor([r for r in idx if h.decode_first_stage[r] <= i], torch.int64)
+                        for i in range(len(cfg.stages))],
+            refresh=h.refresh, max_middle=middle,
+            prefill_q_start=tensor([s + d for s, d in zip(starts.tolist(), shift)], torch.int32),
+            prefill_q_lens=tensor(lens.tolist(), torch.int32), prefill_ends=tensor(ends.tolist(), torch.int32),
+            prefill_seqs=tensor([h.prefill_seqs[s] for s in seq_of], torch.int64),
+            dense_decode_lens=tensor(h.dense_decode_lens, torch.int32),
+            num_dense_decodes=sum(1 for x in h.dense_decode_lens if x), dense_prefill_runs=h.dense_prefill_runs,
+            dynamic_rope=h.dynamic_rope)
+
+
+class InfiniteHipLayer:
+    """Run side of one "infinitehip" layer: its stages, RoPE styles and mask cache."""
+
+    def __init__(self, cfg: InfiniteHipConfig, layer: int, max_slots: int, scale: float,
+                 inv_freq: torch.Tensor, device: torch.device):
+        assert inv_freq.dtype == torch.float32, "RoPE inv_freq is stored in float32"
+        self.cfg, self.scale, self.inv_freq = cfg, scale, inv_freq
+        self.stages = cfg.stages_of(layer)
+        self.pruning_rope = cfg.pruning_rope_of(layer)
+        self.cache = MaskCache(self.stages, max_slots, device)
+
+    def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+            block_tables: torch.Tensor, step: SparseStep, out: torch.Tensor) -> None:
+        """Write the sparse rows of out [T, Hq, D]; q [T, Hq, D] is already rotated and this
+        step's K/V are in the cache."""
+        if step.decode_rows.numel():
+            self._decode(q, k_cache, v_cache, block_tables, step, out)
+        if step.prefill_seqs.numel():
+            self._prefill(q, k_cache, v_cache, block_tables, step, out)
+
+    def _common(self) -> dict:
+        return dict(n_sink=self.cfg.n_sink, n_stream=self.cfg.n_stream, inv_freq=self.inv_freq)
+
+    def _decode(self, q, k_cache, v_cache, block_tables, step: SparseStep, out) -> None:
+        kw, cache = self._common(), self.cache
+        rope = self.pruning_rope if step.dynamic_rope else "none"
+        for i, stage in enumerate(self.stages):
+            if not step.refresh[i]:
+                continue
+            r = step.stage_rows[i]  # rows recomputing stage i, as indices into the decode rows
+            slots, rows = step.decode_slots[r], step.decode_rows[r]
+            prev = (None, None) if i == 0 else (cache.selected[i - 1][slots], cache.lens[i - 1][slots])
+            sel, num = pruning_stage(q, k_cache, block_tables[rows], step.decode_q_start[r],
+                                     step.decode_q_lens[r], step.decode_ends[r], *prev,
+                                     chunk_size=stage.chunk_size, k=stage.k, block_q=1,
+                                     max_candidates=step.max_middle if i == 0 else None,
+                                     rope_style=rope, **kw)
+            cache.selected[i][slots], cache.lens[i][slots] = sel, num
+        rows = step.decode_rows
+        selected = cache.selected[-1][step.decode_slots]
+        out[rows] = sparse_decode_attention(
+            q[rows], k_cache, v_cache, block_tables[rows], step.decode_ends, selected, scale=self.scale,
+            rope_style=self.cfg.attention_rope if step.dynamic_rope else "none", **kw)
+
+    def _prefill(self, q, k_cache, v_cache, block_tables, step: SparseStep, out) -> None:
+        kw = self._common()
+        tables = block_tables[step.prefill_seqs]
+        blocks = (step.prefill_q_start, step.prefill_q_lens, step.prefill_ends)
+        rope = self.pruning_rope if step.dynamic_rope else "none"
+        sel = num = None
+        for i, stage in enumerate(self.stages):
+            sel, num = pruning_stage(q, k_cache, tables, *blocks, sel, num, chunk_size=stage.chunk_size,
+                                     k=stage.k, block_q=self.cfg.block_q,
+                                     max_candidates=step.max_middle if i == 0 else None, rope_style=rope, **kw)
+        sparse_prefill_attention(q, k_cache, v_cache, tables, *blocks, sel, block_q=self.cfg.block_q,
+                                 scale=self.scale, out=out,
+                                 rope_style=self.cfg.attention_rope if step.dynamic_rope else "none", **kw)

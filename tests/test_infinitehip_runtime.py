@@ -1,0 +1,137 @@
+"""InfiniteHiP in the runtime, on tiny CPU engines: every preset generates; above the context
+dense_threshold keeps the dense result token for token; below it the sparse path runs, and
+equals dense when the selected sets cover the whole context; sliding layers stay dense.
+
+Most tests run the plugins' torch references (TRITON_INTERPRET unset for them, fast); one runs
+the Triton launchers under the interpreter."""
+
+from __future__ import annotations
+
+import pytest
+
+import infhip.runtime.sparse_attention as sa
+from infhip import LLM, SamplingParams
+from infhip.builder.build import build_engine
+from tests._tiny import write_tiny_hf_checkpoint
+
+# Test-only knobs: n_sink 4, n_stream 8, stages (8, 4, 32) -> (8, 2, 16) -> (8, 1, 8).
+TINY = dict(n_sink=4, n_stream=8, stages=[(8, 4, 32), (8, 2, 16), (8, 1, 8)], special_layers=[0],
+            special_final_k=16)
+TINY_5K = dict(TINY, stages=[(8, 8, 32), (8, 4, 16), (8, 2, 8)])
+# Stages that keep every candidate of these contexts; with refresh every step = dense attention.
+COVER = dict(TINY, stages=[(8, 4, 256), (8, 2, 256), (8, 1, 256)], special_final_k=256, refresh_intervals=[1, 1, 1])
+NEVER = {"dense_threshold": 10**6}
+LOW = {"dense_threshold": 30}
+
+PROMPTS = [[(7 * i + 3 * j) % 290 + 3 for j in range(n)] for i, n in enumerate((90, 41, 120))]
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def engines(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ihip")
+    write_tiny_hf_checkpoint(root / "llama", "llama")
+    write_tiny_hf_checkpoint(root / "gemma3", "gemma3")
+    kw = dict(dtype="float32", device="cpu", max_seq_len=200, max_batch_size=4, progress=False)
+    e = {"dense": build_engine(checkpoint=root / "llama", output_dir=root / "dense", **kw),
+         "gemma-dense": build_engine(checkpoint=root / "gemma3", output_dir=root / "gd", **kw),
+         "gemma-3k": build_engine(checkpoint=root / "gemma3", output_dir=root / "g3k", preset="3k",
+                                  infinitehip_overrides=TINY, **kw),
+         "cover": build_engine(checkpoint=root / "llama", output_dir=root / "cover", preset="3k",
+                               infinitehip_overrides=COVER, **kw)}
+    for preset in ("3k", "3k-fast", "3k-flash", "5k"):
+        e[preset] = build_engine(checkpoint=root / "llama", output_dir=root / preset, preset=preset,
+                                 infinitehip_overrides=TINY_5K if preset == "5k" else TINY, **kw)
+    return e
+
+
+@pytest.fixture
+def calls(monkeypatch):
+    """Count the sparse attention launches (the plugins' torch references run: no interpreter)."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    n = {"decode": 0, "prefill": 0}
+    for name, key in (("sparse_decode_attention", "decode"), ("sparse_prefill_attention", "prefill")):
+        real = getattr(sa, name)
+
+        def counted(*a, _real=real, _key=key, **k):
+            n[_key] += 1
+            return _real(*a, **k)
+        monkeypatch.setattr(sa, name, counted)
+    return n
+
+
+def generate(engine, overrides=None, prompts=PROMPTS, params=GREEDY, budget=64):
+    llm = LLM(engine, max_num_batched_tokens=budget, infinitehip_overrides=overrides)
+    return [o.token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=params)]
+
+
+@pytest.fixture(scope="module")
+def dense_tokens(engines):
+    return generate(engines["dense"])
+
+
+@pytest.mark.parametrize("preset", ["3k", "3k-fast", "3k-flash", "5k"])
+def test_presets_generate_and_match_dense_above_context(engines, dense_tokens, calls, preset):
+    assert generate(engines[preset], NEVER) == dense_tokens  # threshold above every context
+    assert calls == {"decode": 0, "prefill": 0}
+    sparse = generate(engines[preset], LOW)  # chunked prefill (budget 64) + decode, sparse
+    assert calls["prefill"] > 0 and calls["decode"] > 0
+    assert [len(t) for t in sparse] == [GREEDY.max_tokens] * len(PROMPTS)
+
+
+def test_covering_sets_equal_dense(engines, dense_tokens, calls):
+    assert generate(engines["cover"], LOW) == dense_tokens
+    assert calls["prefill"] > 0 and calls["decode"] > 0
+
+
+def test_covering_sets_equal_dense_under_interpreter(engines):
+    """The Triton launchers (interpreted) in the runtime: one short request, sparse from the start."""
+    prompts, params = [PROMPTS[1][:33]], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    assert generate(engines["cover"], LOW, prompts, params) == generate(engines["dense"], None, prompts, params)
+
+
+def test_dynamic_rope_runs(engines, calls):
+    out = generate(engines["3k"], dict(LOW, rope_off_in_trained_window=False), PROMPTS[:1])
+    assert len(out[0]) == GREEDY.max_tokens and calls["decode"] > 0
+
+
+def test_gemma3_sliding_layers_stay_dense(engines, calls):
+    llm = LLM(engines["gemma-3k"], max_num_batched_tokens=64)
+    sparse_layers = [i for i, layer in enumerate(llm.runner.model.layers) if layer.self_attn.sparse is not None]
+    assert sparse_layers == [5]  # the one full-attention layer of the tiny Gemma-3
+    assert generate(engines["gemma-3k"], NEVER) == generate(engines["gemma-dense"])
+    generate(engines["gemma-3k"], LOW)
+    assert calls["decode"] > 0
+
+
+def test_overrides_refused_on_dense_engine(engines):
+    with pytest.raises(ValueError, match="no InfiniteHiP layers"):
+        LLM(engines["dense"], infinitehip_overrides={"dense_threshold": 5})
+
+
+def test_plugins_dispatch_to_torch_on_cpu(monkeypatch):
+    """Without TRITON_INTERPRET, CPU tensors take the torch references; same answers as the
+    interpreted launchers (the same contract: shapes, PAD padding, rows written)."""
+    import torch
+
+    from infhip.plugins.infinitehip import plan_query_blocks, pruning_stage, sparse_prefill_attention
+    g = torch.Generator().manual_seed(0)
+    page, Hq, Hkv, D = 8, 4, 2, 16
+    kc, vc = (torch.randn(12, page, Hkv, D, generator=g) for _ in range(2))
+    tables = torch.arange(1, 12, dtype=torch.int32)[None, :]
+    q = torch.randn(13, Hq, D, generator=g)
+    q_start, q_lens, ends, seq = plan_query_blocks([13], [80], block_q=8)
+    tables = tables[seq.long()].contiguous()
+    kw = dict(n_sink=4, n_stream=8)
+
+    def run():
+        sel, n = pruning_stage(q, kc, tables, q_start, q_lens, ends, chunk_size=4, k=16, block_q=8, **kw)
+        out = torch.full_like(q, 7.0)
+        sparse_prefill_attention(q, kc, vc, tables, q_start, q_lens, ends, sel, block_q=8, scale=0.25, out=out, **kw)
+        return sel, n, out
+
+    interpreted = run()
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    ref = run()
+    assert torch.equal(interpreted[0], ref[0]) and torch.equal(interpreted[1], ref[1])
+    torch.testing.assert_close(interpreted[2], ref[2], atol=1e-4, rtol=1e-4)

@@ -1,0 +1,79 @@
+"""Mask-caching schedule (host only): which stages a request's decode step recomputes, per
+preset, staggered by mask-cache slot; slot reuse; and the planner's per-step decisions."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from infhip.builder.presets import infinitehip_config
+from infhip.runtime.mask_cache import MaskSlots, refresh_from, refresh_schedule
+from infhip.runtime.sampling_params import SamplingParams
+from infhip.runtime.sequence import Sequence, SequenceStatus
+from infhip.runtime.sparse_attention import SparsePlanner
+
+
+def stage_steps(intervals, num_steps, phase=0):
+    """For each stage: the steps (< num_steps) at which it is recomputed."""
+    sched = refresh_schedule(num_steps, intervals, phase)
+    return [[j for j, stages in enumerate(sched) if i in stages] for i in range(len(intervals))]
+
+
+@pytest.mark.parametrize("preset, intervals", [("3k", (16, 8, 4)), ("3k-fast", (32, 16, 8)),
+                                               ("3k-flash", (96, 24, 8)), ("5k", (16, 8, 4))])
+def test_schedule_per_preset(preset, intervals):
+    assert infinitehip_config(preset).refresh_intervals == intervals
+    n = 200
+    for i, steps in enumerate(stage_steps(intervals, n)):
+        # step 0 computes everything; then every n_refresh(i) steps
+        assert steps == [0] + [j for j in range(1, n) if j % intervals[i] == 0]
+    for j, stages in enumerate(refresh_schedule(n, intervals)):
+        assert stages == tuple(range(stages[0], 3)) if stages else True  # a stage implies the later ones
+
+
+def test_schedule_3k_first_steps():
+    assert refresh_schedule(9, (16, 8, 4)) == [(0, 1, 2), (), (), (), (2,), (), (), (), (1, 2)]
+    assert [refresh_from(j, 0, (96, 24, 8)) for j in (0, 8, 24, 48, 96)] == [0, 2, 1, 1, 0]
+
+
+def test_stagger_spreads_stage1_over_slots():
+    intervals = (16, 8, 4)
+    firsts = [stage_steps(intervals, 40, phase=slot % 16)[0] for slot in range(4)]
+    assert firsts == [[0, 16, 32], [0, 15, 31], [0, 14, 30], [0, 13, 29]]
+
+
+def seq(i, n=10):
+    s = Sequence(seq_id=i, prompt_token_ids=[1] * n, params=SamplingParams())
+    s.status = SequenceStatus.RUNNING
+    return s
+
+
+def test_slots_reuse_and_invalidate():
+    slots = MaskSlots(2, (4, 2, 1), stagger=False)
+    a, b, c = seq(0), seq(1), seq(2)
+    assert [slots.next_decode(a) for _ in range(5)] == [(0, 0), (0, 2), (0, 1), (0, 2), (0, 0)]
+    assert slots.next_decode(b) == (1, 0)
+    slots.invalidate(a.seq_id)  # e.g. preempted and re-prefilled: next step recomputes all
+    assert slots.next_decode(a) == (0, 0)
+    with pytest.raises(RuntimeError):
+        slots.next_decode(c)
+    b.status = SequenceStatus.FINISHED
+    assert slots.next_decode(c) == (1, 0)  # b's slot reclaimed
+
+
+def test_planner_decisions():
+    cfg = infinitehip_config("3k", dict(n_sink=4, n_stream=8, stages=[(8, 4, 32), (8, 2, 16), (8, 1, 8)],
+                                        special_final_k=16, dense_threshold=50, stagger_refresh=False))
+    planner = SparsePlanner(cfg, max_slots=4, trained_window=100)
+    a, b, c, d = seq(0, 60), seq(1, 20), seq(2, 70), seq(3, 30)
+    # batch: decodes a (sparse), b (dense); prefill chunks c (ends at 70: sparse), d (dense)
+    h = planner.plan([a, b, c, d], [60, 20, 70, 30], num_decodes=2)
+    assert h.decode_rows == [0] and h.dense_decode_lens == [0, 20] and h.prefill_seqs == [2]
+    assert h.dense_prefill_runs == [(3, 4)] and h.refresh == (True, True, True) and not h.dynamic_rope
+    h = planner.plan([a, b], [61, 21], num_decodes=2)
+    assert h.decode_first_stage == [3] and h.refresh == (False, False, False)
+    h = planner.plan([a], [120], num_decodes=1)  # past the trained window: dynamic RoPE
+    assert h.dynamic_rope
+    step = planner.to_device(planner.plan([c, d], [70, 30], 0), [0, 10, 20], [70, 30], lambda v, t: torch.tensor(v, dtype=t))
+    assert step.prefill_q_start.tolist() == [0, 8] and step.prefill_q_lens.tolist() == [8, 2]
+    assert step.prefill_ends.tolist() == [68, 70] and step.prefill_seqs.tolist() == [0, 0]

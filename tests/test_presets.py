@@ -1,0 +1,117 @@
+"""Presets in the engine: --preset round trip through config.json, the knobs of every preset,
+validation, backward compatibility of dense engines, and the runtime's safe overrides."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+from infhip.builder import cli as build_cli
+from infhip.builder.presets import PRESETS, apply_runtime_overrides, infinitehip_config, make_plan
+from infhip.config import EngineConfig, InfiniteHipConfig, Plan, PruningStage
+from tests._tiny import write_tiny_hf_checkpoint
+
+
+@pytest.fixture(scope="module")
+def hf(tmp_path_factory):
+    root = tmp_path_factory.mktemp("presets")
+    write_tiny_hf_checkpoint(root / "llama", "llama")
+    write_tiny_hf_checkpoint(root / "gemma3", "gemma3")
+    return root
+
+
+def test_preset_knobs():
+    assert PRESETS == ("dense", "3k", "3k-fast", "3k-flash", "5k")
+    c = infinitehip_config("3k")
+    assert (c.n_sink, c.n_stream) == (256, 1024)
+    assert c.stages == (PruningStage(64, 256, 32768), PruningStage(64, 32, 8192), PruningStage(64, 8, 2048))
+    assert c.special_layers == (0, 1, 2) and c.special_final_k == 4096
+    assert c.stages_of(1)[-1].k == 4096 and c.stages_of(3)[-1].k == 2048
+    assert c.pruning_rope_of(0) == "chunk_indexed" and c.pruning_rope_of(5) == "relative"
+    assert c.dense_threshold == 256 + 1024 + 32768
+    assert [infinitehip_config(p).refresh_intervals for p in ("3k", "3k-fast", "3k-flash", "5k")] == [
+        (16, 8, 4), (32, 16, 8), (96, 24, 8), (16, 8, 4)]
+    five = infinitehip_config("5k")
+    assert [(s.chunk_size, s.k) for s in five.stages] == [(64, 32768), (32, 16384), (16, 4096)]
+    tiny = infinitehip_config("3k", dict(n_sink=4, n_stream=8, stages=[(8, 4, 32), (8, 2, 16), (8, 1, 8)],
+                                         special_final_k=16))
+    assert tiny.dense_threshold == 4 + 8 + 32  # the rule follows overridden stages
+
+
+@pytest.mark.parametrize("bad, needle", [
+    (dict(refresh_intervals=(16, 6, 4)), "multiple"),
+    (dict(refresh_intervals=(16, 8)), "refresh intervals for"),
+    (dict(stages=[(64, 24, 48)], refresh_intervals=[4]), "power of two"),
+    (dict(stages=[(64, 32, 100)], refresh_intervals=[4]), "multiple of chunk_size"),
+    (dict(n_stream=32), "n_stream must be >= block_q"),
+    (dict(special_final_k=16384), "exceeds"),
+    (dict(attention_rope="relative"), "attention_rope"),
+])
+def test_validation(bad, needle):
+    with pytest.raises(ValueError, match=needle):
+        InfiniteHipConfig().replace(**bad)
+
+
+def test_cli_preset_round_trip(hf, tmp_path, capsys):
+    for preset in PRESETS:
+        out = tmp_path / preset
+        assert build_cli.main(["--checkpoint", str(hf / "gemma3"), "--output", str(out), "--device", "cpu",
+                               "--preset", preset, "--quiet"]) == 0
+        d = json.loads((out / "config.json").read_text())
+        assert d["plan"]["preset"] == d["preset"]["name"] == preset
+        plugins = [layer["plugin"] for layer in d["plan"]["layers"]]
+        types = json.loads((hf / "gemma3" / "config.json").read_text())["layer_types"]
+        if preset == "dense":
+            assert d["plan"]["infinitehip"] is None and set(plugins) == {"dense"}
+            continue
+        # full-attention layers get InfiniteHiP, sliding ones stay dense
+        assert plugins == ["infinitehip" if t == "full_attention" else "dense" for t in types]
+        ih = d["plan"]["infinitehip"]
+        want = infinitehip_config(preset)
+        assert ih == json.loads(json.dumps(dataclasses.asdict(want)))  # every knob visible
+        for key in ("n_sink", "n_stream", "stages", "refresh_intervals", "special_layers", "special_final_k",
+                    "dense_threshold", "pruning_rope", "special_pruning_rope", "attention_rope",
+                    "rope_off_in_trained_window"):
+            assert key in ih
+        assert EngineConfig.load(out).plan.infinitehip == want
+
+
+def test_dense_engine_without_infinitehip_key_loads(hf, tmp_path):
+    out = tmp_path / "old"
+    assert build_cli.main(["--checkpoint", str(hf / "llama"), "--output", str(out), "--device", "cpu", "--quiet"]) == 0
+    d = json.loads((out / "config.json").read_text())
+    del d["plan"]["infinitehip"]  # as written before InfiniteHiP existed
+    (out / "config.json").write_text(json.dumps(d))
+    cfg = EngineConfig.load(out)
+    assert cfg.plan.infinitehip is None and cfg.format_version == 1
+
+
+def test_runtime_overrides():
+    plan = Plan(preset="3k", layers=make_plan_layers(), infinitehip=infinitehip_config("3k"))
+    new = apply_runtime_overrides(plan, {"refresh_intervals": [32, 16, 8], "dense_threshold": 4096})
+    assert new.infinitehip.refresh_intervals == (32, 16, 8) and new.infinitehip.dense_threshold == 4096
+    with pytest.raises(ValueError, match="rebuild"):
+        apply_runtime_overrides(plan, {"n_sink": 8})
+    with pytest.raises(ValueError, match="multiple"):
+        apply_runtime_overrides(plan, {"refresh_intervals": (16, 6, 4)})
+    dense = Plan(preset="dense", layers=tuple(dataclasses.replace(x, plugin="dense") for x in plan.layers))
+    with pytest.raises(ValueError, match="no InfiniteHiP layers"):
+        apply_runtime_overrides(dense, {"dense_threshold": 5})
+
+
+def make_plan_layers():
+    from infhip.config import LayerPlan
+    return tuple(LayerPlan(index=i, attention="global", window=None, plugin="infinitehip",
+                           rope_group="full_attention") for i in range(4))
+
+
+def test_make_plan_refuses_overrides_for_dense(hf):
+    from infhip.builder.hf_config import model_config_from_hf
+    model, _ = model_config_from_hf(json.loads((hf / "llama" / "config.json").read_text()), "x")
+    assert make_plan(model).infinitehip is None
+    with pytest.raises(ValueError, match="dense preset"):
+        make_plan(model, "dense", {"n_sink": 4})
+    with pytest.raises(ValueError, match="unknown preset"):
+        make_plan(model, "7k")
