@@ -3,40 +3,28 @@
     python examples/passkey.py --engine engines/smollm2-135m --length 3000 --depth 0.5
 
 Prints the model's answer, whether it found the passkey, and timings. Exit code 0 on a correct
-answer, 1 otherwise (so it can gate a demo), 2 on bad input.
+answer, 1 otherwise (so it can gate a demo), 2 on bad input. The prompt comes from the quality
+harness (`infhip.eval.passkey`), which runs the same test over many lengths, depths and samples:
+`infhip-eval passkey --engine engines/smollm2-135m --lengths 1k,2k,4k --samples 5`.
 """
 
 from __future__ import annotations
 
 import argparse
 import random
-import re
 import sys
 import time
 
 from infhip import LLM, SamplingParams
-
-INTRO = ("There is an important piece of information hidden inside a lot of irrelevant text. "
-         "Find it and memorize it. I will quiz you about it.\n\n")
-FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
-QUESTION = "\n\nWhat is the pass key? The pass key is"
-
-
-def passkey_prompt(tokenizer, num_tokens: int, depth: float, passkey: int) -> str:
-    """A prompt of about `num_tokens` tokens with the passkey sentence at fraction `depth` of the filler."""
-    needle = f"The pass key is {passkey}. Remember it. {passkey} is the pass key. "
-    fixed = len(tokenizer(INTRO + needle + QUESTION)["input_ids"])
-    per_filler = len(tokenizer(FILLER * 10)["input_ids"]) / 10
-    num_fillers = max(1, int((num_tokens - fixed) / per_filler))
-    before = round(num_fillers * depth)
-    return INTRO + FILLER * before + needle + FILLER * (num_fillers - before) + QUESTION
+from infhip.eval.passkey import MAX_NEW_TOKENS, first_int, passkey_prompt_ids
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--engine", required=True)
-    p.add_argument("--length", type=int, default=3000, help="prompt length in tokens")
+    p.add_argument("--length", type=int, default=3000, help="prompt length in tokens (exact)")
     p.add_argument("--depth", type=float, default=0.5, help="where the passkey sits (0 = start, 1 = end)")
+    p.add_argument("--haystack", choices=("noise", "kjv"), default="noise", help="filler text")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default=None)
     args = p.parse_args(argv)
@@ -50,12 +38,16 @@ def main(argv=None) -> int:
         print("passkey.py: error: the engine has no tokenizer (random weights?)", file=sys.stderr)
         return 2
     passkey = random.Random(args.seed).randint(10000, 99999)
-    prompt = passkey_prompt(llm.tokenizer, args.length, args.depth, passkey)
+    try:
+        ids = passkey_prompt_ids(llm.tokenizer, args.length, args.depth, passkey, args.haystack, args.seed)
+    except ValueError as e:
+        print(f"passkey.py: error: {e}", file=sys.stderr)
+        return 2
     t1 = time.perf_counter()
-    out = llm.generate([prompt], SamplingParams(max_tokens=8, temperature=0.0))[0]
+    out = llm.generate(prompt_token_ids=[ids], sampling_params=SamplingParams(max_tokens=MAX_NEW_TOKENS,
+                                                                              temperature=0.0))[0]
     t2 = time.perf_counter()
-    found = re.findall(r"\d+", out.text)
-    ok = bool(found) and int(found[0]) == passkey
+    ok = first_int(out.text) == passkey
     print(f"prompt: {len(out.prompt_token_ids)} tokens, passkey {passkey} at depth {args.depth}")
     print(f"answer: {out.text.strip()!r}")
     print(f"result: {'CORRECT' if ok else 'WRONG'}   (load {t1 - t0:.1f} s, generate {t2 - t1:.1f} s)")

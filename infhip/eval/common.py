@@ -1,0 +1,79 @@
+"""Shared helpers of the tasks: length lists, engine loading, the no-tokenizer check.
+
+    >>> parse_lengths("1k,2K,3000")
+    [1024, 2048, 3000]
+    >>> parse_floats("0.1,0.5,0.9", "depths", 0.0, 1.0)
+    [0.1, 0.5, 0.9]
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+class EvalError(ValueError):
+    """Bad input to a task (unknown engine, impossible length, ...): the CLI prints it and exits 2."""
+
+
+def parse_lengths(spec: str | list[int]) -> list[int]:
+    """'1k,2k,16k' (k = 1024) or a list of ints -> positive token counts, in the given order."""
+    if isinstance(spec, (list, tuple)):
+        values = [int(v) for v in spec]
+    else:
+        values = []
+        for part in str(spec).split(","):
+            part = part.strip().lower()
+            if not part:
+                continue
+            try:
+                values.append(int(float(part[:-1]) * 1024) if part.endswith("k") else int(part))
+            except ValueError:
+                raise EvalError(f"bad length {part!r}: use integers or e.g. 4k (= 4096)") from None
+    if not values or any(v <= 0 for v in values):
+        raise EvalError(f"lengths must be positive token counts, got {spec!r}")
+    return values
+
+
+def parse_floats(spec: str | list[float], what: str, lo: float, hi: float) -> list[float]:
+    values = [float(v) for v in spec] if isinstance(spec, (list, tuple)) else \
+        [float(p) for p in str(spec).split(",") if p.strip()]
+    if not values or any(not lo <= v <= hi for v in values):
+        raise EvalError(f"{what} must be in [{lo}, {hi}], got {spec!r}")
+    return values
+
+
+def engine_name(engine_dir: str | Path) -> str:
+    return Path(engine_dir).resolve().name
+
+
+def load_llm(engine_dir: str | Path, device: str | None = None, need_tokenizer: bool = True,
+             **llm_kwargs):
+    """`LLM` for an engine directory, with a clear error when it is missing, does not fit, or has no
+    tokenizer. `llm_kwargs` go to `LLM` (max_num_seqs, kv_cache_memory_bytes, ...)."""
+    from infhip import LLM
+
+    path = Path(engine_dir)
+    if not (path / "config.json").is_file():
+        raise EvalError(f"{path} is not an engine directory (no config.json); build one with infhip-build")
+    try:
+        llm = LLM(path, device=device, **{k: v for k, v in llm_kwargs.items() if v is not None})
+    except MemoryError as e:  # e.g. a 32K-window engine on the CPU's default 2 GiB KV budget
+        raise EvalError(f"{e} (infhip-eval: --kv-cache-gib / --max-num-seqs)") from None
+    if need_tokenizer and llm.tokenizer is None:
+        raise EvalError(f"engine {path} has no tokenizer (random weights?): these tasks need real text")
+    return llm
+
+
+def check_fits(llm, length: int, extra: int = 0) -> None:
+    limit = llm.engine.config.build.max_seq_len
+    if length + extra > limit:
+        raise EvalError(f"length {length} (+{extra} generated) exceeds the engine's max_seq_len {limit}; "
+                        "rebuild with --max-seq-len")
+
+
+def engine_info(llm) -> dict:
+    """What a result depends on besides the weights: dtype, plan preset, limits, device."""
+    build = llm.engine.config.build
+    return {"dtype": build.dtype, "kv_dtype": build.kv_dtype, "preset": llm.engine.config.plan.preset,
+            "max_seq_len": build.max_seq_len, "device": str(llm.runner.device),
+            "architecture": llm.engine.config.model.architecture}

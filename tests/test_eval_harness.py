@@ -1,0 +1,162 @@
+"""infhip-eval machinery on tiny random engines (CPU, seconds): teacher-forced log-probs equal
+transformers' full-forward ones (whole and chunked prefill, a batch of items, sliding layers),
+ppl/agree/passkey/niah through the Python API and the CLI (JSON, markdown, plot), recall on
+explicit sparse parameters, and the clean refusal of recall on a dense plan."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from infhip import LLM
+from infhip.builder.build import build_engine
+from infhip.eval import cli
+from infhip.eval.agree import agreement
+from infhip.eval.common import load_llm
+from infhip.eval.forcing import target_log_probs
+from infhip.eval.ppl import PplConfig, run_ppl
+from infhip.eval.recall import NoSparseLayers, measure_recall, sparse_layer_params
+from tests._tiny import write_tiny_hf_checkpoint
+
+
+_BUILT: dict[str, tuple] = {}
+
+
+def _tiny(arch: str, tmp_path_factory):
+    """A tiny random engine with a tokenizer (built once per arch per session)."""
+    if arch not in _BUILT:
+        root = tmp_path_factory.mktemp(f"eval-{arch}")
+        cfg = write_tiny_hf_checkpoint(root / "hf", arch, tokenizer=True, max_position_embeddings=1024)
+        engine = build_engine(checkpoint=root / "hf", output_dir=root / "engine", dtype="float32",
+                              device="cpu", max_seq_len=1024, max_batch_size=4)
+        hf = AutoModelForCausalLM.from_pretrained(root / "hf", dtype=torch.float32).eval()
+        _BUILT[arch] = (arch, cfg, engine, hf)
+    return _BUILT[arch]
+
+
+@pytest.fixture(params=["llama", "gemma3"])  # Gemma-3: sliding + global layers, tied embeddings
+def tiny_any(request, tmp_path_factory):
+    return _tiny(request.param, tmp_path_factory)
+
+
+@pytest.fixture
+def tiny(tmp_path_factory):  # Gemma-3's mix of sliding and global layers exercises the most paths
+    return _tiny("gemma3", tmp_path_factory)
+
+
+def _ids(seed: int, n: int, vocab: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, vocab, (n,), generator=g).tolist()
+
+
+@pytest.mark.parametrize("budget", [256, 24])  # one-step prefill, and chunked prefill + batch interleaving
+def test_teacher_forced_log_probs_match_transformers(tiny_any, budget):
+    arch, cfg, engine, hf = tiny_any
+    llm = LLM(engine, max_num_batched_tokens=budget)
+    items = []
+    for seed, (n_ctx, n_tgt) in enumerate([(70, 30), (9, 12), (100, 1)]):
+        ids = _ids(seed, n_ctx + n_tgt, cfg["vocab_size"])
+        items.append((ids[:n_ctx], ids[n_ctx:]))
+    ours = target_log_probs(llm, items)
+    for (ctx, tgt), lp in zip(items, ours):
+        with torch.no_grad():
+            logits = hf(torch.tensor([ctx + tgt])).logits[0].double()
+        ref = logits.log_softmax(-1)[len(ctx) - 1:-1].gather(1, torch.tensor(tgt)[:, None])[:, 0]
+        assert torch.allclose(lp, ref, rtol=1e-4, atol=1e-4), arch
+    assert not llm.scheduler.has_unfinished()  # every forced sequence released its pages
+    with pytest.raises(ValueError, match="max_seq_len"):
+        target_log_probs(llm, [(_ids(0, 1000, cfg["vocab_size"]), _ids(1, 60, cfg["vocab_size"]))])
+
+
+def test_agree_with_itself(tiny_any):
+    _, cfg, engine, _ = tiny_any
+    a, b = LLM(engine), LLM(engine, max_num_batched_tokens=32)
+    items = [(_ids(5, 90, cfg["vocab_size"]), _ids(6, 20, cfg["vocab_size"]))] * 2
+    for top1, kl in agreement(a, b, items):
+        assert top1 == 1.0 and 0.0 <= kl < 1e-6
+
+
+def test_cli_ppl_and_outputs(tiny, tmp_path, capsys):
+    _, _, engine, _ = tiny
+    out = tmp_path / "res"
+    rc = cli.main(["ppl", "--engine", str(engine), "--lengths", "64,128", "--chunk", "16", "--samples", "2",
+                   "--json", str(out / "ppl.json"), "--markdown", str(out / "ppl.md"), "--plot", str(out / "ppl.png")])
+    assert rc == 0
+    data = json.loads((out / "ppl.json").read_text())
+    assert [r["length"] for r in data["summary"]] == [64, 128]
+    assert all(r["score"] > 1.0 for r in data["summary"])  # random weights: perplexity well above 1
+    assert "| engine | metric | 64 | 128 |" in (out / "ppl.md").read_text()
+    assert (out / "ppl.png").read_bytes()[:4] == b"\x89PNG"
+    # the same numbers through the Python API
+    again = run_ppl([str(engine)], PplConfig(lengths=[64], chunk=16, samples=2), log=lambda m: None)
+    assert again.summary()[0]["score"] == pytest.approx(data["summary"][0]["score"], rel=1e-9)
+
+
+def test_cli_generation_tasks_run(tiny, tmp_path):
+    """passkey / niah / agree end to end on a random model (scores are ~0: this checks the plumbing)."""
+    _, _, engine, _ = tiny
+    assert cli.main(["passkey", "--engine", str(engine), "--lengths", "300", "--depths", "0.5",
+                     "--json", str(tmp_path / "p.json"), "--plot", str(tmp_path / "p.png")]) == 0
+    assert cli.main(["niah", "--engine", str(engine), "--lengths", "640", "--depths", "0.5",
+                     "--variants", "single,multiquery", "--haystack", "noise", "--json", str(tmp_path / "n.json")]) == 0
+    recs = json.loads((tmp_path / "n.json").read_text())["records"]
+    assert {r["variant"] for r in recs} == {"single", "multiquery"}
+    assert cli.main(["agree", "--engine", str(engine), "--reference", str(engine), "--lengths", "64",
+                     "--chunk", "8", "--samples", "1", "--json", str(tmp_path / "a.json")]) == 0
+    summary = json.loads((tmp_path / "a.json").read_text())["summary"]
+    assert {r.get("metric"): r["score"] for r in summary}["top1"] == 1.0
+
+
+def test_bad_input_exits_2(tiny, tmp_path, capsys):
+    _, _, engine, _ = tiny
+    assert cli.main(["ppl", "--engine", str(tmp_path / "missing")]) == 2
+    assert cli.main(["ppl", "--engine", str(engine), "--lengths", "64", "--chunk", "64"]) == 2
+    assert cli.main(["passkey", "--engine", str(engine), "--lengths", "4k"]) == 2  # over max_seq_len 1024
+    assert cli.main(["agree", "--engine", str(engine), "--lengths", "64"]) == 2  # no --reference
+    assert cli.main(["ppl", "--engine", str(engine), "--max-num-seqs", "0"]) == 2
+    assert cli.main(["ppl", "--engine", str(engine), "--lengths", "64", "--chunk", "16", "--kv-cache-gib", "1e-5"]) == 2
+    err = capsys.readouterr().err
+    assert "max_seq_len" in err and "--reference" in err and "KV cache budget" in err
+
+
+def test_recall_refuses_dense_plan_and_measures_explicit_params(tiny, capsys):
+    arch, _, engine, _ = tiny
+    assert cli.main(["recall", "--engine", str(engine), "--lengths", "128"]) == 3
+    assert "no sparse layers" in capsys.readouterr().err
+    llm = load_llm(engine)
+    with pytest.raises(NoSparseLayers):
+        sparse_layer_params(llm)
+    layer = next(lp.index for lp in llm.engine.config.plan.layers if lp.attention == "global")
+    ids = _ids(9, 160, llm.engine.config.model.vocab_size)
+    small = {"n_sink": 4, "n_stream": 8, "stages": [[4, 8, 16]]}
+    everything = {"n_sink": 4, "n_stream": 8, "stages": [[4, 4, 256]]}
+    r_small = measure_recall(llm, ids, 12, {layer: small})[layer]
+    r_all = measure_recall(llm, ids, 12, {layer: everything})[layer]
+    assert r_small.shape == (llm.engine.config.model.num_heads,)
+    assert ((r_small > 0) & (r_small < 1)).all(), arch
+    assert torch.allclose(r_all, torch.ones_like(r_all)), arch  # k covers the whole middle
+    assert not llm.scheduler.has_unfinished()
+
+
+def test_recall_on_an_infinitehip_engine(tmp_path):
+    """The plan's own InfiniteHiP knobs drive the measurement (tiny stages, CPU references)."""
+    from infhip.builder import presets
+    if "3k" not in getattr(presets, "PRESETS", ()):
+        pytest.skip("no InfiniteHiP presets in this tree yet")
+    write_tiny_hf_checkpoint(tmp_path / "hf", "llama", tokenizer=True, max_position_embeddings=1024)
+    knobs = {"n_sink": 4, "n_stream": 16, "stages": [[8, 16, 64], [8, 4, 32]], "refresh_intervals": [2, 1],
+             "special_layers": [0], "special_final_k": 16, "dense_threshold": 1000}  # prefill dense: fast
+    engine = build_engine(checkpoint=tmp_path / "hf", output_dir=tmp_path / "engine", preset="3k",
+                          dtype="float32", device="cpu", max_seq_len=1024, max_batch_size=2,
+                          infinitehip_overrides=knobs)
+    assert cli.main(["recall", "--engine", str(engine), "--lengths", "200", "--chunk", "8",
+                     "--json", str(tmp_path / "r.json"), "--plot", str(tmp_path / "r.png")]) == 0
+    recs = json.loads((tmp_path / "r.json").read_text())["records"]
+    plan = load_llm(engine).engine.config.plan
+    sparse = {lp.index for lp in plan.layers if lp.plugin != "dense"}
+    assert {r["layer"] for r in recs} == sparse and len(recs) == len(sparse) * 6  # 6 query heads
+    assert all(0.0 < r["score"] < 1.0 for r in recs)  # 52 of 200 keys kept: partial mass
+    assert all(r["extra"]["engine_runs_dense"] for r in recs)  # 200 < dense_threshold, and it says so
