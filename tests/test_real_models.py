@@ -40,13 +40,13 @@ def test_real_model_greedy_matches_transformers(alias, package, tmp_path):
     llm = LLM(engine)
     prompt = TEXT * 3 + "And God said,"
     out = llm.generate([prompt], SamplingParams(max_tokens=NUM_TOKENS, temperature=0.0, ignore_eos=True))[0]
-    # Gemma: transformers' GGUF tokenizer conversion splits words finely (see docs/known-issues), hence the range.
-    assert 250 <= len(out.prompt_token_ids) <= 800
+    assert 250 <= len(out.prompt_token_ids) <= 600
 
     tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     hf = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32).eval()
-    ids = tok(prompt)["input_ids"]
-    assert out.prompt_token_ids == ids
+    ids = out.prompt_token_ids
+    if alias == "smollm2-135m":  # GPT-2 style BPE: transformers' GGUF tokenizer is the reference.
+        assert ids == tok(prompt)["input_ids"]  # (Gemma's is rebuilt by the builder: spm_tokenizer.py)
     ref, past, step_ids = [], None, torch.tensor([ids])
     with torch.no_grad():  # plain greedy with transformers' KV cache, logits of the last token only
         for _ in range(NUM_TOKENS):
@@ -55,4 +55,4 @@ def test_real_model_greedy_matches_transformers(alias, package, tmp_path):
             ref.append(int(res.logits[0, -1].argmax()))
             step_ids = torch.tensor([[ref[-1]]])
     assert out.token_ids == ref
-    assert out.text == tok.decode(out.token_ids, skip_special_tokens=True)
+    assert out.text == llm.tokenizer.decode(out.token_ids, skip_special_tokens=True)
