@@ -194,7 +194,14 @@ class LLM:
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  prompt_token_ids: list[list[int]] | None = None) -> list[RequestOutput]:
         """Generate completions for a batch of prompts (continuous batching); outputs in input order."""
-        reqs = [self._add(p, ids, sp) for p, ids, sp in self._normalise(prompts, prompt_token_ids, sampling_params)]
+        reqs = []
+        try:
+            for p, ids, sp in self._normalise(prompts, prompt_token_ids, sampling_params):
+                reqs.append(self._add(p, ids, sp))
+        except Exception:  # one bad prompt rejects the whole call: nothing stays queued
+            for r in reqs:
+                self._abort(r)
+            raise
         while not all(r.seq.is_finished for r in reqs):
             self.step()
         return [self._output(r) for r in reqs]
@@ -204,11 +211,19 @@ class LLM:
         """Yield the completion of one prompt piece by piece as it is generated."""
         [(p, ids, sp)] = self._normalise(prompt, prompt_token_ids, sampling_params)
         req = self._add(p, ids, sp)
-        while not req.seq.is_finished:
-            if req in self.step() or req.seq.is_finished:
-                new_tokens = req.seq.output_token_ids[req.emitted_tokens:]
-                req.emitted_tokens = len(req.seq.output_token_ids)
-                text = req.detok.delta(final=req.seq.is_finished)
-                if new_tokens or text or req.seq.is_finished:
-                    yield StreamDelta(new_tokens, text, req.seq.finish_reason)
-        self._output(req)
+        try:
+            while not req.seq.is_finished:
+                if req in self.step() or req.seq.is_finished:
+                    new_tokens = req.seq.output_token_ids[req.emitted_tokens:]
+                    req.emitted_tokens = len(req.seq.output_token_ids)
+                    text = req.detok.delta(final=req.seq.is_finished)
+                    if new_tokens or text or req.seq.is_finished:
+                        yield StreamDelta(new_tokens, text, req.seq.finish_reason)
+        finally:  # also when the caller stops iterating early: free the request's pages
+            self._abort(req)
+
+    def _abort(self, req: _Request) -> None:
+        """Finish a request (if still running) and forget it; its KV pages are freed."""
+        if not req.seq.is_finished:
+            self.scheduler.finish(req.seq, "abort")
+        self._requests.pop(req.seq.seq_id, None)

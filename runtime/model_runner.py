@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from infhip.runtime.cuda_graphs import DecodeGraphs
-from infhip.runtime.engine import LoadedEngine
+from infhip.runtime.engine import DTYPES, LoadedEngine
 from infhip.runtime.forward_context import ForwardContext, KVGroupMetadata, forward_context
 from infhip.runtime.kv_cache import KVCacheManager, KVGroupSpec
 from infhip.runtime.scheduler import SchedulerOutput
@@ -47,10 +47,6 @@ class StepPlan:
         return s is not None and bool(s.decode_rows or s.prefill_seqs)
 
 
-def kv_group_of(window: int | None) -> str:
-    return "sliding" if window else "global"
-
-
 class ModelRunner:
     def __init__(self, engine: LoadedEngine, max_num_seqs: int, max_num_batched_tokens: int,
                  kv_cache_memory_bytes: int | None = None, gpu_memory_utilization: float = 0.9,
@@ -60,8 +56,7 @@ class ModelRunner:
         self.page_size = build.page_size
         self.max_seq_len = build.max_seq_len
         self.max_pages_per_seq = math.ceil(build.max_seq_len / self.page_size)
-        kv_dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16,
-                    "float32": torch.float32}[build.kv_dtype]
+        kv_dtype = DTYPES[build.kv_dtype]
         attn_layers = [layer.self_attn for layer in self.model.layers]
         layer_groups = [a.kv_group for a in attn_layers]
         windows = {a.kv_group: a.window for a in attn_layers}

@@ -139,3 +139,18 @@ def test_multi_step_decode_equals_single_step(engine, llm):
     # Near max_seq_len (128) the fused steps fall back to single steps and still stop on "length".
     long = multi.generate(prompt_token_ids=[[7] * 120], sampling_params=GREEDY)[0]
     assert long.finish_reason == "length" and len(long.token_ids) == 8
+
+
+def test_rejected_or_abandoned_requests_leave_nothing_behind(engine):
+    """A batch with one bad prompt queues none of them; a stream the caller stops early frees its
+    request: afterwards no sequence is left and every KV page is free again."""
+    llm = LLM(engine)
+    free = {g: llm.runner.kv.num_free_pages(g) for g in llm.runner.kv.groups}
+    with pytest.raises(ValueError, match="max_seq_len"):
+        llm.generate(prompt_token_ids=[[5] * 10, [6] * 200], sampling_params=GREEDY)
+    stream = llm.generate_stream("hello", SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True))
+    next(stream)
+    stream.close()
+    assert not llm.scheduler.has_unfinished() and not llm._requests
+    assert {g: llm.runner.kv.num_free_pages(g) for g in llm.runner.kv.groups} == free
+    assert len(llm.generate(["ok"], GREEDY)[0].token_ids) == 12

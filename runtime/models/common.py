@@ -63,7 +63,7 @@ class Attention(nn.Module):
         self.qk_norm = cfg.qk_norm
         self.scale = cfg.attention_scale
         self.window = plan.window
-        self.kv_group = "sliding" if plan.window else "global"
+        self.kv_group = plan.attention  # "global" | "sliding": layers of a group share page tables
         self.rope = [rope]  # a list: not a submodule (its buffer is owned by the model's `rope` dict)
         # Set by the ModelRunner after loading: [num_pages, page_size, Hkv, D] each.
         self.k_cache: torch.Tensor | None = None
