@@ -13,6 +13,7 @@ replaced only with ``force=True`` and only after the new one is complete.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -31,6 +32,7 @@ from infhip.builder.convert import convert_weights, random_weights, unused_tenso
 from infhip.builder.errors import BuildError
 from infhip.builder.hf_config import model_config_from_hf
 from infhip.builder.presets import PRESETS, make_plan
+from infhip.builder.token_drop_spec import token_drop_config
 from infhip.builder.registry import ModelSource, resolve_model
 from infhip.builder.tokenizer import save_tokenizer
 
@@ -125,6 +127,7 @@ def build_engine(
     checkpoint: str | os.PathLike | None = None,
     model: str | None = None,
     infinitehip_overrides: dict[str, Any] | None = None,
+    token_drop: Any = None,
 ) -> Path:
     """Build an engine from ``source`` (a checkpoint path, a model alias or a cached HF repo id;
     or say which with ``checkpoint=PATH`` / ``model=NAME``, as the CLI does) into ``output_dir``
@@ -133,7 +136,9 @@ def build_engine(
     ``max_num_batched_tokens`` to 32768 on a GPU target (one long-context prefill chunk: the
     InfiniteHiP query-chunk size) and 8192 on the CPU, at least max_batch_size; ``kv_dtype`` to ``dtype``; ``device`` to cuda when a GPU is visible (the target then is its ``sm_XY``), else cpu.
     ``preset`` is one of builder/presets.py's PRESETS; ``infinitehip_overrides`` changes any
-    InfiniteHiP knob of it (e.g. tiny stages for tests)."""
+    InfiniteHiP knob of it (e.g. tiny stages for tests). ``token_drop`` (None/False = off, True,
+    a ``--token-drop`` spec string, a dict or a TokenDropConfig) enables UniPrefill token
+    dropping in prefill (builder/token_drop_spec.py)."""
     given = [x for x in (source, checkpoint, model) if x is not None]
     if len(given) != 1 or output_dir is None:
         raise TypeError("build_engine needs output_dir and exactly one of source, checkpoint=, model=")
@@ -192,6 +197,12 @@ def build_engine(
             raise BuildError(str(e)) from e
         try:
             plan = make_plan(mcfg, preset, infinitehip_overrides)
+            td = token_drop_config(token_drop)
+            if td is not None:
+                if all(layer.window is not None for layer in plan.layers):
+                    raise ValueError("--token-drop needs full-attention layers (its anchors); "
+                                     "this model has none")
+                plan = dataclasses.replace(plan, token_drop=td)
         except ValueError as e:
             raise BuildError(str(e)) from e
         engine = EngineConfig(model=mcfg, plan=plan, build=build, infhip_version=__version__)

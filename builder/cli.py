@@ -4,6 +4,7 @@
     infhip-build --checkpoint ~/models/Llama-3.2-1B --output engines/llama-1b --max-seq-len 32768
     infhip-build --model llama-3.1-8b --random-weights --device cuda --output engines/l8b-random
     infhip-build --model llama-3.1-8b --preset 3k --output engines/l8b-3k
+    infhip-build --model smollm2-135m --token-drop p=0.98,G=32 --output engines/smollm2-td
 
 User errors (missing/corrupt checkpoint, unknown architecture or alias, bad flag values) print one
 line on stderr and exit with status 1 (argparse's own usage errors: 2); no traceback.
@@ -44,6 +45,10 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--preset", default="dense", choices=PRESETS,
                    help="execution preset: dense (default) or InfiniteHiP 3k | 3k-fast | 3k-flash | 5k "
                         "on the full-attention layers (knobs in config.json, plan.infinitehip)")
+    p.add_argument("--token-drop", nargs="?", const="", default=None, metavar="SPEC",
+                   help="UniPrefill token dropping in prefill at the full-attention layers: bare for "
+                        "the defaults (p=0.99,n=128,G=64,A=128,min_len=8192), or key=value,... "
+                        "with keys p, n, G, A, min_len, rho (e.g. p=0.98,G=32); composes with --preset")
     p.add_argument("--dtype", default="bfloat16", choices=DTYPES, help="weight dtype (default bfloat16)")
     p.add_argument("--kv-dtype", choices=DTYPES, help="KV-cache dtype (default: --dtype)")
     p.add_argument("--max-seq-len", type=_positive_int,
@@ -66,13 +71,23 @@ def main(argv: list[str] | None = None) -> int:
     args = make_parser().parse_args(argv)
     from infhip.builder.build import build_engine
     from infhip.builder.errors import BuildError
+    from infhip.builder.token_drop_spec import parse_token_drop
+
+    token_drop = None
+    if args.token_drop is not None:
+        try:
+            token_drop = parse_token_drop(args.token_drop)
+        except ValueError as e:
+            print(f"infhip-build: error: {e}", file=sys.stderr)
+            return 1
 
     try:
         out = build_engine(
             checkpoint=args.checkpoint, model=args.model, output_dir=args.output, preset=args.preset, dtype=args.dtype, kv_dtype=args.kv_dtype,
             max_seq_len=args.max_seq_len, max_batch_size=args.max_batch_size, page_size=args.page_size,
             max_num_batched_tokens=args.max_num_batched_tokens, device=args.device,
-            random_weights=args.random_weights, seed=args.seed, force=args.force, progress=not args.quiet)
+            random_weights=args.random_weights, seed=args.seed, force=args.force, progress=not args.quiet,
+            token_drop=token_drop)
     except BuildError as e:
         print(f"infhip-build: error: {e}", file=sys.stderr)
         return 1

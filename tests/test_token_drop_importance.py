@@ -119,3 +119,19 @@ def test_no_host_read_with_host_list(monkeypatch):
 def test_doctests():
     res = doctest.testmod(importance, extraglobs={"torch": torch})
     assert res.failed == 0 and res.attempted > 0
+
+
+@pytest.mark.parametrize("n,G", [(16, 8), (13, 5)])
+def test_window_only_q_equals_full_q(n, G):
+    """q_window: q holds only each sequence's last min(n, L) rows (chunked prefill scores the
+    chunk's queries against keys of the whole cache); same scores as the full packed q."""
+    q, k, cu = make_qk(LENS, 6, 2, 16, torch.float32, seed=5)
+    cuh = cu_of(LENS)
+    rows = torch.cat([torch.arange(cuh[b + 1] - min(n, LENS[b]), cuh[b + 1]) for b in range(len(LENS))])
+    q_win = q[rows.to(q.device)].contiguous()
+    full, _ = block_importance_triton(q, k, cu, 0.3, n, G)
+    win, _ = block_importance_triton(q_win, k, cu, 0.3, n, G, q_window=True)
+    ref, _ = block_importance_ref(q_win, k, cu, 0.3, n, G, q_window=True)
+    assert max_rel_err(win, full) < 1e-6 and max_rel_err(ref, full) < 1e-5
+    with pytest.raises(AssertionError, match="rows"):
+        block_importance_triton(q_win[1:], k, cu, 0.3, n, G, q_window=True)

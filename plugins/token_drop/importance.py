@@ -44,6 +44,7 @@ def _row_stats_kernel(
     q_ptr,  # [T, Hq, D], last dim contiguous
     k_ptr,  # [T, Hkv, D], last dim contiguous
     cu_seqlens_ptr,  # [B + 1] int32
+    q_start_ptr,  # [B] int32: q row of window row 0 of each sequence
     # outputs
     m_ptr,  # [B, Hq, n, NUM_SPLITS] float32: max of s (or lse when NUM_SPLITS == 1)
     l_ptr,  # [B, Hq, n, NUM_SPLITS] float32: sum of 2^(s - m) (unused when NUM_SPLITS == 1)
@@ -69,7 +70,8 @@ def _row_stats_kernel(
     row_pos = seq_len - num_rows + r  # position in the sequence
     d = tl.arange(0, BLOCK_D)
     d_mask = d < head_dim
-    q = tl.load(q_ptr + (seq_start + row_pos).to(tl.int64)[:, None] * stride_qt + h * stride_qh
+    q_start = tl.load(q_start_ptr + b)
+    q = tl.load(q_ptr + (q_start + r).to(tl.int64)[:, None] * stride_qt + h * stride_qh
                 + d[None, :], mask=row_valid[:, None] & d_mask[None, :], other=0.0)
     if DOT_F32:
         q = q.to(tl.float32)
@@ -113,6 +115,7 @@ def _block_scores_kernel(
     k_ptr,  # [T, Hkv, D], last dim contiguous
     cu_seqlens_ptr,  # [B + 1] int32
     cu_blocks_ptr,  # [B + 1] int32
+    q_start_ptr,  # [B] int32: q row of window row 0 of each sequence
     lse_ptr,  # [B, Hq, n] float32, base-2 log-sum-exp of each window row
     # outputs
     scores_ptr,  # [num_blocks_total] float32
@@ -131,6 +134,7 @@ def _block_scores_kernel(
     seq_start = tl.load(cu_seqlens_ptr + b)
     seq_len = tl.load(cu_seqlens_ptr + b + 1) - seq_start
     num_rows = tl.minimum(obs_window, seq_len)
+    q_start = tl.load(q_start_ptr + b)
     keys_per_tile = blocks_per_tile * block_size
 
     lane = tl.arange(0, BLOCK_N)
@@ -153,7 +157,7 @@ def _block_scores_kernel(
             r = (step % num_row_tiles) * BLOCK_M + tl.arange(0, BLOCK_M)
             row_valid = r < num_rows
             row_pos = seq_len - num_rows + r
-            q = tl.load(q_ptr + (seq_start + row_pos).to(tl.int64)[:, None] * stride_qt
+            q = tl.load(q_ptr + (q_start + r).to(tl.int64)[:, None] * stride_qt
                         + h * stride_qh + d[None, :],
                         mask=row_valid[:, None] & d_mask[None, :], other=0.0)
             if DOT_F32:
@@ -189,14 +193,31 @@ def choose_num_splits(batch: int, num_q_heads: int, num_row_tiles: int, max_tile
     return max(1, min(want, max_tiles, 64))
 
 
+def _window_q_start(cu_seqlens: torch.Tensor, obs_window: int, q_window: bool) -> torch.Tensor:
+    """[B] int32 q row of each sequence's first window row (device ops, no sync): the window
+    rows inside the packed q, or, with q_window, the prefix sums of the window sizes."""
+    lens = cu_seqlens[1:] - cu_seqlens[:-1]
+    rows = torch.clamp(lens, max=obs_window)
+    if q_window:
+        return (torch.cumsum(rows, 0) - rows).to(torch.int32)
+    return (cu_seqlens[1:] - rows).to(torch.int32)
+
+
+def _check_q_rows(q: torch.Tensor, lens: list[int], obs_window: int, q_window: bool, num_keys: int) -> None:
+    want = sum(min(obs_window, x) for x in lens) if q_window else num_keys
+    assert q.shape[0] == want, (f"q has {q.shape[0]} rows, expected {want} "
+                                f"({'the packed windows' if q_window else 'one per key'})")
+
+
 def block_importance_triton(q: torch.Tensor, k: torch.Tensor, cu_seqlens: torch.Tensor, scale: float,
                             obs_window: int, block_size: int,
                             cu_seqlens_list: list[int] | None = None,
-                            num_splits: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                            num_splits: int | None = None,
+                            q_window: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton launcher for `block_importance` (num_splits: tuning/test override)."""
-    T, Hq, D = q.shape
-    Tk, Hkv, Dk = k.shape
-    assert Tk == T and Dk == D and Hq % Hkv == 0, "q [T, Hq, D] vs k [T, Hkv, D] mismatch"
+    Hq, D = q.shape[1:]
+    T, Hkv, Dk = k.shape
+    assert Dk == D and Hq % Hkv == 0, "q [., Hq, D] vs k [T, Hkv, D] mismatch"
     assert q.stride(2) == 1 and k.stride(2) == 1, "last dims must be contiguous"
     assert q.dtype == k.dtype, "q and k dtypes must match (tl.dot)"
     assert cu_seqlens.dtype == torch.int32 and cu_seqlens.dim() == 1 and cu_seqlens.is_contiguous()
@@ -205,6 +226,8 @@ def block_importance_triton(q: torch.Tensor, k: torch.Tensor, cu_seqlens: torch.
     cu = cu_seqlens_list if cu_seqlens_list is not None else cu_seqlens.tolist()  # host shapes
     assert len(cu) == B + 1 and cu[-1] <= T
     lens = [cu[i + 1] - cu[i] for i in range(B)]
+    _check_q_rows(q, lens, obs_window, q_window, T)
+    q_start = _window_q_start(cu_seqlens, obs_window, q_window)
     max_len = max(lens, default=0)
     cu_blocks = block_layout(cu_seqlens, block_size)
     scores = torch.empty(sum(triton.cdiv(x, block_size) for x in lens), dtype=torch.float32,
@@ -223,7 +246,7 @@ def block_importance_triton(q: torch.Tensor, k: torch.Tensor, cu_seqlens: torch.
     m_part = torch.empty((B, Hq, obs_window, num_splits), dtype=torch.float32, device=q.device)
     l_part = torch.empty_like(m_part) if num_splits > 1 else m_part
     _row_stats_kernel[(B, Hq * num_row_tiles, num_splits)](
-        q, k, cu_seqlens,
+        q, k, cu_seqlens, q_start,
         m_part, l_part,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1),
         Hq, Hq // Hkv, D, obs_window, float(scale) * _LOG2E,
@@ -240,7 +263,7 @@ def block_importance_triton(q: torch.Tensor, k: torch.Tensor, cu_seqlens: torch.
     blocks_per_tile = max(1, _KEYS_PER_TILE // block_size)
     keys_per_tile = blocks_per_tile * block_size
     _block_scores_kernel[(B, triton.cdiv(max_len, keys_per_tile))](
-        q, k, cu_seqlens, cu_blocks, lse.contiguous(),
+        q, k, cu_seqlens, cu_blocks, q_start, lse.contiguous(),
         scores,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1),
         Hq, Hkv, Hq // Hkv, D, obs_window, block_size, blocks_per_tile, float(scale) * _LOG2E,
@@ -252,17 +275,21 @@ def block_importance_triton(q: torch.Tensor, k: torch.Tensor, cu_seqlens: torch.
 
 def block_importance_ref(q: torch.Tensor, k: torch.Tensor, cu_seqlens: torch.Tensor, scale: float,
                          obs_window: int, block_size: int,
-                         cu_seqlens_list: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                         cu_seqlens_list: list[int] | None = None,
+                         q_window: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Plain-torch float64 reference: the explicit n_b x L softmax of each sequence."""
     cu = cu_seqlens_list if cu_seqlens_list is not None else cu_seqlens.tolist()
     group = q.shape[1] // k.shape[1]
+    lens = [cu[b + 1] - cu[b] for b in range(len(cu) - 1)]
+    _check_q_rows(q, lens, obs_window, q_window, k.shape[0])
+    q_start = _window_q_start(cu_seqlens, obs_window, q_window).tolist()
     out = []
     for b in range(len(cu) - 1):
         L = cu[b + 1] - cu[b]
         if L == 0:
             continue
         n_b = min(obs_window, L)
-        qw = q[cu[b + 1] - n_b:cu[b + 1]].double()  # [n_b, Hq, D]
+        qw = q[q_start[b]:q_start[b] + n_b].double()  # [n_b, Hq, D]
         kb = k[cu[b]:cu[b + 1]].double().repeat_interleave(group, dim=1)  # [L, Hq, D]
         s = torch.einsum("ihd,jhd->hij", qw, kb) * scale
         i_pos = torch.arange(L - n_b, L, device=q.device)[:, None]
@@ -279,11 +306,14 @@ def block_importance_ref(q: torch.Tensor, k: torch.Tensor, cu_seqlens: torch.Ten
 
 def block_importance(q: torch.Tensor, k: torch.Tensor, cu_seqlens: torch.Tensor, scale: float,
                      obs_window: int = 128, block_size: int = 64,
-                     cu_seqlens_list: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                     cu_seqlens_list: list[int] | None = None,
+                     q_window: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Block scores of packed sequences: returns (scores [num_blocks_total] float32, cu_blocks [B + 1]).
 
     cu_seqlens_list (host copy of cu_seqlens) sizes the grid and the output; without it the
-    launcher reads cu_seqlens once (a host sync).
+    launcher reads cu_seqlens once (a host sync). With q_window, q holds only the window rows:
+    [sum_b min(n, L_b), Hq, D], sequence b's n_b rows packed in order (a chunked prefill scores
+    its last n queries against keys gathered from the whole cache, which q need not span).
 
     >>> q, k = torch.randn(40, 4, 16), torch.randn(40, 2, 16)
     >>> cu = torch.tensor([0, 30, 40], dtype=torch.int32)
@@ -292,5 +322,7 @@ def block_importance(q: torch.Tensor, k: torch.Tensor, cu_seqlens: torch.Tensor,
     (torch.Size([6]), [0, 4, 6])
     """
     if use_triton(q, k):
-        return block_importance_triton(q, k, cu_seqlens, scale, obs_window, block_size, cu_seqlens_list)
-    return block_importance_ref(q, k, cu_seqlens, scale, obs_window, block_size, cu_seqlens_list)
+        return block_importance_triton(q, k, cu_seqlens, scale, obs_window, block_size, cu_seqlens_list,
+                                       q_window=q_window)
+    return block_importance_ref(q, k, cu_seqlens, scale, obs_window, block_size, cu_seqlens_list,
+                                q_window=q_window)
