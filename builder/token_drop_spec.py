@@ -49,6 +49,11 @@ def parse_token_drop(text: str) -> TokenDropConfig:
     return TokenDropConfig(**knobs)  # range checks there, one line each
 
 
+def long_names(knobs: dict[str, Any]) -> dict[str, Any]:
+    """Knob dict with short keys (p, n, G, A, min_len, rho) mapped to field names."""
+    return {_ALIASES.get(k, k): v for k, v in knobs.items()}
+
+
 def token_drop_config(value: "TokenDropConfig | dict | str | bool | None") -> TokenDropConfig | None:
     """Normalise the forms accepted by build_engine / LLM: None/False = off, True = defaults,
     a spec string, a dict of knobs (long names) or a TokenDropConfig."""
@@ -61,9 +66,9 @@ def token_drop_config(value: "TokenDropConfig | dict | str | bool | None") -> To
     if isinstance(value, str):
         return parse_token_drop(value)
     if isinstance(value, dict):
-        return TokenDropConfig().replace(**{_ALIASES.get(k, k): v for k, v in value.items()})
+        return TokenDropConfig().replace(**long_names(value))
     raise TypeError(f"token_drop must be None, a bool, a spec string, a dict or a TokenDropConfig; "
                     f"got {type(value).__name__}")
 
 
-__all__ = ["parse_token_drop", "token_drop_config"]
+__all__ = ["long_names", "parse_token_drop", "token_drop_config"]

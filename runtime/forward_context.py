@@ -18,6 +18,7 @@ import torch
 
 if TYPE_CHECKING:
     from infhip.runtime.sparse_attention import SparseStep
+    from infhip.runtime.token_drop import TokenDropStep
 
 
 @dataclass
@@ -41,6 +42,8 @@ class ForwardContext:
     # InfiniteHiP decisions of the step (which rows go sparse, which stages refresh); None when
     # the engine has no InfiniteHiP layers or no sequence reaches its dense_threshold.
     sparse: SparseStep | None = None
+    # UniPrefill drop state of the step (runtime/token_drop.py); None when no chunk drops.
+    token_drop: TokenDropStep | None = None
 
 
 _CONTEXT: ForwardContext | None = None
@@ -50,6 +53,11 @@ def get_forward_context() -> ForwardContext:
     if _CONTEXT is None:
         raise RuntimeError("attention layer called outside of a forward context (ModelRunner sets it)")
     return _CONTEXT
+
+
+def current_token_drop() -> TokenDropStep | None:
+    """The step's token-drop state, or None (also outside any forward context)."""
+    return _CONTEXT.token_drop if _CONTEXT is not None else None
 
 
 @contextlib.contextmanager

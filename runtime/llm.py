@@ -61,17 +61,26 @@ class LLM:
         infinitehip_overrides: safe InfiniteHiP knobs to change for this load, e.g.
             ``{"dense_threshold": 2048, "refresh_intervals": (32, 16, 8)}`` (builder/presets.py
             RUNTIME_KNOBS); only for engines built with an InfiniteHiP preset.
+        token_drop: UniPrefill token dropping for this load: False turns it off, True or a dict
+            of knobs (``{"p": 0.98, "min_prompt_len": 4096}``; short keys p, n, G, A, min_len,
+            rho also accepted) turns it on, knobs not given coming from the engine's plan (or
+            the defaults). None (default): as built (``infhip-build --token-drop``).
     """
 
     def __init__(self, engine_dir: str | Path, device: str | None = None, max_num_seqs: int | None = None,
                  max_num_batched_tokens: int | None = None, kv_cache_memory_bytes: int | None = None,
                  enforce_eager: bool = False, num_decode_steps: int | None = None,
-                 infinitehip_overrides: dict | None = None):
+                 infinitehip_overrides: dict | None = None, token_drop: bool | dict | None = None):
         self.engine = load_engine(engine_dir, device)
         if infinitehip_overrides:
             config = self.engine.config
             self.engine.config = dataclasses.replace(
                 config, plan=apply_runtime_overrides(config.plan, infinitehip_overrides))
+        if token_drop is not None:
+            config = self.engine.config
+            self.engine.config = dataclasses.replace(
+                config, plan=dataclasses.replace(config.plan, token_drop=_token_drop_override(
+                    config.plan.token_drop, token_drop)))
         if num_decode_steps is None:
             num_decode_steps = 8 if self.engine.device.type == "cuda" else 1
         if num_decode_steps < 1:
@@ -227,3 +236,16 @@ class LLM:
         if not req.seq.is_finished:
             self.scheduler.finish(req.seq, "abort")
         self._requests.pop(req.seq.seq_id, None)
+
+
+
+def _token_drop_override(built, value):
+    """The token-drop config of a load: `value` (bool or dict of knobs) over the engine's `built`."""
+    from infhip.builder.token_drop_spec import long_names
+    from infhip.config import TokenDropConfig
+
+    if isinstance(value, bool):
+        return (built or TokenDropConfig()) if value else None
+    if isinstance(value, dict):
+        return (built or TokenDropConfig()).replace(**long_names(value))
+    raise TypeError(f"token_drop must be None, a bool or a dict of knobs, got {type(value).__name__}")

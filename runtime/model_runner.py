@@ -21,6 +21,7 @@ from infhip.runtime.forward_context import ForwardContext, KVGroupMetadata, forw
 from infhip.runtime.kv_cache import KVCacheManager, KVGroupSpec
 from infhip.runtime.scheduler import SchedulerOutput
 from infhip.runtime.sparse_attention import InfiniteHipLayer, SparsePlanner, SparseStepHost
+from infhip.runtime.token_drop import DropChunk, TokenDropStep, keep_tail, plan_drops
 
 GiB = 1 << 30
 
@@ -40,6 +41,7 @@ class StepPlan:
     tables: dict[str, list[list[int]]]
     num_decodes: int
     sparse: SparseStepHost | None = None  # InfiniteHiP decisions (engines with such layers)
+    drops: list[DropChunk] | None = None  # UniPrefill: the chunks that drop tokens this step
 
     @property
     def has_sparse(self) -> bool:
@@ -97,6 +99,16 @@ class ModelRunner:
                     attn.sparse = InfiniteHipLayer(ih, lp.index, max_num_seqs, attn.scale,
                                                    attn.rope[0].inv_freq, self.device)
 
+        # UniPrefill token drop (runtime/token_drop.py): anchors are the full-attention layers.
+        self.token_drop = engine.config.plan.token_drop
+        if self.token_drop is not None and ih is not None:
+            raise ValueError("token drop together with InfiniteHiP layers is not supported yet; "
+                             "load with LLM(..., token_drop=False) or build without --preset")
+        self.anchors = frozenset(lp.index for lp in engine.config.plan.layers if lp.window is None)
+        self.drop_tail = keep_tail(self.token_drop, [a.window for a in attn_layers]) if self.token_drop else 0
+        # seq_id -> {anchor layer: [kept, total]} over the chunks of its latest prefill
+        self.retention: dict[int, dict[int, list[int]]] = {}
+
         self.graphs = None
         if self.device.type == "cuda" and not enforce_eager:
             sizes = [b for b in build.cuda_graph_batch_sizes if b <= max_num_seqs]
@@ -133,9 +145,11 @@ class ModelRunner:
             for g in self.groups:
                 slots[g] += self.kv.slot_mapping(seq.seq_id, g, ch.start, ch.end)
                 tables[g].append(self.kv.block_table(seq.seq_id, g))
+        drops = plan_drops(out.chunks, self.token_drop, self.drop_tail) if self.token_drop else None
         return StepPlan(input_ids=input_ids, positions=positions, cu=cu, ctx_lens=ctx_lens,
                         logits_rows=logits_rows, slots=slots, tables=tables, num_decodes=num_decodes,
-                        sparse=self._plan_sparse([ch.seq for ch in out.chunks], ctx_lens, num_decodes))
+                        sparse=self._plan_sparse([ch.seq for ch in out.chunks], ctx_lens, num_decodes),
+                        drops=drops or None)
 
     def _plan_sparse(self, seqs: list, ctx_lens: list[int], num_decodes: int) -> SparseStepHost | None:
         if self.sparse_planner is None:
@@ -162,7 +176,8 @@ class ModelRunner:
                                        block_tables=self._block_tables(p.tables[g]))
                     for g in self.groups},
             cu_seqlens_q_list=p.cu, context_lens_list=p.ctx_lens,
-            sparse=self.sparse_planner.to_device(p.sparse, p.cu, p.ctx_lens, self._tensor) if p.has_sparse else None)
+            sparse=self.sparse_planner.to_device(p.sparse, p.cu, p.ctx_lens, self._tensor) if p.has_sparse else None,
+            token_drop=TokenDropStep(self.token_drop, p.drops, self.anchors, self.drop_tail) if p.drops else None)
 
     def _uses_graph(self, p: StepPlan, num_seqs: int) -> bool:
         # The captured decode graphs are dense; a step with sparse rows runs eagerly (graphs per
@@ -177,9 +192,25 @@ class ModelRunner:
         if self._uses_graph(p, len(out.chunks)):
             bs = self.graphs.load([p])
             return self.graphs.replay(0, bs, len(out.chunks))  # a decode chunk always samples
-        with forward_context(self._context(p)):
+        with forward_context(self._context(p)) as ctx:
             hidden = self.model(self._tensor(p.input_ids, torch.int64))
+        if ctx.token_drop is not None:
+            self._record_retention(out, ctx.token_drop)
         return self.model.compute_logits(hidden[self._tensor(p.logits_rows, torch.int64)])
+
+    def _record_retention(self, out: SchedulerOutput, td: TokenDropStep) -> None:
+        """Kept / total tokens per anchor of each dropping sequence, summed over its chunks."""
+        for d in td.drops:
+            seq = out.chunks[d.b].seq
+            per_layer = self.retention.pop(seq.seq_id, {}) if d.start else {}
+            self.retention[seq.seq_id] = per_layer  # newest last
+            while len(self.retention) > 256:  # bounded: the latest sequences only
+                self.retention.pop(next(iter(self.retention)))
+            for layer, rec in td.records:
+                kept, total = rec[d.b]
+                acc = per_layer.setdefault(layer, [0, 0])
+                acc[0] += kept
+                acc[1] += total
 
     @torch.inference_mode()
     def execute_decode_steps(self, out: SchedulerOutput, num_steps: int, sample) -> list[torch.Tensor]:

@@ -17,7 +17,7 @@ from infhip.plugins.activation import gated_act
 from infhip.plugins.dense_attention import paged_decode_attention, paged_prefill_attention
 from infhip.plugins.rms_norm import rms_norm
 from infhip.plugins.rope import rope_and_write_kv
-from infhip.runtime.forward_context import get_forward_context
+from infhip.runtime.forward_context import current_token_drop, get_forward_context
 
 
 def linear(in_features: int, out_features: int, bias: bool = False) -> nn.Linear:
@@ -92,6 +92,9 @@ class Attention(nn.Module):
         if self.qk_norm:
             q = self.q_norm(q.contiguous())
             k = self.k_norm(k.contiguous())
+        if ctx.token_drop is not None and ctx.token_drop.handles_layer():  # runtime/token_drop.py
+            out = ctx.token_drop.attention(self, q, k, v)
+            return self.o_proj(out.view(out.shape[0], -1))
         meta = ctx.groups[self.kv_group]
         rope = self.rope[0]
         rope_and_write_kv(q, k, v, ctx.positions, rope.inv_freq, rope.attention_scaling,
@@ -157,11 +160,15 @@ class CausalLM(nn.Module):
         return hidden
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        td = current_token_drop()  # UniPrefill: dropped rows re-enter at anchors and at the end
         hidden, residual = self.embed(input_ids), None
-        for layer in self.layers:
+        for i, layer in enumerate(self.layers):
+            if td is not None:
+                hidden, residual = td.enter_layer(i, hidden, residual)
             hidden, residual = layer(hidden, residual)
-        hidden, _ = self.norm(hidden, residual)
-        return hidden
+        if td is not None:
+            hidden, residual = td.reconstitute(hidden, residual)
+        return self.norm(hidden) if residual is None else self.norm(hidden, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.embed_tokens.weight if self.cfg.tie_word_embeddings else self.lm_head.weight

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from infhip.config import LayerPlan, ModelConfig
+from infhip.runtime.token_drop import after_attention
 from infhip.runtime.models.common import Attention, CausalLM, GatedMLP, RMSNorm, RopeTable
 
 
@@ -41,6 +42,7 @@ class Gemma3DecoderLayer(nn.Module):
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
         hidden = self.post_attention_layernorm(self.self_attn(hidden))
+        residual = after_attention(residual)  # token drop: kept rows only past an anchor
         hidden, residual = self.pre_feedforward_layernorm(hidden, residual)
         return self.post_feedforward_layernorm(self.mlp(hidden)), residual
 

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from infhip.config import LayerPlan, ModelConfig
+from infhip.runtime.token_drop import after_attention
 from infhip.runtime.models.common import Attention, CausalLM, GatedMLP, RMSNorm, RopeTable
 
 
@@ -37,6 +38,7 @@ class LlamaDecoderLayer(nn.Module):
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
         hidden = self.self_attn(hidden)
+        residual = after_attention(residual)  # token drop: kept rows only past an anchor
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
 

@@ -1,0 +1,279 @@
+"""UniPrefill token dropping in the runtime (paper 004; kernels in plugins/token_drop).
+
+What a *prefill pass* is here: one scheduler chunk of one sequence. Its observation window is
+the chunk's last n = obs_window queries; they score every key the anchor layer holds for the
+sequence (earlier chunks' keys, gathered from the cache, and the chunk's own), with the softmax
+over all of them. Only the chunk's own blocks can be dropped (earlier chunks' KV is final); top-p
+keeps the smallest set of the chunk's blocks holding fraction p of the mass the chunk's blocks
+receive. Blocks are G-aligned in absolute positions, so a chunk starting mid-block selects that
+block as a whole and keeps only its own part. A chunk drops nothing when its prompt is shorter
+than min_prompt_len or it has fewer than G droppable tokens (after sinks and the kept tail);
+decode rows never drop. One step may mix decodes, dropping and non-dropping prefill chunks.
+
+Where the drop happens, at an anchor (every full-attention layer):
+
+    x (stream into the anchor) -> input norm -> q, k, v of ALL rows; RoPE; K/V of all rows written
+    -> importance of the chunk's last n queries vs all keys -> top-p keep set S
+    -> attention of the queries in S only (over all keys) -> o_proj, rest of the layer on S
+    -> every later layer on S, until the next anchor, where dropped rows re-enter with x.
+
+That is Eq. 8 of the paper (a dropped token skips its whole block, the anchor's attention update
+included, and re-enters with its pre-block state), and computing the anchor attention of the
+kept queries only is exactly "drop after the anchor's attention" with that reconstitution, at a
+fraction of the cost. The stream is carried as (hidden, residual); the saved state of a dropped
+row is the full stream x = hidden + residual at the anchor's input.
+
+KV, per layer, and why decode needs no change:
+* An anchor writes K/V of every token (reconstituted rows included), so every full-attention
+  layer holds the whole sequence: its decode context length is the sequence length, as without
+  dropping (dropped tokens' keys at later anchors come from their carried, stale, state).
+* A non-anchor layer (sliding window: Gemma-3) writes K/V only for the rows flowing through it,
+  at the slots of their original positions (the page table is still per position; pages are
+  allocated for all tokens: no memory is saved). The slots of dropped tokens are never read:
+  every pass keeps its last max(n, largest window) tokens, so the last W positions of any
+  sequence are written at every layer, which is all a sliding decode query (or the next
+  chunk's) reads. Within the pass, the kept queries of a sliding layer attend to the kept keys
+  by their true positions (plugins/token_drop/attention.py).
+So the decode path, its CUDA graphs and the page manager are those of the dense engine. The cost
+of the sliding-window rule: max(n, W) - n more kept tokens per pass (896 for Gemma-3-12B's
+1024 window: 0.7% of a 128K prompt).
+
+Not composed yet with InfiniteHiP layers (the ModelRunner refuses the combination).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import triton
+
+from infhip.config import TokenDropConfig
+from infhip.plugins.dense_attention import _gather_kv, paged_decode_attention
+from infhip.plugins.rope import rope_and_write_kv
+from infhip.plugins.token_drop import block_importance, force_retention, top_p_select
+from infhip.plugins.token_drop.attention import kept_attention
+from infhip.runtime import forward_context as _fc
+
+
+@dataclass(frozen=True)
+class DropChunk:
+    """A prefill chunk that drops this step: batch index b, positions [start, end)."""
+
+    b: int
+    start: int
+    end: int
+
+
+def keep_tail(cfg: TokenDropConfig, windows: list[int | None]) -> int:
+    """Tokens always kept at the end of a pass: the observation window, and on models with
+    sliding layers at least the largest window (decode reads the last W positions at every
+    sliding layer, so they must have been written there)."""
+    return max([cfg.obs_window] + [w for w in windows if w is not None])
+
+
+def plan_drops(chunks, cfg: TokenDropConfig, tail: int) -> list[DropChunk]:
+    """The chunks of a step (scheduler order) that drop: long-enough prompts, not decodes, at
+    least G droppable tokens besides sinks and the kept tail."""
+    drops = []
+    for b, ch in enumerate(chunks):
+        if ch.num_tokens == 1 or ch.seq.num_prompt_tokens < cfg.min_prompt_len:
+            continue
+        droppable = ch.num_tokens - tail - max(0, cfg.num_sink - ch.start)
+        if droppable >= cfg.block_size:
+            drops.append(DropChunk(b, ch.start, ch.end))
+    return drops
+
+
+@dataclass
+class TokenDropStep:
+    """The drop state of one forward pass, read by the layers through the forward context.
+
+    Between two anchors the batch is compact: rows `idx` (ascending) of the full batch, with
+    their positions, slots and per-sequence offsets below. `records` collects, per anchor, the
+    kept and total tokens of each dropping chunk (retention ratios)."""
+
+    cfg: TokenDropConfig
+    drops: list[DropChunk]
+    anchors: frozenset[int]
+    tail: int
+    layer: int = -1
+    idx: torch.Tensor | None = None  # [M] int64 kept rows; None = the full batch flows
+    saved: torch.Tensor | None = None  # [T, hidden] stream at the last anchor's input
+    pending: torch.Tensor | None = None  # idx chosen by the current anchor, applied after attention
+    positions: torch.Tensor | None = None  # [M] compact positions
+    slots: dict[str, torch.Tensor] = field(default_factory=dict)  # group -> [M] compact slots
+    cu: list[int] = field(default_factory=list)  # [B + 1] compact query offsets (host)
+    cu_t: torch.Tensor | None = None
+    kept_pos: dict[int, torch.Tensor] = field(default_factory=dict)  # b -> host positions kept
+    records: list[tuple[int, dict[int, tuple[int, int]]]] = field(default_factory=list)
+
+    # -- the stream -------------------------------------------------------------------------
+    def enter_layer(self, i: int, hidden: torch.Tensor, residual: torch.Tensor | None):
+        """Before layer i: at an anchor, dropped rows re-enter (Eq. 8)."""
+        self.layer = i
+        if i in self.anchors and self.idx is not None:
+            return self.reconstitute(hidden, residual)
+        return hidden, residual
+
+    def reconstitute(self, hidden: torch.Tensor, residual: torch.Tensor | None):
+        """(hidden, residual) of the compact rows -> (full stream, None)."""
+        if self.idx is None:
+            return hidden, residual
+        stream = hidden if residual is None else hidden + residual
+        full = self.saved.clone().index_copy_(0, self.idx, stream)
+        self.idx = self.saved = None
+        return full, None
+
+    def after_attention(self, residual: torch.Tensor) -> torch.Tensor:
+        """At the anchor that just chose `pending`: keep the full stream for the dropped rows
+        and continue with the kept rows only."""
+        if self.pending is None:
+            return residual
+        self.saved, self.idx, self.pending = residual, self.pending, None
+        return residual.index_select(0, self.idx)
+
+    # -- attention ----------------------------------------------------------------------------
+    def handles_layer(self) -> bool:
+        """Anchors and layers after a drop take this path; layers before the first anchor
+        (Gemma-3's first five) see the full batch and run the dense engine's own path."""
+        return self.layer in self.anchors or self.idx is not None
+
+    def attention(self, attn, q, k, v) -> torch.Tensor:
+        """Attention of one layer in a dropping step: writes K/V, returns [rows out, Hq, D]."""
+        if self.layer in self.anchors:
+            return self._anchor(attn, q, k, v)
+        assert attn.window is not None, "only sliding-window layers sit between anchors"
+        return self._compact(attn, q, k, v)
+
+    def _dense_rows(self, attn, q, k, v, out, ctx, meta, cu: list[int], cu_t: torch.Tensor) -> None:
+        """Decode rows and non-dropping prefill chunks: the dense engine's kernels."""
+        nd = ctx.num_decodes
+        if nd:
+            paged_decode_attention(q[:nd], attn.k_cache, attn.v_cache, meta.block_tables[:nd],
+                                   ctx.context_lens[:nd], attn.scale, attn.window, out=out[:nd])
+        dropping = {d.b for d in self.drops}
+        sub = _fc.ForwardContext(positions=ctx.positions, context_lens=ctx.context_lens, cu_seqlens_q=cu_t,
+                                 num_decodes=nd, groups=ctx.groups, cu_seqlens_q_list=cu,
+                                 context_lens_list=ctx.context_lens_list)
+        b, num_seqs = nd, len(ctx.context_lens_list)
+        while b < num_seqs:  # runs of consecutive non-dropping prefill chunks
+            if b in dropping:
+                b += 1
+                continue
+            hi = b
+            while hi < num_seqs and hi not in dropping:
+                hi += 1
+            attn._dense_prefill(q, k, v, out, sub, meta, b, hi)
+            b = hi
+
+    def _anchor(self, attn, q, k, v) -> torch.Tensor:
+        ctx = _fc.get_forward_context()
+        cfg, meta, rope = self.cfg, ctx.groups[attn.kv_group], attn.rope[0]
+        rope_and_write_kv(q, k, v, ctx.positions, rope.inv_freq, rope.attention_scaling,
+                          attn.k_cache, attn.v_cache, meta.slot_mapping)
+        out = torch.empty_like(q)
+        self._dense_rows(attn, q, k, v, out, ctx, meta, ctx.cu_seqlens_q_list, ctx.cu_seqlens_q)
+
+        # every key this layer holds for each dropping sequence: [0, end)
+        cu, keys, values = ctx.cu_seqlens_q_list, [], []
+        for d in self.drops:
+            if d.start == 0:
+                keys.append(k[cu[d.b]:cu[d.b + 1]])
+                values.append(v[cu[d.b]:cu[d.b + 1]])
+            else:
+                kk, vv = _gather_kv(attn.k_cache, attn.v_cache, meta.block_tables[d.b], 0, d.end)
+                keys.append(kk)
+                values.append(vv)
+        keep = self._select(attn, q, keys, ctx)
+        keep_host = keep.cpu()  # one host read per anchor: the kept rows size everything below
+        idx_host = torch.nonzero(keep_host).flatten()
+        record = {}
+        for d, kk, vv in zip(self.drops, keys, values):
+            local = torch.nonzero(keep_host[cu[d.b]:cu[d.b + 1]]).flatten()
+            q_pos = local + d.start
+            rows = (local + cu[d.b]).to(q.device)
+            out.index_copy_(0, rows, kept_attention(q.index_select(0, rows), q_pos, kk, vv,
+                                                    torch.arange(d.end), attn.scale))
+            self.kept_pos[d.b] = q_pos
+            record[d.b] = (local.numel(), d.end - d.start)
+        self.records.append((self.layer, record))
+
+        idx = idx_host.to(q.device)
+        self.pending = idx
+        counts = torch.tensor([0] + [int(keep_host[cu[b]:cu[b + 1]].sum()) for b in range(len(cu) - 1)])
+        self.cu = torch.cumsum(counts, 0).tolist()
+        self.cu_t = torch.tensor(self.cu, dtype=torch.int32).to(q.device)
+        self.positions = ctx.positions.index_select(0, idx)
+        self.slots = {g: m.slot_mapping.index_select(0, idx) for g, m in ctx.groups.items()}
+        return out.index_select(0, idx)
+
+    def _select(self, attn, q, keys: list[torch.Tensor], ctx) -> torch.Tensor:
+        """[T] bool keep mask of the full batch (True for every row of non-dropping chunks)."""
+        cfg, cu = self.cfg, ctx.cu_seqlens_q_list
+        n, G = cfg.obs_window, cfg.block_size
+        q_win = torch.cat([q[cu[d.b + 1] - n:cu[d.b + 1]] for d in self.drops]).contiguous()
+        k_all = torch.cat(keys).contiguous() if len(keys) > 1 else keys[0].contiguous()
+        cu_k = [0]
+        for d in self.drops:
+            cu_k.append(cu_k[-1] + d.end)
+        scores, _ = block_importance(q_win, k_all, torch.tensor(cu_k, dtype=torch.int32, device=q.device),
+                                     attn.scale, n, G, cu_seqlens_list=cu_k, q_window=True)
+        # the chunk's blocks: absolute blocks [start // G, cdiv(end, G)); a selection "sequence"
+        # is the G-aligned range [start // G * G, end) so block g of it is absolute block g0 + g
+        block_idx, cu_blocks, cu_ext, ext_rows, drop_rows = [], [0], [0], [], []
+        for i, d in enumerate(self.drops):
+            g0 = d.start // G
+            blocks_before = sum(triton.cdiv(x.end, G) for x in self.drops[:i])
+            block_idx += range(blocks_before + g0, blocks_before + triton.cdiv(d.end, G))
+            cu_blocks.append(len(block_idx))
+            phase = d.start - g0 * G
+            ext_rows += range(cu_ext[-1] + phase, cu_ext[-1] + phase + d.end - d.start)
+            cu_ext.append(cu_ext[-1] + d.end - g0 * G)
+            drop_rows += range(cu[d.b], cu[d.b + 1])
+        dev = q.device
+        scores_c = scores.index_select(0, torch.tensor(block_idx, device=dev))
+        args = (scores_c, torch.tensor(cu_blocks, dtype=torch.int32, device=dev),
+                torch.tensor(cu_ext, dtype=torch.int32, device=dev))
+        kw = dict(num_tokens=cu_ext[-1], max_seqlen=max(b - a for a, b in zip(cu_ext, cu_ext[1:])),
+                  block_size=G, num_sink=0, obs_window=self.tail)
+        if cfg.retention is not None:
+            sel = force_retention(*args, cfg.retention, **kw)
+        else:
+            sel = top_p_select(*args, cfg.p, **kw)
+        drop_rows_t = torch.tensor(drop_rows, device=dev)
+        kept = sel.keep_mask.index_select(0, torch.tensor(ext_rows, device=dev))
+        kept |= ctx.positions.index_select(0, drop_rows_t) < cfg.num_sink  # attention sinks
+        keep = torch.ones(q.shape[0], dtype=torch.bool, device=dev)
+        return keep.index_copy_(0, drop_rows_t, kept)
+
+    def _compact(self, attn, q, k, v) -> torch.Tensor:
+        """A sliding layer between anchors: the compact rows only."""
+        ctx = _fc.get_forward_context()
+        meta, rope, W = ctx.groups[attn.kv_group], attn.rope[0], attn.window
+        rope_and_write_kv(q, k, v, self.positions, rope.inv_freq, rope.attention_scaling,
+                          attn.k_cache, attn.v_cache, self.slots[attn.kv_group])
+        out = torch.empty_like(q)
+        self._dense_rows(attn, q, k, v, out, ctx, meta, self.cu, self.cu_t)
+        for d in self.drops:
+            r0, r1 = self.cu[d.b], self.cu[d.b + 1]
+            q_pos = self.kept_pos[d.b]
+            kv0 = max(0, d.start - W + 1)  # earlier keys in reach: all written (kept tails)
+            kk, vv = k[r0:r1], v[r0:r1]
+            k_pos = q_pos
+            if kv0 < d.start:
+                ck, cv = _gather_kv(attn.k_cache, attn.v_cache, meta.block_tables[d.b], kv0, d.start)
+                kk, vv = torch.cat([ck, kk]), torch.cat([cv, vv])
+                k_pos = torch.cat([torch.arange(kv0, d.start), q_pos])
+            out[r0:r1] = kept_attention(q[r0:r1], q_pos, kk, vv, k_pos, attn.scale, W)
+        return out
+
+
+def after_attention(residual: torch.Tensor) -> torch.Tensor:
+    """Called by every decoder layer between its attention and the rest: the kept rows of the
+    residual stream when this layer is an anchor that just dropped, else `residual` itself."""
+    td = _fc.current_token_drop()
+    return residual if td is None else td.after_attention(residual)
+
+
+__all__ = ["DropChunk", "TokenDropStep", "after_attention", "keep_tail", "plan_drops"]
