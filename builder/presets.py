@@ -46,23 +46,27 @@ PRESETS = ("dense",) + tuple(_INFINITEHIP)
 RUNTIME_KNOBS = ("refresh_intervals", "dense_threshold", "rope_off_in_trained_window", "stagger_refresh")
 
 
-def infinitehip_config(preset: str, overrides: dict[str, Any] | None = None) -> InfiniteHipConfig:
+def infinitehip_config(preset: str, overrides: dict[str, Any] | None = None,
+                       trained_window: int | None = None) -> InfiniteHipConfig:
     """The knobs of an InfiniteHiP preset, with ``overrides`` applied (validated).
 
     ``dense_threshold`` defaults to n_sink + n_stream + stage-1 k: below that context stage 1
     keeps every candidate, so pruning only narrows the later stages and dense attention over
-    that few keys (≤ 34K) is both exact and fast enough."""
+    that few keys (≤ 34K) is both exact and fast enough — but never above the model's
+    ``trained_window``: past it dense attention sees positions it was not trained on and fails
+    (SmolLM2's 8K), which is what InfiniteHiP's dynamic RoPE is for."""
     if preset not in _INFINITEHIP:
         raise ValueError(f"{preset!r} is not an InfiniteHiP preset; those are: {', '.join(_INFINITEHIP)}")
     stages, refresh = _INFINITEHIP[preset]
+    cap = trained_window or 1 << 62
     base = InfiniteHipConfig(n_sink=N_SINK, n_stream=N_STREAM, stages=stages, refresh_intervals=refresh,
                              special_layers=(0, 1, 2), special_final_k=4096,
-                             dense_threshold=N_SINK + N_STREAM + stages[0].k)
+                             dense_threshold=min(cap, N_SINK + N_STREAM + stages[0].k))
     overrides = dict(overrides or {})
     if overrides and "dense_threshold" not in overrides and any(
             k in overrides for k in ("n_sink", "n_stream", "stages")):  # keep the rule, not the number
         probe = base.replace(**overrides)
-        overrides["dense_threshold"] = probe.n_sink + probe.n_stream + probe.stages[0].k
+        overrides["dense_threshold"] = min(cap, probe.n_sink + probe.n_stream + probe.stages[0].k)
     return base.replace(**overrides) if overrides else base
 
 
@@ -75,7 +79,7 @@ def make_plan(model: ModelConfig, preset: str = "dense", overrides: dict[str, An
         if overrides:
             raise ValueError("the dense preset takes no InfiniteHiP overrides")
         return dense
-    cfg = infinitehip_config(preset, overrides)
+    cfg = infinitehip_config(preset, overrides, trained_window=model.max_position_embeddings)
     layers = tuple(dataclasses.replace(layer, plugin="infinitehip") if layer.window is None else layer
                    for layer in dense.layers)
     if not any(layer.plugin == "infinitehip" for layer in layers):

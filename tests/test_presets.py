@@ -38,6 +38,11 @@ def test_preset_knobs():
     tiny = infinitehip_config("3k", dict(n_sink=4, n_stream=8, stages=[(8, 4, 32), (8, 2, 16), (8, 1, 8)],
                                          special_final_k=16))
     assert tiny.dense_threshold == 4 + 8 + 32  # the rule follows overridden stages
+    # never above the trained window: past it dense fails and the sparse path must take over
+    assert infinitehip_config("3k", trained_window=8192).dense_threshold == 8192
+    assert infinitehip_config("3k", trained_window=131072).dense_threshold == 256 + 1024 + 32768
+    assert infinitehip_config("3k", dict(n_sink=4, n_stream=8, stages=[(8, 4, 32), (8, 2, 16), (8, 1, 8)],
+                                         special_final_k=16), trained_window=20).dense_threshold == 20
 
 
 @pytest.mark.parametrize("bad, needle", [
@@ -69,7 +74,8 @@ def test_cli_preset_round_trip(hf, tmp_path, capsys):
         # full-attention layers get InfiniteHiP, sliding ones stay dense
         assert plugins == ["infinitehip" if t == "full_attention" else "dense" for t in types]
         ih = d["plan"]["infinitehip"]
-        want = infinitehip_config(preset)
+        window = json.loads((hf / "gemma3" / "config.json").read_text())["max_position_embeddings"]
+        want = infinitehip_config(preset, trained_window=window)
         assert ih == json.loads(json.dumps(dataclasses.asdict(want)))  # every knob visible
         for key in ("n_sink", "n_stream", "stages", "refresh_intervals", "special_layers", "special_final_k",
                     "dense_threshold", "pruning_rope", "special_pruning_rope", "attention_rope",

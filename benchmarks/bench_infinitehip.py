@@ -1,0 +1,298 @@
+"""InfiniteHiP plugins vs SDPA, one attention layer of Llama-3.1-8B (32 q / 8 kv heads, d = 128, bf16).
+
+    python benchmarks/bench_infinitehip.py --out $OUT [--contexts 128k,1m] [--presets 3k,3k-fast,3k-flash,5k]
+
+Everything is measured in the same run on the same paged KV cache (page 16, pages in random
+order, random bf16 keys/values):
+
+* **SDPA baseline** (`torch.nn.functional.scaled_dot_product_attention`, default backend
+  selection, the strongest per SPEC §7): decode = one query over all N keys (the faster of
+  `enable_gqa=True` and K/V expanded to 32 heads); prefill of a 32K chunk at the end of N keys =
+  the chunk against the N - 32K earlier keys (no mask) + the chunk against itself (causal), the
+  sum of the two calls (a lower bound of dense work: the merge is not counted).
+* **Decode, per step type**: a step recomputes pruning stages i..2 from the mask cache (i = 0:
+  every stage, i = 3: none, the fully cached step) and then runs block-sparse decode attention
+  over sink + final selection + stream. Each step type is captured in a CUDA graph of `--reps`
+  copies and replayed (as the runtime's decode graphs would); time per step = replay / reps.
+* **Amortized over the refresh cycle** of each preset: the mean of the step types weighted by
+  how often each occurs in one cycle of n_refresh(0) steps (mask_cache.refresh_schedule).
+* **Refresh spikes**: the attention time of a whole 32-layer decode step over the cycle, (a)
+  with every layer refreshing at the same steps (the paper's schedule) and (b) with refresh
+  phases staggered across layers (layer l shifted by l * n_refresh(0) / 32 steps): max and P99
+  over median, composed from the measured per-layer step times.
+* **Prefill of a 32K chunk**: all stages fresh for 512 query blocks of 64 + block-sparse
+  prefill attention, with a per-stage breakdown (`triton.testing.do_bench`, median).
+
+RoPE follows the runtime's rule: inside the trained window (128K for Llama-3.1) keys keep their
+cached rotation; beyond it pruning uses the relative style and attention the streaming style.
+Normal layers are timed (the 3 special layers 1-3 keep 4096 in the last stage). Writes
+`bench_infinitehip.json` to --out and prints a table last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from infhip.builder.presets import infinitehip_config
+from infhip.plugins.infinitehip import (plan_query_blocks, pruning_stage, sparse_decode_attention,
+                                        sparse_prefill_attention)
+from infhip.runtime.mask_cache import refresh_from
+
+HQ, HKV, D, PAGE = 32, 8, 128, 16
+TRAINED_WINDOW = 131072
+NUM_LAYERS = 32
+CHUNK = 32768
+SCALE = D ** -0.5
+
+
+def parse_len(s: str) -> int:
+    s = s.strip().lower()
+    mult = {"k": 1024, "m": 1024 * 1024}.get(s[-1], 1)
+    return int(float(s[:-1] if s[-1] in "km" else s) * mult)
+
+
+def graph_time_us(fn, reps: int, iters: int = 10) -> float:
+    """Median time of one fn() call in µs: `reps` calls captured in one CUDA graph, replayed."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(2):
+            fn()  # compile + warm up outside the capture
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(reps):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        graph.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3 / reps)
+    del graph
+    return statistics.median(times)
+
+
+def bench_ms(fn, reps: int = 5) -> float:
+    """Median ms of fn() (CUDA events, after a warm-up call)."""
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+class PagedContext:
+    """N random keys/values of one layer in a paged cache with shuffled pages (one sequence)."""
+
+    def __init__(self, n: int, gen: torch.Generator):
+        num_pages = math.ceil(n / PAGE) + 1
+        self.n = n
+        self.k_cache = torch.randn(num_pages, PAGE, HKV, D, device="cuda", dtype=torch.bfloat16, generator=gen)
+        self.v_cache = torch.randn(num_pages, PAGE, HKV, D, device="cuda", dtype=torch.bfloat16, generator=gen)
+        perm = torch.randperm(num_pages - 1, device="cuda", generator=gen) + 1  # page 0 = null page
+        self.table = perm[:math.ceil(n / PAGE)].to(torch.int32)[None, :].contiguous()
+        self.inv_freq = 1.0 / (500000.0 ** (torch.arange(0, D, 2, device="cuda", dtype=torch.float32) / D))
+
+    def contiguous_kv(self, first: int, last: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K, V of tokens [first, last) as [1, Hkv, L, D] (for SDPA)."""
+        rows = torch.arange(first, last, device="cuda")
+        pages = self.table[0, rows // PAGE].long()
+        k = self.k_cache[pages, rows % PAGE].permute(1, 0, 2)[None].contiguous()
+        v = self.v_cache[pages, rows % PAGE].permute(1, 0, 2)[None].contiguous()
+        return k, v
+
+
+# -- SDPA baselines --------------------------------------------------------------------------
+def sdpa_decode_us(ctx: PagedContext, reps: int, gen) -> dict:
+    q = torch.randn(1, HQ, 1, D, device="cuda", dtype=torch.bfloat16, generator=gen)
+    k, v = ctx.contiguous_kv(0, ctx.n)
+    gqa = graph_time_us(lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True), reps)
+    ke, ve = k.repeat_interleave(HQ // HKV, 1), v.repeat_interleave(HQ // HKV, 1)
+    expanded = graph_time_us(lambda: F.scaled_dot_product_attention(q, ke, ve), reps)
+    del ke, ve, k, v
+    torch.cuda.empty_cache()
+    return {"gqa_us": gqa, "expanded_us": expanded, "us": min(gqa, expanded)}
+
+
+def sdpa_prefill_ms(ctx: PagedContext, gen) -> dict:
+    q = torch.randn(1, HQ, CHUNK, D, device="cuda", dtype=torch.bfloat16, generator=gen)
+    k, v = ctx.contiguous_kv(0, ctx.n)
+    ke, ve = k.repeat_interleave(HQ // HKV, 1), v.repeat_interleave(HQ // HKV, 1)
+    del k, v
+    past = ctx.n - CHUNK
+    t_past = bench_ms(lambda: F.scaled_dot_product_attention(q, ke[:, :, :past], ve[:, :, :past]), reps=3)
+    t_self = bench_ms(lambda: F.scaled_dot_product_attention(q, ke[:, :, past:], ve[:, :, past:], is_causal=True))
+    del ke, ve
+    torch.cuda.empty_cache()
+    return {"past_ms": t_past, "self_ms": t_self, "ms": t_past + t_self}
+
+
+# -- InfiniteHiP -----------------------------------------------------------------------------
+def styles(n: int, cfg) -> tuple[str, str]:
+    """(pruning RoPE, attention RoPE) the runtime uses for a normal layer at context n."""
+    if cfg.rope_off_in_trained_window and n <= TRAINED_WINDOW:
+        return "none", "none"
+    return cfg.pruning_rope, cfg.attention_rope
+
+
+def decode_step_types(ctx: PagedContext, cfg, bs: int, reps: int, gen) -> dict:
+    """µs per layer of each decode step type (first recomputed stage 0..S, S = none), per stage."""
+    stages, S = cfg.stages, len(cfg.stages)
+    q = torch.randn(bs, HQ, D, device="cuda", dtype=torch.bfloat16, generator=gen)
+    tables = ctx.table.expand(bs, -1).contiguous()
+    q_start = torch.arange(bs, dtype=torch.int32, device="cuda")
+    ones = torch.ones(bs, dtype=torch.int32, device="cuda")
+    ends = torch.full((bs,), ctx.n, dtype=torch.int32, device="cuda")
+    middle = max(0, ctx.n - cfg.n_stream - cfg.n_sink)
+    prune_rope, attn_rope = styles(ctx.n, cfg)
+    kw = dict(n_sink=cfg.n_sink, n_stream=cfg.n_stream, inv_freq=ctx.inv_freq)
+    cache = []  # stage outputs of a full recompute (the mask cache)
+
+    def stage(i):
+        prev = (None, None) if i == 0 else cache[i - 1]
+        return pruning_stage(q, ctx.k_cache, tables, q_start, ones, ends, *prev, chunk_size=stages[i].chunk_size,
+                             k=stages[i].k, block_q=1, max_candidates=middle if i == 0 else None,
+                             rope_style=prune_rope, **kw)
+
+    for i in range(S):
+        cache.append(stage(i))
+    out = torch.empty_like(q)
+
+    def attend():
+        sparse_decode_attention(q, ctx.k_cache, ctx.v_cache, tables, ends, cache[-1][0], scale=SCALE,
+                                rope_style=attn_rope, out=out, **kw)
+
+    def step(first):
+        def run():
+            for i in range(first, S):
+                stage(i)  # fresh outputs; the cached ones stay as the later stages' inputs
+            attend()
+        return run
+
+    per_type = {first: graph_time_us(step(first), reps) for first in range(S + 1)}
+    per_stage = {f"stage{i + 1}": graph_time_us(lambda i=i: stage(i), reps) for i in range(S)}
+    per_stage["attention"] = per_type[S]
+    return {"step_us": per_type, "stage_us": per_stage}
+
+
+def cycle_stats(step_us: dict, intervals: tuple[int, ...]) -> dict:
+    """Amortized per-layer time over one refresh cycle (steps 1..n_refresh(0) after the first,
+    which computes everything), and whole-model (32 layers) step totals over the cycle with
+    synchronized vs layer-staggered refresh phases."""
+    cycle = intervals[0]
+    steps = range(1, cycle + 1)
+    amortized = sum(step_us[refresh_from(j, 0, intervals)] for j in steps) / cycle
+
+    def spikes(phase_of_layer) -> dict:
+        totals = [sum(step_us[refresh_from(j, phase_of_layer(layer), intervals)] for layer in range(NUM_LAYERS))
+                  for j in steps]
+        med = statistics.median(totals)
+        p99 = sorted(totals)[min(len(totals) - 1, math.ceil(0.99 * len(totals)) - 1)]
+        return {"median_us": med, "p99_us": p99, "max_us": max(totals), "p99_over_median": p99 / med}
+
+    return {"amortized_us": amortized, "synchronized": spikes(lambda layer: 0),
+            "layer_staggered": spikes(lambda layer: (layer * cycle) // NUM_LAYERS)}
+
+
+def prefill_breakdown(ctx: PagedContext, cfg, gen) -> dict:
+    """ms of each stage and of the attention for a 32K chunk ending at ctx.n (all fresh)."""
+    q = torch.randn(CHUNK, HQ, D, device="cuda", dtype=torch.bfloat16, generator=gen)
+    bq = cfg.block_q
+    starts, lens, ends, _ = plan_query_blocks([CHUNK], [ctx.n], bq, device="cuda")
+    tables = ctx.table.expand(starts.shape[0], -1).contiguous()
+    middle = max(0, ctx.n - cfg.n_stream - cfg.n_sink)
+    prune_rope, attn_rope = styles(ctx.n, cfg)
+    kw = dict(n_sink=cfg.n_sink, n_stream=cfg.n_stream, inv_freq=ctx.inv_freq)
+    outs = []
+    for i, st in enumerate(cfg.stages):
+        prev = (None, None) if i == 0 else outs[-1]
+        outs.append(pruning_stage(q, ctx.k_cache, tables, starts, lens, ends, *prev, chunk_size=st.chunk_size,
+                                  k=st.k, block_q=bq, max_candidates=middle if i == 0 else None,
+                                  rope_style=prune_rope, **kw))
+    res = {}
+    for i, st in enumerate(cfg.stages):
+        prev = (None, None) if i == 0 else outs[i - 1]
+        res[f"stage{i + 1}"] = bench_ms(lambda st=st, prev=prev, i=i: pruning_stage(
+            q, ctx.k_cache, tables, starts, lens, ends, *prev, chunk_size=st.chunk_size, k=st.k, block_q=bq,
+            max_candidates=middle if i == 0 else None, rope_style=prune_rope, **kw))
+    out = torch.empty_like(q)
+    res["attention"] = bench_ms(lambda: sparse_prefill_attention(
+        q, ctx.k_cache, ctx.v_cache, tables, starts, lens, ends, outs[-1][0], block_q=bq, scale=SCALE,
+        rope_style=attn_rope, out=out, **kw))
+    res["total"] = sum(res.values())
+    return res
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--contexts", default="128k,1m")
+    ap.add_argument("--presets", default="3k,3k-fast,3k-flash,5k")
+    ap.add_argument("--reps", type=int, default=20, help="copies of a decode step per CUDA graph")
+    ap.add_argument("--no-prefill", action="store_true")
+    args = ap.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    presets = [p.strip() for p in args.presets.split(",")]
+    results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+               "triton": __import__("triton").__version__, "contexts": {}}
+    rows = []
+    for n in [parse_len(c) for c in args.contexts.split(",")]:
+        ctx = PagedContext(n, gen)
+        r = {"sdpa_decode": sdpa_decode_us(ctx, args.reps, gen)}
+        print(f"[{n}] SDPA decode {r['sdpa_decode']}", flush=True)
+        if not args.no_prefill:
+            r["sdpa_prefill"] = sdpa_prefill_ms(ctx, gen)
+            print(f"[{n}] SDPA prefill {r['sdpa_prefill']}", flush=True)
+        decode_by_stages = {}
+        for name in presets:
+            cfg = infinitehip_config(name)
+            key = tuple(cfg.stages)
+            if key not in decode_by_stages:  # 3k / 3k-fast / 3k-flash share stages: time once
+                decode_by_stages[key] = decode_step_types(ctx, cfg, 1, args.reps, gen)
+                print(f"[{n}] {name} decode step types (us): {decode_by_stages[key]}", flush=True)
+            d = dict(decode_by_stages[key])
+            d.update(cycle_stats(d["step_us"], cfg.refresh_intervals))
+            d["speedup_vs_sdpa"] = r["sdpa_decode"]["us"] / d["amortized_us"]
+            r[f"decode_{name}"] = d
+            rows.append((n, name, "decode", d["amortized_us"], r["sdpa_decode"]["us"], d["speedup_vs_sdpa"],
+                         d["synchronized"]["p99_over_median"], d["layer_staggered"]["p99_over_median"]))
+            if not args.no_prefill and name in ("3k", "5k"):
+                p = prefill_breakdown(ctx, cfg, gen)
+                p["speedup_vs_sdpa"] = r["sdpa_prefill"]["ms"] / p["total"]
+                r[f"prefill_{name}"] = p
+                print(f"[{n}] {name} prefill (ms): {p}", flush=True)
+                rows.append((n, name, "prefill", p["total"] * 1e3, r["sdpa_prefill"]["ms"] * 1e3,
+                             p["speedup_vs_sdpa"], None, None))
+        results["contexts"][n] = r
+        del ctx
+        torch.cuda.empty_cache()
+    (args.out / "bench_infinitehip.json").write_text(json.dumps(results, indent=1, default=str))
+    print("\n| keys | preset | phase | infhip µs/layer | SDPA µs/layer | speedup | P99/med synced | "
+          "P99/med staggered |")
+    print("|---|---|---|---|---|---|---|---|")
+    for n, name, phase, ours, base, sp, p_sync, p_stag in rows:
+        f = lambda x: "—" if x is None else f"{x:.2f}"  # noqa: E731
+        print(f"| {n} | {name} | {phase} | {ours:.1f} | {base:.1f} | {sp:.1f}× | {f(p_sync)} | {f(p_stag)} |")
+
+
+if __name__ == "__main__":
+    main()

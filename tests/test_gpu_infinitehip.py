@@ -1,0 +1,76 @@
+"""InfiniteHiP kernels on the GPU at Llama-3.1-8B head shapes (32 q / 8 kv heads, d = 128, bf16,
+page 16): compiled Triton (not the interpreter) against the float64 references, at contexts of
+thousands of tokens, decode and prefill blocks. Skipped without a GPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from infhip.plugins.infinitehip import (pruning_stage, pruning_stage_ref, sparse_attention_ref,
+                                        sparse_decode_attention, sparse_prefill_attention)
+
+from .test_infinitehip_common import DEVICE, PagedSeqs, inv_freq, random_rows, rel_err
+from .test_infinitehip_pruning import chosen_chunk_scores
+from .test_infinitehip_sparse_attention import random_selection
+
+pytestmark = pytest.mark.gpu
+
+HQ, HKV, D, PAGE = 32, 8, 128, 16
+N_SINK, N_STREAM = 64, 256
+CONTEXTS = [6007, 2501]
+
+
+@pytest.mark.parametrize("block_q,q_lens", [(1, [1, 1]), (64, [150, 64])])
+@pytest.mark.parametrize("rope_style", ["none", "relative", "chunk_indexed"])
+def test_pruning_stage_exact_at_llama8b_shapes(block_q, q_lens, rope_style):
+    """Dyadic bf16 inputs make every q.k exact in float32 accumulation, so the kept chunks must
+    have exactly the reference's scores (stage 1 implicit, then an explicit stage)."""
+    seqs = PagedSeqs(CONTEXTS, HKV, D, PAGE, seed=block_q, dyadic=rope_style == "none", dtype=torch.bfloat16)
+    q = random_rows(seqs.generator, (sum(q_lens), HQ, D), rope_style == "none", torch.bfloat16).to(DEVICE)
+    q_start, lens, ends, tables = seqs.blocks(q_lens, block_q)
+    kw = dict(block_q=block_q, n_sink=N_SINK, n_stream=N_STREAM, rope_style=rope_style, inv_freq=inv_freq(D))
+    sel, n = pruning_stage(q, seqs.k_cache, tables, q_start, lens, ends, chunk_size=32, k=1024,
+                           max_candidates=max(CONTEXTS), **kw)
+    ref, ref_n = pruning_stage_ref(q, seqs.k_cache, tables, q_start, lens, ends, chunk_size=32, k=1024,
+                                   max_candidates=max(CONTEXTS), **{k: v for k, v in kw.items() if k != "block_q"})
+    assert torch.equal(n.cpu(), ref_n.cpu())
+    if rope_style == "none":  # exact arithmetic: identical chunk scores of the kept sets
+        from infhip.plugins.infinitehip import select_rep_scores_ref
+        scores, _, _ = select_rep_scores_ref(q, seqs.k_cache, tables, q_start, lens, ends, None, None,
+                                             chunk_size=32, n_sink=N_SINK, n_stream=N_STREAM,
+                                             max_candidates=max(CONTEXTS))
+        assert chosen_chunk_scores(sel, n, None, scores, 32) == chosen_chunk_scores(ref, ref_n, None, scores, 32)
+    else:  # rotations round differently in bf16/float32 vs float64: near-identical sets
+        same = [len(set(a[:m].tolist()) & set(b[:m].tolist())) / int(m)
+                for a, b, m in zip(sel.cpu(), ref.cpu(), n.cpu()) if m]
+        assert min(same) > 0.9, same
+
+
+@pytest.mark.parametrize("rope_style", ["none", "streaming"])
+def test_sparse_decode_at_llama8b_shapes(rope_style):
+    seqs = PagedSeqs(CONTEXTS, HKV, D, PAGE, seed=3, dtype=torch.bfloat16)
+    q = torch.randn(len(CONTEXTS), HQ, D, generator=seqs.generator).to(torch.bfloat16).to(DEVICE)
+    sel = random_selection(seqs.generator, seqs.context_lens, N_SINK, N_STREAM, k=2048)
+    args = (q, seqs.k_cache, seqs.v_cache, seqs.block_tables)
+    opts = dict(n_sink=N_SINK, n_stream=N_STREAM, scale=D ** -0.5, rope_style=rope_style, inv_freq=inv_freq(D))
+    out = sparse_decode_attention(*args, seqs.context_lens, sel, **opts)
+    ones = torch.ones(len(CONTEXTS), dtype=torch.int32, device=DEVICE)
+    ref = sparse_attention_ref(*args, torch.arange(len(CONTEXTS), dtype=torch.int32, device=DEVICE), ones,
+                               seqs.context_lens, sel, **opts)
+    assert rel_err(out, ref) < 2e-2
+
+
+def test_sparse_prefill_at_llama8b_shapes():
+    seqs = PagedSeqs(CONTEXTS, HKV, D, PAGE, seed=5, dtype=torch.bfloat16)
+    q_lens = [300, 77]
+    q = torch.randn(sum(q_lens), HQ, D, generator=seqs.generator).to(torch.bfloat16).to(DEVICE)
+    q_start, lens, ends, tables = seqs.blocks(q_lens, 64)
+    sel = random_selection(seqs.generator, ends, N_SINK, N_STREAM, k=1024)
+    opts = dict(n_sink=N_SINK, n_stream=N_STREAM, scale=D ** -0.5, rope_style="streaming", inv_freq=inv_freq(D))
+    out = torch.full_like(q, float("nan"))
+    sparse_prefill_attention(q, seqs.k_cache, seqs.v_cache, tables, q_start, lens, ends, sel, block_q=64,
+                             out=out, **opts)
+    ref = sparse_attention_ref(q, seqs.k_cache, seqs.v_cache, tables, q_start, lens, ends, sel, **opts)
+    assert not out.isnan().any()
+    assert rel_err(out, ref) < 2e-2
