@@ -108,6 +108,9 @@ class ModelRunner:
         self.drop_tail = keep_tail(self.token_drop, [a.window for a in attn_layers]) if self.token_drop else 0
         # seq_id -> {anchor layer: [kept, total]} over the chunks of its latest prefill
         self.retention: dict[int, dict[int, list[int]]] = {}
+        # Tests: also keep seq_id -> {anchor layer: [kept positions per chunk]} (host tensors).
+        self.record_kept_positions = False
+        self.kept_positions: dict[int, dict[int, list[torch.Tensor]]] = {}
 
         self.graphs = None
         if self.device.type == "cuda" and not enforce_eager:
@@ -207,10 +210,12 @@ class ModelRunner:
             while len(self.retention) > 256:  # bounded: the latest sequences only
                 self.retention.pop(next(iter(self.retention)))
             for layer, rec in td.records:
-                kept, total = rec[d.b]
+                kept, total, positions = rec[d.b]
                 acc = per_layer.setdefault(layer, [0, 0])
                 acc[0] += kept
                 acc[1] += total
+                if self.record_kept_positions:
+                    self.kept_positions.setdefault(seq.seq_id, {}).setdefault(layer, []).append(positions)
 
     @torch.inference_mode()
     def execute_decode_steps(self, out: SchedulerOutput, num_steps: int, sample) -> list[torch.Tensor]:

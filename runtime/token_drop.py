@@ -106,7 +106,8 @@ class TokenDropStep:
     cu: list[int] = field(default_factory=list)  # [B + 1] compact query offsets (host)
     cu_t: torch.Tensor | None = None
     kept_pos: dict[int, torch.Tensor] = field(default_factory=dict)  # b -> host positions kept
-    records: list[tuple[int, dict[int, tuple[int, int]]]] = field(default_factory=list)
+    # per anchor: (layer, {b: (kept, total, kept positions (host))})
+    records: list[tuple[int, dict[int, tuple[int, int, torch.Tensor]]]] = field(default_factory=list)
 
     # -- the stream -------------------------------------------------------------------------
     def enter_layer(self, i: int, hidden: torch.Tensor, residual: torch.Tensor | None):
@@ -196,7 +197,7 @@ class TokenDropStep:
             out.index_copy_(0, rows, kept_attention(q.index_select(0, rows), q_pos, kk, vv,
                                                     torch.arange(d.end), attn.scale))
             self.kept_pos[d.b] = q_pos
-            record[d.b] = (local.numel(), d.end - d.start)
+            record[d.b] = (local.numel(), d.end - d.start, q_pos)
         self.records.append((self.layer, record))
 
         idx = idx_host.to(q.device)

@@ -1,0 +1,165 @@
+"""UniPrefill token drop in the runtime, on tiny random models (float32, CPU).
+
+* p = 1 keeps everything and reproduces the dense engine (logits, greedy tokens), whole and
+  chunked prefill (a chunk starting mid-block included);
+* with a forced retention, prefill + decode logits equal a plain-torch reference that masks the
+  dropped keys per layer (tests/_td_reference.py), and that reference is sensitive: the same
+  logits differ from a reference without the drop;
+* a batch (two dropping prompts, one too short to drop, mixed with decodes) equals each alone;
+* Llama (every layer an anchor) and a Gemma-3 with global layers 1 and 4 (sliding layers after
+  an anchor get compact rows), old engines load, bad specs give one-line errors.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from infhip import LLM, SamplingParams
+from infhip.builder.build import build_engine
+from infhip.builder.cli import main as build_main
+from infhip.builder.token_drop_spec import parse_token_drop
+from infhip.config import EngineConfig, TokenDropConfig
+from infhip.runtime.sequence import Sequence
+from tests._td_reference import reference_logits
+from tests._tiny import write_tiny_hf_checkpoint
+
+TINY = dict(n=8, G=8, A=8, min_len=0)  # knobs scaled to ~200-token prompts
+GEMMA_TYPES = ["sliding_attention", "full_attention", "sliding_attention", "sliding_attention",
+               "full_attention", "sliding_attention"]
+
+
+@pytest.fixture(scope="module", params=["llama", "gemma3"])
+def engine(request, tmp_path_factory):
+    root = tmp_path_factory.mktemp(request.param)
+    extra = dict(num_hidden_layers=6, layer_types=GEMMA_TYPES) if request.param == "gemma3" else {}
+    write_tiny_hf_checkpoint(root / "hf", request.param, **extra)
+    return build_engine(checkpoint=root / "hf", output_dir=root / "engine", dtype="float32",
+                        device="cpu", max_seq_len=256, max_batch_size=4, progress=False)
+
+
+def prompt(seed: int, n: int) -> list[int]:
+    return torch.randint(3, 300, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def run_greedy(llm: LLM, ids: list[int], steps: int) -> tuple[list[int], torch.Tensor]:
+    """Prefill + `steps` greedy decodes through scheduler and runner; (tokens, logits [steps, V])
+    where logits[j] produced tokens[j]."""
+    seq = Sequence(seq_id=10_000 + len(llm.runner.retention), prompt_token_ids=list(ids),
+                   params=SamplingParams(max_tokens=steps, ignore_eos=True))
+    llm.scheduler.add(seq)
+    tokens, logits = [], []
+    while len(tokens) < steps:
+        out = llm.scheduler.schedule()
+        step_logits = llm.runner.execute(out)
+        if out.chunks[0].needs_logits:
+            logits.append(step_logits[0])
+            tokens.append(int(step_logits[0].argmax()))
+            llm.scheduler.update(out, {seq.seq_id: tokens[-1]})
+        else:
+            llm.scheduler.update(out, {})
+    llm.scheduler.finish(seq, "abort")
+    return tokens, torch.stack(logits), seq.seq_id
+
+
+@pytest.mark.parametrize("budget", [None, 100])  # 100: chunks [0, 100), [100, 200): mid-block start
+def test_p_one_reproduces_dense(engine, budget):
+    ids = prompt(1, 200)
+    dense = LLM(engine, max_num_batched_tokens=budget)
+    td = LLM(engine, max_num_batched_tokens=budget, token_drop=dict(p=1.0, **TINY))
+    tok_d, log_d, _ = run_greedy(dense, ids, 6)
+    tok_t, log_t, sid = run_greedy(td, ids, 6)
+    assert tok_t == tok_d
+    assert (log_t - log_d).abs().max() < 1e-4
+    per_layer = td.runner.retention[sid]
+    assert per_layer and all(kept == total for kept, total in per_layer.values())  # drop path ran
+
+
+@pytest.mark.parametrize("budget", [None, 100])
+def test_decode_after_drop_equals_masked_reference(engine, budget):
+    ids = prompt(2, 200)
+    llm = LLM(engine, max_num_batched_tokens=budget, token_drop=dict(rho=0.3, **TINY))
+    llm.runner.record_kept_positions = True
+    tokens, logits, sid = run_greedy(llm, ids, 5)
+    kept = {layer: torch.cat(chunks) for layer, chunks in llm.runner.kept_positions[sid].items()}
+    layers = llm.engine.config.plan.layers
+    assert set(kept) == {lp.index for lp in layers if lp.window is None}
+    assert all(len(v) < 0.6 * len(ids) for v in kept.values())  # really dropped
+    full = ids + tokens[:-1]
+    ref = reference_logits(llm.runner.model, full, len(ids), kept, layers)[len(ids) - 1:]
+    assert (logits.double() - ref).abs().max() < 1e-4
+    # the reference can fail: without the drop it computes different logits
+    dense_ref = reference_logits(llm.runner.model, full, len(ids), {}, layers)[len(ids) - 1:]
+    assert (logits.double() - dense_ref).abs().max() > 1e-2
+
+
+def test_batch_equals_each_alone(engine):
+    knobs = dict(p=0.9, **TINY, min_prompt_len=150)
+    knobs.pop("min_len")
+    prompts = [prompt(3, 200), prompt(4, 170), prompt(5, 60)]  # the last one is too short to drop
+    sp = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    llm = LLM(engine, token_drop=knobs, max_num_batched_tokens=256)
+    batch = [o.token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=sp)]
+    batch_ret = [dict(v) for v in llm.runner.retention.values()]
+    assert len(batch_ret) == 2  # the short prompt never dropped
+    alone = []
+    for p in prompts:
+        one = LLM(engine, token_drop=knobs)
+        alone.append(one.generate(prompt_token_ids=[p], sampling_params=sp)[0].token_ids)
+    assert batch == alone
+    # decodes mixed into the dropping prefills' steps: the short prompt starts first
+    llm2 = LLM(engine, token_drop=knobs, max_num_batched_tokens=256)
+    reqs = [llm2._add(None, prompts[2], sp)]
+    llm2.step()
+    assert reqs[0].seq.num_output_tokens == 1
+    reqs += [llm2._add(None, p, sp) for p in prompts[:2]]
+    while not all(r.seq.is_finished for r in reqs):
+        llm2.step()
+    assert [r.seq.output_token_ids for r in reqs] == [alone[2], alone[0], alone[1]]
+
+
+def test_token_drop_with_infinitehip_is_refused(tmp_path):
+    write_tiny_hf_checkpoint(tmp_path / "hf", "llama")
+    with pytest.raises(ValueError, match="InfiniteHiP"):
+        eng = build_engine(checkpoint=tmp_path / "hf", output_dir=tmp_path / "e", dtype="float32",
+                           device="cpu", max_seq_len=256, preset="3k", token_drop=True, progress=False,
+                           infinitehip_overrides=dict(n_sink=16, n_stream=64, dense_threshold=32))
+        LLM(eng)
+
+
+def test_build_flag_config_round_trip_and_old_engines(engine, tmp_path):
+    out = tmp_path / "td"
+    src = EngineConfig.load(engine)
+    assert src.plan.token_drop is None
+    shutil.copytree(engine, out)
+    cfg = json.loads((out / "config.json").read_text())
+    assert "token_drop" in cfg["plan"]  # written as null by new builds ...
+    del cfg["plan"]["token_drop"]  # ... and absent in engines from before token drop
+    (out / "config.json").write_text(json.dumps(cfg))
+    assert EngineConfig.load(out).plan.token_drop is None
+    hf = engine.parent / "hf"
+    rc = build_main(["--checkpoint", str(hf), "--output", str(tmp_path / "b"), "--dtype", "float32",
+                     "--device", "cpu", "--quiet", "--token-drop", "p=0.98,G=32,min_len=0"])
+    assert rc == 0
+    td = EngineConfig.load(tmp_path / "b").plan.token_drop
+    assert td == TokenDropConfig(p=0.98, block_size=32, min_prompt_len=0)
+    rc = build_main(["--checkpoint", str(hf), "--output", str(tmp_path / "c"), "--dtype", "float32",
+                     "--device", "cpu", "--quiet", "--token-drop"])
+    assert rc == 0 and EngineConfig.load(tmp_path / "c").plan.token_drop == TokenDropConfig()
+    assert LLM(tmp_path / "c", token_drop=False).runner.token_drop is None
+
+
+@pytest.mark.parametrize("spec,msg", [
+    ("p=1.5", "p must be in"), ("q=3", "unknown key 'q'"), ("G=abc", "must be an integer"),
+    ("p", "not key=value"), ("G=0", "block_size must be an int >= 1"), ("p=0.9,p=0.8", "given twice"),
+    ("rho=2", "retention must be in"),
+])
+def test_bad_specs(spec, msg, capsys, tmp_path):
+    with pytest.raises(ValueError, match=msg):
+        parse_token_drop(spec)
+    rc = build_main(["--checkpoint", str(tmp_path), "--output", str(tmp_path / "x"), "--token-drop", spec])
+    err = capsys.readouterr().err.strip()
+    assert rc == 1 and err.count("\n") == 0 and msg.split("'")[0] in err
