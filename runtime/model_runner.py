@@ -100,12 +100,8 @@ class ModelRunner:
                                                    attn.rope[0].inv_freq, self.device)
 
         # UniPrefill token drop (runtime/token_drop.py): anchors are the full-attention layers.
-        self.token_drop = engine.config.plan.token_drop
-        if self.token_drop is not None and ih is not None:
-            raise ValueError("token drop together with InfiniteHiP layers is not supported yet; "
-                             "load with LLM(..., token_drop=False) or build without --preset")
         self.anchors = frozenset(lp.index for lp in engine.config.plan.layers if lp.window is None)
-        self.drop_tail = keep_tail(self.token_drop, [a.window for a in attn_layers]) if self.token_drop else 0
+        self.set_token_drop(engine.config.plan.token_drop)
         # seq_id -> {anchor layer: [kept, total]} over the chunks of its latest prefill
         self.retention: dict[int, dict[int, list[int]]] = {}
         # Tests: also keep seq_id -> {anchor layer: [kept positions per chunk]} (host tensors).
@@ -116,6 +112,15 @@ class ModelRunner:
         if self.device.type == "cuda" and not enforce_eager:
             sizes = [b for b in build.cuda_graph_batch_sizes if b <= max_num_seqs]
             self.graphs = DecodeGraphs(self, sizes, max_decode_steps)
+
+    def set_token_drop(self, cfg) -> None:
+        """Turn token drop on (a TokenDropConfig) or off (None) from the next step on."""
+        if cfg is not None and self.engine.config.plan.infinitehip is not None:
+            raise ValueError("token drop together with InfiniteHiP layers is not supported yet; "
+                             "load with LLM(..., token_drop=False) or build without --preset")
+        self.token_drop = cfg
+        windows = [layer.self_attn.window for layer in self.model.layers]
+        self.drop_tail = keep_tail(cfg, windows) if cfg is not None else 0
 
     def _default_kv_budget(self, max_num_batched_tokens: int, utilization: float) -> int:
         if self.device.type != "cuda":
