@@ -41,13 +41,15 @@ def reference_logits(model, ids: list[int], num_prompt: int, kept: dict[int, tor
     cfg = model.cfg
     gemma = cfg.architecture == "gemma3"
     L = len(ids)
-    pos = torch.arange(L)
-    x = model.embed(torch.tensor(ids)).double()
-    active = torch.ones(L, dtype=torch.bool)
+    dev = model.embed_tokens.weight.device
+    pos = torch.arange(L, device=dev)
+    x = model.embed(torch.tensor(ids, device=dev)).double()
+    kept = {layer: p.to(dev) for layer, p in kept.items()}
+    active = torch.ones(L, dtype=torch.bool, device=dev)
     for l, layer in enumerate(model.layers):
         lp, attn = plan_layers[l], layer.self_attn
         if lp.window is None:
-            active = torch.ones(L, dtype=torch.bool)  # reconstitution: every row re-enters
+            active = torch.ones(L, dtype=torch.bool, device=dev)  # reconstitution: every row re-enters
         keys = active.clone()
         h = _rms(x, layer.input_layernorm.weight.double(), cfg.rms_norm_eps)
         qkv = F.linear(h, attn.qkv_proj.weight.double(),
@@ -71,7 +73,7 @@ def reference_logits(model, ids: list[int], num_prompt: int, kept: dict[int, tor
         o = torch.einsum("hqk,khd->qhd", p, v).reshape(L, -1)
         a = F.linear(o, attn.o_proj.weight.double())
         if lp.window is None and l in kept:  # this anchor's drop: rows from here on
-            active = torch.zeros(L, dtype=torch.bool)
+            active = torch.zeros(L, dtype=torch.bool, device=dev)
             active[kept[l]] = True
             active[num_prompt:] = True
         mlp = layer.mlp

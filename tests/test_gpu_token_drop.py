@@ -1,0 +1,50 @@
+"""GPU checks of UniPrefill token drop: the kept-query attention kernel at Llama-3.1-8B head
+shapes (bf16) against the float64 reference, and a tiny float32 engine on the GPU (Triton
+importance, selection and kept attention) against the plain-torch masked reference, decode
+included. Skipped without a GPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from infhip import LLM
+from infhip.builder.build import build_engine
+from infhip.plugins.dense_attention import dense_attention_ref
+from infhip.plugins.token_drop.attention import kept_attention_triton
+from tests._td_reference import reference_logits
+from tests._tiny import write_tiny_hf_checkpoint
+from tests.test_token_drop_attention import kept_positions
+from tests.test_token_drop_runtime import GEMMA_TYPES, TINY, prompt, run_greedy
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.mark.parametrize("window", [None, 1024])
+def test_kept_attention_8b_heads(window):
+    n, hq, hkv, d = 4096, 32, 8, 128
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q_pos = kept_positions(n, 64, seed=1, tail=max(128, window or 0))
+    k_pos = torch.arange(n) if window is None else q_pos
+    q = torch.randn(q_pos.numel(), hq, d, device="cuda", generator=g, dtype=torch.bfloat16)
+    k = torch.randn(k_pos.numel(), hkv, d, device="cuda", generator=g, dtype=torch.bfloat16)
+    v = torch.randn(k_pos.numel(), hkv, d, device="cuda", generator=g, dtype=torch.bfloat16)
+    got = kept_attention_triton(q, q_pos, k, v, k_pos, d ** -0.5, window)
+    ref = dense_attention_ref(q, k, v, q_pos.cuda(), k_pos.cuda(), d ** -0.5, window)
+    assert ((got.float() - ref).norm() / ref.norm()).item() < 1e-2
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_engine_on_gpu_equals_masked_reference(arch, tmp_path):
+    extra = dict(num_hidden_layers=6, layer_types=GEMMA_TYPES) if arch == "gemma3" else {}
+    write_tiny_hf_checkpoint(tmp_path / "hf", arch, **extra)
+    engine = build_engine(checkpoint=tmp_path / "hf", output_dir=tmp_path / "e", dtype="float32",
+                          device="cuda", max_seq_len=256, max_batch_size=4, progress=False)
+    ids = prompt(2, 200)
+    llm = LLM(engine, max_num_batched_tokens=100, token_drop=dict(rho=0.3, **TINY), enforce_eager=True)
+    llm.runner.record_kept_positions = True
+    tokens, logits, sid = run_greedy(llm, ids, 5)
+    kept = {layer: torch.cat(c) for layer, c in llm.runner.kept_positions[sid].items()}
+    layers = llm.engine.config.plan.layers
+    ref = reference_logits(llm.runner.model, ids + tokens[:-1], len(ids), kept, layers)[len(ids) - 1:]
+    assert (logits.double() - ref).abs().max().item() < 1e-3
