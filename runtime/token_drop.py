@@ -222,18 +222,19 @@ class TokenDropStep:
                                      attn.scale, n, G, cu_seqlens_list=cu_k, q_window=True)
         # the chunk's blocks: absolute blocks [start // G, cdiv(end, G)); a selection "sequence"
         # is the G-aligned range [start // G * G, end) so block g of it is absolute block g0 + g
-        block_idx, cu_blocks, cu_ext, ext_rows, drop_rows = [], [0], [0], [], []
-        for i, d in enumerate(self.drops):
-            g0 = d.start // G
-            blocks_before = sum(triton.cdiv(x.end, G) for x in self.drops[:i])
-            block_idx += range(blocks_before + g0, blocks_before + triton.cdiv(d.end, G))
-            cu_blocks.append(len(block_idx))
-            phase = d.start - g0 * G
-            ext_rows += range(cu_ext[-1] + phase, cu_ext[-1] + phase + d.end - d.start)
-            cu_ext.append(cu_ext[-1] + d.end - g0 * G)
-            drop_rows += range(cu[d.b], cu[d.b + 1])
         dev = q.device
-        scores_c = scores.index_select(0, torch.tensor(block_idx, device=dev))
+        block_idx, ext_rows, drop_rows, cu_blocks, cu_ext = [], [], [], [0], [0]
+        blocks_before = 0
+        for d in self.drops:
+            g0, nb = d.start // G, triton.cdiv(d.end, G)
+            block_idx.append(torch.arange(blocks_before + g0, blocks_before + nb, device=dev))
+            blocks_before += nb
+            cu_blocks.append(cu_blocks[-1] + nb - g0)
+            phase = d.start - g0 * G
+            ext_rows.append(torch.arange(cu_ext[-1] + phase, cu_ext[-1] + phase + d.end - d.start, device=dev))
+            cu_ext.append(cu_ext[-1] + d.end - g0 * G)
+            drop_rows.append(torch.arange(cu[d.b], cu[d.b + 1], device=dev))
+        scores_c = scores.index_select(0, torch.cat(block_idx))
         args = (scores_c, torch.tensor(cu_blocks, dtype=torch.int32, device=dev),
                 torch.tensor(cu_ext, dtype=torch.int32, device=dev))
         kw = dict(num_tokens=cu_ext[-1], max_seqlen=max(b - a for a, b in zip(cu_ext, cu_ext[1:])),
@@ -242,8 +243,8 @@ class TokenDropStep:
             sel = force_retention(*args, cfg.retention, **kw)
         else:
             sel = top_p_select(*args, cfg.p, **kw)
-        drop_rows_t = torch.tensor(drop_rows, device=dev)
-        kept = sel.keep_mask.index_select(0, torch.tensor(ext_rows, device=dev))
+        drop_rows_t = torch.cat(drop_rows)
+        kept = sel.keep_mask.index_select(0, torch.cat(ext_rows))
         kept |= ctx.positions.index_select(0, drop_rows_t) < cfg.num_sink  # attention sinks
         keep = torch.ones(q.shape[0], dtype=torch.bool, device=dev)
         return keep.index_copy_(0, drop_rows_t, kept)
