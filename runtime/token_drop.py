@@ -34,7 +34,9 @@ KV, per layer, and why decode needs no change:
   sequence are written at every layer, which is all a sliding decode query (or the next
   chunk's) reads. Within the pass, the kept queries of a sliding layer attend to the kept keys
   by their true positions (plugins/token_drop/attention.py).
-So the decode path, its CUDA graphs and the page manager are those of the dense engine. The cost
+So the decode path, its CUDA graphs and the page manager are those of the dense engine. An
+anchor whose selection keeps every row (p = 1, rho = 1, or flat attention) takes the dense
+attention path and compacts nothing. The cost
 of the sliding-window rule: max(n, W) - n more kept tokens per pass (896 for Gemma-3-12B's
 1024 window: 0.7% of a 128K prompt).
 
@@ -188,6 +190,12 @@ class TokenDropStep:
                 values.append(vv)
         keep = self._select(attn, q, keys, ctx)
         keep_host = keep.cpu()  # one host read per anchor: the kept rows size everything below
+        if bool(keep_host.all()):  # nothing dropped here: the dense path, no compaction
+            for d in self.drops:
+                attn._dense_prefill(q, k, v, out, ctx, meta, d.b, d.b + 1)
+            self.records.append((self.layer, {d.b: (d.end - d.start, d.end - d.start,
+                                                    torch.arange(d.start, d.end)) for d in self.drops}))
+            return out
         idx_host = torch.nonzero(keep_host).flatten()
         record = {}
         for d, kk, vv in zip(self.drops, keys, values):

@@ -174,8 +174,9 @@ def _tiles(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None, block_m
 
 def kept_attention_triton(q: torch.Tensor, q_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                           k_pos: torch.Tensor, scale: float, window: int | None = None,
-                          block_m: int = 64, block_n: int = 64) -> torch.Tensor:
-    """Triton launcher of `kept_attention` (positions given on the host, copied once)."""
+                          block_m: int = 64, block_n: int | None = None) -> torch.Tensor:
+    """Triton launcher of `kept_attention` (positions given on the host, copied once).
+    block_m = 64 matches G = 64 kept blocks; block_n 64 (32 for head_dim > 128: shared memory)."""
     Mq, Hq, D = q.shape
     Mk, Hkv, Dk = k.shape
     assert Dk == D and v.shape == k.shape and Hq % Hkv == 0, "q [Mq, Hq, D], k/v [Mk, Hkv, D]"
@@ -184,6 +185,7 @@ def kept_attention_triton(q: torch.Tensor, q_pos: torch.Tensor, k: torch.Tensor,
     out = torch.empty_like(q)
     if Mq == 0:
         return out
+    block_n = block_n or (64 if D <= 128 else 32)
     tiles = _tiles(q_pos, k_pos, window, block_m).to(q.device)
     qp = q_pos.to(device=q.device, dtype=torch.int32)
     kp = k_pos.to(device=q.device, dtype=torch.int32)
