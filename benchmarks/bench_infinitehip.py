@@ -153,7 +153,7 @@ def styles(n: int, cfg) -> tuple[str, str]:
     return cfg.pruning_rope, cfg.attention_rope
 
 
-def decode_step_types(ctx: PagedContext, cfg, bs: int, reps: int, gen) -> dict:
+def decode_step_types(ctx: PagedContext, cfg, bs: int, reps: int, gen, profile_dir: Path | None = None) -> dict:
     """µs per layer of each decode step type (first recomputed stage 0..S, S = none), per stage."""
     stages, S = cfg.stages, len(cfg.stages)
     q = torch.randn(bs, HQ, D, device="cuda", dtype=torch.bfloat16, generator=gen)
@@ -188,6 +188,9 @@ def decode_step_types(ctx: PagedContext, cfg, bs: int, reps: int, gen) -> dict:
         return run
 
     per_type = {first: graph_time_us(step(first), reps) for first in range(S + 1)}
+    if profile_dir is not None:
+        text = profile_step(step(0), profile_dir / f"decode_kernels_{ctx.n}_{stages[-1].chunk_size}.txt")
+        print(f"[{ctx.n}] kernels of a full-refresh decode step:\n{text}", flush=True)
     per_stage = {f"stage{i + 1}": graph_time_us(lambda i=i: stage(i), reps) for i in range(S)}
     per_stage["attention"] = per_type[S]
     return {"step_us": per_type, "stage_us": per_stage}
@@ -212,8 +215,14 @@ def cycle_stats(step_us: dict, intervals: tuple[int, ...]) -> dict:
             "layer_staggered": spikes(lambda layer: (layer * cycle) // NUM_LAYERS)}
 
 
+PRUNE_VARIANTS = [dict(), dict(block_c=32), dict(block_c=64), dict(block_c=32, heads_per_program=1),
+                  dict(block_c=32, num_warps=4)]
+ATTN_VARIANTS = [dict(), dict(num_warps=4), dict(block_n=32), dict(block_n=128)]
+
+
 def prefill_breakdown(ctx: PagedContext, cfg, gen) -> dict:
-    """ms of each stage and of the attention for a 32K chunk ending at ctx.n (all fresh)."""
+    """ms of each stage and of the attention for a 32K chunk ending at ctx.n (all fresh); each
+    part timed for a few launch configurations (tuning overrides), the fastest counted."""
     q = torch.randn(CHUNK, HQ, D, device="cuda", dtype=torch.bfloat16, generator=gen)
     bq = cfg.block_q
     starts, lens, ends, _ = plan_query_blocks([CHUNK], [ctx.n], bq, device="cuda")
@@ -227,18 +236,42 @@ def prefill_breakdown(ctx: PagedContext, cfg, gen) -> dict:
         outs.append(pruning_stage(q, ctx.k_cache, tables, starts, lens, ends, *prev, chunk_size=st.chunk_size,
                                   k=st.k, block_q=bq, max_candidates=middle if i == 0 else None,
                                   rope_style=prune_rope, **kw))
-    res = {}
+    res, variants = {}, {}
     for i, st in enumerate(cfg.stages):
         prev = (None, None) if i == 0 else outs[i - 1]
-        res[f"stage{i + 1}"] = bench_ms(lambda st=st, prev=prev, i=i: pruning_stage(
+        times = [bench_ms(lambda st=st, prev=prev, i=i, v=v: pruning_stage(
             q, ctx.k_cache, tables, starts, lens, ends, *prev, chunk_size=st.chunk_size, k=st.k, block_q=bq,
-            max_candidates=middle if i == 0 else None, rope_style=prune_rope, **kw))
+            max_candidates=middle if i == 0 else None, rope_style=prune_rope, **kw, **v), reps=3)
+            for v in PRUNE_VARIANTS]
+        res[f"stage{i + 1}"] = min(times)
+        variants[f"stage{i + 1}"] = {str(v): t for v, t in zip(PRUNE_VARIANTS, times)}
     out = torch.empty_like(q)
-    res["attention"] = bench_ms(lambda: sparse_prefill_attention(
+    times = [bench_ms(lambda v=v: sparse_prefill_attention(
         q, ctx.k_cache, ctx.v_cache, tables, starts, lens, ends, outs[-1][0], block_q=bq, scale=SCALE,
-        rope_style=attn_rope, out=out, **kw))
+        rope_style=attn_rope, out=out, **kw, **v), reps=3) for v in ATTN_VARIANTS]
+    res["attention"] = min(times)
+    variants["attention"] = {str(v): t for v, t in zip(ATTN_VARIANTS, times)}
     res["total"] = sum(res.values())
+    res["variants_ms"] = variants
     return res
+
+
+def profile_step(fn, path: Path) -> str:
+    """Per-kernel GPU time of one captured call of fn (torch.profiler), written to path."""
+    from torch.profiler import ProfilerActivity, profile
+    fn()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(10):
+            graph.replay()
+        torch.cuda.synchronize()
+    rows = sorted(((e.key, e.device_time_total / 10, e.count // 10) for e in prof.key_averages()
+                   if e.device_time_total > 0), key=lambda r: -r[1])
+    text = "\n".join(f"{us:9.1f} us {n:4d}x  {name[:90]}" for name, us, n in rows)
+    path.write_text(text + "\n")
+    return text
 
 
 def main() -> None:
@@ -267,7 +300,8 @@ def main() -> None:
             cfg = infinitehip_config(name)
             key = tuple(cfg.stages)
             if key not in decode_by_stages:  # 3k / 3k-fast / 3k-flash share stages: time once
-                decode_by_stages[key] = decode_step_types(ctx, cfg, 1, args.reps, gen)
+                decode_by_stages[key] = decode_step_types(ctx, cfg, 1, args.reps, gen,
+                                                          args.out if name == "3k" else None)
                 print(f"[{n}] {name} decode step types (us): {decode_by_stages[key]}", flush=True)
             d = dict(decode_by_stages[key])
             d.update(cycle_stats(d["step_us"], cfg.refresh_intervals))
@@ -279,7 +313,9 @@ def main() -> None:
                 p = prefill_breakdown(ctx, cfg, gen)
                 p["speedup_vs_sdpa"] = r["sdpa_prefill"]["ms"] / p["total"]
                 r[f"prefill_{name}"] = p
-                print(f"[{n}] {name} prefill (ms): {p}", flush=True)
+                print(f"[{n}] {name} prefill (ms): { {k: v for k, v in p.items() if k != 'variants_ms'} }",
+                      flush=True)
+                print(f"[{n}] {name} prefill variants (ms): {p['variants_ms']}", flush=True)
                 rows.append((n, name, "prefill", p["total"] * 1e3, r["sdpa_prefill"]["ms"] * 1e3,
                              p["speedup_vs_sdpa"], None, None))
         results["contexts"][n] = r

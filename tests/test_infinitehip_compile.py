@@ -36,20 +36,23 @@ def _compile_pruning(rope_style: int):
     ptrs = {n: "*i32" for n in ("block_tables_ptr", "q_start_ptr", "q_lens_ptr", "ends_ptr", "cand_ptr",
                                 "cand_lens_ptr", "reps_ptr")}
     ptrs.update(q_ptr="*bf16", k_cache_ptr="*bf16", inv_freq_ptr="*fp32", scores_ptr="*fp32")
-    ce = dict(PAGE_SIZE=16, BLOCK_Q=256, BLOCK_C=16, BLOCK_D=128, CAND_IMPLICIT=rope_style == 0,
+    ce = dict(PAGE_SIZE=16, BLOCK_Q=256, BLOCK_C=16, HEADS_PER_PROG=1, BLOCK_D=128, CAND_IMPLICIT=rope_style == 0,
               STORE_REPS=True, ROPE_STYLE=rope_style, DOT_F32=False, DOT_PRECISION="tf32")
-    return _compile(pruning._select_rep_kernel, ptrs, ce, num_warps=8)
+    _compile(pruning._select_rep_kernel, ptrs, ce, num_warps=8)
+    ptrs = {n: "*i32" for n in ("cand_ptr", "cand_lens_ptr", "ends_ptr", "out_ptr", "out_lens_ptr")}
+    ptrs.update(top_ptr="*i64")
+    return _compile(pruning._expand_chunks_kernel, ptrs,
+                    dict(CAND_IMPLICIT=rope_style == 0, LENS_FROM_ENDS=rope_style == 0, BLOCK=1024))
 
 
 def _compile_attention(rope_style: int, num_splits: int):
     import infhip.plugins.infinitehip.sparse_attention as sparse_attention
 
-    ptrs = {n: "*i32" for n in ("block_tables_ptr", "q_start_ptr", "q_lens_ptr", "ends_ptr", "sel_ptr",
-                                "sel_begin_ptr", "sel_end_ptr")}
+    ptrs = {n: "*i32" for n in ("block_tables_ptr", "q_start_ptr", "q_lens_ptr", "ends_ptr", "sel_ptr")}
     ptrs.update(q_ptr="*bf16", k_cache_ptr="*bf16", v_cache_ptr="*bf16", out_ptr="*bf16",
                 inv_freq_ptr="*fp32", part_out_ptr="*fp32", part_lse_ptr="*fp32", scale_log2="fp32")
-    ce = dict(PAGE_SIZE=16, BLOCK_Q=64, BLOCK_N=64, BLOCK_D=128, NUM_SPLITS=num_splits,
-              ROPE_STYLE=rope_style, DOT_F32=False, DOT_PRECISION="tf32")
+    ce = dict(PAGE_SIZE=16, BLOCK_Q=64, BLOCK_N=64, BLOCK_D=128, NUM_SPLITS=num_splits, SEL_BLOCK=1024,
+              DECODE=num_splits > 1, ROPE_STYLE=rope_style, DOT_F32=False, DOT_PRECISION="tf32")
     return _compile(sparse_attention._sparse_attn_kernel, ptrs, ce)
 
 

@@ -178,3 +178,14 @@ def test_select_rep_causal_within_block():
                                      store_reps=True, **kw)
     ref_scores, ref_reps, _ = select_rep_scores_ref(q, seqs.k_cache, tables, q_start, lens, ends, **kw)
     assert torch.equal(scores.double().cpu(), ref_scores) and torch.equal(reps.cpu(), ref_reps)
+
+
+def test_head_split_and_tile_width_do_not_change_scores():
+    """Kv heads walked in one program or one program per head (+ max over heads), 16 or 32
+    chunks per program: the same chunk scores and representatives, bit for bit."""
+    seqs, q, (q_start, lens, ends, tables) = setup(8, 4, 16, 4, [5, 9], 4, seed=11, dyadic=True)
+    kw = dict(chunk_size=4, block_q=4, n_sink=N_SINK, n_stream=N_STREAM, store_reps=True)
+    base = select_rep_scores(q, seqs.k_cache, tables, q_start, lens, ends, heads_per_program=4, **kw)
+    other = select_rep_scores(q, seqs.k_cache, tables, q_start, lens, ends, heads_per_program=1,
+                              block_c=32, **kw)
+    assert torch.equal(other[0], base[0]) and torch.equal(other[1], base[1])

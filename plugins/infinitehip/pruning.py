@@ -16,8 +16,10 @@ then keep the top K = k / l_c chunks by s_j (torch.topk in the launcher: the one
 and return their candidates, ascending: int32 [NB, k], PAD-padded, plus their count (k unless
 the short last chunk or fewer than K chunks were kept). l_c must be a power of two.
 
-Kernel: grid (NB, cdiv(max_chunks, BLOCK_C)); a program takes BLOCK_C chunks of one query block
-through the tournament for every kv head in turn, all chunks in lock-step: each halving loads
+Kernel: grid (NB, cdiv(max_chunks, BLOCK_C), Hkv / HEADS_PER_PROG); a program takes BLOCK_C
+chunks of one query block through the tournament for its kv heads in turn (when the first two
+axes alone do not fill the GPU — decode — every kv head gets its own program and a max over the
+head axis follows), all chunks in lock-step: each halving loads
 one key per chunk (the right representative; the left one's sigma is the previous winner's),
 scores it against the block's [b_q * group, D] queries with one tl.dot and a max. No program
 waits on another. RoPE styles (rope_styles.py) re-rotate the queries once per kv head and each
@@ -31,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .._triton_utils import dot_precision, next_pow2, triton_on
+from .._triton_utils import device_num_sms, dot_precision, next_pow2, triton_on
 from .blocks import PAD, stream_starts
 from .rope_styles import (C_CHUNK_INDEXED, C_NONE, C_RELATIVE, CHUNK_INDEXED, NONE, RELATIVE,
                           load_rotated, rope_style_id)
@@ -77,7 +79,8 @@ def _select_rep_kernel(
     cand_lens_ptr,  # [NB] int32 (unused if CAND_IMPLICIT)
     inv_freq_ptr,  # [D/2] float32 (unused if ROPE_STYLE == NONE)
     # outputs
-    scores_ptr,  # [NB, max_chunks] float32 chunk scores, -inf past the block's chunks
+    scores_ptr,  # [NB, num_head_progs, max_chunks] float32 chunk scores over this program's kv
+    #              heads, -inf past the block's chunks (every entry written: no fill needed)
     reps_ptr,  # [NB, Hkv, max_chunks] int32 representatives, PAD past the chunks (STORE_REPS)
     # constants
     stride_qt, stride_qh,
@@ -88,6 +91,7 @@ def _select_rep_kernel(
     PAGE_SIZE: tl.constexpr,
     BLOCK_Q: tl.constexpr,  # b_q * group_size query rows, padded to a power of two >= 16
     BLOCK_C: tl.constexpr,  # chunks per program
+    HEADS_PER_PROG: tl.constexpr,  # kv heads walked by one program (grid axis 2 covers the rest)
     BLOCK_D: tl.constexpr,
     CAND_IMPLICIT: tl.constexpr,  # stage 1: candidates are the block's middle [n_sink, s)
     STORE_REPS: tl.constexpr,
@@ -130,7 +134,9 @@ def _select_rep_kernel(
     ROTATE: tl.constexpr = ROPE_STYLE != C_NONE
 
     best = tl.full([BLOCK_C], float("-inf"), tl.float32)
-    for kv_head in range(num_kv_heads):
+    head_prog = tl.program_id(2)
+    for h in range(HEADS_PER_PROG):
+        kv_head = head_prog * HEADS_PER_PROG + h
         q = load_rotated(q_rows + kv_head * group_size * stride_qh, row_valid, q_delta,
                          inv_freq_ptr, head_dim, BLOCK_D, ROTATE)
         if not DOT_F32:
@@ -162,7 +168,8 @@ def _select_rep_kernel(
             rep = _candidate_tokens(cand_row, base + first, has, n_sink, CAND_IMPLICIT)
             rep_off = (blk.to(tl.int64) * num_kv_heads + kv_head) * max_chunks + chunk
             tl.store(reps_ptr + rep_off, tl.where(has, rep, 2147483647), mask=chunk < max_chunks)
-    tl.store(scores_ptr + blk.to(tl.int64) * max_chunks + chunk, best, mask=chunk < max_chunks)
+    score_row = (blk.to(tl.int64) * tl.num_programs(2) + head_prog) * max_chunks
+    tl.store(scores_ptr + score_row + chunk, best, mask=chunk < max_chunks)
 
 
 def _num_iters(chunk_size: int) -> int:
@@ -179,12 +186,14 @@ def _candidate_lens(ends, candidates, cand_lens, n_sink, n_stream):
 def select_rep_scores(q, k_cache, block_tables, q_start, q_lens, ends, candidates=None,
                       cand_lens=None, *, chunk_size: int, block_q: int, n_sink: int, n_stream: int,
                       max_candidates: int | None = None, rope_style="none",
-                      inv_freq: torch.Tensor | None = None, store_reps: bool = False):
+                      inv_freq: torch.Tensor | None = None, store_reps: bool = False,
+                      block_c: int | None = None, heads_per_program: int | None = None,
+                      num_warps: int | None = None):
     """Triton SelectRep: chunk scores float32 [NB, max_chunks] and (store_reps) representatives
     int32 [NB, Hkv, max_chunks]. candidates None = stage 1 (the middle, implicitly); then
     max_candidates must be >= every block's middle length (a fixed capacity keeps the grid
     graph-capturable; a smaller one silently drops the newest candidates; default: read from
-    ends, a host sync)."""
+    ends, a host sync). block_c / heads_per_program / num_warps: tuning overrides."""
     T, Hq, D = q.shape
     num_pages, page_size, Hkv, Dk = k_cache.shape
     NB = ends.shape[0]
@@ -208,32 +217,117 @@ def select_rep_scores(q, k_cache, block_tables, q_start, q_lens, ends, candidate
         cand_lens = _candidate_lens(ends, candidates, cand_lens, n_sink, n_stream)
         cand = candidates
     max_chunks = triton.cdiv(max_candidates, chunk_size)
-    scores = torch.full((NB, max_chunks), float("-inf"), dtype=torch.float32, device=q.device)
-    reps = torch.full((NB, Hkv, max_chunks), PAD, dtype=torch.int32, device=q.device) if store_reps else scores
-    if NB == 0 or max_chunks == 0:
-        return scores, (reps if store_reps else None)
     G = Hq // Hkv
-    _select_rep_kernel[(NB, triton.cdiv(max_chunks, _BLOCK_C))](
+    BLOCK_C = block_c or _BLOCK_C
+    chunk_progs = NB * triton.cdiv(max_chunks, BLOCK_C)
+    if heads_per_program is None:  # split kv heads over programs unless the grid is already full
+        heads_per_program = 1 if chunk_progs < 4 * device_num_sms(q.device) else Hkv
+    assert Hkv % heads_per_program == 0
+    head_progs = Hkv // heads_per_program
+    if NB == 0 or max_chunks == 0:
+        scores = torch.full((NB, max_chunks), float("-inf"), dtype=torch.float32, device=q.device)
+        reps = torch.full((NB, Hkv, max_chunks), PAD, dtype=torch.int32, device=q.device)
+        return scores, (reps if store_reps else None)
+    part = torch.empty((NB, head_progs, max_chunks), dtype=torch.float32, device=q.device)
+    reps = torch.empty((NB, Hkv, max_chunks), dtype=torch.int32, device=q.device) if store_reps else part
+    _select_rep_kernel[(NB, triton.cdiv(max_chunks, BLOCK_C), head_progs)](
         q, k_cache, block_tables, q_start, q_lens, ends, cand, cand_lens,
-        inv_freq if inv_freq is not None else scores,
-        scores, reps,
+        inv_freq if inv_freq is not None else part,
+        part, reps,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0), cand.stride(0),
         max_chunks, Hkv, G, D, n_sink, n_stream, chunk_size, _num_iters(chunk_size),
-        PAGE_SIZE=page_size, BLOCK_Q=max(16, next_pow2(block_q * G)), BLOCK_C=_BLOCK_C,
-        BLOCK_D=max(16, next_pow2(D)), CAND_IMPLICIT=implicit, STORE_REPS=store_reps,
+        PAGE_SIZE=page_size, BLOCK_Q=max(16, next_pow2(block_q * G)), BLOCK_C=BLOCK_C,
+        HEADS_PER_PROG=heads_per_program, BLOCK_D=max(16, next_pow2(D)), CAND_IMPLICIT=implicit, STORE_REPS=store_reps,
         ROPE_STYLE=style, DOT_F32=not q.is_cuda or q.dtype == torch.float32,
         DOT_PRECISION=dot_precision(q.dtype if q.is_cuda else torch.float32),
-        num_warps=8 if block_q * G >= 128 else 4,  # the [b_q * group, D] query tile stays in registers
+        # the [b_q * group, D] query tile stays in registers
+        num_warps=num_warps or (8 if block_q * G >= 128 else 4),
     )
+    scores = part[:, 0] if head_progs == 1 else part.amax(dim=1)
     return scores, (reps if store_reps else None)
 
 
-def topk_chunks(scores, candidates, cand_lens, *, chunk_size: int, k: int, n_sink: int):
+@triton.jit
+def _expand_chunks_kernel(
+    # inputs
+    top_ptr,  # [NB, K] int64 kept chunk indices, ascending (the block's unused chunks sort last)
+    cand_ptr,  # [NB, max_cand] int32 candidates (unused if CAND_IMPLICIT)
+    cand_lens_ptr,  # [NB] int32 candidates per block (unused if LENS_FROM_ENDS)
+    ends_ptr,  # [NB] int32 (LENS_FROM_ENDS: the candidate count is the middle's length)
+    # outputs
+    out_ptr,  # [NB, k] int32 survivors ascending, PAD-padded
+    out_lens_ptr,  # [NB] int32
+    # constants
+    stride_top, stride_cand, stride_out,
+    num_kept, k_out, num_chunk_cols, chunk_size, n_sink, n_stream,
+    CAND_IMPLICIT: tl.constexpr,  # candidate i is token n_sink + i (stage 1)
+    LENS_FROM_ENDS: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """Output slot j holds candidate top[j // l_c] * l_c + j % l_c when that is one of the
+    block's candidates, else PAD; kept chunks are ascending, so PADs only trail."""
+    blk = tl.program_id(0)
+    if LENS_FROM_ENDS:
+        end = tl.load(ends_ptr + blk)
+        n_cand = tl.maximum(tl.maximum(tl.minimum(n_sink, end), end - n_stream) - n_sink, 0)
+    else:
+        n_cand = tl.load(cand_lens_ptr + blk)
+    top_row = top_ptr + blk.to(tl.int64) * stride_top
+    cand_row = cand_ptr + blk.to(tl.int64) * stride_cand
+    out_row = out_ptr + blk.to(tl.int64) * stride_out
+    count = tl.zeros([BLOCK], tl.int32)
+    for start in range(0, k_out, BLOCK):
+        j = start + tl.arange(0, BLOCK)
+        c = j // chunk_size
+        in_kept = c < num_kept
+        chunk = tl.load(top_row + c, mask=in_kept, other=num_chunk_cols)
+        idx = chunk * chunk_size + j % chunk_size
+        valid = in_kept & (chunk < num_chunk_cols) & (idx < n_cand)
+        if CAND_IMPLICIT:
+            tok = (n_sink + idx).to(tl.int32)
+        else:
+            tok = tl.load(cand_row + idx, mask=valid, other=0)
+        tl.store(out_row + j, tl.where(valid, tok, 2147483647), mask=j < k_out)
+        count += valid.to(tl.int32)
+    tl.store(out_lens_ptr + blk, tl.sum(count, axis=0))
+
+
+def topk_chunks(scores, candidates, cand_lens, *, chunk_size: int, k: int, n_sink: int,
+                ends: torch.Tensor | None = None, n_stream: int | None = None):
     """Keep the K = k / l_c best chunks (torch.topk) and list their candidates ascending:
-    (int32 [NB, k] PAD-padded, lens int32 [NB]). candidates None = stage 1 (n_sink + index)."""
+    (int32 [NB, k] PAD-padded, lens int32 [NB]). candidates None = stage 1 (n_sink + index);
+    then cand_lens may be None if ends and n_stream are given (the middle's length, computed in
+    the kernel). The expansion is one Triton kernel (graph-friendly: topk, sort, expand)."""
     assert k % chunk_size == 0, "k must be a multiple of l_c"
+    NB, C = scores.shape
+    K = min(k // chunk_size, C)
+    if cand_lens is None:
+        assert candidates is None and ends is not None and n_stream is not None
+    if not triton_on(scores):
+        if cand_lens is None:
+            cand_lens = _candidate_lens(ends, None, None, n_sink, n_stream)
+        return _topk_chunks_torch(scores, candidates, cand_lens, chunk_size=chunk_size, k=k, n_sink=n_sink)
+    out = torch.empty((NB, k), dtype=torch.int32, device=scores.device)
+    lens = torch.empty(NB, dtype=torch.int32, device=scores.device)
+    if NB == 0:
+        return out, lens
+    top = scores.topk(K, dim=1).indices.sort(dim=1).values  # [NB, K] int64 ascending
+    implicit = candidates is None
+    cand = top if implicit else candidates
+    _expand_chunks_kernel[(NB,)](
+        top, cand, cand_lens if cand_lens is not None else lens, ends if ends is not None else lens,
+        out, lens,
+        top.stride(0), cand.stride(0), out.stride(0),
+        K, k, C, chunk_size, n_sink, n_stream or 0,
+        CAND_IMPLICIT=implicit, LENS_FROM_ENDS=cand_lens is None, BLOCK=min(1024, next_pow2(k)),
+    )
+    return out, lens
+
+
+def _topk_chunks_torch(scores, candidates, cand_lens, *, chunk_size: int, k: int, n_sink: int):
+    """topk_chunks in torch ops (CPU without the interpreter)."""
     NB, C = scores.shape
     K = min(k // chunk_size, C)
     num_chunks = (cand_lens.long() + chunk_size - 1) // chunk_size  # [NB]
@@ -252,7 +346,7 @@ def topk_chunks(scores, candidates, cand_lens, *, chunk_size: int, k: int, n_sin
 
 def pruning_stage(q, k_cache, block_tables, q_start, q_lens, ends, candidates=None, cand_lens=None,
                   *, chunk_size: int, k: int, block_q: int, n_sink: int, n_stream: int,
-                  max_candidates: int | None = None, rope_style="none", inv_freq=None):
+                  max_candidates: int | None = None, rope_style="none", inv_freq=None, **tuning):
     """One pruning stage: the Triton SelectRep kernel, then topk_chunks (CPU tensors without
     TRITON_INTERPRET: pruning_ref.pruning_stage_ref, same contract). Returns the survivors
     (int32 [NB, k] ascending, PAD-padded) and their counts (int32 [NB]), the next stage's input.
@@ -271,6 +365,8 @@ def pruning_stage(q, k_cache, block_tables, q_start, q_lens, ends, candidates=No
     scores, _ = select_rep_scores(q, k_cache, block_tables, q_start, q_lens, ends, candidates,
                                   cand_lens, chunk_size=chunk_size, block_q=block_q, n_sink=n_sink,
                                   n_stream=n_stream, max_candidates=max_candidates,
-                                  rope_style=rope_style, inv_freq=inv_freq)
-    lens = _candidate_lens(ends, candidates, cand_lens, n_sink, n_stream)
-    return topk_chunks(scores, candidates, lens, chunk_size=chunk_size, k=k, n_sink=n_sink)
+                                  rope_style=rope_style, inv_freq=inv_freq, **tuning)
+    if candidates is not None and cand_lens is None:
+        cand_lens = _candidate_lens(ends, candidates, None, n_sink, n_stream)
+    return topk_chunks(scores, candidates, cand_lens, chunk_size=chunk_size, k=k, n_sink=n_sink,
+                       ends=ends, n_stream=n_stream)

@@ -20,7 +20,9 @@ normalised partial and its log2-sum-exp, and dense_attention's merge kernel comb
 
 Decode = blocks of one query (q_start = b, ends = context_lens) with splits; prefill = blocks of
 b_q queries, one split. The grid depends only on shapes (graph-capturable); selected entries
-outside the middle (a cached mask while the stream moved on) are skipped via `selected_range`.
+outside the middle (a cached mask while the stream moved on) are skipped: the kernel counts the
+row's entries below n_sink and below s (`selected_range` in torch), so a decode step is one
+launch plus the split merge.
 
 RoPE: NONE keeps the cached rotation; STREAMING (StreamingLLM) moves a key to its rank and a
 query to its own token's rank (rope_styles.py). Needs n_stream >= b_q so every query's own
@@ -35,7 +37,7 @@ import triton.language as tl
 
 from .._triton_utils import device_num_sms, dot_precision, next_pow2, triton_on
 from ..dense_attention import _decode_merge_kernel, choose_num_splits, dense_attention_ref
-from .blocks import block_key_mask, selected_range
+from .blocks import block_key_mask
 from .rope_styles import C_STREAMING, NONE, STREAMING, load_rotated, rope_style_id, rotate_by_ref
 
 _LOG2E = 1.4426950408889634
@@ -47,9 +49,8 @@ def _sparse_attn_kernel(
     q_ptr,  # [T, Hq, D] packed queries
     k_cache_ptr, v_cache_ptr,  # [num_pages, page_size, Hkv, D] (same strides)
     block_tables_ptr,  # [NB, max_pages] int32
-    q_start_ptr, q_lens_ptr, ends_ptr,  # [NB] int32 query blocks
+    q_start_ptr, q_lens_ptr, ends_ptr,  # [NB] int32 query blocks (DECODE: q_start/q_lens unused)
     sel_ptr,  # [NB, K] int32 selected tokens, ascending, PAD-padded
-    sel_begin_ptr, sel_end_ptr,  # [NB] int32: the entries of sel inside the middle
     inv_freq_ptr,  # [D/2] float32 (unused unless ROPE_STYLE == STREAMING)
     # outputs
     out_ptr,  # [T, Hq, D], written when NUM_SPLITS == 1
@@ -58,7 +59,7 @@ def _sparse_attn_kernel(
     # constants
     stride_qt, stride_qh,
     stride_cp, stride_cs, stride_ch,
-    stride_bt, stride_sel,
+    stride_bt, stride_sel, sel_width,
     stride_ot, stride_oh,
     num_q_heads, group_size, head_dim,
     n_sink, n_stream,
@@ -68,6 +69,8 @@ def _sparse_attn_kernel(
     BLOCK_N: tl.constexpr,  # keys (ranks) per iteration
     BLOCK_D: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
+    SEL_BLOCK: tl.constexpr,  # entries of the selected row counted per step
+    DECODE: tl.constexpr,  # block i is query row i alone (no q_start / q_lens tensors)
     ROPE_STYLE: tl.constexpr,  # NONE | STREAMING
     DOT_F32: tl.constexpr,  # float32 dot operands (CPU interpreter, float32 caches)
     DOT_PRECISION: tl.constexpr,
@@ -75,13 +78,28 @@ def _sparse_attn_kernel(
     blk = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    q_len = tl.load(q_lens_ptr + blk)
-    q0 = tl.load(q_start_ptr + blk)
+    if DECODE:
+        q_len = 1
+        q0 = blk
+    else:
+        q_len = tl.load(q_lens_ptr + blk)
+        q0 = tl.load(q_start_ptr + blk)
     end = tl.load(ends_ptr + blk)
-    sel_begin = tl.load(sel_begin_ptr + blk)
     n0 = tl.minimum(n_sink, end)  # sink keys
     s = tl.maximum(n0, end - n_stream)  # first streaming token
-    mid_end = n0 + tl.load(sel_end_ptr + blk) - sel_begin  # rank after the last selected key
+    # The entries of the sorted selected row inside the middle [n_sink, s) are [sel_begin,
+    # sel_end): counted here (blocks.selected_range in torch) so a decode step is one launch.
+    sel_base = sel_ptr + blk.to(tl.int64) * stride_sel
+    below_sink = tl.zeros([SEL_BLOCK], tl.int32)
+    below_stream = tl.zeros([SEL_BLOCK], tl.int32)
+    for i in range(0, sel_width, SEL_BLOCK):
+        idx = i + tl.arange(0, SEL_BLOCK)
+        v = tl.load(sel_base + idx, mask=idx < sel_width, other=2147483647)
+        below_sink += (v < n_sink).to(tl.int32)
+        below_stream += (v < s).to(tl.int32)
+    sel_begin = tl.sum(below_sink, axis=0)
+    sel_end = tl.maximum(sel_begin, tl.sum(below_stream, axis=0))
+    mid_end = n0 + sel_end - sel_begin  # rank after the last selected key
     n_keys = mid_end + end - s
     num_tiles = tl.cdiv(n_keys, BLOCK_N)
     per_split = tl.cdiv(num_tiles, NUM_SPLITS)
@@ -100,7 +118,7 @@ def _sparse_attn_kernel(
     if not DOT_F32:
         q = q.to(k_cache_ptr.dtype.element_ty)
     d = tl.arange(0, BLOCK_D)
-    sel_row = sel_ptr + blk.to(tl.int64) * stride_sel + sel_begin - n0  # indexed by rank
+    sel_row = sel_base + sel_begin - n0  # indexed by rank
     table_row = block_tables_ptr + blk.to(tl.int64) * stride_bt
 
     m = tl.full([BLOCK_Q], float("-inf"), tl.float32)
@@ -150,17 +168,22 @@ def _sparse_attn_kernel(
 def block_sparse_attention(q, k_cache, v_cache, block_tables, q_start, q_lens, ends, selected, *,
                      block_q: int, n_sink: int, n_stream: int, scale: float, rope_style="none",
                      inv_freq: torch.Tensor | None = None, num_splits: int = 1,
-                     block_n: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+                     block_n: int | None = None, num_warps: int | None = None,
+                     out: torch.Tensor | None = None) -> torch.Tensor:
     """Triton launcher (CPU tensors without TRITON_INTERPRET: sparse_attention_ref, same
     contract): q [T, Hq, D] packed, query blocks [NB] (blocks.py, q_lens <= block_q),
-    selected int32 [NB, K] (last pruning stage). Returns out [T, Hq, D] (rows of no block: 0)."""
+    selected int32 [NB, K] (last pruning stage). Returns out [T, Hq, D] (rows of no block: 0).
+    q_start = q_lens = None means decode: block i is query row i alone (no tensors to make)."""
     T, Hq, D = q.shape
     num_pages, page_size, Hkv, Dk = k_cache.shape
     NB = ends.shape[0]
+    decode = q_start is None
+    if decode:
+        assert q_lens is None and block_q == 1 and T == NB, "decode: one query row per block"
     assert Dk == D and Hq % Hkv == 0 and q.dtype == k_cache.dtype == v_cache.dtype
     assert v_cache.shape == k_cache.shape and v_cache.stride() == k_cache.stride()
     assert q.stride(2) == 1 and k_cache.stride(3) == 1 and page_size & (page_size - 1) == 0
-    for meta in (q_start, q_lens, ends):
+    for meta in (ends,) if decode else (q_start, q_lens, ends):
         assert meta.shape == (NB,) and meta.dtype == torch.int32 and meta.is_contiguous()
     assert block_tables.dtype == torch.int32 and block_tables.shape[0] == NB and block_tables.stride(1) == 1
     assert selected.dtype == torch.int32 and selected.shape[0] == NB and selected.stride(1) == 1
@@ -175,34 +198,38 @@ def block_sparse_attention(q, k_cache, v_cache, block_tables, q_start, q_lens, e
     if NB == 0:
         return out
     if not triton_on(q, k_cache):  # CPU without the interpreter: torch reference, block rows only
+        if decode:
+            q_start = torch.arange(NB, dtype=torch.int32, device=q.device)
+            q_lens = torch.ones(NB, dtype=torch.int32, device=q.device)
         ref = sparse_attention_ref(q, k_cache, v_cache, block_tables, q_start, q_lens, ends, selected,
                                    n_sink=n_sink, n_stream=n_stream, scale=scale, rope_style=rope_style,
                                    inv_freq=inv_freq)
         for q0, n in zip(q_start.tolist(), q_lens.tolist()):
             out[q0:q0 + n] = ref[q0:q0 + n].to(out.dtype)
         return out
-    sel_begin, sel_end = selected_range(selected, ends, n_sink, n_stream)
     BLOCK_D = max(16, next_pow2(D))
     BLOCK_N = block_n or (64 if BLOCK_D <= 128 else 32)
     if num_splits > 1:
         part_out = torch.empty((T, Hq, num_splits, D), dtype=torch.float32, device=q.device)
-        part_lse = torch.full((T, Hq, num_splits), float("-inf"), dtype=torch.float32, device=q.device)
+        part_lse = torch.empty((T, Hq, num_splits), dtype=torch.float32, device=q.device)  # all written
     else:
         part_out = part_lse = out  # unused
     G = Hq // Hkv
     _sparse_attn_kernel[(NB, Hkv, num_splits)](
-        q, k_cache, v_cache, block_tables, q_start, q_lens, ends, selected, sel_begin, sel_end,
+        q, k_cache, v_cache, block_tables, ends if decode else q_start, ends if decode else q_lens, ends,
+        selected,
         inv_freq if inv_freq is not None else part_lse,
         out, part_out, part_lse,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        block_tables.stride(0), selected.stride(0),
+        block_tables.stride(0), selected.stride(0), selected.shape[1],
         out.stride(0), out.stride(1),
         Hq, G, D, n_sink, n_stream, float(scale) * _LOG2E,
         PAGE_SIZE=page_size, BLOCK_Q=max(16, next_pow2(block_q * G)), BLOCK_N=BLOCK_N,
-        BLOCK_D=BLOCK_D, NUM_SPLITS=num_splits, ROPE_STYLE=style,
-        DOT_F32=not q.is_cuda or q.dtype == torch.float32,
-        DOT_PRECISION=dot_precision(q.dtype if q.is_cuda else torch.float32), num_warps=4,
+        BLOCK_D=BLOCK_D, NUM_SPLITS=num_splits, SEL_BLOCK=min(1024, next_pow2(selected.shape[1])),
+        DECODE=decode, ROPE_STYLE=style, DOT_F32=not q.is_cuda or q.dtype == torch.float32,
+        DOT_PRECISION=dot_precision(q.dtype if q.is_cuda else torch.float32),
+        num_warps=num_warps or (8 if block_q * G >= 128 else 4),
     )
     if num_splits > 1:
         _decode_merge_kernel[(T, Hq)](
@@ -219,12 +246,10 @@ def sparse_decode_attention(q, k_cache, v_cache, block_tables, context_lens, sel
     """Decode: q [B, Hq, D] (one query per sequence, position context_lens[b] - 1), selected
     int32 [B, K]. Flash-decoding split-K over sink + selected + stream; out [B, Hq, D]."""
     B = q.shape[0]
-    q_start = torch.arange(B, dtype=torch.int32, device=q.device)
-    q_lens = torch.ones(B, dtype=torch.int32, device=q.device)
     if num_splits is None:
         tiles = triton.cdiv(n_sink + selected.shape[1] + n_stream, block_n or 64)
         num_splits = choose_num_splits(B, k_cache.shape[2], tiles, device_num_sms(q.device))
-    return block_sparse_attention(q, k_cache, v_cache, block_tables, q_start, q_lens, context_lens, selected,
+    return block_sparse_attention(q, k_cache, v_cache, block_tables, None, None, context_lens, selected,
                             block_q=1, n_sink=n_sink, n_stream=n_stream, scale=scale,
                             rope_style=rope_style, inv_freq=inv_freq, num_splits=num_splits,
                             block_n=block_n, out=out)
@@ -233,13 +258,13 @@ def sparse_decode_attention(q, k_cache, v_cache, block_tables, context_lens, sel
 def sparse_prefill_attention(q, k_cache, v_cache, block_tables, q_start, q_lens, ends, selected, *,
                              block_q: int, n_sink: int, n_stream: int, scale: float,
                              rope_style="none", inv_freq=None, block_n: int | None = None,
-                             out=None) -> torch.Tensor:
+                             num_warps: int | None = None, out=None) -> torch.Tensor:
     """Prefill: flash-style, each query block of <= block_q queries over its own key set with the
     causal cut; q [T, Hq, D] packed, blocks from blocks.plan_query_blocks."""
     return block_sparse_attention(q, k_cache, v_cache, block_tables, q_start, q_lens, ends, selected,
                             block_q=block_q, n_sink=n_sink, n_stream=n_stream, scale=scale,
                             rope_style=rope_style, inv_freq=inv_freq, num_splits=1,
-                            block_n=block_n, out=out)
+                            block_n=block_n, num_warps=num_warps, out=out)
 
 
 def sparse_attention_ref(q, k_cache, v_cache, block_tables, q_start, q_lens, ends, selected, *,
