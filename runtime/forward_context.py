@@ -11,6 +11,7 @@ first (one query row each), then the prefill chunks of the other sequences, back
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -44,6 +45,34 @@ class ForwardContext:
     sparse: SparseStep | None = None
     # UniPrefill drop state of the step (runtime/token_drop.py); None when no chunk drops.
     token_drop: TokenDropStep | None = None
+    # Per-layer KV of global layers, for steps with a sequence whose drop history makes a layer
+    # hold fewer tokens than its positions; None otherwise (the shared metadata above is exact).
+    layer_kv: LayerKV | None = None
+
+
+@dataclass
+class LayerKV:
+    """Context lengths and new-token slots of each full-attention layer ("global" group) in a
+    step where some sequence has a drop history: layer l holds its kept keys contiguously, so a
+    token at position p goes to compact slot p - dropped[l] of the sequence's page table."""
+
+    rows: dict[int, int]  # layer index -> row of the tensors below
+    slot_mapping: torch.Tensor  # [Lg, T] int64
+    context_lens: torch.Tensor  # [Lg, B] int32
+    context_lens_list: list[list[int]]  # host copy [Lg][B]
+
+
+def layer_view(ctx: ForwardContext, layer: int, group: str) -> ForwardContext:
+    """The context as layer `layer` sees it: its own context lengths and slots when it holds a
+    compacted KV (LayerKV), else `ctx` itself."""
+    lk = ctx.layer_kv
+    if lk is None or layer not in lk.rows:
+        return ctx
+    r = lk.rows[layer]
+    groups = dict(ctx.groups)
+    groups[group] = KVGroupMetadata(lk.slot_mapping[r], ctx.groups[group].block_tables)
+    return dataclasses.replace(ctx, context_lens=lk.context_lens[r], context_lens_list=lk.context_lens_list[r],
+                               groups=groups)
 
 
 _CONTEXT: ForwardContext | None = None

@@ -17,7 +17,7 @@ import torch
 
 from infhip.runtime.cuda_graphs import DecodeGraphs
 from infhip.runtime.engine import DTYPES, LoadedEngine
-from infhip.runtime.forward_context import ForwardContext, KVGroupMetadata, forward_context
+from infhip.runtime.forward_context import ForwardContext, KVGroupMetadata, LayerKV, forward_context
 from infhip.runtime.kv_cache import KVCacheManager, KVGroupSpec
 from infhip.runtime.scheduler import SchedulerOutput
 from infhip.runtime.sparse_attention import InfiniteHipLayer, SparsePlanner, SparseStepHost
@@ -42,6 +42,9 @@ class StepPlan:
     num_decodes: int
     sparse: SparseStepHost | None = None  # InfiniteHiP decisions (engines with such layers)
     drops: list[DropChunk] | None = None  # UniPrefill: the chunks that drop tokens this step
+    # Drop histories: [global layer][b] tokens that layer lacks of sequence b's computed ones;
+    # None when no sequence of the step has one (every layer then holds every position).
+    layer_dropped: list[list[int]] | None = None
 
     @property
     def has_sparse(self) -> bool:
@@ -101,6 +104,7 @@ class ModelRunner:
 
         # UniPrefill token drop (runtime/token_drop.py): anchors are the full-attention layers.
         self.anchors = frozenset(lp.index for lp in engine.config.plan.layers if lp.window is None)
+        self.global_layers = sorted(self.anchors)  # the layers that hold compacted KV after a drop
         self.set_token_drop(engine.config.plan.token_drop)
         # seq_id -> {anchor layer: [kept, total]} over the chunks of its latest prefill
         self.retention: dict[int, dict[int, list[int]]] = {}
@@ -154,10 +158,17 @@ class ModelRunner:
                 slots[g] += self.kv.slot_mapping(seq.seq_id, g, ch.start, ch.end)
                 tables[g].append(self.kv.block_table(seq.seq_id, g))
         drops = plan_drops(out.chunks, self.token_drop, self.drop_tail) if self.token_drop else None
+        for ch in out.chunks:
+            if ch.start == 0:  # a prefill from scratch (first or after preemption): no history
+                ch.seq.dropped = None
+        layer_dropped = None
+        if any(ch.seq.dropped is not None for ch in out.chunks):
+            layer_dropped = [[ch.seq.dropped[l] if ch.seq.dropped is not None else 0 for ch in out.chunks]
+                             for l in self.global_layers]
         return StepPlan(input_ids=input_ids, positions=positions, cu=cu, ctx_lens=ctx_lens,
                         logits_rows=logits_rows, slots=slots, tables=tables, num_decodes=num_decodes,
                         sparse=self._plan_sparse([ch.seq for ch in out.chunks], ctx_lens, num_decodes),
-                        drops=drops or None)
+                        drops=drops or None, layer_dropped=layer_dropped)
 
     def _plan_sparse(self, seqs: list, ctx_lens: list[int], num_decodes: int) -> SparseStepHost | None:
         if self.sparse_planner is None:
@@ -185,13 +196,28 @@ class ModelRunner:
                     for g in self.groups},
             cu_seqlens_q_list=p.cu, context_lens_list=p.ctx_lens,
             sparse=self.sparse_planner.to_device(p.sparse, p.cu, p.ctx_lens, self._tensor) if p.has_sparse else None,
-            token_drop=TokenDropStep(self.token_drop, p.drops, self.anchors, self.drop_tail) if p.drops else None)
+            token_drop=TokenDropStep(self.token_drop, p.drops, self.anchors, self.drop_tail) if p.drops else None,
+            layer_kv=self._layer_kv(p) if p.layer_dropped is not None else None)
+
+    def _layer_kv(self, p: StepPlan) -> LayerKV:
+        """Per-layer context lengths and compact slots of the global layers (drop histories):
+        token at position q of sequence b goes to compact slot q - dropped[l][b] of b's table."""
+        dropped = self._tensor(p.layer_dropped, torch.int64)  # [Lg, B]
+        lens = torch.tensor(p.cu[1:]) - torch.tensor(p.cu[:-1])
+        seq_of_row = self._tensor(torch.repeat_interleave(torch.arange(len(p.ctx_lens)), lens).tolist(), torch.int64)
+        compact = self._tensor(p.positions, torch.int64)[None, :] - dropped[:, seq_of_row]  # [Lg, T]
+        tables = self._block_tables(p.tables["global"]).long()  # [B, P]
+        pages = tables[seq_of_row[None, :].expand_as(compact), compact // self.page_size]
+        slots = pages * self.page_size + compact % self.page_size
+        ctx_lens = [[c - d for c, d in zip(p.ctx_lens, row)] for row in p.layer_dropped]
+        return LayerKV(rows={l: i for i, l in enumerate(self.global_layers)}, slot_mapping=slots,
+                       context_lens=self._tensor(ctx_lens, torch.int32), context_lens_list=ctx_lens)
 
     def _uses_graph(self, p: StepPlan, num_seqs: int) -> bool:
         # The captured decode graphs are dense; a step with sparse rows runs eagerly (graphs per
         # (batch size, SparseStep.refresh) are future work).
         return (self.graphs is not None and p.num_decodes == num_seqs and self.graphs.fits(num_seqs)
-                and not p.has_sparse)
+                and not p.has_sparse and p.layer_dropped is None)  # per-layer KV lengths: eager
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> torch.Tensor:
@@ -207,9 +233,14 @@ class ModelRunner:
         return self.model.compute_logits(hidden[self._tensor(p.logits_rows, torch.int64)])
 
     def _record_retention(self, out: SchedulerOutput, td: TokenDropStep) -> None:
-        """Kept / total tokens per anchor of each dropping sequence, summed over its chunks."""
+        """Drop histories (tokens each anchor did not write), and kept / total tokens per anchor of
+        each dropping sequence summed over its chunks."""
         for d in td.drops:
             seq = out.chunks[d.b].seq
+            if seq.dropped is None:
+                seq.dropped = [0] * len(self.model.layers)
+            for layer, rec in td.records:
+                seq.dropped[layer] += rec[d.b][1] - rec[d.b][0]
             per_layer = self.retention.pop(seq.seq_id, {}) if d.start else {}
             self.retention[seq.seq_id] = per_layer  # newest last
             while len(self.retention) > 256:  # bounded: the latest sequences only

@@ -35,6 +35,9 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     arrival: int = 0  # admission order, stamped by Scheduler.add (FIFO key; newest is preempted first)
+    # UniPrefill drop history (runtime/token_drop.py): per layer, how many of the computed tokens
+    # that layer holds no KV for. None: every layer holds all of them. Reset by a prefill from 0.
+    dropped: list[int] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.seq_id, bool) or not isinstance(self.seq_id, int):

@@ -51,8 +51,8 @@ import torch
 import triton
 
 from infhip.config import TokenDropConfig
-from infhip.plugins.dense_attention import _gather_kv, paged_decode_attention
-from infhip.plugins.rope import rope_and_write_kv
+from infhip.plugins.dense_attention import _gather_kv, paged_decode_attention, paged_prefill_attention
+from infhip.plugins.rope import apply_rope_, rope_and_write_kv, write_kv
 from infhip.plugins.token_drop import block_importance, force_retention, top_p_select
 from infhip.plugins.token_drop.attention import kept_attention
 from infhip.runtime import forward_context as _fc
@@ -108,6 +108,7 @@ class TokenDropStep:
     cu: list[int] = field(default_factory=list)  # [B + 1] compact query offsets (host)
     cu_t: torch.Tensor | None = None
     kept_pos: dict[int, torch.Tensor] = field(default_factory=dict)  # b -> host positions kept
+    drop_rows: torch.Tensor | None = None  # [T] bool, rows of the dropping chunks
     # per anchor: (layer, {b: (kept, total, kept positions (host))})
     records: list[tuple[int, dict[int, tuple[int, int, torch.Tensor]]]] = field(default_factory=list)
 
@@ -142,12 +143,13 @@ class TokenDropStep:
         (Gemma-3's first five) see the full batch and run the dense engine's own path."""
         return self.layer in self.anchors or self.idx is not None
 
-    def attention(self, attn, q, k, v) -> torch.Tensor:
-        """Attention of one layer in a dropping step: writes K/V, returns [rows out, Hq, D]."""
+    def attention(self, attn, q, k, v, ctx) -> torch.Tensor:
+        """Attention of one layer in a dropping step (ctx: the layer's view of the forward
+        context, see forward_context.layer_view): writes K/V, returns [rows out, Hq, D]."""
         if self.layer in self.anchors:
-            return self._anchor(attn, q, k, v)
+            return self._anchor(attn, q, k, v, ctx)
         assert attn.window is not None, "only sliding-window layers sit between anchors"
-        return self._compact(attn, q, k, v)
+        return self._compact(attn, q, k, v, ctx)
 
     def _dense_rows(self, attn, q, k, v, out, ctx, meta, cu: list[int], cu_t: torch.Tensor) -> None:
         """Decode rows and non-dropping prefill chunks: the dense engine's kernels."""
@@ -170,77 +172,87 @@ class TokenDropStep:
             attn._dense_prefill(q, k, v, out, sub, meta, b, hi)
             b = hi
 
-    def _anchor(self, attn, q, k, v) -> torch.Tensor:
-        ctx = _fc.get_forward_context()
-        cfg, meta, rope = self.cfg, ctx.groups[attn.kv_group], attn.rope[0]
-        rope_and_write_kv(q, k, v, ctx.positions, rope.inv_freq, rope.attention_scaling,
-                          attn.k_cache, attn.v_cache, meta.slot_mapping)
-        out = torch.empty_like(q)
-        self._dense_rows(attn, q, k, v, out, ctx, meta, ctx.cu_seqlens_q_list, ctx.cu_seqlens_q)
-
-        # every key this layer holds for each dropping sequence: [0, end)
-        cu, keys, values = ctx.cu_seqlens_q_list, [], []
-        for d in self.drops:
-            if d.start == 0:
-                keys.append(k[cu[d.b]:cu[d.b + 1]])
-                values.append(v[cu[d.b]:cu[d.b + 1]])
-            else:
-                kk, vv = _gather_kv(attn.k_cache, attn.v_cache, meta.block_tables[d.b], 0, d.end)
-                keys.append(kk)
-                values.append(vv)
-        keep = self._select(attn, q, keys, ctx)
-        keep_host = keep.cpu()  # one host read per anchor: the kept rows size everything below
-        if bool(keep_host.all()):  # nothing dropped here: the dense path, no compaction
+    def _anchor(self, attn, q, k, v, ctx) -> torch.Tensor:
+        """Importance over every row, then K/V and attention of the kept rows only."""
+        meta, rope, cu = ctx.groups[attn.kv_group], attn.rope[0], ctx.cu_seqlens_q_list
+        apply_rope_(q, k, ctx.positions, rope.inv_freq, rope.attention_scaling)
+        dev = q.device
+        if self.drop_rows is None:  # [T] bool: rows of dropping chunks (their K/V waits for the selection)
+            self.drop_rows = torch.zeros(q.shape[0], dtype=torch.bool)
             for d in self.drops:
-                attn._dense_prefill(q, k, v, out, ctx, meta, d.b, d.b + 1)
-            self.records.append((self.layer, {d.b: (d.end - d.start, d.end - d.start,
-                                                    torch.arange(d.start, d.end)) for d in self.drops}))
-            return out
-        idx_host = torch.nonzero(keep_host).flatten()
-        record = {}
-        for d, kk, vv in zip(self.drops, keys, values):
-            local = torch.nonzero(keep_host[cu[d.b]:cu[d.b + 1]]).flatten()
-            q_pos = local + d.start
-            rows = (local + cu[d.b]).to(q.device)
-            out.index_copy_(0, rows, kept_attention(q.index_select(0, rows), q_pos, kk, vv,
-                                                    torch.arange(d.end), attn.scale))
-            self.kept_pos[d.b] = q_pos
-            record[d.b] = (local.numel(), d.end - d.start, q_pos)
-        self.records.append((self.layer, record))
+                self.drop_rows[cu[d.b]:cu[d.b + 1]] = True
+            self.drop_rows = self.drop_rows.to(dev)
+        write_kv(k, v, attn.k_cache, attn.v_cache, torch.where(self.drop_rows, -1, meta.slot_mapping))
+        out = torch.empty_like(q)
+        self._dense_rows(attn, q, k, v, out, ctx, meta, cu, ctx.cu_seqlens_q)
 
-        idx = idx_host.to(q.device)
+        # keys this layer holds for each dropping sequence: its compact earlier KV + the chunk
+        prev = [ctx.context_lens_list[d.b] - (d.end - d.start) for d in self.drops]  # compact lengths
+        keys = []
+        for d, n_prev in zip(self.drops, prev):
+            chunk = k[cu[d.b]:cu[d.b + 1]]
+            if n_prev:
+                ck, _ = _gather_kv(attn.k_cache, attn.v_cache, meta.block_tables[d.b], 0, n_prev)
+                chunk = torch.cat([ck, chunk])
+            keys.append(chunk)
+        keep = self._select(attn, q, keys, prev, ctx)
+        keep_host = keep.cpu()  # one host read per anchor: the kept rows size everything below
+        record = {}
+        for d, n_prev in zip(self.drops, prev):
+            local = torch.nonzero(keep_host[cu[d.b]:cu[d.b + 1]]).flatten()
+            num_kept = local.numel()
+            rows = (local + cu[d.b]).to(dev)
+            qk, kk, vk = q.index_select(0, rows), k.index_select(0, rows), v.index_select(0, rows)
+            # kept token i goes to compact slot n_prev + i: the slot of chunk row i in this layer's view
+            write_kv(kk, vk, attn.k_cache, attn.v_cache, meta.slot_mapping[cu[d.b]:cu[d.b] + num_kept])
+            ctx_len = n_prev + num_kept
+            out.index_copy_(0, rows, paged_prefill_attention(
+                qk, attn.k_cache, attn.v_cache, meta.block_tables[d.b:d.b + 1],
+                torch.tensor([0, num_kept], dtype=torch.int32, device=dev),
+                torch.tensor([ctx_len], dtype=torch.int32, device=dev), attn.scale, None,
+                k_new=kk, v_new=vk, cu_seqlens_q_list=[0, num_kept], context_lens_list=[ctx_len]))
+            self.kept_pos[d.b] = local + d.start
+            record[d.b] = (num_kept, d.end - d.start, self.kept_pos[d.b])
+        self.records.append((self.layer, record))
+        if bool(keep_host.all()):  # nothing dropped: the full batch flows on
+            return out
+
+        idx = torch.nonzero(keep_host).flatten().to(dev)
         self.pending = idx
         counts = torch.tensor([0] + [int(keep_host[cu[b]:cu[b + 1]].sum()) for b in range(len(cu) - 1)])
         self.cu = torch.cumsum(counts, 0).tolist()
-        self.cu_t = torch.tensor(self.cu, dtype=torch.int32).to(q.device)
+        self.cu_t = torch.tensor(self.cu, dtype=torch.int32).to(dev)
         self.positions = ctx.positions.index_select(0, idx)
         self.slots = {g: m.slot_mapping.index_select(0, idx) for g, m in ctx.groups.items()}
         return out.index_select(0, idx)
 
-    def _select(self, attn, q, keys: list[torch.Tensor], ctx) -> torch.Tensor:
-        """[T] bool keep mask of the full batch (True for every row of non-dropping chunks)."""
+    def _select(self, attn, q, keys: list[torch.Tensor], prev: list[int], ctx) -> torch.Tensor:
+        """[T] bool keep mask of the full batch (True for every row of non-dropping chunks).
+        keys[i]: the prev[i] keys the layer already holds for drop i, then its chunk's keys."""
         cfg, cu = self.cfg, ctx.cu_seqlens_q_list
         n, G = cfg.obs_window, cfg.block_size
         q_win = torch.cat([q[cu[d.b + 1] - n:cu[d.b + 1]] for d in self.drops]).contiguous()
         k_all = torch.cat(keys).contiguous() if len(keys) > 1 else keys[0].contiguous()
         cu_k = [0]
-        for d in self.drops:
-            cu_k.append(cu_k[-1] + d.end)
+        for kk in keys:
+            cu_k.append(cu_k[-1] + kk.shape[0])
         scores, _ = block_importance(q_win, k_all, torch.tensor(cu_k, dtype=torch.int32, device=q.device),
                                      attn.scale, n, G, cu_seqlens_list=cu_k, q_window=True)
-        # the chunk's blocks: absolute blocks [start // G, cdiv(end, G)); a selection "sequence"
-        # is the G-aligned range [start // G * G, end) so block g of it is absolute block g0 + g
+        # Blocks are G-aligned in the key list (earlier kept keys, then the chunk), so the chunk
+        # spans blocks [start // G, cdiv(end, G)) with start = prev; a selection "sequence" is
+        # the G-aligned range [start // G * G, end), its block g being block g0 + g.
         dev = q.device
         block_idx, ext_rows, drop_rows, cu_blocks, cu_ext = [], [], [], [0], [0]
         blocks_before = 0
-        for d in self.drops:
-            g0, nb = d.start // G, triton.cdiv(d.end, G)
+        for d, start in zip(self.drops, prev):
+            end = start + d.end - d.start
+            g0, nb = start // G, triton.cdiv(end, G)
             block_idx.append(torch.arange(blocks_before + g0, blocks_before + nb, device=dev))
             blocks_before += nb
             cu_blocks.append(cu_blocks[-1] + nb - g0)
-            phase = d.start - g0 * G
-            ext_rows.append(torch.arange(cu_ext[-1] + phase, cu_ext[-1] + phase + d.end - d.start, device=dev))
-            cu_ext.append(cu_ext[-1] + d.end - g0 * G)
+            phase = start - g0 * G
+            ext_rows.append(torch.arange(cu_ext[-1] + phase, cu_ext[-1] + phase + end - start, device=dev))
+            cu_ext.append(cu_ext[-1] + end - g0 * G)
             drop_rows.append(torch.arange(cu[d.b], cu[d.b + 1], device=dev))
         scores_c = scores.index_select(0, torch.cat(block_idx))
         args = (scores_c, torch.tensor(cu_blocks, dtype=torch.int32, device=dev),
@@ -257,9 +269,8 @@ class TokenDropStep:
         keep = torch.ones(q.shape[0], dtype=torch.bool, device=dev)
         return keep.index_copy_(0, drop_rows_t, kept)
 
-    def _compact(self, attn, q, k, v) -> torch.Tensor:
+    def _compact(self, attn, q, k, v, ctx) -> torch.Tensor:
         """A sliding layer between anchors: the compact rows only."""
-        ctx = _fc.get_forward_context()
         meta, rope, W = ctx.groups[attn.kv_group], attn.rope[0], attn.window
         rope_and_write_kv(q, k, v, self.positions, rope.inv_freq, rope.attention_scaling,
                           attn.k_cache, attn.v_cache, self.slots[attn.kv_group])

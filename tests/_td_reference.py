@@ -3,10 +3,11 @@ tokens) in one causal pass, with no paging, no compaction, no kernels, dropping 
 masks only. It reads the engine's weights (the runtime modules' tensors) and the kept prompt
 positions each anchor chose, and applies the semantics of runtime/token_drop.py:
 
-* at an anchor every row is active again (dropped rows carry the stream they had when dropped);
-  the keys of the anchor are all tokens;
-* after an anchor, active rows = its kept prompt positions plus every generated token; a layer
-  updates active rows only, and its keys are the active rows (a dropped token wrote no KV there);
+* at an anchor every row re-enters (dropped rows carry the stream they had when dropped) and the
+  anchor chooses its kept set from them;
+* from the anchor on (its own attention included), active rows = its kept prompt positions plus
+  every generated token; a layer updates active rows only, and its keys are the active rows (a
+  dropped token wrote no KV there);
 * sliding layers see keys in (p - W, p], global layers all keys <= p.
 
 Logits at row t equal what an engine decoding token t + 1 should compute.
@@ -50,7 +51,11 @@ def reference_logits(model, ids: list[int], num_prompt: int, kept: dict[int, tor
         lp, attn = plan_layers[l], layer.self_attn
         if lp.window is None:
             active = torch.ones(L, dtype=torch.bool, device=dev)  # reconstitution: every row re-enters
-        keys = active.clone()
+            if l in kept:  # this anchor's drop: only its kept tokens (and generated ones) from here on
+                active = torch.zeros(L, dtype=torch.bool, device=dev)
+                active[kept[l]] = True
+                active[num_prompt:] = True
+        keys = active.clone()  # a token writes KV at a layer exactly when it runs that layer
         h = _rms(x, layer.input_layernorm.weight.double(), cfg.rms_norm_eps)
         qkv = F.linear(h, attn.qkv_proj.weight.double(),
                        None if attn.qkv_proj.bias is None else attn.qkv_proj.bias.double())
@@ -72,10 +77,6 @@ def reference_logits(model, ids: list[int], num_prompt: int, kept: dict[int, tor
         p = torch.softmax(s.masked_fill(~visible[None], -math.inf), -1)
         o = torch.einsum("hqk,khd->qhd", p, v).reshape(L, -1)
         a = F.linear(o, attn.o_proj.weight.double())
-        if lp.window is None and l in kept:  # this anchor's drop: rows from here on
-            active = torch.zeros(L, dtype=torch.bool, device=dev)
-            active[kept[l]] = True
-            active[num_prompt:] = True
         mlp = layer.mlp
         if gemma:
             x1 = x + _rms(a, layer.post_attention_layernorm.weight.double(), cfg.rms_norm_eps)

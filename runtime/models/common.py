@@ -17,7 +17,7 @@ from infhip.plugins.activation import gated_act
 from infhip.plugins.dense_attention import paged_decode_attention, paged_prefill_attention
 from infhip.plugins.rms_norm import rms_norm
 from infhip.plugins.rope import rope_and_write_kv
-from infhip.runtime.forward_context import current_token_drop, get_forward_context
+from infhip.runtime.forward_context import current_token_drop, get_forward_context, layer_view
 
 
 def linear(in_features: int, out_features: int, bias: bool = False) -> nn.Linear:
@@ -64,6 +64,7 @@ class Attention(nn.Module):
         self.scale = cfg.attention_scale
         self.window = plan.window
         self.kv_group = plan.attention  # "global" | "sliding": layers of a group share page tables
+        self.layer_index = plan.index
         self.rope = [rope]  # a list: not a submodule (its buffer is owned by the model's `rope` dict)
         # Set by the ModelRunner after loading: [num_pages, page_size, Hkv, D] each.
         self.k_cache: torch.Tensor | None = None
@@ -82,7 +83,7 @@ class Attention(nn.Module):
             cu_seqlens_q_list=[c - first for c in cu[lo:hi + 1]], context_lens_list=ctx.context_lens_list[lo:hi])
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        ctx = get_forward_context()
+        ctx = layer_view(get_forward_context(), self.layer_index, self.kv_group)  # token-drop history
         num_tokens = hidden.shape[0]
         qkv = self.qkv_proj(hidden)
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
@@ -93,7 +94,7 @@ class Attention(nn.Module):
             q = self.q_norm(q.contiguous())
             k = self.k_norm(k.contiguous())
         if ctx.token_drop is not None and ctx.token_drop.handles_layer():  # runtime/token_drop.py
-            out = ctx.token_drop.attention(self, q, k, v)
+            out = ctx.token_drop.attention(self, q, k, v, ctx)
             return self.o_proj(out.view(out.shape[0], -1))
         meta = ctx.groups[self.kv_group]
         rope = self.rope[0]
