@@ -2,43 +2,49 @@
 
 What a *prefill pass* is here: one scheduler chunk of one sequence. Its observation window is
 the chunk's last n = obs_window queries; they score every key the anchor layer holds for the
-sequence (earlier chunks' keys, gathered from the cache, and the chunk's own), with the softmax
-over all of them. Only the chunk's own blocks can be dropped (earlier chunks' KV is final); top-p
-keeps the smallest set of the chunk's blocks holding fraction p of the mass the chunk's blocks
-receive. Blocks are G-aligned in absolute positions, so a chunk starting mid-block selects that
-block as a whole and keeps only its own part. A chunk drops nothing when its prompt is shorter
+sequence (earlier chunks' kept keys, gathered from the cache, and all of the chunk's own), with
+the softmax over all of them. Only the chunk's own blocks can be dropped (earlier chunks' KV is
+final); top-p keeps the smallest set of the chunk's blocks holding fraction p of the mass the
+chunk's blocks receive. Blocks are G-aligned in the layer's key list (earlier kept keys, then
+the chunk), so a chunk starting mid-block selects that block as a whole and keeps its own part. A chunk drops nothing when its prompt is shorter
 than min_prompt_len or it has fewer than G droppable tokens (after sinks and the kept tail);
 decode rows never drop. One step may mix decodes, dropping and non-dropping prefill chunks.
 
 Where the drop happens, at an anchor (every full-attention layer):
 
-    x (stream into the anchor) -> input norm -> q, k, v of ALL rows; RoPE; K/V of all rows written
-    -> importance of the chunk's last n queries vs all keys -> top-p keep set S
-    -> attention of the queries in S only (over all keys) -> o_proj, rest of the layer on S
-    -> every later layer on S, until the next anchor, where dropped rows re-enter with x.
+    x (stream into the anchor) -> input norm -> q, k, v of ALL rows; RoPE at original positions
+    -> importance: the chunk's last n queries vs every key the layer holds (its earlier kept keys
+       and this chunk's keys of all rows) -> top-p keep set S
+    -> K/V of S only written; attention of S over the layer's earlier keys + S (causal)
+    -> o_proj and the rest of the layer on S; every later layer on S, until the next anchor,
+       where the dropped rows re-enter with x (their stream at this anchor's input).
 
-That is Eq. 8 of the paper (a dropped token skips its whole block, the anchor's attention update
-included, and re-enters with its pre-block state), and computing the anchor attention of the
-kept queries only is exactly "drop after the anchor's attention" with that reconstitution, at a
-fraction of the cost. The stream is carried as (hidden, residual); the saved state of a dropped
-row is the full stream x = hidden + residual at the anchor's input.
+This is the paper's Eq. 8 (a dropped token skips its whole block, the anchor's attention update
+included, and re-enters with its pre-block state) with its remark that keys are restricted to
+the kept set as well ("dropped tokens should not be attended to": attention costs |S| x |S|).
+Dropping "after the anchor's attention" would give the same kept rows only if that attention
+ran over all keys; here the anchor's attention already sees S only, so its cost falls with rho.
+The stream is carried as (hidden, residual); a dropped row's saved state is x = hidden +
+residual at the anchor's input.
 
-KV, per layer, and why decode needs no change:
-* An anchor writes K/V of every token (reconstituted rows included), so every full-attention
-  layer holds the whole sequence: its decode context length is the sequence length, as without
-  dropping (dropped tokens' keys at later anchors come from their carried, stale, state).
-* A non-anchor layer (sliding window: Gemma-3) writes K/V only for the rows flowing through it,
-  at the slots of their original positions (the page table is still per position; pages are
-  allocated for all tokens: no memory is saved). The slots of dropped tokens are never read:
-  every pass keeps its last max(n, largest window) tokens, so the last W positions of any
-  sequence are written at every layer, which is all a sliding decode query (or the next
-  chunk's) reads. Within the pass, the kept queries of a sliding layer attend to the kept keys
-  by their true positions (plugins/token_drop/attention.py).
-So the decode path, its CUDA graphs and the page manager are those of the dense engine. An
-anchor whose selection keeps every row (p = 1, rho = 1, or flat attention) takes the dense
-attention path and compacts nothing. The cost
-of the sliding-window rule: max(n, W) - n more kept tokens per pass (896 for Gemma-3-12B's
-1024 window: 0.7% of a 128K prompt).
+KV, per layer:
+* A token dropped at anchor l writes no KV at l nor at the layers until the next anchor. A
+  full-attention layer stores the keys it holds contiguously in the sequence's page table
+  (compact slot = position - tokens that layer dropped before), so each (sequence, layer) has
+  its own length. `Sequence.dropped` is the drop history (per layer), and steps with such a
+  sequence carry per-layer context lengths and slots of the full-attention layers in the
+  forward context (`forward_context.LayerKV`, computed in one vectorised pass); layers read
+  them through `layer_view`. Steps without a drop history use the shared metadata unchanged;
+  decode steps with one run eagerly (the captured graphs have one context length per sequence;
+  CUDA-graph support needs [num_global_layers, B] static buffers of lengths and slots).
+* A sliding-window layer (Gemma-3) writes K/V only for the rows flowing through it, at the
+  slots of their original positions (its page table stays per position). The slots of dropped
+  tokens are never read: every pass keeps its last max(n, largest window) tokens, so the last W
+  positions of any sequence are written at every layer, which is all a sliding decode query (or
+  the next chunk's) reads. Within the pass, kept queries of a sliding layer attend to the kept
+  keys by their true positions (plugins/token_drop/attention.py). Cost of this rule:
+  max(n, W) - n more kept tokens per pass (896 for Gemma-3-12B's 1024 window: 0.7% of 128K).
+* Pages are allocated for every position as without dropping: no KV memory is saved.
 
 Not composed yet with InfiniteHiP layers (the ModelRunner refuses the combination).
 """
