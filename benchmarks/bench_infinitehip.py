@@ -192,6 +192,10 @@ def decode_step_types(ctx: PagedContext, cfg, bs: int, reps: int, gen, profile_d
         text = profile_step(step(0), profile_dir / f"decode_kernels_{ctx.n}_{stages[-1].chunk_size}.txt")
         print(f"[{ctx.n}] kernels of a full-refresh decode step:\n{text}", flush=True)
     per_stage = {f"stage{i + 1}": graph_time_us(lambda i=i: stage(i), reps) for i in range(S)}
+    prev_kw = dict(chunk_size=stages[0].chunk_size, k=stages[0].k, block_q=1, max_candidates=middle,
+                   rope_style=prune_rope, **kw)
+    per_stage["stage1_variants"] = {str(v): graph_time_us(lambda v=v: pruning_stage(
+        q, ctx.k_cache, tables, q_start, ones, ends, **prev_kw, **v), reps) for v in DECODE_STAGE1_VARIANTS}
     per_stage["attention"] = per_type[S]
     return {"step_us": per_type, "stage_us": per_stage}
 
@@ -215,9 +219,9 @@ def cycle_stats(step_us: dict, intervals: tuple[int, ...]) -> dict:
             "layer_staggered": spikes(lambda layer: (layer * cycle) // NUM_LAYERS)}
 
 
-PRUNE_VARIANTS = [dict(), dict(block_c=32), dict(block_c=64), dict(block_c=32, heads_per_program=1),
-                  dict(block_c=32, num_warps=4)]
-ATTN_VARIANTS = [dict(), dict(num_warps=4), dict(block_n=32), dict(block_n=128)]
+PRUNE_VARIANTS = [dict(), dict(block_c=64), dict(num_warps=4)]  # defaults first
+ATTN_VARIANTS = [dict(), dict(block_n=64)]
+DECODE_STAGE1_VARIANTS = [dict(), dict(block_c=32), dict(block_c=64), dict(num_warps=8)]
 
 
 def prefill_breakdown(ctx: PagedContext, cfg, gen) -> dict:

@@ -39,10 +39,10 @@ def _compile_pruning(rope_style: int):
     ce = dict(PAGE_SIZE=16, BLOCK_Q=256, BLOCK_C=16, HEADS_PER_PROG=1, BLOCK_D=128, CAND_IMPLICIT=rope_style == 0,
               STORE_REPS=True, ROPE_STYLE=rope_style, DOT_F32=False, DOT_PRECISION="tf32")
     _compile(pruning._select_rep_kernel, ptrs, ce, num_warps=8)
-    ptrs = {n: "*i32" for n in ("cand_ptr", "cand_lens_ptr", "ends_ptr", "out_ptr", "out_lens_ptr")}
-    ptrs.update(top_ptr="*i64")
-    return _compile(pruning._expand_chunks_kernel, ptrs,
-                    dict(CAND_IMPLICIT=rope_style == 0, LENS_FROM_ENDS=rope_style == 0, BLOCK=1024))
+    ptrs = {n: "*i32" for n in ("cand_ptr", "cand_lens_ptr", "ends_ptr", "kept_ptr", "out_ptr", "out_lens_ptr")}
+    ptrs.update(scores_ptr="*fp32")
+    return _compile(pruning._topk_expand_kernel, ptrs, dict(CAND_IMPLICIT=rope_style == 0,
+                    LENS_FROM_ENDS=rope_style == 0, BLOCK_ALL=4096, BLOCK=1024), num_warps=8)
 
 
 def _compile_attention(rope_style: int, num_splits: int):

@@ -189,3 +189,20 @@ def test_head_split_and_tile_width_do_not_change_scores():
     other = select_rep_scores(q, seqs.k_cache, tables, q_start, lens, ends, heads_per_program=1,
                               block_c=32, **kw)
     assert torch.equal(other[0], base[0]) and torch.equal(other[1], base[1])
+
+
+def test_topk_ties_keep_lower_chunks_and_exactly_k():
+    """The fused top-k (bisection on the scores' int32 image): with ties at the boundary the
+    lower chunk indices win, exactly K chunks are kept, negative scores and -inf order right,
+    and a 3000-chunk row agrees with the torch path (distinct scores)."""
+    scores = torch.tensor([[1.0, 3.0, 3.0, -2.0, 3.0, float("-inf"), 3.0, 0.5],
+                           [-1.0, -0.5, -0.5, float("-inf"), -3.0, -0.5, -2.0, -0.25]]).to(DEVICE)
+    lens = torch.tensor([8, 8], dtype=torch.int32, device=DEVICE)
+    sel, n = topk_chunks(scores, None, lens, chunk_size=1, k=3, n_sink=0)
+    assert sel.cpu().tolist() == [[1, 2, 4], [1, 2, 7]] and n.cpu().tolist() == [3, 3]
+    g = torch.Generator().manual_seed(3)
+    wide = torch.randn(2, 3000, generator=g).to(DEVICE)
+    wide_lens = torch.tensor([3000 * 2, 2999 * 2 - 1], dtype=torch.int32, device=DEVICE)
+    got = topk_chunks(wide, None, wide_lens, chunk_size=2, k=512, n_sink=4)
+    want = topk_chunks_ref(wide.cpu(), None, wide_lens.cpu(), chunk_size=2, k=512, n_sink=4)
+    assert torch.equal(got[0].cpu(), want[0]) and torch.equal(got[1].cpu(), want[1])

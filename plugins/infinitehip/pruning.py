@@ -17,9 +17,8 @@ and return their candidates, ascending: int32 [NB, k], PAD-padded, plus their co
 the short last chunk or fewer than K chunks were kept). l_c must be a power of two.
 
 Kernel: grid (NB, cdiv(max_chunks, BLOCK_C), Hkv / HEADS_PER_PROG); a program takes BLOCK_C
-chunks of one query block through the tournament for its kv heads in turn (when the first two
-axes alone do not fill the GPU — decode — every kv head gets its own program and a max over the
-head axis follows), all chunks in lock-step: each halving loads
+chunks of one query block through the tournament for its kv heads in turn (by default one kv
+head per program, then a max over the head axis), all chunks in lock-step: each halving loads
 one key per chunk (the right representative; the left one's sigma is the previous winner's),
 scores it against the block's [b_q * group, D] queries with one tl.dot and a max. No program
 waits on another. RoPE styles (rope_styles.py) re-rotate the queries once per kv head and each
@@ -33,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .._triton_utils import device_num_sms, dot_precision, next_pow2, triton_on
+from .._triton_utils import dot_precision, next_pow2, triton_on
 from .blocks import PAD, stream_starts
 from .rope_styles import (C_CHUNK_INDEXED, C_NONE, C_RELATIVE, CHUNK_INDEXED, NONE, RELATIVE,
                           load_rotated, rope_style_id)
@@ -218,10 +217,11 @@ def select_rep_scores(q, k_cache, block_tables, q_start, q_lens, ends, candidate
         cand = candidates
     max_chunks = triton.cdiv(max_candidates, chunk_size)
     G = Hq // Hkv
-    BLOCK_C = block_c or _BLOCK_C
-    chunk_progs = NB * triton.cdiv(max_chunks, BLOCK_C)
-    if heads_per_program is None:  # split kv heads over programs unless the grid is already full
-        heads_per_program = 1 if chunk_progs < 4 * device_num_sms(q.device) else Hkv
+    BLOCK_Q = max(16, next_pow2(block_q * G))
+    # Measured on the H200 (docs/benchmarks.md): one kv head per program always won, and 32
+    # chunks per program for prefill-sized query tiles (16 for decode's small ones).
+    BLOCK_C = block_c or (32 if BLOCK_Q >= 128 else _BLOCK_C)
+    heads_per_program = heads_per_program or 1
     assert Hkv % heads_per_program == 0
     head_progs = Hkv // heads_per_program
     if NB == 0 or max_chunks == 0:
@@ -238,43 +238,71 @@ def select_rep_scores(q, k_cache, block_tables, q_start, q_lens, ends, candidate
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0), cand.stride(0),
         max_chunks, Hkv, G, D, n_sink, n_stream, chunk_size, _num_iters(chunk_size),
-        PAGE_SIZE=page_size, BLOCK_Q=max(16, next_pow2(block_q * G)), BLOCK_C=BLOCK_C,
+        PAGE_SIZE=page_size, BLOCK_Q=BLOCK_Q, BLOCK_C=BLOCK_C,
         HEADS_PER_PROG=heads_per_program, BLOCK_D=max(16, next_pow2(D)), CAND_IMPLICIT=implicit, STORE_REPS=store_reps,
         ROPE_STYLE=style, DOT_F32=not q.is_cuda or q.dtype == torch.float32,
         DOT_PRECISION=dot_precision(q.dtype if q.is_cuda else torch.float32),
         # the [b_q * group, D] query tile stays in registers
-        num_warps=num_warps or (8 if block_q * G >= 128 else 4),
+        num_warps=num_warps or (8 if BLOCK_Q >= 128 else 4),
     )
     scores = part[:, 0] if head_progs == 1 else part.amax(dim=1)
     return scores, (reps if store_reps else None)
 
 
+_MAX_FUSED_CHUNKS = 16384  # rows up to this many chunks take the fused top-k kernel
+
+
 @triton.jit
-def _expand_chunks_kernel(
+def _topk_expand_kernel(
     # inputs
-    top_ptr,  # [NB, K] int64 kept chunk indices, ascending (the block's unused chunks sort last)
+    scores_ptr,  # [NB, C] float32 chunk scores (row stride given)
     cand_ptr,  # [NB, max_cand] int32 candidates (unused if CAND_IMPLICIT)
     cand_lens_ptr,  # [NB] int32 candidates per block (unused if LENS_FROM_ENDS)
     ends_ptr,  # [NB] int32 (LENS_FROM_ENDS: the candidate count is the middle's length)
     # outputs
+    kept_ptr,  # [NB, K] int32 scratch: the kept chunk indices, ascending
     out_ptr,  # [NB, k] int32 survivors ascending, PAD-padded
     out_lens_ptr,  # [NB] int32
     # constants
-    stride_top, stride_cand, stride_out,
-    num_kept, k_out, num_chunk_cols, chunk_size, n_sink, n_stream,
+    stride_sc, stride_cand, stride_kept, stride_out,
+    num_chunk_cols, num_kept, k_out, chunk_size, n_sink, n_stream,
     CAND_IMPLICIT: tl.constexpr,  # candidate i is token n_sink + i (stage 1)
     LENS_FROM_ENDS: tl.constexpr,
-    BLOCK: tl.constexpr,
+    BLOCK_ALL: tl.constexpr,  # >= C: the whole score row stays in registers
+    BLOCK: tl.constexpr,  # output slots per step
 ):
-    """Output slot j holds candidate top[j // l_c] * l_c + j % l_c when that is one of the
-    block's candidates, else PAD; kept chunks are ascending, so PADs only trail."""
+    """Top K of a row without sorting: the K-th largest score is found by bisection on its
+    order-preserving int32 image (32 counting passes over the register-resident row); chunks
+    above it are kept, equal ones by ascending index until K — so the kept chunks come out in
+    index order. Then output slot j holds candidate kept[j // l_c] * l_c + j % l_c when that is
+    one of the block's candidates, else PAD (PADs only trail)."""
     blk = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_ALL)
+    x = tl.load(scores_ptr + blk.to(tl.int64) * stride_sc + cols, mask=cols < num_chunk_cols,
+                other=float("-inf"))
+    bits = x.to(tl.int32, bitcast=True)
+    key = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # signed-monotone: a < b  <=>  key(a) < key(b)
+    key = tl.where(cols < num_chunk_cols, key, -2147483648).to(tl.int64)  # padding: below -inf
+    lo = tl.full([], -2147483648, tl.int64)  # invariant: #(key >= lo) >= K
+    hi = tl.full([], 2147483647, tl.int64)
+    for _ in range(32):
+        mid = lo + (hi - lo + 1) // 2
+        enough = tl.sum((key >= mid).to(tl.int32), axis=0) >= num_kept
+        lo = tl.where(enough, mid, lo)
+        hi = tl.where(enough, hi, mid - 1)
+    above = key > lo
+    tie = key == lo
+    room = num_kept - tl.sum(above.to(tl.int32), axis=0)
+    keep = above | (tie & (tl.cumsum(tie.to(tl.int32), axis=0) <= room))
+    kept_row = kept_ptr + blk.to(tl.int64) * stride_kept
+    tl.store(kept_row + tl.cumsum(keep.to(tl.int32), axis=0) - 1, cols, mask=keep)
+    tl.debug_barrier()  # the expansion below reads other threads' stores
+
     if LENS_FROM_ENDS:
         end = tl.load(ends_ptr + blk)
         n_cand = tl.maximum(tl.maximum(tl.minimum(n_sink, end), end - n_stream) - n_sink, 0)
     else:
         n_cand = tl.load(cand_lens_ptr + blk)
-    top_row = top_ptr + blk.to(tl.int64) * stride_top
     cand_row = cand_ptr + blk.to(tl.int64) * stride_cand
     out_row = out_ptr + blk.to(tl.int64) * stride_out
     count = tl.zeros([BLOCK], tl.int32)
@@ -282,11 +310,11 @@ def _expand_chunks_kernel(
         j = start + tl.arange(0, BLOCK)
         c = j // chunk_size
         in_kept = c < num_kept
-        chunk = tl.load(top_row + c, mask=in_kept, other=num_chunk_cols)
+        chunk = tl.load(kept_row + c, mask=in_kept, other=0)
         idx = chunk * chunk_size + j % chunk_size
-        valid = in_kept & (chunk < num_chunk_cols) & (idx < n_cand)
+        valid = in_kept & (idx < n_cand)
         if CAND_IMPLICIT:
-            tok = (n_sink + idx).to(tl.int32)
+            tok = n_sink + idx
         else:
             tok = tl.load(cand_row + idx, mask=valid, other=0)
         tl.store(out_row + j, tl.where(valid, tok, 2147483647), mask=j < k_out)
@@ -296,16 +324,17 @@ def _expand_chunks_kernel(
 
 def topk_chunks(scores, candidates, cand_lens, *, chunk_size: int, k: int, n_sink: int,
                 ends: torch.Tensor | None = None, n_stream: int | None = None):
-    """Keep the K = k / l_c best chunks (torch.topk) and list their candidates ascending:
-    (int32 [NB, k] PAD-padded, lens int32 [NB]). candidates None = stage 1 (n_sink + index);
-    then cand_lens may be None if ends and n_stream are given (the middle's length, computed in
-    the kernel). The expansion is one Triton kernel (graph-friendly: topk, sort, expand)."""
+    """Keep the K = k / l_c best chunks (ties: lower index) and list their candidates
+    ascending: (int32 [NB, k] PAD-padded, lens int32 [NB]). candidates None = stage 1
+    (n_sink + index); then cand_lens may be None if ends and n_stream are given (the middle's
+    length, computed in the kernel). One Triton launch (_topk_expand_kernel) for rows of up to
+    16K chunks; longer rows and CPU tensors take torch ops (topk, sort, gathers)."""
     assert k % chunk_size == 0, "k must be a multiple of l_c"
     NB, C = scores.shape
     K = min(k // chunk_size, C)
     if cand_lens is None:
         assert candidates is None and ends is not None and n_stream is not None
-    if not triton_on(scores):
+    if not triton_on(scores) or C > _MAX_FUSED_CHUNKS:
         if cand_lens is None:
             cand_lens = _candidate_lens(ends, None, None, n_sink, n_stream)
         return _topk_chunks_torch(scores, candidates, cand_lens, chunk_size=chunk_size, k=k, n_sink=n_sink)
@@ -313,15 +342,19 @@ def topk_chunks(scores, candidates, cand_lens, *, chunk_size: int, k: int, n_sin
     lens = torch.empty(NB, dtype=torch.int32, device=scores.device)
     if NB == 0:
         return out, lens
-    top = scores.topk(K, dim=1).indices.sort(dim=1).values  # [NB, K] int64 ascending
-    implicit = candidates is None
-    cand = top if implicit else candidates
-    _expand_chunks_kernel[(NB,)](
-        top, cand, cand_lens if cand_lens is not None else lens, ends if ends is not None else lens,
-        out, lens,
-        top.stride(0), cand.stride(0), out.stride(0),
-        K, k, C, chunk_size, n_sink, n_stream or 0,
-        CAND_IMPLICIT=implicit, LENS_FROM_ENDS=cand_lens is None, BLOCK=min(1024, next_pow2(k)),
+    if C == 0:
+        return out.fill_(PAD), lens.zero_()
+    assert scores.stride(1) == 1
+    kept = torch.empty((NB, max(K, 1)), dtype=torch.int32, device=scores.device)
+    cand = kept if candidates is None else candidates
+    block_all = next_pow2(C)
+    _topk_expand_kernel[(NB,)](
+        scores, cand, cand_lens if cand_lens is not None else lens, ends if ends is not None else lens,
+        kept, out, lens,
+        scores.stride(0), cand.stride(0), kept.stride(0), out.stride(0),
+        C, K, k, chunk_size, n_sink, n_stream or 0,
+        CAND_IMPLICIT=candidates is None, LENS_FROM_ENDS=cand_lens is None, BLOCK_ALL=block_all,
+        BLOCK=min(1024, next_pow2(k)), num_warps=8 if block_all >= 4096 else 4,
     )
     return out, lens
 

@@ -208,13 +208,15 @@ def block_sparse_attention(q, k_cache, v_cache, block_tables, q_start, q_lens, e
             out[q0:q0 + n] = ref[q0:q0 + n].to(out.dtype)
         return out
     BLOCK_D = max(16, next_pow2(D))
-    BLOCK_N = block_n or (64 if BLOCK_D <= 128 else 32)
+    G = Hq // Hkv
+    # prefill-sized query tiles ([b_q * group, D], 256 rows for Llama-8B) do best with 32-key
+    # tiles on the H200 (docs/benchmarks.md); decode's small tiles with 64
+    BLOCK_N = block_n or (64 if BLOCK_D <= 128 and block_q * G < 128 else 32)
     if num_splits > 1:
         part_out = torch.empty((T, Hq, num_splits, D), dtype=torch.float32, device=q.device)
         part_lse = torch.empty((T, Hq, num_splits), dtype=torch.float32, device=q.device)  # all written
     else:
         part_out = part_lse = out  # unused
-    G = Hq // Hkv
     _sparse_attn_kernel[(NB, Hkv, num_splits)](
         q, k_cache, v_cache, block_tables, ends if decode else q_start, ends if decode else q_lens, ends,
         selected,
