@@ -26,6 +26,6 @@ infhip-eval passkey $E --lengths 4k,8k,16k,32k --depths 0.1,0.5,0.9 --samples 5 
     --json $OUT/passkey_smol_gpu.json --markdown $OUT/passkey_smol_gpu.md --plot $OUT/passkey_smol_gpu.png
 infhip-eval recall --engine $S --device cuda --kv-cache-gib 16 --lengths 8k,16k,32k --chunk 64 \
     --json $OUT/recall_smol_gpu.json --markdown $OUT/recall_smol_gpu.md --plot $OUT/recall_smol_gpu.png
-infhip-eval ppl $E --lengths 8k,16k,32k --chunk 256 --samples 2 --json $OUT/ppl_smol_gpu.json --markdown $OUT/ppl_smol_gpu.md
-infhip-eval niah $E --lengths 8k,32k --variants single,multikey --depths 0.5 --samples 3 \
+infhip-eval ppl $E --lengths 16k,32k --chunk 256 --samples 2 --json $OUT/ppl_smol_gpu.json --markdown $OUT/ppl_smol_gpu.md
+infhip-eval niah $E --lengths 16k,32k --variants single,multikey --depths 0.5 --samples 3 \
     --json $OUT/niah_smol_gpu.json --markdown $OUT/niah_smol_gpu.md
