@@ -3,12 +3,18 @@ and where each request's cached stage outputs live.
 
 Schedule. A request's sparse decode steps are numbered j = 0, 1, ... from the first one after
 its (re)prefill or after its context crossed ``dense_threshold``; j = 0 computes every stage.
-Afterwards stage i is recomputed at step j when ``(j + phase) % refresh_intervals[i] == 0``,
-with ``phase = slot % refresh_intervals[0]`` (``stagger_refresh``) or 0. Intervals are
-multiples of the next stage's (checked by InfiniteHipConfig), so a stage's refresh always comes
-with every later stage's: a step is described by one number, the first refreshed stage
-(``num_stages`` = none). Staggering by slot spreads the O(T) stage-1 refreshes of a batch over
-the steps instead of stacking them every n_refresh(0)-th step.
+Afterwards stage i is recomputed at step j when ``(j + phase) % refresh_intervals[i] == 0``.
+Intervals are multiples of the next stage's (checked by InfiniteHipConfig), so a stage's
+refresh always comes with every later stage's: a step is described by one number, the first
+refreshed stage (``num_stages`` = none).
+
+Staggering (``stagger_refresh``, on by default) spreads the expensive stage-1 refreshes so no
+step pays for all of them at once: ``phase = slot % n_refresh(0) + layer_offset(layer)``. The
+slot term spreads the requests of a batch; the layer term (:func:`layer_offsets`: the k-th of L
+InfiniteHiP layers is shifted by ``k * n_refresh(0) // L`` steps) spreads one request's layers,
+so that a whole-model decode step costs about the same at every step of the cycle (measured
+spike reduction in docs/benchmarks.md). Without staggering every layer and request refreshes
+together, as in the paper.
 
 Slots. The cached outputs live in fixed-capacity device tensors per layer (:class:`MaskCache`:
 stage i -> int32 [max_slots, k_i] + lens [max_slots]) indexed by a per-request slot that
@@ -36,6 +42,16 @@ def refresh_from(step: int, phase: int, intervals: tuple[int, ...]) -> int:
         if (step + phase) % n == 0:
             return i
     return len(intervals)
+
+
+def layer_offsets(num_layers: int, cycle: int) -> list[int]:
+    """Refresh-phase shift of each of ``num_layers`` InfiniteHiP layers over a cycle of
+    ``cycle`` steps (n_refresh(0)): evenly spaced.
+
+        >>> layer_offsets(4, 16), layer_offsets(5, 2)
+        ([0, 4, 8, 12], [0, 0, 0, 1, 1])
+    """
+    return [k * cycle // num_layers for k in range(num_layers)]
 
 
 def refresh_schedule(num_steps: int, intervals: tuple[int, ...], phase: int = 0) -> list[tuple[int, ...]]:
@@ -74,7 +90,14 @@ class MaskSlots:
             self._steps[slot] = 0
 
     def next_decode(self, seq) -> tuple[int, int]:
-        """(slot, first stage to recompute) for the request's next sparse decode step."""
+        """(slot, first stage to recompute) for the request's next sparse decode step (no
+        layer offset)."""
+        slot, step, phase = self.next_decode_state(seq)
+        return slot, refresh_from(step, phase, self.intervals)
+
+    def next_decode_state(self, seq) -> tuple[int, int, int]:
+        """(slot, step number j, slot phase) of the request's next sparse decode step; the first
+        stage a layer recomputes is refresh_from(j, phase + that layer's offset, intervals)."""
         slot = self._slot.get(seq.seq_id)
         if slot is None:
             if not self._free:
@@ -85,9 +108,9 @@ class MaskSlots:
             self._slot[seq.seq_id], self._owner[slot] = slot, seq
             self._steps[slot] = 0
         phase = slot % self.intervals[0] if self.stagger else 0
-        first = refresh_from(self._steps[slot], phase, self.intervals)
+        step = self._steps[slot]
         self._steps[slot] += 1
-        return slot, first
+        return slot, step, phase
 
 
 class MaskCache:

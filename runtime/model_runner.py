@@ -96,11 +96,12 @@ class ModelRunner:
         self.sparse_planner = None
         ih = engine.config.plan.infinitehip
         if ih is not None:
-            self.sparse_planner = SparsePlanner(ih, max_num_seqs, cfg.max_position_embeddings)
-            for attn, lp in zip(attn_layers, engine.config.plan.layers):
-                if lp.plugin == "infinitehip":
-                    attn.sparse = InfiniteHipLayer(ih, lp.index, max_num_seqs, attn.scale,
-                                                   attn.rope[0].inv_freq, self.device)
+            sparse = [(attn, lp) for attn, lp in zip(attn_layers, engine.config.plan.layers)
+                      if lp.plugin == "infinitehip"]
+            self.sparse_planner = SparsePlanner(ih, max_num_seqs, cfg.max_position_embeddings, len(sparse))
+            for k, (attn, lp) in enumerate(sparse):
+                attn.sparse = InfiniteHipLayer(ih, lp.index, max_num_seqs, attn.scale, attn.rope[0].inv_freq,
+                                               self.device, group=self.sparse_planner.layer_group[k])
 
         # UniPrefill token drop (runtime/token_drop.py): anchors are the full-attention layers.
         self.anchors = frozenset(lp.index for lp in engine.config.plan.layers if lp.window is None)

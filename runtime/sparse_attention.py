@@ -2,12 +2,14 @@
 
 plan (once per step, :class:`SparsePlanner`): a sequence whose context after the step is at
 least ``dense_threshold`` goes sparse, the others stay dense. Sparse decode rows get their
-mask-cache slot and the first pruning stage they recompute (mask_cache.py); sparse prefill
-chunks are cut into query blocks of ``block_q``. The dense kernels see the rest: decode rows
-through context lengths with 0 for the sparse rows (reads nothing), prefill chunks as runs of
-consecutive dense chunks. ``SparseStep.refresh`` (which stages anyone recomputes) together with
-the decode batch size is what a CUDA graph of a sparse decode step would be keyed on; sparse
-decode steps run eagerly for now (the runner skips its dense decode graphs for them).
+mask-cache slot and, per *layer group* (the InfiniteHiP layers sharing a refresh-phase offset,
+mask_cache.layer_offsets), the first pruning stage they recompute; sparse prefill chunks are
+cut into query blocks of ``block_q``. The dense kernels see the rest: decode rows through
+context lengths with 0 for the sparse rows (reads nothing), prefill chunks as runs of
+consecutive dense chunks. ``SparseStep.refresh`` (per layer group, which stages anyone
+recomputes) together with the decode batch size is what a CUDA graph of a sparse decode step
+would be keyed on; sparse decode steps run eagerly for now (the runner skips its dense decode
+graphs for them).
 
 run (per layer, :class:`InfiniteHipLayer`): decode rows recompute the stages they must (each
 from the previous stage's cached or fresh output), store them in the layer's MaskCache, then
@@ -25,7 +27,7 @@ import torch
 from infhip.config import InfiniteHipConfig
 from infhip.plugins.infinitehip import (plan_query_blocks, pruning_stage, sparse_decode_attention,
                                         sparse_prefill_attention)
-from infhip.runtime.mask_cache import MaskCache, MaskSlots
+from infhip.runtime.mask_cache import MaskCache, MaskSlots, layer_offsets, refresh_from
 
 
 @dataclass
@@ -35,12 +37,12 @@ class SparseStepHost:
     decode_rows: list[int]  # batch index (= q row) of each sparse decode row
     decode_ends: list[int]  # its context length after the step
     decode_slots: list[int]  # its mask-cache slot
-    decode_first_stage: list[int]  # first stage it recomputes (num_stages: none)
+    decode_first_stage: list[tuple[int, ...]]  # per layer group: first stage it recomputes (S: none)
     prefill_seqs: list[int]  # batch index of each sparse prefill chunk
     dense_decode_lens: list[int]  # [num_decodes] context lengths, 0 for the sparse rows
     dense_prefill_runs: list[tuple[int, int]]  # batch ranges [lo, hi) of dense prefill chunks
     dynamic_rope: bool
-    refresh: tuple[bool, ...]  # per stage: does any decode row recompute it (graph key)
+    refresh: tuple[tuple[bool, ...], ...]  # per layer group, per stage: does any row recompute it
 
 
 @dataclass
@@ -52,8 +54,8 @@ class SparseStep:
     decode_q_lens: torch.Tensor  # int32 [Bs] ones
     decode_ends: torch.Tensor  # int32 [Bs]
     decode_slots: torch.Tensor  # int64 [Bs]
-    stage_rows: list[torch.Tensor]  # per stage: int64 indices into [Bs] of rows recomputing it
-    refresh: tuple[bool, ...]
+    stage_rows: list[list[torch.Tensor]]  # [group][stage]: int64 indices into [Bs] of rows recomputing it
+    refresh: tuple[tuple[bool, ...], ...]  # [group][stage]
     max_middle: int  # longest stage-1 candidate range of the step (implicit walk capacity)
     prefill_q_start: torch.Tensor  # int32 [NB] query blocks of the sparse prefill chunks
     prefill_q_lens: torch.Tensor  # int32 [NB]
@@ -68,9 +70,14 @@ class SparseStep:
 class SparsePlanner:
     """Host side: decides per step which rows go sparse and which stages they recompute."""
 
-    def __init__(self, cfg: InfiniteHipConfig, max_slots: int, trained_window: int):
+    def __init__(self, cfg: InfiniteHipConfig, max_slots: int, trained_window: int, num_sparse_layers: int = 1):
         self.cfg, self.trained_window = cfg, trained_window
         self.slots = MaskSlots(max_slots, cfg.refresh_intervals, cfg.stagger_refresh)
+        offsets = (layer_offsets(num_sparse_layers, cfg.refresh_intervals[0]) if cfg.stagger_refresh
+                   else [0] * num_sparse_layers)
+        self.group_offsets = sorted(set(offsets))
+        # layer_group[k]: the group of the k-th InfiniteHiP layer (InfiniteHipLayer.group)
+        self.layer_group = [self.group_offsets.index(o) for o in offsets]
 
     def plan(self, seqs: list, ctx_lens: list[int], num_decodes: int) -> SparseStepHost:
         cfg, n = self.cfg, len(self.cfg.stages)
@@ -80,7 +87,8 @@ class SparsePlanner:
             if b < num_decodes:
                 dense_lens.append(0 if sparse else end)
                 if sparse:
-                    slot, first = self.slots.next_decode(seq)
+                    slot, j, phase = self.slots.next_decode_state(seq)
+                    first = tuple(refresh_from(j, phase + o, cfg.refresh_intervals) for o in self.group_offsets)
                     rows.append(b), ends.append(end), slots.append(slot), firsts.append(first)
                     continue
             elif sparse:
@@ -96,7 +104,8 @@ class SparsePlanner:
         return SparseStepHost(decode_rows=rows, decode_ends=ends, decode_slots=slots,
                               decode_first_stage=firsts, prefill_seqs=prefill, dense_decode_lens=dense_lens,
                               dense_prefill_runs=runs, dynamic_rope=dynamic,
-                              refresh=tuple(any(f <= i for f in firsts) for i in range(n)))
+                              refresh=tuple(tuple(any(f[g] <= i for f in firsts) for i in range(n))
+                                            for g in range(len(self.group_offsets))))
 
     def to_device(self, h: SparseStepHost, cu: list[int], ctx_lens: list[int], tensor) -> SparseStep:
         """Tensors of a host plan; ``tensor(values, dtype)`` puts a list on the device."""
@@ -109,13 +118,20 @@ class SparsePlanner:
         shift = [cu[h.prefill_seqs[s]] - sum(q_lens[:s]) for s in seq_of]
         all_ends = h.decode_ends + ends.tolist()
         middle = max([max(0, max(min(cfg.n_sink, e), e - cfg.n_stream) - cfg.n_sink) for e in all_ends] or [0])
-        idx = range(len(h.decode_rows))
+        # every (group, stage) row list in one upload, sliced per group and stage (views)
+        S, idx = len(cfg.stages), range(len(h.decode_rows))
+        lists = [[r for r in idx if h.decode_first_stage[r][g] <= i]
+                 for g in range(len(self.group_offsets)) for i in range(S)]
+        flat = tensor([r for rows in lists for r in rows], torch.int64)
+        bounds = [0]
+        for rows in lists:
+            bounds.append(bounds[-1] + len(rows))
+        views = [flat[bounds[x]:bounds[x + 1]] for x in range(len(lists))]
         return SparseStep(
             decode_rows=tensor(h.decode_rows, torch.int64), decode_q_start=tensor(h.decode_rows, torch.int32),
             decode_q_lens=tensor([1] * len(h.decode_rows), torch.int32),
             decode_ends=tensor(h.decode_ends, torch.int32), decode_slots=tensor(h.decode_slots, torch.int64),
-            stage_rows=[tensor([r for r in idx if h.decode_first_stage[r] <= i], torch.int64)
-                        for i in range(len(cfg.stages))],
+            stage_rows=[views[g * S:(g + 1) * S] for g in range(len(self.group_offsets))],
             refresh=h.refresh, max_middle=middle,
             prefill_q_start=tensor([s + d for s, d in zip(starts.tolist(), shift)], torch.int32),
             prefill_q_lens=tensor(lens.tolist(), torch.int32), prefill_ends=tensor(ends.tolist(), torch.int32),
@@ -129,9 +145,10 @@ class InfiniteHipLayer:
     """Run side of one "infinitehip" layer: its stages, RoPE styles and mask cache."""
 
     def __init__(self, cfg: InfiniteHipConfig, layer: int, max_slots: int, scale: float,
-                 inv_freq: torch.Tensor, device: torch.device):
+                 inv_freq: torch.Tensor, device: torch.device, group: int = 0):
         assert inv_freq.dtype == torch.float32, "RoPE inv_freq is stored in float32"
         self.cfg, self.scale, self.inv_freq = cfg, scale, inv_freq
+        self.group = group  # refresh-phase group (SparsePlanner.layer_group)
         self.stages = cfg.stages_of(layer)
         self.pruning_rope = cfg.pruning_rope_of(layer)
         self.cache = MaskCache(self.stages, max_slots, device)
@@ -152,9 +169,9 @@ class InfiniteHipLayer:
         kw, cache = self._common(), self.cache
         rope = self.pruning_rope if step.dynamic_rope else "none"
         for i, stage in enumerate(self.stages):
-            if not step.refresh[i]:
+            if not step.refresh[self.group][i]:
                 continue
-            r = step.stage_rows[i]  # rows recomputing stage i, as indices into the decode rows
+            r = step.stage_rows[self.group][i]  # rows recomputing stage i, indices into the decode rows
             slots, rows = step.decode_slots[r], step.decode_rows[r]
             prev = (None, None) if i == 0 else (cache.selected[i - 1][slots], cache.lens[i - 1][slots])
             sel, num = pruning_stage(q, k_cache, block_tables[rows], step.decode_q_start[r],

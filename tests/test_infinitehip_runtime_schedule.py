@@ -69,11 +69,35 @@ def test_planner_decisions():
     # batch: decodes a (sparse), b (dense); prefill chunks c (ends at 70: sparse), d (dense)
     h = planner.plan([a, b, c, d], [60, 20, 70, 30], num_decodes=2)
     assert h.decode_rows == [0] and h.dense_decode_lens == [0, 20] and h.prefill_seqs == [2]
-    assert h.dense_prefill_runs == [(3, 4)] and h.refresh == (True, True, True) and not h.dynamic_rope
+    assert h.dense_prefill_runs == [(3, 4)] and h.refresh == ((True, True, True),) and not h.dynamic_rope
     h = planner.plan([a, b], [61, 21], num_decodes=2)
-    assert h.decode_first_stage == [3] and h.refresh == (False, False, False)
+    assert h.decode_first_stage == [(3,)] and h.refresh == ((False, False, False),)
     h = planner.plan([a], [120], num_decodes=1)  # past the trained window: dynamic RoPE
     assert h.dynamic_rope
     step = planner.to_device(planner.plan([c, d], [70, 30], 0), [0, 10, 20], [70, 30], lambda v, t: torch.tensor(v, dtype=t))
     assert step.prefill_q_start.tolist() == [0, 8] and step.prefill_q_lens.tolist() == [8, 2]
     assert step.prefill_ends.tolist() == [68, 70] and step.prefill_seqs.tolist() == [0, 0]
+
+
+def test_layer_stagger_spreads_one_requests_refreshes():
+    """Staggered: 4 InfiniteHiP layers over a 16-step cycle fall in 4 phase groups; after the
+    first (full) step each step refreshes stage 1 in at most one group, every group once per
+    cycle; the device view holds per-group row lists. Unstaggered: one group, all at once."""
+    cfg = infinitehip_config("3k", dict(n_sink=4, n_stream=8, stages=[(8, 4, 32), (8, 2, 16), (8, 1, 8)],
+                                        special_final_k=16, dense_threshold=50))
+    planner = SparsePlanner(cfg, max_slots=2, trained_window=100, num_sparse_layers=4)
+    assert planner.group_offsets == [0, 4, 8, 12] and planner.layer_group == [0, 1, 2, 3]
+    a = seq(0, 60)
+    firsts = [planner.plan([a], [60 + j], num_decodes=1).decode_first_stage[0] for j in range(17)]
+    assert firsts[0] == (0, 0, 0, 0)
+    stage1 = [[g for g, f in enumerate(fs) if f == 0] for fs in firsts[1:]]
+    assert all(len(x) <= 1 for x in stage1) and sorted(g for x in stage1 for g in x) == [0, 1, 2, 3]
+    h = planner.plan([a], [80], num_decodes=1)
+    step = planner.to_device(h, [0, 1], [80], lambda v, t: torch.tensor(v, dtype=t))
+    assert len(step.stage_rows) == 4 and all(len(rows) == 3 for rows in step.stage_rows)
+    for g in range(4):
+        for i in range(3):
+            assert step.stage_rows[g][i].tolist() == ([0] if h.decode_first_stage[0][g] <= i else [])
+            assert h.refresh[g][i] == (h.decode_first_stage[0][g] <= i)
+    flat = SparsePlanner(cfg.replace(stagger_refresh=False), max_slots=2, trained_window=100, num_sparse_layers=4)
+    assert flat.group_offsets == [0] and flat.layer_group == [0, 0, 0, 0]
