@@ -178,7 +178,7 @@ class InfiniteHipConfig:
     special_pruning_rope: str = "chunk_indexed"
     attention_rope: str = "streaming"
     rope_off_in_trained_window: bool = True
-    stagger_refresh: bool = True  # offset each request's refresh schedule by its mask-cache slot
+    stagger_refresh: bool = True  # offset refresh schedules by mask-cache slot and by layer (mask_cache.py)
 
     def __post_init__(self) -> None:
         _check(self.n_sink >= 0 and self.n_stream > 0, "n_sink must be >= 0 and n_stream > 0")
