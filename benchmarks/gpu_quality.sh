@@ -1,18 +1,25 @@
 #!/usr/bin/env bash
-# Real-model quality on the H200 (issues 3 and 5): SmolLM2-135M bf16, staged from this machine
-# (python -m infhip.eval.stage split engines/smol-3k-bf16; one part per device call, the KJV
-# package copied to .stage/pylib), then joined here. The same weights run with the dense plan
-# (a copy of the engine whose config.json holds Plan.dense; weights hard-linked) and the 3k plan.
-#   bash benchmarks/gpu_quality.sh            (on the H200, repo root, after all parts arrived)
+# Real-model quality on the H200 (issues 3 and 5) from engines staged on this machine
+# (python -m infhip.eval.stage split ENGINE; one part per device call, the KJV package copied to
+# .stage/pylib), joined here. See docs/quality.md for the staging calls.
+#   bash benchmarks/gpu_quality.sh smol     SmolLM2-135M bf16: dense plan vs 3k plan, 4K-32K
+#   bash benchmarks/gpu_quality.sh gemma    Gemma-3-270M bf16: dense baselines, 1K-32K
 set -eo pipefail
 OUT=${OUT:-/tmp/infhip-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD/.stage/pylib:$PYTHONPATH
 python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . 2>&1 | tail -3
-S=engines/smol-3k-bf16; D=engines/smol-dense-bf16
-[ -d $S ] || python3 -m infhip.eval.stage join .stage/smol-3k-bf16 $S
-if [ ! -d $D ]; then
-  mkdir -p $D && cp -rl $S/. $D/ && rm $D/config.json
-  python3 - <<'PY'
+
+join() {  # join() STAGE_NAME: engines/STAGE_NAME from .stage/STAGE_NAME (once)
+  [ -d engines/$1 ] || python3 -m infhip.eval.stage join .stage/$1 engines/$1
+}
+
+case ${1:-smol} in
+smol)
+  S=engines/smol-3k-bf16; D=engines/smol-dense-bf16
+  join smol-3k-bf16
+  if [ ! -d $D ]; then  # the same weights with the dense plan (hard links, new config.json)
+    mkdir -p $D && cp -rl $S/. $D/ && rm $D/config.json
+    python3 - <<'PY'
 import dataclasses
 from infhip.config import EngineConfig
 c = EngineConfig.load("engines/smol-3k-bf16")
@@ -20,12 +27,25 @@ dense = dataclasses.replace(c.plan, preset="dense", infinitehip=None,
                             layers=tuple(dataclasses.replace(l, plugin="dense") for l in c.plan.layers))
 dataclasses.replace(c, plan=dense).save("engines/smol-dense-bf16")
 PY
-fi
-E="--engine $D --engine $S --device cuda --kv-cache-gib 16"
-infhip-eval passkey $E --lengths 4k,8k,16k,32k --depths 0.1,0.5,0.9 --samples 5 \
-    --json $OUT/passkey_smol_gpu.json --markdown $OUT/passkey_smol_gpu.md --plot $OUT/passkey_smol_gpu.png
-infhip-eval recall --engine $S --device cuda --kv-cache-gib 16 --lengths 8k,16k,32k --chunk 64 \
-    --json $OUT/recall_smol_gpu.json --markdown $OUT/recall_smol_gpu.md --plot $OUT/recall_smol_gpu.png
-infhip-eval ppl $E --lengths 16k,32k --chunk 256 --samples 2 --json $OUT/ppl_smol_gpu.json --markdown $OUT/ppl_smol_gpu.md
-infhip-eval niah $E --lengths 16k,32k --variants single,multikey --depths 0.5 --samples 3 \
-    --json $OUT/niah_smol_gpu.json --markdown $OUT/niah_smol_gpu.md
+  fi
+  E="--engine $D --engine $S --device cuda --kv-cache-gib 16"
+  infhip-eval passkey $E --lengths 4k,8k,16k,32k --depths 0.1,0.5,0.9 --samples 5 \
+      --json $OUT/passkey_smol_gpu.json --markdown $OUT/passkey_smol_gpu.md --plot $OUT/passkey_smol_gpu.png
+  infhip-eval recall --engine $S --device cuda --kv-cache-gib 16 --lengths 8k,16k,32k --chunk 64 \
+      --json $OUT/recall_smol_gpu.json
+  infhip-eval ppl $E --lengths 16k,32k --chunk 256 --samples 2 --json $OUT/ppl_smol_gpu.json
+  infhip-eval niah $E --lengths 16k,32k --variants single,multikey --depths 0.5 --samples 3 \
+      --json $OUT/niah_smol_gpu.json
+  ;;
+gemma)
+  G=engines/gemma-dense-bf16
+  join gemma-dense-bf16
+  E="--engine $G --device cuda --kv-cache-gib 16"
+  infhip-eval passkey $E --lengths 1k,2k,4k,8k,16k,32k --depths 0.1,0.5,0.9 --samples 5 \
+      --json $OUT/passkey_gemma_gpu.json --plot $OUT/passkey_gemma_gpu.png
+  infhip-eval ppl $E --lengths 1k,2k,4k,8k --chunk 256 --samples 2 --json $OUT/ppl_gemma_gpu.json
+  infhip-eval niah $E --lengths 4k,16k,32k --variants single,multikey --depths 0.5 --samples 3 \
+      --json $OUT/niah_gemma_gpu.json
+  ;;
+*) echo "usage: bash benchmarks/gpu_quality.sh smol|gemma" >&2; exit 2 ;;
+esac
