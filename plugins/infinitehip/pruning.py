@@ -218,9 +218,10 @@ def select_rep_scores(q, k_cache, block_tables, q_start, q_lens, ends, candidate
     max_chunks = triton.cdiv(max_candidates, chunk_size)
     G = Hq // Hkv
     BLOCK_Q = max(16, next_pow2(block_q * G))
-    # Measured on the H200 (docs/benchmarks.md): one kv head per program always won, and 32
-    # chunks per program for prefill-sized query tiles (16 for decode's small ones).
-    BLOCK_C = block_c or (32 if BLOCK_Q >= 128 else _BLOCK_C)
+    # Measured on the H200 (docs/benchmarks.md): one kv head per program always won; 32 chunks
+    # per program for prefill-sized query tiles and for decode's stage 1 (1M keys: 211 vs 285
+    # µs with 16); later decode stages keep 16 (not measured apart).
+    BLOCK_C = block_c or (32 if BLOCK_Q >= 128 or candidates is None else _BLOCK_C)
     heads_per_program = heads_per_program or 1
     assert Hkv % heads_per_program == 0
     head_progs = Hkv // heads_per_program
