@@ -152,6 +152,9 @@ class PruningStage:
                f"k ({self.k}) must be a positive multiple of chunk_size ({self.chunk_size})")
 
 
+CHUNK_SCORES = ("max", "head_normalized")
+
+
 @dataclass(frozen=True)
 class InfiniteHipConfig:
     """Knobs of every "infinitehip" layer of an engine (paper 000; presets: builder/presets.py).
@@ -163,7 +166,10 @@ class InfiniteHipConfig:
     ``special_pruning_rope``. In decode, stage i is recomputed every ``refresh_intervals[i]``
     steps of a request (mask caching); each interval must be a multiple of the next, so a stage's
     refresh always comes with the later stages'. With ``rope_off_in_trained_window`` the dynamic
-    RoPE styles apply only once a context exceeds the model's trained window.
+    RoPE styles apply only once a context exceeds the model's trained window. ``chunk_score``:
+    "max" scores a chunk by the max over heads and queries of q.k_rep (the paper);
+    "head_normalized" first subtracts, per kv head, that head's best chunk score, so a head with
+    small logits (e.g. a retrieval head) still keeps its best chunks (docs/quality.md).
     """
 
     n_sink: int = 256
@@ -179,6 +185,7 @@ class InfiniteHipConfig:
     attention_rope: str = "streaming"
     rope_off_in_trained_window: bool = True
     stagger_refresh: bool = True  # offset refresh schedules by mask-cache slot and by layer (mask_cache.py)
+    chunk_score: str = "max"  # "max" (paper) | "head_normalized"
 
     def __post_init__(self) -> None:
         _check(self.n_sink >= 0 and self.n_stream > 0, "n_sink must be >= 0 and n_stream > 0")
@@ -205,6 +212,7 @@ class InfiniteHipConfig:
                f"pruning RoPE styles must be in {PRUNING_ROPE_STYLES}")
         _check(self.attention_rope in ATTENTION_ROPE_STYLES,
                f"attention_rope must be in {ATTENTION_ROPE_STYLES}")
+        _check(self.chunk_score in CHUNK_SCORES, f"chunk_score must be one of {CHUNK_SCORES}")
 
     @property
     def block_q(self) -> int:

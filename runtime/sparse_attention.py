@@ -165,8 +165,12 @@ class InfiniteHipLayer:
     def _common(self) -> dict:
         return dict(n_sink=self.cfg.n_sink, n_stream=self.cfg.n_stream, inv_freq=self.inv_freq)
 
+    def _prune_kw(self) -> dict:
+        return dict(self._common(), head_normalized=self.cfg.chunk_score == "head_normalized")
+
     def _decode(self, q, k_cache, v_cache, block_tables, step: SparseStep, out) -> None:
         kw, cache = self._common(), self.cache
+        prune_kw = self._prune_kw()
         rope = self.pruning_rope if step.dynamic_rope else "none"
         for i, stage in enumerate(self.stages):
             if not step.refresh[self.group][i]:
@@ -178,7 +182,7 @@ class InfiniteHipLayer:
                                      step.decode_q_lens[r], step.decode_ends[r], *prev,
                                      chunk_size=stage.chunk_size, k=stage.k, block_q=1,
                                      max_candidates=step.max_middle if i == 0 else None,
-                                     rope_style=rope, **kw)
+                                     rope_style=rope, **prune_kw)
             cache.selected[i][slots], cache.lens[i][slots] = sel, num
         rows = step.decode_rows
         selected = cache.selected[-1][step.decode_slots]
@@ -187,7 +191,7 @@ class InfiniteHipLayer:
             rope_style=self.cfg.attention_rope if step.dynamic_rope else "none", **kw)
 
     def _prefill(self, q, k_cache, v_cache, block_tables, step: SparseStep, out) -> None:
-        kw = self._common()
+        kw, prune_kw = self._common(), self._prune_kw()
         tables = block_tables[step.prefill_seqs]
         blocks = (step.prefill_q_start, step.prefill_q_lens, step.prefill_ends)
         rope = self.pruning_rope if step.dynamic_rope else "none"
@@ -195,7 +199,8 @@ class InfiniteHipLayer:
         for i, stage in enumerate(self.stages):
             sel, num = pruning_stage(q, k_cache, tables, *blocks, sel, num, chunk_size=stage.chunk_size,
                                      k=stage.k, block_q=self.cfg.block_q,
-                                     max_candidates=step.max_middle if i == 0 else None, rope_style=rope, **kw)
+                                     max_candidates=step.max_middle if i == 0 else None, rope_style=rope,
+                                     **prune_kw)
         sparse_prefill_attention(q, k_cache, v_cache, tables, *blocks, sel, block_q=self.cfg.block_q,
                                  scale=self.scale, out=out,
                                  rope_style=self.cfg.attention_rope if step.dynamic_rope else "none", **kw)

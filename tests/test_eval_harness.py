@@ -160,3 +160,13 @@ def test_recall_on_an_infinitehip_engine(tmp_path):
     assert {r["layer"] for r in recs} == sparse and len(recs) == len(sparse) * 6  # 6 query heads
     assert all(0.0 < r["score"] < 1.0 for r in recs)  # 52 of 200 keys kept: partial mass
     assert all(r["extra"]["engine_runs_dense"] for r in recs)  # 200 < dense_threshold, and it says so
+
+
+def test_infinitehip_overrides_flag_parses():
+    from infhip.eval.cli import parse_overrides
+    from infhip.eval.common import EvalError
+    assert parse_overrides(None) is None
+    assert parse_overrides("chunk_score=head_normalized, dense_threshold=4096,refresh_intervals=[32,16,8]") == {
+        "chunk_score": "head_normalized", "dense_threshold": 4096, "refresh_intervals": [32, 16, 8]}
+    with pytest.raises(EvalError, match="KEY=VALUE"):
+        parse_overrides("chunk_score")

@@ -206,3 +206,37 @@ def test_topk_ties_keep_lower_chunks_and_exactly_k():
     got = topk_chunks(wide, None, wide_lens, chunk_size=2, k=512, n_sink=4)
     want = topk_chunks_ref(wide.cpu(), None, wide_lens.cpu(), chunk_size=2, k=512, n_sink=4)
     assert torch.equal(got[0].cpu(), want[0]) and torch.equal(got[1].cpu(), want[1])
+
+
+def test_head_normalized_scores_match_reference_and_rescue_a_quiet_head():
+    """chunk_score="head_normalized": per kv head, scores minus that head's best chunk, then the
+    max over heads — Triton equals the float64 reference bit for bit (dyadic inputs), and a kv
+    head whose logits are 8x smaller than the other's still gets its best chunk kept, which the
+    raw max (the paper's score) drops."""
+    seqs, q, (q_start, lens, ends, tables) = setup(4, 2, 16, 4, [1, 1], 1, seed=5, dyadic=True)
+    kw = dict(chunk_size=4, n_sink=N_SINK, n_stream=N_STREAM)
+    got, _ = select_rep_scores(q, seqs.k_cache, tables, q_start, lens, ends, block_q=1, head_normalized=True, **kw)
+    ref, _, _ = select_rep_scores_ref(q, seqs.k_cache, tables, q_start, lens, ends, head_normalized=True,
+                                      max_candidates=got.shape[1] * 4, **kw)
+    assert torch.equal(got.double().cpu()[:, :ref.shape[1]], ref)
+    assert (got[:, :ref.shape[1]].cpu().amax(1) == 0).all()  # some head's best chunk scores 0
+
+    # kv head 0: loud (logit 8 on chunk 0 keys, 4 elsewhere); kv head 1: quiet (1 on chunk 5 only)
+    ctx, D = 48, 16
+    k = torch.zeros(ctx, 2, D)
+    k[:, 0, 0] = 4.0
+    k[N_SINK:N_SINK + 4, 0, 0] = 8.0
+    k[N_SINK + 20:N_SINK + 24, 1, 1] = 1.0
+    page = 4
+    k_cache = k.view(ctx // page, page, 2, D).to(DEVICE)
+    table = torch.arange(ctx // page, dtype=torch.int32, device=DEVICE)[None]
+    qq = torch.zeros(1, 4, D, device=DEVICE)
+    qq[0, :2, 0] = 1.0  # q heads 0-1 -> kv head 0
+    qq[0, 2:, 1] = 1.0  # q heads 2-3 -> kv head 1
+    one = torch.ones(1, dtype=torch.int32, device=DEVICE)
+    e = torch.tensor([ctx], dtype=torch.int32, device=DEVICE)
+    args = (qq, k_cache, table, one * 0, one, e)
+    for normalized, want in ((False, False), (True, True)):
+        sel, n = pruning_stage(*args, chunk_size=4, k=8, block_q=1, n_sink=N_SINK, n_stream=N_STREAM,
+                               head_normalized=normalized)
+        assert (N_SINK + 20 in sel[0, :int(n[0])].tolist()) == want

@@ -53,6 +53,7 @@ def test_preset_knobs():
     (dict(n_stream=32), "n_stream must be >= block_q"),
     (dict(special_final_k=16384), "exceeds"),
     (dict(attention_rope="relative"), "attention_rope"),
+    (dict(chunk_score="mean"), "chunk_score"),
 ])
 def test_validation(bad, needle):
     with pytest.raises(ValueError, match=needle):

@@ -44,6 +44,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-num-seqs", type=int, default=None, help="sequences per step (default: the engine's)")
     p.add_argument("--kv-cache-gib", type=float, default=None,
                    help="KV cache size (default: 90%% of free GPU memory, 2 GiB on CPU)")
+    p.add_argument("--infinitehip", default=None, metavar="KEY=VALUE[,KEY=VALUE]",
+                   help="runtime InfiniteHiP knobs for every engine of the run, e.g. "
+                        "chunk_score=head_normalized,dense_threshold=4096 (builder/presets.RUNTIME_KNOBS)")
     p.add_argument("--json", help="write all records to this JSON file")
     p.add_argument("--markdown", help="write the summary table to this file")
     p.add_argument("--plot", help="write a PNG plot (accuracy/ppl vs length, or recall per layer)")
@@ -89,7 +92,32 @@ def _llm_kwargs(args: argparse.Namespace) -> dict:
     if args.kv_cache_gib is not None and args.kv_cache_gib <= 0:
         raise EvalError(f"--kv-cache-gib must be positive, got {args.kv_cache_gib}")
     gib = None if args.kv_cache_gib is None else int(args.kv_cache_gib * (1 << 30))
-    return {"max_num_seqs": args.max_num_seqs, "kv_cache_memory_bytes": gib}
+    return {"max_num_seqs": args.max_num_seqs, "kv_cache_memory_bytes": gib,
+            "infinitehip_overrides": parse_overrides(args.infinitehip)}
+
+
+def parse_overrides(spec: str | None) -> dict | None:
+    """'a=1,b=x,c=[32,16,8]' -> {'a': 1, 'b': 'x', 'c': [32, 16, 8]} (values as JSON where they parse)."""
+    if not spec:
+        return None
+    import json
+    out, depth, start = {}, 0, 0
+    parts = []
+    for i, ch in enumerate(spec + ","):  # split on commas outside brackets
+        depth += ch == "["
+        depth -= ch == "]"
+        if ch == "," and depth == 0:
+            parts.append(spec[start:i])
+            start = i + 1
+    for part in filter(None, (x.strip() for x in parts)):
+        key, sep, value = part.partition("=")
+        if not sep or not key.strip():
+            raise EvalError(f"--infinitehip takes KEY=VALUE pairs, got {part!r}")
+        try:
+            out[key.strip()] = json.loads(value)
+        except json.JSONDecodeError:
+            out[key.strip()] = value.strip()
+    return out
 
 
 def _log(msg: str) -> None:

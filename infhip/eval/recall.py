@@ -66,6 +66,7 @@ def sparse_layer_params(llm, length: int | None = None) -> dict[int, dict[str, A
     return {lp.index: {"n_sink": ih.n_sink, "n_stream": ih.n_stream,
                        "stages": [[st.block_q, st.chunk_size, st.k] for st in ih.stages_of(lp.index)],
                        "rope_style": "none" if rope_off else ih.pruning_rope_of(lp.index),
+                       "head_normalized": ih.chunk_score == "head_normalized",
                        "dense_threshold": ih.dense_threshold} for lp in layers}
 
 
@@ -112,7 +113,7 @@ def layer_recall(attn, q: torch.Tensor, table: list[int], length: int, params: d
     for b_q, l_c, k in stages:
         sel, num = pruning_stage(q, attn.k_cache, tables, q_start, q_lens, ends, sel, num, chunk_size=l_c, k=k,
                                  block_q=b_q, n_sink=n_sink, n_stream=n_stream, rope_style=rope_style,
-                                 inv_freq=inv_freq)
+                                 inv_freq=inv_freq, head_normalized=params.get("head_normalized", False))
     keep = per_query_key_mask(sel, q_lens, ends, n_sink, n_stream, length)
     page = attn.k_cache.shape[1]
     rows = torch.tensor(table, device=dev).repeat_interleave(page)[:length]

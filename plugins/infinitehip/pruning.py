@@ -186,13 +186,15 @@ def select_rep_scores(q, k_cache, block_tables, q_start, q_lens, ends, candidate
                       cand_lens=None, *, chunk_size: int, block_q: int, n_sink: int, n_stream: int,
                       max_candidates: int | None = None, rope_style="none",
                       inv_freq: torch.Tensor | None = None, store_reps: bool = False,
-                      block_c: int | None = None, heads_per_program: int | None = None,
-                      num_warps: int | None = None):
+                      head_normalized: bool = False, block_c: int | None = None,
+                      heads_per_program: int | None = None, num_warps: int | None = None):
     """Triton SelectRep: chunk scores float32 [NB, max_chunks] and (store_reps) representatives
     int32 [NB, Hkv, max_chunks]. candidates None = stage 1 (the middle, implicitly); then
     max_candidates must be >= every block's middle length (a fixed capacity keeps the grid
     graph-capturable; a smaller one silently drops the newest candidates; default: read from
-    ends, a host sync). block_c / heads_per_program / num_warps: tuning overrides."""
+    ends, a host sync). head_normalized: per kv head, subtract the head's best chunk score before
+    the max over heads (InfiniteHipConfig.chunk_score). block_c / heads_per_program / num_warps:
+    tuning overrides."""
     T, Hq, D = q.shape
     num_pages, page_size, Hkv, Dk = k_cache.shape
     NB = ends.shape[0]
@@ -223,7 +225,7 @@ def select_rep_scores(q, k_cache, block_tables, q_start, q_lens, ends, candidate
     # µs with 16); later decode stages keep 16 (not measured apart).
     BLOCK_C = block_c or (32 if BLOCK_Q >= 128 or candidates is None else _BLOCK_C)
     heads_per_program = heads_per_program or 1
-    assert Hkv % heads_per_program == 0
+    assert Hkv % heads_per_program == 0 and (heads_per_program == 1 or not head_normalized)
     head_progs = Hkv // heads_per_program
     if NB == 0 or max_chunks == 0:
         scores = torch.full((NB, max_chunks), float("-inf"), dtype=torch.float32, device=q.device)
@@ -246,6 +248,9 @@ def select_rep_scores(q, k_cache, block_tables, q_start, q_lens, ends, candidate
         # the [b_q * group, D] query tile stays in registers
         num_warps=num_warps or (8 if BLOCK_Q >= 128 else 4),
     )
+    if head_normalized:  # [NB, Hkv, C] - each head's best chunk (rows with no chunk stay -inf)
+        best = part.amax(dim=2, keepdim=True)
+        part = torch.where(best > float("-inf"), part - best, part)
     scores = part[:, 0] if head_progs == 1 else part.amax(dim=1)
     return scores, (reps if store_reps else None)
 
@@ -380,7 +385,8 @@ def _topk_chunks_torch(scores, candidates, cand_lens, *, chunk_size: int, k: int
 
 def pruning_stage(q, k_cache, block_tables, q_start, q_lens, ends, candidates=None, cand_lens=None,
                   *, chunk_size: int, k: int, block_q: int, n_sink: int, n_stream: int,
-                  max_candidates: int | None = None, rope_style="none", inv_freq=None, **tuning):
+                  max_candidates: int | None = None, rope_style="none", inv_freq=None,
+                  head_normalized: bool = False, **tuning):
     """One pruning stage: the Triton SelectRep kernel, then topk_chunks (CPU tensors without
     TRITON_INTERPRET: pruning_ref.pruning_stage_ref, same contract). Returns the survivors
     (int32 [NB, k] ascending, PAD-padded) and their counts (int32 [NB]), the next stage's input.
@@ -395,11 +401,13 @@ def pruning_stage(q, k_cache, block_tables, q_start, q_lens, ends, candidates=No
                     torch.zeros(0, dtype=torch.int32, device=q.device))
         return pruning_stage_ref(q, k_cache, block_tables, q_start, q_lens, ends, candidates, cand_lens,
                                  chunk_size=chunk_size, k=k, n_sink=n_sink, n_stream=n_stream,
-                                 max_candidates=max_candidates, rope_style=rope_style, inv_freq=inv_freq)
+                                 max_candidates=max_candidates, rope_style=rope_style, inv_freq=inv_freq,
+                                 head_normalized=head_normalized)
     scores, _ = select_rep_scores(q, k_cache, block_tables, q_start, q_lens, ends, candidates,
                                   cand_lens, chunk_size=chunk_size, block_q=block_q, n_sink=n_sink,
                                   n_stream=n_stream, max_candidates=max_candidates,
-                                  rope_style=rope_style, inv_freq=inv_freq, **tuning)
+                                  rope_style=rope_style, inv_freq=inv_freq,
+                                  head_normalized=head_normalized, **tuning)
     if candidates is not None and cand_lens is None:
         cand_lens = _candidate_lens(ends, candidates, None, n_sink, n_stream)
     return topk_chunks(scores, candidates, cand_lens, chunk_size=chunk_size, k=k, n_sink=n_sink,

@@ -40,9 +40,11 @@ def _sigma_tables(q_rows, q_pos, keys, toks, chunk_of, num_chunks, n_stream, sty
 
 def select_rep_scores_ref(q, k_cache, block_tables, q_start, q_lens, ends, candidates=None,
                           cand_lens=None, *, chunk_size: int, n_sink: int, n_stream: int,
-                          max_candidates: int | None = None, rope_style="none", inv_freq=None):
+                          max_candidates: int | None = None, rope_style="none", inv_freq=None,
+                          head_normalized: bool = False):
     """Reference of pruning.select_rep_scores: (scores float64 [NB, C], reps int32 [NB, Hkv, C],
-    margins float64 [NB, Hkv, C] = smallest |sigma_right - sigma_left| of each tournament)."""
+    margins float64 [NB, Hkv, C] = smallest |sigma_right - sigma_left| of each tournament).
+    head_normalized: each kv head's chunk scores minus that head's best, then the max."""
     style = rope_style_id(rope_style)
     if candidates is None:
         candidates, cand_lens = initial_candidates(ends, n_sink, n_stream, width=max_candidates)
@@ -81,6 +83,9 @@ def select_rep_scores_ref(q, k_cache, block_tables, q_start, q_lens, ends, candi
             margins[i, :, :nc] = torch.minimum(margins[i, :, :nc], gap)
             first = torch.where(s_right > s_left, first + half, first)
             win = torch.maximum(s_left, s_right)
+        if head_normalized:
+            best = win.amax(dim=1, keepdim=True)
+            win = torch.where(best > -math.inf, win - best, win)
         scores[i, :nc] = win.amax(dim=0)
         reps[i, :, :nc] = toks[base + first].to(torch.int32)
     return scores, reps, margins
@@ -107,7 +112,8 @@ def topk_chunks_ref(scores, candidates, cand_lens, *, chunk_size: int, k: int, n
 
 def pruning_stage_ref(q, k_cache, block_tables, q_start, q_lens, ends, candidates=None,
                       cand_lens=None, *, chunk_size: int, k: int, n_sink: int, n_stream: int,
-                      max_candidates: int | None = None, rope_style="none", inv_freq=None):
+                      max_candidates: int | None = None, rope_style="none", inv_freq=None,
+                      head_normalized: bool = False):
     """Reference of pruning.pruning_stage: (survivors int32 [NB, k] PAD-padded, lens [NB])."""
     if candidates is None:
         candidates, cand_lens = initial_candidates(ends, n_sink, n_stream, width=max_candidates)
@@ -115,5 +121,6 @@ def pruning_stage_ref(q, k_cache, block_tables, q_start, q_lens, ends, candidate
         cand_lens = (candidates != PAD).sum(-1)
     scores, _, _ = select_rep_scores_ref(q, k_cache, block_tables, q_start, q_lens, ends, candidates,
                                          cand_lens, chunk_size=chunk_size, n_sink=n_sink,
-                                         n_stream=n_stream, rope_style=rope_style, inv_freq=inv_freq)
+                                         n_stream=n_stream, rope_style=rope_style, inv_freq=inv_freq,
+                                         head_normalized=head_normalized)
     return topk_chunks_ref(scores, candidates, cand_lens, chunk_size=chunk_size, k=k, n_sink=n_sink)
