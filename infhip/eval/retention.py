@@ -73,10 +73,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--samples", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default=None)
+    p.add_argument("--max-num-seqs", type=int, default=None)
+    p.add_argument("--kv-cache-gib", type=float, default=None, help="KV cache size (CPU default 2 GiB)")
     p.add_argument("--json", help="write the per-sample values here")
     args = p.parse_args(argv)
     try:
-        result = run_retention(args.engine, parse_lengths(args.lengths), args.samples, args.seed, args.device)
+        gib = None if args.kv_cache_gib is None else int(args.kv_cache_gib * (1 << 30))
+        result = run_retention(args.engine, parse_lengths(args.lengths), args.samples, args.seed, args.device,
+                               max_num_seqs=args.max_num_seqs, kv_cache_memory_bytes=gib)
     except (EvalError, ValueError, FileNotFoundError) as e:
         print(f"retention: error: {e}", file=sys.stderr)
         return 2
