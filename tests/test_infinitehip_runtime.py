@@ -79,9 +79,19 @@ def test_presets_generate_and_match_dense_above_context(engines, dense_tokens, c
     assert [len(t) for t in sparse] == [GREEDY.max_tokens] * len(PROMPTS)
 
 
-def test_covering_sets_equal_dense(engines, dense_tokens, calls):
-    assert generate(engines["cover"], LOW) == dense_tokens
+@pytest.mark.parametrize("chunk_score", ["max", "head_normalized"])
+def test_covering_sets_equal_dense(engines, dense_tokens, calls, chunk_score):
+    assert generate(engines["cover"], dict(LOW, chunk_score=chunk_score)) == dense_tokens
     assert calls["prefill"] > 0 and calls["decode"] > 0
+
+
+def test_head_normalized_chunk_score_changes_the_masks(engines, calls):
+    """The knob reaches the pruning stages: with real pruning (TINY knobs) the two scores pick
+    different chunks somewhere in these prompts, so the greedy tokens differ."""
+    raw = generate(engines["3k"], dict(LOW, chunk_score="max"))
+    normalized = generate(engines["3k"], dict(LOW, chunk_score="head_normalized"))
+    assert calls["decode"] > 0 and [len(t) for t in normalized] == [GREEDY.max_tokens] * len(PROMPTS)
+    assert raw != normalized
 
 
 def test_covering_sets_equal_dense_under_interpreter(engines):
