@@ -12,7 +12,8 @@ pick a representative with SelectRep, a top-1 tournament of ceil(log2 l_c) halvi
                   a right half starting past the chunk's end never wins
     r_{j,g}     = f after the last halving,   s_j = max over g of the last winner's sigma
 
-then keep the top K = k / l_c chunks by s_j (torch.topk in the launcher: the one global step)
+then keep the top K = k / l_c chunks by s_j (a second kernel, _topk_expand_kernel: the one
+global step)
 and return their candidates, ascending: int32 [NB, k], PAD-padded, plus their count (k unless
 the short last chunk or fewer than K chunks were kept). l_c must be a power of two.
 
@@ -241,8 +242,8 @@ def select_rep_scores(q, k_cache, block_tables, q_start, q_lens, ends, candidate
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0), cand.stride(0),
         max_chunks, Hkv, G, D, n_sink, n_stream, chunk_size, _num_iters(chunk_size),
-        PAGE_SIZE=page_size, BLOCK_Q=BLOCK_Q, BLOCK_C=BLOCK_C,
-        HEADS_PER_PROG=heads_per_program, BLOCK_D=max(16, next_pow2(D)), CAND_IMPLICIT=implicit, STORE_REPS=store_reps,
+        PAGE_SIZE=page_size, BLOCK_Q=BLOCK_Q, BLOCK_C=BLOCK_C, HEADS_PER_PROG=heads_per_program,
+        BLOCK_D=max(16, next_pow2(D)), CAND_IMPLICIT=implicit, STORE_REPS=store_reps,
         ROPE_STYLE=style, DOT_F32=not q.is_cuda or q.dtype == torch.float32,
         DOT_PRECISION=dot_precision(q.dtype if q.is_cuda else torch.float32),
         # the [b_q * group, D] query tile stays in registers
@@ -354,7 +355,7 @@ def topk_chunks(scores, candidates, cand_lens, *, chunk_size: int, k: int, n_sin
     kept = torch.empty((NB, max(K, 1)), dtype=torch.int32, device=scores.device)
     cand = kept if candidates is None else candidates
     block_all = next_pow2(C)
-    _topk_expand_kernel[(NB,)](
+    _topk_expand_kernel[(NB,)](  # an unused pointer argument gets any int32 tensor
         scores, cand, cand_lens if cand_lens is not None else lens, ends if ends is not None else lens,
         kept, out, lens,
         scores.stride(0), cand.stride(0), kept.stride(0), out.stride(0),
