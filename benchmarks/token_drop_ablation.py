@@ -10,6 +10,8 @@ last `chunk` tokens under four semantics with those same kept sets:
     drop       the engine's semantics (dropped rows skip layers and write no KV there)
     keys-only  every row runs every layer; each layer's keys are its kept set (KV removal only)
     rows-only  dropped rows skip layers and re-enter stale, but every token keeps its KV (no removal)
+    nested     no re-entry: a token dropped at an anchor stays dropped (kept sets intersected;
+               LazyLLM-like; the sets are still the ones the engine chose with re-entry)
 
 Prints the perplexity of each. Run from the repository root.
 """
@@ -52,14 +54,21 @@ def main() -> None:
         return math.exp(-lp.mean().item())
 
     src = Path(ref.__file__).read_text()
-    variants = {"keys-only": ("x = torch.where(active[:, None], x1 + m, x)", "x = x1 + m"),
-                "rows-only": ("keys = active.clone()", "keys = torch.ones(L, dtype=torch.bool, device=dev)")}
+    variants = {"keys-only": [("x = torch.where(active[:, None], x1 + m, x)", "x = x1 + m")],
+                "rows-only": [("keys = active.clone()", "keys = torch.ones(L, dtype=torch.bool, device=dev)")],
+                "nested": [("            active = torch.ones(L, dtype=torch.bool, device=dev)  # reconstitution: every row re-enters\n",
+                            "            prev_active = active\n"),
+                           ("                active[num_prompt:] = True\n",
+                            "                active[num_prompt:] = True\n                active &= prev_active\n")]}
     print(f"dense     {ppl(ref.reference_logits, {}):.3f}")
     print(f"drop      {ppl(ref.reference_logits, kept):.3f}")
-    for name, (old, new) in variants.items():
-        assert old in src, f"tests/_td_reference.py changed: {old!r} not found"
+    for name, edits in variants.items():
+        code = src
+        for old, new in edits:
+            assert old in code, f"tests/_td_reference.py changed: {old!r} not found"
+            code = code.replace(old, new)
         ns: dict = {}
-        exec(compile(src.replace(old, new), name, "exec"), ns)
+        exec(compile(code, name, "exec"), ns)
         print(f"{name:9} {ppl(ns['reference_logits'], kept):.3f}")
 
 
