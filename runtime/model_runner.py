@@ -242,6 +242,8 @@ class ModelRunner:
                 seq.dropped = [0] * len(self.model.layers)
             for layer, rec in td.records:
                 seq.dropped[layer] += rec[d.b][1] - rec[d.b][0]
+            if not any(seq.dropped):  # kept everything: no history, shared metadata and graphs
+                seq.dropped = None
             per_layer = self.retention.pop(seq.seq_id, {}) if d.start else {}
             self.retention[seq.seq_id] = per_layer  # newest last
             while len(self.retention) > 256:  # bounded: the latest sequences only
