@@ -192,10 +192,10 @@ def decode_step_types(ctx: PagedContext, cfg, bs: int, reps: int, gen, profile_d
         text = profile_step(step(0), profile_dir / f"decode_kernels_{ctx.n}_{stages[-1].chunk_size}.txt")
         print(f"[{ctx.n}] kernels of a full-refresh decode step:\n{text}", flush=True)
     per_stage = {f"stage{i + 1}": graph_time_us(lambda i=i: stage(i), reps) for i in range(S)}
-    prev_kw = dict(chunk_size=stages[0].chunk_size, k=stages[0].k, block_q=1, max_candidates=middle,
+    stage1_kw = dict(chunk_size=stages[0].chunk_size, k=stages[0].k, block_q=1, max_candidates=middle,
                    rope_style=prune_rope, **kw)
     per_stage["stage1_variants"] = {str(v): graph_time_us(lambda v=v: pruning_stage(
-        q, ctx.k_cache, tables, q_start, ones, ends, **prev_kw, **v), reps) for v in DECODE_STAGE1_VARIANTS}
+        q, ctx.k_cache, tables, q_start, ones, ends, **stage1_kw, **v), reps) for v in DECODE_STAGE1_VARIANTS}
     per_stage["attention"] = per_type[S]
     return {"step_us": per_type, "stage_us": per_stage}
 
@@ -221,7 +221,7 @@ def cycle_stats(step_us: dict, intervals: tuple[int, ...]) -> dict:
 
 PRUNE_VARIANTS = [dict(), dict(block_c=64), dict(num_warps=4)]  # defaults first
 ATTN_VARIANTS = [dict(), dict(block_n=64)]
-DECODE_STAGE1_VARIANTS = [dict(), dict(block_c=32), dict(block_c=64), dict(num_warps=8)]
+DECODE_STAGE1_VARIANTS = [dict(), dict(block_c=16), dict(block_c=64), dict(num_warps=8)]  # default: 32
 
 
 def prefill_breakdown(ctx: PagedContext, cfg, gen) -> dict:

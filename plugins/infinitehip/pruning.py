@@ -404,12 +404,12 @@ def pruning_stage(q, k_cache, block_tables, q_start, q_lens, ends, candidates=No
                                  chunk_size=chunk_size, k=k, n_sink=n_sink, n_stream=n_stream,
                                  max_candidates=max_candidates, rope_style=rope_style, inv_freq=inv_freq,
                                  head_normalized=head_normalized)
+    if candidates is not None and cand_lens is None:  # once, for both kernels
+        cand_lens = _candidate_lens(ends, candidates, None, n_sink, n_stream)
     scores, _ = select_rep_scores(q, k_cache, block_tables, q_start, q_lens, ends, candidates,
                                   cand_lens, chunk_size=chunk_size, block_q=block_q, n_sink=n_sink,
                                   n_stream=n_stream, max_candidates=max_candidates,
                                   rope_style=rope_style, inv_freq=inv_freq,
                                   head_normalized=head_normalized, **tuning)
-    if candidates is not None and cand_lens is None:
-        cand_lens = _candidate_lens(ends, candidates, None, n_sink, n_stream)
     return topk_chunks(scores, candidates, cand_lens, chunk_size=chunk_size, k=k, n_sink=n_sink,
                        ends=ends, n_stream=n_stream)
