@@ -206,10 +206,10 @@ def cycle_stats(step_us: dict, intervals: tuple[int, ...]) -> dict:
     synchronized vs layer-staggered refresh phases."""
     cycle = intervals[0]
     steps = range(1, cycle + 1)
-    amortized = sum(step_us[refresh_from(j, 0, intervals)] for j in steps) / cycle
+    amortized = sum(step_us[refresh_from(j, j, intervals)] for j in steps) / cycle
 
     def spikes(phase_of_layer) -> dict:
-        totals = [sum(step_us[refresh_from(j, phase_of_layer(layer), intervals)] for layer in range(NUM_LAYERS))
+        totals = [sum(step_us[refresh_from(j, j + phase_of_layer(layer), intervals)] for layer in range(NUM_LAYERS))
                   for j in steps]
         med = statistics.median(totals)
         p99 = sorted(totals)[min(len(totals) - 1, math.ceil(0.99 * len(totals)) - 1)]

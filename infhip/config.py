@@ -184,7 +184,7 @@ class InfiniteHipConfig:
     special_pruning_rope: str = "chunk_indexed"
     attention_rope: str = "streaming"
     rope_off_in_trained_window: bool = True
-    stagger_refresh: bool = True  # offset refresh schedules by mask-cache slot and by layer (mask_cache.py)
+    stagger_refresh: bool = True  # offset each layer's refresh phase (runtime/mask_cache.py)
     chunk_score: str = "max"  # "max" (paper) | "head_normalized"
 
     def __post_init__(self) -> None:

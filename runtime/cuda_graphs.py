@@ -1,9 +1,16 @@
 """CUDA graphs for decode steps of a fixed list of batch sizes.
 
-Buffers are allocated once at the largest size; graphs are captured largest first into one
-memory pool (SPEC §8.6). A decode step of B sequences replays the smallest captured size >= B;
-rows B.. are padding: slot -1 (the cache write skips it), context length 0 (attention reads
-nothing) and token 0.
+Buffers are allocated once at the largest size; the dense graphs are captured largest first into
+one memory pool at start-up (SPEC §8.6). A decode step of B sequences replays the smallest
+captured size >= B; rows B.. are padding: slot -1 (the cache write skips it), context length 0
+(attention reads nothing), token 0 and the scratch mask-cache slot.
+
+InfiniteHiP decode steps (engines with sparse layers, contexts past ``dense_threshold``) replay
+one graph per (batch size, SparseStepHost.graph_key): which pruning stages each layer group
+recomputes this step, the stage-1 candidate capacity and whether dynamic RoPE is on. The key
+is chosen on the host per step; its graph is captured the first time it is needed (a cycle of
+``n_refresh(0)`` steps has at most that many patterns; the capacity changes when the context
+doubles) into the same pool, and writes its logits into one shared buffer.
 """
 
 from __future__ import annotations
@@ -13,6 +20,9 @@ import bisect
 import torch
 
 from infhip.runtime.forward_context import ForwardContext, KVGroupMetadata, forward_context
+from infhip.runtime.sparse_attention import SparseStep
+
+_MASK_SLOT_ROW = 3  # the row of `rows` that holds each decode row's mask-cache slot
 
 
 class DecodeGraphs:
@@ -22,17 +32,19 @@ class DecodeGraphs:
         max_bs, dev = self.sizes[-1], runner.device
         self.groups = list(runner.groups)
         # The inputs of up to max_steps decode steps travel in one pinned int64 block, one
-        # host-to-device copy: per step, rows = input_ids, positions, context_lens, then one slot
-        # row per KV group. Before each replay the step's rows are copied (on the device) into
-        # `rows`, which the graphs read.
-        num_rows = 3 + len(self.groups)
+        # host-to-device copy: per step, rows = input_ids, positions, context_lens, mask-cache
+        # slots (InfiniteHiP), then one KV slot row per group. Before each replay the step's
+        # rows are copied (on the device) into `rows`, which the graphs read.
+        num_rows = 4 + len(self.groups)
         self.host_steps = torch.zeros((max_steps, num_rows, max_bs), dtype=torch.int64).pin_memory()
         self.host_steps_np = self.host_steps.numpy()
         self.steps = torch.zeros_like(self.host_steps, device=dev)
         self.rows = torch.zeros((num_rows, max_bs), dtype=torch.int64, device=dev)
-        self.rows[3:] = -1  # slots of rows never used write nothing (also while capturing)
+        self.planner = runner.sparse_planner
+        self.scratch_slot = self.planner.slots.scratch if self.planner is not None else 0
+        self._pad_rows(self.rows)  # rows never used write nothing (also while capturing)
         self.input_ids, self.positions = self.rows[0], self.rows[1]
-        self.slots = {g: self.rows[3 + i] for i, g in enumerate(self.groups)}
+        self.slots = {g: self.rows[4 + i] for i, g in enumerate(self.groups)}
         # The attention kernels want int32 lengths: converted on the device inside the graph.
         self.context_lens = torch.zeros(max_bs, dtype=torch.int32, device=dev)
         self.cu_seqlens_q = torch.arange(max_bs + 1, dtype=torch.int32, device=dev)
@@ -44,14 +56,45 @@ class DecodeGraphs:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
         self.pool = None
+        # InfiniteHiP: graphs per (batch size, graph key), captured on first use
+        self.sparse_graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
+        self.sparse_logits: torch.Tensor | None = None  # [max_bs, vocab], shared by the sparse graphs
+        if self.planner is not None:
+            self.arange = torch.arange(max_bs, dtype=torch.int64, device=dev)
+            self.arange32 = torch.arange(max_bs, dtype=torch.int32, device=dev)
+            self.ones32 = torch.ones(max_bs, dtype=torch.int32, device=dev)
+            self.none64 = torch.zeros(0, dtype=torch.int64, device=dev)
+            self.none32 = torch.zeros(0, dtype=torch.int32, device=dev)
         self._capture_all()
 
-    def _context(self, bs: int) -> ForwardContext:
+    def _pad_rows(self, rows) -> None:
+        """Padding values of a [num_rows, n] block: token 0 at position 0, no context, the scratch
+        mask slot, no KV write."""
+        rows[0:3] = 0
+        rows[_MASK_SLOT_ROW] = self.scratch_slot
+        rows[4:] = -1
+
+    def _context(self, bs: int, key: tuple | None = None) -> ForwardContext:
         return ForwardContext(
             positions=self.positions[:bs], context_lens=self.context_lens[:bs],
             cu_seqlens_q=self.cu_seqlens_q[:bs + 1], num_decodes=bs,
             groups={g: KVGroupMetadata(self.slots[g][:bs], self.tables[g][:bs]) for g in self.slots},
-            cu_seqlens_q_list=list(range(bs + 1)), context_lens_list=[0] * bs)
+            cu_seqlens_q_list=list(range(bs + 1)), context_lens_list=[0] * bs,
+            sparse=self._sparse_step(bs, key) if key is not None else None)
+
+    def _sparse_step(self, bs: int, key: tuple) -> SparseStep:
+        """The SparseStep of a graph: every row is a sparse decode row (row b = batch index b) and
+        recomputes the stages the key's refresh pattern names; lengths and mask slots are views
+        of the static buffers."""
+        refresh, capacity, dynamic_rope = key
+        rows, none64, none32 = self.arange[:bs], self.none64, self.none32
+        return SparseStep(
+            decode_rows=rows, decode_q_start=self.arange32[:bs], decode_q_lens=self.ones32[:bs],
+            decode_ends=self.context_lens[:bs], decode_slots=self.rows[_MASK_SLOT_ROW, :bs],
+            stage_rows=[[rows if r else none64 for r in group] for group in refresh], refresh=refresh,
+            max_middle=capacity, prefill_q_start=none32, prefill_q_lens=none32, prefill_ends=none32,
+            prefill_seqs=none64, dense_decode_lens=none32, num_dense_decodes=0, dense_prefill_runs=[],
+            dynamic_rope=dynamic_rope)
 
     @torch.inference_mode()
     def _capture_all(self) -> None:
@@ -74,6 +117,23 @@ class DecodeGraphs:
         model = self.runner.model
         return model.compute_logits(model(self.input_ids[:bs]))
 
+    @torch.inference_mode()
+    def _capture_sparse(self, bs: int, key: tuple) -> torch.cuda.CUDAGraph:
+        """Capture the sparse graph (bs, key) with padding inputs (the warm-up writes no KV and
+        only the scratch mask slot); the caller stages the real inputs afterwards."""
+        self._pad_rows(self.rows)
+        with forward_context(self._context(bs, key)):
+            logits = self._forward(bs)  # warm-up: compiles the Triton kernels outside the capture
+            if self.sparse_logits is None:
+                self.sparse_logits = torch.empty((self.sizes[-1], logits.shape[1]), dtype=logits.dtype,
+                                                 device=logits.device)
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                self.sparse_logits[:bs].copy_(self._forward(bs))
+        self.sparse_graphs[(bs, key)] = graph
+        return graph
+
     def fits(self, num_seqs: int) -> bool:
         return num_seqs <= self.sizes[-1]
 
@@ -87,10 +147,11 @@ class DecodeGraphs:
             if j == 0:
                 rows[0, :n] = p.input_ids
             rows[1, :n], rows[2, :n] = p.positions, p.ctx_lens
-            rows[0:3, n:bs] = 0  # padding rows: token 0 at position 0 with no context
+            if p.sparse is not None and p.sparse.decode_rows:
+                rows[_MASK_SLOT_ROW, :n] = p.sparse.decode_slots
             for i, g in enumerate(self.groups):
-                rows[3 + i, :n] = p.slots[g]
-                rows[3 + i, n:bs] = -1  # padding writes nothing
+                rows[4 + i, :n] = p.slots[g]
+            self._pad_rows(rows[:, n:bs])
         k = len(plans)
         # Whole contiguous blocks (a few KB): a strided pinned copy could be staged through pageable memory.
         self.steps[:k].copy_(self.host_steps[:k], non_blocking=True)
@@ -103,11 +164,18 @@ class DecodeGraphs:
             self.tables[g][:n].copy_(self.host_tables[i, :n], non_blocking=True)
         return bs
 
-    def replay(self, step: int, bs: int, n: int, input_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def replay(self, step: int, bs: int, n: int, input_ids: torch.Tensor | None = None,
+               key: tuple | None = None) -> torch.Tensor:
         """Replay staged step `step` (input_ids: the previous step's sampled tokens [n], on the
-        device, for step > 0); returns logits [n, vocab]."""
+        device, for step > 0; key: the step's SparseStepHost.graph_key for a sparse step);
+        returns logits [n, vocab]."""
+        if key is None:
+            graph, logits = self.graphs[bs], self.logits[bs]
+        else:
+            graph = self.sparse_graphs.get((bs, key)) or self._capture_sparse(bs, key)
+            logits = self.sparse_logits
         self.rows[:, :bs].copy_(self.steps[step, :, :bs])
         if input_ids is not None:
             self.input_ids[:n].copy_(input_ids)
-        self.graphs[bs].replay()
-        return self.logits[bs][:n]
+        graph.replay()
+        return logits[:n]

@@ -3,26 +3,29 @@ and where each request's cached stage outputs live.
 
 Schedule. A request's sparse decode steps are numbered j = 0, 1, ... from the first one after
 its (re)prefill or after its context crossed ``dense_threshold``; j = 0 computes every stage.
-Afterwards stage i is recomputed at step j when ``(j + phase) % refresh_intervals[i] == 0``.
-Intervals are multiples of the next stage's (checked by InfiniteHipConfig), so a stage's
-refresh always comes with every later stage's: a step is described by one number, the first
-refreshed stage (``num_stages`` = none).
+Afterwards stage i is recomputed when ``(clock + layer_offset) % refresh_intervals[i] == 0``,
+where ``clock`` counts the engine's steps with sparse decode rows (SparsePlanner). Intervals are
+multiples of the next stage's (checked by InfiniteHipConfig), so a stage's refresh always comes
+with every later stage's: a step is described per layer by one number, the first refreshed stage
+(``num_stages`` = none).
+
+One clock for every request means that all requests of a batch past their first step refresh
+the same stages at the same layers, so a decode step is described by one refresh pattern and a
+CUDA graph per (batch size, pattern) can replay it (runtime/cuda_graphs.py).
 
 Staggering (``stagger_refresh``, on by default) spreads the expensive stage-1 refreshes so no
-step pays for all of them at once: ``phase = slot % n_refresh(0) + layer_offset(layer)``. The
-slot term spreads the requests of a batch; the layer term (:func:`layer_offsets`: the k-th of L
-InfiniteHiP layers is shifted by ``k * n_refresh(0) // L`` steps) spreads one request's layers,
-so that a whole-model decode step costs about the same at every step of the cycle (measured
-spike reduction in docs/benchmarks.md). Without staggering every layer and request refreshes
-together, as in the paper.
+step pays for all of them at once: the k-th of L InfiniteHiP layers is shifted by
+``k * n_refresh(0) // L`` steps (:func:`layer_offsets`), so that a whole-model decode step costs
+about the same at every step of the cycle (measured spike reduction in docs/benchmarks.md).
+Without staggering every layer refreshes together, as in the paper.
 
 Slots. The cached outputs live in fixed-capacity device tensors per layer (:class:`MaskCache`:
-stage i -> int32 [max_slots, k_i] + lens [max_slots]) indexed by a per-request slot that
-:class:`MaskSlots` hands out on the host (a request keeps its slot while it decodes; a finished
-or preempted request's slot is reclaimed when needed). Fixed capacity and per-row slot indices
-keep the decode step graph-capturable later (one graph per batch size and first refreshed stage).
+stage i -> int32 [max_slots + 1, k_i] + lens [max_slots + 1]; the last row is the scratch slot
+that padding rows of a CUDA graph write) indexed by a per-request slot that :class:`MaskSlots`
+hands out on the host (a request keeps its slot while it decodes; a finished or preempted
+request's slot is reclaimed when needed).
 
-    >>> [refresh_from(j, 0, (16, 8, 4)) for j in range(9)]
+    >>> [refresh_from(j, j, (16, 8, 4)) for j in range(9)]   # a request alone, from clock 0
     [0, 3, 3, 3, 2, 3, 3, 3, 1]
 """
 
@@ -34,12 +37,13 @@ from infhip.config import PruningStage
 from infhip.plugins.infinitehip import PAD
 
 
-def refresh_from(step: int, phase: int, intervals: tuple[int, ...]) -> int:
-    """First stage recomputed at a request's sparse decode step ``step`` (len(intervals): none)."""
+def refresh_from(step: int, clock: int, intervals: tuple[int, ...]) -> int:
+    """First stage recomputed at a request's sparse decode step number ``step`` when the
+    (layer-shifted) clock reads ``clock`` (len(intervals): none)."""
     if step == 0:
         return 0
     for i, n in enumerate(intervals):
-        if (step + phase) % n == 0:
+        if clock % n == 0:
             return i
     return len(intervals)
 
@@ -54,17 +58,19 @@ def layer_offsets(num_layers: int, cycle: int) -> list[int]:
     return [k * cycle // num_layers for k in range(num_layers)]
 
 
-def refresh_schedule(num_steps: int, intervals: tuple[int, ...], phase: int = 0) -> list[tuple[int, ...]]:
-    """The stages recomputed at each of the first ``num_steps`` steps (for tests and docs)."""
+def refresh_schedule(num_steps: int, intervals: tuple[int, ...], clock: int = 0) -> list[tuple[int, ...]]:
+    """The stages recomputed at each of the first ``num_steps`` steps of a request whose first
+    sparse decode step ran at ``clock`` (for tests and docs)."""
     n = len(intervals)
-    return [tuple(range(refresh_from(j, phase, intervals), n)) for j in range(num_steps)]
+    return [tuple(range(refresh_from(j, clock + j, intervals), n)) for j in range(num_steps)]
 
 
 class MaskSlots:
     """Host bookkeeping: request -> mask-cache slot, and each slot's sparse decode step count."""
 
-    def __init__(self, max_slots: int, intervals: tuple[int, ...], stagger: bool):
-        self.max_slots, self.intervals, self.stagger = max_slots, intervals, stagger
+    def __init__(self, max_slots: int):
+        self.max_slots = max_slots
+        self.scratch = max_slots  # MaskCache row written by padding rows (never handed out)
         self._free = list(range(max_slots - 1, -1, -1))  # pop() hands out slot 0 first
         self._slot: dict[int, int] = {}  # seq_id -> slot
         self._owner: dict[int, object] = {}  # slot -> Sequence (to see when it finished)
@@ -90,14 +96,8 @@ class MaskSlots:
             self._steps[slot] = 0
 
     def next_decode(self, seq) -> tuple[int, int]:
-        """(slot, first stage to recompute) for the request's next sparse decode step (no
-        layer offset)."""
-        slot, step, phase = self.next_decode_state(seq)
-        return slot, refresh_from(step, phase, self.intervals)
-
-    def next_decode_state(self, seq) -> tuple[int, int, int]:
-        """(slot, step number j, slot phase) of the request's next sparse decode step; the first
-        stage a layer recomputes is refresh_from(j, phase + that layer's offset, intervals)."""
+        """(slot, step number j) of the request's next sparse decode step; j = 0: its masks are
+        not valid, every stage is recomputed."""
         slot = self._slot.get(seq.seq_id)
         if slot is None:
             if not self._free:
@@ -107,16 +107,17 @@ class MaskSlots:
             slot = self._free.pop()
             self._slot[seq.seq_id], self._owner[slot] = slot, seq
             self._steps[slot] = 0
-        phase = slot % self.intervals[0] if self.stagger else 0
         step = self._steps[slot]
         self._steps[slot] += 1
-        return slot, step, phase
+        return slot, step
 
 
 class MaskCache:
-    """Device-side cached stage outputs of one layer: stage i -> (int32 [max_slots, k_i]
-    ascending PAD-padded survivors, int32 [max_slots] counts)."""
+    """Device-side cached stage outputs of one layer: stage i -> (int32 [max_slots + 1, k_i]
+    ascending PAD-padded survivors, int32 [max_slots + 1] counts); row max_slots is the scratch
+    slot (MaskSlots.scratch)."""
 
     def __init__(self, stages: tuple[PruningStage, ...], max_slots: int, device: torch.device):
-        self.selected = [torch.full((max_slots, s.k), PAD, dtype=torch.int32, device=device) for s in stages]
-        self.lens = [torch.zeros(max_slots, dtype=torch.int32, device=device) for _ in stages]
+        rows = max_slots + 1
+        self.selected = [torch.full((rows, s.k), PAD, dtype=torch.int32, device=device) for s in stages]
+        self.lens = [torch.zeros(rows, dtype=torch.int32, device=device) for _ in stages]

@@ -4,7 +4,7 @@ plan/run split (SPEC §8.5): `prepare` turns the scheduler's chunks into flat te
 `ForwardContext` on the host, once per step; the model's forward only launches kernels. A step
 made only of decodes whose batch size has a captured graph copies its inputs into the graph's
 static buffers (padding with sentinels: slot -1 writes nothing, context length 0 reads nothing)
-and replays it.
+and replays it; with InfiniteHiP rows, the graph of its refresh pattern (runtime/cuda_graphs.py).
 """
 
 from __future__ import annotations
@@ -215,10 +215,18 @@ class ModelRunner:
                        context_lens=self._tensor(ctx_lens, torch.int32), context_lens_list=ctx_lens)
 
     def _uses_graph(self, p: StepPlan, num_seqs: int) -> bool:
-        # The captured decode graphs are dense; a step with sparse rows runs eagerly (graphs per
-        # (batch size, SparseStep.refresh) are future work).
-        return (self.graphs is not None and p.num_decodes == num_seqs and self.graphs.fits(num_seqs)
-                and not p.has_sparse and p.layer_dropped is None)  # per-layer KV lengths: eager
+        """A pure decode step replays a captured graph: the dense graph of its batch size, or,
+        with InfiniteHiP rows, the graph of its sparse key (all rows sparse and refreshing alike).
+        Steps with drop histories (per-layer KV lengths) run eagerly."""
+        if self.graphs is None or p.num_decodes != num_seqs or not self.graphs.fits(num_seqs):
+            return False
+        if p.layer_dropped is not None:
+            return False
+        return not p.has_sparse or p.sparse.graph_key is not None
+
+    @staticmethod
+    def _graph_key(p: StepPlan) -> tuple | None:
+        return p.sparse.graph_key if p.has_sparse else None
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> torch.Tensor:
@@ -226,7 +234,8 @@ class ModelRunner:
         p = self.prepare(out)
         if self._uses_graph(p, len(out.chunks)):
             bs = self.graphs.load([p])
-            return self.graphs.replay(0, bs, len(out.chunks))  # a decode chunk always samples
+            # a decode chunk always samples
+            return self.graphs.replay(0, bs, len(out.chunks), key=self._graph_key(p))
         with forward_context(self._context(p)) as ctx:
             hidden = self.model(self._tensor(p.input_ids, torch.int64))
         if ctx.token_drop is not None:
@@ -275,7 +284,8 @@ class ModelRunner:
         if all(self._uses_graph(p, n) for p in plans):
             bs = self.graphs.load(plans)
             for j in range(num_steps):
-                tokens.append(sample(self.graphs.replay(j, bs, n, tokens[-1] if tokens else None)))
+                logits = self.graphs.replay(j, bs, n, tokens[-1] if tokens else None, key=self._graph_key(plans[j]))
+                tokens.append(sample(logits))
             return tokens
         for j, p in enumerate(plans):
             input_ids = tokens[-1] if tokens else self._tensor(p.input_ids, torch.int64)

@@ -6,10 +6,10 @@ mask-cache slot and, per *layer group* (the InfiniteHiP layers sharing a refresh
 mask_cache.layer_offsets), the first pruning stage they recompute; sparse prefill chunks are
 cut into query blocks of ``block_q``. The dense kernels see the rest: decode rows through
 context lengths with 0 for the sparse rows (reads nothing), prefill chunks as runs of
-consecutive dense chunks. ``SparseStep.refresh`` (per layer group, which stages anyone
-recomputes) together with the decode batch size is what a CUDA graph of a sparse decode step
-would be keyed on; sparse decode steps run eagerly for now (the runner skips its dense decode
-graphs for them).
+consecutive dense chunks. A step of sparse decode rows only, all refreshing the same stages
+(every request past its first sparse step: one refresh clock), has a ``graph_key`` (refresh
+pattern, stage-1 candidate capacity, dynamic RoPE); with the batch size it selects the CUDA
+graph that replays the step (runtime/cuda_graphs.py). Other steps run eagerly.
 
 run (per layer, :class:`InfiniteHipLayer`): decode rows recompute the stages they must (each
 from the previous stage's cached or fresh output), store them in the layer's MaskCache, then
@@ -43,6 +43,8 @@ class SparseStepHost:
     dense_prefill_runs: list[tuple[int, int]]  # batch ranges [lo, hi) of dense prefill chunks
     dynamic_rope: bool
     refresh: tuple[tuple[bool, ...], ...]  # per layer group, per stage: does any row recompute it
+    capacity: int  # stage-1 candidate capacity (>= every row's middle; a power of two)
+    graph_key: tuple | None  # (refresh, capacity, dynamic_rope) when a CUDA graph can replay the step
 
 
 @dataclass
@@ -56,7 +58,7 @@ class SparseStep:
     decode_slots: torch.Tensor  # int64 [Bs]
     stage_rows: list[list[torch.Tensor]]  # [group][stage]: int64 indices into [Bs] of rows recomputing it
     refresh: tuple[tuple[bool, ...], ...]  # [group][stage]
-    max_middle: int  # longest stage-1 candidate range of the step (implicit walk capacity)
+    max_middle: int  # stage-1 candidate capacity (implicit walk), >= every row's middle
     prefill_q_start: torch.Tensor  # int32 [NB] query blocks of the sparse prefill chunks
     prefill_q_lens: torch.Tensor  # int32 [NB]
     prefill_ends: torch.Tensor  # int32 [NB]
@@ -67,12 +69,25 @@ class SparseStep:
     dynamic_rope: bool
 
 
+def candidate_capacity(end: int, n_sink: int, n_stream: int) -> int:
+    """Stage-1 candidate capacity for contexts up to ``end`` tokens: the middle (neither sink
+    nor stream) rounded up to a power of two >= 1024, so that it, and with it the kernels' grid
+    and a CUDA graph's key, changes only when the context doubles.
+
+        >>> candidate_capacity(100, 4, 8), candidate_capacity(5000, 256, 1024)
+        (1024, 4096)
+    """
+    middle = max(0, max(min(n_sink, end), end - n_stream) - n_sink)
+    return 1 << max(10, (middle - 1).bit_length())
+
+
 class SparsePlanner:
     """Host side: decides per step which rows go sparse and which stages they recompute."""
 
     def __init__(self, cfg: InfiniteHipConfig, max_slots: int, trained_window: int, num_sparse_layers: int = 1):
         self.cfg, self.trained_window = cfg, trained_window
-        self.slots = MaskSlots(max_slots, cfg.refresh_intervals, cfg.stagger_refresh)
+        self.slots = MaskSlots(max_slots)
+        self.clock = 0  # steps with sparse decode rows so far: the refresh schedule's time
         offsets = (layer_offsets(num_sparse_layers, cfg.refresh_intervals[0]) if cfg.stagger_refresh
                    else [0] * num_sparse_layers)
         self.group_offsets = sorted(set(offsets))
@@ -87,8 +102,8 @@ class SparsePlanner:
             if b < num_decodes:
                 dense_lens.append(0 if sparse else end)
                 if sparse:
-                    slot, j, phase = self.slots.next_decode_state(seq)
-                    first = tuple(refresh_from(j, phase + o, cfg.refresh_intervals) for o in self.group_offsets)
+                    slot, j = self.slots.next_decode(seq)
+                    first = tuple(refresh_from(j, self.clock + o, cfg.refresh_intervals) for o in self.group_offsets)
                     rows.append(b), ends.append(end), slots.append(slot), firsts.append(first)
                     continue
             elif sparse:
@@ -98,14 +113,18 @@ class SparsePlanner:
             else:
                 runs.append((b, b + 1))
             self.slots.invalidate(seq.seq_id)  # not a sparse decode step: masks go stale
+        self.clock += bool(rows)
         sparse_ends = ends + [ctx_lens[b] for b in prefill]
         dynamic = bool(sparse_ends) and (not cfg.rope_off_in_trained_window
                                          or max(sparse_ends) > self.trained_window)
+        refresh = tuple(tuple(any(f[g] <= i for f in firsts) for i in range(n))
+                        for g in range(len(self.group_offsets)))
+        capacity = candidate_capacity(max(sparse_ends, default=0), cfg.n_sink, cfg.n_stream)
+        graphable = rows and len(rows) == len(seqs) and all(f == firsts[0] for f in firsts)
         return SparseStepHost(decode_rows=rows, decode_ends=ends, decode_slots=slots,
                               decode_first_stage=firsts, prefill_seqs=prefill, dense_decode_lens=dense_lens,
-                              dense_prefill_runs=runs, dynamic_rope=dynamic,
-                              refresh=tuple(tuple(any(f[g] <= i for f in firsts) for i in range(n))
-                                            for g in range(len(self.group_offsets))))
+                              dense_prefill_runs=runs, dynamic_rope=dynamic, refresh=refresh, capacity=capacity,
+                              graph_key=(refresh, capacity, dynamic) if graphable else None)
 
     def to_device(self, h: SparseStepHost, cu: list[int], ctx_lens: list[int], tensor) -> SparseStep:
         """Tensors of a host plan; ``tensor(values, dtype)`` puts a list on the device."""
@@ -116,8 +135,6 @@ class SparsePlanner:
         # plan_query_blocks numbers rows from 0 over the chunks it is given; shift each block to
         # its chunk's first row in the step's packed q.
         shift = [cu[h.prefill_seqs[s]] - sum(q_lens[:s]) for s in seq_of]
-        all_ends = h.decode_ends + ends.tolist()
-        middle = max([max(0, max(min(cfg.n_sink, e), e - cfg.n_stream) - cfg.n_sink) for e in all_ends] or [0])
         # every (group, stage) row list in one upload, sliced per group and stage (views)
         S, idx = len(cfg.stages), range(len(h.decode_rows))
         lists = [[r for r in idx if h.decode_first_stage[r][g] <= i]
@@ -132,7 +149,7 @@ class SparsePlanner:
             decode_q_lens=tensor([1] * len(h.decode_rows), torch.int32),
             decode_ends=tensor(h.decode_ends, torch.int32), decode_slots=tensor(h.decode_slots, torch.int64),
             stage_rows=[views[g * S:(g + 1) * S] for g in range(len(self.group_offsets))],
-            refresh=h.refresh, max_middle=middle,
+            refresh=h.refresh, max_middle=h.capacity,
             prefill_q_start=tensor([s + d for s, d in zip(starts.tolist(), shift)], torch.int32),
             prefill_q_lens=tensor(lens.tolist(), torch.int32), prefill_ends=tensor(ends.tolist(), torch.int32),
             prefill_seqs=tensor([h.prefill_seqs[s] for s in seq_of], torch.int64),

@@ -1,5 +1,6 @@
 """Mask-caching schedule (host only): which stages a request's decode step recomputes, per
-preset, staggered by mask-cache slot; slot reuse; and the planner's per-step decisions."""
+preset, on one refresh clock for all requests; slot reuse; the planner's per-step decisions and
+the CUDA-graph keys they give."""
 
 from __future__ import annotations
 
@@ -13,9 +14,9 @@ from infhip.runtime.sequence import Sequence, SequenceStatus
 from infhip.runtime.sparse_attention import SparsePlanner
 
 
-def stage_steps(intervals, num_steps, phase=0):
+def stage_steps(intervals, num_steps, clock=0):
     """For each stage: the steps (< num_steps) at which it is recomputed."""
-    sched = refresh_schedule(num_steps, intervals, phase)
+    sched = refresh_schedule(num_steps, intervals, clock)
     return [[j for j, stages in enumerate(sched) if i in stages] for i in range(len(intervals))]
 
 
@@ -33,13 +34,15 @@ def test_schedule_per_preset(preset, intervals):
 
 def test_schedule_3k_first_steps():
     assert refresh_schedule(9, (16, 8, 4)) == [(0, 1, 2), (), (), (), (2,), (), (), (), (1, 2)]
-    assert [refresh_from(j, 0, (96, 24, 8)) for j in (0, 8, 24, 48, 96)] == [0, 2, 1, 1, 0]
+    assert [refresh_from(j, j, (96, 24, 8)) for j in (0, 8, 24, 48, 96)] == [0, 2, 1, 1, 0]
 
 
-def test_stagger_spreads_stage1_over_slots():
+def test_late_request_joins_the_common_clock():
+    """A request whose first sparse step runs at clock 3 recomputes everything then, and
+    afterwards at the clock's multiples, not at multiples of its own step count."""
     intervals = (16, 8, 4)
-    firsts = [stage_steps(intervals, 40, phase=slot % 16)[0] for slot in range(4)]
-    assert firsts == [[0, 16, 32], [0, 15, 31], [0, 14, 30], [0, 13, 29]]
+    assert stage_steps(intervals, 40, clock=3)[0] == [0, 13, 29]  # clock 16 and 32
+    assert stage_steps(intervals, 12, clock=3)[2] == [0, 1, 5, 9]  # clock 4, 8, 12
 
 
 def seq(i, n=10):
@@ -49,10 +52,10 @@ def seq(i, n=10):
 
 
 def test_slots_reuse_and_invalidate():
-    slots = MaskSlots(2, (4, 2, 1), stagger=False)
+    slots = MaskSlots(2)
     a, b, c = seq(0), seq(1), seq(2)
-    assert [slots.next_decode(a) for _ in range(5)] == [(0, 0), (0, 2), (0, 1), (0, 2), (0, 0)]
-    assert slots.next_decode(b) == (1, 0)
+    assert [slots.next_decode(a) for _ in range(5)] == [(0, 0), (0, 1), (0, 2), (0, 3), (0, 4)]
+    assert slots.next_decode(b) == (1, 0) and slots.scratch == 2
     slots.invalidate(a.seq_id)  # e.g. preempted and re-prefilled: next step recomputes all
     assert slots.next_decode(a) == (0, 0)
     with pytest.raises(RuntimeError):
@@ -101,3 +104,26 @@ def test_layer_stagger_spreads_one_requests_refreshes():
             assert h.refresh[g][i] == (h.decode_first_stage[0][g] <= i)
     flat = SparsePlanner(cfg.replace(stagger_refresh=False), max_slots=2, trained_window=100, num_sparse_layers=4)
     assert flat.group_offsets == [0] and flat.layer_group == [0, 0, 0, 0]
+
+
+def test_graph_keys_of_decode_batches():
+    """A step of sparse decode rows that refresh alike has a graph key (refresh pattern,
+    candidate capacity, dynamic RoPE); a newcomer's full first step, a dense decode row or a
+    prefill chunk in the step leaves it to the eager path. The key repeats with the cycle."""
+    cfg = infinitehip_config("3k", dict(n_sink=4, n_stream=8, stages=[(8, 4, 32), (8, 2, 16), (8, 1, 8)],
+                                        special_final_k=16, dense_threshold=50))
+    planner = SparsePlanner(cfg, max_slots=4, trained_window=100, num_sparse_layers=4)
+    a, b, c = seq(0, 60), seq(1, 60), seq(2, 20)
+    full = tuple((True, True, True) for _ in range(4))
+    assert planner.plan([a], [60], 1).graph_key == (full, 1024, False)  # a alone: its full first step
+    h = planner.plan([a, b], [61, 60], 2)  # b's first step recomputes all, a's does not
+    assert h.decode_first_stage[1] == (0, 0, 0, 0) and h.decode_first_stage[0] != h.decode_first_stage[1]
+    assert h.graph_key is None
+    keys = [planner.plan([a, b], [62 + j, 61 + j], 2).graph_key for j in range(2 * 16)]
+    assert all(k is not None for k in keys) and keys[:16] == keys[16:]  # one cycle of the clock
+    refresh, capacity, dynamic = keys[0]
+    assert capacity == 1024 and not dynamic and len(refresh) == 4
+    assert planner.plan([a, c], [100, 21], 2).graph_key is None  # c stays dense
+    assert planner.plan([a, c], [101, 21], 1).graph_key is None  # c is a prefill chunk
+    h = planner.plan([a], [1200], 1)  # past the trained window, capacity doubles past 1024
+    assert h.graph_key == (h.refresh, 2048, True)
