@@ -40,8 +40,8 @@ class DecodeGraphs:
         self.host_steps_np = self.host_steps.numpy()
         self.steps = torch.zeros_like(self.host_steps, device=dev)
         self.rows = torch.zeros((num_rows, max_bs), dtype=torch.int64, device=dev)
-        self.planner = runner.sparse_planner
-        self.scratch_slot = self.planner.slots.scratch if self.planner is not None else 0
+        sparse = runner.sparse_planner is not None
+        self.scratch_slot = runner.sparse_planner.slots.scratch if sparse else 0
         self._pad_rows(self.rows)  # rows never used write nothing (also while capturing)
         self.input_ids, self.positions = self.rows[0], self.rows[1]
         self.slots = {g: self.rows[4 + i] for i, g in enumerate(self.groups)}
@@ -59,7 +59,7 @@ class DecodeGraphs:
         # InfiniteHiP: graphs per (batch size, graph key), captured on first use
         self.sparse_graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
         self.sparse_logits: torch.Tensor | None = None  # [max_bs, vocab], shared by the sparse graphs
-        if self.planner is not None:
+        if sparse:
             self.arange = torch.arange(max_bs, dtype=torch.int64, device=dev)
             self.arange32 = torch.arange(max_bs, dtype=torch.int32, device=dev)
             self.ones32 = torch.ones(max_bs, dtype=torch.int32, device=dev)

@@ -91,17 +91,10 @@ class ModelRunner:
             attn.v_cache = torch.zeros(shape, dtype=kv_dtype, device=self.device)
         self.groups = sorted(specs)
 
-        # InfiniteHiP: a host planner (mask-cache slots, refresh schedule) and, per layer, the
-        # run side with its mask cache of max_num_seqs slots.
+        self.max_num_seqs = max_num_seqs
         self.sparse_planner = None
-        ih = engine.config.plan.infinitehip
-        if ih is not None:
-            sparse = [(attn, lp) for attn, lp in zip(attn_layers, engine.config.plan.layers)
-                      if lp.plugin == "infinitehip"]
-            self.sparse_planner = SparsePlanner(ih, max_num_seqs, cfg.max_position_embeddings, len(sparse))
-            for k, (attn, lp) in enumerate(sparse):
-                attn.sparse = InfiniteHipLayer(ih, lp.index, max_num_seqs, attn.scale, attn.rope[0].inv_freq,
-                                               self.device, group=self.sparse_planner.layer_group[k])
+        self.graphs = None
+        self.set_infinitehip(engine.config.plan.infinitehip)
 
         # UniPrefill token drop (runtime/token_drop.py): anchors are the full-attention layers.
         self.anchors = frozenset(lp.index for lp in engine.config.plan.layers if lp.window is None)
@@ -113,10 +106,29 @@ class ModelRunner:
         self.record_kept_positions = False
         self.kept_positions: dict[int, dict[int, list[torch.Tensor]]] = {}
 
-        self.graphs = None
         if self.device.type == "cuda" and not enforce_eager:
             sizes = [b for b in build.cuda_graph_batch_sizes if b <= max_num_seqs]
             self.graphs = DecodeGraphs(self, sizes, max_decode_steps)
+
+    def set_infinitehip(self, ih) -> None:
+        """(Re)configure the InfiniteHiP layers from an InfiniteHipConfig (the engine's, or one
+        with runtime knobs changed): a host planner (mask-cache slots, refresh schedule) and, per
+        layer, the run side with its mask cache of max_num_seqs slots. Masks cached so far and
+        sparse CUDA graphs are dropped: the next sparse decode step recomputes every stage."""
+        plan = self.engine.config.plan
+        if plan.infinitehip is None:
+            if ih is not None:
+                raise ValueError("this engine has no InfiniteHiP layers; build it with --preset")
+            return
+        attn_layers = [layer.self_attn for layer in self.model.layers]
+        sparse = [(attn, lp) for attn, lp in zip(attn_layers, plan.layers) if lp.plugin == "infinitehip"]
+        self.sparse_planner = SparsePlanner(ih, self.max_num_seqs, self.engine.config.model.max_position_embeddings,
+                                            len(sparse))
+        for k, (attn, lp) in enumerate(sparse):
+            attn.sparse = InfiniteHipLayer(ih, lp.index, self.max_num_seqs, attn.scale, attn.rope[0].inv_freq,
+                                           self.device, group=self.sparse_planner.layer_group[k])
+        if self.graphs is not None:
+            self.graphs.sparse_graphs.clear()
 
     def set_token_drop(self, cfg) -> None:
         """Turn token drop on (a TokenDropConfig) or off (None) from the next step on."""

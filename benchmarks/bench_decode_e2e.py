@@ -1,0 +1,162 @@
+"""Whole-model decode at long context: InfiniteHiP presets vs the dense engine, Llama-3.1-8B
+shapes, random weights, bf16, one GPU, batch 1, through the runtime (CUDA graphs, scheduler).
+
+    python benchmarks/bench_decode_e2e.py --out $OUT [--contexts 128000,512000]
+
+One random-weight engine (preset 3k-flash) is built and loaded once. Its KV cache is filled with
+random keys and values, and a request whose first N - 1 tokens count as already computed
+decodes from there (a prefill of 512K tokens would take minutes; decode time does not depend
+on what the keys hold, only on how many there are). The same request then decodes under each
+configuration, switched on the same runner (`ModelRunner.set_infinitehip`, runtime knobs only):
+
+- dense: dense_threshold above the context, so every layer runs the dense paged decode kernel
+  (the strongest decode baseline we have: flash-decoding over the paged cache, in a CUDA graph);
+- 3k / 3k-fast / 3k-flash: the presets' refresh intervals with layer-staggered refresh;
+- 3k-flash synchronized: every layer refreshes together (the paper's schedule).
+
+Per configuration: a warm-up of one refresh cycle (captures the graph of every refresh pattern),
+then per-step wall times of single steps over two cycles (host planning, graph replay, sampling,
+the sync of the sampled token: what a streaming user sees) — median, P99, max — and the
+throughput of 8 steps fused per host sync (the engine default). Ratios are against dense in the
+same run. Prints a table last and writes JSON to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+CONFIGS = [  # name, runtime knobs (None: dense)
+    ("dense", None),
+    ("3k", dict(refresh_intervals=(16, 8, 4))),
+    ("3k-fast", dict(refresh_intervals=(32, 16, 8))),
+    ("3k-flash", dict(refresh_intervals=(96, 24, 8))),
+    ("3k-flash sync", dict(refresh_intervals=(96, 24, 8), stagger_refresh=False)),
+]
+
+
+def build(work: Path, max_len: int) -> Path:
+    from infhip.builder.build import build_engine
+    from infhip.builder.registry import bundled_config
+
+    src = work / "config.json"
+    src.parent.mkdir(parents=True, exist_ok=True)
+    src.write_text(bundled_config("llama-3.1-8b").read_text())
+    return build_engine(checkpoint=src, output_dir=work / "engine", preset="3k-flash", dtype="bfloat16",
+                        device="cuda", random_weights=True, max_seq_len=max_len, max_batch_size=1,
+                        force=True, progress=False)
+
+
+def synthetic_request(llm, n: int):
+    """A request of n prompt tokens whose first n - 1 count as computed (their KV pages hold the
+    cache's random contents); its next step is a decode at position n - 1."""
+    from infhip import SamplingParams
+    from infhip.runtime.sequence import SequenceStatus
+
+    vocab = llm.engine.config.model.vocab_size
+    ids = torch.randint(10, vocab, (n,), generator=torch.Generator().manual_seed(n)).tolist()
+    req = llm._add(None, ids, SamplingParams(max_tokens=1 << 20, temperature=0.0, ignore_eos=True))
+    seq, sched = req.seq, llm.scheduler
+    sched.waiting.remove(seq)
+    sched.kv.append(seq.seq_id, 0, n - 1)
+    seq.status = SequenceStatus.RUNNING
+    sched.running.append(seq)
+    seq.num_computed_tokens = n - 1
+    return seq
+
+
+def step_times_ms(llm, num_steps: int) -> list[float]:
+    llm.num_decode_steps = 1
+    times = []
+    for _ in range(num_steps):
+        t = time.perf_counter()
+        llm.step()  # ends with the sampled token on the host (a sync)
+        times.append((time.perf_counter() - t) * 1e3)
+    return times
+
+
+def fused_tok_s(llm, num_tokens: int, fused: int = 8) -> float:
+    llm.num_decode_steps = fused
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(num_tokens // fused):
+        llm.step()
+    torch.cuda.synchronize()
+    return (num_tokens // fused) * fused / (time.perf_counter() - t)
+
+
+def p99(xs: list[float]) -> float:
+    return sorted(xs)[min(len(xs) - 1, math.ceil(0.99 * len(xs)) - 1)]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--work", type=Path, default=Path("/tmp/infhip-e2e"))
+    p.add_argument("--contexts", default="128000,512000")
+    p.add_argument("--kv-gib", type=float, default=72)
+    args = p.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    contexts = [int(x) for x in args.contexts.split(",")]
+
+    import transformers
+    import triton
+
+    from infhip import LLM
+    from infhip.builder.presets import apply_runtime_overrides
+
+    res: dict = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+                 "transformers": transformers.__version__, "contexts": {}}
+    t0 = time.perf_counter()
+    engine = build(args.work, max(contexts) + 8192)
+    llm = LLM(engine, max_num_seqs=1, kv_cache_memory_bytes=int(args.kv_gib * (1 << 30)))
+    res["setup_s"] = time.perf_counter() - t0
+    runner, plan = llm.runner, llm.engine.config.plan
+    for layer in llm.engine.model.layers:  # random keys and values everywhere, scaled like real ones
+        layer.self_attn.k_cache.normal_()
+        layer.self_attn.v_cache.normal_()
+    print(f"engine built and loaded in {res['setup_s']:.0f} s; stages {plan.infinitehip.stages}", flush=True)
+
+    for n in contexts:
+        seq = synthetic_request(llm, n)
+        rows = res["contexts"][str(n)] = {}
+        for name, knobs in CONFIGS:
+            knobs = knobs if knobs is not None else dict(dense_threshold=1 << 40)
+            ih = apply_runtime_overrides(plan, knobs).infinitehip
+            runner.set_infinitehip(ih)
+            cycle = ih.refresh_intervals[0] if name != "dense" else 8
+            t = time.perf_counter()
+            step_times_ms(llm, cycle + 8)  # warm-up: the first full refresh, every pattern's graph
+            warm_s = time.perf_counter() - t
+            times = step_times_ms(llm, max(64, 2 * cycle))
+            tok_s = fused_tok_s(llm, 96)
+            med = statistics.median(times)
+            rows[name] = {"median_ms": med, "p99_ms": p99(times), "max_ms": max(times), "mean_ms": statistics.mean(times),
+                          "p99_over_median": p99(times) / med, "fused8_tok_s": tok_s, "warmup_s": warm_s,
+                          "sparse_graphs": len(runner.graphs.sparse_graphs), "step_ms": times}
+            print(f"{n:>8} {name:<14} median {med:7.2f} ms  P99 {p99(times):7.2f}  max {max(times):7.2f}  "
+                  f"fused {tok_s:7.1f} tok/s  (warm-up {warm_s:.1f} s, {rows[name]['sparse_graphs']} sparse graphs)",
+                  flush=True)
+        llm.scheduler.finish(seq, "abort")
+
+    (args.out / "bench_decode_e2e.json").write_text(json.dumps(res, indent=2))
+    print(f"\n{res['gpu']}  torch {res['torch']}  triton {res['triton']}; Llama-3.1-8B shapes, random weights, "
+          "bf16, batch 1; ratios vs dense in the same run")
+    print(f"{'context':>8} {'config':<14}{'median ms':>10}{'P99/med':>9}{'max/med':>9}{'tok/s (8 fused)':>17}"
+          f"{'x dense (median)':>18}{'x dense (tok/s)':>17}")
+    for n, rows in res["contexts"].items():
+        dense = rows["dense"]
+        for name, r in rows.items():
+            print(f"{n:>8} {name:<14}{r['median_ms']:>10.2f}{r['p99_over_median']:>9.2f}"
+                  f"{r['max_ms'] / r['median_ms']:>9.2f}{r['fused8_tok_s']:>17.1f}"
+                  f"{dense['median_ms'] / r['median_ms']:>18.2f}{r['fused8_tok_s'] / dense['fused8_tok_s']:>17.2f}")
+
+
+if __name__ == "__main__":
+    main()
