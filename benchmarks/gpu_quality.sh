@@ -4,6 +4,7 @@
 # .stage/pylib), joined here. See docs/quality.md for the staging calls.
 #   bash benchmarks/gpu_quality.sh smol     SmolLM2-135M bf16: dense plan vs 3k plan, 4K-32K
 #   bash benchmarks/gpu_quality.sh gemma    Gemma-3-270M bf16: dense baselines, 1K-32K
+#   bash benchmarks/gpu_quality.sh smol-chunk-score   SmolLM2 3k: chunk_score max vs head_normalized
 set -eo pipefail
 OUT=${OUT:-/tmp/infhip-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD/.stage/pylib:$PYTHONPATH
@@ -37,6 +38,17 @@ PY
   infhip-eval niah $E --lengths 16k,32k --variants single,multikey --depths 0.5 --samples 3 \
       --json $OUT/niah_smol_gpu.json
   ;;
+smol-chunk-score)
+  S=engines/smol-3k-bf16
+  join smol-3k-bf16
+  for score in max head_normalized; do
+    E="--engine $S --device cuda --kv-cache-gib 16 --infinitehip chunk_score=$score"
+    infhip-eval passkey $E --lengths 8k,16k,32k --depths 0.1,0.5,0.9 --samples 5 \
+        --json $OUT/passkey_smol_3k_$score.json --markdown $OUT/passkey_smol_3k_$score.md
+    infhip-eval niah $E --lengths 16k,32k --variants single,multikey --depths 0.25,0.5,0.75 --samples 3 \
+        --json $OUT/niah_smol_3k_$score.json
+  done
+  ;;
 gemma)
   G=engines/gemma-dense-bf16
   join gemma-dense-bf16
@@ -47,5 +59,5 @@ gemma)
   infhip-eval niah $E --lengths 4k,16k,32k --variants single,multikey --depths 0.5 --samples 3 \
       --json $OUT/niah_gemma_gpu.json
   ;;
-*) echo "usage: bash benchmarks/gpu_quality.sh smol|gemma" >&2; exit 2 ;;
+*) echo "usage: bash benchmarks/gpu_quality.sh smol|gemma|smol-chunk-score" >&2; exit 2 ;;
 esac

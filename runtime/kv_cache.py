@@ -200,6 +200,15 @@ class KVCacheManager:
         t = self._tables[group].get(seq_id)
         return list(t.pages) if t is not None else []
 
+    def page_list(self, seq_id: int, group: str) -> list[int]:
+        """The live page table of block_table (no copy; read it, never modify it). It only grows
+        at the end or has entries released to 0 at the front until the sequence is freed; a
+        re-admitted sequence gets a new list, so (list identity, length) tells a reader what
+        changed since it last looked (runtime/cuda_graphs.py stages only new entries)."""
+        self._spec(group)
+        t = self._tables[group].get(seq_id)
+        return t.pages if t is not None else []
+
     def num_pages_held(self, seq_id: int, group: str) -> int:
         self._spec(group)
         t = self._tables[group].get(seq_id)

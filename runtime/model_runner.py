@@ -38,7 +38,7 @@ class StepPlan:
     ctx_lens: list[int]  # [B] tokens in the cache after the step
     logits_rows: list[int]  # rows whose logits are sampled
     slots: dict[str, list[int]]
-    tables: dict[str, list[list[int]]]
+    tables: dict[str, list[list[int]]]  # the cache manager's live page lists (read-only, this step)
     num_decodes: int
     sparse: SparseStepHost | None = None  # InfiniteHiP decisions (engines with such layers)
     drops: list[DropChunk] | None = None  # UniPrefill: the chunks that drop tokens this step
@@ -169,7 +169,7 @@ class ModelRunner:
                 logits_rows.append(cu[-1] - 1)
             for g in self.groups:
                 slots[g] += self.kv.slot_mapping(seq.seq_id, g, ch.start, ch.end)
-                tables[g].append(self.kv.block_table(seq.seq_id, g))
+                tables[g].append(self.kv.page_list(seq.seq_id, g))  # live lists: read within this step
         drops = plan_drops(out.chunks, self.token_drop, self.drop_tail) if self.token_drop else None
         for ch in out.chunks:
             if ch.start == 0:  # a prefill from scratch (first or after preemption): no history
