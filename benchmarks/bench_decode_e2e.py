@@ -139,7 +139,7 @@ def main() -> None:
             med = statistics.median(times)
             rows[name] = {"median_ms": med, "p99_ms": p99(times), "max_ms": max(times), "mean_ms": statistics.mean(times),
                           "p99_over_median": p99(times) / med, "fused8_tok_s": tok_s, "warmup_s": warm_s,
-                          "sparse_graphs": len(runner.graphs.sparse_graphs), "step_ms": times}
+                          "sparse_graphs": len(runner.graphs.lazy_graphs), "step_ms": times}
             print(f"{n:>8} {name:<14} median {med:7.2f} ms  P99 {p99(times):7.2f}  max {max(times):7.2f}  "
                   f"fused {tok_s:7.1f} tok/s  (warm-up {warm_s:.1f} s, {rows[name]['sparse_graphs']} sparse graphs)",
                   flush=True)

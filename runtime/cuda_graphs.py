@@ -11,6 +11,11 @@ recomputes this step, the stage-1 candidate capacity and whether dynamic RoPE is
 is chosen on the host per step; its graph is captured the first time it is needed (a cycle of
 ``n_refresh(0)`` steps has at most that many patterns; the capacity changes when the context
 doubles) into the same pool, and writes its logits into one shared buffer.
+
+Decode steps of requests with a UniPrefill drop history (full-attention layers hold only their
+kept keys, runtime/token_drop.py) replay one more lazily captured graph per batch size, key
+LAYER_KV: each global layer's context lengths and compact KV slots are computed inside the
+graph from the per-layer dropped counts, which travel with the other per-step rows.
 """
 
 from __future__ import annotations
@@ -19,10 +24,11 @@ import bisect
 
 import torch
 
-from infhip.runtime.forward_context import ForwardContext, KVGroupMetadata, forward_context
+from infhip.runtime.forward_context import ForwardContext, KVGroupMetadata, LayerKV, compact_slots, forward_context
 from infhip.runtime.sparse_attention import SparseStep
 
 _MASK_SLOT_ROW = 3  # the row of `rows` that holds each decode row's mask-cache slot
+LAYER_KV = "layer_kv"  # graph key of decode steps with drop histories
 
 
 class DecodeGraphs:
@@ -33,9 +39,12 @@ class DecodeGraphs:
         self.groups = list(runner.groups)
         # The inputs of up to max_steps decode steps travel in one pinned int64 block, one
         # host-to-device copy: per step, rows = input_ids, positions, context_lens, mask-cache
-        # slots (InfiniteHiP), then one KV slot row per group. Before each replay the step's
-        # rows are copied (on the device) into `rows`, which the graphs read.
-        num_rows = 4 + len(self.groups)
+        # slots (InfiniteHiP), one KV slot row per group, then per full-attention layer the
+        # tokens it dropped (UniPrefill drop histories). Before each replay the step's rows are
+        # copied (on the device) into `rows`, which the graphs read.
+        self.global_layers = list(runner.global_layers) if "global" in self.groups else []
+        self.drop_row = 4 + len(self.groups)
+        num_rows = self.drop_row + len(self.global_layers)
         self.host_steps = torch.zeros((max_steps, num_rows, max_bs), dtype=torch.int64).pin_memory()
         self.host_steps_np = self.host_steps.numpy()
         self.steps = torch.zeros_like(self.host_steps, device=dev)
@@ -58,11 +67,14 @@ class DecodeGraphs:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
         self.pool = None
-        # InfiniteHiP: graphs per (batch size, graph key), captured on first use
-        self.sparse_graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
-        self.sparse_logits: torch.Tensor | None = None  # [max_bs, vocab], shared by the sparse graphs
+        # InfiniteHiP and drop-history graphs per (batch size, key), captured on first use
+        self.lazy_graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
+        self.lazy_logits: torch.Tensor | None = None  # [max_bs, vocab], shared by the lazy graphs
+        self.arange = torch.arange(max_bs, dtype=torch.int64, device=dev)
+        num_global = len(self.global_layers)
+        self.layer_slots = torch.full((num_global, max_bs), -1, dtype=torch.int64, device=dev)
+        self.layer_ctx = torch.zeros((num_global, max_bs), dtype=torch.int32, device=dev)
         if sparse:
-            self.arange = torch.arange(max_bs, dtype=torch.int64, device=dev)
             self.arange32 = torch.arange(max_bs, dtype=torch.int32, device=dev)
             self.ones32 = torch.ones(max_bs, dtype=torch.int32, device=dev)
             self.none64 = torch.zeros(0, dtype=torch.int64, device=dev)
@@ -74,7 +86,8 @@ class DecodeGraphs:
         mask slot, no KV write."""
         rows[0:3] = 0
         rows[_MASK_SLOT_ROW] = self.scratch_slot
-        rows[4:] = -1
+        rows[4:self.drop_row] = -1
+        rows[self.drop_row:] = 0
 
     def _context(self, bs: int, key: tuple | None = None) -> ForwardContext:
         return ForwardContext(
@@ -82,7 +95,11 @@ class DecodeGraphs:
             cu_seqlens_q=self.cu_seqlens_q[:bs + 1], num_decodes=bs,
             groups={g: KVGroupMetadata(self.slots[g][:bs], self.tables[g][:bs]) for g in self.slots},
             cu_seqlens_q_list=list(range(bs + 1)), context_lens_list=[0] * bs,
-            sparse=self._sparse_step(bs, key) if key is not None else None)
+            sparse=self._sparse_step(bs, key) if key not in (None, LAYER_KV) else None,
+            layer_kv=LayerKV(rows={l: i for i, l in enumerate(self.global_layers)},
+                             slot_mapping=self.layer_slots[:, :bs], context_lens=self.layer_ctx[:, :bs],
+                             context_lens_list=[[0] * bs] * len(self.global_layers))
+            if key == LAYER_KV else None)
 
     def _sparse_step(self, bs: int, key: tuple) -> SparseStep:
         """The SparseStep of a graph: every row is a sparse decode row (row b = batch index b) and
@@ -114,30 +131,42 @@ class DecodeGraphs:
             self.graphs[bs] = graph
         torch.cuda.synchronize()
 
-    def _forward(self, bs: int) -> torch.Tensor:
+    def _forward(self, bs: int, layer_kv: bool = False) -> torch.Tensor:
         self.context_lens[:bs].copy_(self.rows[2, :bs])
+        if layer_kv:  # each global layer's compact slots and lengths (padding rows write nothing)
+            dropped = self.rows[self.drop_row:, :bs]  # [Lg, bs]
+            slots = compact_slots(self.positions[:bs], self.arange[:bs], dropped,
+                                  self.tables["global"][:bs].long(), self.runner.page_size)
+            self.layer_slots[:, :bs].copy_(torch.where(self.slots["global"][None, :bs] < 0, -1, slots))
+            self.layer_ctx[:, :bs].copy_(self.rows[2, :bs][None, :] - dropped)
         model = self.runner.model
         return model.compute_logits(model(self.input_ids[:bs]))
 
     @torch.inference_mode()
-    def _capture_sparse(self, bs: int, key: tuple) -> torch.cuda.CUDAGraph:
-        """Capture the sparse graph (bs, key) with padding inputs (the warm-up writes no KV and
-        only the scratch mask slot); the caller stages the real inputs afterwards."""
+    def _capture_lazy(self, bs: int, key) -> torch.cuda.CUDAGraph:
+        """Capture the graph (bs, key) — a sparse key or LAYER_KV — with padding inputs (the
+        warm-up writes no KV and only the scratch mask slot); the caller stages the real inputs
+        afterwards."""
         self._pad_rows(self.rows)
+        layer_kv = key == LAYER_KV
         with forward_context(self._context(bs, key)):
-            logits = self._forward(bs)  # warm-up: compiles the Triton kernels outside the capture
-            if self.sparse_logits is None:
-                self.sparse_logits = torch.empty((self.sizes[-1], logits.shape[1]), dtype=logits.dtype,
-                                                 device=logits.device)
+            logits = self._forward(bs, layer_kv)  # warm-up: compiles the Triton kernels outside the capture
+            if self.lazy_logits is None:
+                self.lazy_logits = torch.empty((self.sizes[-1], logits.shape[1]), dtype=logits.dtype,
+                                               device=logits.device)
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool):
-                self.sparse_logits[:bs].copy_(self._forward(bs))
-        self.sparse_graphs[(bs, key)] = graph
+                self.lazy_logits[:bs].copy_(self._forward(bs, layer_kv))
+        self.lazy_graphs[(bs, key)] = graph
         return graph
 
     def fits(self, num_seqs: int) -> bool:
         return num_seqs <= self.sizes[-1]
+
+    @property
+    def supports_layer_kv(self) -> bool:
+        return bool(self.global_layers)
 
     def load(self, plans: list) -> int:
         """Stage the host-planned inputs of len(plans) consecutive decode steps of one batch (step
@@ -153,6 +182,10 @@ class DecodeGraphs:
                 rows[_MASK_SLOT_ROW, :n] = p.sparse.decode_slots
             for i, g in enumerate(self.groups):
                 rows[4 + i, :n] = p.slots[g]
+            if p.layer_dropped is not None:
+                rows[self.drop_row:, :n] = p.layer_dropped
+            else:
+                rows[self.drop_row:, :n] = 0
             self._pad_rows(rows[:, n:bs])
         k = len(plans)
         # Whole contiguous blocks (a few KB): a strided pinned copy could be staged through pageable memory.
@@ -175,15 +208,15 @@ class DecodeGraphs:
         return bs
 
     def replay(self, step: int, bs: int, n: int, input_ids: torch.Tensor | None = None,
-               key: tuple | None = None) -> torch.Tensor:
+               key=None) -> torch.Tensor:
         """Replay staged step `step` (input_ids: the previous step's sampled tokens [n], on the
-        device, for step > 0; key: the step's SparseStepHost.graph_key for a sparse step);
-        returns logits [n, vocab]."""
+        device, for step > 0; key: None for the dense graph, else the step's
+        SparseStepHost.graph_key or LAYER_KV); returns logits [n, vocab]."""
         if key is None:
             graph, logits = self.graphs[bs], self.logits[bs]
         else:
-            graph = self.sparse_graphs.get((bs, key)) or self._capture_sparse(bs, key)
-            logits = self.sparse_logits
+            graph = self.lazy_graphs.get((bs, key)) or self._capture_lazy(bs, key)
+            logits = self.lazy_logits
         self.rows[:, :bs].copy_(self.steps[step, :, :bs])
         if input_ids is not None:
             self.input_ids[:n].copy_(input_ids)

@@ -62,6 +62,16 @@ class LayerKV:
     context_lens_list: list[list[int]]  # host copy [Lg][B]
 
 
+def compact_slots(positions: torch.Tensor, seq_of_row: torch.Tensor, dropped: torch.Tensor,
+                  tables: torch.Tensor, page_size: int) -> torch.Tensor:
+    """LayerKV.slot_mapping from device tensors (no host sync, graph-capturable): the token at
+    position p of sequence b goes to compact index p - dropped[l, b] of b's page table.
+    positions / seq_of_row int64 [T], dropped int64 [Lg, B], tables int64 [B, P] -> [Lg, T]."""
+    compact = positions[None, :] - dropped[:, seq_of_row]  # [Lg, T]
+    pages = tables[seq_of_row[None, :].expand_as(compact), compact // page_size]
+    return pages * page_size + compact % page_size
+
+
 def layer_view(ctx: ForwardContext, layer: int, group: str) -> ForwardContext:
     """The context as layer `layer` sees it: its own context lengths and slots when it holds a
     compacted KV (LayerKV), else `ctx` itself."""

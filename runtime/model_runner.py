@@ -4,7 +4,8 @@ plan/run split (SPEC §8.5): `prepare` turns the scheduler's chunks into flat te
 `ForwardContext` on the host, once per step; the model's forward only launches kernels. A step
 made only of decodes whose batch size has a captured graph copies its inputs into the graph's
 static buffers (padding with sentinels: slot -1 writes nothing, context length 0 reads nothing)
-and replays it; with InfiniteHiP rows, the graph of its refresh pattern (runtime/cuda_graphs.py).
+and replays it; with InfiniteHiP rows the graph of its refresh pattern, with drop histories
+the per-layer-KV graph (runtime/cuda_graphs.py).
 """
 
 from __future__ import annotations
@@ -15,9 +16,9 @@ from dataclasses import dataclass
 
 import torch
 
-from infhip.runtime.cuda_graphs import DecodeGraphs
+from infhip.runtime.cuda_graphs import LAYER_KV, DecodeGraphs
 from infhip.runtime.engine import DTYPES, LoadedEngine
-from infhip.runtime.forward_context import ForwardContext, KVGroupMetadata, LayerKV, forward_context
+from infhip.runtime.forward_context import ForwardContext, KVGroupMetadata, LayerKV, compact_slots, forward_context
 from infhip.runtime.kv_cache import KVCacheManager, KVGroupSpec
 from infhip.runtime.scheduler import SchedulerOutput
 from infhip.runtime.sparse_attention import InfiniteHipLayer, SparsePlanner, SparseStepHost
@@ -128,7 +129,7 @@ class ModelRunner:
             attn.sparse = InfiniteHipLayer(ih, lp.index, self.max_num_seqs, attn.scale, attn.rope[0].inv_freq,
                                            self.device, group=self.sparse_planner.layer_group[k])
         if self.graphs is not None:
-            self.graphs.sparse_graphs.clear()
+            self.graphs.lazy_graphs.clear()
 
     def set_token_drop(self, cfg) -> None:
         """Turn token drop on (a TokenDropConfig) or off (None) from the next step on."""
@@ -218,26 +219,26 @@ class ModelRunner:
         dropped = self._tensor(p.layer_dropped, torch.int64)  # [Lg, B]
         lens = torch.tensor(p.cu[1:]) - torch.tensor(p.cu[:-1])
         seq_of_row = self._tensor(torch.repeat_interleave(torch.arange(len(p.ctx_lens)), lens).tolist(), torch.int64)
-        compact = self._tensor(p.positions, torch.int64)[None, :] - dropped[:, seq_of_row]  # [Lg, T]
-        tables = self._block_tables(p.tables["global"]).long()  # [B, P]
-        pages = tables[seq_of_row[None, :].expand_as(compact), compact // self.page_size]
-        slots = pages * self.page_size + compact % self.page_size
+        slots = compact_slots(self._tensor(p.positions, torch.int64), seq_of_row, dropped,
+                              self._block_tables(p.tables["global"]).long(), self.page_size)
         ctx_lens = [[c - d for c, d in zip(p.ctx_lens, row)] for row in p.layer_dropped]
         return LayerKV(rows={l: i for i, l in enumerate(self.global_layers)}, slot_mapping=slots,
                        context_lens=self._tensor(ctx_lens, torch.int32), context_lens_list=ctx_lens)
 
     def _uses_graph(self, p: StepPlan, num_seqs: int) -> bool:
-        """A pure decode step replays a captured graph: the dense graph of its batch size, or,
-        with InfiniteHiP rows, the graph of its sparse key (all rows sparse and refreshing alike).
-        Steps with drop histories (per-layer KV lengths) run eagerly."""
+        """A pure decode step replays a captured graph: the dense graph of its batch size; with
+        InfiniteHiP rows the graph of its sparse key (all rows sparse and refreshing alike);
+        with drop histories the LAYER_KV graph (per-layer KV lengths computed in the graph)."""
         if self.graphs is None or p.num_decodes != num_seqs or not self.graphs.fits(num_seqs):
             return False
         if p.layer_dropped is not None:
-            return False
+            return self.graphs.supports_layer_kv and not p.has_sparse
         return not p.has_sparse or p.sparse.graph_key is not None
 
     @staticmethod
-    def _graph_key(p: StepPlan) -> tuple | None:
+    def _graph_key(p: StepPlan):
+        if p.layer_dropped is not None:
+            return LAYER_KV
         return p.sparse.graph_key if p.has_sparse else None
 
     @torch.inference_mode()
