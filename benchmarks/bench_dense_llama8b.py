@@ -4,7 +4,8 @@
 
 1. Random-init a transformers LlamaForCausalLM from the shipped llama-3.1-8b config, save it as a
    Hugging Face checkpoint, build an infhip engine from it (the real conversion path).
-2. Logits of a 1K-token prompt: infhip vs transformers (both bf16), relative L2 error.
+2. Logits of a 1K-token prompt: infhip vs transformers (both bf16), relative L2 error; both
+   against a float32 transformers run, and transformers' eager attention against its SDPA (bf16).
 3. Decode tokens/s at batch 1 and 16 (short context): infhip (CUDA graphs) vs transformers generate.
 4. Prefill tokens/s at 8K and 32K: infhip vs transformers forward (SDPA, logits of the last token).
 Prints a table last and writes JSON to --out.
@@ -139,7 +140,16 @@ def main() -> None:
     with torch.no_grad():
         ref32 = hf32(torch.tensor([ids], device="cuda"), logits_to_keep=1).logits[0, -1].float()
     del hf32
+    # transformers against itself: the same bf16 weights with its eager attention instead of
+    # SDPA — two correct bf16 implementations that differ only in operation order. Their
+    # distance is what any non-bit-identical bf16 implementation can be expected to reach.
+    hf_eager = LlamaForCausalLM.from_pretrained(args.work / "hf", dtype=torch.bfloat16, device_map="cuda",
+                                                attn_implementation="eager").eval()
+    with torch.no_grad():
+        ref_eager = hf_eager(torch.tensor([ids], device="cuda"), logits_to_keep=1).logits[0, -1].float()
+    del hf_eager
     torch.cuda.empty_cache()
+    res["logits_rel_l2_hf_eager_vs_hf_sdpa"] = ((ref_eager - ref).norm() / ref.norm()).item()
     res["logits_rel_l2_ours_vs_fp32"] = ((ours - ref32).norm() / ref32.norm()).item()
     res["logits_rel_l2_hf_vs_fp32"] = ((ref - ref32).norm() / ref32.norm()).item()
     print(f"vs float32 transformers: infhip {res['logits_rel_l2_ours_vs_fp32']:.3e}, "
@@ -186,6 +196,8 @@ def main() -> None:
     print(f"{'logits rel L2 (1K prompt)':<28}{res['logits_rel_l2']:>12.2e}   (bf16 infhip vs bf16 transformers)")
     print(f"{'  each vs fp32 transformers':<28}{res['logits_rel_l2_ours_vs_fp32']:>12.2e}"
           f"{res['logits_rel_l2_hf_vs_fp32']:>14.2e}")
+    print(f"{'  transformers eager vs SDPA':<28}{'':>12}{res['logits_rel_l2_hf_eager_vs_hf_sdpa']:>14.2e}"
+          "   (both bf16: the spread between two correct bf16 implementations)")
     for key, name in [("decode_b1", "decode b=1 tok/s"), ("decode_b16", "decode b=16 tok/s")] + [
             (f"prefill_{n}", f"prefill {n} tok/s") for n in args.prefill_lens.split(",")]:
         a, b = res[f"{key}_tok_s"], res[f"hf_{key}_tok_s"]
