@@ -13,9 +13,10 @@ is chosen on the host per step; its graph is captured the first time it is neede
 doubles) into the same pool, and writes its logits into one shared buffer.
 
 Decode steps of requests with a UniPrefill drop history (full-attention layers hold only their
-kept keys, runtime/token_drop.py) replay one more lazily captured graph per batch size, key
-LAYER_KV: each global layer's context lengths and compact KV slots are computed inside the
-graph from the per-layer dropped counts, which travel with the other per-step rows.
+kept keys, runtime/token_drop.py) replay lazily captured graphs too: each global layer's
+context lengths and compact KV slots are computed inside the graph from the per-layer dropped
+counts, which travel with the other per-step rows. A lazy graph's key is (sparse key or None,
+drop histories or not); LAYER_KV = (None, True).
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ from infhip.runtime.forward_context import ForwardContext, KVGroupMetadata, Laye
 from infhip.runtime.sparse_attention import SparseStep
 
 _MASK_SLOT_ROW = 3  # the row of `rows` that holds each decode row's mask-cache slot
-LAYER_KV = "layer_kv"  # graph key of decode steps with drop histories
+GraphKey = tuple  # (SparseStepHost.graph_key | None, has drop histories: bool)
+LAYER_KV: GraphKey = (None, True)  # dense attention over per-layer (compacted) KV
 
 
 class DecodeGraphs:
@@ -89,17 +91,17 @@ class DecodeGraphs:
         rows[4:self.drop_row] = -1
         rows[self.drop_row:] = 0
 
-    def _context(self, bs: int, key: tuple | None = None) -> ForwardContext:
+    def _context(self, bs: int, key: GraphKey | None = None) -> ForwardContext:
         return ForwardContext(
             positions=self.positions[:bs], context_lens=self.context_lens[:bs],
             cu_seqlens_q=self.cu_seqlens_q[:bs + 1], num_decodes=bs,
             groups={g: KVGroupMetadata(self.slots[g][:bs], self.tables[g][:bs]) for g in self.slots},
             cu_seqlens_q_list=list(range(bs + 1)), context_lens_list=[0] * bs,
-            sparse=self._sparse_step(bs, key) if key not in (None, LAYER_KV) else None,
+            sparse=self._sparse_step(bs, key[0]) if key is not None and key[0] is not None else None,
             layer_kv=LayerKV(rows={l: i for i, l in enumerate(self.global_layers)},
                              slot_mapping=self.layer_slots[:, :bs], context_lens=self.layer_ctx[:, :bs],
                              context_lens_list=[[0] * bs] * len(self.global_layers))
-            if key == LAYER_KV else None)
+            if key is not None and key[1] else None)
 
     def _sparse_step(self, bs: int, key: tuple) -> SparseStep:
         """The SparseStep of a graph: every row is a sparse decode row (row b = batch index b) and
@@ -143,12 +145,11 @@ class DecodeGraphs:
         return model.compute_logits(model(self.input_ids[:bs]))
 
     @torch.inference_mode()
-    def _capture_lazy(self, bs: int, key) -> torch.cuda.CUDAGraph:
-        """Capture the graph (bs, key) — a sparse key or LAYER_KV — with padding inputs (the
-        warm-up writes no KV and only the scratch mask slot); the caller stages the real inputs
-        afterwards."""
+    def _capture_lazy(self, bs: int, key: GraphKey) -> torch.cuda.CUDAGraph:
+        """Capture the graph (bs, key) with padding inputs (the warm-up writes no KV and only the
+        scratch mask slot); the caller stages the real inputs afterwards."""
         self._pad_rows(self.rows)
-        layer_kv = key == LAYER_KV
+        layer_kv = key[1]
         with forward_context(self._context(bs, key)):
             logits = self._forward(bs, layer_kv)  # warm-up: compiles the Triton kernels outside the capture
             if self.lazy_logits is None:
@@ -208,10 +209,10 @@ class DecodeGraphs:
         return bs
 
     def replay(self, step: int, bs: int, n: int, input_ids: torch.Tensor | None = None,
-               key=None) -> torch.Tensor:
+               key: GraphKey | None = None) -> torch.Tensor:
         """Replay staged step `step` (input_ids: the previous step's sampled tokens [n], on the
-        device, for step > 0; key: None for the dense graph, else the step's
-        SparseStepHost.graph_key or LAYER_KV); returns logits [n, vocab]."""
+        device, for step > 0; key: None for the dense graph, else the step's GraphKey); returns
+        logits [n, vocab]."""
         if key is None:
             graph, logits = self.graphs[bs], self.logits[bs]
         else:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from infhip.runtime.cuda_graphs import LAYER_KV, DecodeGraphs
+from infhip.runtime.cuda_graphs import DecodeGraphs, GraphKey
 from infhip.runtime.engine import DTYPES, LoadedEngine
 from infhip.runtime.forward_context import ForwardContext, KVGroupMetadata, LayerKV, compact_slots, forward_context
 from infhip.runtime.kv_cache import KVCacheManager, KVGroupSpec
@@ -132,11 +132,12 @@ class ModelRunner:
             self.graphs.lazy_graphs.clear()
 
     def set_token_drop(self, cfg) -> None:
-        """Turn token drop on (a TokenDropConfig) or off (None) from the next step on."""
-        if cfg is not None and self.engine.config.plan.infinitehip is not None:
-            raise ValueError("token drop together with InfiniteHiP layers is not supported yet; "
-                             "load with LLM(..., token_drop=False) or build without --preset")
+        """Turn token drop on (a TokenDropConfig) or off (None) from the next step on. With
+        InfiniteHiP layers, only requests that stay inside the trained window drop
+        (runtime/token_drop.py says why)."""
         self.token_drop = cfg
+        self.drop_max_context = (self.engine.config.model.max_position_embeddings
+                                 if self.engine.config.plan.infinitehip is not None else None)
         windows = [layer.self_attn.window for layer in self.model.layers]
         self.drop_tail = keep_tail(cfg, windows) if cfg is not None else 0
 
@@ -171,7 +172,8 @@ class ModelRunner:
             for g in self.groups:
                 slots[g] += self.kv.slot_mapping(seq.seq_id, g, ch.start, ch.end)
                 tables[g].append(self.kv.page_list(seq.seq_id, g))  # live lists: read within this step
-        drops = plan_drops(out.chunks, self.token_drop, self.drop_tail) if self.token_drop else None
+        drops = (plan_drops(out.chunks, self.token_drop, self.drop_tail, self.drop_max_context)
+                 if self.token_drop else None)
         for ch in out.chunks:
             if ch.start == 0:  # a prefill from scratch (first or after preemption): no history
                 ch.seq.dropped = None
@@ -181,11 +183,18 @@ class ModelRunner:
                              for l in self.global_layers]
         return StepPlan(input_ids=input_ids, positions=positions, cu=cu, ctx_lens=ctx_lens,
                         logits_rows=logits_rows, slots=slots, tables=tables, num_decodes=num_decodes,
-                        sparse=self._plan_sparse([ch.seq for ch in out.chunks], ctx_lens, num_decodes),
+                        sparse=self._plan_sparse([ch.seq for ch in out.chunks], ctx_lens, num_decodes,
+                                                 dense=bool(drops)),
                         drops=drops or None, layer_dropped=layer_dropped)
 
-    def _plan_sparse(self, seqs: list, ctx_lens: list[int], num_decodes: int) -> SparseStepHost | None:
+    def _plan_sparse(self, seqs: list, ctx_lens: list[int], num_decodes: int,
+                     dense: bool = False) -> SparseStepHost | None:
+        """The step's InfiniteHiP plan; dense=True (a step that drops tokens runs no sparse
+        attention): none, and the requests' cached masks are invalidated."""
         if self.sparse_planner is None:
+            return None
+        if dense:
+            self.sparse_planner.skip(seqs)
             return None
         return self.sparse_planner.plan(seqs, ctx_lens, num_decodes)
 
@@ -226,20 +235,20 @@ class ModelRunner:
                        context_lens=self._tensor(ctx_lens, torch.int32), context_lens_list=ctx_lens)
 
     def _uses_graph(self, p: StepPlan, num_seqs: int) -> bool:
-        """A pure decode step replays a captured graph: the dense graph of its batch size; with
-        InfiniteHiP rows the graph of its sparse key (all rows sparse and refreshing alike);
-        with drop histories the LAYER_KV graph (per-layer KV lengths computed in the graph)."""
+        """A pure decode step replays a captured graph: the dense graph of its batch size, or a
+        graph keyed by its sparse key (InfiniteHiP rows, all sparse and refreshing alike) and/or
+        by drop histories (per-layer KV lengths computed in the graph)."""
         if self.graphs is None or p.num_decodes != num_seqs or not self.graphs.fits(num_seqs):
             return False
-        if p.layer_dropped is not None:
-            return self.graphs.supports_layer_kv and not p.has_sparse
+        if p.layer_dropped is not None and not self.graphs.supports_layer_kv:
+            return False
         return not p.has_sparse or p.sparse.graph_key is not None
 
     @staticmethod
-    def _graph_key(p: StepPlan):
-        if p.layer_dropped is not None:
-            return LAYER_KV
-        return p.sparse.graph_key if p.has_sparse else None
+    def _graph_key(p: StepPlan) -> GraphKey | None:
+        sparse = p.sparse.graph_key if p.has_sparse else None
+        layer_kv = p.layer_dropped is not None
+        return None if sparse is None and not layer_kv else (sparse, layer_kv)
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> torch.Tensor:

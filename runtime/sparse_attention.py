@@ -126,6 +126,12 @@ class SparsePlanner:
                               dense_prefill_runs=runs, dynamic_rope=dynamic, refresh=refresh, capacity=capacity,
                               graph_key=(refresh, capacity, dynamic) if graphable else None)
 
+    def skip(self, seqs: list) -> None:
+        """A step that runs no sparse attention (e.g. it drops tokens): every request's cached
+        masks go stale."""
+        for seq in seqs:
+            self.slots.invalidate(seq.seq_id)
+
     def to_device(self, h: SparseStepHost, cu: list[int], ctx_lens: list[int], tensor) -> SparseStep:
         """Tensors of a host plan; ``tensor(values, dtype)`` puts a list on the device."""
         cfg = self.cfg
@@ -171,13 +177,18 @@ class InfiniteHipLayer:
         self.cache = MaskCache(self.stages, max_slots, device)
 
     def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-            block_tables: torch.Tensor, step: SparseStep, out: torch.Tensor) -> None:
+            block_tables: torch.Tensor, step: SparseStep, out: torch.Tensor,
+            dropped: torch.Tensor | None = None) -> None:
         """Write the sparse rows of out [T, Hq, D]; q [T, Hq, D] is already rotated and this
-        step's K/V are in the cache."""
+        step's K/V are in the cache. dropped: int32 [B] tokens this layer does not hold of each
+        sequence (UniPrefill drop histories, compacted KV), None = all held: the key ranges end
+        that much earlier in the layer's cache."""
         if step.decode_rows.numel():
-            self._decode(q, k_cache, v_cache, block_tables, step, out)
+            ends = step.decode_ends if dropped is None else step.decode_ends - dropped[step.decode_rows]
+            self._decode(q, k_cache, v_cache, block_tables, step, out, ends)
         if step.prefill_seqs.numel():
-            self._prefill(q, k_cache, v_cache, block_tables, step, out)
+            ends = step.prefill_ends if dropped is None else step.prefill_ends - dropped[step.prefill_seqs]
+            self._prefill(q, k_cache, v_cache, block_tables, step, out, ends)
 
     def _common(self) -> dict:
         return dict(n_sink=self.cfg.n_sink, n_stream=self.cfg.n_stream, inv_freq=self.inv_freq)
@@ -185,7 +196,7 @@ class InfiniteHipLayer:
     def _prune_kw(self) -> dict:
         return dict(self._common(), head_normalized=self.cfg.chunk_score == "head_normalized")
 
-    def _decode(self, q, k_cache, v_cache, block_tables, step: SparseStep, out) -> None:
+    def _decode(self, q, k_cache, v_cache, block_tables, step: SparseStep, out, ends) -> None:
         kw, cache = self._common(), self.cache
         prune_kw = self._prune_kw()
         rope = self.pruning_rope if step.dynamic_rope else "none"
@@ -196,7 +207,7 @@ class InfiniteHipLayer:
             slots, rows = step.decode_slots[r], step.decode_rows[r]
             prev = (None, None) if i == 0 else (cache.selected[i - 1][slots], cache.lens[i - 1][slots])
             sel, num = pruning_stage(q, k_cache, block_tables[rows], step.decode_q_start[r],
-                                     step.decode_q_lens[r], step.decode_ends[r], *prev,
+                                     step.decode_q_lens[r], ends[r], *prev,
                                      chunk_size=stage.chunk_size, k=stage.k, block_q=1,
                                      max_candidates=step.max_middle if i == 0 else None,
                                      rope_style=rope, **prune_kw)
@@ -204,13 +215,13 @@ class InfiniteHipLayer:
         rows = step.decode_rows
         selected = cache.selected[-1][step.decode_slots]
         out[rows] = sparse_decode_attention(
-            q[rows], k_cache, v_cache, block_tables[rows], step.decode_ends, selected, scale=self.scale,
+            q[rows], k_cache, v_cache, block_tables[rows], ends, selected, scale=self.scale,
             rope_style=self.cfg.attention_rope if step.dynamic_rope else "none", **kw)
 
-    def _prefill(self, q, k_cache, v_cache, block_tables, step: SparseStep, out) -> None:
+    def _prefill(self, q, k_cache, v_cache, block_tables, step: SparseStep, out, ends) -> None:
         kw, prune_kw = self._common(), self._prune_kw()
         tables = block_tables[step.prefill_seqs]
-        blocks = (step.prefill_q_start, step.prefill_q_lens, step.prefill_ends)
+        blocks = (step.prefill_q_start, step.prefill_q_lens, ends)
         rope = self.pruning_rope if step.dynamic_rope else "none"
         sel = num = None
         for i, stage in enumerate(self.stages):

@@ -35,8 +35,8 @@ KV, per layer:
   sequence carry per-layer context lengths and slots of the full-attention layers in the
   forward context (`forward_context.LayerKV`, computed in one vectorised pass); layers read
   them through `layer_view`. Steps without a drop history use the shared metadata unchanged;
-  decode steps with one run eagerly (the captured graphs have one context length per sequence;
-  CUDA-graph support needs [num_global_layers, B] static buffers of lengths and slots).
+  decode steps with one replay the per-layer-KV CUDA graphs (runtime/cuda_graphs.py: lengths
+  and slots computed inside the graph from the dropped counts).
 * A sliding-window layer (Gemma-3) writes K/V only for the rows flowing through it, at the
   slots of their original positions (its page table stays per position). The slots of dropped
   tokens are never read: every pass keeps its last max(n, largest window) tokens, so the last W
@@ -46,7 +46,20 @@ KV, per layer:
   max(n, W) - n more kept tokens per pass (896 for Gemma-3-12B's 1024 window: 0.7% of 128K).
 * Pages are allocated for every position as without dropping: no KV memory is saved.
 
-Not composed yet with InfiniteHiP layers (the ModelRunner refuses the combination).
+With InfiniteHiP layers (token-drop prefill, sparse decode):
+* A step with a dropping chunk runs no sparse attention: token drop's kernels attend densely at
+  the layers it handles (its own kept rows, and the step's decode rows and other prefill chunks
+  at the anchors), every other layer takes the dense path; the mask caches of the step's decode
+  rows are invalidated (their next sparse step recomputes every stage).
+* Afterwards each InfiniteHiP layer prunes and attends over the keys it holds: its compacted KV,
+  whose length is the request's context minus what that layer dropped (the ends the sparse
+  plugins see are shifted per layer, SparseStep + LayerKV, eager or in a CUDA graph).
+* Exact inside the trained window, where InfiniteHiP keeps the stored RoPE (dense-equivalent
+  positions). Past it, dynamic RoPE rotates keys by their index in the layer's cache, which
+  after a drop is not the original position; so token drop is skipped for requests whose
+  prompt + max_tokens exceed the trained window (plan_drops' max_context). Removing that limit
+  needs the original position of each cached key in the sparse kernels (a per-layer position
+  cache, 4 bytes per token and layer).
 """
 
 from __future__ import annotations
@@ -80,12 +93,15 @@ def keep_tail(cfg: TokenDropConfig, windows: list[int | None]) -> int:
     return max([cfg.obs_window] + [w for w in windows if w is not None])
 
 
-def plan_drops(chunks, cfg: TokenDropConfig, tail: int) -> list[DropChunk]:
+def plan_drops(chunks, cfg: TokenDropConfig, tail: int, max_context: int | None = None) -> list[DropChunk]:
     """The chunks of a step (scheduler order) that drop: long-enough prompts, not decodes, at
-    least G droppable tokens besides sinks and the kept tail."""
+    least G droppable tokens besides sinks and the kept tail; with ``max_context`` (engines with
+    InfiniteHiP layers: the trained window) only requests that cannot grow past it."""
     drops = []
     for b, ch in enumerate(chunks):
         if ch.num_tokens == 1 or ch.seq.num_prompt_tokens < cfg.min_prompt_len:
+            continue
+        if max_context is not None and ch.seq.num_prompt_tokens + ch.seq.params.max_tokens > max_context:
             continue
         droppable = ch.num_tokens - tail - max(0, cfg.num_sink - ch.start)
         if droppable >= cfg.block_size:

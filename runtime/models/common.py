@@ -83,7 +83,8 @@ class Attention(nn.Module):
             cu_seqlens_q_list=[c - first for c in cu[lo:hi + 1]], context_lens_list=ctx.context_lens_list[lo:hi])
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        ctx = layer_view(get_forward_context(), self.layer_index, self.kv_group)  # token-drop history
+        base = get_forward_context()
+        ctx = layer_view(base, self.layer_index, self.kv_group)  # token-drop history
         num_tokens = hidden.shape[0]
         qkv = self.qkv_proj(hidden)
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
@@ -115,8 +116,9 @@ class Attention(nn.Module):
                                    dense_decode_lens, self.scale, self.window, out=out[:nd])
         for lo, hi in prefill_runs:  # prefill chunks lo..hi-1: causal over context + chunk
             self._dense_prefill(q, k, v, out, ctx, meta, lo, hi)
-        if sparse is not None:
-            self.sparse.run(q, self.k_cache, self.v_cache, meta.block_tables, sparse, out)
+        if sparse is not None:  # a layer with compacted KV (drop history) holds fewer keys
+            dropped = None if ctx is base else base.context_lens - ctx.context_lens
+            self.sparse.run(q, self.k_cache, self.v_cache, meta.block_tables, sparse, out, dropped)
         return self.o_proj(out.view(num_tokens, -1))
 
 

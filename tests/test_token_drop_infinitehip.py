@@ -1,0 +1,97 @@
+"""UniPrefill token drop composed with InfiniteHiP (runtime/token_drop.py, "With InfiniteHiP
+layers"): token-drop prefill, then sparse prefill/decode over each layer's compacted KV.
+
+The exactness check uses covering InfiniteHiP stages (every candidate kept, refreshed every
+step): sparse attention over a layer's keys then equals dense attention over them, so the
+composed engine must give the dense engine's tokens under the same drops, token for token —
+which fails if the sparse plugins saw the uncompacted lengths (they would read slots the layer
+never wrote)."""
+
+from __future__ import annotations
+
+import pytest
+
+import infhip.runtime.sparse_attention as sa
+from infhip import LLM, SamplingParams
+from infhip.builder.build import build_engine
+from infhip.builder.presets import infinitehip_config
+from infhip.runtime.sparse_attention import SparsePlanner
+from tests._tiny import write_tiny_hf_checkpoint
+from tests.test_infinitehip_runtime import COVER, TINY
+from tests.test_infinitehip_runtime_schedule import seq
+from tests.test_token_drop_runtime import TINY as TD_TINY
+from tests.test_token_drop_runtime import prompt
+
+DROP = dict(rho=0.4, **TD_TINY)
+LOW = {"dense_threshold": 30}
+PROMPTS = [prompt(11, 150), prompt(12, 97), prompt(13, 181)]
+GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def engines(tmp_path_factory):
+    root = tmp_path_factory.mktemp("td_ihip")
+    write_tiny_hf_checkpoint(root / "hf", "llama")
+    kw = dict(dtype="float32", device="cpu", max_seq_len=400, max_batch_size=4, progress=False)
+    return {"dense": build_engine(checkpoint=root / "hf", output_dir=root / "dense", **kw),
+            "cover": build_engine(checkpoint=root / "hf", output_dir=root / "cover", preset="3k",
+                                  infinitehip_overrides=COVER, **kw),
+            "3k": build_engine(checkpoint=root / "hf", output_dir=root / "3k", preset="3k",
+                               infinitehip_overrides=TINY, **kw)}
+
+
+@pytest.fixture
+def sparse_calls(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # the plugins' torch references
+    n = {"decode": 0, "prefill": 0}
+    for name, key in (("sparse_decode_attention", "decode"), ("sparse_prefill_attention", "prefill")):
+        real = getattr(sa, name)
+
+        def counted(*a, _real=real, _key=key, **k):
+            n[_key] += 1
+            return _real(*a, **k)
+        monkeypatch.setattr(sa, name, counted)
+    return n
+
+
+def run(engine, overrides=None, budget=64, prompts=PROMPTS, params=GREEDY):
+    llm = LLM(engine, max_num_batched_tokens=budget, infinitehip_overrides=overrides, token_drop=DROP)
+    out = [o.token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=params)]
+    return out, llm
+
+
+@pytest.mark.parametrize("budget", [64, 512])  # chunked prefill mixing drops and decodes; one pass each
+def test_covering_sparse_over_compacted_kv_equals_dense(engines, sparse_calls, budget):
+    dense, dense_llm = run(engines["dense"], budget=budget)
+    assert dense_llm.runner.retention  # tokens were dropped
+    composed, llm = run(engines["cover"], LOW, budget=budget)
+    assert sparse_calls["decode"] > 0
+    assert composed == dense
+    assert llm.runner.retention == dense_llm.runner.retention  # the same drops
+
+
+def test_pruning_presets_run_after_drops(engines, sparse_calls):
+    out, llm = run(engines["3k"], LOW)
+    assert all(len(t) == GREEDY.max_tokens for t in out)
+    assert llm.runner.retention and sparse_calls["decode"] > 0
+
+
+def test_requests_that_may_pass_the_trained_window_do_not_drop(engines):
+    """Tiny model: trained window 256. 200 + 80 tokens could end past it (dynamic RoPE over a
+    compacted cache is not exact): no drop; 200 + 10 drops."""
+    ids = prompt(14, 200)
+    _, llm = run(engines["3k"], LOW, prompts=[ids], params=SamplingParams(max_tokens=80, ignore_eos=True))
+    assert not llm.runner.retention
+    _, llm = run(engines["3k"], LOW, prompts=[ids], params=SamplingParams(max_tokens=10, ignore_eos=True))
+    assert llm.runner.retention
+
+
+def test_a_step_without_sparse_attention_invalidates_cached_masks():
+    cfg = infinitehip_config("3k", dict(n_sink=4, n_stream=8, stages=[(8, 4, 32), (8, 2, 16), (8, 1, 8)],
+                                        special_final_k=16, dense_threshold=50, stagger_refresh=False))
+    planner = SparsePlanner(cfg, max_slots=2, trained_window=100)
+    a = seq(0, 60)
+    assert planner.plan([a], [60], 1).decode_first_stage == [(0,)]
+    assert planner.plan([a], [61], 1).decode_first_stage != [(0,)]
+    planner.skip([a])  # e.g. a step that dropped tokens ran no sparse attention
+    assert planner.plan([a], [63], 1).decode_first_stage == [(0,)]
