@@ -71,3 +71,26 @@ def test_drop_history_decode_through_cuda_graphs_equals_eager(arch, tmp_path):
         if not eager:
             assert any(key == LAYER_KV for _, key in llm.runner.graphs.lazy_graphs)
     assert outs[False] == outs[True]
+
+
+def test_token_drop_with_infinitehip_graphs_equal_eager(tmp_path):
+    """Token-drop prefill, then InfiniteHiP decode over the compacted per-layer KV through CUDA
+    graphs keyed by (sparse key, drop histories) equals the eager path token for token."""
+    from infhip import SamplingParams
+
+    from .test_infinitehip_runtime import TINY as IHIP_TINY
+
+    write_tiny_hf_checkpoint(tmp_path / "hf", "llama")
+    engine = build_engine(checkpoint=tmp_path / "hf", output_dir=tmp_path / "e", dtype="float32", device="cuda",
+                          max_seq_len=256, max_batch_size=4, preset="3k",
+                          infinitehip_overrides=dict(IHIP_TINY, dense_threshold=30), progress=False)
+    prompts = [prompt(s, n) for s, n in ((5, 150), (6, 97), (7, 181))]
+    sp = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    outs = {}
+    for eager in (False, True):
+        llm = LLM(engine, max_num_batched_tokens=64, token_drop=dict(rho=0.4, **TINY), enforce_eager=eager)
+        outs[eager] = [o.token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=sp)]
+        assert llm.runner.retention
+        if not eager:
+            assert any(key[0] is not None and key[1] for _, key in llm.runner.graphs.lazy_graphs)
+    assert outs[False] == outs[True]
