@@ -54,12 +54,14 @@ With InfiniteHiP layers (token-drop prefill, sparse decode):
 * Afterwards each InfiniteHiP layer prunes and attends over the keys it holds: its compacted KV,
   whose length is the request's context minus what that layer dropped (the ends the sparse
   plugins see are shifted per layer, SparseStep + LayerKV, eager or in a CUDA graph).
-* Exact inside the trained window, where InfiniteHiP keeps the stored RoPE (dense-equivalent
-  positions). Past it, dynamic RoPE rotates keys by their index in the layer's cache, which
-  after a drop is not the original position; so token drop is skipped for requests whose
-  prompt + max_tokens exceed the trained window (plan_drops' max_context). Removing that limit
-  needs the original position of each cached key in the sparse kernels (a per-layer position
-  cache, 4 bytes per token and layer).
+* Only inside the trained window: token drop is skipped for requests whose prompt + max_tokens
+  exceed it (plan_drops' max_context). Past the window two things break: token drop's own
+  prefill attention is dense at original positions (out of the model's range, exactly where
+  InfiniteHiP's dynamic RoPE is needed), and dynamic RoPE in the sparse kernels rotates keys by
+  their index in the layer's cache, which after a drop is not the original position. Inside
+  it InfiniteHiP keeps the stored rotations and the composition is exact (tested against dense
+  attention over the same kept keys). Lifting the limit needs a sparse token-drop prefill and
+  the original position of each cached key in the sparse kernels.
 """
 
 from __future__ import annotations
