@@ -119,7 +119,6 @@ class DecodeGraphs:
 
     @torch.inference_mode()
     def _capture_all(self) -> None:
-        model = self.runner.model
         for bs in reversed(self.sizes):
             ctx = self._context(bs)
             with forward_context(ctx):
