@@ -1,10 +1,12 @@
 """Where does token drop lose quality? A CPU diagnostic on SmolLM2-135M (real weights, KJV).
 
-    python benchmarks/token_drop_ablation.py [--length 2048] [--chunk 128] [--p 0.99]
+    python benchmarks/token_drop_ablation.py [--length 2048] [--chunk 128] [--p 0.99] [--sample 0]
+        [--variants dense,drop,keys-only,rows-only,nested] [--spare 0 --spare 0,1] [--probe]
 
-The engine prefills one KJV window with token drop and records the positions each anchor kept;
-the plain-torch reference (tests/_td_reference.py, which the engine matches) then scores the
-last `chunk` tokens under four semantics with those same kept sets:
+The engine prefills one KJV window (the `ppl` window of that sample: the first length - chunk
+tokens) with token drop and records the positions each anchor kept; the plain-torch reference
+(tests/_td_reference.py, which the engine matches) then scores the last `chunk` tokens under
+these semantics with those same kept sets:
 
     dense      no drop
     drop       the engine's semantics (dropped rows skip layers and write no KV there)
@@ -13,7 +15,17 @@ last `chunk` tokens under four semantics with those same kept sets:
     nested     no re-entry: a token dropped at an anchor stays dropped (kept sets intersected;
                LazyLLM-like; the sets are still the ones the engine chose with re-entry)
 
-Prints the perplexity of each. Run from the repository root.
+--spare L1,L2: the drop semantics with anchors L1, L2 dropping nothing, every other anchor
+choosing its own kept set from the stream it then receives (the reference's top-p,
+`reference_select`; first checked to reproduce the engine's sets exactly when nothing is spared).
+
+--probe: with only the first dropping anchor's drop applied (the engine's set; layer 0 from 3K
+tokens on at p = 0.99) and without any, per layer: the attention mass the scored queries put on
+the tokens that anchor dropped, the mass on position 0, and the mean norm of those tokens'
+stream (the layer's input) over that of all prompt tokens.
+
+Prints the perplexity of each. Run from the repository root. float64; a 4K window takes ~1.5 min
+per reference pass on 2 CPU cores.
 """
 
 from __future__ import annotations
@@ -27,6 +39,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+VARIANTS = ("dense", "drop", "keys-only", "rows-only", "nested")
+
 
 def main() -> None:
     ap = argparse.ArgumentParser()
@@ -34,7 +48,14 @@ def main() -> None:
     ap.add_argument("--length", type=int, default=2048)
     ap.add_argument("--chunk", type=int, default=128)
     ap.add_argument("--p", type=float, default=0.99)
+    ap.add_argument("--sample", type=int, default=0, help="ppl window index (seed 0)")
+    ap.add_argument("--variants", default=",".join(VARIANTS), help="comma list of " + ", ".join(VARIANTS))
+    ap.add_argument("--spare", action="append", default=[], help="anchors that drop nothing, e.g. 0,1 (repeat)")
+    ap.add_argument("--probe", action="store_true", help="attention on the tokens the first anchor dropped")
     args = ap.parse_args()
+    wanted = [v for v in args.variants.split(",") if v]
+    if bad := set(wanted) - set(VARIANTS):
+        ap.error(f"unknown variants {sorted(bad)}")
     from infhip import LLM
     from infhip.eval.ppl import ppl_items
     from tests import _td_reference as ref
@@ -42,34 +63,79 @@ def main() -> None:
 
     llm = LLM(args.engine, token_drop=dict(p=args.p, min_prompt_len=0))
     llm.runner.record_kept_positions = True
-    ctx, tgt = ppl_items(llm.tokenizer, args.length, args.chunk, 1, 0)[0]
+    ctx, tgt = ppl_items(llm.tokenizer, args.length, args.chunk, args.sample + 1, 0)[args.sample]
     _, _, sid = run_greedy(llm, ctx, 1)
     kept = {layer: torch.cat(c) for layer, c in llm.runner.kept_positions[sid].items()}
-    print(f"mean retention over anchors: {sum(len(v) for v in kept.values()) / len(kept) / len(ctx):.3f}")
+    n_ctx, G = len(ctx), llm.runner.token_drop.block_size
+    print(f"{len(ctx)} context + {len(tgt)} scored tokens, {-(-n_ctx // G)} blocks of {G}; mean retention "
+          f"over anchors: {sum(len(v) for v in kept.values()) / len(kept) / n_ctx:.3f}")
+    for layer in sorted(kept)[:3]:
+        dropped = sorted(set(range(-(-n_ctx // G))) - set((kept[layer] // G).tolist()))
+        print(f"  anchor {layer}: retention {len(kept[layer]) / n_ctx:.3f}, dropped blocks {dropped}")
     model, layers, ids = llm.runner.model, llm.engine.config.plan.layers, ctx + tgt
 
-    def ppl(fn, masks) -> float:
-        logits = fn(model, ids, len(ctx), masks, layers)[len(ctx) - 1:-1]
+    def ppl(fn, masks, **kw) -> float:
+        logits = fn(model, ids, n_ctx, masks, layers, **kw)[n_ctx - 1:-1]
         lp = logits.log_softmax(-1)[torch.arange(len(tgt)), torch.tensor(tgt)]
         return math.exp(-lp.mean().item())
 
     src = Path(ref.__file__).read_text()
-    variants = {"keys-only": [("x = torch.where(active[:, None], x1 + m, x)", "x = x1 + m")],
-                "rows-only": [("keys = active.clone()", "keys = torch.ones(L, dtype=torch.bool, device=dev)")],
-                "nested": [("            active = torch.ones(L, dtype=torch.bool, device=dev)  # reconstitution: every row re-enters\n",
-                            "            prev_active = active\n"),
-                           ("                active[num_prompt:] = True\n",
-                            "                active[num_prompt:] = True\n                active &= prev_active\n")]}
-    print(f"dense     {ppl(ref.reference_logits, {}):.3f}")
-    print(f"drop      {ppl(ref.reference_logits, kept):.3f}")
-    for name, edits in variants.items():
+
+    def variant(edits) -> dict:
         code = src
         for old, new in edits:
             assert old in code, f"tests/_td_reference.py changed: {old!r} not found"
             code = code.replace(old, new)
         ns: dict = {}
-        exec(compile(code, name, "exec"), ns)
-        print(f"{name:9} {ppl(ns['reference_logits'], kept):.3f}")
+        exec(compile(code, "td_reference_variant", "exec"), ns)
+        return ns
+
+    edits = {"keys-only": [("x = torch.where(active[:, None], x1 + m, x)", "x = x1 + m")],
+             "rows-only": [("keys = active.clone()", "keys = torch.ones(L, dtype=torch.bool, device=dev)")],
+             "nested": [("            active = torch.ones(L, dtype=torch.bool, device=dev)  # reconstitution: every row re-enters\n",
+                         "            prev_active = active\n"),
+                        ("                active[num_prompt:] = True\n",
+                         "                active[num_prompt:] = True\n                active &= prev_active\n")]}
+    for name in wanted:
+        if name in ("dense", "drop"):
+            print(f"{name:9} {ppl(ref.reference_logits, {} if name == 'dense' else kept):.3f}", flush=True)
+        else:
+            print(f"{name:9} {ppl(variant(edits[name])['reference_logits'], kept):.3f}", flush=True)
+
+    if args.spare:
+        cfg = llm.runner.token_drop
+        select = dict(p=args.p, n=cfg.obs_window, G=G, A=cfg.num_sink, tail=llm.runner.drop_tail)
+        for spec in [""] + args.spare:
+            spare = {int(s) for s in spec.split(",") if s}
+            chosen: dict = {}
+            value = ppl(ref.reference_logits, chosen, select=dict(select, spare=spare))
+            if not spare:  # the reference's own selection must be the engine's
+                same = set(chosen) == set(kept) and all(torch.equal(chosen[k], kept[k].to(chosen[k].device))
+                                                         for k in kept)
+                print(f"reference selection == engine's: {same}")
+                continue
+            ret = (sum(len(v) for v in chosen.values()) + n_ctx * len(spare)) / (len(chosen) + len(spare)) / n_ctx
+            print(f"spare {spec:4} {value:.3f}  (mean retention {ret:.3f})", flush=True)
+
+    if args.probe:
+        first = next((k for k in sorted(kept) if len(kept[k]) < n_ctx), None)
+        if first is None:
+            print("probe: no anchor dropped anything")
+            return
+        probe_pos = torch.tensor(sorted(set(range(n_ctx)) - set(kept[first].tolist())))
+        rows = torch.arange(n_ctx, len(ids)) - 1  # the queries whose logits are scored
+        ns = variant([('        o = torch.einsum("hqk,khd->qhd", p, v).reshape(L, -1)\n',
+                       '        o = torch.einsum("hqk,khd->qhd", p, v).reshape(L, -1)\n        _probe(p, x)\n')])
+        for name, masks in (("dense", {}), (f"only anchor {first} drops", {first: kept[first]})):
+            stats = []
+            ns["_probe"] = lambda p, x: stats.append((
+                p[:, rows][:, :, probe_pos.to(p.device)].sum(-1).mean().item(), p[:, rows, 0].mean().item(),
+                (x[probe_pos].norm(dim=-1).mean() / x[:n_ctx].norm(dim=-1).mean()).item()))
+            value = ppl(ns["reference_logits"], masks)
+            print(f"probe, {name}: ppl {value:.3f}; {len(probe_pos)} tokens dropped by anchor {first}")
+            print("  layer  mass on them  mass on pos 0  |x| them / all")
+            for layer, (mass, sink, norm) in enumerate(stats):
+                print(f"  {layer:5d}  {mass:12.4f}  {sink:13.4f}  {norm:14.2f}")
 
 
 if __name__ == "__main__":

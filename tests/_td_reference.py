@@ -11,6 +11,11 @@ positions each anchor chose, and applies the semantics of runtime/token_drop.py:
 * sliding layers see keys in (p - W, p], global layers all keys <= p.
 
 Logits at row t equal what an engine decoding token t + 1 should compute.
+
+With `select`, the reference also *chooses* the kept sets itself (`reference_select`, the spec's
+top-p over block importance, from its own stream) instead of reading the engine's, so it checks
+the engine's selection end to end, and it can spare chosen anchors from dropping. Selection
+assumes the whole prompt is one prefill pass (one scheduler chunk).
 """
 
 from __future__ import annotations
@@ -35,27 +40,55 @@ def _rope(x, pos, inv_freq, scaling):
 
 
 @torch.no_grad()
+def reference_select(q: torch.Tensor, k: torch.Tensor, num_prompt: int, scale: float, *, p: float,
+                     n: int, G: int, A: int, tail: int) -> torch.Tensor:
+    """Kept prompt positions (ascending) of one anchor whose prompt is one prefill pass, by the
+    spec: q [L, Hq, D], k [L, Hkv, D] after RoPE; the last n prompt queries score the prompt keys
+    (softmax over each row's causal keys), mean over rows, sum over heads, mean within blocks of
+    G; the fewest blocks by descending score (ties: lower index first) holding fraction p of the
+    total, plus positions < A and the last `tail` prompt positions. p >= 1 keeps everything."""
+    L = num_prompt
+    if p >= 1:
+        return torch.arange(L, device=q.device)
+    group = q.shape[1] // k.shape[1]
+    n = min(n, L)
+    qw = q[L - n:L].double()
+    kk = k[:L].double().repeat_interleave(group, 1)
+    s = torch.einsum("qhd,khd->hqk", qw, kk) * scale
+    qpos, kpos = torch.arange(L - n, L, device=q.device), torch.arange(L, device=q.device)
+    prob = torch.softmax(s.masked_fill(~(kpos[None, :] <= qpos[:, None])[None], -math.inf), -1)
+    o = prob.mean(1).sum(0)  # [L] per key
+    nb = -(-L // G)
+    block = kpos // G
+    score = torch.zeros(nb, dtype=o.dtype, device=o.device).index_add_(0, block, o)
+    score /= torch.bincount(block, minlength=nb).to(o.dtype)
+    order = torch.sort(score, descending=True, stable=True).indices
+    k_star = min(nb, 1 + int((torch.cumsum(score[order], 0) < p * score.sum()).sum()))
+    block_keep = torch.zeros(nb, dtype=torch.bool, device=q.device)
+    block_keep[order[:k_star]] = True
+    keep = block_keep[block] | (kpos < A) | (kpos >= L - tail)
+    return torch.nonzero(keep).flatten()
+
+
+@torch.no_grad()
 def reference_logits(model, ids: list[int], num_prompt: int, kept: dict[int, torch.Tensor],
-                     plan_layers) -> torch.Tensor:
+                     plan_layers, select: dict | None = None) -> torch.Tensor:
     """float64 logits [len(ids), vocab]. kept: anchor layer -> kept prompt positions (a layer not
-    in kept keeps every row); plan_layers: the engine plan's LayerPlan tuple."""
+    in kept keeps every row); plan_layers: the engine plan's LayerPlan tuple.
+
+    select: dict(p, n, G, A, tail[, spare]) -> every anchor not in `spare` chooses its kept set
+    with `reference_select` from the stream it receives (the engine's semantics for a one-chunk
+    prompt), written into `kept` (which the caller passes empty and reads afterwards)."""
     cfg = model.cfg
     gemma = cfg.architecture == "gemma3"
     L = len(ids)
     dev = model.embed_tokens.weight.device
     pos = torch.arange(L, device=dev)
     x = model.embed(torch.tensor(ids, device=dev)).double()
-    kept = {layer: p.to(dev) for layer, p in kept.items()}
+    chosen, kept = kept, {layer: p.to(dev) for layer, p in kept.items()}  # chosen: the caller's dict
     active = torch.ones(L, dtype=torch.bool, device=dev)
     for l, layer in enumerate(model.layers):
         lp, attn = plan_layers[l], layer.self_attn
-        if lp.window is None:
-            active = torch.ones(L, dtype=torch.bool, device=dev)  # reconstitution: every row re-enters
-            if l in kept:  # this anchor's drop: only its kept tokens (and generated ones) from here on
-                active = torch.zeros(L, dtype=torch.bool, device=dev)
-                active[kept[l]] = True
-                active[num_prompt:] = True
-        keys = active.clone()  # a token writes KV at a layer exactly when it runs that layer
         h = _rms(x, layer.input_layernorm.weight.double(), cfg.rms_norm_eps)
         qkv = F.linear(h, attn.qkv_proj.weight.double(),
                        None if attn.qkv_proj.bias is None else attn.qkv_proj.bias.double())
@@ -68,6 +101,17 @@ def reference_logits(model, ids: list[int], num_prompt: int, kept: dict[int, tor
             k = _rms(k, attn.k_norm.weight.double(), cfg.rms_norm_eps)
         rope = attn.rope[0]
         q, k = _rope(q, pos, rope.inv_freq, rope.attention_scaling), _rope(k, pos, rope.inv_freq, rope.attention_scaling)
+        if lp.window is None:
+            active = torch.ones(L, dtype=torch.bool, device=dev)  # reconstitution: every row re-enters
+            if select is not None and l not in select.get("spare", ()):  # chosen from this stream (all rows)
+                kept[l] = chosen[l] = reference_select(q, k, num_prompt, attn.scale, p=select["p"],
+                                                       n=select["n"], G=select["G"], A=select["A"],
+                                                       tail=select["tail"])
+            if l in kept:  # this anchor's drop: only its kept tokens (and generated ones) from here on
+                active = torch.zeros(L, dtype=torch.bool, device=dev)
+                active[kept[l]] = True
+                active[num_prompt:] = True
+        keys = active.clone()  # a token writes KV at a layer exactly when it runs that layer
         group = cfg.num_heads // cfg.num_kv_heads
         k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
         visible = (pos[None, :] <= pos[:, None]) & keys[None, :]

@@ -5,6 +5,8 @@
 * with a forced retention, prefill + decode logits equal a plain-torch reference that masks the
   dropped keys per layer (tests/_td_reference.py), and that reference is sensitive: the same
   logits differ from a reference without the drop;
+* with top-p, the engine's kept sets at every anchor and its logits equal the reference choosing
+  its own sets by the spec (tests/_td_reference.reference_select) from its own stream;
 * a batch (two dropping prompts, one too short to drop, mixed with decodes) equals each alone;
 * Llama (every layer an anchor) and a Gemma-3 with global layers 1 and 4 (sliding layers after
   an anchor get compact rows), old engines load, bad specs give one-line errors.
@@ -94,6 +96,29 @@ def test_decode_after_drop_equals_masked_reference(engine, budget):
     # the reference can fail: without the drop it computes different logits
     dense_ref = reference_logits(llm.runner.model, full, len(ids), {}, layers)[len(ids) - 1:]
     assert (logits.double() - dense_ref).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("p", [0.6, 0.75])
+def test_top_p_selection_equals_reference(engine, p):
+    """The engine's own top-p choice (not a forced retention) at every anchor equals the spec's
+    selection recomputed by the reference from its own stream, and so do the decode logits: checks
+    importance, top-p, sinks, tail and re-entry end to end, not only with the engine's kept sets.
+    Odd prompt length (a partial last block); one prefill chunk."""
+    ids = prompt(6, 203)
+    llm = LLM(engine, token_drop=dict(p=p, **TINY))
+    llm.runner.record_kept_positions = True
+    tokens, logits, sid = run_greedy(llm, ids, 4)
+    kept = {layer: torch.cat(chunks) for layer, chunks in llm.runner.kept_positions[sid].items()}
+    layers = llm.engine.config.plan.layers
+    cfg = llm.runner.token_drop
+    chosen: dict[int, torch.Tensor] = {}
+    select = dict(p=p, n=cfg.obs_window, G=cfg.block_size, A=cfg.num_sink, tail=llm.runner.drop_tail)
+    ref = reference_logits(llm.runner.model, ids + tokens[:-1], len(ids), chosen, layers, select=select)
+    assert set(chosen) == set(kept)
+    for layer in kept:
+        assert torch.equal(kept[layer], chosen[layer]), f"layer {layer}"
+    assert sum(len(v) for v in kept.values()) < 0.9 * len(kept) * len(ids)  # really dropped
+    assert (logits.double() - ref[len(ids) - 1:]).abs().max() < 1e-4
 
 
 def test_batch_equals_each_alone(engine):
