@@ -146,15 +146,6 @@ def test_batch_equals_each_alone(engine):
     assert [r.seq.output_token_ids for r in reqs] == [alone[2], alone[0], alone[1]]
 
 
-def test_token_drop_with_infinitehip_is_refused(tmp_path):
-    write_tiny_hf_checkpoint(tmp_path / "hf", "llama")
-    with pytest.raises(ValueError, match="InfiniteHiP"):
-        eng = build_engine(checkpoint=tmp_path / "hf", output_dir=tmp_path / "e", dtype="float32",
-                           device="cpu", max_seq_len=256, preset="3k", token_drop=True, progress=False,
-                           infinitehip_overrides=dict(n_sink=16, n_stream=64, dense_threshold=32))
-        LLM(eng)
-
-
 def test_build_flag_config_round_trip_and_old_engines(engine, tmp_path):
     out = tmp_path / "td"
     src = EngineConfig.load(engine)
