@@ -48,7 +48,7 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--token-drop", nargs="?", const="", default=None, metavar="SPEC",
                    help="UniPrefill token dropping in prefill at the full-attention layers: bare for "
                         "the defaults (p=0.99,n=128,G=64,A=128,min_len=8192), or key=value,... "
-                        "with keys p, n, G, A, min_len, rho (e.g. p=0.98,G=32); composes with --preset")
+                        "with keys p, n, G, A, min_len, rho, spare (e.g. p=0.98,G=32); composes with --preset")
     p.add_argument("--dtype", default="bfloat16", choices=DTYPES, help="weight dtype (default bfloat16)")
     p.add_argument("--kv-dtype", choices=DTYPES, help="KV-cache dtype (default: --dtype)")
     p.add_argument("--max-seq-len", type=_positive_int,

@@ -5,7 +5,8 @@
     "p=1,min_len=0,rho=0.3"             forced retention (benchmarks), drop from any length
 
 Keys: p, n (obs_window), G (block_size), A (num_sink), min_len (min_prompt_len),
-rho (retention); the long names are accepted too.
+rho (retention), spare (spare_anchors: the first that many anchors do not drop); the long names
+are accepted too.
 
     >>> parse_token_drop("p=0.98,G=32").block_size
     32
@@ -20,9 +21,10 @@ from infhip.config import TokenDropConfig
 _ALIASES = {"p": "p", "n": "obs_window", "obs_window": "obs_window", "G": "block_size",
             "g": "block_size", "block_size": "block_size", "A": "num_sink", "a": "num_sink",
             "num_sink": "num_sink", "min_len": "min_prompt_len", "min_prompt_len": "min_prompt_len",
-            "rho": "retention", "retention": "retention"}
+            "rho": "retention", "retention": "retention", "spare": "spare_anchors",
+            "spare_anchors": "spare_anchors"}
 _FLOATS = ("p", "retention")
-_KEYS_HELP = "p, n, G, A, min_len, rho"
+_KEYS_HELP = "p, n, G, A, min_len, rho, spare"
 
 
 def parse_token_drop(text: str) -> TokenDropConfig:
@@ -50,7 +52,7 @@ def parse_token_drop(text: str) -> TokenDropConfig:
 
 
 def long_names(knobs: dict[str, Any]) -> dict[str, Any]:
-    """Knob dict with short keys (p, n, G, A, min_len, rho) mapped to field names."""
+    """Knob dict with short keys (p, n, G, A, min_len, rho, spare) mapped to field names."""
     return {_ALIASES.get(k, k): v for k, v in knobs.items()}
 
 

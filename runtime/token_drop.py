@@ -136,6 +136,9 @@ class TokenDropStep:
     # per anchor: (layer, {b: (kept, total, kept positions (host))})
     records: list[tuple[int, dict[int, tuple[int, int, torch.Tensor]]]] = field(default_factory=list)
 
+    def __post_init__(self) -> None:
+        self.spared = frozenset(sorted(self.anchors)[:self.cfg.spare_anchors])  # anchors that keep all
+
     # -- the stream -------------------------------------------------------------------------
     def enter_layer(self, i: int, hidden: torch.Tensor, residual: torch.Tensor | None):
         """Before layer i: at an anchor, dropped rows re-enter (Eq. 8)."""
@@ -164,7 +167,10 @@ class TokenDropStep:
     # -- attention ----------------------------------------------------------------------------
     def handles_layer(self) -> bool:
         """Anchors and layers after a drop take this path; layers before the first anchor
-        (Gemma-3's first five) see the full batch and run the dense engine's own path."""
+        (Gemma-3's first five) and spared anchors (cfg.spare_anchors, reached with the full
+        batch) run the dense engine's own path."""
+        if self.idx is None and self.layer in self.spared:
+            return False
         return self.layer in self.anchors or self.idx is not None
 
     def attention(self, attn, q, k, v, ctx) -> torch.Tensor:

@@ -98,23 +98,26 @@ def test_decode_after_drop_equals_masked_reference(engine, budget):
     assert (logits.double() - dense_ref).abs().max() > 1e-2
 
 
-@pytest.mark.parametrize("p", [0.6, 0.75])
-def test_top_p_selection_equals_reference(engine, p):
+@pytest.mark.parametrize("p, spare", [(0.6, 0), (0.75, 0), (0.6, 1)])
+def test_top_p_selection_equals_reference(engine, p, spare):
     """The engine's own top-p choice (not a forced retention) at every anchor equals the spec's
     selection recomputed by the reference from its own stream, and so do the decode logits: checks
     importance, top-p, sinks, tail and re-entry end to end, not only with the engine's kept sets.
-    Odd prompt length (a partial last block); one prefill chunk."""
+    Odd prompt length (a partial last block); one prefill chunk. spare: the first anchors keep
+    every token (TokenDropConfig.spare_anchors) and record nothing."""
     ids = prompt(6, 203)
-    llm = LLM(engine, token_drop=dict(p=p, **TINY))
+    llm = LLM(engine, token_drop=dict(p=p, spare_anchors=spare, **TINY))
     llm.runner.record_kept_positions = True
     tokens, logits, sid = run_greedy(llm, ids, 4)
     kept = {layer: torch.cat(chunks) for layer, chunks in llm.runner.kept_positions[sid].items()}
     layers = llm.engine.config.plan.layers
     cfg = llm.runner.token_drop
     chosen: dict[int, torch.Tensor] = {}
-    select = dict(p=p, n=cfg.obs_window, G=cfg.block_size, A=cfg.num_sink, tail=llm.runner.drop_tail)
+    spared = set(llm.runner.global_layers[:spare])
+    select = dict(p=p, n=cfg.obs_window, G=cfg.block_size, A=cfg.num_sink, tail=llm.runner.drop_tail,
+                  spare=spared)
     ref = reference_logits(llm.runner.model, ids + tokens[:-1], len(ids), chosen, layers, select=select)
-    assert set(chosen) == set(kept)
+    assert not spared & set(kept) and set(chosen) == set(kept) == set(llm.runner.global_layers) - spared
     for layer in kept:
         assert torch.equal(kept[layer], chosen[layer]), f"layer {layer}"
     assert sum(len(v) for v in kept.values()) < 0.9 * len(kept) * len(ids)  # really dropped
@@ -171,7 +174,7 @@ def test_build_flag_config_round_trip_and_old_engines(engine, tmp_path):
 @pytest.mark.parametrize("spec,msg", [
     ("p=1.5", "p must be in"), ("q=3", "unknown key 'q'"), ("G=abc", "must be an integer"),
     ("p", "not key=value"), ("G=0", "block_size must be an int >= 1"), ("p=0.9,p=0.8", "given twice"),
-    ("rho=2", "retention must be in"),
+    ("rho=2", "retention must be in"), ("spare=-1", "spare_anchors must be an int >= 0"),
 ])
 def test_bad_specs(spec, msg, capsys, tmp_path):
     with pytest.raises(ValueError, match=msg):
