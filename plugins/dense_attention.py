@@ -43,6 +43,9 @@ _PREFILL_MAX_Q_SLICE = 4096  # query rows per SDPA call when an explicit window 
 _PREFILL_MIN_Q_SLICE = 1024
 _DECODE_NUM_WARPS = 4  # decode launch tuning (module-level so benchmarks can sweep them)
 _DECODE_NUM_STAGES = 2
+# A split walks at least this many key blocks: short contexts take one split and no merge
+# kernel (a 300-token decode spent 7 µs per layer in 33 mostly idle splits + merge).
+_DECODE_MIN_BLOCKS_PER_SPLIT = 4
 
 
 # ============================================================================ decode (Triton)
@@ -180,16 +183,21 @@ def default_block_n(block_d: int, elem_bytes: int, page_size: int) -> int:
     return max(block_n, page_size)
 
 
-def choose_num_splits(batch: int, num_kv_heads: int, max_blocks: int, num_sms: int) -> int:
-    """Splits per (sequence, kv head) so the grid fills ~2 waves of SMs; a shape-only choice."""
+def choose_num_splits(batch: int, num_kv_heads: int, max_blocks: int, num_sms: int,
+                      min_blocks_per_split: int = 1) -> int:
+    """Splits per (sequence, kv head) so the grid fills ~2 waves of SMs, each split walking at
+    least min_blocks_per_split key blocks of the longest context; a shape-only choice."""
     want = triton.cdiv(2 * num_sms, max(batch * num_kv_heads, 1))
-    return max(1, min(want, max_blocks, 128))
+    return max(1, min(want, triton.cdiv(max_blocks, min_blocks_per_split), 128))
 
 
 def paged_decode_attention_triton(q, k_cache, v_cache, block_tables, context_lens, scale: float,
                                   window: int | None = None, out: torch.Tensor | None = None,
-                                  num_splits: int | None = None, block_n: int | None = None):
-    """Triton launcher for `paged_decode_attention` (num_splits / block_n: tuning/test overrides)."""
+                                  num_splits: int | None = None, block_n: int | None = None,
+                                  max_len: int | None = None):
+    """Triton launcher for `paged_decode_attention` (num_splits / block_n: tuning/test overrides;
+    max_len: a bound on every context length, which sizes the split count when the block table
+    is wider, as in CUDA graphs)."""
     B, Hq, D = q.shape
     num_pages, page_size, Hkv, Dk = k_cache.shape
     assert Dk == D and Hq % Hkv == 0, "q [B, Hq, D] vs cache [P, page, Hkv, D] mismatch"
@@ -211,8 +219,11 @@ def paged_decode_attention_triton(q, k_cache, v_cache, block_tables, context_len
     assert BLOCK_N % page_size == 0 and BLOCK_N >= 16 and BLOCK_N & (BLOCK_N - 1) == 0
     window = int(window or 0)
     max_keys = max_pages * page_size if window <= 0 else min(max_pages * page_size, window + BLOCK_N)
+    if max_len is not None:
+        max_keys = min(max_keys, max_len)
     if num_splits is None:
-        num_splits = choose_num_splits(B, Hkv, triton.cdiv(max_keys, BLOCK_N), device_num_sms(q.device))
+        num_splits = choose_num_splits(B, Hkv, triton.cdiv(max_keys, BLOCK_N), device_num_sms(q.device),
+                                       _DECODE_MIN_BLOCKS_PER_SPLIT)
     if num_splits > 1:
         part_out = torch.empty((B, Hq, num_splits, D), dtype=torch.float32, device=q.device)
         part_lse = torch.empty((B, Hq, num_splits), dtype=torch.float32, device=q.device)
@@ -336,11 +347,13 @@ def paged_decode_attention_ref(q, k_cache, v_cache, block_tables, context_lens, 
 
 
 def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale: float,
-                           window: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
-    """One query per sequence (position context_lens[b] - 1) over the paged cache; [B, Hq, D]."""
+                           window: int | None = None, out: torch.Tensor | None = None,
+                           max_len: int | None = None) -> torch.Tensor:
+    """One query per sequence (position context_lens[b] - 1) over the paged cache; [B, Hq, D].
+    max_len: optional bound on context_lens (launch sizing only)."""
     if use_triton(q, k_cache):
         return paged_decode_attention_triton(q, k_cache, v_cache, block_tables, context_lens,
-                                             scale, window, out)
+                                             scale, window, out, max_len=max_len)
     return paged_decode_attention_ref(q, k_cache, v_cache, block_tables, context_lens, scale, window, out)
 
 

@@ -15,8 +15,15 @@ doubles) into the same pool, and writes its logits into one shared buffer.
 Decode steps of requests with a UniPrefill drop history (full-attention layers hold only their
 kept keys, runtime/token_drop.py) replay lazily captured graphs too: each global layer's
 context lengths and compact KV slots are computed inside the graph from the per-layer dropped
-counts, which travel with the other per-step rows. A lazy graph's key is (sparse key or None,
-drop histories or not); LAYER_KV = (None, True).
+counts, which travel with the other per-step rows.
+
+Short contexts: the dense decode kernel's split count is fixed at capture from the block-table
+width (max_seq_len), which for a few hundred tokens means dozens of idle splits and a merge
+kernel. Decode steps whose contexts are all <= a bucket of DECODE_LEN_BUCKETS replay a graph
+captured with that bound (fewer splits; one and no merge up to 512 tokens).
+
+A lazy graph's key is (sparse key or None, drop histories or not, length bucket or None); the
+start-up graphs are (None, False, None).
 """
 
 from __future__ import annotations
@@ -29,8 +36,13 @@ from infhip.runtime.forward_context import ForwardContext, KVGroupMetadata, Laye
 from infhip.runtime.sparse_attention import SparseStep
 
 _MASK_SLOT_ROW = 3  # the row of `rows` that holds each decode row's mask-cache slot
-GraphKey = tuple  # (SparseStepHost.graph_key | None, has drop histories: bool)
-LAYER_KV: GraphKey = (None, True)  # dense attention over per-layer (compacted) KV
+GraphKey = tuple  # (SparseStepHost.graph_key | None, has drop histories: bool, length bucket | None)
+DECODE_LEN_BUCKETS = (512, 2048, 8192)  # context-length bounds of the short-context dense graphs
+
+
+def len_bucket(max_context: int) -> int | None:
+    """The smallest bucket holding max_context, None past the largest (the start-up graphs)."""
+    return next((b for b in DECODE_LEN_BUCKETS if max_context <= b), None)
 
 
 class DecodeGraphs:
@@ -101,7 +113,8 @@ class DecodeGraphs:
             layer_kv=LayerKV(rows={l: i for i, l in enumerate(self.global_layers)},
                              slot_mapping=self.layer_slots[:, :bs], context_lens=self.layer_ctx[:, :bs],
                              context_lens_list=[[0] * bs] * len(self.global_layers))
-            if key is not None and key[1] else None)
+            if key is not None and key[1] else None,
+            decode_len_bound=key[2] if key is not None else None)
 
     def _sparse_step(self, bs: int, key: tuple) -> SparseStep:
         """The SparseStep of a graph: every row is a sparse decode row (row b = batch index b) and

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from infhip.runtime.cuda_graphs import DecodeGraphs, GraphKey
+from infhip.runtime.cuda_graphs import DecodeGraphs, GraphKey, len_bucket
 from infhip.runtime.engine import DTYPES, LoadedEngine
 from infhip.runtime.forward_context import ForwardContext, KVGroupMetadata, LayerKV, compact_slots, forward_context
 from infhip.runtime.kv_cache import KVCacheManager, KVGroupSpec
@@ -246,9 +246,11 @@ class ModelRunner:
 
     @staticmethod
     def _graph_key(p: StepPlan) -> GraphKey | None:
+        """None: the start-up dense graph; else (sparse key, drop histories, length bucket)."""
         sparse = p.sparse.graph_key if p.has_sparse else None
         layer_kv = p.layer_dropped is not None
-        return None if sparse is None and not layer_kv else (sparse, layer_kv)
+        bound = None if p.has_sparse else len_bucket(max(p.ctx_lens))
+        return None if sparse is None and not layer_kv and bound is None else (sparse, layer_kv, bound)
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> torch.Tensor:

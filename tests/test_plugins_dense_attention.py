@@ -117,6 +117,26 @@ def test_choose_num_splits_depends_on_shapes_only():
     assert choose_num_splits(64, 8, 2048, 132) == 1
     assert choose_num_splits(1, 8, 2, 132) == 2  # never more splits than key blocks
     assert choose_num_splits(1, 1, 512, 132) == 128  # one kv head (Gemma-3 270M): capped
+    # decode's minimum of 4 blocks per split: short contexts take one split (no merge kernel)
+    assert choose_num_splits(1, 8, 3, 132, min_blocks_per_split=4) == 1
+    assert choose_num_splits(1, 8, 16, 132, min_blocks_per_split=4) == 4
+    assert choose_num_splits(1, 8, 2048, 132, min_blocks_per_split=4) == 33
+
+
+def test_decode_max_len_bounds_the_split_count_not_the_result():
+    """A block table much wider than the contexts (a CUDA graph's): max_len, a bound on the
+    contexts, sizes the launch; the answer is the same with or without it."""
+    from infhip.runtime.cuda_graphs import len_bucket
+    assert [len_bucket(n) for n in (1, 512, 513, 8192, 8193)] == [512, 512, 2048, 8192, None]
+    contexts = [37, 70]
+    kv = PagedKV(contexts, 2, 16, 4, torch.float32, seed=4)
+    wide = torch.cat([kv.block_tables, torch.zeros(2, 200, dtype=torch.int32, device=kv.block_tables.device)], 1)
+    q = torch.randn(2, 6, 16, generator=torch.Generator().manual_seed(5)).to(DEVICE)
+    expected = decode_expected(q, kv, contexts, 0.3, None)
+    for max_len in (None, 80, 512):
+        got = paged_decode_attention(q, kv.k_cache, kv.v_cache, wide.contiguous(), kv.context_lens, 0.3,
+                                     max_len=max_len)
+        assert rel_err(got, expected) < TOL[torch.float32]
 
 
 # ----------------------------------------------------------------------------- prefill

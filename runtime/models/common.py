@@ -113,7 +113,8 @@ class Attention(nn.Module):
             prefill_runs = sparse.dense_prefill_runs
         if nd and dense_decode_lens is not None:  # decode rows first: one query each, flash-decoding
             paged_decode_attention(q[:nd], self.k_cache, self.v_cache, meta.block_tables[:nd],
-                                   dense_decode_lens, self.scale, self.window, out=out[:nd])
+                                   dense_decode_lens, self.scale, self.window, out=out[:nd],
+                                   max_len=ctx.decode_len_bound)
         for lo, hi in prefill_runs:  # prefill chunks lo..hi-1: causal over context + chunk
             self._dense_prefill(q, k, v, out, ctx, meta, lo, hi)
         if sparse is not None:  # a layer with compacted KV (drop history) holds fewer keys
