@@ -29,6 +29,12 @@ _KEYS_HELP = "p, n, G, A, min_len, rho, spare"
 
 def parse_token_drop(text: str) -> TokenDropConfig:
     """Parse ``key=value,...`` (empty: defaults). Raises ValueError with a one-line fix."""
+    return TokenDropConfig(**parse_token_drop_knobs(text))  # range checks there, one line each
+
+
+def parse_token_drop_knobs(text: str) -> dict[str, Any]:
+    """``key=value,...`` -> {field name: typed value} of the given keys only (to lay over an
+    engine's own knobs: ``LLM(..., token_drop=knobs)``). Raises ValueError with a one-line fix."""
     knobs: dict[str, Any] = {}
     for item in (x.strip() for x in text.split(",")):
         if not item:
@@ -48,7 +54,8 @@ def parse_token_drop(text: str) -> TokenDropConfig:
         except ValueError:
             kind = "a number" if name in _FLOATS else "an integer"
             raise ValueError(f"--token-drop: {key}={value!r} must be {kind}") from None
-    return TokenDropConfig(**knobs)  # range checks there, one line each
+    TokenDropConfig(**knobs)  # range checks, one line each
+    return knobs
 
 
 def long_names(knobs: dict[str, Any]) -> dict[str, Any]:
@@ -73,4 +80,4 @@ def token_drop_config(value: "TokenDropConfig | dict | str | bool | None") -> To
                     f"got {type(value).__name__}")
 
 
-__all__ = ["long_names", "parse_token_drop", "token_drop_config"]
+__all__ = ["long_names", "parse_token_drop", "parse_token_drop_knobs", "token_drop_config"]

@@ -170,3 +170,22 @@ def test_infinitehip_overrides_flag_parses():
         "chunk_score": "head_normalized", "dense_threshold": 4096, "refresh_intervals": [32, 16, 8]}
     with pytest.raises(EvalError, match="KEY=VALUE"):
         parse_overrides("chunk_score")
+
+
+def test_token_drop_flag(tiny, tmp_path):
+    """--token-drop lays knobs over every engine of the run: off and p=1 reproduce the engine's
+    own perplexity, a forced 30 % retention changes it; a bad key exits 2."""
+    _, _, engine, _ = tiny
+
+    def ppl(*extra):
+        out = tmp_path / f"ppl{len(list(tmp_path.iterdir()))}.json"
+        assert cli.main(["ppl", "--engine", str(engine), "--lengths", "256", "--chunk", "16", "--samples", "1",
+                         "--json", str(out), *extra]) == 0
+        return json.loads(out.read_text())["summary"][0]["score"]
+
+    base = ppl()
+    assert ppl("--token-drop", "off") == base
+    assert ppl("--token-drop", "p=1,min_len=0") == pytest.approx(base, rel=1e-9)
+    assert ppl("--token-drop", "rho=0.3,n=8,G=8,A=8,min_len=0") != pytest.approx(base, rel=1e-3)
+    assert cli.main(["ppl", "--engine", str(engine), "--lengths", "64", "--token-drop", "q=1"]) == 2
+    assert cli.main(["ppl", "--engine", str(engine), "--lengths", "64", "--token-drop", "spare=-1"]) == 2

@@ -47,6 +47,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--infinitehip", default=None, metavar="KEY=VALUE[,KEY=VALUE]",
                    help="runtime InfiniteHiP knobs for every engine of the run, e.g. "
                         "chunk_score=head_normalized,dense_threshold=4096 (builder/presets.RUNTIME_KNOBS)")
+    p.add_argument("--token-drop", default=None, metavar="off|on|KEY=VALUE[,KEY=VALUE]",
+                   help="UniPrefill for every engine of the run: off, on (the engine's knobs, or the "
+                        "defaults), or knobs laid over them, e.g. p=0.98,spare=1 (keys p, n, G, A, "
+                        "min_len, rho, spare)")
     p.add_argument("--json", help="write all records to this JSON file")
     p.add_argument("--markdown", help="write the summary table to this file")
     p.add_argument("--plot", help="write a PNG plot (accuracy/ppl vs length, or recall per layer)")
@@ -93,7 +97,21 @@ def _llm_kwargs(args: argparse.Namespace) -> dict:
         raise EvalError(f"--kv-cache-gib must be positive, got {args.kv_cache_gib}")
     gib = None if args.kv_cache_gib is None else int(args.kv_cache_gib * (1 << 30))
     return {"max_num_seqs": args.max_num_seqs, "kv_cache_memory_bytes": gib,
-            "infinitehip_overrides": parse_overrides(args.infinitehip)}
+            "infinitehip_overrides": parse_overrides(args.infinitehip),
+            "token_drop": parse_token_drop_arg(args.token_drop)}
+
+
+def parse_token_drop_arg(spec: str | None) -> bool | dict | None:
+    """--token-drop: None (the engine's setting), off -> False, on -> True, else knobs."""
+    if spec is None:
+        return None
+    if spec.strip().lower() in ("off", "on"):
+        return spec.strip().lower() == "on"
+    from infhip.builder.token_drop_spec import parse_token_drop_knobs
+    try:
+        return parse_token_drop_knobs(spec)
+    except ValueError as e:
+        raise EvalError(str(e)) from None
 
 
 def parse_overrides(spec: str | None) -> dict | None:
