@@ -55,28 +55,20 @@ def test_drop_history_decode_through_cuda_graphs_equals_eager(arch, tmp_path):
     """Requests that dropped tokens decode through the per-layer-KV graphs (per-layer KV lengths and
     compact slots computed inside the graph; 8 steps fused per sync; batches of 1-3 padded to
     captured sizes) and give the eager path's tokens; the graphs did run."""
-    from infhip import SamplingParams
-
     extra = dict(num_hidden_layers=6, layer_types=GEMMA_TYPES) if arch == "gemma3" else {}
     write_tiny_hf_checkpoint(tmp_path / "hf", arch, **extra)
     engine = build_engine(checkpoint=tmp_path / "hf", output_dir=tmp_path / "e", dtype="float32",
                           device="cuda", max_seq_len=256, max_batch_size=4, progress=False)
     prompts = [prompt(s, n) for s, n in ((2, 200), (3, 150), (4, 170))]
-    sp = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
-    outs = {}
-    for eager in (False, True):
-        llm = LLM(engine, max_num_batched_tokens=100, token_drop=dict(rho=0.3, **TINY), enforce_eager=eager)
-        outs[eager] = [o.token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=sp)]
-        if not eager:
-            assert any(key[1] and key[0] is None for _, key in llm.runner.graphs.lazy_graphs)
-    assert outs[False] == outs[True]
+    graphed, eager, keys = graphed_and_eager(engine, prompts, max_num_batched_tokens=100,
+                                             token_drop=dict(rho=0.3, **TINY))
+    assert any(layer_kv and sparse is None for sparse, layer_kv, _ in keys)
+    assert graphed == eager
 
 
 def test_token_drop_with_infinitehip_graphs_equal_eager(tmp_path):
     """Token-drop prefill, then InfiniteHiP decode over the compacted per-layer KV through CUDA
     graphs keyed by (sparse key, drop histories) equals the eager path token for token."""
-    from infhip import SamplingParams
-
     from .test_infinitehip_runtime import TINY as IHIP_TINY
 
     write_tiny_hf_checkpoint(tmp_path / "hf", "llama")
@@ -84,12 +76,23 @@ def test_token_drop_with_infinitehip_graphs_equal_eager(tmp_path):
                           max_seq_len=256, max_batch_size=4, preset="3k",
                           infinitehip_overrides=dict(IHIP_TINY, dense_threshold=30), progress=False)
     prompts = [prompt(s, n) for s, n in ((5, 150), (6, 97), (7, 181))]
+    graphed, eager, keys = graphed_and_eager(engine, prompts, max_num_batched_tokens=64,
+                                             token_drop=dict(rho=0.4, **TINY))
+    assert any(layer_kv and sparse is not None for sparse, layer_kv, _ in keys)
+    assert graphed == eager
+
+
+def graphed_and_eager(engine, prompts, **llm_kwargs):
+    """Greedy tokens (40 each) through the CUDA graphs and eagerly, and the lazy graph keys the
+    graphed run captured; both runs must have dropped tokens."""
+    from infhip import SamplingParams
+
     sp = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
-    outs = {}
+    outs, keys = {}, []
     for eager in (False, True):
-        llm = LLM(engine, max_num_batched_tokens=64, token_drop=dict(rho=0.4, **TINY), enforce_eager=eager)
+        llm = LLM(engine, enforce_eager=eager, **llm_kwargs)
         outs[eager] = [o.token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=sp)]
         assert llm.runner.retention
         if not eager:
-            assert any(key[0] is not None and key[1] for _, key in llm.runner.graphs.lazy_graphs)
-    assert outs[False] == outs[True]
+            keys = [key for _, key in llm.runner.graphs.lazy_graphs]
+    return outs[False], outs[True], keys

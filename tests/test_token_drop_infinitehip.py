@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import pytest
 
-import infhip.runtime.sparse_attention as sa
 from infhip import LLM, SamplingParams
 from infhip.builder.build import build_engine
 from infhip.builder.presets import infinitehip_config
 from infhip.runtime.sparse_attention import SparsePlanner
 from tests._tiny import write_tiny_hf_checkpoint
 from tests.test_infinitehip_runtime import COVER, TINY
+from tests.test_infinitehip_runtime import calls  # noqa: F401 (fixture: sparse attention launch counts)
 from tests.test_infinitehip_runtime_schedule import seq
 from tests.test_token_drop_runtime import TINY as TD_TINY
 from tests.test_token_drop_runtime import prompt
@@ -40,20 +40,6 @@ def engines(tmp_path_factory):
                                infinitehip_overrides=TINY, **kw)}
 
 
-@pytest.fixture
-def sparse_calls(monkeypatch):
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # the plugins' torch references
-    n = {"decode": 0, "prefill": 0}
-    for name, key in (("sparse_decode_attention", "decode"), ("sparse_prefill_attention", "prefill")):
-        real = getattr(sa, name)
-
-        def counted(*a, _real=real, _key=key, **k):
-            n[_key] += 1
-            return _real(*a, **k)
-        monkeypatch.setattr(sa, name, counted)
-    return n
-
-
 def run(engine, overrides=None, budget=64, prompts=PROMPTS, params=GREEDY):
     llm = LLM(engine, max_num_batched_tokens=budget, infinitehip_overrides=overrides, token_drop=DROP)
     out = [o.token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=params)]
@@ -61,19 +47,19 @@ def run(engine, overrides=None, budget=64, prompts=PROMPTS, params=GREEDY):
 
 
 @pytest.mark.parametrize("budget", [64, 512])  # chunked prefill mixing drops and decodes; one pass each
-def test_covering_sparse_over_compacted_kv_equals_dense(engines, sparse_calls, budget):
+def test_covering_sparse_over_compacted_kv_equals_dense(engines, calls, budget):
     dense, dense_llm = run(engines["dense"], budget=budget)
     assert dense_llm.runner.retention  # tokens were dropped
     composed, llm = run(engines["cover"], LOW, budget=budget)
-    assert sparse_calls["decode"] > 0
+    assert calls["decode"] > 0
     assert composed == dense
     assert llm.runner.retention == dense_llm.runner.retention  # the same drops
 
 
-def test_pruning_presets_run_after_drops(engines, sparse_calls):
+def test_pruning_presets_run_after_drops(engines, calls):
     out, llm = run(engines["3k"], LOW)
     assert all(len(t) == GREEDY.max_tokens for t in out)
-    assert llm.runner.retention and sparse_calls["decode"] > 0
+    assert llm.runner.retention and calls["decode"] > 0
 
 
 def test_requests_that_may_pass_the_trained_window_do_not_drop(engines):
