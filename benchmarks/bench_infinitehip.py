@@ -42,7 +42,7 @@ import torch.nn.functional as F
 
 from infhip.builder.presets import infinitehip_config
 from infhip.plugins.infinitehip import (plan_query_blocks, pruning_stage, sparse_decode_attention,
-                                        sparse_prefill_attention)
+                                        sparse_prefill_attention, unrotate_keys)
 from infhip.runtime.mask_cache import refresh_from
 
 HQ, HKV, D, PAGE = 32, 8, 128, 16
@@ -219,36 +219,45 @@ def cycle_stats(step_us: dict, intervals: tuple[int, ...]) -> dict:
             "layer_staggered": spikes(lambda layer: (layer * cycle) // NUM_LAYERS)}
 
 
-PRUNE_VARIANTS = [dict(), dict(block_c=64), dict(num_warps=4)]  # defaults first
+PRUNE_VARIANTS = [dict(), dict(num_warps=8), dict(tiles=1), dict(block_c=64)]  # defaults first
 ATTN_VARIANTS = [dict(), dict(block_n=64)]
+PUBLIC_STRIDES = (4, 4, 1)  # the paper's public implementation (stage_block_stride_q)
 DECODE_STAGE1_VARIANTS = [dict(), dict(block_c=16), dict(block_c=64), dict(num_warps=8)]  # default: 32
 
 
-def prefill_breakdown(ctx: PagedContext, cfg, gen) -> dict:
-    """ms of each stage and of the attention for a 32K chunk ending at ctx.n (all fresh); each
-    part timed for a few launch configurations (tuning overrides), the fastest counted."""
+def prefill_breakdown(ctx: PagedContext, cfg, gen, raw_keys: bool = False) -> dict:
+    """ms of each stage and of the attention for a 32K chunk ending at ctx.n (all fresh, each
+    stage with cfg.query_strides; raw_keys: with dynamic RoPE, keys un-rotated once first, as
+    the runtime does, timed as "unrotate"); each part timed for a few launch configurations
+    (tuning overrides), the fastest counted."""
     q = torch.randn(CHUNK, HQ, D, device="cuda", dtype=torch.bfloat16, generator=gen)
     bq = cfg.block_q
-    starts, lens, ends, _ = plan_query_blocks([CHUNK], [ctx.n], bq, device="cuda")
+    starts, lens, ends, seq = plan_query_blocks([CHUNK], [ctx.n], bq, device="cuda")
     tables = ctx.table.expand(starts.shape[0], -1).contiguous()
     middle = max(0, ctx.n - cfg.n_stream - cfg.n_sink)
     prune_rope, attn_rope = styles(ctx.n, cfg)
     kw = dict(n_sink=cfg.n_sink, n_stream=cfg.n_stream, inv_freq=ctx.inv_freq)
+    res, variants = {}, {}
+    if raw_keys and prune_rope != "none":
+        unrotate = lambda: unrotate_keys(ctx.k_cache, ctx.table, [ctx.n], ctx.inv_freq, seq.long())  # noqa: E731
+        res["unrotate"] = bench_ms(unrotate, reps=3)
+        kw["raw_keys"] = unrotate()
     outs = []
     for i, st in enumerate(cfg.stages):
         prev = (None, None) if i == 0 else outs[-1]
         outs.append(pruning_stage(q, ctx.k_cache, tables, starts, lens, ends, *prev, chunk_size=st.chunk_size,
                                   k=st.k, block_q=bq, max_candidates=middle if i == 0 else None,
-                                  rope_style=prune_rope, **kw))
-    res, variants = {}, {}
+                                  rope_style=prune_rope, query_stride=cfg.query_strides[i], **kw))
     for i, st in enumerate(cfg.stages):
         prev = (None, None) if i == 0 else outs[i - 1]
         times = [bench_ms(lambda st=st, prev=prev, i=i, v=v: pruning_stage(
             q, ctx.k_cache, tables, starts, lens, ends, *prev, chunk_size=st.chunk_size, k=st.k, block_q=bq,
-            max_candidates=middle if i == 0 else None, rope_style=prune_rope, **kw, **v), reps=3)
+            max_candidates=middle if i == 0 else None, rope_style=prune_rope,
+            query_stride=cfg.query_strides[i], **kw, **v), reps=3)
             for v in PRUNE_VARIANTS]
         res[f"stage{i + 1}"] = min(times)
         variants[f"stage{i + 1}"] = {str(v): t for v, t in zip(PRUNE_VARIANTS, times)}
+    kw.pop("raw_keys", None)
     out = torch.empty_like(q)
     times = [bench_ms(lambda v=v: sparse_prefill_attention(
         q, ctx.k_cache, ctx.v_cache, tables, starts, lens, ends, outs[-1][0], block_q=bq, scale=SCALE,
@@ -285,6 +294,7 @@ def main() -> None:
     ap.add_argument("--presets", default="3k,3k-fast,3k-flash,5k")
     ap.add_argument("--reps", type=int, default=20, help="copies of a decode step per CUDA graph")
     ap.add_argument("--no-prefill", action="store_true")
+    ap.add_argument("--no-decode", action="store_true", help="prefill only")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -303,24 +313,34 @@ def main() -> None:
         for name in presets:
             cfg = infinitehip_config(name)
             key = tuple(cfg.stages)
-            if key not in decode_by_stages:  # 3k / 3k-fast / 3k-flash share stages: time once
+            if not args.no_decode and key not in decode_by_stages:  # 3k / -fast / -flash: time once
                 decode_by_stages[key] = decode_step_types(ctx, cfg, 1, args.reps, gen,
                                                           args.out if name == "3k" else None)
                 print(f"[{n}] {name} decode step types (us): {decode_by_stages[key]}", flush=True)
-            d = dict(decode_by_stages[key])
-            d.update(cycle_stats(d["step_us"], cfg.refresh_intervals))
-            d["speedup_vs_sdpa"] = r["sdpa_decode"]["us"] / d["amortized_us"]
-            r[f"decode_{name}"] = d
-            rows.append((n, name, "decode", d["amortized_us"], r["sdpa_decode"]["us"], d["speedup_vs_sdpa"],
-                         d["synchronized"]["p99_over_median"], d["layer_staggered"]["p99_over_median"]))
-            if not args.no_prefill and name in ("3k", "5k"):
-                p = prefill_breakdown(ctx, cfg, gen)
+            if not args.no_decode:
+                d = dict(decode_by_stages[key])
+                d.update(cycle_stats(d["step_us"], cfg.refresh_intervals))
+                d["speedup_vs_sdpa"] = r["sdpa_decode"]["us"] / d["amortized_us"]
+                r[f"decode_{name}"] = d
+                rows.append((n, name, "decode", d["amortized_us"], r["sdpa_decode"]["us"], d["speedup_vs_sdpa"],
+                             d["synchronized"]["p99_over_median"], d["layer_staggered"]["p99_over_median"]))
+            if args.no_prefill or name not in ("3k", "5k"):
+                continue
+            # the preset's query strides, then the paper's public implementation's (4, 4, 1);
+            # with dynamic RoPE (past the trained window) also from un-rotated keys
+            dynamic = styles(n, cfg)[0] != "none"
+            for strides, raw in dict.fromkeys(
+                    [(cfg.query_strides, False), (PUBLIC_STRIDES[:len(cfg.stages)], False)]
+                    + ([(cfg.query_strides, True), (PUBLIC_STRIDES[:len(cfg.stages)], True)] if dynamic else [])):
+                label = name if strides == cfg.query_strides else f"{name} strides {strides}"
+                label += " raw keys" if raw else ""
+                p = prefill_breakdown(ctx, cfg.replace(query_strides=strides), gen, raw_keys=raw)
                 p["speedup_vs_sdpa"] = r["sdpa_prefill"]["ms"] / p["total"]
-                r[f"prefill_{name}"] = p
-                print(f"[{n}] {name} prefill (ms): { {k: v for k, v in p.items() if k != 'variants_ms'} }",
+                r[f"prefill_{label}"] = p
+                print(f"[{n}] {label} prefill (ms): { {k: v for k, v in p.items() if k != 'variants_ms'} }",
                       flush=True)
-                print(f"[{n}] {name} prefill variants (ms): {p['variants_ms']}", flush=True)
-                rows.append((n, name, "prefill", p["total"] * 1e3, r["sdpa_prefill"]["ms"] * 1e3,
+                print(f"[{n}] {label} prefill variants (ms): {p['variants_ms']}", flush=True)
+                rows.append((n, label, "prefill", p["total"] * 1e3, r["sdpa_prefill"]["ms"] * 1e3,
                              p["speedup_vs_sdpa"], None, None))
         results["contexts"][n] = r
         del ctx

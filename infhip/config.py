@@ -165,7 +165,10 @@ class InfiniteHipConfig:
     ``special_layers`` (0-based) keep ``special_final_k`` keys in the last stage and prune with
     ``special_pruning_rope``. In decode, stage i is recomputed every ``refresh_intervals[i]``
     steps of a request (mask caching); each interval must be a multiple of the next, so a stage's
-    refresh always comes with the later stages'. With ``rope_off_in_trained_window`` the dynamic
+    refresh always comes with the later stages'. In prefill, stage i scores a query block's
+    chunks with every ``query_strides[i]``-th of its queries only (1 = the paper's formula, all
+    of them; the paper's public implementation uses 4, 4, 1): ~1/s of the stage's work, the mask
+    still shared by the whole block (plugins/infinitehip/pruning.py). With ``rope_off_in_trained_window`` the dynamic
     RoPE styles apply only once a context exceeds the model's trained window. ``chunk_score``:
     "max" scores a chunk by the max over heads and queries of q.k_rep (the paper);
     "head_normalized" first subtracts, per kv head, that head's best chunk score, so a head with
@@ -177,6 +180,7 @@ class InfiniteHipConfig:
     stages: tuple[PruningStage, ...] = (PruningStage(64, 256, 32768), PruningStage(64, 32, 8192),
                                         PruningStage(64, 8, 2048))
     refresh_intervals: tuple[int, ...] = (16, 8, 4)
+    query_strides: tuple[int, ...] = (1, 1, 1)
     special_layers: tuple[int, ...] = (0, 1, 2)
     special_final_k: int = 4096
     dense_threshold: int = 34048  # n_sink + n_stream + stages[0].k: below it stage 1 keeps everything
@@ -193,6 +197,10 @@ class InfiniteHipConfig:
         _check(len(self.refresh_intervals) == len(self.stages),
                f"{len(self.refresh_intervals)} refresh intervals for {len(self.stages)} stages")
         _check(all(n > 0 for n in self.refresh_intervals), "refresh intervals must be positive")
+        _check(len(self.query_strides) == len(self.stages),
+               f"{len(self.query_strides)} query strides for {len(self.stages)} stages")
+        _check(all(1 <= s <= self.stages[0].block_q for s in self.query_strides),
+               f"query strides must be in [1, block_q={self.stages[0].block_q}], got {self.query_strides}")
         for a, b in zip(self.refresh_intervals, self.refresh_intervals[1:]):
             _check(a % b == 0, f"refresh interval {a} is not a multiple of the next stage's {b}: a "
                    "stage's refresh must imply the later stages' refresh")
@@ -236,14 +244,17 @@ class InfiniteHipConfig:
         if "stages" in fixed:
             fixed["stages"] = tuple(s if isinstance(s, PruningStage) else PruningStage(*s)
                                     for s in fixed["stages"])
+            if "query_strides" not in fixed and len(fixed["stages"]) != len(self.query_strides):
+                fixed["query_strides"] = (1,) * len(fixed["stages"])  # other stage count: exact
         return dataclasses.replace(self, **fixed)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "InfiniteHipConfig":
         d = dict(d)
         d["stages"] = tuple(PruningStage(**s) for s in d["stages"])
-        for key in ("refresh_intervals", "special_layers"):
-            d[key] = tuple(d[key])
+        for key in ("refresh_intervals", "special_layers", "query_strides"):
+            if key in d:  # query_strides: absent from engines built before it existed (= all 1)
+                d[key] = tuple(d[key])
         return cls(**d)
 
 

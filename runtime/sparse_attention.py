@@ -25,8 +25,9 @@ from dataclasses import dataclass
 import torch
 
 from infhip.config import InfiniteHipConfig
+from infhip.plugins._triton_utils import triton_on
 from infhip.plugins.infinitehip import (plan_query_blocks, pruning_stage, sparse_decode_attention,
-                                        sparse_prefill_attention)
+                                        sparse_prefill_attention, unrotate_keys)
 from infhip.runtime.mask_cache import MaskCache, MaskSlots, layer_offsets, refresh_from
 
 
@@ -63,10 +64,19 @@ class SparseStep:
     prefill_q_lens: torch.Tensor  # int32 [NB]
     prefill_ends: torch.Tensor  # int32 [NB]
     prefill_seqs: torch.Tensor  # int64 [NB] batch index of each block
+    prefill_seq_rows: torch.Tensor  # int64 [Sp] batch index of each sparse prefill chunk
+    prefill_seq_ends: list[int]  # [Sp] its context after the step (host; raw keys' extent)
+    prefill_block_seq: torch.Tensor  # int64 [NB] index into prefill_seq_rows of each block
     dense_decode_lens: torch.Tensor  # int32 [num_decodes]
     num_dense_decodes: int
     dense_prefill_runs: list[tuple[int, int]]
     dynamic_rope: bool
+
+
+# Prefill steps with at least this many sparse query blocks prune from un-rotated keys
+# (plugins/infinitehip/raw_keys.py) when dynamic RoPE is on: one pass over the keys then saves a
+# re-rotation per loaded key in every block (measured in docs/benchmarks.md).
+RAW_KEYS_MIN_BLOCKS = 8
 
 
 def candidate_capacity(end: int, n_sink: int, n_stream: int) -> int:
@@ -159,6 +169,9 @@ class SparsePlanner:
             prefill_q_start=tensor([s + d for s, d in zip(starts.tolist(), shift)], torch.int32),
             prefill_q_lens=tensor(lens.tolist(), torch.int32), prefill_ends=tensor(ends.tolist(), torch.int32),
             prefill_seqs=tensor([h.prefill_seqs[s] for s in seq_of], torch.int64),
+            prefill_seq_rows=tensor(h.prefill_seqs, torch.int64),
+            prefill_seq_ends=[ctx_lens[b] for b in h.prefill_seqs],
+            prefill_block_seq=tensor(seq_of, torch.int64),
             dense_decode_lens=tensor(h.dense_decode_lens, torch.int32),
             num_dense_decodes=sum(1 for x in h.dense_decode_lens if x), dense_prefill_runs=h.dense_prefill_runs,
             dynamic_rope=h.dynamic_rope)
@@ -223,12 +236,16 @@ class InfiniteHipLayer:
         tables = block_tables[step.prefill_seqs]
         blocks = (step.prefill_q_start, step.prefill_q_lens, ends)
         rope = self.pruning_rope if step.dynamic_rope else "none"
+        raw = None  # dynamic RoPE over many blocks: un-rotate each key once, not once per block
+        if rope != "none" and step.prefill_seqs.numel() >= RAW_KEYS_MIN_BLOCKS and triton_on(q, k_cache):
+            raw = unrotate_keys(k_cache, block_tables[step.prefill_seq_rows], step.prefill_seq_ends,
+                                self.inv_freq, step.prefill_block_seq)
         sel = num = None
         for i, stage in enumerate(self.stages):
             sel, num = pruning_stage(q, k_cache, tables, *blocks, sel, num, chunk_size=stage.chunk_size,
-                                     k=stage.k, block_q=self.cfg.block_q,
+                                     k=stage.k, block_q=self.cfg.block_q, query_stride=self.cfg.query_strides[i],
                                      max_candidates=step.max_middle if i == 0 else None, rope_style=rope,
-                                     **prune_kw)
+                                     raw_keys=raw, **prune_kw)
         sparse_prefill_attention(q, k_cache, v_cache, tables, *blocks, sel, block_q=self.cfg.block_q,
                                  scale=self.scale, out=out,
                                  rope_style=self.cfg.attention_rope if step.dynamic_rope else "none", **kw)

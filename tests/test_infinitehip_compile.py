@@ -35,10 +35,13 @@ def _compile_pruning(rope_style: int):
 
     ptrs = {n: "*i32" for n in ("block_tables_ptr", "q_start_ptr", "q_lens_ptr", "ends_ptr", "cand_ptr",
                                 "cand_lens_ptr", "reps_ptr")}
-    ptrs.update(q_ptr="*bf16", k_cache_ptr="*bf16", inv_freq_ptr="*fp32", scores_ptr="*fp32")
-    ce = dict(PAGE_SIZE=16, BLOCK_Q=256, BLOCK_C=16, HEADS_PER_PROG=1, BLOCK_D=128, CAND_IMPLICIT=rope_style == 0,
-              STORE_REPS=True, ROPE_STYLE=rope_style, DOT_F32=False, DOT_PRECISION="tf32")
-    _compile(pruning._select_rep_kernel, ptrs, ce, num_warps=8)
+    ptrs.update(q_ptr="*bf16", k_cache_ptr="*bf16", raw_ptr="*bf16", raw_base_ptr="*i64",
+                inv_freq_ptr="*fp32", scores_ptr="*fp32")
+    for raw in ((False, True) if rope_style else (False,)):  # raw keys only with a dynamic style
+        ce = dict(PAGE_SIZE=16, BLOCK_Q=256, BLOCK_C=16, TILES=4, BLOCK_D=128, CAND_IMPLICIT=rope_style == 0,
+                  STORE_REPS=True, ROPE_STYLE=rope_style, RAW_KEYS=raw, DOT_F32=False, DOT_PRECISION="tf32",
+                  KEY_ROTATION=0 if rope_style == 0 or (raw and rope_style == 1) else 2 if raw else 1)
+        _compile(pruning._select_rep_kernel, ptrs, ce, num_warps=8)
     ptrs = {n: "*i32" for n in ("cand_ptr", "cand_lens_ptr", "ends_ptr", "kept_ptr", "out_ptr", "out_lens_ptr")}
     ptrs.update(scores_ptr="*fp32")
     return _compile(pruning._topk_expand_kernel, ptrs, dict(CAND_IMPLICIT=rope_style == 0,

@@ -10,7 +10,9 @@ from infhip.plugins.infinitehip import (PAD, pruning_stage, pruning_stage_ref, s
                                         select_rep_scores_ref, stream_starts, topk_chunks,
                                         topk_chunks_ref)
 
-from .test_infinitehip_common import DEVICE, PagedSeqs, inv_freq, random_rows
+from infhip.plugins.infinitehip.raw_keys import unrotate_keys
+
+from .test_infinitehip_common import DEVICE, PagedSeqs, inv_freq, random_rows, rotate_by_ref
 
 N_SINK, N_STREAM = 4, 8
 
@@ -169,6 +171,48 @@ def test_select_rep_rope_styles_match_reference(rope_style, block_q, q_lens):
     assert not torch.allclose(plain, scores)
 
 
+def raw_keys_of(seqs, q_lens, block_q, freq):
+    """RawKeys of every sequence of seqs for the blocks of seqs.blocks(q_lens, block_q)."""
+    from infhip.plugins.infinitehip import plan_query_blocks
+    seq = plan_query_blocks(q_lens, seqs.context_lens.tolist(), block_q, DEVICE)[3]
+    return unrotate_keys(seqs.k_cache, seqs.block_tables, seqs.context_lens.tolist(), freq, seq.long())
+
+
+def test_unrotate_keys_moves_every_key_to_position_zero():
+    """keys[base_s + p] = R(-p) k_s[p] for every sequence (Triton under the interpreter and the
+    torch path agree with rotate_by_ref); block_base points each block at its sequence."""
+    seqs = PagedSeqs([37, 70], 2, 16, 4, seed=3)
+    freq = inv_freq(16)
+    raw = raw_keys_of(seqs, [5, 9], 4, freq)
+    want = torch.cat([rotate_by_ref(k.cpu(), -torch.arange(k.shape[0]), freq.cpu()) for k in seqs.keys])
+    assert torch.allclose(raw.keys.double().cpu(), want, atol=2e-5)
+    assert raw.block_base.tolist() == [0, 0, 37, 37, 37]
+
+
+@pytest.mark.parametrize("rope_style", ["relative", "chunk_indexed"])
+@pytest.mark.parametrize("block_q,q_lens,query_stride", [(1, [1, 1], 1), (8, [13, 20], 1), (8, [13, 20], 4)])
+@pytest.mark.parametrize("explicit", [False, True])
+def test_raw_keys_match_reference(rope_style, block_q, q_lens, query_stride, explicit):
+    """Pruning from un-rotated keys (relative: the branch offset moved onto a second query tile;
+    chunk_indexed: one sin/cos per chunk) == the float64 reference of the styles, like the
+    in-kernel rotation (representatives compared where the tournament is not a near-tie)."""
+    Hq, Hkv, D = 6, 2, 32
+    seqs, q, (q_start, lens, ends, tables) = setup(Hq, Hkv, D, 16, q_lens, block_q, seed=8, dyadic=False)
+    cand, cand_lens = random_candidates(seqs.generator, ends) if explicit else (None, None)
+    freq = inv_freq(D)
+    kw = dict(chunk_size=8, n_sink=N_SINK, n_stream=N_STREAM, rope_style=rope_style, inv_freq=freq,
+              query_stride=query_stride)
+    raw = raw_keys_of(seqs, q_lens, block_q, freq)
+    scores, reps = select_rep_scores(q, seqs.k_cache, tables, q_start, lens, ends, cand, cand_lens,
+                                     block_q=block_q, store_reps=True, raw_keys=raw, **kw)
+    ref_scores, ref_reps, margins = select_rep_scores_ref(
+        q, seqs.k_cache, tables, q_start, lens, ends, cand, cand_lens,
+        max_candidates=None if explicit else scores.shape[1] * 8, **kw)
+    assert torch.allclose(scores.double().cpu()[:, :ref_scores.shape[1]], ref_scores, rtol=1e-5, atol=1e-5)
+    clear = margins > 1e-4
+    assert clear.float().mean() > 0.9 and torch.equal(reps.cpu()[..., :ref_reps.shape[2]][clear], ref_reps[clear])
+
+
 def test_select_rep_causal_within_block():
     """n_stream < b_q: the newest candidates lie after the block's first queries, which must not
     score them (causal), exactly as in the reference."""
@@ -180,15 +224,54 @@ def test_select_rep_causal_within_block():
     assert torch.equal(scores.double().cpu(), ref_scores) and torch.equal(reps.cpu(), ref_reps)
 
 
-def test_head_split_and_tile_width_do_not_change_scores():
-    """Kv heads walked in one program or one program per head (+ max over heads), 16 or 32
-    chunks per program: the same chunk scores and representatives, bit for bit."""
+def test_tiles_and_tile_width_do_not_change_scores():
+    """16 or 32 chunks per tile, one or several tiles per program (the query tile reused; a
+    program's last tiles may lie past the row): the same chunk scores and representatives, bit
+    for bit."""
     seqs, q, (q_start, lens, ends, tables) = setup(8, 4, 16, 4, [5, 9], 4, seed=11, dyadic=True)
     kw = dict(chunk_size=4, block_q=4, n_sink=N_SINK, n_stream=N_STREAM, store_reps=True)
-    base = select_rep_scores(q, seqs.k_cache, tables, q_start, lens, ends, heads_per_program=4, **kw)
-    other = select_rep_scores(q, seqs.k_cache, tables, q_start, lens, ends, heads_per_program=1,
-                              block_c=32, **kw)
-    assert torch.equal(other[0], base[0]) and torch.equal(other[1], base[1])
+    base = select_rep_scores(q, seqs.k_cache, tables, q_start, lens, ends, block_c=16, tiles=1, **kw)
+    assert base[0].shape[1] > 32  # several tiles per row
+    for block_c, tiles in ((16, 2), (16, 4), (32, 2)):
+        other = select_rep_scores(q, seqs.k_cache, tables, q_start, lens, ends, block_c=block_c,
+                                  tiles=tiles, **kw)
+        assert torch.equal(other[0], base[0]) and torch.equal(other[1], base[1]), (block_c, tiles)
+
+
+@pytest.mark.parametrize("query_stride", [3, 8])
+@pytest.mark.parametrize("n_stream", [N_STREAM, 2])
+def test_query_stride_matches_reference(query_stride, n_stream):
+    """Every s-th query of a block scores (the last of each group, so short blocks too): kernel ==
+    reference bit for bit on dyadic inputs, including n_stream < b_q (causality per sampled
+    query), and the stride changes some scores (the subsample is really used)."""
+    seqs, q, (q_start, lens, ends, tables) = setup(6, 2, 16, 4, [13, 20], 8, seed=21, dyadic=True)
+    kw = dict(chunk_size=4, n_sink=N_SINK, n_stream=n_stream)
+    scores, reps = select_rep_scores(q, seqs.k_cache, tables, q_start, lens, ends, block_q=8,
+                                     store_reps=True, query_stride=query_stride, **kw)
+    ref_scores, ref_reps, _ = select_rep_scores_ref(q, seqs.k_cache, tables, q_start, lens, ends,
+                                                    query_stride=query_stride, **kw)
+    assert torch.equal(scores.double().cpu(), ref_scores) and torch.equal(reps.cpu(), ref_reps)
+    full, _ = select_rep_scores(q, seqs.k_cache, tables, q_start, lens, ends, block_q=8, **kw)
+    assert not torch.equal(scores, full)
+    sel, n = pruning_stage(q, seqs.k_cache, tables, q_start, lens, ends, block_q=8, k=8,
+                           query_stride=query_stride, **kw)
+    ref_sel, ref_n = pruning_stage_ref(q, seqs.k_cache, tables, q_start, lens, ends, k=8,
+                                       query_stride=query_stride, **kw)
+    assert torch.equal(n.cpu(), ref_n)
+
+
+def test_query_stride_with_relative_rope_matches_reference():
+    """Stride 4 with RELATIVE re-rotation (each sampled query rotated by its own offset)."""
+    Hq, Hkv, D = 6, 2, 32
+    seqs, q, (q_start, lens, ends, tables) = setup(Hq, Hkv, D, 16, [13, 20], 8, seed=6, dyadic=False)
+    kw = dict(chunk_size=8, n_sink=N_SINK, n_stream=N_STREAM, rope_style="relative", inv_freq=inv_freq(D),
+              query_stride=4)
+    scores, reps = select_rep_scores(q, seqs.k_cache, tables, q_start, lens, ends, block_q=8,
+                                     store_reps=True, **kw)
+    ref_scores, ref_reps, margins = select_rep_scores_ref(q, seqs.k_cache, tables, q_start, lens, ends, **kw)
+    assert torch.allclose(scores.double().cpu(), ref_scores, rtol=1e-5, atol=1e-5)
+    clear = margins > 1e-4
+    assert clear.float().mean() > 0.95 and torch.equal(reps.cpu()[clear], ref_reps[clear])
 
 
 def test_topk_ties_keep_lower_chunks_and_exactly_k():

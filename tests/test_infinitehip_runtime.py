@@ -94,10 +94,46 @@ def test_head_normalized_chunk_score_changes_the_masks(engines, calls):
     assert raw != normalized
 
 
+def test_query_strides_reach_prefill_stages(engines, monkeypatch):
+    """The runtime knob query_strides: prefill's stage i gets stride query_strides[i] (decode
+    one query, no stride), covering sets stay equal to dense with any stride, and a config
+    with a wrong length is refused."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    seen = []
+    real = sa.pruning_stage
+
+    def spy(*a, **k):
+        seen.append((k["block_q"], k.get("query_stride", 1)))
+        return real(*a, **k)
+    monkeypatch.setattr(sa, "pruning_stage", spy)
+    out = generate(engines["cover"], dict(LOW, query_strides=[8, 3, 1]))
+    assert {s for b, s in seen if b > 1} == {8, 3, 1} and {s for b, s in seen if b == 1} == {1}
+    assert out == generate(engines["dense"])
+    with pytest.raises(ValueError, match="query strides"):
+        LLM(engines["cover"], infinitehip_overrides={"query_strides": [4, 4]})
+
+
 def test_covering_sets_equal_dense_under_interpreter(engines):
     """The Triton launchers (interpreted) in the runtime: one short request, sparse from the start."""
     prompts, params = [PROMPTS[1][:33]], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
     assert generate(engines["cover"], LOW, prompts, params) == generate(engines["dense"], None, prompts, params)
+
+
+def test_raw_keys_in_prefill_under_interpreter(engines, monkeypatch):
+    """Dynamic RoPE with >= RAW_KEYS_MIN_BLOCKS query blocks in a step: the interpreted kernels
+    prune from keys un-rotated once per layer (unrotate_keys called), and generate the same
+    tokens as re-rotating every loaded key in-kernel (threshold raised: no raw keys)."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    prompts, params = [PROMPTS[2][:66]], SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    knobs = dict(LOW, rope_off_in_trained_window=False)
+    made = []
+    real = sa.unrotate_keys
+    monkeypatch.setattr(sa, "unrotate_keys", lambda *a, **k: made.append(1) or real(*a, **k))
+    with_raw = generate(engines["3k"], knobs, prompts, params)
+    assert made
+    monkeypatch.setattr(sa, "RAW_KEYS_MIN_BLOCKS", 10**9)
+    made.clear()
+    assert generate(engines["3k"], knobs, prompts, params) == with_raw and not made
 
 
 def test_dynamic_rope_runs(engines, calls):

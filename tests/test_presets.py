@@ -54,6 +54,9 @@ def test_preset_knobs():
     (dict(special_final_k=16384), "exceeds"),
     (dict(attention_rope="relative"), "attention_rope"),
     (dict(chunk_score="mean"), "chunk_score"),
+    (dict(query_strides=(4, 4)), "query strides for"),
+    (dict(query_strides=(4, 0, 1)), r"query strides must be in \[1, block_q=64\]"),
+    (dict(query_strides=(128, 4, 1)), "query strides must be in"),
 ])
 def test_validation(bad, needle):
     with pytest.raises(ValueError, match=needle):
@@ -95,10 +98,20 @@ def test_dense_engine_without_infinitehip_key_loads(hf, tmp_path):
     assert cfg.plan.infinitehip is None and cfg.format_version == 1
 
 
+def test_infinitehip_config_from_an_engine_without_query_strides():
+    """Engines written before query_strides existed load with the exact default (all 1)."""
+    d = json.loads(json.dumps(dataclasses.asdict(infinitehip_config("3k"))))
+    del d["query_strides"]
+    assert InfiniteHipConfig.from_dict(d).query_strides == (1, 1, 1)
+    # other stage counts get matching defaults unless strides are given
+    assert InfiniteHipConfig().replace(stages=[(64, 32, 100 * 32)], refresh_intervals=[4]).query_strides == (1,)
+
+
 def test_runtime_overrides():
     plan = Plan(preset="3k", layers=make_plan_layers(), infinitehip=infinitehip_config("3k"))
     new = apply_runtime_overrides(plan, {"refresh_intervals": [32, 16, 8], "dense_threshold": 4096})
     assert new.infinitehip.refresh_intervals == (32, 16, 8) and new.infinitehip.dense_threshold == 4096
+    assert apply_runtime_overrides(plan, {"query_strides": [4, 4, 1]}).infinitehip.query_strides == (4, 4, 1)
     with pytest.raises(ValueError, match="rebuild"):
         apply_runtime_overrides(plan, {"n_sink": 8})
     with pytest.raises(ValueError, match="multiple"):

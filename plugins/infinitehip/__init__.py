@@ -3,6 +3,7 @@ attention over the paged KV cache, plus a recall measurement.
 
     blocks.py            query blocks, key sets (sink | selected middle | stream), PAD
     pruning.py           SelectRep pruning stage: Triton kernel + topk (pruning_ref.py: torch)
+    raw_keys.py          keys un-rotated once per prefill step, for the dynamic RoPE styles
     sparse_attention.py  block-sparse decode (split-K) and prefill (flash-style) + torch reference
     rope_styles.py       dynamic RoPE: none | relative | chunk_indexed | streaming
     recall.py            fraction of dense attention mass a key set keeps
@@ -26,6 +27,7 @@ from .blocks import (PAD, block_key_mask, initial_candidates, plan_query_blocks,
                      stream_starts)
 from .pruning import pruning_stage, select_rep_scores, topk_chunks
 from .pruning_ref import pruning_stage_ref, select_rep_scores_ref, topk_chunks_ref
+from .raw_keys import RawKeys, unrotate_keys
 from .recall import attention_recall, per_query_key_mask
 from .rope_styles import CHUNK_INDEXED, NONE, RELATIVE, STREAMING, rope_style_id, rotate_by_ref
 from .sparse_attention import (block_sparse_attention, sparse_attention_ref, sparse_decode_attention,
@@ -34,7 +36,7 @@ from .sparse_attention import (block_sparse_attention, sparse_attention_ref, spa
 __all__ = [
     "PAD", "block_key_mask", "initial_candidates", "plan_query_blocks", "selected_range",
     "stream_starts", "pruning_stage", "select_rep_scores", "topk_chunks", "pruning_stage_ref",
-    "select_rep_scores_ref", "topk_chunks_ref", "attention_recall", "per_query_key_mask",
+    "select_rep_scores_ref", "topk_chunks_ref", "RawKeys", "unrotate_keys", "attention_recall", "per_query_key_mask",
     "NONE", "RELATIVE", "CHUNK_INDEXED", "STREAMING", "rope_style_id", "rotate_by_ref",
     "block_sparse_attention", "sparse_attention_ref", "sparse_decode_attention", "sparse_prefill_attention",
 ]

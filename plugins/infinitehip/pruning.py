@@ -17,12 +17,16 @@ global step)
 and return their candidates, ascending: int32 [NB, k], PAD-padded, plus their count (k unless
 the short last chunk or fewer than K chunks were kept). l_c must be a power of two.
 
-Kernel: grid (NB, cdiv(max_chunks, BLOCK_C), Hkv / HEADS_PER_PROG); a program takes BLOCK_C
-chunks of one query block through the tournament for its kv heads in turn (by default one kv
-head per program, then a max over the head axis), all chunks in lock-step: each halving loads
+Query stride s (PruningStage.query_stride): the max over t runs over the block's queries
+t = min(s (i + 1) - 1, q_len - 1), i = 0 .. ceil(b_q / s) - 1 only (the last of every s; s = 1 is
+the paper's formula) — 1/s of the dot work, the same mask for the whole block.
+
+Kernel: grid (NB, cdiv(max_chunks, BLOCK_C * TILES), Hkv); a program loads and rotates the
+[ceil(b_q / s) * group, D] query tile of one query block and kv head once, then takes TILES
+tiles of BLOCK_C chunks through the tournament, each tile's chunks in lock-step: each halving loads
 one key per chunk (the right representative; the left one's sigma is the previous winner's),
-scores it against the block's [b_q * group, D] queries with one tl.dot and a max. No program
-waits on another. RoPE styles (rope_styles.py) re-rotate the queries once per kv head and each
+scores it against the query tile with one tl.dot and a max; per-head scores go to global memory
+and a max over heads (a torch reduction) follows. No program waits on another. RoPE styles (rope_styles.py) rotate the query tile once and each
 loaded key; RELATIVE also rescores the left representative every halving, because its position
 depends on the branch. CHUNK_INDEXED numbers chunks within the block's own candidate list.
 """
@@ -35,8 +39,9 @@ import triton.language as tl
 
 from .._triton_utils import dot_precision, next_pow2, triton_on
 from .blocks import PAD, stream_starts
+from .raw_keys import RawKeys
 from .rope_styles import (C_CHUNK_INDEXED, C_NONE, C_RELATIVE, CHUNK_INDEXED, NONE, RELATIVE,
-                          load_rotated, rope_style_id)
+                          load_rotated, load_rotated_by, rope_style_id, sin_cos_of)
 
 _BLOCK_C = 16  # chunks per program (tl.dot needs >= 16 columns)
 
@@ -52,20 +57,77 @@ def _candidate_tokens(cand_row, idx, valid, n_sink, CAND_IMPLICIT: tl.constexpr)
 
 
 @triton.jit
-def _rep_scores(q, q_pos, row_valid, tok, tok_valid, key_pos, k_head_ptr, table_row,
-                stride_cp, stride_cs, inv_freq_ptr, head_dim,
-                PAGE_SIZE: tl.constexpr, BLOCK_D: tl.constexpr, ROTATE: tl.constexpr,
-                DOT_F32: tl.constexpr, DOT_PRECISION: tl.constexpr):
+def _rep_scores(q, q_pos, row_valid, tok, tok_valid, key_pos, k_head_ptr, table_row, raw_base,
+                sin, cos, stride_cp, stride_cs, stride_rt, inv_freq_ptr, head_dim,
+                PAGE_SIZE: tl.constexpr, BLOCK_D: tl.constexpr, RAW_KEYS: tl.constexpr,
+                KEY_ROTATION: tl.constexpr, DOT_F32: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """sigma of BLOCK_C tokens: causal max over the q rows [BLOCK_Q, BLOCK_D] of q . k -> [BLOCK_C]
-    (-inf where invalid). key_pos: the style's position of each key (ignored unless ROTATE)."""
-    page = tl.load(table_row + tok // PAGE_SIZE, mask=tok_valid, other=0)
-    rows = k_head_ptr + page.to(tl.int64) * stride_cp + (tok % PAGE_SIZE) * stride_cs
-    k = load_rotated(rows, tok_valid, key_pos - tok, inv_freq_ptr, head_dim, BLOCK_D, ROTATE)
+    (-inf where invalid). Keys from the paged cache, or (RAW_KEYS) from RawKeys rows raw_base +
+    tok; KEY_ROTATION 0: as stored, 1: by key_pos - tok (the style's position of each key),
+    2: by the given sin/cos [BLOCK_C, BLOCK_D]."""
+    if RAW_KEYS:
+        rows = k_head_ptr + (raw_base + tok).to(tl.int64) * stride_rt
+    else:
+        page = tl.load(table_row + tok // PAGE_SIZE, mask=tok_valid, other=0)
+        rows = k_head_ptr + page.to(tl.int64) * stride_cp + (tok % PAGE_SIZE) * stride_cs
+    if KEY_ROTATION == 2:
+        k = load_rotated_by(rows, tok_valid, sin, cos, head_dim, BLOCK_D)
+    else:
+        k = load_rotated(rows, tok_valid, key_pos - tok, inv_freq_ptr, head_dim, BLOCK_D, KEY_ROTATION == 1)
     if not DOT_F32:
-        k = k.to(k_head_ptr.dtype.element_ty)
+        k = k.to(q.dtype)
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [BLOCK_Q, BLOCK_C]
     visible = row_valid[:, None] & tok_valid[None, :] & (tok[None, :] <= q_pos[:, None])
     return tl.max(tl.where(visible, s, float("-inf")), axis=0)
+
+
+@triton.jit
+def _tournament_tile(q_left, q_right, q_pos, row_valid, first_chunk, n_cand, cand_row, table_row,
+                     k_head, raw_base, inv_freq_ptr, stride_cp, stride_cs, stride_rt, head_dim, n_sink,
+                     chunk_size, num_iters,
+                     PAGE_SIZE: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr,
+                     CAND_IMPLICIT: tl.constexpr, ROPE_STYLE: tl.constexpr, RAW_KEYS: tl.constexpr,
+                     KEY_ROTATION: tl.constexpr, DOT_F32: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """SelectRep on BLOCK_C chunks of one kv head in lock-step -> (sigma of each winner [BLOCK_C],
+    -inf for empty chunks; the winner's offset within its chunk [BLOCK_C]). q_left / q_right:
+    the query tile scoring left / right representatives (the same tile unless RAW_KEYS and
+    RELATIVE, where the branch position is moved onto the query)."""
+    chunk = first_chunk + tl.arange(0, BLOCK_C)
+    base = chunk * chunk_size
+    chunk_len = tl.minimum(tl.maximum(n_cand - base, 0), chunk_size)  # valid candidates per chunk
+    has = chunk_len > 0
+    if ROPE_STYLE == C_RELATIVE:  # the branches sit at fixed offsets from the query
+        left_pos = chunk * 0
+        right_pos = chunk * 0 + 1
+    else:  # CHUNK_INDEXED: the chunk's index; NONE: ignored
+        left_pos = chunk
+        right_pos = chunk
+    sin = None
+    cos = None
+    if KEY_ROTATION == 2:  # raw CHUNK_INDEXED: every key of a chunk at the chunk's index, once per tile
+        sin, cos = sin_cos_of(chunk, inv_freq_ptr, head_dim, BLOCK_D)
+    first = chunk * 0  # offset of the current range's first candidate within the chunk
+    tok = _candidate_tokens(cand_row, base, has, n_sink, CAND_IMPLICIT)
+    s_left = _rep_scores(q_left, q_pos, row_valid, tok, has, left_pos, k_head, table_row, raw_base,
+                         sin, cos, stride_cp, stride_cs, stride_rt, inv_freq_ptr, head_dim,
+                         PAGE_SIZE, BLOCK_D, RAW_KEYS, KEY_ROTATION, DOT_F32, DOT_PRECISION)
+    half = chunk_size
+    for _ in range(num_iters):
+        half = half // 2
+        right = first + half
+        r_valid = right < chunk_len
+        r_tok = _candidate_tokens(cand_row, base + right, r_valid, n_sink, CAND_IMPLICIT)
+        s_right = _rep_scores(q_right, q_pos, row_valid, r_tok, r_valid, right_pos, k_head, table_row,
+                              raw_base, sin, cos, stride_cp, stride_cs, stride_rt, inv_freq_ptr, head_dim,
+                              PAGE_SIZE, BLOCK_D, RAW_KEYS, KEY_ROTATION, DOT_F32, DOT_PRECISION)
+        if ROPE_STYLE == C_RELATIVE:  # the winner moved from branch 2 to branch 1: rescore
+            l_tok = _candidate_tokens(cand_row, base + first, has, n_sink, CAND_IMPLICIT)
+            s_left = _rep_scores(q_left, q_pos, row_valid, l_tok, has, left_pos, k_head, table_row,
+                                 raw_base, sin, cos, stride_cp, stride_cs, stride_rt, inv_freq_ptr, head_dim,
+                                 PAGE_SIZE, BLOCK_D, RAW_KEYS, KEY_ROTATION, DOT_F32, DOT_PRECISION)
+        first = tl.where(s_right > s_left, right, first)
+        s_left = tl.maximum(s_left, s_right)  # sigma of the winner = next range's first
+    return s_left, first
 
 
 @triton.jit
@@ -73,34 +135,40 @@ def _select_rep_kernel(
     # inputs
     q_ptr,  # [T, Hq, D] packed queries, rotated at their positions
     k_cache_ptr,  # [num_pages, page_size, Hkv, D]
+    raw_ptr,  # RAW_KEYS: RawKeys.keys [N, Hkv, D] (keys at position 0, token order)
+    raw_base_ptr,  # RAW_KEYS: [NB] int64 row of each block's token 0 in raw_ptr
     block_tables_ptr,  # [NB, max_pages] int32
     q_start_ptr, q_lens_ptr, ends_ptr,  # [NB] int32 query blocks
     cand_ptr,  # [NB, max_cand] int32 ascending candidates (unused if CAND_IMPLICIT)
     cand_lens_ptr,  # [NB] int32 (unused if CAND_IMPLICIT)
     inv_freq_ptr,  # [D/2] float32 (unused if ROPE_STYLE == NONE)
     # outputs
-    scores_ptr,  # [NB, num_head_progs, max_chunks] float32 chunk scores over this program's kv
-    #              heads, -inf past the block's chunks (every entry written: no fill needed)
+    scores_ptr,  # [NB, Hkv, max_chunks] float32 per-head chunk scores, -inf past the block's
+    #              chunks (every entry written: no fill needed)
     reps_ptr,  # [NB, Hkv, max_chunks] int32 representatives, PAD past the chunks (STORE_REPS)
     # constants
     stride_qt, stride_qh,
     stride_cp, stride_cs, stride_ch,
+    stride_rt, stride_rh,
     stride_bt, stride_cand,
     max_chunks, num_kv_heads, group_size, head_dim,
-    n_sink, n_stream, chunk_size, num_iters,
+    n_sink, n_stream, chunk_size, num_iters, query_stride,
     PAGE_SIZE: tl.constexpr,
-    BLOCK_Q: tl.constexpr,  # b_q * group_size query rows, padded to a power of two >= 16
-    BLOCK_C: tl.constexpr,  # chunks per program
-    HEADS_PER_PROG: tl.constexpr,  # kv heads walked by one program (grid axis 2 covers the rest)
+    BLOCK_Q: tl.constexpr,  # ceil(b_q / stride) * group_size query rows, a power of two >= 16
+    BLOCK_C: tl.constexpr,  # chunks per tile
+    TILES: tl.constexpr,  # tiles per program (its query tile is loaded and rotated once)
     BLOCK_D: tl.constexpr,
     CAND_IMPLICIT: tl.constexpr,  # stage 1: candidates are the block's middle [n_sink, s)
     STORE_REPS: tl.constexpr,
     ROPE_STYLE: tl.constexpr,  # NONE | RELATIVE | CHUNK_INDEXED
+    RAW_KEYS: tl.constexpr,  # keys from raw_ptr (raw_keys.py), not the paged cache
+    KEY_ROTATION: tl.constexpr,  # 0 none (NONE; raw RELATIVE: q_right carries the offset),
+    #                              1 by style position - token, 2 by chunk index (raw CHUNK_INDEXED)
     DOT_F32: tl.constexpr,  # float32 dot operands (CPU interpreter, float32 caches)
     DOT_PRECISION: tl.constexpr,
 ):
     blk = tl.program_id(0)
-    chunk = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)  # [BLOCK_C]
+    kv_head = tl.program_id(2)
     q_len = tl.load(q_lens_ptr + blk)
     q0 = tl.load(q_start_ptr + blk)
     end = tl.load(ends_ptr + blk)
@@ -110,66 +178,48 @@ def _select_rep_kernel(
         n_cand = tl.maximum(tl.maximum(tl.minimum(n_sink, end), end - n_stream) - n_sink, 0)
     else:
         n_cand = tl.load(cand_lens_ptr + blk)
-    base = chunk * chunk_size
-    chunk_len = tl.minimum(tl.maximum(n_cand - base, 0), chunk_size)  # valid candidates per chunk
-    has = chunk_len > 0
 
     rows = tl.arange(0, BLOCK_Q)
-    t = rows // group_size
-    row_valid = t < q_len
+    sample = rows // group_size  # the i-th sampled query of the block
+    row_valid = sample * query_stride < q_len
+    t = tl.minimum((sample + 1) * query_stride - 1, q_len - 1)
     q_pos = end - q_len + t  # [BLOCK_Q] original query positions
-    q_rows = q_ptr + (q0 + t).to(tl.int64) * stride_qt + (rows % group_size) * stride_qh
+    q_rows = q_ptr + (q0 + t).to(tl.int64) * stride_qt + (kv_head * group_size + rows % group_size) * stride_qh
     if ROPE_STYLE == C_RELATIVE:
         q_delta = n_stream + 1 - q_pos
-        left_pos = chunk * 0
-        right_pos = chunk * 0 + 1
     elif ROPE_STYLE == C_CHUNK_INDEXED:
         q_delta = tl.minimum(q_pos, tl.cdiv(n_cand, chunk_size) + n_stream) - q_pos
-        left_pos = chunk
-        right_pos = chunk
     else:
         q_delta = q_pos * 0
-        left_pos = chunk
-        right_pos = chunk
-    ROTATE: tl.constexpr = ROPE_STYLE != C_NONE
-
-    best = tl.full([BLOCK_C], float("-inf"), tl.float32)
-    head_prog = tl.program_id(2)
-    for h in range(HEADS_PER_PROG):
-        kv_head = head_prog * HEADS_PER_PROG + h
-        q = load_rotated(q_rows + kv_head * group_size * stride_qh, row_valid, q_delta,
-                         inv_freq_ptr, head_dim, BLOCK_D, ROTATE)
-        if not DOT_F32:
-            q = q.to(k_cache_ptr.dtype.element_ty)
+    q_left = load_rotated(q_rows, row_valid, q_delta, inv_freq_ptr, head_dim, BLOCK_D, ROPE_STYLE != C_NONE)
+    if not DOT_F32:
+        q_left = q_left.to(k_cache_ptr.dtype.element_ty)
+    q_right = q_left
+    if RAW_KEYS:
+        k_head = raw_ptr + kv_head * stride_rh
+        raw_base = tl.load(raw_base_ptr + blk)
+        if ROPE_STYLE == C_RELATIVE:  # q . R(1) k = R(-1) q . k: the right branch's query one closer
+            q_right = load_rotated(q_rows, row_valid, q_delta - 1, inv_freq_ptr, head_dim, BLOCK_D, True)
+            if not DOT_F32:
+                q_right = q_right.to(k_cache_ptr.dtype.element_ty)
+    else:
         k_head = k_cache_ptr + kv_head * stride_ch
-        first = chunk * 0  # offset of the current range's first candidate within the chunk
-        tok = _candidate_tokens(cand_row, base, has, n_sink, CAND_IMPLICIT)
-        s_left = _rep_scores(q, q_pos, row_valid, tok, has, left_pos, k_head, table_row,
-                             stride_cp, stride_cs, inv_freq_ptr, head_dim,
-                             PAGE_SIZE, BLOCK_D, ROTATE, DOT_F32, DOT_PRECISION)
-        half = chunk_size
-        for _ in range(num_iters):
-            half = half // 2
-            right = first + half
-            r_valid = right < chunk_len
-            r_tok = _candidate_tokens(cand_row, base + right, r_valid, n_sink, CAND_IMPLICIT)
-            s_right = _rep_scores(q, q_pos, row_valid, r_tok, r_valid, right_pos, k_head, table_row,
-                                  stride_cp, stride_cs, inv_freq_ptr, head_dim,
-                                  PAGE_SIZE, BLOCK_D, ROTATE, DOT_F32, DOT_PRECISION)
-            if ROPE_STYLE == C_RELATIVE:  # the winner moved from branch 2 to branch 1: rescore
-                l_tok = _candidate_tokens(cand_row, base + first, has, n_sink, CAND_IMPLICIT)
-                s_left = _rep_scores(q, q_pos, row_valid, l_tok, has, left_pos, k_head, table_row,
-                                     stride_cp, stride_cs, inv_freq_ptr, head_dim,
-                                     PAGE_SIZE, BLOCK_D, ROTATE, DOT_F32, DOT_PRECISION)
-            first = tl.where(s_right > s_left, right, first)
-            s_left = tl.maximum(s_left, s_right)  # sigma of the winner = next range's first
-        best = tl.maximum(best, s_left)
+        raw_base = blk.to(tl.int64) * 0
+    out_row = (blk.to(tl.int64) * num_kv_heads + kv_head) * max_chunks
+    for tile in range(TILES):
+        first_chunk = (tl.program_id(1) * TILES + tile) * BLOCK_C
+        best, first = _tournament_tile(q_left, q_right, q_pos, row_valid, first_chunk, n_cand, cand_row,
+                                       table_row, k_head, raw_base, inv_freq_ptr, stride_cp, stride_cs,
+                                       stride_rt, head_dim, n_sink, chunk_size, num_iters, PAGE_SIZE,
+                                       BLOCK_C, BLOCK_D, CAND_IMPLICIT, ROPE_STYLE, RAW_KEYS,
+                                       KEY_ROTATION, DOT_F32, DOT_PRECISION)
+        chunk = first_chunk + tl.arange(0, BLOCK_C)
+        in_row = chunk < max_chunks
+        tl.store(scores_ptr + out_row + chunk, best, mask=in_row)
         if STORE_REPS:
-            rep = _candidate_tokens(cand_row, base + first, has, n_sink, CAND_IMPLICIT)
-            rep_off = (blk.to(tl.int64) * num_kv_heads + kv_head) * max_chunks + chunk
-            tl.store(reps_ptr + rep_off, tl.where(has, rep, 2147483647), mask=chunk < max_chunks)
-    score_row = (blk.to(tl.int64) * tl.num_programs(2) + head_prog) * max_chunks
-    tl.store(scores_ptr + score_row + chunk, best, mask=chunk < max_chunks)
+            has = n_cand > chunk * chunk_size
+            rep = _candidate_tokens(cand_row, chunk * chunk_size + first, has, n_sink, CAND_IMPLICIT)
+            tl.store(reps_ptr + out_row + chunk, tl.where(has, rep, 2147483647), mask=in_row)
 
 
 def _num_iters(chunk_size: int) -> int:
@@ -187,15 +237,18 @@ def select_rep_scores(q, k_cache, block_tables, q_start, q_lens, ends, candidate
                       cand_lens=None, *, chunk_size: int, block_q: int, n_sink: int, n_stream: int,
                       max_candidates: int | None = None, rope_style="none",
                       inv_freq: torch.Tensor | None = None, store_reps: bool = False,
-                      head_normalized: bool = False, block_c: int | None = None,
-                      heads_per_program: int | None = None, num_warps: int | None = None):
+                      head_normalized: bool = False, query_stride: int = 1,
+                      raw_keys: RawKeys | None = None, block_c: int | None = None,
+                      tiles: int | None = None, num_warps: int | None = None):
     """Triton SelectRep: chunk scores float32 [NB, max_chunks] and (store_reps) representatives
     int32 [NB, Hkv, max_chunks]. candidates None = stage 1 (the middle, implicitly); then
     max_candidates must be >= every block's middle length (a fixed capacity keeps the grid
     graph-capturable; a smaller one silently drops the newest candidates; default: read from
     ends, a host sync). head_normalized: per kv head, subtract the head's best chunk score before
-    the max over heads (InfiniteHipConfig.chunk_score). block_c / heads_per_program / num_warps:
-    tuning overrides."""
+    the max over heads (InfiniteHipConfig.chunk_score). query_stride: score with every s-th query
+    of a block (InfiniteHipConfig.query_strides). raw_keys: the blocks' keys at position 0
+    (raw_keys.unrotate_keys), read instead of re-rotating cached keys when a dynamic RoPE style
+    is on (ignored for "none"). block_c / tiles / num_warps: tuning overrides."""
     T, Hq, D = q.shape
     num_pages, page_size, Hkv, Dk = k_cache.shape
     NB = ends.shape[0]
@@ -204,6 +257,7 @@ def select_rep_scores(q, k_cache, block_tables, q_start, q_lens, ends, candidate
     for meta in (q_start, q_lens, ends):
         assert meta.shape == (NB,) and meta.dtype == torch.int32 and meta.is_contiguous()
     assert block_tables.dtype == torch.int32 and block_tables.shape[0] == NB and block_tables.stride(1) == 1
+    assert query_stride >= 1, f"query_stride must be >= 1, got {query_stride}"
     style = rope_style_id(rope_style)
     assert style in (NONE, RELATIVE, CHUNK_INDEXED), "pruning takes none | relative | chunk_indexed"
     if style != NONE:
@@ -220,40 +274,48 @@ def select_rep_scores(q, k_cache, block_tables, q_start, q_lens, ends, candidate
         cand = candidates
     max_chunks = triton.cdiv(max_candidates, chunk_size)
     G = Hq // Hkv
-    BLOCK_Q = max(16, next_pow2(block_q * G))
-    # Measured on the H200 (docs/benchmarks.md): one kv head per program always won; 32 chunks
-    # per program for prefill-sized query tiles and for decode's stage 1 (1M keys: 211 vs 285
-    # µs with 16); later decode stages keep 16 (not measured apart).
+    BLOCK_Q = max(16, next_pow2(triton.cdiv(block_q, query_stride) * G))
+    # Measured on the H200 (docs/benchmarks.md): 32 chunks per tile for prefill-sized query
+    # tiles and for decode's stage 1 (1M keys: 211 vs 285 µs with 16); later decode stages
+    # keep 16 (not measured apart).
     BLOCK_C = block_c or (32 if BLOCK_Q >= 128 or candidates is None else _BLOCK_C)
-    heads_per_program = heads_per_program or 1
-    assert Hkv % heads_per_program == 0 and (heads_per_program == 1 or not head_normalized)
-    head_progs = Hkv // heads_per_program
+    n_tiles = triton.cdiv(max_chunks, BLOCK_C)
+    # Several tiles per program only when the grid is huge (prefill): the query tile is then
+    # loaded and rotated once per TILES tiles; decode grids stay one tile per program.
+    TILES = tiles or min(16, next_pow2(max(1, NB * Hkv * n_tiles // 16384)))
+    raw = raw_keys if style != NONE else None
+    if raw is not None:
+        assert raw.keys.dtype == k_cache.dtype and raw.keys.shape[1:] == (Hkv, D) and raw.keys.stride(2) == 1
+        assert raw.block_base.shape == (NB,) and raw.block_base.dtype == torch.int64
     if NB == 0 or max_chunks == 0:
         scores = torch.full((NB, max_chunks), float("-inf"), dtype=torch.float32, device=q.device)
         reps = torch.full((NB, Hkv, max_chunks), PAD, dtype=torch.int32, device=q.device)
         return scores, (reps if store_reps else None)
-    part = torch.empty((NB, head_progs, max_chunks), dtype=torch.float32, device=q.device)
+    part = torch.empty((NB, Hkv, max_chunks), dtype=torch.float32, device=q.device)
     reps = torch.empty((NB, Hkv, max_chunks), dtype=torch.int32, device=q.device) if store_reps else part
-    _select_rep_kernel[(NB, triton.cdiv(max_chunks, BLOCK_C), head_progs)](
-        q, k_cache, block_tables, q_start, q_lens, ends, cand, cand_lens,
+    _select_rep_kernel[(NB, triton.cdiv(n_tiles, TILES), Hkv)](
+        q, k_cache, raw.keys if raw is not None else k_cache, raw.block_base if raw is not None else ends,
+        block_tables, q_start, q_lens, ends, cand, cand_lens,
         inv_freq if inv_freq is not None else part,
         part, reps,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        raw.keys.stride(0) if raw is not None else 0, raw.keys.stride(1) if raw is not None else 0,
         block_tables.stride(0), cand.stride(0),
-        max_chunks, Hkv, G, D, n_sink, n_stream, chunk_size, _num_iters(chunk_size),
-        PAGE_SIZE=page_size, BLOCK_Q=BLOCK_Q, BLOCK_C=BLOCK_C, HEADS_PER_PROG=heads_per_program,
+        max_chunks, Hkv, G, D, n_sink, n_stream, chunk_size, _num_iters(chunk_size), query_stride,
+        PAGE_SIZE=page_size, BLOCK_Q=BLOCK_Q, BLOCK_C=BLOCK_C, TILES=TILES,
         BLOCK_D=max(16, next_pow2(D)), CAND_IMPLICIT=implicit, STORE_REPS=store_reps,
-        ROPE_STYLE=style, DOT_F32=not q.is_cuda or q.dtype == torch.float32,
+        ROPE_STYLE=style, RAW_KEYS=raw is not None,
+        KEY_ROTATION=0 if style == NONE or (raw is not None and style == RELATIVE) else 2 if raw is not None else 1,
+        DOT_F32=not q.is_cuda or q.dtype == torch.float32,
         DOT_PRECISION=dot_precision(q.dtype if q.is_cuda else torch.float32),
-        # the [b_q * group, D] query tile stays in registers
-        num_warps=num_warps or (8 if BLOCK_Q >= 128 else 4),
+        # 4 warps beat 8 for most stages at 128K and 1M, 256-row query tiles included (H200)
+        num_warps=num_warps or 4,
     )
     if head_normalized:  # [NB, Hkv, C] - each head's best chunk (rows with no chunk stay -inf)
         best = part.amax(dim=2, keepdim=True)
         part = torch.where(best > float("-inf"), part - best, part)
-    scores = part[:, 0] if head_progs == 1 else part.amax(dim=1)
-    return scores, (reps if store_reps else None)
+    return part.amax(dim=1), (reps if store_reps else None)
 
 
 _MAX_FUSED_CHUNKS = 16384  # rows up to this many chunks take the fused top-k kernel
@@ -387,7 +449,8 @@ def _topk_chunks_torch(scores, candidates, cand_lens, *, chunk_size: int, k: int
 def pruning_stage(q, k_cache, block_tables, q_start, q_lens, ends, candidates=None, cand_lens=None,
                   *, chunk_size: int, k: int, block_q: int, n_sink: int, n_stream: int,
                   max_candidates: int | None = None, rope_style="none", inv_freq=None,
-                  head_normalized: bool = False, **tuning):
+                  head_normalized: bool = False, query_stride: int = 1,
+                  raw_keys: RawKeys | None = None, **tuning):
     """One pruning stage: the Triton SelectRep kernel, then topk_chunks (CPU tensors without
     TRITON_INTERPRET: pruning_ref.pruning_stage_ref, same contract). Returns the survivors
     (int32 [NB, k] ascending, PAD-padded) and their counts (int32 [NB]), the next stage's input.
@@ -403,13 +466,14 @@ def pruning_stage(q, k_cache, block_tables, q_start, q_lens, ends, candidates=No
         return pruning_stage_ref(q, k_cache, block_tables, q_start, q_lens, ends, candidates, cand_lens,
                                  chunk_size=chunk_size, k=k, n_sink=n_sink, n_stream=n_stream,
                                  max_candidates=max_candidates, rope_style=rope_style, inv_freq=inv_freq,
-                                 head_normalized=head_normalized)
+                                 head_normalized=head_normalized, query_stride=query_stride)
     if candidates is not None and cand_lens is None:  # once, for both kernels
         cand_lens = _candidate_lens(ends, candidates, None, n_sink, n_stream)
     scores, _ = select_rep_scores(q, k_cache, block_tables, q_start, q_lens, ends, candidates,
                                   cand_lens, chunk_size=chunk_size, block_q=block_q, n_sink=n_sink,
                                   n_stream=n_stream, max_candidates=max_candidates,
                                   rope_style=rope_style, inv_freq=inv_freq,
-                                  head_normalized=head_normalized, **tuning)
+                                  head_normalized=head_normalized, query_stride=query_stride,
+                                  raw_keys=raw_keys, **tuning)
     return topk_chunks(scores, candidates, cand_lens, chunk_size=chunk_size, k=k, n_sink=n_sink,
                        ends=ends, n_stream=n_stream)

@@ -41,10 +41,11 @@ def _sigma_tables(q_rows, q_pos, keys, toks, chunk_of, num_chunks, n_stream, sty
 def select_rep_scores_ref(q, k_cache, block_tables, q_start, q_lens, ends, candidates=None,
                           cand_lens=None, *, chunk_size: int, n_sink: int, n_stream: int,
                           max_candidates: int | None = None, rope_style="none", inv_freq=None,
-                          head_normalized: bool = False):
+                          head_normalized: bool = False, query_stride: int = 1):
     """Reference of pruning.select_rep_scores: (scores float64 [NB, C], reps int32 [NB, Hkv, C],
     margins float64 [NB, Hkv, C] = smallest |sigma_right - sigma_left| of each tournament).
-    head_normalized: each kv head's chunk scores minus that head's best, then the max."""
+    head_normalized: each kv head's chunk scores minus that head's best, then the max.
+    query_stride s: only the block's queries min(s (i + 1) - 1, q_len - 1) score."""
     style = rope_style_id(rope_style)
     if candidates is None:
         candidates, cand_lens = initial_candidates(ends, n_sink, n_stream, width=max_candidates)
@@ -61,8 +62,9 @@ def select_rep_scores_ref(q, k_cache, block_tables, q_start, q_lens, ends, candi
             continue
         toks = candidates[i, :n].long().cpu()
         keys = k_cache[block_tables[i, toks // page].long(), toks % page].cpu()  # [n, Hkv, D]
-        q_rows = q[int(q_start[i]):int(q_start[i]) + q_len].cpu()
-        q_pos = torch.arange(e - q_len, e)
+        sampled = torch.arange(query_stride - 1, q_len - 1 + query_stride, query_stride).clamp(max=q_len - 1)
+        q_rows = q[int(q_start[i]):int(q_start[i]) + q_len].cpu()[sampled]
+        q_pos = torch.arange(e - q_len, e)[sampled]
         nc = math.ceil(n / chunk_size)
         left, right = _sigma_tables(q_rows, q_pos, keys, toks, torch.arange(n) // chunk_size, nc,
                                     n_stream, style, inv_freq.cpu() if inv_freq is not None else None)
@@ -113,7 +115,7 @@ def topk_chunks_ref(scores, candidates, cand_lens, *, chunk_size: int, k: int, n
 def pruning_stage_ref(q, k_cache, block_tables, q_start, q_lens, ends, candidates=None,
                       cand_lens=None, *, chunk_size: int, k: int, n_sink: int, n_stream: int,
                       max_candidates: int | None = None, rope_style="none", inv_freq=None,
-                      head_normalized: bool = False):
+                      head_normalized: bool = False, query_stride: int = 1):
     """Reference of pruning.pruning_stage: (survivors int32 [NB, k] PAD-padded, lens [NB])."""
     if candidates is None:
         candidates, cand_lens = initial_candidates(ends, n_sink, n_stream, width=max_candidates)
@@ -122,5 +124,5 @@ def pruning_stage_ref(q, k_cache, block_tables, q_start, q_lens, ends, candidate
     scores, _, _ = select_rep_scores_ref(q, k_cache, block_tables, q_start, q_lens, ends, candidates,
                                          cand_lens, chunk_size=chunk_size, n_sink=n_sink,
                                          n_stream=n_stream, rope_style=rope_style, inv_freq=inv_freq,
-                                         head_normalized=head_normalized)
+                                         head_normalized=head_normalized, query_stride=query_stride)
     return topk_chunks_ref(scores, candidates, cand_lens, chunk_size=chunk_size, k=k, n_sink=n_sink)

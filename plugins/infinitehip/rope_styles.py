@@ -72,25 +72,44 @@ def _sin_cos(a):
 
 
 @triton.jit
+def sin_cos_of(delta, inv_freq_ptr, head_dim, BLOCK_D: tl.constexpr):
+    """sin, cos [R, BLOCK_D] float32 of the angles delta[r] * inv_freq[j % half] (int delta [R])."""
+    d = tl.arange(0, BLOCK_D)
+    half = head_dim // 2
+    freq = tl.load(inv_freq_ptr + tl.where(d < half, d, d - half), mask=d < head_dim, other=0.0)
+    # float64 product and reduction to [-pi, pi]: deltas reach 1e6+ at long context
+    angle = delta.to(tl.float64)[:, None] * freq.to(tl.float64)[None, :]
+    turns = tl.floor(angle * 0.15915494309189535 + 0.5)  # round(angle / 2 pi)
+    angle = (angle - turns * 6.283185307179586).to(tl.float32)
+    return _sin_cos(angle)
+
+
+@triton.jit
+def load_rotated_by(row_ptrs, row_mask, sin, cos, head_dim, BLOCK_D: tl.constexpr):
+    """Load rows [R, BLOCK_D] (row_ptrs [R]: element 0 of each row, unit stride) rotated by the
+    given sin/cos [R, BLOCK_D] (sin_cos_of); float32 result."""
+    d = tl.arange(0, BLOCK_D)
+    mask = row_mask[:, None] & (d < head_dim)[None, :]
+    x = tl.load(row_ptrs[:, None] + d[None, :], mask=mask, other=0.0).to(tl.float32)
+    half = head_dim // 2
+    lower = d < half
+    partner = tl.where(lower, d + half, d - half)
+    x_rot = tl.load(row_ptrs[:, None] + partner[None, :], mask=mask, other=0.0).to(tl.float32)
+    return x * cos + tl.where(lower, -1.0, 1.0)[None, :] * x_rot * sin
+
+
+@triton.jit
 def load_rotated(row_ptrs, row_mask, delta, inv_freq_ptr, head_dim,
                  BLOCK_D: tl.constexpr, ROTATE: tl.constexpr):
     """Load rows [R, BLOCK_D] (row_ptrs [R]: address of element 0 of each row, unit stride) and,
     when ROTATE, rotate row r by the position delta[r] (int [R]); float32 result."""
-    d = tl.arange(0, BLOCK_D)
-    mask = row_mask[:, None] & (d < head_dim)[None, :]
-    x = tl.load(row_ptrs[:, None] + d[None, :], mask=mask, other=0.0).to(tl.float32)
     if ROTATE:
-        half = head_dim // 2
-        lower = d < half
-        partner = tl.where(lower, d + half, d - half)
-        x_rot = tl.load(row_ptrs[:, None] + partner[None, :], mask=mask, other=0.0).to(tl.float32)
-        freq = tl.load(inv_freq_ptr + tl.where(lower, d, d - half), mask=d < head_dim, other=0.0)
-        # float64 product and reduction to [-pi, pi]: deltas reach 1e6+ at long context
-        angle = delta.to(tl.float64)[:, None] * freq.to(tl.float64)[None, :]
-        turns = tl.floor(angle * 0.15915494309189535 + 0.5)  # round(angle / 2 pi)
-        angle = (angle - turns * 6.283185307179586).to(tl.float32)
-        sin, cos = _sin_cos(angle)
-        x = x * cos + tl.where(lower, -1.0, 1.0)[None, :] * x_rot * sin
+        sin, cos = sin_cos_of(delta, inv_freq_ptr, head_dim, BLOCK_D)
+        x = load_rotated_by(row_ptrs, row_mask, sin, cos, head_dim, BLOCK_D)
+    else:
+        d = tl.arange(0, BLOCK_D)
+        mask = row_mask[:, None] & (d < head_dim)[None, :]
+        x = tl.load(row_ptrs[:, None] + d[None, :], mask=mask, other=0.0).to(tl.float32)
     return x
 
 

@@ -1,0 +1,94 @@
+"""Un-rotated keys for dynamic-RoPE pruning in prefill: each key moved back to position 0, once.
+
+The KV cache holds keys rotated at their own positions, k_c = R(p) k. The dynamic RoPE styles of
+pruning (rope_styles.py) score a key at a *style* position c instead: q' . R(c - p) k_c = q' . R(c) k.
+Re-rotating every loaded key inside SelectRep costs a float64 angle reduction and a sine/cosine
+per element, and in prefill every query block re-loads the same keys (512 blocks per 32K chunk):
+at 1M keys that rotation work is most of the stage. So a prefill step first writes k = R(-p) k_c
+of every token of each sequence once (this module, one pass over the keys), and then
+
+    RELATIVE       needs no key rotation at all: the left branch (key at 0) scores q at n_stream + 1,
+                   the right branch (key at 1) scores R(-1) of it = q at n_stream — two query tiles
+    CHUNK_INDEXED  rotates a key by its chunk index c: sin/cos per chunk, computed once per tile
+
+Layout: keys [N, Hkv, D] in the cache dtype (one rounding, like the bf16 cast before the dot),
+sequence s at rows [base_s, base_s + len_s) in token order (no page table); block_base int64 [NB]
+is the base of each query block's sequence. Decode does not use it (one query: the in-kernel
+rotation of the few keys it loads is cheaper than a pass over all of them).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from .._triton_utils import next_pow2, triton_on
+from .rope_styles import load_rotated, rotate_by_ref
+
+
+@dataclass(frozen=True)
+class RawKeys:
+    """Keys at position 0 in token order: keys [N, Hkv, D]; block_base int64 [NB] (row of token 0
+    of each query block's sequence)."""
+
+    keys: torch.Tensor
+    block_base: torch.Tensor
+
+
+@triton.jit
+def _unrotate_kernel(
+    k_cache_ptr,  # [num_pages, page_size, Hkv, D]
+    table_ptr,  # [max_pages] int32, one sequence
+    inv_freq_ptr,  # [D/2] float32
+    out_ptr,  # [len, Hkv, D] this sequence's rows of RawKeys.keys
+    length, head_dim,
+    stride_cp, stride_cs, stride_ch, stride_ot, stride_oh,
+    PAGE_SIZE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    tok = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    head = tl.program_id(1)
+    valid = tok < length
+    page = tl.load(table_ptr + tok // PAGE_SIZE, mask=valid, other=0)
+    rows = k_cache_ptr + page.to(tl.int64) * stride_cp + (tok % PAGE_SIZE) * stride_cs + head * stride_ch
+    k = load_rotated(rows, valid, -tok, inv_freq_ptr, head_dim, BLOCK_D, True)
+    d = tl.arange(0, BLOCK_D)
+    out = out_ptr + tok.to(tl.int64)[:, None] * stride_ot + head * stride_oh + d[None, :]
+    tl.store(out, k.to(out_ptr.dtype.element_ty), mask=valid[:, None] & (d < head_dim)[None, :])
+
+
+def unrotate_keys(k_cache: torch.Tensor, seq_tables: torch.Tensor, seq_lens: list[int],
+                  inv_freq: torch.Tensor, block_seq: torch.Tensor) -> RawKeys:
+    """RawKeys of S sequences: seq_tables int32 [S, max_pages] (their page tables), seq_lens the
+    tokens to un-rotate of each (host ints, an upper bound is fine: rows past a sequence's end are
+    never read), block_seq int64 [NB] the sequence (0..S-1) of each query block."""
+    num_pages, page_size, Hkv, D = k_cache.shape
+    assert seq_tables.dtype == torch.int32 and seq_tables.shape[0] == len(seq_lens) and seq_tables.stride(1) == 1
+    assert inv_freq.shape == (D // 2,) and inv_freq.dtype == torch.float32
+    assert max(seq_lens, default=0) <= seq_tables.shape[1] * page_size, "a sequence is longer than its page table"
+    bases = [0]
+    for n in seq_lens:
+        bases.append(bases[-1] + n)
+    keys = torch.empty((bases[-1], Hkv, D), dtype=k_cache.dtype, device=k_cache.device)
+    base_t = torch.tensor(bases[:-1], dtype=torch.int64, device=k_cache.device)
+    raw = RawKeys(keys, base_t[block_seq] if block_seq.numel() else block_seq.to(torch.int64))
+    for s, n in enumerate(seq_lens):
+        if n == 0:
+            continue
+        out = keys[bases[s]:bases[s] + n]
+        if not triton_on(k_cache):  # CPU without the interpreter
+            toks = torch.arange(n, device=k_cache.device)
+            stored = k_cache[seq_tables[s, toks // page_size].long(), toks % page_size]
+            out.copy_(rotate_by_ref(stored, -toks, inv_freq).to(out.dtype))
+            continue
+        BLOCK_T = 64
+        _unrotate_kernel[(triton.cdiv(n, BLOCK_T), Hkv)](
+            k_cache, seq_tables[s], inv_freq, out, n, D,
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), out.stride(0), out.stride(1),
+            PAGE_SIZE=page_size, BLOCK_T=BLOCK_T, BLOCK_D=max(16, next_pow2(D)))
+    return raw
+
+
+__all__ = ["RawKeys", "unrotate_keys"]
