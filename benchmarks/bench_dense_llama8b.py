@@ -91,6 +91,49 @@ def hf_decode_tok_s(hf, batch: int, prompt_len: int = 128, n1: int = 8, n2: int 
     return batch * (n2 - n1) / (t2 - t1)
 
 
+def graph_us(fn, copies: int = 20, replays: int = 20) -> float:
+    """GPU time of fn per call, captured `copies` times in one CUDA graph (launch gaps gone)."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(copies):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1e3 / (copies * replays)
+
+
+def decode_split_sweep() -> dict:
+    """Dense paged decode attention alone (Llama-8B heads, batch 1, bf16), split counts swept at
+    short contexts, each with the length bound of its CUDA-graph bucket: which split rule wins."""
+    from infhip.plugins.dense_attention import paged_decode_attention_triton
+    page, hq, hkv, d = 16, 32, 8, 128
+    res = {}
+    for ctx, bound in ((300, 512), (1800, 2048), (7000, 8192)):
+        pages = bound // page
+        k = torch.randn(pages + 1, page, hkv, d, device="cuda", dtype=torch.bfloat16)
+        v = torch.randn_like(k)
+        table = (torch.randperm(pages, device="cuda") + 1).to(torch.int32)[None]
+        q = torch.randn(1, hq, d, device="cuda", dtype=torch.bfloat16)
+        lens = torch.tensor([ctx], device="cuda", dtype=torch.int32)
+        out = torch.empty_like(q)
+        row = {}
+        for splits in (None, 1, 2, 4, 8, 16, 32):
+            row[str(splits or "default")] = graph_us(lambda s=splits: paged_decode_attention_triton(
+                q, k, v, table, lens, d ** -0.5, out=out, num_splits=s, max_len=bound))
+        res[ctx] = row
+        print(f"decode attention, context {ctx} (bucket {bound}), us per layer by splits: "
+              + ", ".join(f"{n}={t:.2f}" for n, t in row.items()), flush=True)
+    return res
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", type=Path, required=True)
@@ -181,6 +224,11 @@ def main() -> None:
           f"engine step {1e3 / res['decode_b1_tok_s']:.3f} ms/token", flush=True)
 
     res["decode_b1_kernels"] = profile_graph(graph, args.out / "decode_b1_kernels.txt")
+    from infhip.plugins.skinny_gemm import skinny_gemm_decisions
+    res["skinny_gemm_decisions"] = {str(k): str(v.config or "cublas") for k, v in skinny_gemm_decisions().items()}
+    print("skinny GEMM decisions (M bucket, N, K, ...): "
+          + "; ".join(f"{k} -> {v}" for k, v in res["skinny_gemm_decisions"].items()), flush=True)
+    res["decode_split_sweep_us"] = decode_split_sweep()
 
     # 4. Prefill.
     for n in [int(x) for x in args.prefill_lens.split(",")]:

@@ -43,9 +43,11 @@ _PREFILL_MAX_Q_SLICE = 4096  # query rows per SDPA call when an explicit window 
 _PREFILL_MIN_Q_SLICE = 1024
 _DECODE_NUM_WARPS = 4  # decode launch tuning (module-level so benchmarks can sweep them)
 _DECODE_NUM_STAGES = 2
-# A split walks at least this many key blocks: short contexts take one split and no merge
-# kernel (a 300-token decode spent 7 µs per layer in 33 mostly idle splits + merge).
-_DECODE_MIN_BLOCKS_PER_SPLIT = 4
+# A split walks at least this many key blocks of the length bound it is sized for. CUDA graphs
+# size splits for their length bucket (512 / 2048 / 8192, runtime/cuda_graphs.py), so short
+# contexts no longer meet 33 idle splits; with 4 blocks per split a 300-token decode took one
+# split and 9.5 µs per layer (one program walking every block), so a split may take one block.
+_DECODE_MIN_BLOCKS_PER_SPLIT = 1
 
 
 # ============================================================================ decode (Triton)

@@ -186,7 +186,7 @@ class CausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.embed_tokens.weight if self.cfg.tie_word_embeddings else self.lm_head.weight
-        logits = F.linear(hidden, weight).float()
+        logits = skinny_linear(hidden, weight).float()  # decode rows: the skinny GEMM where faster
         cap = self.cfg.final_logit_softcapping
         if cap:
             logits = torch.tanh(logits / cap) * cap
