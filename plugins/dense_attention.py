@@ -220,9 +220,11 @@ def paged_decode_attention_triton(q, k_cache, v_cache, block_tables, context_len
     BLOCK_N = block_n or default_block_n(BLOCK_D, q.element_size(), page_size)
     assert BLOCK_N % page_size == 0 and BLOCK_N >= 16 and BLOCK_N & (BLOCK_N - 1) == 0
     window = int(window or 0)
-    max_keys = max_pages * page_size if window <= 0 else min(max_pages * page_size, window + BLOCK_N)
-    if max_len is not None:
-        max_keys = min(max_keys, max_len)
+    # max_len alone sizes the splits when given (not the table width): callers pass the same
+    # bound for a step run eagerly and in a graph, so both split, and round, alike.
+    max_keys = max_len if max_len is not None else max_pages * page_size
+    if window > 0:
+        max_keys = min(max_keys, window + BLOCK_N)
     if num_splits is None:
         num_splits = choose_num_splits(B, Hkv, triton.cdiv(max_keys, BLOCK_N), device_num_sms(q.device),
                                        _DECODE_MIN_BLOCKS_PER_SPLIT)

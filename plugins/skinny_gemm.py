@@ -23,13 +23,15 @@ and either
 Rows of w past N are clamped to N-1 (loaded, never stored), so with K % BLOCK_K == 0 no load
 is masked.
 
-When it is used: `skinny_linear` (what the models' linear layers call) sends CUDA inputs with
-M <= 16 to a per-(M bucket, N, K, dtype, bias, device) decision, made the first time a key is
-seen outside CUDA-graph capture by timing F.linear and every applicable config of CONFIGS
-(CUDA events, L2 flushed between reps, median); the kernel is kept only where a config is at
-least MIN_GAIN faster. An undecided key met during capture uses F.linear (nothing is timed
-while capturing). INFHIP_SKINNY_GEMM=0 always uses F.linear, =force always the kernel with
-CONFIGS[0]. Off CUDA it is F.linear. `skinny_gemm_decisions()` lists what was chosen.
+When it is used: `skinny_linear` (what the models' linear layers and LM head call) sends CUDA
+inputs with M <= 16 to `table_config`, a fixed rule measured on the H200 (the GEMV for M = 1 on
+projections up to 8192 wide, the 64-row dot kernel on LM-head-wide outputs, cuBLAS otherwise):
+fixed, so the same input always runs the same kernel (reproducible; eager == CUDA graph).
+INFHIP_SKINNY_GEMM=auto instead times F.linear and every config per (M bucket, N, K, dtype,
+bias, device) the first time a key is seen outside graph capture (CUDA events, L2 flushed,
+median) and keeps a config only where it is MIN_GAIN faster — for tuning on other GPUs; its
+choice can differ run to run. =0 always uses F.linear, =force always the kernel with
+CONFIGS[0]. Off CUDA it is F.linear. `skinny_gemm_decisions()` lists what "auto" chose.
 """
 
 from __future__ import annotations
@@ -203,12 +205,33 @@ def reset_skinny_gemm_decisions() -> None:
 
 
 def _mode() -> str:
-    value = os.environ.get("INFHIP_SKINNY_GEMM", "auto").strip().lower()
-    if value in ("", "1", "auto"):
-        return "auto"
-    if value in ("0", "force"):
-        return "off" if value == "0" else "force"
-    raise ValueError(f"INFHIP_SKINNY_GEMM={value!r}: use 0, auto or force")
+    value = os.environ.get("INFHIP_SKINNY_GEMM", "table").strip().lower()
+    if value in ("", "1", "table"):
+        return "table"
+    if value in ("0", "force", "auto"):
+        return {"0": "off"}.get(value, value)
+    raise ValueError(f"INFHIP_SKINNY_GEMM={value!r}: use 0, table, auto or force")
+
+
+# The fixed rule used by default ("table"), from benchmarks/bench_skinny_gemm.py on the H200
+# (docs/benchmarks.md): at M = 1 the elementwise GEMV beat cuBLAS by ~9% on Llama-8B's qkv
+# (N 6144) and o (N 4096) projections and lost on the wide ones (gate_up, down); the dot kernel
+# with 64-row tiles beat it by ~5% on the LM head (N 128256) at every M. A fixed rule, not
+# per-process timing: the same input always takes the same kernel, so results are reproducible
+# and a step run eagerly equals its CUDA graph.
+_GEMV_M1 = SkinnyConfig(8, 512, 4, 2, dot=False)
+_LM_HEAD = SkinnyConfig(64, 128, 4, 4)
+
+
+def table_config(m: int, n: int, k: int, dtype: torch.dtype) -> SkinnyConfig | None:
+    """The default rule: a config for (M, N, K, dtype), None for cuBLAS."""
+    if dtype not in (torch.bfloat16, torch.float16):
+        return None
+    if n >= 65536 and k % _LM_HEAD.block_k == 0:
+        return _LM_HEAD
+    if m == 1 and n <= 8192 and k <= 8192 and k % _GEMV_M1.block_k == 0:
+        return _GEMV_M1
+    return None
 
 
 def m_bucket(m: int) -> int:
@@ -288,6 +311,8 @@ def choose(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> Skinn
     F.linear: by INFHIP_SKINNY_GEMM, then the decision table (timed here on a new key, unless
     the current stream is capturing a CUDA graph)."""
     mode = _mode()
+    if mode == "table":
+        return table_config(x.shape[0], w.shape[0], w.shape[1], x.dtype)
     if mode != "auto":
         return CONFIGS[0] if mode == "force" else None
     key = (m_bucket(x.shape[0]), w.shape[0], w.shape[1], x.dtype, bias is not None, x.device.index)

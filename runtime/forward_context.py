@@ -48,8 +48,8 @@ class ForwardContext:
     # Per-layer KV of global layers, for steps with a sequence whose drop history makes a layer
     # hold fewer tokens than its positions; None otherwise (the shared metadata above is exact).
     layer_kv: LayerKV | None = None
-    # CUDA graphs: a bound on the decode rows' context lengths (sizes the decode kernel's
-    # split count; the graphs' block tables are max_seq_len wide). None: the table width.
+    # A bound on the decode rows' context lengths that sizes the decode kernel's split count
+    # (ModelRunner.decode_len_bound: eager steps and graphs use the same). None: the table width.
     decode_len_bound: int | None = None
 
 

@@ -220,7 +220,15 @@ class ModelRunner:
             cu_seqlens_q_list=p.cu, context_lens_list=p.ctx_lens,
             sparse=self.sparse_planner.to_device(p.sparse, p.cu, p.ctx_lens, self._tensor) if p.has_sparse else None,
             token_drop=TokenDropStep(self.token_drop, p.drops, self.anchors, self.drop_tail) if p.drops else None,
-            layer_kv=self._layer_kv(p) if p.layer_dropped is not None else None)
+            layer_kv=self._layer_kv(p) if p.layer_dropped is not None else None,
+            decode_len_bound=self.decode_len_bound(p) if p.num_decodes else None)
+
+    def decode_len_bound(self, p: StepPlan) -> int:
+        """The bound that sizes dense decode's split count: the step's length bucket, else the
+        table width — the same for an eager step and the graph that would replay it, so both
+        split (and round) alike."""
+        bucket = None if p.has_sparse else len_bucket(max(p.ctx_lens[:p.num_decodes]))
+        return bucket or self.max_pages_per_seq * self.page_size
 
     def _layer_kv(self, p: StepPlan) -> LayerKV:
         """Per-layer context lengths and compact slots of the global layers (drop histories):

@@ -83,7 +83,7 @@ def test_launcher_rejects_bad_inputs():
 
 
 @pytest.mark.skipif(DEVICE == "cuda", reason="off-CUDA dispatch")
-@pytest.mark.parametrize("mode", ["auto", "0", "force"])
+@pytest.mark.parametrize("mode", ["table", "auto", "0", "force"])
 def test_dispatcher_off_cuda_is_f_linear(mode, monkeypatch):
     monkeypatch.setenv("INFHIP_SKINNY_GEMM", mode)
     for m, bias in [(1, False), (3, True), (40, False)]:
@@ -112,7 +112,7 @@ def test_choose_rules(monkeypatch):
     monkeypatch.setenv("INFHIP_SKINNY_GEMM", "bogus")
     with pytest.raises(ValueError, match="INFHIP_SKINNY_GEMM"):
         sg.choose(x, w, None)
-    monkeypatch.delenv("INFHIP_SKINNY_GEMM")
+    monkeypatch.setenv("INFHIP_SKINNY_GEMM", "auto")
     assert sg.choose(x, w, None) is None and not calls  # undecided while capturing: F.linear, no timing
     capturing[0] = False
     assert sg.choose(x, w, None) == CONFIGS[2] and calls == [3]
@@ -121,6 +121,23 @@ def test_choose_rules(monkeypatch):
     assert sg.choose(x[:2], w, None) is None  # M bucket 2: another key
     assert sg.choose(torch.cat([x, x[:1]]), w, None) == CONFIGS[2] and calls == [3]  # M=4: bucket 4
     assert list(sg.skinny_gemm_decisions()) == [(4, 37, 70, torch.bfloat16, False, None)]
+
+
+def test_default_is_the_fixed_table(monkeypatch):
+    """Without INFHIP_SKINNY_GEMM: the fixed rule, no timing (reproducible kernels): the GEMV at
+    M = 1 on bf16/fp16 projections up to 8192 wide, the 64-row dot kernel on LM-head-wide
+    outputs, cuBLAS for the rest and for float32."""
+    monkeypatch.delenv("INFHIP_SKINNY_GEMM", raising=False)
+    monkeypatch.setattr(sg, "_decide", lambda *a: pytest.fail("timed in table mode"))
+    x1 = torch.zeros(1, 4096, dtype=torch.bfloat16)
+    assert sg.choose(x1, torch.zeros(6144, 4096, dtype=torch.bfloat16), None) == sg._GEMV_M1
+    assert sg.choose(x1, torch.zeros(28672, 4096, dtype=torch.bfloat16), None) is None  # gate_up
+    assert sg.choose(torch.zeros(1, 14336, dtype=torch.bfloat16),
+                     torch.zeros(4096, 14336, dtype=torch.bfloat16), None) is None  # down
+    assert sg.choose(x1.expand(3, -1), torch.zeros(4096, 4096, dtype=torch.bfloat16), None) is None  # M > 1
+    lm_head = torch.zeros(1, 4096, dtype=torch.bfloat16).expand(128256, -1)  # only its shape is read
+    assert sg.choose(x1.expand(5, -1), lm_head, None) == sg._LM_HEAD
+    assert sg.choose(x1.float(), torch.zeros(6144, 4096), None) is None
 
 
 def test_pick_needs_min_gain():
