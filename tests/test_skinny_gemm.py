@@ -155,7 +155,8 @@ LLAMA8B = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "do
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("m", [1, 16])
-def test_gpu_llama8b_shapes(m):
+def test_gpu_llama8b_shapes(m, monkeypatch):
+    monkeypatch.setenv("INFHIP_SKINNY_GEMM", "auto")  # the timed decisions (default: fixed table)
     for name, (n, k) in LLAMA8B.items():
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5
@@ -168,8 +169,9 @@ def test_gpu_llama8b_shapes(m):
 
 
 @pytest.mark.gpu
-def test_gpu_bias_and_graph_capture():
-    """An undecided key met while capturing uses F.linear; a decided one replays its kernel."""
+def test_gpu_bias_and_graph_capture(monkeypatch):
+    """"auto": an undecided key met while capturing uses F.linear; a decided one replays its kernel."""
+    monkeypatch.setenv("INFHIP_SKINNY_GEMM", "auto")
     x = torch.randn(2, 512, device="cuda", dtype=torch.float16)
     w = torch.randn(1000, 512, device="cuda", dtype=torch.float16) / 512 ** 0.5
     b = torch.randn(1000, device="cuda", dtype=torch.float16)
