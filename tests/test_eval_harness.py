@@ -138,6 +138,10 @@ def test_recall_refuses_dense_plan_and_measures_explicit_params(tiny, capsys):
     assert r_small.shape == (llm.engine.config.model.num_heads,)
     assert ((r_small > 0) & (r_small < 1)).all(), arch
     assert torch.allclose(r_all, torch.ones_like(r_all)), arch  # k covers the whole middle
+    # query strides reach the stages: scoring with the last query of each block only keeps
+    # other chunks for the block's earlier queries somewhere
+    r_strided = measure_recall(llm, ids, 12, {layer: dict(small, query_strides=[4])})[layer]
+    assert not torch.equal(r_strided, r_small), arch
     assert not llm.scheduler.has_unfinished()
 
 

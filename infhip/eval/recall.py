@@ -65,6 +65,7 @@ def sparse_layer_params(llm, length: int | None = None) -> dict[int, dict[str, A
     rope_off = ih.rope_off_in_trained_window and length is not None and length <= trained
     return {lp.index: {"n_sink": ih.n_sink, "n_stream": ih.n_stream,
                        "stages": [[st.block_q, st.chunk_size, st.k] for st in ih.stages_of(lp.index)],
+                       "query_strides": list(ih.query_strides),
                        "rope_style": "none" if rope_off else ih.pruning_rope_of(lp.index),
                        "head_normalized": ih.chunk_score == "head_normalized",
                        "dense_threshold": ih.dense_threshold} for lp in layers}
@@ -109,11 +110,13 @@ def layer_recall(attn, q: torch.Tensor, table: list[int], length: int, params: d
     q_start, q_lens, ends, _ = plan_query_blocks([C], [length], block_q, device=dev)
     tables = torch.tensor([table], dtype=torch.int32, device=dev).expand(len(ends), -1).contiguous()
     inv_freq = attn.rope[0].inv_freq if rope_style != "none" else None
+    strides = params.get("query_strides") or [1] * len(stages)
     sel = num = None
-    for b_q, l_c, k in stages:
+    for (b_q, l_c, k), stride in zip(stages, strides):
         sel, num = pruning_stage(q, attn.k_cache, tables, q_start, q_lens, ends, sel, num, chunk_size=l_c, k=k,
                                  block_q=b_q, n_sink=n_sink, n_stream=n_stream, rope_style=rope_style,
-                                 inv_freq=inv_freq, head_normalized=params.get("head_normalized", False))
+                                 inv_freq=inv_freq, head_normalized=params.get("head_normalized", False),
+                                 query_stride=stride)
     keep = per_query_key_mask(sel, q_lens, ends, n_sink, n_stream, length)
     page = attn.k_cache.shape[1]
     rows = torch.tensor(table, device=dev).repeat_interleave(page)[:length]
