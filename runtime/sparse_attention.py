@@ -75,7 +75,8 @@ class SparseStep:
 
 # Prefill steps with at least this many sparse query blocks prune from un-rotated keys
 # (plugins/infinitehip/raw_keys.py) when dynamic RoPE is on: one pass over the keys then saves a
-# re-rotation per loaded key in every block (measured in docs/benchmarks.md).
+# re-rotation per loaded key in every block (512 blocks at 1M keys: docs/benchmarks.md; the
+# threshold itself is not measured — below it the pass may cost more than it saves).
 RAW_KEYS_MIN_BLOCKS = 8
 
 

@@ -17,18 +17,22 @@ global step)
 and return their candidates, ascending: int32 [NB, k], PAD-padded, plus their count (k unless
 the short last chunk or fewer than K chunks were kept). l_c must be a power of two.
 
-Query stride s (PruningStage.query_stride): the max over t runs over the block's queries
+Query stride s (InfiniteHipConfig.query_strides): the max over t runs over the block's queries
 t = min(s (i + 1) - 1, q_len - 1), i = 0 .. ceil(b_q / s) - 1 only (the last of every s; s = 1 is
 the paper's formula) — 1/s of the dot work, the same mask for the whole block.
 
 Kernel: grid (NB, cdiv(max_chunks, BLOCK_C * TILES), Hkv); a program loads and rotates the
 [ceil(b_q / s) * group, D] query tile of one query block and kv head once, then takes TILES
-tiles of BLOCK_C chunks through the tournament, each tile's chunks in lock-step: each halving loads
-one key per chunk (the right representative; the left one's sigma is the previous winner's),
-scores it against the query tile with one tl.dot and a max; per-head scores go to global memory
-and a max over heads (a torch reduction) follows. No program waits on another. RoPE styles (rope_styles.py) rotate the query tile once and each
-loaded key; RELATIVE also rescores the left representative every halving, because its position
-depends on the branch. CHUNK_INDEXED numbers chunks within the block's own candidate list.
+tiles of BLOCK_C chunks through the tournament, each tile's chunks in lock-step: each halving
+loads one key per chunk (the right representative; the left one's sigma is the previous
+winner's), scores it against the query tile with one tl.dot and a max; per-head scores go to
+global memory and a max over heads (a torch reduction) follows. No program waits on another.
+RoPE styles (rope_styles.py) rotate the query tile once and each loaded key; RELATIVE also
+rescores the left representative every halving, because its position depends on the branch.
+CHUNK_INDEXED numbers chunks within the block's own candidate list. With RawKeys (raw_keys.py:
+keys un-rotated once per prefill step) no key is re-rotated per load: RELATIVE scores the right
+branch with a second query tile one position closer, CHUNK_INDEXED rotates by a sin/cos computed
+once per tile.
 """
 
 from __future__ import annotations

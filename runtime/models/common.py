@@ -23,8 +23,8 @@ from infhip.runtime.forward_context import current_token_drop, get_forward_conte
 
 class SkinnyLinear(nn.Linear):
     """nn.Linear (same `weight`/`bias` names and state-dict keys) whose forward goes through
-    `skinny_linear`: the skinny-GEMM kernel for <= 16 rows on CUDA where it was measured faster
-    than cuBLAS, F.linear otherwise (plugins/skinny_gemm.py)."""
+    `skinny_linear`: the skinny-GEMM kernel for <= 16 rows on CUDA where its fixed table (measured
+    on the H200) names one, F.linear otherwise (plugins/skinny_gemm.py)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return skinny_linear(x, self.weight, self.bias)
@@ -186,7 +186,7 @@ class CausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.embed_tokens.weight if self.cfg.tie_word_embeddings else self.lm_head.weight
-        logits = skinny_linear(hidden, weight).float()  # decode rows: the skinny GEMM where faster
+        logits = skinny_linear(hidden, weight).float()  # the LM head is the skinny GEMM's best case
         cap = self.cfg.final_logit_softcapping
         if cap:
             logits = torch.tanh(logits / cap) * cap
