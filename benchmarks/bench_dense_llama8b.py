@@ -19,6 +19,7 @@ import shutil
 import time
 from pathlib import Path
 
+import timing
 import torch
 
 FLOOR_NOTE = "weight-bandwidth floor: bytes of weights read per token / 4.3 TB/s"
@@ -91,25 +92,6 @@ def hf_decode_tok_s(hf, batch: int, prompt_len: int = 128, n1: int = 8, n2: int 
     return batch * (n2 - n1) / (t2 - t1)
 
 
-def graph_us(fn, copies: int = 20, replays: int = 20) -> float:
-    """GPU time of fn per call, captured `copies` times in one CUDA graph (launch gaps gone)."""
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(copies):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / (copies * replays)
-
-
 def decode_split_sweep() -> dict:
     """Dense paged decode attention alone (Llama-8B heads, batch 1, bf16), split counts swept at
     short contexts, each with the length bound of its CUDA-graph bucket: which split rule wins."""
@@ -126,8 +108,8 @@ def decode_split_sweep() -> dict:
         out = torch.empty_like(q)
         row = {}
         for splits in (None, 1, 2, 4, 8, 16, 32):
-            row[str(splits or "default")] = graph_us(lambda s=splits: paged_decode_attention_triton(
-                q, k, v, table, lens, d ** -0.5, out=out, num_splits=s, max_len=bound))
+            row[str(splits or "default")] = timing.graph_time_us(lambda s=splits: paged_decode_attention_triton(
+                q, k, v, table, lens, d ** -0.5, out=out, num_splits=s, max_len=bound), replays=20)
         res[ctx] = row
         print(f"decode attention, context {ctx} (bucket {bound}), us per layer by splits: "
               + ", ".join(f"{n}={t:.2f}" for n, t in row.items()), flush=True)

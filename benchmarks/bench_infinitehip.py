@@ -37,6 +37,7 @@ import math
 import statistics
 from pathlib import Path
 
+import timing
 import torch
 import torch.nn.functional as F
 
@@ -56,47 +57,6 @@ def parse_len(s: str) -> int:
     s = s.strip().lower()
     mult = {"k": 1024, "m": 1024 * 1024}.get(s[-1], 1)
     return int(float(s[:-1] if s[-1] in "km" else s) * mult)
-
-
-def graph_time_us(fn, reps: int, iters: int = 10) -> float:
-    """Median time of one fn() call in µs: `reps` calls captured in one CUDA graph, replayed."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(2):
-            fn()  # compile + warm up outside the capture
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(reps):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / reps)
-    del graph
-    return statistics.median(times)
-
-
-def bench_ms(fn, reps: int = 5) -> float:
-    """Median ms of fn() (CUDA events, after a warm-up call)."""
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
 
 
 class PagedContext:
@@ -124,9 +84,9 @@ class PagedContext:
 def sdpa_decode_us(ctx: PagedContext, reps: int, gen) -> dict:
     q = torch.randn(1, HQ, 1, D, device="cuda", dtype=torch.bfloat16, generator=gen)
     k, v = ctx.contiguous_kv(0, ctx.n)
-    gqa = graph_time_us(lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True), reps)
+    gqa = timing.graph_time_us(lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True), reps)
     ke, ve = k.repeat_interleave(HQ // HKV, 1), v.repeat_interleave(HQ // HKV, 1)
-    expanded = graph_time_us(lambda: F.scaled_dot_product_attention(q, ke, ve), reps)
+    expanded = timing.graph_time_us(lambda: F.scaled_dot_product_attention(q, ke, ve), reps)
     del ke, ve, k, v
     torch.cuda.empty_cache()
     return {"gqa_us": gqa, "expanded_us": expanded, "us": min(gqa, expanded)}
@@ -138,8 +98,8 @@ def sdpa_prefill_ms(ctx: PagedContext, gen) -> dict:
     ke, ve = k.repeat_interleave(HQ // HKV, 1), v.repeat_interleave(HQ // HKV, 1)
     del k, v
     past = ctx.n - CHUNK
-    t_past = bench_ms(lambda: F.scaled_dot_product_attention(q, ke[:, :, :past], ve[:, :, :past]), reps=3)
-    t_self = bench_ms(lambda: F.scaled_dot_product_attention(q, ke[:, :, past:], ve[:, :, past:], is_causal=True))
+    t_past = timing.event_ms(lambda: F.scaled_dot_product_attention(q, ke[:, :, :past], ve[:, :, :past]), reps=3)
+    t_self = timing.event_ms(lambda: F.scaled_dot_product_attention(q, ke[:, :, past:], ve[:, :, past:], is_causal=True))
     del ke, ve
     torch.cuda.empty_cache()
     return {"past_ms": t_past, "self_ms": t_self, "ms": t_past + t_self}
@@ -187,14 +147,14 @@ def decode_step_types(ctx: PagedContext, cfg, bs: int, reps: int, gen, profile_d
             attend()
         return run
 
-    per_type = {first: graph_time_us(step(first), reps) for first in range(S + 1)}
+    per_type = {first: timing.graph_time_us(step(first), reps) for first in range(S + 1)}
     if profile_dir is not None:
         text = profile_step(step(0), profile_dir / f"decode_kernels_{ctx.n}_{stages[-1].chunk_size}.txt")
         print(f"[{ctx.n}] kernels of a full-refresh decode step:\n{text}", flush=True)
-    per_stage = {f"stage{i + 1}": graph_time_us(lambda i=i: stage(i), reps) for i in range(S)}
+    per_stage = {f"stage{i + 1}": timing.graph_time_us(lambda i=i: stage(i), reps) for i in range(S)}
     stage1_kw = dict(chunk_size=stages[0].chunk_size, k=stages[0].k, block_q=1, max_candidates=middle,
                    rope_style=prune_rope, **kw)
-    per_stage["stage1_variants"] = {str(v): graph_time_us(lambda v=v: pruning_stage(
+    per_stage["stage1_variants"] = {str(v): timing.graph_time_us(lambda v=v: pruning_stage(
         q, ctx.k_cache, tables, q_start, ones, ends, **stage1_kw, **v), reps) for v in DECODE_STAGE1_VARIANTS}
     per_stage["attention"] = per_type[S]
     return {"step_us": per_type, "stage_us": per_stage}
@@ -240,7 +200,7 @@ def prefill_breakdown(ctx: PagedContext, cfg, gen, raw_keys: bool = False) -> di
     res, variants = {}, {}
     if raw_keys and prune_rope != "none":
         unrotate = lambda: unrotate_keys(ctx.k_cache, ctx.table, [ctx.n], ctx.inv_freq, seq.long())  # noqa: E731
-        res["unrotate"] = bench_ms(unrotate, reps=3)
+        res["unrotate"] = timing.event_ms(unrotate, reps=3)
         kw["raw_keys"] = unrotate()
     outs = []
     for i, st in enumerate(cfg.stages):
@@ -250,7 +210,7 @@ def prefill_breakdown(ctx: PagedContext, cfg, gen, raw_keys: bool = False) -> di
                                   rope_style=prune_rope, query_stride=cfg.query_strides[i], **kw))
     for i, st in enumerate(cfg.stages):
         prev = (None, None) if i == 0 else outs[i - 1]
-        times = [bench_ms(lambda st=st, prev=prev, i=i, v=v: pruning_stage(
+        times = [timing.event_ms(lambda st=st, prev=prev, i=i, v=v: pruning_stage(
             q, ctx.k_cache, tables, starts, lens, ends, *prev, chunk_size=st.chunk_size, k=st.k, block_q=bq,
             max_candidates=middle if i == 0 else None, rope_style=prune_rope,
             query_stride=cfg.query_strides[i], **kw, **v), reps=3)
@@ -259,7 +219,7 @@ def prefill_breakdown(ctx: PagedContext, cfg, gen, raw_keys: bool = False) -> di
         variants[f"stage{i + 1}"] = {str(v): t for v, t in zip(PRUNE_VARIANTS, times)}
     kw.pop("raw_keys", None)
     out = torch.empty_like(q)
-    times = [bench_ms(lambda v=v: sparse_prefill_attention(
+    times = [timing.event_ms(lambda v=v: sparse_prefill_attention(
         q, ctx.k_cache, ctx.v_cache, tables, starts, lens, ends, outs[-1][0], block_q=bq, scale=SCALE,
         rope_style=attn_rope, out=out, **kw, **v), reps=3) for v in ATTN_VARIANTS]
     res["attention"] = min(times)

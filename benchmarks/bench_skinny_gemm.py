@@ -17,12 +17,13 @@ and the per-token saving at M=1 over the 32 layers; writes JSON to --out.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import os
-import statistics
 from pathlib import Path
 
+import timing
 import torch
 import torch.nn.functional as F
 
@@ -34,24 +35,8 @@ NUM_LAYERS = 32
 
 def graph_us(fn, weights: list[torch.Tensor], replays: int) -> float:
     """Median per-call GPU time of fn(w) over a CUDA graph of CALLS calls cycling over weights."""
-    fn(weights[0])  # compile / pick outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(CALLS):
-            fn(weights[i % len(weights)])
-    for _ in range(3):
-        graph.replay()
-    times = []
-    for _ in range(replays):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        graph.replay()
-        e.record()
-        e.synchronize()
-        times.append(s.elapsed_time(e) * 1e3 / CALLS)
-    del graph
-    return statistics.median(times)
+    cycle = itertools.cycle(weights)
+    return timing.graph_time_us(lambda: fn(next(cycle)), copies=CALLS, replays=replays)
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
