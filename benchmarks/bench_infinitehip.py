@@ -157,6 +157,12 @@ def decode_step_types(ctx: PagedContext, cfg, bs: int, reps: int, gen, profile_d
     per_stage["stage1_variants"] = {str(v): timing.graph_time_us(lambda v=v: pruning_stage(
         q, ctx.k_cache, tables, q_start, ones, ends, **stage1_kw, **v), reps) for v in DECODE_STAGE1_VARIANTS}
     per_stage["attention"] = per_type[S]
+    if attn_rope != "none":  # how much of the cached step is the keys' re-rotation (dynamic RoPE)
+        per_stage["attention_without_rope"] = timing.graph_time_us(lambda: sparse_decode_attention(
+            q, ctx.k_cache, ctx.v_cache, tables, ends, cache[-1][0], scale=SCALE, rope_style="none",
+            out=out, **kw), reps)
+        per_stage["stage1_without_rope"] = timing.graph_time_us(lambda: pruning_stage(
+            q, ctx.k_cache, tables, q_start, ones, ends, **dict(stage1_kw, rope_style="none")), reps)
     return {"step_us": per_type, "stage_us": per_stage}
 
 
