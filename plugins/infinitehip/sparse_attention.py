@@ -25,7 +25,9 @@ row's entries below n_sink and below s (`selected_range` in torch), so a decode 
 launch plus the split merge.
 
 RoPE: NONE keeps the cached rotation; STREAMING (StreamingLLM) moves a key to its rank and a
-query to its own token's rank (rope_styles.py). Needs n_stream >= b_q so every query's own
+query to its own token's rank (rope_styles.py). Only selected keys need a sine/cosine each:
+a sink key's rank is its token (no rotation) and every stream key moves by the same
+mid_end - s (one sin/cos per program), so whole sink or stream tiles skip the per-key trig. Needs n_stream >= b_q so every query's own
 token is a streaming token (a query always sees itself).
 """
 
@@ -38,7 +40,8 @@ import triton.language as tl
 from .._triton_utils import device_num_sms, dot_precision, next_pow2, triton_on
 from ..dense_attention import _decode_merge_kernel, choose_num_splits, dense_attention_ref
 from .blocks import block_key_mask
-from .rope_styles import C_STREAMING, NONE, STREAMING, load_rotated, rope_style_id, rotate_by_ref
+from .rope_styles import (C_STREAMING, NONE, STREAMING, load_rotated, load_rotated_by, rope_style_id,
+                          rotate_by_ref, sin_cos_of)
 
 _LOG2E = 1.4426950408889634
 
@@ -120,6 +123,9 @@ def _sparse_attn_kernel(
     d = tl.arange(0, BLOCK_D)
     sel_row = sel_base + sel_begin - n0  # indexed by rank
     table_row = block_tables_ptr + blk.to(tl.int64) * stride_bt
+    if ROTATE:  # every stream key moves by the same rank - token: its sin/cos once, [1, BLOCK_D]
+        stream_sin, stream_cos = sin_cos_of(tl.zeros([1], tl.int32) + (mid_end - s), inv_freq_ptr,
+                                            head_dim, BLOCK_D)
 
     m = tl.full([BLOCK_Q], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_Q], tl.float32)
@@ -132,7 +138,18 @@ def _sparse_attn_kernel(
         tok = tl.where(rank < n0, rank, tl.where(is_sel, sel_tok, s + rank - mid_end))
         page = tl.load(table_row + tok // PAGE_SIZE, mask=valid, other=0)
         kv_row = page.to(tl.int64) * stride_cp + (tok % PAGE_SIZE) * stride_cs + kv_head * stride_ch
-        k = load_rotated(k_cache_ptr + kv_row, valid, rank - tok, inv_freq_ptr, head_dim, BLOCK_D, ROTATE)
+        if ROTATE:
+            # Sink keys sit at their own rank (no rotation) and stream keys share one delta, so
+            # only tiles touching the selected keys pay a sine/cosine per element (same values).
+            first_rank = tile * BLOCK_N
+            if first_rank >= mid_end:
+                k = load_rotated_by(k_cache_ptr + kv_row, valid, stream_sin, stream_cos, head_dim, BLOCK_D)
+            elif first_rank + BLOCK_N <= n0:
+                k = load_rotated(k_cache_ptr + kv_row, valid, rank - tok, inv_freq_ptr, head_dim, BLOCK_D, False)
+            else:
+                k = load_rotated(k_cache_ptr + kv_row, valid, rank - tok, inv_freq_ptr, head_dim, BLOCK_D, True)
+        else:
+            k = load_rotated(k_cache_ptr + kv_row, valid, rank - tok, inv_freq_ptr, head_dim, BLOCK_D, False)
         v = tl.load(v_cache_ptr + kv_row[:, None] + d[None, :],
                     mask=valid[:, None] & (d < head_dim)[None, :], other=0.0)
         if DOT_F32:
