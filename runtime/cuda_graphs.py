@@ -128,6 +128,7 @@ class DecodeGraphs:
             stage_rows=[[rows if r else none64 for r in group] for group in refresh], refresh=refresh,
             max_middle=capacity, prefill_q_start=none32, prefill_q_lens=none32, prefill_ends=none32,
             prefill_seqs=none64, prefill_seq_rows=none64, prefill_seq_ends=[], prefill_block_seq=none64,
+            raw_keys=False,
             dense_decode_lens=none32, num_dense_decodes=0, dense_prefill_runs=[],
             dynamic_rope=dynamic_rope)
 

@@ -124,7 +124,7 @@ class ModelRunner:
         attn_layers = [layer.self_attn for layer in self.model.layers]
         sparse = [(attn, lp) for attn, lp in zip(attn_layers, plan.layers) if lp.plugin == "infinitehip"]
         self.sparse_planner = SparsePlanner(ih, self.max_num_seqs, self.engine.config.model.max_position_embeddings,
-                                            len(sparse))
+                                            len(sparse), raw_keys_max_tokens=self.max_seq_len)
         for k, (attn, lp) in enumerate(sparse):
             attn.sparse = InfiniteHipLayer(ih, lp.index, self.max_num_seqs, attn.scale, attn.rope[0].inv_freq,
                                            self.device, group=self.sparse_planner.layer_group[k])
@@ -148,6 +148,8 @@ class ModelRunner:
         cfg = self.engine.config.model
         # Activations of the largest step: a few [T, hidden]/[T, 2I] tensors and fp32 logits.
         act = max_num_batched_tokens * (8 * cfg.hidden_size + 6 * cfg.intermediate_size) * 4
+        if self.engine.config.plan.infinitehip is not None:  # the raw-keys scratch of one sequence
+            act += self.max_seq_len * cfg.num_kv_heads * cfg.head_dim * DTYPES[self.engine.config.build.kv_dtype].itemsize
         return max(0, int(free - (1 - utilization) * total) - act - GiB)
 
     # -- plan: host-side, once per step -------------------------------------------------------

@@ -67,6 +67,7 @@ class SparseStep:
     prefill_seq_rows: torch.Tensor  # int64 [Sp] batch index of each sparse prefill chunk
     prefill_seq_ends: list[int]  # [Sp] its context after the step (host; raw keys' extent)
     prefill_block_seq: torch.Tensor  # int64 [NB] index into prefill_seq_rows of each block
+    raw_keys: bool  # prefill prunes from un-rotated keys (SparsePlanner.to_device decides)
     dense_decode_lens: torch.Tensor  # int32 [num_decodes]
     num_dense_decodes: int
     dense_prefill_runs: list[tuple[int, int]]
@@ -95,8 +96,12 @@ def candidate_capacity(end: int, n_sink: int, n_stream: int) -> int:
 class SparsePlanner:
     """Host side: decides per step which rows go sparse and which stages they recompute."""
 
-    def __init__(self, cfg: InfiniteHipConfig, max_slots: int, trained_window: int, num_sparse_layers: int = 1):
+    def __init__(self, cfg: InfiniteHipConfig, max_slots: int, trained_window: int, num_sparse_layers: int = 1,
+                 raw_keys_max_tokens: int = 0):
         self.cfg, self.trained_window = cfg, trained_window
+        # Raw keys need a [tokens, Hkv, D] scratch per layer call: only steps whose sparse prefill
+        # contexts sum to at most this many tokens use them (the runner reserves that memory).
+        self.raw_keys_max_tokens = raw_keys_max_tokens
         self.slots = MaskSlots(max_slots)
         self.clock = 0  # steps with sparse decode rows so far: the refresh schedule's time
         offsets = (layer_offsets(num_sparse_layers, cfg.refresh_intervals[0]) if cfg.stagger_refresh
@@ -173,6 +178,8 @@ class SparsePlanner:
             prefill_seq_rows=tensor(h.prefill_seqs, torch.int64),
             prefill_seq_ends=[ctx_lens[b] for b in h.prefill_seqs],
             prefill_block_seq=tensor(seq_of, torch.int64),
+            raw_keys=(h.dynamic_rope and len(seq_of) >= RAW_KEYS_MIN_BLOCKS
+                      and sum(ctx_lens[b] for b in h.prefill_seqs) <= self.raw_keys_max_tokens),
             dense_decode_lens=tensor(h.dense_decode_lens, torch.int32),
             num_dense_decodes=sum(1 for x in h.dense_decode_lens if x), dense_prefill_runs=h.dense_prefill_runs,
             dynamic_rope=h.dynamic_rope)
@@ -238,7 +245,7 @@ class InfiniteHipLayer:
         blocks = (step.prefill_q_start, step.prefill_q_lens, ends)
         rope = self.pruning_rope if step.dynamic_rope else "none"
         raw = None  # dynamic RoPE over many blocks: un-rotate each key once, not once per block
-        if rope != "none" and step.prefill_seqs.numel() >= RAW_KEYS_MIN_BLOCKS and triton_on(q, k_cache):
+        if step.raw_keys and rope != "none" and triton_on(q, k_cache):
             raw = unrotate_keys(k_cache, block_tables[step.prefill_seq_rows], step.prefill_seq_ends,
                                 self.inv_freq, step.prefill_block_seq)
         sel = num = None

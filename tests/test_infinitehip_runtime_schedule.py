@@ -82,6 +82,24 @@ def test_planner_decisions():
     assert step.prefill_ends.tolist() == [68, 70] and step.prefill_seqs.tolist() == [0, 0]
 
 
+def test_raw_keys_decision():
+    """Raw keys only with dynamic RoPE, enough query blocks, and sparse prefill contexts that sum
+    to at most raw_keys_max_tokens (the scratch the runner reserved)."""
+    cfg = infinitehip_config("3k", dict(n_sink=4, n_stream=8, stages=[(8, 4, 32), (8, 2, 16), (8, 1, 8)],
+                                        special_final_k=16, dense_threshold=50))
+    tensor = lambda v, t: torch.tensor(v, dtype=t)  # noqa: E731
+    big = seq(0, 200)  # a 72-token chunk ending at 200: 9 query blocks of 8
+
+    def raw(planner, end, chunk=72):
+        return planner.to_device(planner.plan([big], [end], 0), [0, chunk], [end], tensor).raw_keys
+
+    planner = SparsePlanner(cfg, max_slots=2, trained_window=100, raw_keys_max_tokens=1000)
+    assert raw(planner, 200)  # past the window (dynamic RoPE), 9 >= 8 blocks, 200 <= 1000 tokens
+    assert not raw(planner, 200, chunk=40)  # 5 blocks
+    assert not raw(SparsePlanner(cfg, max_slots=2, trained_window=100, raw_keys_max_tokens=150), 200)
+    assert not raw(SparsePlanner(cfg, max_slots=2, trained_window=1000, raw_keys_max_tokens=1000), 200)
+
+
 def test_layer_stagger_spreads_one_requests_refreshes():
     """Staggered: 4 InfiniteHiP layers over a 16-step cycle fall in 4 phase groups; after the
     first (full) step each step refreshes stage 1 in at most one group, every group once per
