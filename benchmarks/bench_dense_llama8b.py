@@ -206,10 +206,16 @@ def main() -> None:
           f"engine step {1e3 / res['decode_b1_tok_s']:.3f} ms/token", flush=True)
 
     res["decode_b1_kernels"] = profile_graph(graph, args.out / "decode_b1_kernels.txt")
-    from infhip.plugins.skinny_gemm import skinny_gemm_decisions
+    from infhip.plugins.skinny_gemm import skinny_gemm_decisions, table_config
+    # INFHIP_SKINNY_GEMM=auto: what the timing chose; default: the fixed table's picks at M = 1
     res["skinny_gemm_decisions"] = {str(k): str(v.config or "cublas") for k, v in skinny_gemm_decisions().items()}
-    print("skinny GEMM decisions (M bucket, N, K, ...): "
-          + "; ".join(f"{k} -> {v}" for k, v in res["skinny_gemm_decisions"].items()), flush=True)
+    if not res["skinny_gemm_decisions"]:
+        shapes = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336),
+                  "lm_head": (128256, 4096)}
+        res["skinny_gemm_decisions"] = {name: str(table_config(1, n, k, torch.bfloat16) or "cublas")
+                                        for name, (n, k) in shapes.items()}
+    print("skinny GEMM kernels: " + "; ".join(f"{k} -> {v}" for k, v in res["skinny_gemm_decisions"].items()),
+          flush=True)
     res["decode_split_sweep_us"] = decode_split_sweep()
 
     # 4. Prefill.
