@@ -168,8 +168,9 @@ class InfiniteHipConfig:
     refresh always comes with the later stages'. In prefill, stage i scores a query block's
     chunks with every ``query_strides[i]``-th of its queries only (1 = the paper's formula, all
     of them; the paper's public implementation uses 4, 4, 1): ~1/s of the stage's work, the mask
-    still shared by the whole block (plugins/infinitehip/pruning.py). With ``rope_off_in_trained_window`` the dynamic
-    RoPE styles apply only once a context exceeds the model's trained window. ``chunk_score``:
+    still shared by the whole block (plugins/infinitehip/pruning.py). With
+    ``rope_off_in_trained_window`` the dynamic RoPE styles apply only once a context exceeds the
+    model's trained window. ``chunk_score``:
     "max" scores a chunk by the max over heads and queries of q.k_rep (the paper);
     "head_normalized" first subtracts, per kv head, that head's best chunk score, so a head with
     small logits (e.g. a retrieval head) still keeps its best chunks (docs/quality.md).

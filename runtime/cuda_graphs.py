@@ -114,7 +114,7 @@ class DecodeGraphs:
                              slot_mapping=self.layer_slots[:, :bs], context_lens=self.layer_ctx[:, :bs],
                              context_lens_list=[[0] * bs] * len(self.global_layers))
             if key is not None and key[1] else None,
-            decode_len_bound=(key[2] if key is not None else None) or self.runner.max_pages_per_seq * self.runner.page_size)
+            decode_len_bound=(key[2] if key is not None else None) or self.runner.table_tokens)
 
     def _sparse_step(self, bs: int, key: tuple) -> SparseStep:
         """The SparseStep of a graph: every row is a sparse decode row (row b = batch index b) and

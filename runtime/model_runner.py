@@ -227,10 +227,19 @@ class ModelRunner:
 
     def decode_len_bound(self, p: StepPlan) -> int:
         """The bound that sizes dense decode's split count: the step's length bucket, else the
-        table width — the same for an eager step and the graph that would replay it, so both
-        split (and round) alike."""
-        bucket = None if p.has_sparse else len_bucket(max(p.ctx_lens[:p.num_decodes]))
-        return bucket or self.max_pages_per_seq * self.page_size
+        table width — the same for an eager step and the graph that would replay it
+        (DecodeGraphs._context), so both split (and round) alike."""
+        return self._len_bucket(p) or self.table_tokens
+
+    @property
+    def table_tokens(self) -> int:
+        """Tokens a block-table row can address (max_seq_len rounded up to whole pages)."""
+        return self.max_pages_per_seq * self.page_size
+
+    @staticmethod
+    def _len_bucket(p: StepPlan) -> int | None:
+        """The short-context bucket of a step's decode rows (None: sparse rows, or too long)."""
+        return None if p.has_sparse or not p.num_decodes else len_bucket(max(p.ctx_lens[:p.num_decodes]))
 
     def _layer_kv(self, p: StepPlan) -> LayerKV:
         """Per-layer context lengths and compact slots of the global layers (drop histories):
@@ -259,7 +268,7 @@ class ModelRunner:
         """None: the start-up dense graph; else (sparse key, drop histories, length bucket)."""
         sparse = p.sparse.graph_key if p.has_sparse else None
         layer_kv = p.layer_dropped is not None
-        bound = None if p.has_sparse else len_bucket(max(p.ctx_lens))
+        bound = ModelRunner._len_bucket(p)
         return None if sparse is None and not layer_kv and bound is None else (sparse, layer_kv, bound)
 
     @torch.inference_mode()

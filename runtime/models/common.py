@@ -9,7 +9,6 @@ context.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from infhip.config import LayerPlan, ModelConfig
