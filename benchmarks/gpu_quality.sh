@@ -5,7 +5,7 @@
 #   bash benchmarks/gpu_quality.sh smol     SmolLM2-135M bf16: dense plan vs 3k plan, 4K-32K
 #   bash benchmarks/gpu_quality.sh gemma    Gemma-3-270M bf16: dense baselines, 1K-32K
 #   bash benchmarks/gpu_quality.sh smol-chunk-score   SmolLM2 3k: chunk_score max vs head_normalized
-#   bash benchmarks/gpu_quality.sh smol-query-stride  SmolLM2 3k: prefill query strides 1,1,1 vs 4,4,1
+#   bash benchmarks/gpu_quality.sh smol-query-stride  SmolLM2 3k: prefill query strides 1,1,1 vs 4,4,1 vs 4,4,4
 set -eo pipefail
 OUT=${OUT:-/tmp/infhip-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD/.stage/pylib:$PYTHONPATH
@@ -50,10 +50,10 @@ smol-chunk-score)
         --json $OUT/niah_smol_3k_$score.json
   done
   ;;
-smol-query-stride)  # prefill query strides: the paper's formula (1,1,1) vs its public code's (4,4,1)
+smol-query-stride)  # prefill query strides: the paper's formula (1,1,1) vs its public code's (4,4,1) and 4,4,4
   S=engines/smol-3k-bf16
   join smol-3k-bf16
-  for strides in 1,1,1 4,4,1; do
+  for strides in 1,1,1 4,4,1 4,4,4; do
     E="--engine $S --device cuda --kv-cache-gib 16 --infinitehip query_strides=[$strides]"
     tag=${strides//,/}
     infhip-eval passkey $E --lengths 8k,16k,32k --depths 0.1,0.5,0.9 --samples 5 \
@@ -73,5 +73,5 @@ gemma)
   infhip-eval niah $E --lengths 4k,16k,32k --variants single,multikey --depths 0.5 --samples 3 \
       --json $OUT/niah_gemma_gpu.json
   ;;
-*) echo "usage: bash benchmarks/gpu_quality.sh smol|gemma|smol-chunk-score" >&2; exit 2 ;;
+*) echo "usage: bash benchmarks/gpu_quality.sh smol|gemma|smol-chunk-score|smol-query-stride" >&2; exit 2 ;;
 esac
