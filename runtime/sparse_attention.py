@@ -237,7 +237,8 @@ class InfiniteHipLayer:
         selected = cache.selected[-1][step.decode_slots]
         out[rows] = sparse_decode_attention(
             q[rows], k_cache, v_cache, block_tables[rows], ends, selected, scale=self.scale,
-            rope_style=self.cfg.attention_rope if step.dynamic_rope else "none", **kw)
+            rope_style=self.cfg.attention_rope if step.dynamic_rope else "none",
+            rope_group=self.stages[-1].chunk_size, **kw)
 
     def _prefill(self, q, k_cache, v_cache, block_tables, step: SparseStep, out, ends) -> None:
         kw, prune_kw = self._common(), self._prune_kw()
@@ -255,5 +256,5 @@ class InfiniteHipLayer:
                                      max_candidates=step.max_middle if i == 0 else None, rope_style=rope,
                                      raw_keys=raw, **prune_kw)
         sparse_prefill_attention(q, k_cache, v_cache, tables, *blocks, sel, block_q=self.cfg.block_q,
-                                 scale=self.scale, out=out,
+                                 scale=self.scale, out=out, rope_group=self.stages[-1].chunk_size,
                                  rope_style=self.cfg.attention_rope if step.dynamic_rope else "none", **kw)

@@ -55,7 +55,8 @@ def _compile_attention(rope_style: int, num_splits: int):
     ptrs.update(q_ptr="*bf16", k_cache_ptr="*bf16", v_cache_ptr="*bf16", out_ptr="*bf16",
                 inv_freq_ptr="*fp32", part_out_ptr="*fp32", part_lse_ptr="*fp32", scale_log2="fp32")
     ce = dict(PAGE_SIZE=16, BLOCK_Q=64, BLOCK_N=64, BLOCK_D=128, NUM_SPLITS=num_splits, SEL_BLOCK=1024,
-              DECODE=num_splits > 1, ROPE_STYLE=rope_style, DOT_F32=False, DOT_PRECISION="tf32")
+              DECODE=num_splits > 1, ROPE_STYLE=rope_style, ROPE_GROUP=8, DOT_F32=False,
+              DOT_PRECISION="tf32")
     return _compile(sparse_attention._sparse_attn_kernel, ptrs, ce)
 
 

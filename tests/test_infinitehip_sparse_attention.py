@@ -88,6 +88,47 @@ def test_streaming_rope_tiles_of_sink_and_of_stream_only(num_splits):
     assert rel_err(out, sparse_attention_ref(*pargs, **opts)) < TOL[torch.float32]
 
 
+def run_selection(g, ends, n_sink, n_stream, runs, run_len):
+    """Up to `runs` random runs of run_len consecutive middle tokens per block (what the last
+    pruning stage's chunks give), sorted, PAD-padded; a short run where the middle ends."""
+    sel = torch.full((ends.shape[0], runs * run_len), PAD, dtype=torch.int32)
+    for i, s in enumerate(stream_starts(ends.cpu(), n_sink, n_stream).tolist()):
+        starts = torch.arange(n_sink, max(s, n_sink), run_len)
+        chosen = starts[torch.randperm(starts.numel(), generator=g)[:runs]].sort().values
+        row = [t for c in chosen.tolist() for t in range(c, min(c + run_len, s))]
+        sel[i, :len(row)] = torch.tensor(row, dtype=torch.int32)
+    return sel.to(DEVICE)
+
+
+@pytest.mark.parametrize("selection", ["runs", "scattered"])
+def test_streaming_rope_in_runs(selection):
+    """rope_group = 4 (one sin/cos per run of 4 selected keys): tiles made of whole runs take the
+    per-run path, tiles with scattered keys or a sink/stream edge the per-key one; both match the
+    reference, in decode and in prefill."""
+    D, n_sink, n_stream, group = 32, 8, 24, 4
+    seqs = PagedSeqs([150, 211], 2, D, 4, seed=5 if selection == "runs" else 6)
+    opts = dict(n_sink=n_sink, n_stream=n_stream, scale=0.3, rope_style="streaming", inv_freq=inv_freq(D))
+
+    def select(ends):
+        if selection == "runs":
+            return run_selection(seqs.generator, ends, n_sink, n_stream, runs=9, run_len=group)
+        return random_selection(seqs.generator, ends, n_sink, n_stream, k=30)
+
+    q = torch.randn(2, 6, D, generator=seqs.generator).to(DEVICE)
+    sel = select(seqs.context_lens)
+    args = (q, seqs.k_cache, seqs.v_cache, seqs.block_tables)
+    out = sparse_decode_attention(*args, seqs.context_lens, sel, num_splits=2, block_n=16, rope_group=group, **opts)
+    ref = sparse_attention_ref(*args, torch.arange(2, dtype=torch.int32, device=DEVICE),
+                               torch.ones(2, dtype=torch.int32, device=DEVICE), seqs.context_lens, sel, **opts)
+    assert rel_err(out, ref) < TOL[torch.float32]
+    q_start, lens, ends, tables = seqs.blocks([13, 20], 8)
+    qp = torch.randn(33, 6, D, generator=seqs.generator).to(DEVICE)
+    sel = select(ends)
+    pargs = (qp, seqs.k_cache, seqs.v_cache, tables, q_start, lens, ends, sel)
+    out = sparse_prefill_attention(*pargs, block_q=8, block_n=16, rope_group=group, **opts)
+    assert rel_err(out, sparse_attention_ref(*pargs, **opts)) < TOL[torch.float32]
+
+
 PREFILL = [(8, 8, [13, 20]), (16, 16, [16, 37])]  # block_q, n_stream, q_lens
 
 

@@ -27,12 +27,13 @@ tiles of BLOCK_C chunks through the tournament, each tile's chunks in lock-step:
 loads one key per chunk (the right representative; the left one's sigma is the previous
 winner's), scores it against the query tile with one tl.dot and a max; per-head scores go to
 global memory and a max over heads (a torch reduction) follows. No program waits on another.
-RoPE styles (rope_styles.py) rotate the query tile once and each loaded key; RELATIVE also
-rescores the left representative every halving, because its position depends on the branch.
-CHUNK_INDEXED numbers chunks within the block's own candidate list. With RawKeys (raw_keys.py:
-keys un-rotated once per prefill step) no key is re-rotated per load: RELATIVE scores the right
-branch with a second query tile one position closer, CHUNK_INDEXED rotates by a sin/cos computed
-once per tile.
+RoPE styles (rope_styles.py) rotate the query tile once and each loaded key. RELATIVE puts
+every key at position 0 (un-rotated) and the branch offset on the query: a second query tile one
+position closer scores right representatives, and the winner's sigma at the left position comes
+from the key just loaded (one load and one rotation per halving, two dots). CHUNK_INDEXED numbers
+chunks within the block's own candidate list. With RawKeys (raw_keys.py: keys un-rotated once per
+prefill step) no key is rotated per load; CHUNK_INDEXED then rotates by a sin/cos computed once
+per tile.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ from .._triton_utils import dot_precision, next_pow2, triton_on
 from .blocks import PAD, stream_starts
 from .raw_keys import RawKeys
 from .rope_styles import (C_CHUNK_INDEXED, C_NONE, C_RELATIVE, CHUNK_INDEXED, NONE, RELATIVE,
-                          load_rotated, load_rotated_by, rope_style_id, sin_cos_of)
+                          check_rotatable, load_rotated, load_rotated_by, rope_style_id, sin_cos_of)
 
 _BLOCK_C = 16  # chunks per program (tl.dot needs >= 16 columns)
 
@@ -61,14 +62,12 @@ def _candidate_tokens(cand_row, idx, valid, n_sink, CAND_IMPLICIT: tl.constexpr)
 
 
 @triton.jit
-def _rep_scores(q, q_pos, row_valid, tok, tok_valid, key_pos, k_head_ptr, table_row, raw_base,
-                sin, cos, stride_cp, stride_cs, stride_rt, inv_freq_ptr, head_dim,
-                PAGE_SIZE: tl.constexpr, BLOCK_D: tl.constexpr, RAW_KEYS: tl.constexpr,
-                KEY_ROTATION: tl.constexpr, DOT_F32: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """sigma of BLOCK_C tokens: causal max over the q rows [BLOCK_Q, BLOCK_D] of q . k -> [BLOCK_C]
-    (-inf where invalid). Keys from the paged cache, or (RAW_KEYS) from RawKeys rows raw_base +
-    tok; KEY_ROTATION 0: as stored, 1: by key_pos - tok (the style's position of each key),
-    2: by the given sin/cos [BLOCK_C, BLOCK_D]."""
+def _load_keys(tok, tok_valid, key_pos, k_head_ptr, table_row, raw_base, sin, cos, stride_cp, stride_cs,
+               stride_rt, inv_freq_ptr, head_dim, PAGE_SIZE: tl.constexpr, BLOCK_D: tl.constexpr,
+               RAW_KEYS: tl.constexpr, KEY_ROTATION: tl.constexpr):
+    """Keys [BLOCK_C, BLOCK_D] float32 of BLOCK_C tokens, from the paged cache or (RAW_KEYS) from
+    RawKeys rows raw_base + tok; KEY_ROTATION 0: as stored, 1: by key_pos - tok (the style's
+    position of each key), 2: by the given sin/cos [BLOCK_C, BLOCK_D // 2]."""
     if RAW_KEYS:
         rows = k_head_ptr + (raw_base + tok).to(tl.int64) * stride_rt
     else:
@@ -78,8 +77,13 @@ def _rep_scores(q, q_pos, row_valid, tok, tok_valid, key_pos, k_head_ptr, table_
         k = load_rotated_by(rows, tok_valid, sin, cos, head_dim, BLOCK_D)
     else:
         k = load_rotated(rows, tok_valid, key_pos - tok, inv_freq_ptr, head_dim, BLOCK_D, KEY_ROTATION == 1)
-    if not DOT_F32:
-        k = k.to(q.dtype)
+    return k
+
+
+@triton.jit
+def _max_score(q, k, q_pos, row_valid, tok, tok_valid, DOT_PRECISION: tl.constexpr):
+    """sigma of BLOCK_C keys k [BLOCK_C, BLOCK_D] (q's dtype): causal max over the q rows
+    [BLOCK_Q, BLOCK_D] of q . k -> [BLOCK_C] (-inf where invalid)."""
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [BLOCK_Q, BLOCK_C]
     visible = row_valid[:, None] & tok_valid[None, :] & (tok[None, :] <= q_pos[:, None])
     return tl.max(tl.where(visible, s, float("-inf")), axis=0)
@@ -91,47 +95,48 @@ def _tournament_tile(q_left, q_right, q_pos, row_valid, first_chunk, n_cand, can
                      chunk_size, num_iters,
                      PAGE_SIZE: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr,
                      CAND_IMPLICIT: tl.constexpr, ROPE_STYLE: tl.constexpr, RAW_KEYS: tl.constexpr,
-                     KEY_ROTATION: tl.constexpr, DOT_F32: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                     KEY_ROTATION: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """SelectRep on BLOCK_C chunks of one kv head in lock-step -> (sigma of each winner [BLOCK_C],
     -inf for empty chunks; the winner's offset within its chunk [BLOCK_C]). q_left / q_right:
-    the query tile scoring left / right representatives (the same tile unless RAW_KEYS and
-    RELATIVE, where the branch position is moved onto the query)."""
+    the query tile scoring left / right representatives (the same tile except under RELATIVE,
+    where keys sit at position 0 and each branch's position is moved onto the query)."""
     chunk = first_chunk + tl.arange(0, BLOCK_C)
     base = chunk * chunk_size
     chunk_len = tl.minimum(tl.maximum(n_cand - base, 0), chunk_size)  # valid candidates per chunk
     has = chunk_len > 0
-    if ROPE_STYLE == C_RELATIVE:  # the branches sit at fixed offsets from the query
-        left_pos = chunk * 0
-        right_pos = chunk * 0 + 1
-    else:  # CHUNK_INDEXED: the chunk's index; NONE: ignored
-        left_pos = chunk
-        right_pos = chunk
+    # the position each key is rotated to (KEY_ROTATION 1): RELATIVE 0 (un-rotated; the branch
+    # offsets are on q_left / q_right), CHUNK_INDEXED the chunk's index, NONE ignored
+    key_pos = chunk * 0 if ROPE_STYLE == C_RELATIVE else chunk
     sin = None
     cos = None
     if KEY_ROTATION == 2:  # raw CHUNK_INDEXED: every key of a chunk at the chunk's index, once per tile
         sin, cos = sin_cos_of(chunk, inv_freq_ptr, head_dim, BLOCK_D)
     first = chunk * 0  # offset of the current range's first candidate within the chunk
     tok = _candidate_tokens(cand_row, base, has, n_sink, CAND_IMPLICIT)
-    s_left = _rep_scores(q_left, q_pos, row_valid, tok, has, left_pos, k_head, table_row, raw_base,
-                         sin, cos, stride_cp, stride_cs, stride_rt, inv_freq_ptr, head_dim,
-                         PAGE_SIZE, BLOCK_D, RAW_KEYS, KEY_ROTATION, DOT_F32, DOT_PRECISION)
+    k = _load_keys(tok, has, key_pos, k_head, table_row, raw_base, sin, cos, stride_cp, stride_cs, stride_rt,
+                   inv_freq_ptr, head_dim, PAGE_SIZE, BLOCK_D, RAW_KEYS, KEY_ROTATION).to(q_left.dtype)
+    s_left = _max_score(q_left, k, q_pos, row_valid, tok, has, DOT_PRECISION)
+    best = s_left
     half = chunk_size
     for _ in range(num_iters):
         half = half // 2
         right = first + half
         r_valid = right < chunk_len
         r_tok = _candidate_tokens(cand_row, base + right, r_valid, n_sink, CAND_IMPLICIT)
-        s_right = _rep_scores(q_right, q_pos, row_valid, r_tok, r_valid, right_pos, k_head, table_row,
-                              raw_base, sin, cos, stride_cp, stride_cs, stride_rt, inv_freq_ptr, head_dim,
-                              PAGE_SIZE, BLOCK_D, RAW_KEYS, KEY_ROTATION, DOT_F32, DOT_PRECISION)
-        if ROPE_STYLE == C_RELATIVE:  # the winner moved from branch 2 to branch 1: rescore
-            l_tok = _candidate_tokens(cand_row, base + first, has, n_sink, CAND_IMPLICIT)
-            s_left = _rep_scores(q_left, q_pos, row_valid, l_tok, has, left_pos, k_head, table_row,
-                                 raw_base, sin, cos, stride_cp, stride_cs, stride_rt, inv_freq_ptr, head_dim,
-                                 PAGE_SIZE, BLOCK_D, RAW_KEYS, KEY_ROTATION, DOT_F32, DOT_PRECISION)
-        first = tl.where(s_right > s_left, right, first)
-        s_left = tl.maximum(s_left, s_right)  # sigma of the winner = next range's first
-    return s_left, first
+        k = _load_keys(r_tok, r_valid, key_pos, k_head, table_row, raw_base, sin, cos, stride_cp, stride_cs,
+                       stride_rt, inv_freq_ptr, head_dim, PAGE_SIZE, BLOCK_D, RAW_KEYS,
+                       KEY_ROTATION).to(q_left.dtype)
+        s_right = _max_score(q_right, k, q_pos, row_valid, r_tok, r_valid, DOT_PRECISION)
+        wins = s_right > s_left
+        first = tl.where(wins, right, first)
+        best = tl.maximum(s_left, s_right)  # sigma of the winner
+        if ROPE_STYLE == C_RELATIVE:
+            # the winner is the next range's first, i.e. the left branch: its sigma at the left
+            # position, from the key already loaded (no reload, no second rotation)
+            s_left = tl.where(wins, _max_score(q_left, k, q_pos, row_valid, r_tok, r_valid, DOT_PRECISION), s_left)
+        else:
+            s_left = best
+    return best, first
 
 
 @triton.jit
@@ -166,8 +171,8 @@ def _select_rep_kernel(
     STORE_REPS: tl.constexpr,
     ROPE_STYLE: tl.constexpr,  # NONE | RELATIVE | CHUNK_INDEXED
     RAW_KEYS: tl.constexpr,  # keys from raw_ptr (raw_keys.py), not the paged cache
-    KEY_ROTATION: tl.constexpr,  # 0 none (NONE; raw RELATIVE: q_right carries the offset),
-    #                              1 by style position - token, 2 by chunk index (raw CHUNK_INDEXED)
+    KEY_ROTATION: tl.constexpr,  # 0 none (NONE; raw RELATIVE), 1 by style position - token (RELATIVE:
+    #                              un-rotate), 2 by chunk index (raw CHUNK_INDEXED)
     DOT_F32: tl.constexpr,  # float32 dot operands (CPU interpreter, float32 caches)
     DOT_PRECISION: tl.constexpr,
 ):
@@ -199,13 +204,13 @@ def _select_rep_kernel(
     if not DOT_F32:
         q_left = q_left.to(k_cache_ptr.dtype.element_ty)
     q_right = q_left
+    if ROPE_STYLE == C_RELATIVE:  # q . R(1) k = R(-1) q . k: the right branch's query one closer
+        q_right = load_rotated(q_rows, row_valid, q_delta - 1, inv_freq_ptr, head_dim, BLOCK_D, True)
+        if not DOT_F32:
+            q_right = q_right.to(k_cache_ptr.dtype.element_ty)
     if RAW_KEYS:
         k_head = raw_ptr + kv_head * stride_rh
         raw_base = tl.load(raw_base_ptr + blk)
-        if ROPE_STYLE == C_RELATIVE:  # q . R(1) k = R(-1) q . k: the right branch's query one closer
-            q_right = load_rotated(q_rows, row_valid, q_delta - 1, inv_freq_ptr, head_dim, BLOCK_D, True)
-            if not DOT_F32:
-                q_right = q_right.to(k_cache_ptr.dtype.element_ty)
     else:
         k_head = k_cache_ptr + kv_head * stride_ch
         raw_base = blk.to(tl.int64) * 0
@@ -216,7 +221,7 @@ def _select_rep_kernel(
                                        table_row, k_head, raw_base, inv_freq_ptr, stride_cp, stride_cs,
                                        stride_rt, head_dim, n_sink, chunk_size, num_iters, PAGE_SIZE,
                                        BLOCK_C, BLOCK_D, CAND_IMPLICIT, ROPE_STYLE, RAW_KEYS,
-                                       KEY_ROTATION, DOT_F32, DOT_PRECISION)
+                                       KEY_ROTATION, DOT_PRECISION)
         chunk = first_chunk + tl.arange(0, BLOCK_C)
         in_row = chunk < max_chunks
         tl.store(scores_ptr + out_row + chunk, best, mask=in_row)
@@ -266,6 +271,7 @@ def select_rep_scores(q, k_cache, block_tables, q_start, q_lens, ends, candidate
     assert style in (NONE, RELATIVE, CHUNK_INDEXED), "pruning takes none | relative | chunk_indexed"
     if style != NONE:
         assert inv_freq is not None and inv_freq.shape == (D // 2,) and inv_freq.dtype == torch.float32
+        check_rotatable(D)
     implicit = candidates is None
     if implicit:
         if max_candidates is None:

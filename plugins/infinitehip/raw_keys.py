@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from .._triton_utils import next_pow2, triton_on
-from .rope_styles import load_rotated, rotate_by_ref
+from .rope_styles import check_rotatable, load_rotated, rotate_by_ref
 
 
 @dataclass(frozen=True)
@@ -67,6 +67,7 @@ def unrotate_keys(k_cache: torch.Tensor, seq_tables: torch.Tensor, seq_lens: lis
     num_pages, page_size, Hkv, D = k_cache.shape
     assert seq_tables.dtype == torch.int32 and seq_tables.shape[0] == len(seq_lens) and seq_tables.stride(1) == 1
     assert inv_freq.shape == (D // 2,) and inv_freq.dtype == torch.float32
+    check_rotatable(D)
     assert max(seq_lens, default=0) <= seq_tables.shape[1] * page_size, "a sequence is longer than its page table"
     bases = [0]
     for n in seq_lens:

@@ -73,10 +73,10 @@ def _sin_cos(a):
 
 @triton.jit
 def sin_cos_of(delta, inv_freq_ptr, head_dim, BLOCK_D: tl.constexpr):
-    """sin, cos [R, BLOCK_D] float32 of the angles delta[r] * inv_freq[j % half] (int delta [R])."""
-    d = tl.arange(0, BLOCK_D)
-    half = head_dim // 2
-    freq = tl.load(inv_freq_ptr + tl.where(d < half, d, d - half), mask=d < head_dim, other=0.0)
+    """sin, cos [R, BLOCK_D // 2] float32 of the angles delta[r] * inv_freq[j] (int delta [R]):
+    one angle per frequency; both halves of a row share them (load_rotated_by)."""
+    j = tl.arange(0, BLOCK_D // 2)
+    freq = tl.load(inv_freq_ptr + j, mask=j < head_dim // 2, other=0.0)
     # float64 product and reduction to [-pi, pi]: deltas reach 1e6+ at long context
     angle = delta.to(tl.float64)[:, None] * freq.to(tl.float64)[None, :]
     turns = tl.floor(angle * 0.15915494309189535 + 0.5)  # round(angle / 2 pi)
@@ -85,17 +85,22 @@ def sin_cos_of(delta, inv_freq_ptr, head_dim, BLOCK_D: tl.constexpr):
 
 
 @triton.jit
+def _join_halves(a, b):
+    """[R, H], [R, H] -> [R, 2H] = [a | b] (row-wise concatenation)."""
+    return tl.reshape(tl.permute(tl.join(a, b), (0, 2, 1)), (a.shape[0], 2 * a.shape[1]))
+
+
+@triton.jit
 def load_rotated_by(row_ptrs, row_mask, sin, cos, head_dim, BLOCK_D: tl.constexpr):
-    """Load rows [R, BLOCK_D] (row_ptrs [R]: element 0 of each row, unit stride) rotated by the
-    given sin/cos [R, BLOCK_D] (sin_cos_of); float32 result."""
-    d = tl.arange(0, BLOCK_D)
-    mask = row_mask[:, None] & (d < head_dim)[None, :]
-    x = tl.load(row_ptrs[:, None] + d[None, :], mask=mask, other=0.0).to(tl.float32)
-    half = head_dim // 2
-    lower = d < half
-    partner = tl.where(lower, d + half, d - half)
-    x_rot = tl.load(row_ptrs[:, None] + partner[None, :], mask=mask, other=0.0).to(tl.float32)
-    return x * cos + tl.where(lower, -1.0, 1.0)[None, :] * x_rot * sin
+    """Load rows [R, BLOCK_D] (row_ptrs [R]: element 0 of each row, unit stride; head_dim ==
+    BLOCK_D, a power of two) rotated by the given sin/cos [R or 1, BLOCK_D // 2] (sin_cos_of);
+    float32 result. Each half is loaded once and rotated with the other:
+    [x1 cos - x2 sin | x2 cos + x1 sin]."""
+    j = tl.arange(0, BLOCK_D // 2)
+    mask = row_mask[:, None] & (j < head_dim // 2)[None, :]
+    x1 = tl.load(row_ptrs[:, None] + j[None, :], mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(row_ptrs[:, None] + (head_dim // 2 + j)[None, :], mask=mask, other=0.0).to(tl.float32)
+    return _join_halves(x1 * cos - x2 * sin, x2 * cos + x1 * sin)
 
 
 @triton.jit
@@ -111,6 +116,12 @@ def load_rotated(row_ptrs, row_mask, delta, inv_freq_ptr, head_dim,
         mask = row_mask[:, None] & (d < head_dim)[None, :]
         x = tl.load(row_ptrs[:, None] + d[None, :], mask=mask, other=0.0).to(tl.float32)
     return x
+
+
+def check_rotatable(head_dim: int) -> None:
+    """The kernels rotate a row as two halves of a power-of-two tile (load_rotated_by)."""
+    assert head_dim >= 16 and head_dim & (head_dim - 1) == 0, (
+        f"dynamic RoPE needs a power-of-two head_dim >= 16, got {head_dim}; use rope styles 'none'")
 
 
 def rotate_by_ref(x: torch.Tensor, delta: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:

@@ -27,7 +27,9 @@ launch plus the split merge.
 RoPE: NONE keeps the cached rotation; STREAMING (StreamingLLM) moves a key to its rank and a
 query to its own token's rank (rope_styles.py). Only selected keys need a sine/cosine each:
 a sink key's rank is its token (no rotation) and every stream key moves by the same
-mid_end - s (one sin/cos per program), so whole sink or stream tiles skip the per-key trig. Needs n_stream >= b_q so every query's own
+mid_end - s (one sin/cos per program), so whole sink or stream tiles skip the per-key trig;
+selected keys come in runs of consecutive tokens (the last stage's chunks), each run moving by
+one delta, so a tile made of whole runs takes one sin/cos per run (`rope_group`). Needs n_stream >= b_q so every query's own
 token is a streaming token (a query always sees itself).
 """
 
@@ -40,10 +42,29 @@ import triton.language as tl
 from .._triton_utils import device_num_sms, dot_precision, next_pow2, triton_on
 from ..dense_attention import _decode_merge_kernel, choose_num_splits, dense_attention_ref
 from .blocks import block_key_mask
-from .rope_styles import (C_STREAMING, NONE, STREAMING, load_rotated, load_rotated_by, rope_style_id,
-                          rotate_by_ref, sin_cos_of)
+from .rope_styles import (C_STREAMING, NONE, STREAMING, check_rotatable, load_rotated, load_rotated_by,
+                          rope_style_id, rotate_by_ref, sin_cos_of)
 
 _LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _load_rotated_in_runs(row_ptrs, row_mask, delta, inv_freq_ptr, head_dim, BLOCK_N: tl.constexpr,
+                          BLOCK_D: tl.constexpr, GROUP: tl.constexpr):
+    """load_rotated of BLOCK_N key rows by delta [BLOCK_N], with the sines/cosines computed once
+    per aligned group of GROUP ranks when every group shares one delta (a run of consecutive
+    selected tokens has rank - token constant), else per key. Same values either way."""
+    runs = tl.reshape(delta, (BLOCK_N // GROUP, GROUP))
+    run_delta = tl.min(runs, axis=1)  # [BLOCK_N // GROUP]
+    if tl.max(tl.max(runs, axis=1) - run_delta, axis=0) == 0:
+        sin, cos = sin_cos_of(run_delta, inv_freq_ptr, head_dim, BLOCK_D)  # [BLOCK_N // GROUP, BLOCK_D // 2]
+        shape: tl.constexpr = (BLOCK_N // GROUP, GROUP, BLOCK_D // 2)
+        sin = tl.reshape(tl.broadcast_to(sin[:, None, :], shape), (BLOCK_N, BLOCK_D // 2))
+        cos = tl.reshape(tl.broadcast_to(cos[:, None, :], shape), (BLOCK_N, BLOCK_D // 2))
+        k = load_rotated_by(row_ptrs, row_mask, sin, cos, head_dim, BLOCK_D)
+    else:
+        k = load_rotated(row_ptrs, row_mask, delta, inv_freq_ptr, head_dim, BLOCK_D, True)
+    return k
 
 
 @triton.jit
@@ -75,6 +96,8 @@ def _sparse_attn_kernel(
     SEL_BLOCK: tl.constexpr,  # entries of the selected row counted per step
     DECODE: tl.constexpr,  # block i is query row i alone (no q_start / q_lens tensors)
     ROPE_STYLE: tl.constexpr,  # NONE | STREAMING
+    ROPE_GROUP: tl.constexpr,  # STREAMING: selected keys come in runs of this many consecutive
+    #                            tokens (the last stage's chunks): one sin/cos per run (1: per key)
     DOT_F32: tl.constexpr,  # float32 dot operands (CPU interpreter, float32 caches)
     DOT_PRECISION: tl.constexpr,
 ):
@@ -146,6 +169,9 @@ def _sparse_attn_kernel(
                 k = load_rotated_by(k_cache_ptr + kv_row, valid, stream_sin, stream_cos, head_dim, BLOCK_D)
             elif first_rank + BLOCK_N <= n0:
                 k = load_rotated(k_cache_ptr + kv_row, valid, rank - tok, inv_freq_ptr, head_dim, BLOCK_D, False)
+            elif ROPE_GROUP > 1:
+                k = _load_rotated_in_runs(k_cache_ptr + kv_row, valid, rank - tok, inv_freq_ptr, head_dim,
+                                          BLOCK_N, BLOCK_D, ROPE_GROUP)
             else:
                 k = load_rotated(k_cache_ptr + kv_row, valid, rank - tok, inv_freq_ptr, head_dim, BLOCK_D, True)
         else:
@@ -184,13 +210,16 @@ def _sparse_attn_kernel(
 
 def block_sparse_attention(q, k_cache, v_cache, block_tables, q_start, q_lens, ends, selected, *,
                      block_q: int, n_sink: int, n_stream: int, scale: float, rope_style="none",
-                     inv_freq: torch.Tensor | None = None, num_splits: int = 1,
+                     inv_freq: torch.Tensor | None = None, num_splits: int = 1, rope_group: int = 1,
                      block_n: int | None = None, num_warps: int | None = None,
                      out: torch.Tensor | None = None) -> torch.Tensor:
     """Triton launcher (CPU tensors without TRITON_INTERPRET: sparse_attention_ref, same
     contract): q [T, Hq, D] packed, query blocks [NB] (blocks.py, q_lens <= block_q),
     selected int32 [NB, K] (last pruning stage). Returns out [T, Hq, D] (rows of no block: 0).
-    q_start = q_lens = None means decode: block i is query row i alone (no tensors to make)."""
+    q_start = q_lens = None means decode: block i is query row i alone (no tensors to make).
+    rope_group (STREAMING): the selected keys' run length, normally the last stage's chunk size;
+    rotations then take one sine/cosine per run (any value gives the same result, a power of two
+    up to the key tile)."""
     T, Hq, D = q.shape
     num_pages, page_size, Hkv, Dk = k_cache.shape
     NB = ends.shape[0]
@@ -209,6 +238,8 @@ def block_sparse_attention(q, k_cache, v_cache, block_tables, q_start, q_lens, e
     assert style in (NONE, STREAMING), "block-sparse attention takes none | streaming"
     if style == STREAMING:
         assert inv_freq is not None and inv_freq.shape == (D // 2,) and inv_freq.dtype == torch.float32
+        check_rotatable(D)
+    assert rope_group >= 1 and rope_group & (rope_group - 1) == 0, f"rope_group must be a power of two, got {rope_group}"
     if out is None:
         out = torch.zeros_like(q)
     assert out.shape == q.shape and out.stride(2) == 1
@@ -246,7 +277,7 @@ def block_sparse_attention(q, k_cache, v_cache, block_tables, q_start, q_lens, e
         Hq, G, D, n_sink, n_stream, float(scale) * _LOG2E,
         PAGE_SIZE=page_size, BLOCK_Q=max(16, next_pow2(block_q * G)), BLOCK_N=BLOCK_N,
         BLOCK_D=BLOCK_D, NUM_SPLITS=num_splits, SEL_BLOCK=min(1024, next_pow2(selected.shape[1])),
-        DECODE=decode, ROPE_STYLE=style, DOT_F32=not q.is_cuda or q.dtype == torch.float32,
+        DECODE=decode, ROPE_STYLE=style, ROPE_GROUP=min(rope_group, BLOCK_N), DOT_F32=not q.is_cuda or q.dtype == torch.float32,
         DOT_PRECISION=dot_precision(q.dtype if q.is_cuda else torch.float32),
         num_warps=num_warps or (8 if block_q * G >= 128 else 4),
     )
@@ -260,8 +291,8 @@ def block_sparse_attention(q, k_cache, v_cache, block_tables, q_start, q_lens, e
 
 def sparse_decode_attention(q, k_cache, v_cache, block_tables, context_lens, selected, *,
                             n_sink: int, n_stream: int, scale: float, rope_style="none",
-                            inv_freq=None, num_splits: int | None = None, block_n: int | None = None,
-                            out=None) -> torch.Tensor:
+                            inv_freq=None, num_splits: int | None = None, rope_group: int = 1,
+                            block_n: int | None = None, out=None) -> torch.Tensor:
     """Decode: q [B, Hq, D] (one query per sequence, position context_lens[b] - 1), selected
     int32 [B, K]. Flash-decoding split-K over sink + selected + stream; out [B, Hq, D]."""
     B = q.shape[0]
@@ -271,19 +302,20 @@ def sparse_decode_attention(q, k_cache, v_cache, block_tables, context_lens, sel
     return block_sparse_attention(q, k_cache, v_cache, block_tables, None, None, context_lens, selected,
                             block_q=1, n_sink=n_sink, n_stream=n_stream, scale=scale,
                             rope_style=rope_style, inv_freq=inv_freq, num_splits=num_splits,
-                            block_n=block_n, out=out)
+                            rope_group=rope_group, block_n=block_n, out=out)
 
 
 def sparse_prefill_attention(q, k_cache, v_cache, block_tables, q_start, q_lens, ends, selected, *,
                              block_q: int, n_sink: int, n_stream: int, scale: float,
-                             rope_style="none", inv_freq=None, block_n: int | None = None,
-                             num_warps: int | None = None, out=None) -> torch.Tensor:
+                             rope_style="none", inv_freq=None, rope_group: int = 1,
+                             block_n: int | None = None, num_warps: int | None = None,
+                             out=None) -> torch.Tensor:
     """Prefill: flash-style, each query block of <= block_q queries over its own key set with the
     causal cut; q [T, Hq, D] packed, blocks from blocks.plan_query_blocks."""
     return block_sparse_attention(q, k_cache, v_cache, block_tables, q_start, q_lens, ends, selected,
                             block_q=block_q, n_sink=n_sink, n_stream=n_stream, scale=scale,
                             rope_style=rope_style, inv_freq=inv_freq, num_splits=1,
-                            block_n=block_n, num_warps=num_warps, out=out)
+                            rope_group=rope_group, block_n=block_n, num_warps=num_warps, out=out)
 
 
 def sparse_attention_ref(q, k_cache, v_cache, block_tables, q_start, q_lens, ends, selected, *,
