@@ -65,18 +65,18 @@ def test_decode_bf16_and_default_splits():
     assert out.dtype == torch.bfloat16 and rel_err(out, ref) < TOL[torch.bfloat16]
 
 
-@pytest.mark.parametrize("num_splits", [1, 3])
-def test_streaming_rope_tiles_of_sink_and_of_stream_only(num_splits):
-    """n_sink and n_stream of several 16-key tiles: tiles wholly in the sink (rank = token, no
-    rotation), wholly in the stream (one shared rank - token delta) and mixed ones (a delta per
-    key) all match the reference, in decode and in prefill."""
+@pytest.mark.parametrize("num_splits,rope_group", [(1, 1), (3, 1), (3, 4)])
+def test_streaming_rope_tiles_of_sink_and_of_stream_only(num_splits, rope_group):
+    """n_sink and n_stream of several 16-key tiles: tiles wholly in the sink (rank = token, delta
+    0), wholly in the stream (one shared rank - token delta) and mixed ones (a delta per key) all
+    match the reference, in decode and in prefill, with a sin/cos per key or per group of 4."""
     D, n_sink, n_stream = 32, 16, 40
     seqs = PagedSeqs([150, 211], 2, D, 4, seed=31 + num_splits)
     opts = dict(n_sink=n_sink, n_stream=n_stream, scale=0.3, rope_style="streaming", inv_freq=inv_freq(D))
     q = torch.randn(2, 6, D, generator=seqs.generator).to(DEVICE)
     sel = random_selection(seqs.generator, seqs.context_lens, n_sink, n_stream, k=30)
     args = (q, seqs.k_cache, seqs.v_cache, seqs.block_tables)
-    out = sparse_decode_attention(*args, seqs.context_lens, sel, num_splits=num_splits, block_n=16, **opts)
+    out = sparse_decode_attention(*args, seqs.context_lens, sel, num_splits=num_splits, block_n=16, rope_group=rope_group, **opts)
     ref = sparse_attention_ref(*args, torch.arange(2, dtype=torch.int32, device=DEVICE),
                                torch.ones(2, dtype=torch.int32, device=DEVICE), seqs.context_lens, sel, **opts)
     assert rel_err(out, ref) < TOL[torch.float32]
@@ -84,7 +84,7 @@ def test_streaming_rope_tiles_of_sink_and_of_stream_only(num_splits):
     qp = torch.randn(33, 6, D, generator=seqs.generator).to(DEVICE)
     sel = random_selection(seqs.generator, ends, n_sink, n_stream, k=30)
     pargs = (qp, seqs.k_cache, seqs.v_cache, tables, q_start, lens, ends, sel)
-    out = sparse_prefill_attention(*pargs, block_q=8, block_n=16, **opts)
+    out = sparse_prefill_attention(*pargs, block_q=8, block_n=16, rope_group=rope_group, **opts)
     assert rel_err(out, sparse_attention_ref(*pargs, **opts)) < TOL[torch.float32]
 
 

@@ -288,7 +288,9 @@ def select_rep_scores(q, k_cache, block_tables, q_start, q_lens, ends, candidate
     # Measured on the H200 (docs/benchmarks.md): 32 chunks per tile for prefill-sized query
     # tiles and for decode's stage 1 (1M keys: 211 vs 285 µs with 16); later decode stages
     # keep 16 (not measured apart).
-    BLOCK_C = block_c or (32 if BLOCK_Q >= 128 or candidates is None else _BLOCK_C)
+    # With dynamic RoPE decode's stage 1 does best with 64 (1M keys: 94 vs 113 µs, 2026-11-30e).
+    BLOCK_C = block_c or (64 if candidates is None and BLOCK_Q < 128 and style != NONE
+                          else 32 if BLOCK_Q >= 128 or candidates is None else _BLOCK_C)
     n_tiles = triton.cdiv(max_chunks, BLOCK_C)
     # Several tiles per program only when the grid is huge (prefill): the query tile is then
     # loaded and rotated once per TILES tiles; decode grids stay one tile per program.
@@ -319,8 +321,9 @@ def select_rep_scores(q, k_cache, block_tables, q_start, q_lens, ends, candidate
         KEY_ROTATION=0 if style == NONE or (raw is not None and style == RELATIVE) else 2 if raw is not None else 1,
         DOT_F32=not q.is_cuda or q.dtype == torch.float32,
         DOT_PRECISION=dot_precision(q.dtype if q.is_cuda else torch.float32),
-        # 4 warps beat 8 for most stages at 128K and 1M, 256-row query tiles included (H200)
-        num_warps=num_warps or 4,
+        # H200, 1M keys: 256-row query tiles (stride 1) 8 warps (stage 1 112 vs 163 ms, stage 3
+        # 14 vs 27 ms); 64-row tiles (stride 4) and decode 4 (stage 1 24 vs 35 ms)
+        num_warps=num_warps or (8 if BLOCK_Q >= 256 else 4),
     )
     if head_normalized:  # [NB, Hkv, C] - each head's best chunk (rows with no chunk stay -inf)
         best = part.amax(dim=2, keepdim=True)

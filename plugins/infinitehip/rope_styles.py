@@ -91,16 +91,30 @@ def _join_halves(a, b):
 
 
 @triton.jit
-def load_rotated_by(row_ptrs, row_mask, sin, cos, head_dim, BLOCK_D: tl.constexpr):
-    """Load rows [R, BLOCK_D] (row_ptrs [R]: element 0 of each row, unit stride; head_dim ==
-    BLOCK_D, a power of two) rotated by the given sin/cos [R or 1, BLOCK_D // 2] (sin_cos_of);
-    float32 result. Each half is loaded once and rotated with the other:
-    [x1 cos - x2 sin | x2 cos + x1 sin]."""
+def load_halves(row_ptrs, row_mask, head_dim, BLOCK_D: tl.constexpr):
+    """The two halves [R, BLOCK_D // 2] float32 of rows (row_ptrs [R]: element 0 of each row,
+    unit stride; head_dim == BLOCK_D, a power of two), for rotate_halves."""
     j = tl.arange(0, BLOCK_D // 2)
     mask = row_mask[:, None] & (j < head_dim // 2)[None, :]
     x1 = tl.load(row_ptrs[:, None] + j[None, :], mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(row_ptrs[:, None] + (head_dim // 2 + j)[None, :], mask=mask, other=0.0).to(tl.float32)
+    return x1, x2
+
+
+@triton.jit
+def rotate_halves(x1, x2, sin, cos):
+    """Rows [R, 2H] = [x1 cos - x2 sin | x2 cos + x1 sin] from halves [R, H] and sin/cos [R or 1, H]
+    (sin_cos_of): each half is loaded once and rotated with the other."""
     return _join_halves(x1 * cos - x2 * sin, x2 * cos + x1 * sin)
+
+
+@triton.jit
+def load_rotated_by(row_ptrs, row_mask, sin, cos, head_dim, BLOCK_D: tl.constexpr):
+    """Load rows [R, BLOCK_D] (row_ptrs [R]: element 0 of each row, unit stride; head_dim ==
+    BLOCK_D, a power of two) rotated by the given sin/cos [R or 1, BLOCK_D // 2] (sin_cos_of);
+    float32 result."""
+    x1, x2 = load_halves(row_ptrs, row_mask, head_dim, BLOCK_D)
+    return rotate_halves(x1, x2, sin, cos)
 
 
 @triton.jit
