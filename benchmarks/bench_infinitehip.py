@@ -157,6 +157,9 @@ def decode_step_types(ctx: PagedContext, cfg, bs: int, reps: int, gen, profile_d
     per_stage["stage1_variants"] = {str(v): timing.graph_time_us(lambda v=v: pruning_stage(
         q, ctx.k_cache, tables, q_start, ones, ends, **stage1_kw, **v), reps) for v in DECODE_STAGE1_VARIANTS}
     per_stage["attention"] = per_type[S]
+    per_stage["attention_variants"] = {str(v): timing.graph_time_us(lambda v=v: sparse_decode_attention(
+        q, ctx.k_cache, ctx.v_cache, tables, ends, cache[-1][0], scale=SCALE, rope_style=attn_rope,
+        rope_group=stages[-1].chunk_size, out=out, **kw, **v), reps) for v in DECODE_ATTN_VARIANTS}
     if attn_rope != "none":  # how much of the cached step is the keys' re-rotation (dynamic RoPE)
         per_stage["attention_without_rope"] = timing.graph_time_us(lambda: sparse_decode_attention(
             q, ctx.k_cache, ctx.v_cache, tables, ends, cache[-1][0], scale=SCALE, rope_style="none",
@@ -188,6 +191,9 @@ def cycle_stats(step_us: dict, intervals: tuple[int, ...]) -> dict:
 PRUNE_VARIANTS = [dict(), dict(num_warps=8)]  # defaults first (tiles, block_c swept 2026-11-30: within 10%)
 ATTN_VARIANTS = [dict(), dict(block_n=64)]
 DECODE_STAGE1_VARIANTS = [dict(), dict(block_c=16), dict(block_c=64), dict(num_warps=8)]  # default: 32
+# decode attention split counts / key tiles (default: ~2 waves of SMs, 64-key tiles)
+DECODE_ATTN_VARIANTS = [dict(), dict(num_splits=16), dict(num_splits=8), dict(block_n=32),
+                        dict(block_n=32, num_splits=16), dict(block_n=128, num_splits=8)]
 
 
 def prefill_breakdown(ctx: PagedContext, cfg, gen, raw_keys: bool = False) -> dict:
