@@ -192,8 +192,8 @@ PRUNE_VARIANTS = [dict(), dict(num_warps=8)]  # defaults first (tiles, block_c s
 ATTN_VARIANTS = [dict(), dict(block_n=64)]
 DECODE_STAGE1_VARIANTS = [dict(), dict(block_c=16), dict(block_c=64), dict(num_warps=8)]  # default: 32
 # decode attention split counts / key tiles (default: ~2 waves of SMs, 64-key tiles)
-DECODE_ATTN_VARIANTS = [dict(), dict(num_splits=16), dict(num_splits=8), dict(block_n=32),
-                        dict(block_n=32, num_splits=16), dict(block_n=128, num_splits=8)]
+DECODE_ATTN_VARIANTS = [dict(), dict(num_splits=16), dict(num_splits=52), dict(block_n=32),
+                        dict(block_n=32, num_splits=64), dict(block_n=32, num_splits=104)]
 
 
 def prefill_breakdown(ctx: PagedContext, cfg, gen, raw_keys: bool = False) -> dict:
