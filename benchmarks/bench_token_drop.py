@@ -2,6 +2,7 @@
 
     python benchmarks/bench_token_drop.py --out $OUT                      # ~4 min on an H200
     python benchmarks/bench_token_drop.py --out /tmp/x --dry-run          # the plan, no GPU
+    python benchmarks/bench_token_drop.py --out $OUT --rhos 1,0.3 --spare 0,1   # cost of spare_anchors=1
 
 For each model shape (llama-3.1-8b, gemma-3-12b; random weights: no checkpoint travels) one
 engine is built on the GPU from the bundled config and loaded once; the dense engine and token
@@ -43,6 +44,8 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--rhos", default="1,0.5,0.3,0.1", help="forced retention ratios")
     p.add_argument("--llama-layers", type=int, default=None, help="default: all 32")
     p.add_argument("--gemma-layers", type=int, default=None, help="default: all 48 (24 halves the time)")
+    p.add_argument("--spare", default="0", help="spare_anchors values to time each rho with (e.g. 0,1: the "
+                   "first anchor keeps every token, the quality remedy of docs/quality.md)")
     p.add_argument("--reps", type=int, default=2, help="best of this many runs below 128K")
     p.add_argument("--dry-run", action="store_true", help="print the plan and exit (no GPU needed)")
     return p
@@ -58,6 +61,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.rhos = [float(x) for x in args.rhos.split(",") if x.strip()]
     if any(not 0.0 <= r <= 1.0 for r in args.rhos):
         raise SystemExit(f"bench_token_drop: every rho must be in [0, 1], got {args.rhos}")
+    args.spare = [int(x) for x in args.spare.split(",") if x.strip()]
+    if not args.spare or any(n < 0 for n in args.spare):
+        raise SystemExit(f"bench_token_drop: --spare takes anchor counts >= 0, got {args.spare}")
     return args
 
 
@@ -116,8 +122,8 @@ def run_model(args, model: str, res: dict) -> None:
     print(f"{model}: {num_layers} layers ({len(info['anchors'])} anchors), built+loaded in "
           f"{info['setup_s']:.0f} s{' — TRUNCATED' if info['truncated'] else ''}", flush=True)
     vocab = cfg.model.vocab_size
-    configs = [("dense", None)] + [(f"rho={r:g}", TokenDropConfig(retention=r, min_prompt_len=0))
-                                   for r in args.rhos]
+    configs = [("dense", None)] + [(name, TokenDropConfig(retention=r, min_prompt_len=0, spare_anchors=n))
+                                   for name, r, n in drop_configs(args)]
     warm = [(i * 7919) % (vocab - 10) + 10 for i in range(4096)]
     for _, td in configs:  # compile the Triton kernels of every path once
         llm.runner.set_token_drop(td)
@@ -141,8 +147,12 @@ def run_model(args, model: str, res: dict) -> None:
     torch.cuda.empty_cache()
 
 
-def table(res: dict, rhos: list[float]) -> str:
-    names = [f"rho={r:g}" for r in rhos]
+def drop_configs(args) -> list[tuple[str, float, int]]:
+    """(name, rho, spare_anchors) of every token-drop run."""
+    return [(f"rho={r:g}" + (f" spare={n}" if n else ""), r, n) for n in args.spare for r in args.rhos]
+
+
+def table(res: dict, names: list[str]) -> str:
     lines = ["| model | tokens | dense TTFT (ms) | " + " | ".join(f"{n} speedup" for n in names) + " |",
              "|---" * (3 + len(names)) + "|"]
     for model, info in res.get("models", {}).items():
@@ -155,8 +165,8 @@ def table(res: dict, rhos: list[float]) -> str:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    plan = [(m, layers_of(args, m) or "all", args.lengths, ["dense"] + [f"rho={r:g}" for r in args.rhos])
-            for m in args.models]
+    names = [name for name, _, _ in drop_configs(args)]
+    plan = [(m, layers_of(args, m) or "all", args.lengths, ["dense"] + names) for m in args.models]
     if args.dry_run:
         for m, layers, lengths, configs in plan:
             print(f"{m}: layers {layers}, lengths {lengths}, configs {configs}")
@@ -165,14 +175,14 @@ def main(argv=None) -> None:
     import triton
     args.out.mkdir(parents=True, exist_ok=True)
     res = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-           "lengths": args.lengths, "rhos": args.rhos}
+           "lengths": args.lengths, "rhos": args.rhos, "spare_anchors": args.spare}
     t = time.perf_counter()
     for model in args.models:
         run_model(args, model, res)
     res["total_s"] = time.perf_counter() - t
     (args.out / "bench_token_drop.json").write_text(json.dumps(res, indent=1) + "\n")
     print(f"\ntotal {res['total_s']:.0f} s; speedup = dense TTFT / token-drop TTFT (same engine, same prompt)")
-    print(table(res, args.rhos))
+    print(table(res, names))
 
 
 if __name__ == "__main__":
