@@ -30,8 +30,9 @@ a sink key's rank is its token (delta 0), every stream key moves by the same mid
 selected keys come in runs of consecutive tokens (the last stage's chunks) that each move by one
 delta, so a tile made of whole runs takes one sin/cos per run (`rope_group`); only tiles at a
 run's broken edge pay one per key. The key loads stay outside that branch (a branch around them
-cost more than the trig it saved: 21 -> 23.5 µs per decode step at 1M keys on the H200). Needs n_stream >= b_q so every query's own
-token is a streaming token (a query always sees itself).
+cost more than the trig it saved: 21 -> 23.5 µs per decode step at 1M keys on the H200).
+Needs n_stream >= b_q so every query's own token is a streaming token (a query always sees
+itself).
 """
 
 from __future__ import annotations
