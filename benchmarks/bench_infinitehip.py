@@ -16,6 +16,9 @@ order, random bf16 keys/values):
   copies and replayed (as the runtime's decode graphs would); time per step = replay / reps.
 * **Amortized over the refresh cycle** of each preset: the mean of the step types weighted by
   how often each occurs in one cycle of n_refresh(0) steps (mask_cache.refresh_schedule).
+* **Rotated key bank** (past the trained window): the same step types with the last stage's
+  keys rotated into a bank when it refreshes and the attention reading them (key_bank.py),
+  reported as "<preset> key bank".
 * **Refresh spikes**: the attention time of a whole 32-layer decode step over the cycle, (a)
   with every layer refreshing at the same steps (the paper's schedule) and (b) with refresh
   phases staggered across layers (layer l shifted by l * n_refresh(0) / 32 steps): max and P99
@@ -43,7 +46,7 @@ import torch.nn.functional as F
 
 from infhip.builder.presets import infinitehip_config
 from infhip.plugins.infinitehip import (plan_query_blocks, pruning_stage, sparse_decode_attention,
-                                        sparse_prefill_attention, unrotate_keys)
+                                        sparse_prefill_attention, unrotate_keys, write_key_bank)
 from infhip.runtime.mask_cache import refresh_from
 
 HQ, HKV, D, PAGE = 32, 8, 128, 16
@@ -148,6 +151,31 @@ def decode_step_types(ctx: PagedContext, cfg, bs: int, reps: int, gen, profile_d
         return run
 
     per_type = {first: timing.graph_time_us(step(first), reps) for first in range(S + 1)}
+    per_type_bank = None
+    if attn_rope != "none":  # the same steps with the rotated key bank (key_bank.py)
+        bank = torch.empty(1, stages[-1].k, HKV, D, device="cuda", dtype=torch.bfloat16)
+        bank_rows = torch.zeros(bs, dtype=torch.int32, device="cuda")
+
+        def write_bank():
+            write_key_bank(ctx.k_cache, tables, ends, cache[-1][0], bank, bank_rows, n_sink=cfg.n_sink,
+                           inv_freq=ctx.inv_freq, rope_group=stages[-1].chunk_size)
+
+        def attend_bank():
+            sparse_decode_attention(q, ctx.k_cache, ctx.v_cache, tables, ends, cache[-1][0], scale=SCALE,
+                                    rope_style=attn_rope, rope_group=stages[-1].chunk_size, bank=bank,
+                                    bank_rows=bank_rows, out=out, **kw)
+
+        def step_bank(first):
+            def run():
+                for i in range(first, S):
+                    stage(i)
+                if first < S:  # the last stage refreshed: its keys go to the bank
+                    write_bank()
+                attend_bank()
+            return run
+
+        write_bank()
+        per_type_bank = {first: timing.graph_time_us(step_bank(first), reps) for first in range(S + 1)}
     if profile_dir is not None:
         text = profile_step(step(0), profile_dir / f"decode_kernels_{ctx.n}_{stages[-1].chunk_size}.txt")
         print(f"[{ctx.n}] kernels of a full-refresh decode step:\n{text}", flush=True)
@@ -157,6 +185,9 @@ def decode_step_types(ctx: PagedContext, cfg, bs: int, reps: int, gen, profile_d
     per_stage["stage1_variants"] = {str(v): timing.graph_time_us(lambda v=v: pruning_stage(
         q, ctx.k_cache, tables, q_start, ones, ends, **stage1_kw, **v), reps) for v in DECODE_STAGE1_VARIANTS}
     per_stage["attention"] = per_type[S]
+    if per_type_bank is not None:
+        per_stage["attention_bank"] = per_type_bank[S]
+        per_stage["bank_write"] = timing.graph_time_us(write_bank, reps)
     per_stage["attention_variants"] = {str(v): timing.graph_time_us(lambda v=v: sparse_decode_attention(
         q, ctx.k_cache, ctx.v_cache, tables, ends, cache[-1][0], scale=SCALE, rope_style=attn_rope,
         rope_group=stages[-1].chunk_size, out=out, **kw, **v), reps) for v in DECODE_ATTN_VARIANTS}
@@ -166,7 +197,7 @@ def decode_step_types(ctx: PagedContext, cfg, bs: int, reps: int, gen, profile_d
             out=out, **kw), reps)
         per_stage["stage1_without_rope"] = timing.graph_time_us(lambda: pruning_stage(
             q, ctx.k_cache, tables, q_start, ones, ends, **dict(stage1_kw, rope_style="none")), reps)
-    return {"step_us": per_type, "stage_us": per_stage}
+    return {"step_us": per_type, "step_us_bank": per_type_bank, "stage_us": per_stage}
 
 
 def cycle_stats(step_us: dict, intervals: tuple[int, ...]) -> dict:
@@ -300,6 +331,13 @@ def main() -> None:
                 r[f"decode_{name}"] = d
                 rows.append((n, name, "decode", d["amortized_us"], r["sdpa_decode"]["us"], d["speedup_vs_sdpa"],
                              d["synchronized"]["p99_over_median"], d["layer_staggered"]["p99_over_median"]))
+                if d["step_us_bank"] is not None:
+                    b = cycle_stats(d["step_us_bank"], cfg.refresh_intervals)
+                    b["speedup_vs_sdpa"] = r["sdpa_decode"]["us"] / b["amortized_us"]
+                    r[f"decode_{name}_bank"] = b
+                    rows.append((n, f"{name} key bank", "decode", b["amortized_us"], r["sdpa_decode"]["us"],
+                                 b["speedup_vs_sdpa"], b["synchronized"]["p99_over_median"],
+                                 b["layer_staggered"]["p99_over_median"]))
             if args.no_prefill or name not in ("3k", "5k"):
                 continue
             # the preset's query strides, and the paper's formula (every query scores, 1, 1, 1);

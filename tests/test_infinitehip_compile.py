@@ -18,7 +18,8 @@ import sys
 import pytest
 
 PRUNING = [0, 1, 2]  # rope styles: none, relative, chunk_indexed
-ATTENTION = [(0, 1), (0, 4), (3, 1), (3, 4)]  # (rope style none | streaming, num_splits)
+ATTENTION = [(0, 1, False), (0, 4, False), (3, 1, False), (3, 4, False), (3, 4, True)]  # (rope style
+# none | streaming, num_splits, rotated key bank)
 
 
 def _compile(fn, pointers, constexprs, num_warps=4):
@@ -48,16 +49,23 @@ def _compile_pruning(rope_style: int):
                     LENS_FROM_ENDS=rope_style == 0, BLOCK_ALL=4096, BLOCK=1024), num_warps=8)
 
 
-def _compile_attention(rope_style: int, num_splits: int):
+def _compile_attention(rope_style: int, num_splits: int, bank: bool = False):
+    import infhip.plugins.infinitehip.key_bank as key_bank
     import infhip.plugins.infinitehip.sparse_attention as sparse_attention
 
-    ptrs = {n: "*i32" for n in ("block_tables_ptr", "q_start_ptr", "q_lens_ptr", "ends_ptr", "sel_ptr")}
-    ptrs.update(q_ptr="*bf16", k_cache_ptr="*bf16", v_cache_ptr="*bf16", out_ptr="*bf16",
+    ptrs = {n: "*i32" for n in ("block_tables_ptr", "q_start_ptr", "q_lens_ptr", "ends_ptr", "sel_ptr",
+                                "bank_rows_ptr")}
+    ptrs.update(q_ptr="*bf16", k_cache_ptr="*bf16", v_cache_ptr="*bf16", out_ptr="*bf16", bank_ptr="*bf16",
                 inv_freq_ptr="*fp32", part_out_ptr="*fp32", part_lse_ptr="*fp32", scale_log2="fp32")
     ce = dict(PAGE_SIZE=16, BLOCK_Q=64, BLOCK_N=64, BLOCK_D=128, NUM_SPLITS=num_splits, SEL_BLOCK=1024,
-              DECODE=num_splits > 1, ROPE_STYLE=rope_style, ROPE_GROUP=8, DOT_F32=False,
+              DECODE=num_splits > 1, ROPE_STYLE=rope_style, ROPE_GROUP=8, BANK=bank, DOT_F32=False,
               DOT_PRECISION="tf32")
-    return _compile(sparse_attention._sparse_attn_kernel, ptrs, ce)
+    _compile(sparse_attention._sparse_attn_kernel, ptrs, ce)
+    if bank:
+        ptrs = {n: "*i32" for n in ("block_tables_ptr", "ends_ptr", "sel_ptr", "bank_rows_ptr")}
+        ptrs.update(k_cache_ptr="*bf16", bank_ptr="*bf16", inv_freq_ptr="*fp32")
+        _compile(key_bank._write_bank_kernel, ptrs, dict(PAGE_SIZE=16, BLOCK_T=64, BLOCK_D=128, SEL_BLOCK=1024,
+                                                         ROPE_GROUP=8))
 
 
 def _run(*args: str) -> subprocess.CompletedProcess:
@@ -89,9 +97,9 @@ if __name__ == "__main__":
     elif what == "all":
         for style in PRUNING:
             _compile_pruning(style)
-        for style, splits in ATTENTION:
-            _compile_attention(style, splits)
+        for style, splits, bank in ATTENTION:
+            _compile_attention(style, splits, bank)
     elif what == "pruning":
         _compile_pruning(int(sys.argv[2]))
     else:
-        _compile_attention(int(sys.argv[2]), int(sys.argv[3]))
+        _compile_attention(int(sys.argv[2]), int(sys.argv[3]), len(sys.argv) > 4 and sys.argv[4] == "bank")

@@ -5,6 +5,7 @@ attention over the paged KV cache, plus a recall measurement.
     pruning.py           SelectRep pruning stage: Triton kernel + topk (pruning_ref.py: torch)
     raw_keys.py          keys un-rotated once per prefill step, for the dynamic RoPE styles
     sparse_attention.py  block-sparse decode (split-K) and prefill (flash-style) + torch reference
+    key_bank.py          selected keys rotated to their rank once per refresh (cached decode steps)
     rope_styles.py       dynamic RoPE: none | relative | chunk_indexed | streaming
     recall.py            fraction of dense attention mass a key set keeps
 
@@ -25,6 +26,7 @@ A decode step with the "3k" stages, without mask caching:
 
 from .blocks import (PAD, block_key_mask, initial_candidates, plan_query_blocks, selected_range,
                      stream_starts)
+from .key_bank import write_key_bank, write_key_bank_ref
 from .pruning import pruning_stage, select_rep_scores, topk_chunks
 from .pruning_ref import pruning_stage_ref, select_rep_scores_ref, topk_chunks_ref
 from .raw_keys import RawKeys, unrotate_keys
@@ -39,4 +41,5 @@ __all__ = [
     "select_rep_scores_ref", "topk_chunks_ref", "RawKeys", "unrotate_keys", "attention_recall", "per_query_key_mask",
     "NONE", "RELATIVE", "CHUNK_INDEXED", "STREAMING", "rope_style_id", "rotate_by_ref",
     "block_sparse_attention", "sparse_attention_ref", "sparse_decode_attention", "sparse_prefill_attention",
+    "write_key_bank", "write_key_bank_ref",
 ]

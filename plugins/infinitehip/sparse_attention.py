@@ -73,6 +73,21 @@ def _key_sin_cos(delta, inv_freq_ptr, head_dim, BLOCK_N: tl.constexpr, BLOCK_D: 
 
 
 @triton.jit
+def selected_bounds(sel_base, sel_width, n_sink, s, SEL_BLOCK: tl.constexpr):
+    """(sel_begin, sel_end): the entries of a sorted selected row (sel_base: its first entry,
+    PAD-padded) inside the middle [n_sink, s) — blocks.selected_range in torch."""
+    below_sink = tl.zeros([SEL_BLOCK], tl.int32)
+    below_stream = tl.zeros([SEL_BLOCK], tl.int32)
+    for i in range(0, sel_width, SEL_BLOCK):
+        idx = i + tl.arange(0, SEL_BLOCK)
+        v = tl.load(sel_base + idx, mask=idx < sel_width, other=2147483647)
+        below_sink += (v < n_sink).to(tl.int32)
+        below_stream += (v < s).to(tl.int32)
+    sel_begin = tl.sum(below_sink, axis=0)
+    return sel_begin, tl.maximum(sel_begin, tl.sum(below_stream, axis=0))
+
+
+@triton.jit
 def _sparse_attn_kernel(
     # inputs
     q_ptr,  # [T, Hq, D] packed queries
@@ -81,6 +96,8 @@ def _sparse_attn_kernel(
     q_start_ptr, q_lens_ptr, ends_ptr,  # [NB] int32 query blocks (DECODE: q_start/q_lens unused)
     sel_ptr,  # [NB, K] int32 selected tokens, ascending, PAD-padded
     inv_freq_ptr,  # [D/2] float32 (unused unless ROPE_STYLE == STREAMING)
+    bank_ptr,  # BANK: [slots, >= K, Hkv, D] the selected keys rotated to their rank (key_bank.py)
+    bank_rows_ptr,  # BANK: [NB] int32 bank slot of each block
     # outputs
     out_ptr,  # [T, Hq, D], written when NUM_SPLITS == 1
     part_out_ptr,  # [T, Hq, NUM_SPLITS, D] float32, normalised per split
@@ -89,6 +106,7 @@ def _sparse_attn_kernel(
     stride_qt, stride_qh,
     stride_cp, stride_cs, stride_ch,
     stride_bt, stride_sel, sel_width,
+    stride_bank_slot, stride_bank_entry, stride_bank_head,
     stride_ot, stride_oh,
     num_q_heads, group_size, head_dim,
     n_sink, n_stream,
@@ -103,6 +121,8 @@ def _sparse_attn_kernel(
     ROPE_STYLE: tl.constexpr,  # NONE | STREAMING
     ROPE_GROUP: tl.constexpr,  # STREAMING: selected keys come in runs of this many consecutive
     #                            tokens (the last stage's chunks): one sin/cos per run (1: per key)
+    BANK: tl.constexpr,  # STREAMING: selected keys from the rotated bank, stream keys scored with
+    #                      a counter-rotated query: no key is rotated
     DOT_F32: tl.constexpr,  # float32 dot operands (CPU interpreter, float32 caches)
     DOT_PRECISION: tl.constexpr,
 ):
@@ -121,15 +141,7 @@ def _sparse_attn_kernel(
     # The entries of the sorted selected row inside the middle [n_sink, s) are [sel_begin,
     # sel_end): counted here (blocks.selected_range in torch) so a decode step is one launch.
     sel_base = sel_ptr + blk.to(tl.int64) * stride_sel
-    below_sink = tl.zeros([SEL_BLOCK], tl.int32)
-    below_stream = tl.zeros([SEL_BLOCK], tl.int32)
-    for i in range(0, sel_width, SEL_BLOCK):
-        idx = i + tl.arange(0, SEL_BLOCK)
-        v = tl.load(sel_base + idx, mask=idx < sel_width, other=2147483647)
-        below_sink += (v < n_sink).to(tl.int32)
-        below_stream += (v < s).to(tl.int32)
-    sel_begin = tl.sum(below_sink, axis=0)
-    sel_end = tl.maximum(sel_begin, tl.sum(below_stream, axis=0))
+    sel_begin, sel_end = selected_bounds(sel_base, sel_width, n_sink, s, SEL_BLOCK)
     mid_end = n0 + sel_end - sel_begin  # rank after the last selected key
     n_keys = mid_end + end - s
     num_tiles = tl.cdiv(n_keys, BLOCK_N)
@@ -148,6 +160,13 @@ def _sparse_attn_kernel(
                      q_rank - q_pos, inv_freq_ptr, head_dim, BLOCK_D, ROTATE)
     if not DOT_F32:
         q = q.to(k_cache_ptr.dtype.element_ty)
+    if BANK:  # every stream key moves by mid_end - s: q . R(d) k = R(-d) q . k, one query tile
+        q_stream = load_rotated(q_ptr + (q0 + t).to(tl.int64) * stride_qt + heads * stride_qh, row_valid,
+                                q_rank - q_pos - (mid_end - s), inv_freq_ptr, head_dim, BLOCK_D, True)
+        if not DOT_F32:
+            q_stream = q_stream.to(k_cache_ptr.dtype.element_ty)
+        bank_base = (bank_ptr + tl.load(bank_rows_ptr + blk).to(tl.int64) * stride_bank_slot
+                     + kv_head * stride_bank_head)
     d = tl.arange(0, BLOCK_D)
     sel_row = sel_base + sel_begin - n0  # indexed by rank
     table_row = block_tables_ptr + blk.to(tl.int64) * stride_bt
@@ -163,7 +182,12 @@ def _sparse_attn_kernel(
         tok = tl.where(rank < n0, rank, tl.where(is_sel, sel_tok, s + rank - mid_end))
         page = tl.load(table_row + tok // PAGE_SIZE, mask=valid, other=0)
         kv_row = page.to(tl.int64) * stride_cp + (tok % PAGE_SIZE) * stride_cs + kv_head * stride_ch
-        if ROTATE:  # keys to their rank (StreamingLLM): R(rank - tok) applied to the cached key
+        if BANK:  # sink keys as cached (rank = token), selected ones from the bank (entry = index
+            #       in the selected row), stream ones as cached with the counter-rotated query
+            bank_row = bank_base + (rank - n0 + sel_begin).to(tl.int64) * stride_bank_entry
+            k_rows = tl.where(is_sel, bank_row, k_cache_ptr + kv_row)
+            k = load_rotated(k_rows, valid, rank, inv_freq_ptr, head_dim, BLOCK_D, False)
+        elif ROTATE:  # keys to their rank (StreamingLLM): R(rank - tok) applied to the cached key
             k1, k2 = load_halves(k_cache_ptr + kv_row, valid, head_dim, BLOCK_D)
             sin, cos = _key_sin_cos(rank - tok, inv_freq_ptr, head_dim, BLOCK_N, BLOCK_D, ROPE_GROUP)
             k = rotate_halves(k1, k2, sin, cos)
@@ -175,7 +199,10 @@ def _sparse_attn_kernel(
             v = v.to(tl.float32)
         else:
             k = k.to(k_cache_ptr.dtype.element_ty)
-        sc = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2  # [BLOCK_Q, BLOCK_N]
+        sc = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [BLOCK_Q, BLOCK_N]
+        if BANK:
+            sc = tl.where((rank >= mid_end)[None, :], tl.dot(q_stream, tl.trans(k), input_precision=DOT_PRECISION), sc)
+        sc = sc * scale_log2
         visible = valid[None, :] & (tok[None, :] <= q_pos[:, None])
         sc = tl.where(visible, sc, float("-inf"))
         m_new = tl.maximum(m, tl.max(sc, axis=1))
@@ -204,6 +231,7 @@ def _sparse_attn_kernel(
 def block_sparse_attention(q, k_cache, v_cache, block_tables, q_start, q_lens, ends, selected, *,
                      block_q: int, n_sink: int, n_stream: int, scale: float, rope_style="none",
                      inv_freq: torch.Tensor | None = None, num_splits: int = 1, rope_group: int = 1,
+                     bank: torch.Tensor | None = None, bank_rows: torch.Tensor | None = None,
                      block_n: int | None = None, num_warps: int | None = None,
                      out: torch.Tensor | None = None) -> torch.Tensor:
     """Triton launcher (CPU tensors without TRITON_INTERPRET: sparse_attention_ref, same
@@ -212,7 +240,9 @@ def block_sparse_attention(q, k_cache, v_cache, block_tables, q_start, q_lens, e
     q_start = q_lens = None means decode: block i is query row i alone (no tensors to make).
     rope_group (STREAMING): the selected keys' run length, normally the last stage's chunk size;
     rotations then take one sine/cosine per run (any value gives the same result, a power of two
-    up to the key tile)."""
+    up to the key tile). bank / bank_rows (STREAMING): the selected keys already rotated to their
+    rank (key_bank.write_key_bank from this same `selected`; bank [slots, >= K, Hkv, D], bank_rows
+    int32 [NB] the slot of each block): no key is rotated in the kernel."""
     T, Hq, D = q.shape
     num_pages, page_size, Hkv, Dk = k_cache.shape
     NB = ends.shape[0]
@@ -233,6 +263,11 @@ def block_sparse_attention(q, k_cache, v_cache, block_tables, q_start, q_lens, e
         assert inv_freq is not None and inv_freq.shape == (D // 2,) and inv_freq.dtype == torch.float32
         check_rotatable(D)
     assert rope_group >= 1 and rope_group & (rope_group - 1) == 0, f"rope_group must be a power of two, got {rope_group}"
+    if bank is not None:
+        assert style == STREAMING, "a rotated key bank is for the streaming RoPE style"
+        assert bank.dtype == k_cache.dtype and bank.dim() == 4 and bank.shape[2:] == (Hkv, D) and bank.stride(3) == 1
+        assert bank.shape[1] >= selected.shape[1], f"bank holds {bank.shape[1]} keys per slot, selection {selected.shape[1]}"
+        assert bank_rows is not None and bank_rows.shape == (NB,) and bank_rows.dtype == torch.int32
     if out is None:
         out = torch.zeros_like(q)
     assert out.shape == q.shape and out.stride(2) == 1
@@ -262,15 +297,17 @@ def block_sparse_attention(q, k_cache, v_cache, block_tables, q_start, q_lens, e
         q, k_cache, v_cache, block_tables, ends if decode else q_start, ends if decode else q_lens, ends,
         selected,
         inv_freq if inv_freq is not None else part_lse,
+        bank if bank is not None else k_cache, bank_rows if bank_rows is not None else ends,
         out, part_out, part_lse,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0), selected.stride(0), selected.shape[1],
+        *(bank.stride()[:3] if bank is not None else (0, 0, 0)),
         out.stride(0), out.stride(1),
         Hq, G, D, n_sink, n_stream, float(scale) * _LOG2E,
         PAGE_SIZE=page_size, BLOCK_Q=max(16, next_pow2(block_q * G)), BLOCK_N=BLOCK_N,
         BLOCK_D=BLOCK_D, NUM_SPLITS=num_splits, SEL_BLOCK=min(1024, next_pow2(selected.shape[1])),
-        DECODE=decode, ROPE_STYLE=style, ROPE_GROUP=min(rope_group, BLOCK_N), DOT_F32=not q.is_cuda or q.dtype == torch.float32,
+        DECODE=decode, ROPE_STYLE=style, ROPE_GROUP=min(rope_group, BLOCK_N), BANK=bank is not None, DOT_F32=not q.is_cuda or q.dtype == torch.float32,
         DOT_PRECISION=dot_precision(q.dtype if q.is_cuda else torch.float32),
         num_warps=num_warps or (8 if block_q * G >= 128 else 4),
     )
@@ -285,9 +322,11 @@ def block_sparse_attention(q, k_cache, v_cache, block_tables, q_start, q_lens, e
 def sparse_decode_attention(q, k_cache, v_cache, block_tables, context_lens, selected, *,
                             n_sink: int, n_stream: int, scale: float, rope_style="none",
                             inv_freq=None, num_splits: int | None = None, rope_group: int = 1,
-                            block_n: int | None = None, out=None) -> torch.Tensor:
+                            bank=None, bank_rows=None, block_n: int | None = None,
+                            out=None) -> torch.Tensor:
     """Decode: q [B, Hq, D] (one query per sequence, position context_lens[b] - 1), selected
-    int32 [B, K]. Flash-decoding split-K over sink + selected + stream; out [B, Hq, D]."""
+    int32 [B, K]. Flash-decoding split-K over sink + selected + stream; out [B, Hq, D].
+    bank / bank_rows: the rotated key bank (block_sparse_attention, key_bank.py)."""
     B = q.shape[0]
     if num_splits is None:
         tiles = triton.cdiv(n_sink + selected.shape[1] + n_stream, block_n or 64)
@@ -295,7 +334,8 @@ def sparse_decode_attention(q, k_cache, v_cache, block_tables, context_lens, sel
     return block_sparse_attention(q, k_cache, v_cache, block_tables, None, None, context_lens, selected,
                             block_q=1, n_sink=n_sink, n_stream=n_stream, scale=scale,
                             rope_style=rope_style, inv_freq=inv_freq, num_splits=num_splits,
-                            rope_group=rope_group, block_n=block_n, out=out)
+                            rope_group=rope_group, bank=bank, bank_rows=bank_rows, block_n=block_n,
+                            out=out)
 
 
 def sparse_prefill_attention(q, k_cache, v_cache, block_tables, q_start, q_lens, ends, selected, *,

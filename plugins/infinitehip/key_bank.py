@@ -1,0 +1,127 @@
+"""Rotated key bank: cached sparse decode steps with dynamic RoPE and no per-key rotation.
+
+Past the trained window, block-sparse attention places keys at their StreamingLLM rank
+(rope_styles.py); rotating every selected key on every decode step costs as much as the
+attention itself (1M keys, H200: 20.8 µs per layer against 11.8 µs unrotated, docs/benchmarks.md).
+But between two refreshes of the last pruning stage a request's selection is fixed (mask
+caching), and with it each selected key's rank
+
+    rank(i) = n0 + i - sel_begin     i: index in the sorted selected row, n0 = min(n_sink, end),
+                                     sel_begin: the row's entries below n_sink (blocks.py)
+
+(only the stream moves as the request grows). So when the selection is made, its keys are
+rotated to their ranks once, into a bank
+
+    bank[slot, i, h] = R(rank(i) - tok_i) k_cache[tok_i, h]            (the cache's dtype)
+
+and `sparse_decode_attention(..., bank=, bank_rows=)` reads them instead: sink keys sit at their
+own rank (no rotation), selected keys come rotated from the bank, and the stream keys, which all
+move by one shift mid_end - s, are scored with a second query tile rotated the other way
+(q . R(d) k = R(-d) q . k). Entries outside the middle (stray sink tokens, PAD) are not written;
+the attention never reads them.
+
+Memory: [slots, K, Hkv, D] per layer — Llama-3.1-8B with the 3k budget (K = 2048): 4 MiB per
+request and layer.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .._triton_utils import next_pow2, triton_on
+from .rope_styles import check_rotatable, load_halves, rotate_by_ref, rotate_halves
+from .sparse_attention import _key_sin_cos, selected_bounds
+
+
+@triton.jit
+def _write_bank_kernel(
+    k_cache_ptr,  # [num_pages, page_size, Hkv, D]
+    block_tables_ptr,  # [B, max_pages] int32
+    ends_ptr,  # [B] int32 context lengths when the selection was made
+    sel_ptr,  # [B, K] int32 ascending selected tokens, PAD-padded
+    bank_ptr,  # [slots, >= K, Hkv, D]
+    bank_rows_ptr,  # [B] int32 slot of each row
+    inv_freq_ptr,  # [D/2] float32
+    stride_cp, stride_cs, stride_ch, stride_bt, stride_sel, sel_width,
+    stride_bank_slot, stride_bank_entry, stride_bank_head,
+    head_dim, n_sink,
+    PAGE_SIZE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, SEL_BLOCK: tl.constexpr,
+    ROPE_GROUP: tl.constexpr,
+):
+    row = tl.program_id(0)
+    head = tl.program_id(2)
+    end = tl.load(ends_ptr + row)
+    n0 = tl.minimum(n_sink, end)
+    sel_base = sel_ptr + row.to(tl.int64) * stride_sel
+    sel_begin, _ = selected_bounds(sel_base, sel_width, n_sink, end, SEL_BLOCK)
+    idx = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
+    tok = tl.load(sel_base + idx, mask=idx < sel_width, other=2147483647)
+    valid = (idx < sel_width) & (tok >= n_sink) & (tok < end)  # the middle's entries
+    tok = tl.where(valid, tok, 0)
+    rank = n0 + idx - sel_begin
+    page = tl.load(block_tables_ptr + row.to(tl.int64) * stride_bt + tok // PAGE_SIZE, mask=valid, other=0)
+    rows = k_cache_ptr + page.to(tl.int64) * stride_cp + (tok % PAGE_SIZE) * stride_cs + head * stride_ch
+    k1, k2 = load_halves(rows, valid, head_dim, BLOCK_D)
+    sin, cos = _key_sin_cos(rank - tok, inv_freq_ptr, head_dim, BLOCK_T, BLOCK_D, ROPE_GROUP)
+    k = rotate_halves(k1, k2, sin, cos)
+    d = tl.arange(0, BLOCK_D)
+    slot = tl.load(bank_rows_ptr + row).to(tl.int64)
+    dst = bank_ptr + slot * stride_bank_slot + idx.to(tl.int64)[:, None] * stride_bank_entry \
+        + head * stride_bank_head + d[None, :]
+    tl.store(dst, k.to(bank_ptr.dtype.element_ty), mask=valid[:, None] & (d < head_dim)[None, :])
+
+
+def write_key_bank(k_cache: torch.Tensor, block_tables: torch.Tensor, ends: torch.Tensor,
+                   selected: torch.Tensor, bank: torch.Tensor, bank_rows: torch.Tensor, *,
+                   n_sink: int, inv_freq: torch.Tensor, rope_group: int = 1) -> None:
+    """Rotate the middle entries of each selected row b (int32 [B, K], ascending, PAD-padded; the
+    context was ends[b] tokens long) to their StreamingLLM rank into bank[bank_rows[b], i]
+    (bank [slots, >= K, Hkv, D], the cache's dtype). rope_group: the selection's run length
+    (the last stage's chunk size), as in block_sparse_attention."""
+    num_pages, page_size, Hkv, D = k_cache.shape
+    B, K = selected.shape
+    assert selected.dtype == torch.int32 and selected.stride(1) == 1
+    assert block_tables.dtype == torch.int32 and block_tables.shape[0] == B and block_tables.stride(1) == 1
+    assert ends.shape == (B,) and ends.dtype == torch.int32 and ends.is_contiguous()
+    assert bank_rows.shape == (B,) and bank_rows.dtype == torch.int32
+    assert bank.dtype == k_cache.dtype and bank.dim() == 4 and bank.shape[1] >= K and bank.shape[2:] == (Hkv, D)
+    assert bank.stride(3) == 1
+    assert inv_freq.shape == (D // 2,) and inv_freq.dtype == torch.float32
+    assert rope_group >= 1 and rope_group & (rope_group - 1) == 0, f"rope_group must be a power of two, got {rope_group}"
+    check_rotatable(D)
+    if B == 0 or K == 0:
+        return
+    if not triton_on(k_cache, selected):  # CPU without the interpreter
+        write_key_bank_ref(k_cache, block_tables, ends, selected, bank, bank_rows, n_sink=n_sink, inv_freq=inv_freq)
+        return
+    BLOCK_T = 64
+    _write_bank_kernel[(B, triton.cdiv(K, BLOCK_T), Hkv)](
+        k_cache, block_tables, ends, selected, bank, bank_rows, inv_freq,
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0), selected.stride(0), K,
+        bank.stride(0), bank.stride(1), bank.stride(2), D, n_sink,
+        PAGE_SIZE=page_size, BLOCK_T=BLOCK_T, BLOCK_D=D, SEL_BLOCK=min(1024, next_pow2(K)),
+        ROPE_GROUP=min(rope_group, BLOCK_T), num_warps=4)
+
+
+def write_key_bank_ref(k_cache, block_tables, ends, selected, bank, bank_rows, *, n_sink: int,
+                       inv_freq: torch.Tensor) -> None:
+    """Reference of write_key_bank: per row, the middle entries i of the selection, rotated by
+    rank(i) - tok_i in float64, stored in the bank's dtype."""
+    page = k_cache.shape[1]
+    for b in range(selected.shape[0]):
+        end, row = int(ends[b]), selected[b].long()
+        in_middle = (row >= n_sink) & (row < end)
+        idx = in_middle.nonzero()[:, 0]
+        if idx.numel() == 0:
+            continue
+        sel_begin = int((row < n_sink).sum())
+        tok = row[idx]
+        rank = min(n_sink, end) + idx - sel_begin
+        k = k_cache[block_tables[b, tok // page].long(), tok % page]
+        bank[int(bank_rows[b]), idx] = rotate_by_ref(k.cpu(), (rank - tok).cpu(), inv_freq.cpu()).to(
+            bank.dtype).to(bank.device)
+
+
+__all__ = ["write_key_bank", "write_key_bank_ref"]

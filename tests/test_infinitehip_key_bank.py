@@ -1,0 +1,99 @@
+"""Rotated key bank (plugins/infinitehip/key_bank.py): the writer against its float64 reference,
+and decode attention reading the bank against the gather + softmax reference — fresh, and after
+the context grew with the selection cached."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from infhip.plugins.infinitehip import (sparse_attention_ref, sparse_decode_attention, write_key_bank,
+                                        write_key_bank_ref)
+
+from .test_infinitehip_common import DEVICE, PagedSeqs, inv_freq, rel_err
+from .test_infinitehip_sparse_attention import random_selection, run_selection
+
+N_SINK, N_STREAM, D = 8, 24, 32
+TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+
+
+def make_bank(seqs, slots, K, dtype):
+    """A NaN-filled bank, so reading an entry the writer skipped poisons the output."""
+    Hkv = seqs.k_cache.shape[2]
+    return torch.full((slots, K, Hkv, D), float("nan"), dtype=dtype, device=DEVICE)
+
+
+def decode_ref(seqs, q, ends, sel):
+    B = q.shape[0]
+    return sparse_attention_ref(q, seqs.k_cache, seqs.v_cache, seqs.block_tables,
+                                torch.arange(B, dtype=torch.int32, device=DEVICE),
+                                torch.ones(B, dtype=torch.int32, device=DEVICE), ends, sel,
+                                n_sink=N_SINK, n_stream=N_STREAM, scale=0.3, rope_style="streaming",
+                                inv_freq=inv_freq(D))
+
+
+@pytest.mark.parametrize("selection", ["runs", "scattered"])
+def test_writer_matches_reference(selection):
+    seqs = PagedSeqs([150, 211], 2, D, 4, seed=11)
+    ends = seqs.context_lens
+    sel = (run_selection(seqs.generator, ends, N_SINK, N_STREAM, runs=9, run_len=4) if selection == "runs"
+           else random_selection(seqs.generator, ends, N_SINK, N_STREAM, k=30))
+    rows = torch.tensor([2, 0], dtype=torch.int32, device=DEVICE)  # slots out of order
+    bank = make_bank(seqs, 3, sel.shape[1], torch.float32)
+    ref = bank.clone()
+    write_key_bank(seqs.k_cache, seqs.block_tables, ends, sel, bank, rows, n_sink=N_SINK, inv_freq=inv_freq(D),
+                   rope_group=4)
+    write_key_bank_ref(seqs.k_cache, seqs.block_tables, ends, sel, ref, rows, n_sink=N_SINK, inv_freq=inv_freq(D))
+    written = ~ref.isnan()
+    assert written.any() and torch.equal(bank.isnan(), ref.isnan()), "the writer skips exactly the non-middle entries"
+    assert rel_err(bank[written], ref[written]) < 1e-6
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("selection", ["runs", "scattered"])
+def test_decode_with_bank_matches_reference(dtype, num_splits, selection):
+    seqs = PagedSeqs([150, 211, 97], 2, D, 4, seed=num_splits + 7, dtype=dtype)
+    ends = seqs.context_lens
+    sel = (run_selection(seqs.generator, ends, N_SINK, N_STREAM, runs=9, run_len=4) if selection == "runs"
+           else random_selection(seqs.generator, ends, N_SINK, N_STREAM, k=30))
+    rows = torch.tensor([1, 3, 0], dtype=torch.int32, device=DEVICE)
+    bank = make_bank(seqs, 4, sel.shape[1], dtype)
+    write_key_bank(seqs.k_cache, seqs.block_tables, ends, sel, bank, rows, n_sink=N_SINK, inv_freq=inv_freq(D),
+                   rope_group=4)
+    q = torch.randn(3, 6, D, generator=seqs.generator).to(dtype).to(DEVICE)
+    out = sparse_decode_attention(q, seqs.k_cache, seqs.v_cache, seqs.block_tables, ends, sel, n_sink=N_SINK,
+                                  n_stream=N_STREAM, scale=0.3, rope_style="streaming", inv_freq=inv_freq(D),
+                                  num_splits=num_splits, block_n=16, bank=bank, bank_rows=rows)
+    assert rel_err(out, decode_ref(seqs, q, ends, sel)) < TOL[dtype]
+
+
+def test_bank_stays_valid_while_the_context_grows():
+    """A cached selection (mask caching): the bank written at context 190 serves steps at 191 ..
+    211, where the stream (and every stream key's rank shift) has moved on and tokens the
+    selection never saw entered the middle."""
+    seqs = PagedSeqs([211], 2, D, 4, seed=3)
+    written_at = torch.tensor([190], dtype=torch.int32, device=DEVICE)
+    sel = run_selection(seqs.generator, written_at, N_SINK, N_STREAM, runs=12, run_len=4)
+    rows = torch.zeros(1, dtype=torch.int32, device=DEVICE)
+    bank = make_bank(seqs, 1, sel.shape[1], torch.float32)
+    write_key_bank(seqs.k_cache, seqs.block_tables, written_at, sel, bank, rows, n_sink=N_SINK,
+                   inv_freq=inv_freq(D), rope_group=4)
+    for end in (191, 200, 211):
+        ends = torch.tensor([end], dtype=torch.int32, device=DEVICE)
+        q = torch.randn(1, 6, D, generator=seqs.generator).to(DEVICE)
+        out = sparse_decode_attention(q, seqs.k_cache, seqs.v_cache, seqs.block_tables, ends, sel,
+                                      n_sink=N_SINK, n_stream=N_STREAM, scale=0.3, rope_style="streaming",
+                                      inv_freq=inv_freq(D), num_splits=2, block_n=16, bank=bank, bank_rows=rows)
+        assert rel_err(out, decode_ref(seqs, q, ends, sel)) < TOL[torch.float32]
+
+
+def test_bank_needs_the_streaming_style():
+    seqs = PagedSeqs([97], 2, D, 4, seed=1)
+    sel = random_selection(seqs.generator, seqs.context_lens, N_SINK, N_STREAM, k=8)
+    bank = make_bank(seqs, 1, sel.shape[1], torch.float32)
+    q = torch.randn(1, 6, D, generator=seqs.generator).to(DEVICE)
+    with pytest.raises(AssertionError, match="streaming RoPE style"):
+        sparse_decode_attention(q, seqs.k_cache, seqs.v_cache, seqs.block_tables, seqs.context_lens, sel,
+                                n_sink=N_SINK, n_stream=N_STREAM, scale=0.3, bank=bank,
+                                bank_rows=torch.zeros(1, dtype=torch.int32, device=DEVICE))
