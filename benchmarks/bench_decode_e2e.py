@@ -12,7 +12,8 @@ configuration, switched on the same runner (`ModelRunner.set_infinitehip`, runti
 - dense: dense_threshold above the context, so every layer runs the dense paged decode kernel
   (the strongest decode baseline we have: flash-decoding over the paged cache, in a CUDA graph);
 - 3k / 3k-fast / 3k-flash: the presets' refresh intervals with layer-staggered refresh;
-- 3k-flash synchronized: every layer refreshes together (the paper's schedule).
+- 3k-flash synchronized: every layer refreshes together (the paper's schedule);
+- 3k-flash bank: with the rotated key bank (key_bank=True; plugins/infinitehip/key_bank.py).
 
 Per configuration: a warm-up of one refresh cycle (captures the graph of every refresh pattern),
 then per-step wall times of single steps over two cycles (host planning, graph replay, sampling,
@@ -38,6 +39,7 @@ CONFIGS = [  # name, runtime knobs (None: dense)
     ("3k-fast", dict(refresh_intervals=(32, 16, 8))),
     ("3k-flash", dict(refresh_intervals=(96, 24, 8))),
     ("3k-flash sync", dict(refresh_intervals=(96, 24, 8), stagger_refresh=False)),
+    ("3k-flash bank", dict(refresh_intervals=(96, 24, 8), key_bank=True)),
 ]
 
 

@@ -174,6 +174,10 @@ class InfiniteHipConfig:
     "max" scores a chunk by the max over heads and queries of q.k_rep (the paper);
     "head_normalized" first subtracts, per kv head, that head's best chunk score, so a head with
     small logits (e.g. a retrieval head) still keeps its best chunks (docs/quality.md).
+    ``key_bank`` (streaming attention RoPE): each refresh of the last stage rotates its keys to
+    their rank once into a per-request bank that the cached decode steps read, instead of
+    rotating every key at every step (plugins/infinitehip/key_bank.py; memory: slots x layers x
+    final k x kv heads x head_dim in the KV dtype).
     """
 
     n_sink: int = 256
@@ -191,6 +195,7 @@ class InfiniteHipConfig:
     rope_off_in_trained_window: bool = True
     stagger_refresh: bool = True  # offset each layer's refresh phase (runtime/mask_cache.py)
     chunk_score: str = "max"  # "max" (paper) | "head_normalized"
+    key_bank: bool = False  # rotated key bank for cached decode steps (not yet measured on a GPU)
 
     def __post_init__(self) -> None:
         _check(self.n_sink >= 0 and self.n_stream > 0, "n_sink must be >= 0 and n_stream > 0")

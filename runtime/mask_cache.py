@@ -115,9 +115,20 @@ class MaskSlots:
 class MaskCache:
     """Device-side cached stage outputs of one layer: stage i -> (int32 [max_slots + 1, k_i]
     ascending PAD-padded survivors, int32 [max_slots + 1] counts); row max_slots is the scratch
-    slot (MaskSlots.scratch)."""
+    slot (MaskSlots.scratch). With ``bank`` = (Hkv, D, dtype): the rotated key bank of the last
+    stage's survivors, [max_slots + 1, k_last, Hkv, D] (plugins/infinitehip/key_bank.py)."""
 
-    def __init__(self, stages: tuple[PruningStage, ...], max_slots: int, device: torch.device):
+    def __init__(self, stages: tuple[PruningStage, ...], max_slots: int, device: torch.device,
+                 bank: tuple[int, int, torch.dtype] | None = None):
         rows = max_slots + 1
         self.selected = [torch.full((rows, s.k), PAD, dtype=torch.int32, device=device) for s in stages]
         self.lens = [torch.zeros(rows, dtype=torch.int32, device=device) for _ in stages]
+        self.bank = None
+        if bank is not None:  # entries are written before they are read (key_bank.py): no fill
+            num_kv_heads, head_dim, dtype = bank
+            self.bank = torch.empty((rows, stages[-1].k, num_kv_heads, head_dim), dtype=dtype, device=device)
+
+    @staticmethod
+    def bank_bytes(final_k: int, max_slots: int, num_kv_heads: int, head_dim: int, itemsize: int) -> int:
+        """Device memory of one layer's key bank."""
+        return (max_slots + 1) * final_k * num_kv_heads * head_dim * itemsize

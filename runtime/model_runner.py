@@ -21,7 +21,8 @@ from infhip.runtime.engine import DTYPES, LoadedEngine
 from infhip.runtime.forward_context import ForwardContext, KVGroupMetadata, LayerKV, compact_slots, forward_context
 from infhip.runtime.kv_cache import KVCacheManager, KVGroupSpec
 from infhip.runtime.scheduler import SchedulerOutput
-from infhip.runtime.sparse_attention import InfiniteHipLayer, SparsePlanner, SparseStepHost
+from infhip.runtime.mask_cache import MaskCache
+from infhip.runtime.sparse_attention import InfiniteHipLayer, SparsePlanner, SparseStepHost, uses_key_bank
 from infhip.runtime.token_drop import DropChunk, TokenDropStep, keep_tail, plan_drops
 
 GiB = 1 << 30
@@ -68,7 +69,8 @@ class ModelRunner:
         windows = {a.kv_group: a.window for a in attn_layers}
         page_bytes = 2 * self.page_size * cfg.num_kv_heads * cfg.head_dim * kv_dtype.itemsize
 
-        budget = kv_cache_memory_bytes or self._default_kv_budget(max_num_batched_tokens, gpu_memory_utilization)
+        budget = kv_cache_memory_bytes or self._default_kv_budget(max_num_seqs, max_num_batched_tokens,
+                                                                  gpu_memory_utilization)
         specs: dict[str, KVGroupSpec] = {}
         # Sliding groups get exactly what max_num_seqs windows need; the global group the rest.
         for group in sorted(set(layer_groups), key=lambda g: g != "sliding"):
@@ -126,8 +128,10 @@ class ModelRunner:
         self.sparse_planner = SparsePlanner(ih, self.max_num_seqs, self.engine.config.model.max_position_embeddings,
                                             len(sparse), raw_keys_max_tokens=self.max_seq_len)
         for k, (attn, lp) in enumerate(sparse):
+            kv_layout = (attn.k_cache.shape[2], attn.k_cache.shape[3], attn.k_cache.dtype)
             attn.sparse = InfiniteHipLayer(ih, lp.index, self.max_num_seqs, attn.scale, attn.rope[0].inv_freq,
-                                           self.device, group=self.sparse_planner.layer_group[k])
+                                           self.device, group=self.sparse_planner.layer_group[k],
+                                           kv_layout=kv_layout)
         if self.graphs is not None:
             self.graphs.lazy_graphs.clear()
 
@@ -141,16 +145,27 @@ class ModelRunner:
         windows = [layer.self_attn.window for layer in self.model.layers]
         self.drop_tail = keep_tail(cfg, windows) if cfg is not None else 0
 
-    def _default_kv_budget(self, max_num_batched_tokens: int, utilization: float) -> int:
+    def _default_kv_budget(self, max_num_seqs: int, max_num_batched_tokens: int, utilization: float) -> int:
         if self.device.type != "cuda":
             return 2 * GiB
         free, total = torch.cuda.mem_get_info(self.device)
+        reserved = self.non_kv_bytes(max_num_seqs, max_num_batched_tokens)
+        return max(0, int(free - (1 - utilization) * total) - reserved - GiB)
+
+    def non_kv_bytes(self, max_num_seqs: int, max_num_batched_tokens: int) -> int:
+        """Device memory the default KV budget leaves to other buffers: activations of the
+        largest step (a few [T, hidden] / [T, 2I] tensors and fp32 logits) and, with InfiniteHiP,
+        one sequence's raw-keys scratch and the layers' key banks (cfg.key_bank)."""
         cfg = self.engine.config.model
-        # Activations of the largest step: a few [T, hidden]/[T, 2I] tensors and fp32 logits.
         act = max_num_batched_tokens * (8 * cfg.hidden_size + 6 * cfg.intermediate_size) * 4
-        if self.engine.config.plan.infinitehip is not None:  # the raw-keys scratch of one sequence
-            act += self.max_seq_len * cfg.num_kv_heads * cfg.head_dim * DTYPES[self.engine.config.build.kv_dtype].itemsize
-        return max(0, int(free - (1 - utilization) * total) - act - GiB)
+        ih, itemsize = self.engine.config.plan.infinitehip, DTYPES[self.engine.config.build.kv_dtype].itemsize
+        if ih is not None:
+            act += self.max_seq_len * cfg.num_kv_heads * cfg.head_dim * itemsize
+            if uses_key_bank(ih):
+                act += sum(MaskCache.bank_bytes(ih.stages_of(lp.index)[-1].k, max_num_seqs, cfg.num_kv_heads,
+                                                cfg.head_dim, itemsize)
+                           for lp in self.engine.config.plan.layers if lp.plugin == "infinitehip")
+        return act
 
     # -- plan: host-side, once per step -------------------------------------------------------
     def prepare(self, out: SchedulerOutput) -> StepPlan:

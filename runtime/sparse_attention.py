@@ -27,7 +27,7 @@ import torch
 from infhip.config import InfiniteHipConfig
 from infhip.plugins._triton_utils import triton_on
 from infhip.plugins.infinitehip import (plan_query_blocks, pruning_stage, sparse_decode_attention,
-                                        sparse_prefill_attention, unrotate_keys)
+                                        sparse_prefill_attention, unrotate_keys, write_key_bank)
 from infhip.runtime.mask_cache import MaskCache, MaskSlots, layer_offsets, refresh_from
 
 
@@ -185,17 +185,26 @@ class SparsePlanner:
             dynamic_rope=h.dynamic_rope)
 
 
+def uses_key_bank(cfg: InfiniteHipConfig) -> bool:
+    """Whether the layers keep a rotated key bank (it serves the streaming attention style)."""
+    return cfg.key_bank and cfg.attention_rope == "streaming"
+
+
 class InfiniteHipLayer:
     """Run side of one "infinitehip" layer: its stages, RoPE styles and mask cache."""
 
     def __init__(self, cfg: InfiniteHipConfig, layer: int, max_slots: int, scale: float,
-                 inv_freq: torch.Tensor, device: torch.device, group: int = 0):
+                 inv_freq: torch.Tensor, device: torch.device, group: int = 0,
+                 kv_layout: tuple[int, int, torch.dtype] | None = None):
+        """kv_layout: (Hkv, D, dtype) of the KV cache; needed for the key bank (cfg.key_bank)."""
         assert inv_freq.dtype == torch.float32, "RoPE inv_freq is stored in float32"
         self.cfg, self.scale, self.inv_freq = cfg, scale, inv_freq
         self.group = group  # refresh-phase group (SparsePlanner.layer_group)
         self.stages = cfg.stages_of(layer)
         self.pruning_rope = cfg.pruning_rope_of(layer)
-        self.cache = MaskCache(self.stages, max_slots, device)
+        bank = uses_key_bank(cfg)
+        assert not bank or kv_layout is not None, "the key bank needs the KV cache's layout"
+        self.cache = MaskCache(self.stages, max_slots, device, bank=kv_layout if bank else None)
 
     def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
             block_tables: torch.Tensor, step: SparseStep, out: torch.Tensor,
@@ -233,12 +242,19 @@ class InfiniteHipLayer:
                                      max_candidates=step.max_middle if i == 0 else None,
                                      rope_style=rope, **prune_kw)
             cache.selected[i][slots], cache.lens[i][slots] = sel, num
+            if cache.bank is not None and i == len(self.stages) - 1:
+                # the new selection's keys, rotated to their ranks once (read by the cached
+                # steps); written with or without dynamic RoPE so the bank is valid when it turns on
+                write_key_bank(k_cache, block_tables[rows], ends[r], sel, cache.bank, slots.to(torch.int32),
+                               n_sink=self.cfg.n_sink, inv_freq=self.inv_freq, rope_group=stage.chunk_size)
         rows = step.decode_rows
         selected = cache.selected[-1][step.decode_slots]
+        bank = cache.bank is not None and step.dynamic_rope
         out[rows] = sparse_decode_attention(
             q[rows], k_cache, v_cache, block_tables[rows], ends, selected, scale=self.scale,
             rope_style=self.cfg.attention_rope if step.dynamic_rope else "none",
-            rope_group=self.stages[-1].chunk_size, **kw)
+            rope_group=self.stages[-1].chunk_size, bank=cache.bank if bank else None,
+            bank_rows=step.decode_slots.to(torch.int32) if bank else None, **kw)
 
     def _prefill(self, q, k_cache, v_cache, block_tables, step: SparseStep, out, ends) -> None:
         kw, prune_kw = self._common(), self._prune_kw()

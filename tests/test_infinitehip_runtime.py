@@ -181,3 +181,43 @@ def test_plugins_dispatch_to_torch_on_cpu(monkeypatch):
     ref = run()
     assert torch.equal(interpreted[0], ref[0]) and torch.equal(interpreted[1], ref[1])
     torch.testing.assert_close(interpreted[2], ref[2], atol=1e-4, rtol=1e-4)
+
+
+def test_key_bank_matches_rotating_every_step(engines, monkeypatch):
+    """key_bank (dynamic RoPE on from the first sparse step): the last stage's refreshes write
+    the bank, the cached steps attend with it, and the tokens equal those of rotating every key
+    at every step. Interpreted kernels (the bank is a kernel path); refresh 4 / 2 / 1 steps."""
+    prompts, params = [PROMPTS[1][:33], PROMPTS[0][:40]], SamplingParams(max_tokens=6, temperature=0.0,
+                                                                         ignore_eos=True)
+    knobs = dict(LOW, rope_off_in_trained_window=False, refresh_intervals=[4, 2, 1])
+    writes, bank_calls = [], []
+    real_write, real_attn = sa.write_key_bank, sa.sparse_decode_attention
+
+    def spy_write(*a, **k):
+        writes.append(a[3].shape[0])  # rows written
+        return real_write(*a, **k)
+
+    def spy_attn(*a, **k):
+        bank_calls.append(k.get("bank") is not None)
+        return real_attn(*a, **k)
+    monkeypatch.setattr(sa, "write_key_bank", spy_write)
+    monkeypatch.setattr(sa, "sparse_decode_attention", spy_attn)
+    rotating = generate(engines["3k"], knobs, prompts, params)
+    assert writes == [] and bank_calls and not any(bank_calls)
+    banked = generate(engines["3k"], dict(knobs, key_bank=True), prompts, params)
+    assert writes and all(bank_calls[len(bank_calls) // 2:]), "every banked decode step reads the bank"
+    assert banked == rotating
+
+
+def test_key_bank_memory_is_reserved(engines):
+    """The default KV budget leaves room for the banks: (slots + 1) x final k x Hkv x D per
+    InfiniteHiP layer (special layers keep special_final_k)."""
+    off = LLM(engines["3k"], max_num_seqs=3).runner
+    on = LLM(engines["3k"], max_num_seqs=3, infinitehip_overrides={"key_bank": True}).runner
+    plan = on.engine.config.plan
+    cfg, ih = on.engine.config.model, plan.infinitehip
+    final_ks = [ih.stages_of(lp.index)[-1].k for lp in plan.layers if lp.plugin == "infinitehip"]
+    expected = sum((3 + 1) * k * cfg.num_kv_heads * cfg.head_dim * 4 for k in final_ks)  # float32 KV
+    assert on.non_kv_bytes(3, 64) - off.non_kv_bytes(3, 64) == expected > 0
+    banks = [layer.self_attn.sparse.cache.bank for layer in on.model.layers if layer.self_attn.sparse]
+    assert sum(b.numel() * b.element_size() for b in banks) == expected
