@@ -15,7 +15,9 @@ run (per layer, :class:`InfiniteHipLayer`): decode rows recompute the stages the
 from the previous stage's cached or fresh output), store them in the layer's MaskCache, then
 attend over sink + the last stage's survivors + stream; prefill blocks run every stage fresh
 and the flash-style block-sparse kernel. RoPE: the dynamic styles (config) apply only when some
-sparse context exceeds the trained window, unless ``rope_off_in_trained_window`` is off.
+sparse context exceeds the trained window, unless ``rope_off_in_trained_window`` is off. With
+``key_bank``, a refresh of the last stage also rotates its keys into the layer's bank, and
+decode attention under dynamic RoPE reads them from there (plugins/infinitehip/key_bank.py).
 """
 
 from __future__ import annotations
