@@ -184,6 +184,10 @@ def decode_step_types(ctx: PagedContext, cfg, bs: int, reps: int, gen, profile_d
                    rope_style=prune_rope, **kw)
     per_stage["stage1_variants"] = {str(v): timing.graph_time_us(lambda v=v: pruning_stage(
         q, ctx.k_cache, tables, q_start, ones, ends, **stage1_kw, **v), reps) for v in DECODE_STAGE1_VARIANTS}
+    for i in range(1, S):  # later stages' launch configurations (default: 16 chunks per tile, 4 warps)
+        per_stage[f"stage{i + 1}_variants"] = {str(v): timing.graph_time_us(lambda i=i, v=v: pruning_stage(
+            q, ctx.k_cache, tables, q_start, ones, ends, *cache[i - 1], chunk_size=stages[i].chunk_size,
+            k=stages[i].k, block_q=1, rope_style=prune_rope, **kw, **v), reps) for v in DECODE_LATER_STAGE_VARIANTS}
     per_stage["attention"] = per_type[S]
     if per_type_bank is not None:
         per_stage["attention_bank"] = per_type_bank[S]
@@ -222,6 +226,7 @@ def cycle_stats(step_us: dict, intervals: tuple[int, ...]) -> dict:
 PRUNE_VARIANTS = [dict(), dict(num_warps=8)]  # defaults first (tiles, block_c swept 2026-11-30: within 10%)
 ATTN_VARIANTS = [dict(), dict(block_n=64)]
 DECODE_STAGE1_VARIANTS = [dict(), dict(block_c=16), dict(block_c=64), dict(num_warps=8)]  # default: 32
+DECODE_LATER_STAGE_VARIANTS = [dict(), dict(block_c=32), dict(block_c=64), dict(num_warps=2)]
 # decode attention split counts / key tiles (default: ~2 waves of SMs, 64-key tiles)
 DECODE_ATTN_VARIANTS = [dict(), dict(num_splits=16), dict(num_splits=52), dict(block_n=32),
                         dict(block_n=32, num_splits=64), dict(block_n=32, num_splits=104)]
