@@ -6,6 +6,7 @@
 #   bash benchmarks/gpu_quality.sh gemma    Gemma-3-270M bf16: dense baselines, 1K-32K
 #   bash benchmarks/gpu_quality.sh smol-chunk-score   SmolLM2 3k: chunk_score max vs head_normalized
 #   bash benchmarks/gpu_quality.sh smol-query-stride  SmolLM2 3k: prefill query strides 1,1,1 vs 4,4,1 vs 4,4,4
+#   bash benchmarks/gpu_quality.sh smol-solo-last     SmolLM2 3k: solo_last_query off vs on
 set -eo pipefail
 OUT=${OUT:-/tmp/infhip-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD/.stage/pylib:$PYTHONPATH
@@ -63,6 +64,17 @@ smol-query-stride)  # prefill query strides: the paper's formula (1,1,1) vs its 
     infhip-eval ppl $E --lengths 16k,32k --chunk 256 --samples 2 --json $OUT/ppl_smol_3k_s$tag.json
   done
   ;;
+smol-solo-last)  # the sampled prefill query scores its own mask (solo_last_query) vs the block's
+  S=engines/smol-3k-bf16
+  join smol-3k-bf16
+  for solo in false true; do  # (JSON booleans) the staged engine predates the 4,4,1 presets: pass them
+    E="--engine $S --device cuda --kv-cache-gib 16 --infinitehip query_strides=[4,4,1],solo_last_query=$solo"
+    infhip-eval passkey $E --lengths 8k,16k,32k --depths 0.1,0.5,0.9 --samples 5 \
+        --json $OUT/passkey_smol_3k_solo$solo.json --markdown $OUT/passkey_smol_3k_solo$solo.md
+    infhip-eval niah $E --lengths 16k,32k --variants single,multikey --depths 0.25,0.5,0.75 --samples 3 \
+        --json $OUT/niah_smol_3k_solo$solo.json
+  done
+  ;;
 gemma)
   G=engines/gemma-dense-bf16
   join gemma-dense-bf16
@@ -73,5 +85,5 @@ gemma)
   infhip-eval niah $E --lengths 4k,16k,32k --variants single,multikey --depths 0.5 --samples 3 \
       --json $OUT/niah_gemma_gpu.json
   ;;
-*) echo "usage: bash benchmarks/gpu_quality.sh smol|gemma|smol-chunk-score|smol-query-stride" >&2; exit 2 ;;
+*) echo "usage: bash benchmarks/gpu_quality.sh smol|gemma|smol-chunk-score|smol-query-stride|smol-solo-last" >&2; exit 2 ;;
 esac

@@ -5,9 +5,11 @@
 Prefills one passkey prompt (infhip/eval/passkey.py, seed 0, sample 0) densely, then, at every
 sparse layer, runs the layer's pruning stages on the last query block (64 queries) exactly as
 the engine would (infhip/eval/recall.py's parameters) with both chunk scores — the paper's raw
-max over heads and "head_normalized" — and prints per layer: the share of the needle's tokens
-in the final mask of the last query, and the dense attention mass that query puts on them (max
-and mean over heads). CPU: the pruning runs the float64 references (a few minutes at 8K).
+max over heads and "head_normalized" — and, as an experiment, the mask the kv head that reads
+the needle most would choose alone (one mask per kv head; the engine shares one across heads),
+and prints per layer: the share of the needle's tokens in the final mask of the last query, and
+the dense attention mass that query puts on them (max and mean over heads). CPU: the pruning
+runs the float64 references (a few minutes at 8K).
 """
 
 from __future__ import annotations
@@ -31,16 +33,24 @@ def needle_positions(tokenizer, ids: list[int], passkey: int) -> list[int]:
     return sorted({s + j for s in starts for j in range(len(needle))})
 
 
-def final_mask(attn, q, table, length, params, head_normalized: bool) -> torch.Tensor:
-    """bool [length]: the keys the last of the CHUNK queries attends to."""
+def final_mask(attn, q, table, length, params, head_normalized: bool, kv_head: int | None = None,
+               query_stride: int = 1) -> torch.Tensor:
+    """bool [length]: the keys the last of the CHUNK queries attends to. kv_head: the mask that
+    kv head would choose alone (its query heads and keys only; the experiment of one mask per kv
+    head, which the engine does not have: it shares one mask across all heads)."""
     q_start, q_lens, ends, _ = plan_query_blocks([CHUNK], [length], params["stages"][0][0])
     tables = torch.tensor([table], dtype=torch.int32).expand(len(ends), -1).contiguous()
+    k_cache = attn.k_cache
+    if kv_head is not None:
+        group = q.shape[1] // k_cache.shape[2]
+        q = q[:, kv_head * group:(kv_head + 1) * group].contiguous()
+        k_cache = k_cache[:, :, kv_head:kv_head + 1].contiguous()
     sel = num = None
     for b_q, l_c, k in params["stages"]:
-        sel, num = pruning_stage(q, attn.k_cache, tables, q_start, q_lens, ends, sel, num, chunk_size=l_c, k=k,
+        sel, num = pruning_stage(q, k_cache, tables, q_start, q_lens, ends, sel, num, chunk_size=l_c, k=k,
                                  block_q=b_q, n_sink=params["n_sink"], n_stream=params["n_stream"],
                                  rope_style=params["rope_style"], inv_freq=attn.rope[0].inv_freq,
-                                 head_normalized=head_normalized)
+                                 head_normalized=head_normalized, query_stride=query_stride)
     return per_query_key_mask(sel, q_lens, ends, params["n_sink"], params["n_stream"], length)[-1]
 
 
@@ -59,6 +69,8 @@ def main() -> None:
     ap.add_argument("--engine", required=True, help="an InfiniteHiP engine (e.g. --preset 3k)")
     ap.add_argument("--length", type=int, default=8192)
     ap.add_argument("--depth", type=float, default=0.5)
+    ap.add_argument("--query-stride", type=int, default=1,
+                    help="score every stage with every s-th query of the block (64: the last query only)")
     args = ap.parse_args()
     # dense prefill (the masks are computed here, not by the engine): fast on the CPU
     llm = load_llm(args.engine, "cpu", infinitehip_overrides={"dense_threshold": 10**9})
@@ -71,16 +83,21 @@ def main() -> None:
         gen = teacher_force(llm, [(ids, [0])])
         next(gen)  # the prefill has run; the sequence still holds its pages
         seq = next(s for s in llm.scheduler.running)
-        print("| layer | needle kept, raw max | needle kept, head_normalized | dense mass max head | mean |")
-        print("|---|---|---|---|---|")
+        print("| layer | needle kept, raw max | needle kept, head_normalized | needle kept, own mask of the "
+              "kv head reading it most | dense mass max head | mean |")
+        print("|---|---|---|---|---|---|")
         for i in sorted(params):
             attn = llm.runner.model.layers[i].self_attn
             q = torch.cat(store[i])[-CHUNK:]
             table = llm.runner.kv.block_table(seq.seq_id, attn.kv_group)
-            kept = [final_mask(attn, q, table, args.length, params[i], hn)[needle].float().mean().item()
-                    for hn in (False, True)]
+            kept = [final_mask(attn, q, table, args.length, params[i], hn, query_stride=args.query_stride)[
+                needle].float().mean().item() for hn in (False, True)]
             mass = dense_mass(attn, q[-1], table, args.length, needle)
-            print(f"| {i} | {kept[0]:.2f} | {kept[1]:.2f} | {mass.max():.3f} | {mass.mean():.3f} |", flush=True)
+            reader = int(mass.argmax()) // (q.shape[1] // attn.k_cache.shape[2])  # its kv head
+            own = final_mask(attn, q, table, args.length, params[i], False, kv_head=reader,
+                             query_stride=args.query_stride)[needle].float().mean().item()
+            print(f"| {i} | {kept[0]:.2f} | {kept[1]:.2f} | {own:.2f} | {mass.max():.3f} | {mass.mean():.3f} |",
+                  flush=True)
         gen.close()
 
 

@@ -50,7 +50,7 @@ PRESETS = ("dense",) + tuple(_INFINITEHIP)
 # Knobs a runtime may change per engine load without rebuilding (they change speed/accuracy,
 # never the meaning of the weights or of the stored plan's shapes).
 RUNTIME_KNOBS = ("refresh_intervals", "dense_threshold", "rope_off_in_trained_window", "stagger_refresh",
-                 "chunk_score", "query_strides", "key_bank")
+                 "chunk_score", "query_strides", "key_bank", "solo_last_query")
 
 
 def infinitehip_config(preset: str, overrides: dict[str, Any] | None = None,

@@ -174,6 +174,10 @@ class InfiniteHipConfig:
     "max" scores a chunk by the max over heads and queries of q.k_rep (the paper);
     "head_normalized" first subtracts, per kv head, that head's best chunk score, so a head with
     small logits (e.g. a retrieval head) still keeps its best chunks (docs/quality.md).
+    ``solo_last_query``: in a prefill chunk whose last token is sampled (a prompt's last chunk),
+    that query forms a query block of its own, so its mask is scored by it alone — as every
+    decode step's is — instead of by the max over its block's 64 queries, which lets queries that
+    look elsewhere crowd out what the sampled one reads (docs/quality.md, needle coverage).
     ``key_bank`` (streaming attention RoPE): each refresh of the last stage rotates its keys to
     their rank once into a per-request bank that the cached decode steps read, instead of
     rotating every key at every step (plugins/infinitehip/key_bank.py; memory: slots x layers x
@@ -196,6 +200,7 @@ class InfiniteHipConfig:
     stagger_refresh: bool = True  # offset each layer's refresh phase (runtime/mask_cache.py)
     chunk_score: str = "max"  # "max" (paper) | "head_normalized"
     key_bank: bool = False  # rotated key bank for cached decode steps (not yet measured on a GPU)
+    solo_last_query: bool = False  # the sampled prefill query gets its own block (not yet measured)
 
     def __post_init__(self) -> None:
         _check(self.n_sink >= 0 and self.n_stream > 0, "n_sink must be >= 0 and n_stream > 0")
@@ -227,6 +232,9 @@ class InfiniteHipConfig:
         _check(self.attention_rope in ATTENTION_ROPE_STYLES,
                f"attention_rope must be in {ATTENTION_ROPE_STYLES}")
         _check(self.chunk_score in CHUNK_SCORES, f"chunk_score must be one of {CHUNK_SCORES}")
+        for name in ("rope_off_in_trained_window", "stagger_refresh", "key_bank", "solo_last_query"):
+            value = getattr(self, name)
+            _check(isinstance(value, bool), f"{name} must be true or false, got {value!r}")
 
     @property
     def block_q(self) -> int:

@@ -201,10 +201,10 @@ class ModelRunner:
         return StepPlan(input_ids=input_ids, positions=positions, cu=cu, ctx_lens=ctx_lens,
                         logits_rows=logits_rows, slots=slots, tables=tables, num_decodes=num_decodes,
                         sparse=self._plan_sparse([ch.seq for ch in out.chunks], ctx_lens, num_decodes,
-                                                 dense=bool(drops)),
+                                                 [ch.needs_logits for ch in out.chunks], dense=bool(drops)),
                         drops=drops or None, layer_dropped=layer_dropped)
 
-    def _plan_sparse(self, seqs: list, ctx_lens: list[int], num_decodes: int,
+    def _plan_sparse(self, seqs: list, ctx_lens: list[int], num_decodes: int, needs_logits: list[bool],
                      dense: bool = False) -> SparseStepHost | None:
         """The step's InfiniteHiP plan; dense=True (a step that drops tokens runs no sparse
         attention): none, and the requests' cached masks are invalidated."""
@@ -213,7 +213,7 @@ class ModelRunner:
         if dense:
             self.sparse_planner.skip(seqs)
             return None
-        return self.sparse_planner.plan(seqs, ctx_lens, num_decodes)
+        return self.sparse_planner.plan(seqs, ctx_lens, num_decodes, needs_logits)
 
     def _tensor(self, values, dtype) -> torch.Tensor:
         t = torch.tensor(values, dtype=dtype)
@@ -337,7 +337,8 @@ class ModelRunner:
                          for ch, s in zip(out.chunks, starts)] for g in self.groups}
             ctx_lens = [s + j + 1 for s in starts]
             plans.append(dataclasses.replace(plans[0], positions=[s + j for s in starts], ctx_lens=ctx_lens,
-                                             slots=slots, sparse=self._plan_sparse(seqs, ctx_lens, len(seqs))))
+                                             slots=slots, sparse=self._plan_sparse(seqs, ctx_lens, len(seqs),
+                                                                                   [True] * len(seqs))))
         n, tokens = len(out.chunks), []
         if all(self._uses_graph(p, n) for p in plans):
             bs = self.graphs.load(plans)

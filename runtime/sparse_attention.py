@@ -42,6 +42,7 @@ class SparseStepHost:
     decode_slots: list[int]  # its mask-cache slot
     decode_first_stage: list[tuple[int, ...]]  # per layer group: first stage it recomputes (S: none)
     prefill_seqs: list[int]  # batch index of each sparse prefill chunk
+    prefill_solo_last: list[bool]  # per sparse prefill chunk: its last query gets its own block
     dense_decode_lens: list[int]  # [num_decodes] context lengths, 0 for the sparse rows
     dense_prefill_runs: list[tuple[int, int]]  # batch ranges [lo, hi) of dense prefill chunks
     dynamic_rope: bool
@@ -112,7 +113,10 @@ class SparsePlanner:
         # layer_group[k]: the group of the k-th InfiniteHiP layer (InfiniteHipLayer.group)
         self.layer_group = [self.group_offsets.index(o) for o in offsets]
 
-    def plan(self, seqs: list, ctx_lens: list[int], num_decodes: int) -> SparseStepHost:
+    def plan(self, seqs: list, ctx_lens: list[int], num_decodes: int,
+             needs_logits: list[bool] | None = None) -> SparseStepHost:
+        """needs_logits[b]: chunk b's last token is sampled (with cfg.solo_last_query, a sparse
+        prefill chunk's last query then forms its own block)."""
         cfg, n = self.cfg, len(self.cfg.stages)
         rows, ends, slots, firsts, prefill, dense_lens, runs = [], [], [], [], [], [], []
         for b, (seq, end) in enumerate(zip(seqs, ctx_lens)):
@@ -139,8 +143,10 @@ class SparsePlanner:
                         for g in range(len(self.group_offsets)))
         capacity = candidate_capacity(max(sparse_ends, default=0), cfg.n_sink, cfg.n_stream)
         graphable = rows and len(rows) == len(seqs) and all(f == firsts[0] for f in firsts)
+        solo = [bool(cfg.solo_last_query and needs_logits is not None and needs_logits[b]) for b in prefill]
         return SparseStepHost(decode_rows=rows, decode_ends=ends, decode_slots=slots,
-                              decode_first_stage=firsts, prefill_seqs=prefill, dense_decode_lens=dense_lens,
+                              decode_first_stage=firsts, prefill_seqs=prefill, prefill_solo_last=solo,
+                              dense_decode_lens=dense_lens,
                               dense_prefill_runs=runs, dynamic_rope=dynamic, refresh=refresh, capacity=capacity,
                               graph_key=(refresh, capacity, dynamic) if graphable else None)
 
@@ -154,7 +160,8 @@ class SparsePlanner:
         """Tensors of a host plan; ``tensor(values, dtype)`` puts a list on the device."""
         cfg = self.cfg
         q_lens = [cu[b + 1] - cu[b] for b in h.prefill_seqs]
-        starts, lens, ends, seq_of = plan_query_blocks(q_lens, [ctx_lens[b] for b in h.prefill_seqs], cfg.block_q)
+        starts, lens, ends, seq_of = plan_query_blocks(q_lens, [ctx_lens[b] for b in h.prefill_seqs], cfg.block_q,
+                                                       solo_last=h.prefill_solo_last)
         seq_of = seq_of.tolist()  # index into h.prefill_seqs of each block
         # plan_query_blocks numbers rows from 0 over the chunks it is given; shift each block to
         # its chunk's first row in the step's packed q.

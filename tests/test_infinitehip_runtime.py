@@ -221,3 +221,26 @@ def test_key_bank_memory_is_reserved(engines):
     assert on.non_kv_bytes(3, 64) - off.non_kv_bytes(3, 64) == expected > 0
     banks = [layer.self_attn.sparse.cache.bank for layer in on.model.layers if layer.self_attn.sparse]
     assert sum(b.numel() * b.element_size() for b in banks) == expected
+
+
+def test_solo_last_query_gets_its_own_block(engines, dense_tokens, monkeypatch):
+    """solo_last_query: the prefill chunk whose last token is sampled gives that query a block of
+    one (its mask scored by it alone); other chunks keep whole blocks. Covering sets still equal
+    dense, and real pruning generates."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    last_lens = []
+    real = sa.sparse_prefill_attention
+
+    def spy(q, k_cache, v_cache, tables, q_start, q_lens, ends, *a, **k):
+        last_lens.append(int(q_lens[-1]))  # the chunk's final block (one sparse chunk per step here)
+        return real(q, k_cache, v_cache, tables, q_start, q_lens, ends, *a, **k)
+    monkeypatch.setattr(sa, "sparse_prefill_attention", spy)
+    prompts = [PROMPTS[2]]  # 120 tokens: two chunks of the 64-token budget, the first one sparse too
+    expected = generate(engines["dense"], None, prompts)
+    assert generate(engines["cover"], dict(LOW, solo_last_query=True), prompts) == expected
+    assert last_lens[-1] == 1 and any(n > 1 for n in last_lens[:-1])
+    last_lens.clear()
+    generate(engines["cover"], LOW, prompts)
+    assert last_lens and all(n > 1 for n in last_lens), "off: no block of one"
+    out = generate(engines["3k"], dict(LOW, solo_last_query=True), prompts)
+    assert [len(t) for t in out] == [GREEDY.max_tokens]
