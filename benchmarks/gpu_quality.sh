@@ -16,6 +16,13 @@ join() {  # join() STAGE_NAME: engines/STAGE_NAME from .stage/STAGE_NAME (once)
   [ -d engines/$1 ] || python3 -m infhip.eval.stage join .stage/$1 engines/$1
 }
 
+retrieval() {  # retrieval "ENGINE ARGS" TAG: passkey 8K-32K (3 depths x 5) + NIAH 16K-32K (3 depths x 3)
+  infhip-eval passkey $1 --lengths 8k,16k,32k --depths 0.1,0.5,0.9 --samples 5 \
+      --json $OUT/passkey_$2.json --markdown $OUT/passkey_$2.md
+  infhip-eval niah $1 --lengths 16k,32k --variants single,multikey --depths 0.25,0.5,0.75 --samples 3 \
+      --json $OUT/niah_$2.json
+}
+
 case ${1:-smol} in
 smol)
   S=engines/smol-3k-bf16; D=engines/smol-dense-bf16
@@ -44,11 +51,7 @@ smol-chunk-score)
   S=engines/smol-3k-bf16
   join smol-3k-bf16
   for score in max head_normalized; do
-    E="--engine $S --device cuda --kv-cache-gib 16 --infinitehip chunk_score=$score"
-    infhip-eval passkey $E --lengths 8k,16k,32k --depths 0.1,0.5,0.9 --samples 5 \
-        --json $OUT/passkey_smol_3k_$score.json --markdown $OUT/passkey_smol_3k_$score.md
-    infhip-eval niah $E --lengths 16k,32k --variants single,multikey --depths 0.25,0.5,0.75 --samples 3 \
-        --json $OUT/niah_smol_3k_$score.json
+    retrieval "--engine $S --device cuda --kv-cache-gib 16 --infinitehip chunk_score=$score" smol_3k_$score
   done
   ;;
 smol-query-stride)  # prefill query strides: the paper's formula (1,1,1) vs its public code's (4,4,1) and 4,4,4
@@ -57,10 +60,7 @@ smol-query-stride)  # prefill query strides: the paper's formula (1,1,1) vs its 
   for strides in 1,1,1 4,4,1 4,4,4; do
     E="--engine $S --device cuda --kv-cache-gib 16 --infinitehip query_strides=[$strides]"
     tag=${strides//,/}
-    infhip-eval passkey $E --lengths 8k,16k,32k --depths 0.1,0.5,0.9 --samples 5 \
-        --json $OUT/passkey_smol_3k_s$tag.json --markdown $OUT/passkey_smol_3k_s$tag.md
-    infhip-eval niah $E --lengths 16k,32k --variants single,multikey --depths 0.25,0.5,0.75 --samples 3 \
-        --json $OUT/niah_smol_3k_s$tag.json
+    retrieval "$E" smol_3k_s$tag
     infhip-eval ppl $E --lengths 16k,32k --chunk 256 --samples 2 --json $OUT/ppl_smol_3k_s$tag.json
   done
   ;;
@@ -68,11 +68,8 @@ smol-solo-last)  # the sampled prefill query scores its own mask (solo_last_quer
   S=engines/smol-3k-bf16
   join smol-3k-bf16
   for solo in false true; do  # (JSON booleans) the staged engine predates the 4,4,1 presets: pass them
-    E="--engine $S --device cuda --kv-cache-gib 16 --infinitehip query_strides=[4,4,1],solo_last_query=$solo"
-    infhip-eval passkey $E --lengths 8k,16k,32k --depths 0.1,0.5,0.9 --samples 5 \
-        --json $OUT/passkey_smol_3k_solo$solo.json --markdown $OUT/passkey_smol_3k_solo$solo.md
-    infhip-eval niah $E --lengths 16k,32k --variants single,multikey --depths 0.25,0.5,0.75 --samples 3 \
-        --json $OUT/niah_smol_3k_solo$solo.json
+    retrieval "--engine $S --device cuda --kv-cache-gib 16 --infinitehip query_strides=[4,4,1],solo_last_query=$solo" \
+        smol_3k_solo$solo
   done
   ;;
 gemma)
