@@ -3,7 +3,7 @@
     dense      every layer dense (the default)
     3k         InfiniteHiP on full-attention layers: stages (64, 256, 32K) -> (64, 32, 8K) ->
                (64, 8, 2048), final k 4096 in layers 1-3 (1-based), refresh every (16, 8, 4) steps,
-               prefill query strides (4, 4, 1)
+               prefill query strides (4, 4, 1), the sampled query scoring its own mask
     3k-fast    3k with refresh (32, 16, 8)
     3k-flash   3k with refresh (96, 24, 8)
     5k         chunks 64 / 32 / 16, k 32K / 16K / 4096, refresh (16, 8, 4)
@@ -33,6 +33,11 @@ N_SINK, N_STREAM, BLOCK_Q = 256, 1024, 64
 # formula, InfiniteHipConfig's default) within one prompt of 81, and costs 1/4 of the work
 # (docs/quality.md, docs/benchmarks.md). A runtime knob: query_strides=[1,1,1] restores it.
 QUERY_STRIDES = (4, 4, 1)
+# The query whose output is sampled (a prompt's last) scores its own mask instead of sharing its
+# 64-query block's: on SmolLM2 and Gemma-3 8K passkey prompts the layers that read the needle
+# then keep all of it instead of 0.08-0.50 (docs/quality.md). A runtime knob; passkey accuracy
+# with it is to be confirmed on the GPU (gpu_quality.sh smol-solo-last).
+SOLO_LAST_QUERY = True
 
 _STAGES_3K = (PruningStage(BLOCK_Q, 256, 32768), PruningStage(BLOCK_Q, 32, 8192), PruningStage(BLOCK_Q, 8, 2048))
 _STAGES_5K = (PruningStage(BLOCK_Q, 64, 32768), PruningStage(BLOCK_Q, 32, 16384), PruningStage(BLOCK_Q, 16, 4096))
@@ -67,7 +72,8 @@ def infinitehip_config(preset: str, overrides: dict[str, Any] | None = None,
     stages, refresh = _INFINITEHIP[preset]
     cap = trained_window or 1 << 62
     base = InfiniteHipConfig(n_sink=N_SINK, n_stream=N_STREAM, stages=stages, refresh_intervals=refresh,
-                             query_strides=QUERY_STRIDES, special_layers=(0, 1, 2), special_final_k=4096,
+                             query_strides=QUERY_STRIDES, solo_last_query=SOLO_LAST_QUERY,
+                             special_layers=(0, 1, 2), special_final_k=4096,
                              dense_threshold=min(cap, N_SINK + N_STREAM + stages[0].k))
     overrides = dict(overrides or {})
     if overrides and "dense_threshold" not in overrides and any(

@@ -200,7 +200,7 @@ class InfiniteHipConfig:
     stagger_refresh: bool = True  # offset each layer's refresh phase (runtime/mask_cache.py)
     chunk_score: str = "max"  # "max" (paper) | "head_normalized"
     key_bank: bool = False  # rotated key bank for cached decode steps (not yet measured on a GPU)
-    solo_last_query: bool = False  # the sampled prefill query gets its own block (not yet measured)
+    solo_last_query: bool = False  # the sampled prefill query gets its own block (presets: on)
 
     def __post_init__(self) -> None:
         _check(self.n_sink >= 0 and self.n_stream > 0, "n_sink must be >= 0 and n_stream > 0")

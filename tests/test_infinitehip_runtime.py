@@ -224,9 +224,9 @@ def test_key_bank_memory_is_reserved(engines):
 
 
 def test_solo_last_query_gets_its_own_block(engines, dense_tokens, monkeypatch):
-    """solo_last_query: the prefill chunk whose last token is sampled gives that query a block of
-    one (its mask scored by it alone); other chunks keep whole blocks. Covering sets still equal
-    dense, and real pruning generates."""
+    """solo_last_query (the presets' default): the prefill chunk whose last token is sampled
+    gives that query a block of one (its mask scored by it alone); other chunks keep whole
+    blocks. Covering sets still equal dense, and real pruning generates."""
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     last_lens = []
     real = sa.sparse_prefill_attention
@@ -240,7 +240,8 @@ def test_solo_last_query_gets_its_own_block(engines, dense_tokens, monkeypatch):
     assert generate(engines["cover"], dict(LOW, solo_last_query=True), prompts) == expected
     assert last_lens[-1] == 1 and any(n > 1 for n in last_lens[:-1])
     last_lens.clear()
-    generate(engines["cover"], LOW, prompts)
+    generate(engines["cover"], dict(LOW, solo_last_query=False), prompts)
     assert last_lens and all(n > 1 for n in last_lens), "off: no block of one"
+    assert LLM(engines["3k"]).engine.config.plan.infinitehip.solo_last_query, "the presets turn it on"
     out = generate(engines["3k"], dict(LOW, solo_last_query=True), prompts)
     assert [len(t) for t in out] == [GREEDY.max_tokens]
