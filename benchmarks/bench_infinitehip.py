@@ -129,78 +129,60 @@ def decode_step_types(ctx: PagedContext, cfg, bs: int, reps: int, gen, profile_d
     kw = dict(n_sink=cfg.n_sink, n_stream=cfg.n_stream, inv_freq=ctx.inv_freq)
     cache = []  # stage outputs of a full recompute (the mask cache)
 
-    def stage(i):
+    def stage(i, **over):  # over: tuning overrides, or another rope_style
         prev = (None, None) if i == 0 else cache[i - 1]
-        return pruning_stage(q, ctx.k_cache, tables, q_start, ones, ends, *prev, chunk_size=stages[i].chunk_size,
-                             k=stages[i].k, block_q=1, max_candidates=middle if i == 0 else None,
-                             rope_style=prune_rope, **kw)
+        return pruning_stage(q, ctx.k_cache, tables, q_start, ones, ends, *prev, **dict(
+            dict(chunk_size=stages[i].chunk_size, k=stages[i].k, block_q=1,
+                 max_candidates=middle if i == 0 else None, rope_style=prune_rope, **kw), **over))
 
     for i in range(S):
         cache.append(stage(i))
     out = torch.empty_like(q)
+    # the rotated key bank (key_bank.py), past the trained window only: its rows are slot 0
+    bank = torch.empty(1, stages[-1].k, HKV, D, device="cuda", dtype=torch.bfloat16) if attn_rope != "none" else None
+    bank_rows = torch.zeros(bs, dtype=torch.int32, device="cuda")
 
-    def attend():
-        sparse_decode_attention(q, ctx.k_cache, ctx.v_cache, tables, ends, cache[-1][0], scale=SCALE,
-                                rope_style=attn_rope, rope_group=stages[-1].chunk_size, out=out, **kw)
+    def write_bank():
+        write_key_bank(ctx.k_cache, tables, ends, cache[-1][0], bank, bank_rows, n_sink=cfg.n_sink,
+                       inv_freq=ctx.inv_freq, rope_group=stages[-1].chunk_size)
 
-    def step(first):
+    def attend(**over):  # over: tuning overrides, bank=, or another rope_style
+        sparse_decode_attention(q, ctx.k_cache, ctx.v_cache, tables, ends, cache[-1][0], scale=SCALE, out=out,
+                                **dict(dict(rope_style=attn_rope, rope_group=stages[-1].chunk_size, **kw), **over))
+
+    def step(first, with_bank=False):
         def run():
             for i in range(first, S):
                 stage(i)  # fresh outputs; the cached ones stay as the later stages' inputs
-            attend()
+            if with_bank:
+                if first < S:  # the last stage refreshed: its keys go to the bank
+                    write_bank()
+                attend(bank=bank, bank_rows=bank_rows)
+            else:
+                attend()
         return run
 
     per_type = {first: timing.graph_time_us(step(first), reps) for first in range(S + 1)}
     per_type_bank = None
-    if attn_rope != "none":  # the same steps with the rotated key bank (key_bank.py)
-        bank = torch.empty(1, stages[-1].k, HKV, D, device="cuda", dtype=torch.bfloat16)
-        bank_rows = torch.zeros(bs, dtype=torch.int32, device="cuda")
-
-        def write_bank():
-            write_key_bank(ctx.k_cache, tables, ends, cache[-1][0], bank, bank_rows, n_sink=cfg.n_sink,
-                           inv_freq=ctx.inv_freq, rope_group=stages[-1].chunk_size)
-
-        def attend_bank():
-            sparse_decode_attention(q, ctx.k_cache, ctx.v_cache, tables, ends, cache[-1][0], scale=SCALE,
-                                    rope_style=attn_rope, rope_group=stages[-1].chunk_size, bank=bank,
-                                    bank_rows=bank_rows, out=out, **kw)
-
-        def step_bank(first):
-            def run():
-                for i in range(first, S):
-                    stage(i)
-                if first < S:  # the last stage refreshed: its keys go to the bank
-                    write_bank()
-                attend_bank()
-            return run
-
+    if bank is not None:  # the same steps with the bank
         write_bank()
-        per_type_bank = {first: timing.graph_time_us(step_bank(first), reps) for first in range(S + 1)}
+        per_type_bank = {first: timing.graph_time_us(step(first, with_bank=True), reps) for first in range(S + 1)}
     if profile_dir is not None:
         text = profile_step(step(0), profile_dir / f"decode_kernels_{ctx.n}_{stages[-1].chunk_size}.txt")
         print(f"[{ctx.n}] kernels of a full-refresh decode step:\n{text}", flush=True)
     per_stage = {f"stage{i + 1}": timing.graph_time_us(lambda i=i: stage(i), reps) for i in range(S)}
-    stage1_kw = dict(chunk_size=stages[0].chunk_size, k=stages[0].k, block_q=1, max_candidates=middle,
-                   rope_style=prune_rope, **kw)
-    per_stage["stage1_variants"] = {str(v): timing.graph_time_us(lambda v=v: pruning_stage(
-        q, ctx.k_cache, tables, q_start, ones, ends, **stage1_kw, **v), reps) for v in DECODE_STAGE1_VARIANTS}
-    for i in range(1, S):  # later stages' launch configurations (default: 16 chunks per tile, 4 warps)
-        per_stage[f"stage{i + 1}_variants"] = {str(v): timing.graph_time_us(lambda i=i, v=v: pruning_stage(
-            q, ctx.k_cache, tables, q_start, ones, ends, *cache[i - 1], chunk_size=stages[i].chunk_size,
-            k=stages[i].k, block_q=1, rope_style=prune_rope, **kw, **v), reps) for v in DECODE_LATER_STAGE_VARIANTS}
+    for i in range(S):  # launch configurations (defaults: docs/benchmarks.md)
+        variants = DECODE_STAGE1_VARIANTS if i == 0 else DECODE_LATER_STAGE_VARIANTS
+        per_stage[f"stage{i + 1}_variants"] = {str(v): timing.graph_time_us(lambda i=i, v=v: stage(i, **v), reps)
+                                               for v in variants}
     per_stage["attention"] = per_type[S]
-    if per_type_bank is not None:
+    per_stage["attention_variants"] = {str(v): timing.graph_time_us(lambda v=v: attend(**v), reps)
+                                       for v in DECODE_ATTN_VARIANTS}
+    if bank is not None:  # how much of the cached step is the keys' re-rotation (dynamic RoPE)
         per_stage["attention_bank"] = per_type_bank[S]
         per_stage["bank_write"] = timing.graph_time_us(write_bank, reps)
-    per_stage["attention_variants"] = {str(v): timing.graph_time_us(lambda v=v: sparse_decode_attention(
-        q, ctx.k_cache, ctx.v_cache, tables, ends, cache[-1][0], scale=SCALE, rope_style=attn_rope,
-        rope_group=stages[-1].chunk_size, out=out, **kw, **v), reps) for v in DECODE_ATTN_VARIANTS}
-    if attn_rope != "none":  # how much of the cached step is the keys' re-rotation (dynamic RoPE)
-        per_stage["attention_without_rope"] = timing.graph_time_us(lambda: sparse_decode_attention(
-            q, ctx.k_cache, ctx.v_cache, tables, ends, cache[-1][0], scale=SCALE, rope_style="none",
-            out=out, **kw), reps)
-        per_stage["stage1_without_rope"] = timing.graph_time_us(lambda: pruning_stage(
-            q, ctx.k_cache, tables, q_start, ones, ends, **dict(stage1_kw, rope_style="none")), reps)
+        per_stage["attention_without_rope"] = timing.graph_time_us(lambda: attend(rope_style="none"), reps)
+        per_stage["stage1_without_rope"] = timing.graph_time_us(lambda: stage(0, rope_style="none"), reps)
     return {"step_us": per_type, "step_us_bank": per_type_bank, "stage_us": per_stage}
 
 

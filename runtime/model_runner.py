@@ -204,8 +204,8 @@ class ModelRunner:
                                                  [ch.needs_logits for ch in out.chunks], dense=bool(drops)),
                         drops=drops or None, layer_dropped=layer_dropped)
 
-    def _plan_sparse(self, seqs: list, ctx_lens: list[int], num_decodes: int, needs_logits: list[bool],
-                     dense: bool = False) -> SparseStepHost | None:
+    def _plan_sparse(self, seqs: list, ctx_lens: list[int], num_decodes: int,
+                     needs_logits: list[bool] | None = None, dense: bool = False) -> SparseStepHost | None:
         """The step's InfiniteHiP plan; dense=True (a step that drops tokens runs no sparse
         attention): none, and the requests' cached masks are invalidated."""
         if self.sparse_planner is None:
@@ -337,8 +337,7 @@ class ModelRunner:
                          for ch, s in zip(out.chunks, starts)] for g in self.groups}
             ctx_lens = [s + j + 1 for s in starts]
             plans.append(dataclasses.replace(plans[0], positions=[s + j for s in starts], ctx_lens=ctx_lens,
-                                             slots=slots, sparse=self._plan_sparse(seqs, ctx_lens, len(seqs),
-                                                                                   [True] * len(seqs))))
+                                             slots=slots, sparse=self._plan_sparse(seqs, ctx_lens, len(seqs))))
         n, tokens = len(out.chunks), []
         if all(self._uses_graph(p, n) for p in plans):
             bs = self.graphs.load(plans)

@@ -12,6 +12,7 @@ import pytest
 import infhip.runtime.sparse_attention as sa
 from infhip import LLM, SamplingParams
 from infhip.builder.build import build_engine
+from infhip.config import EngineConfig
 from tests._tiny import write_tiny_hf_checkpoint
 
 # Test-only knobs: n_sink 4, n_stream 8, stages (8, 4, 32) -> (8, 2, 16) -> (8, 1, 8).
@@ -242,6 +243,6 @@ def test_solo_last_query_gets_its_own_block(engines, dense_tokens, monkeypatch):
     last_lens.clear()
     generate(engines["cover"], dict(LOW, solo_last_query=False), prompts)
     assert last_lens and all(n > 1 for n in last_lens), "off: no block of one"
-    assert LLM(engines["3k"]).engine.config.plan.infinitehip.solo_last_query, "the presets turn it on"
+    assert EngineConfig.load(engines["3k"]).plan.infinitehip.solo_last_query, "the presets turn it on"
     out = generate(engines["3k"], dict(LOW, solo_last_query=True), prompts)
     assert [len(t) for t in out] == [GREEDY.max_tokens]

@@ -31,8 +31,8 @@ import triton
 import triton.language as tl
 
 from .._triton_utils import next_pow2, triton_on
-from .rope_styles import check_rotatable, load_halves, rotate_by_ref, rotate_halves
-from .sparse_attention import _key_sin_cos, selected_bounds
+from .rope_styles import check_rotatable, load_halves, rotate_by_ref, rotate_halves, run_sin_cos
+from .sparse_attention import selected_bounds
 
 
 @triton.jit
@@ -64,7 +64,7 @@ def _write_bank_kernel(
     page = tl.load(block_tables_ptr + row.to(tl.int64) * stride_bt + tok // PAGE_SIZE, mask=valid, other=0)
     rows = k_cache_ptr + page.to(tl.int64) * stride_cp + (tok % PAGE_SIZE) * stride_cs + head * stride_ch
     k1, k2 = load_halves(rows, valid, head_dim, BLOCK_D)
-    sin, cos = _key_sin_cos(rank - tok, inv_freq_ptr, head_dim, BLOCK_T, BLOCK_D, ROPE_GROUP)
+    sin, cos = run_sin_cos(rank - tok, inv_freq_ptr, head_dim, BLOCK_T, BLOCK_D, ROPE_GROUP)
     k = rotate_halves(k1, k2, sin, cos)
     d = tl.arange(0, BLOCK_D)
     slot = tl.load(bank_rows_ptr + row).to(tl.int64)

@@ -85,6 +85,28 @@ def sin_cos_of(delta, inv_freq_ptr, head_dim, BLOCK_D: tl.constexpr):
 
 
 @triton.jit
+def run_sin_cos(delta, inv_freq_ptr, head_dim, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                GROUP: tl.constexpr):
+    """sin, cos [BLOCK_N, BLOCK_D // 2] of the position deltas [BLOCK_N] of BLOCK_N rows, computed
+    once per aligned group of GROUP rows when every group shares one delta, else per row. Same
+    values either way; only the trig work differs. (STREAMING keys move by rank - token: 0 in the
+    sink, one shift in the stream, one shift per run of consecutive selected tokens.)"""
+    if GROUP > 1:
+        runs = tl.reshape(delta, (BLOCK_N // GROUP, GROUP))
+        run_delta = tl.min(runs, axis=1)  # [BLOCK_N // GROUP]
+        if tl.max(tl.max(runs, axis=1) - run_delta, axis=0) == 0:
+            sin, cos = sin_cos_of(run_delta, inv_freq_ptr, head_dim, BLOCK_D)  # [BLOCK_N // GROUP, BLOCK_D // 2]
+            shape: tl.constexpr = (BLOCK_N // GROUP, GROUP, BLOCK_D // 2)
+            sin = tl.reshape(tl.broadcast_to(sin[:, None, :], shape), (BLOCK_N, BLOCK_D // 2))
+            cos = tl.reshape(tl.broadcast_to(cos[:, None, :], shape), (BLOCK_N, BLOCK_D // 2))
+        else:
+            sin, cos = sin_cos_of(delta, inv_freq_ptr, head_dim, BLOCK_D)
+    else:
+        sin, cos = sin_cos_of(delta, inv_freq_ptr, head_dim, BLOCK_D)
+    return sin, cos
+
+
+@triton.jit
 def _join_halves(a, b):
     """[R, H], [R, H] -> [R, 2H] = [a | b] (row-wise concatenation)."""
     return tl.reshape(tl.permute(tl.join(a, b), (0, 2, 1)), (a.shape[0], 2 * a.shape[1]))

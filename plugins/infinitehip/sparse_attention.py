@@ -45,31 +45,9 @@ from .._triton_utils import device_num_sms, dot_precision, next_pow2, triton_on
 from ..dense_attention import _decode_merge_kernel, choose_num_splits, dense_attention_ref
 from .blocks import block_key_mask
 from .rope_styles import (C_STREAMING, NONE, STREAMING, check_rotatable, load_halves, load_rotated,
-                          rope_style_id, rotate_by_ref, rotate_halves, sin_cos_of)
+                          rope_style_id, rotate_by_ref, rotate_halves, run_sin_cos)
 
 _LOG2E = 1.4426950408889634
-
-
-@triton.jit
-def _key_sin_cos(delta, inv_freq_ptr, head_dim, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                 GROUP: tl.constexpr):
-    """sin, cos [BLOCK_N, BLOCK_D // 2] of the keys' rank - token deltas [BLOCK_N]: computed once
-    per aligned group of GROUP ranks when every group of the tile shares one delta (sink keys: 0,
-    stream keys: one shift, a run of consecutive selected tokens: one shift), else per key. Same
-    values either way; only the trig work differs (the key loads stay outside the branch)."""
-    if GROUP > 1:
-        runs = tl.reshape(delta, (BLOCK_N // GROUP, GROUP))
-        run_delta = tl.min(runs, axis=1)  # [BLOCK_N // GROUP]
-        if tl.max(tl.max(runs, axis=1) - run_delta, axis=0) == 0:
-            sin, cos = sin_cos_of(run_delta, inv_freq_ptr, head_dim, BLOCK_D)  # [BLOCK_N // GROUP, BLOCK_D // 2]
-            shape: tl.constexpr = (BLOCK_N // GROUP, GROUP, BLOCK_D // 2)
-            sin = tl.reshape(tl.broadcast_to(sin[:, None, :], shape), (BLOCK_N, BLOCK_D // 2))
-            cos = tl.reshape(tl.broadcast_to(cos[:, None, :], shape), (BLOCK_N, BLOCK_D // 2))
-        else:
-            sin, cos = sin_cos_of(delta, inv_freq_ptr, head_dim, BLOCK_D)
-    else:
-        sin, cos = sin_cos_of(delta, inv_freq_ptr, head_dim, BLOCK_D)
-    return sin, cos
 
 
 @triton.jit
@@ -189,7 +167,7 @@ def _sparse_attn_kernel(
             k = load_rotated(k_rows, valid, rank, inv_freq_ptr, head_dim, BLOCK_D, False)
         elif ROTATE:  # keys to their rank (StreamingLLM): R(rank - tok) applied to the cached key
             k1, k2 = load_halves(k_cache_ptr + kv_row, valid, head_dim, BLOCK_D)
-            sin, cos = _key_sin_cos(rank - tok, inv_freq_ptr, head_dim, BLOCK_N, BLOCK_D, ROPE_GROUP)
+            sin, cos = run_sin_cos(rank - tok, inv_freq_ptr, head_dim, BLOCK_N, BLOCK_D, ROPE_GROUP)
             k = rotate_halves(k1, k2, sin, cos)
         else:
             k = load_rotated(k_cache_ptr + kv_row, valid, rank - tok, inv_freq_ptr, head_dim, BLOCK_D, False)
