@@ -207,8 +207,8 @@ def cycle_stats(step_us: dict, intervals: tuple[int, ...]) -> dict:
 
 PRUNE_VARIANTS = [dict(), dict(num_warps=8)]  # defaults first (tiles, block_c swept 2026-11-30: within 10%)
 ATTN_VARIANTS = [dict(), dict(block_n=64)]
-DECODE_STAGE1_VARIANTS = [dict(), dict(block_c=16), dict(block_c=64), dict(num_warps=8)]  # default: 32
-DECODE_LATER_STAGE_VARIANTS = [dict(), dict(block_c=32), dict(block_c=64), dict(num_warps=2)]
+DECODE_STAGE1_VARIANTS = [dict(), dict(block_c=16), dict(block_c=32), dict(num_warps=8)]  # default: 64 (dynamic RoPE), else 32
+DECODE_LATER_STAGE_VARIANTS = [dict(), dict(block_c=16), dict(block_c=64), dict(num_warps=2)]  # default: 32
 # decode attention split counts / key tiles (default: ~2 waves of SMs, 64-key tiles)
 DECODE_ATTN_VARIANTS = [dict(), dict(num_splits=16), dict(num_splits=52), dict(block_n=32),
                         dict(block_n=32, num_splits=64), dict(block_n=32, num_splits=104)]

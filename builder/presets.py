@@ -38,6 +38,12 @@ QUERY_STRIDES = (4, 4, 1)
 # then keep all of it instead of 0.08-0.50 (docs/quality.md). A runtime knob; passkey accuracy
 # with it is to be confirmed on the GPU (gpu_quality.sh smol-solo-last).
 SOLO_LAST_QUERY = True
+# Past the trained window a refresh of the last stage rotates its keys once into a per-request
+# bank that the cached decode steps read (plugins/infinitehip/key_bank.py): Llama-3.1-8B shapes at
+# 1M keys, 3k-flash 29.3 -> 23.0 µs/layer (32.4x -> 41.2x SDPA), 3k 44.6 -> 38.6 µs
+# (docs/benchmarks.md). Memory: (max_num_seqs + 1) x final k x Hkv x D per layer (4 MiB per
+# sequence and layer for Llama-8B), reserved only when max_seq_len exceeds the trained window.
+KEY_BANK = True
 
 _STAGES_3K = (PruningStage(BLOCK_Q, 256, 32768), PruningStage(BLOCK_Q, 32, 8192), PruningStage(BLOCK_Q, 8, 2048))
 _STAGES_5K = (PruningStage(BLOCK_Q, 64, 32768), PruningStage(BLOCK_Q, 32, 16384), PruningStage(BLOCK_Q, 16, 4096))
@@ -72,7 +78,7 @@ def infinitehip_config(preset: str, overrides: dict[str, Any] | None = None,
     stages, refresh = _INFINITEHIP[preset]
     cap = trained_window or 1 << 62
     base = InfiniteHipConfig(n_sink=N_SINK, n_stream=N_STREAM, stages=stages, refresh_intervals=refresh,
-                             query_strides=QUERY_STRIDES, solo_last_query=SOLO_LAST_QUERY,
+                             query_strides=QUERY_STRIDES, solo_last_query=SOLO_LAST_QUERY, key_bank=KEY_BANK,
                              special_layers=(0, 1, 2), special_final_k=4096,
                              dense_threshold=min(cap, N_SINK + N_STREAM + stages[0].k))
     overrides = dict(overrides or {})

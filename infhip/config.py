@@ -199,7 +199,7 @@ class InfiniteHipConfig:
     rope_off_in_trained_window: bool = True
     stagger_refresh: bool = True  # offset each layer's refresh phase (runtime/mask_cache.py)
     chunk_score: str = "max"  # "max" (paper) | "head_normalized"
-    key_bank: bool = False  # rotated key bank for cached decode steps (not yet measured on a GPU)
+    key_bank: bool = False  # rotated key bank for cached decode steps (presets: on)
     solo_last_query: bool = False  # the sampled prefill query gets its own block (presets: on)
 
     def __post_init__(self) -> None:

@@ -127,11 +127,12 @@ class ModelRunner:
         sparse = [(attn, lp) for attn, lp in zip(attn_layers, plan.layers) if lp.plugin == "infinitehip"]
         self.sparse_planner = SparsePlanner(ih, self.max_num_seqs, self.engine.config.model.max_position_embeddings,
                                             len(sparse), raw_keys_max_tokens=self.max_seq_len)
+        bank = uses_key_bank(ih, self.max_seq_len, self.engine.config.model.max_position_embeddings)
         for k, (attn, lp) in enumerate(sparse):
             kv_layout = (attn.k_cache.shape[2], attn.k_cache.shape[3], attn.k_cache.dtype)
             attn.sparse = InfiniteHipLayer(ih, lp.index, self.max_num_seqs, attn.scale, attn.rope[0].inv_freq,
                                            self.device, group=self.sparse_planner.layer_group[k],
-                                           kv_layout=kv_layout)
+                                           bank_layout=kv_layout if bank else None)
         if self.graphs is not None:
             self.graphs.lazy_graphs.clear()
 
@@ -161,7 +162,7 @@ class ModelRunner:
         ih, itemsize = self.engine.config.plan.infinitehip, DTYPES[self.engine.config.build.kv_dtype].itemsize
         if ih is not None:
             act += self.max_seq_len * cfg.num_kv_heads * cfg.head_dim * itemsize
-            if uses_key_bank(ih):
+            if uses_key_bank(ih, self.max_seq_len, cfg.max_position_embeddings):
                 act += sum(MaskCache.bank_bytes(ih.stages_of(lp.index)[-1].k, max_num_seqs, cfg.num_kv_heads,
                                                 cfg.head_dim, itemsize)
                            for lp in self.engine.config.plan.layers if lp.plugin == "infinitehip")

@@ -194,9 +194,12 @@ class SparsePlanner:
             dynamic_rope=h.dynamic_rope)
 
 
-def uses_key_bank(cfg: InfiniteHipConfig) -> bool:
-    """Whether the layers keep a rotated key bank (it serves the streaming attention style)."""
-    return cfg.key_bank and cfg.attention_rope == "streaming"
+def uses_key_bank(cfg: InfiniteHipConfig, max_seq_len: int, trained_window: int) -> bool:
+    """Whether the layers keep a rotated key bank: it serves the streaming attention style, and
+    only steps with dynamic RoPE read it, so a runner whose sequences all fit the trained window
+    (with ``rope_off_in_trained_window``) does not spend the memory."""
+    dynamic_possible = not cfg.rope_off_in_trained_window or max_seq_len > trained_window
+    return cfg.key_bank and cfg.attention_rope == "streaming" and dynamic_possible
 
 
 class InfiniteHipLayer:
@@ -204,16 +207,15 @@ class InfiniteHipLayer:
 
     def __init__(self, cfg: InfiniteHipConfig, layer: int, max_slots: int, scale: float,
                  inv_freq: torch.Tensor, device: torch.device, group: int = 0,
-                 kv_layout: tuple[int, int, torch.dtype] | None = None):
-        """kv_layout: (Hkv, D, dtype) of the KV cache; needed for the key bank (cfg.key_bank)."""
+                 bank_layout: tuple[int, int, torch.dtype] | None = None):
+        """bank_layout: (Hkv, D, dtype) of the KV cache to keep a rotated key bank of
+        (uses_key_bank), else None."""
         assert inv_freq.dtype == torch.float32, "RoPE inv_freq is stored in float32"
         self.cfg, self.scale, self.inv_freq = cfg, scale, inv_freq
         self.group = group  # refresh-phase group (SparsePlanner.layer_group)
         self.stages = cfg.stages_of(layer)
         self.pruning_rope = cfg.pruning_rope_of(layer)
-        bank = uses_key_bank(cfg)
-        assert not bank or kv_layout is not None, "the key bank needs the KV cache's layout"
-        self.cache = MaskCache(self.stages, max_slots, device, bank=kv_layout if bank else None)
+        self.cache = MaskCache(self.stages, max_slots, device, bank=bank_layout)
 
     def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
             block_tables: torch.Tensor, step: SparseStep, out: torch.Tensor,

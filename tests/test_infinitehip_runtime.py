@@ -203,7 +203,7 @@ def test_key_bank_matches_rotating_every_step(engines, monkeypatch):
         return real_attn(*a, **k)
     monkeypatch.setattr(sa, "write_key_bank", spy_write)
     monkeypatch.setattr(sa, "sparse_decode_attention", spy_attn)
-    rotating = generate(engines["3k"], knobs, prompts, params)
+    rotating = generate(engines["3k"], dict(knobs, key_bank=False), prompts, params)
     assert writes == [] and bank_calls and not any(bank_calls)
     banked = generate(engines["3k"], dict(knobs, key_bank=True), prompts, params)
     assert writes and all(bank_calls[len(bank_calls) // 2:]), "every banked decode step reads the bank"
@@ -212,9 +212,12 @@ def test_key_bank_matches_rotating_every_step(engines, monkeypatch):
 
 def test_key_bank_memory_is_reserved(engines):
     """The default KV budget leaves room for the banks: (slots + 1) x final k x Hkv x D per
-    InfiniteHiP layer (special layers keep special_final_k)."""
-    off = LLM(engines["3k"], max_num_seqs=3).runner
-    on = LLM(engines["3k"], max_num_seqs=3, infinitehip_overrides={"key_bank": True}).runner
+    InfiniteHiP layer (special layers keep special_final_k), and only when a step can have
+    dynamic RoPE: with rope_off_in_trained_window and every sequence inside the trained window
+    the bank is never read, so none is kept."""
+    past_window = {"rope_off_in_trained_window": False}
+    off = LLM(engines["3k"], max_num_seqs=3, infinitehip_overrides=dict(past_window, key_bank=False)).runner
+    on = LLM(engines["3k"], max_num_seqs=3, infinitehip_overrides=dict(past_window, key_bank=True)).runner
     plan = on.engine.config.plan
     cfg, ih = on.engine.config.model, plan.infinitehip
     final_ks = [ih.stages_of(lp.index)[-1].k for lp in plan.layers if lp.plugin == "infinitehip"]
@@ -222,6 +225,11 @@ def test_key_bank_memory_is_reserved(engines):
     assert on.non_kv_bytes(3, 64) - off.non_kv_bytes(3, 64) == expected > 0
     banks = [layer.self_attn.sparse.cache.bank for layer in on.model.layers if layer.self_attn.sparse]
     assert sum(b.numel() * b.element_size() for b in banks) == expected
+
+    inside = LLM(engines["3k"], max_num_seqs=3, infinitehip_overrides={"key_bank": True}).runner
+    assert inside.max_seq_len <= cfg.max_position_embeddings  # the test engine fits its window
+    assert inside.non_kv_bytes(3, 64) == off.non_kv_bytes(3, 64)
+    assert all(layer.self_attn.sparse.cache.bank is None for layer in inside.model.layers if layer.self_attn.sparse)
 
 
 def test_solo_last_query_gets_its_own_block(engines, dense_tokens, monkeypatch):
@@ -243,6 +251,7 @@ def test_solo_last_query_gets_its_own_block(engines, dense_tokens, monkeypatch):
     last_lens.clear()
     generate(engines["cover"], dict(LOW, solo_last_query=False), prompts)
     assert last_lens and all(n > 1 for n in last_lens), "off: no block of one"
-    assert EngineConfig.load(engines["3k"]).plan.infinitehip.solo_last_query, "the presets turn it on"
+    stored = EngineConfig.load(engines["3k"]).plan.infinitehip
+    assert stored.solo_last_query and stored.key_bank, "the presets turn them on"
     out = generate(engines["3k"], dict(LOW, solo_last_query=True), prompts)
     assert [len(t) for t in out] == [GREEDY.max_tokens]

@@ -48,7 +48,7 @@ from .raw_keys import RawKeys
 from .rope_styles import (C_CHUNK_INDEXED, C_NONE, C_RELATIVE, CHUNK_INDEXED, NONE, RELATIVE,
                           check_rotatable, load_rotated, load_rotated_by, rope_style_id, sin_cos_of)
 
-_BLOCK_C = 16  # chunks per program (tl.dot needs >= 16 columns)
+_BLOCK_C = 32  # chunks per program (tl.dot needs >= 16 columns)
 
 
 @triton.jit
@@ -285,12 +285,10 @@ def select_rep_scores(q, k_cache, block_tables, q_start, q_lens, ends, candidate
     max_chunks = triton.cdiv(max_candidates, chunk_size)
     G = Hq // Hkv
     BLOCK_Q = max(16, next_pow2(triton.cdiv(block_q, query_stride) * G))
-    # Measured on the H200 (docs/benchmarks.md): 32 chunks per tile for prefill-sized query
-    # tiles and for decode's stage 1 (1M keys: 211 vs 285 µs with 16); later decode stages
-    # keep 16 (not measured apart).
-    # With dynamic RoPE decode's stage 1 does best with 64 (1M keys: 94 vs 113 µs, 2026-11-30e).
-    BLOCK_C = block_c or (64 if candidates is None and BLOCK_Q < 128 and style != NONE
-                          else 32 if BLOCK_Q >= 128 or candidates is None else _BLOCK_C)
+    # Measured on the H200 (docs/benchmarks.md): 32 chunks per tile (decode stage 1 at 1M keys:
+    # 211 vs 285 µs with 16; decode stages 2 / 3 under dynamic RoPE: 32 vs 54 µs and 23 vs
+    # 39 µs, 2026-11-30f); with dynamic RoPE decode's stage 1 does best with 64 (94 vs 113 µs).
+    BLOCK_C = block_c or (64 if candidates is None and BLOCK_Q < 128 and style != NONE else _BLOCK_C)
     n_tiles = triton.cdiv(max_chunks, BLOCK_C)
     # Several tiles per program only when the grid is huge (prefill): the query tile is then
     # loaded and rotated once per TILES tiles; decode grids stay one tile per program.
