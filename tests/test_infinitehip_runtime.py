@@ -233,7 +233,7 @@ def test_key_bank_memory_is_reserved(engines):
 
 
 def test_solo_last_query_gets_its_own_block(engines, dense_tokens, monkeypatch):
-    """solo_last_query (the presets' default): the prefill chunk whose last token is sampled
+    """solo_last_query (a runtime knob): the prefill chunk whose last token is sampled
     gives that query a block of one (its mask scored by it alone); other chunks keep whole
     blocks. Covering sets still equal dense, and real pruning generates."""
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
@@ -252,6 +252,6 @@ def test_solo_last_query_gets_its_own_block(engines, dense_tokens, monkeypatch):
     generate(engines["cover"], dict(LOW, solo_last_query=False), prompts)
     assert last_lens and all(n > 1 for n in last_lens), "off: no block of one"
     stored = EngineConfig.load(engines["3k"]).plan.infinitehip
-    assert stored.solo_last_query and stored.key_bank, "the presets turn them on"
+    assert stored.key_bank and not stored.solo_last_query, "the presets' defaults (builder/presets.py)"
     out = generate(engines["3k"], dict(LOW, solo_last_query=True), prompts)
     assert [len(t) for t in out] == [GREEDY.max_tokens]

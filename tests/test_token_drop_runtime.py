@@ -29,7 +29,7 @@ from infhip.runtime.sequence import Sequence
 from tests._td_reference import reference_logits
 from tests._tiny import write_tiny_hf_checkpoint
 
-TINY = dict(n=8, G=8, A=8, min_len=0)  # knobs scaled to ~200-token prompts
+TINY = dict(n=8, G=8, A=8, min_len=0, spare=0)  # knobs scaled to ~200-token prompts; the paper: every anchor drops
 GEMMA_TYPES = ["sliding_attention", "full_attention", "sliding_attention", "sliding_attention",
                "full_attention", "sliding_attention"]
 
@@ -106,7 +106,7 @@ def test_top_p_selection_equals_reference(engine, p, spare):
     Odd prompt length (a partial last block); one prefill chunk. spare: the first anchors keep
     every token (TokenDropConfig.spare_anchors) and record nothing."""
     ids = prompt(6, 203)
-    llm = LLM(engine, token_drop=dict(p=p, spare_anchors=spare, **TINY))
+    llm = LLM(engine, token_drop=dict(TINY, p=p, spare=spare))
     llm.runner.record_kept_positions = True
     tokens, logits, sid = run_greedy(llm, ids, 4)
     kept = {layer: torch.cat(chunks) for layer, chunks in llm.runner.kept_positions[sid].items()}
@@ -168,6 +168,11 @@ def test_build_flag_config_round_trip_and_old_engines(engine, tmp_path):
     rc = build_main(["--checkpoint", str(hf), "--output", str(tmp_path / "c"), "--dtype", "float32",
                      "--device", "cpu", "--quiet", "--token-drop"])
     assert rc == 0 and EngineConfig.load(tmp_path / "c").plan.token_drop == TokenDropConfig()
+    assert TokenDropConfig().spare_anchors == 1  # the default spares the first anchor ...
+    cfg = json.loads((tmp_path / "c" / "config.json").read_text())
+    del cfg["plan"]["token_drop"]["spare_anchors"]  # ... engines from before the knob did not
+    (tmp_path / "c" / "config.json").write_text(json.dumps(cfg))
+    assert EngineConfig.load(tmp_path / "c").plan.token_drop == TokenDropConfig(spare_anchors=0)
     assert LLM(tmp_path / "c", token_drop=False).runner.token_drop is None
 
 
