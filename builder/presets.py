@@ -41,7 +41,7 @@ QUERY_STRIDES = (4, 4, 1)
 SOLO_LAST_QUERY = False
 # Past the trained window a refresh of the last stage rotates its keys once into a per-request
 # bank that the cached decode steps read (plugins/infinitehip/key_bank.py): Llama-3.1-8B shapes at
-# 1M keys, 3k-flash 29.3 -> 23.0 µs/layer (32.4x -> 41.2x SDPA), 3k 44.6 -> 38.6 µs
+# 1M keys, 3k-flash 27.2 -> 21.0 µs/layer (34.9x -> 45.3x SDPA), 3k 38.9 -> 32.9 µs
 # (docs/benchmarks.md). Memory: (max_num_seqs + 1) x final k x Hkv x D per layer (4 MiB per
 # sequence and layer for Llama-8B), reserved only when max_seq_len exceeds the trained window.
 KEY_BANK = True
