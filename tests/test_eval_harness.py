@@ -190,6 +190,6 @@ def test_token_drop_flag(tiny, tmp_path):
     base = ppl()
     assert ppl("--token-drop", "off") == base
     assert ppl("--token-drop", "p=1,min_len=0") == pytest.approx(base, rel=1e-9)
-    assert ppl("--token-drop", "rho=0.3,n=8,G=8,A=8,min_len=0") != pytest.approx(base, rel=1e-3)
+    assert ppl("--token-drop", "rho=0.3,n=8,G=8,A=8,min_len=0,spare=0") != pytest.approx(base, rel=1e-3)
     assert cli.main(["ppl", "--engine", str(engine), "--lengths", "64", "--token-drop", "q=1"]) == 2
     assert cli.main(["ppl", "--engine", str(engine), "--lengths", "64", "--token-drop", "spare=-1"]) == 2
