@@ -117,6 +117,7 @@ def test_bad_input_exits_2(tiny, tmp_path, capsys):
     assert cli.main(["passkey", "--engine", str(engine), "--lengths", "4k"]) == 2  # over max_seq_len 1024
     assert cli.main(["agree", "--engine", str(engine), "--lengths", "64"]) == 2  # no --reference
     assert cli.main(["ppl", "--engine", str(engine), "--max-num-seqs", "0"]) == 2
+    assert cli.main(["ppl", "--engine", str(engine), "--max-num-batched-tokens", "0"]) == 2
     assert cli.main(["ppl", "--engine", str(engine), "--lengths", "64", "--chunk", "16", "--kv-cache-gib", "1e-5"]) == 2
     err = capsys.readouterr().err
     assert "max_seq_len" in err and "--reference" in err and "KV cache budget" in err
@@ -181,15 +182,19 @@ def test_token_drop_flag(tiny, tmp_path):
     own perplexity, a forced 30 % retention changes it; a bad key exits 2."""
     _, _, engine, _ = tiny
 
-    def ppl(*extra):
+    def ppl(*extra, chunk=None):
         out = tmp_path / f"ppl{len(list(tmp_path.iterdir()))}.json"
         assert cli.main(["ppl", "--engine", str(engine), "--lengths", "256", "--chunk", "16", "--samples", "1",
                          "--json", str(out), *extra]) == 0
-        return json.loads(out.read_text())["summary"][0]["score"]
+        result = json.loads(out.read_text())
+        if chunk is not None:  # the flag reached the engine
+            assert [i["max_num_batched_tokens"] for i in result["settings"]["engine_info"].values()] == [chunk]
+        return result["summary"][0]["score"]
 
     base = ppl()
     assert ppl("--token-drop", "off") == base
     assert ppl("--token-drop", "p=1,min_len=0") == pytest.approx(base, rel=1e-9)
+    assert ppl("--max-num-batched-tokens", "64", chunk=64) == pytest.approx(base, rel=1e-4)  # chunked: exact
     assert ppl("--token-drop", "rho=0.3,n=8,G=8,A=8,min_len=0,spare=0") != pytest.approx(base, rel=1e-3)
     assert cli.main(["ppl", "--engine", str(engine), "--lengths", "64", "--token-drop", "q=1"]) == 2
     assert cli.main(["ppl", "--engine", str(engine), "--lengths", "64", "--token-drop", "spare=-1"]) == 2

@@ -42,6 +42,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="ppl/agree: scored tail tokens (ppl 256, agree 128); recall: measured queries (64)")
     p.add_argument("--device", default=None, help="cpu / cuda (default: the engine's target)")
     p.add_argument("--max-num-seqs", type=int, default=None, help="sequences per step (default: the engine's)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="tokens per engine step, i.e. the prefill chunk (default: the engine's); "
+                        "smaller values make long prompts prefill in several chunks")
     p.add_argument("--kv-cache-gib", type=float, default=None,
                    help="KV cache size (default: 90%% of free GPU memory, 2 GiB on CPU)")
     p.add_argument("--infinitehip", default=None, metavar="KEY=VALUE[,KEY=VALUE]",
@@ -95,8 +98,11 @@ def _llm_kwargs(args: argparse.Namespace) -> dict:
         raise EvalError(f"--max-num-seqs must be >= 1, got {args.max_num_seqs}")
     if args.kv_cache_gib is not None and args.kv_cache_gib <= 0:
         raise EvalError(f"--kv-cache-gib must be positive, got {args.kv_cache_gib}")
+    if args.max_num_batched_tokens is not None and args.max_num_batched_tokens < 1:
+        raise EvalError(f"--max-num-batched-tokens must be >= 1, got {args.max_num_batched_tokens}")
     gib = None if args.kv_cache_gib is None else int(args.kv_cache_gib * (1 << 30))
     return {"max_num_seqs": args.max_num_seqs, "kv_cache_memory_bytes": gib,
+            "max_num_batched_tokens": args.max_num_batched_tokens,
             "infinitehip_overrides": parse_overrides(args.infinitehip),
             "token_drop": parse_token_drop_arg(args.token_drop)}
 

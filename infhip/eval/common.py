@@ -72,8 +72,10 @@ def check_fits(llm, length: int, extra: int = 0) -> None:
 
 
 def engine_info(llm) -> dict:
-    """What a result depends on besides the weights: dtype, plan preset, limits, device."""
+    """What a result depends on besides the weights: dtype, plan preset, limits (the prefill
+    chunk too: token drop's passes are chunks), device."""
     build = llm.engine.config.build
     return {"dtype": build.dtype, "kv_dtype": build.kv_dtype, "preset": llm.engine.config.plan.preset,
-            "max_seq_len": build.max_seq_len, "device": str(llm.runner.device),
+            "max_seq_len": build.max_seq_len, "max_num_batched_tokens": llm.scheduler.max_num_batched_tokens,
+            "device": str(llm.runner.device),
             "architecture": llm.engine.config.model.architecture}
