@@ -81,6 +81,39 @@ def test_select_rep_matches_reference_exactly(Hq, Hkv, D, page_size, block_q, q_
             == chosen_chunk_scores(ref_sel, ref_n, cand, ref_scores, chunk_size))
 
 
+@pytest.mark.parametrize("block_q,q_lens", QUERIES)
+@pytest.mark.parametrize("explicit", [False, True])
+@pytest.mark.parametrize("rope_style", ["none", "relative"])
+def test_keys_as_rows_scores_the_same(block_q, q_lens, explicit, rope_style):
+    """The transposed score tiles (keys_as_rows, a launch choice) give the same representatives
+    and chunk scores as the default tiles and the reference: dyadic inputs without RoPE (exact
+    dots), and un-rotated keys under RELATIVE (the prefill path), where they must match the
+    default launch to float tolerance and the same winners. n_stream 2 < b_q: the causal mask
+    inside the block is exercised too."""
+    Hq, Hkv, D = 6, 2, 32
+    seqs, q, (q_start, lens, ends, tables) = setup(Hq, Hkv, D, 16, q_lens, block_q, seed=11,
+                                                   dyadic=rope_style == "none")
+    cand, cand_lens = random_candidates(seqs.generator, ends) if explicit else (None, None)
+    kw = dict(chunk_size=8, n_sink=N_SINK, n_stream=2, block_q=block_q, store_reps=True)
+    if rope_style != "none":
+        freq = inv_freq(D)
+        kw.update(rope_style=rope_style, inv_freq=freq, raw_keys=raw_keys_of(seqs, q_lens, block_q, freq))
+    base, base_reps = select_rep_scores(q, seqs.k_cache, tables, q_start, lens, ends, cand, cand_lens, **kw)
+    rows, rows_reps = select_rep_scores(q, seqs.k_cache, tables, q_start, lens, ends, cand, cand_lens,
+                                        keys_as_rows=True, **kw)
+    assert torch.isfinite(base).any()
+    if rope_style == "none":
+        assert torch.equal(rows, base) and torch.equal(rows_reps, base_reps)
+        ref_scores, ref_reps, _ = select_rep_scores_ref(
+            q, seqs.k_cache, tables, q_start, lens, ends, cand, cand_lens, chunk_size=8, n_sink=N_SINK,
+            n_stream=2, max_candidates=None if explicit else rows.shape[1] * 8)
+        assert torch.equal(rows.double().cpu()[:, :ref_scores.shape[1]], ref_scores)
+        assert torch.equal(rows_reps.cpu()[..., :ref_reps.shape[2]], ref_reps)
+    else:
+        torch.testing.assert_close(rows, base, rtol=1e-5, atol=1e-5)
+        assert (rows_reps == base_reps).float().mean() > 0.95  # near-ties may flip a winner
+
+
 def test_topk_chunks_matches_reference():
     """Continuous random scores (no ties): identical survivors, ascending, PAD-padded, short last
     chunk and blocks with fewer chunks than K included."""

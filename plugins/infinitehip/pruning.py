@@ -81,9 +81,16 @@ def _load_keys(tok, tok_valid, key_pos, k_head_ptr, table_row, raw_base, sin, co
 
 
 @triton.jit
-def _max_score(q, k, q_pos, row_valid, tok, tok_valid, DOT_PRECISION: tl.constexpr):
+def _max_score(q, k, q_pos, row_valid, tok, tok_valid, DOT_PRECISION: tl.constexpr,
+               KEYS_AS_ROWS: tl.constexpr):
     """sigma of BLOCK_C keys k [BLOCK_C, BLOCK_D] (q's dtype): causal max over the q rows
-    [BLOCK_Q, BLOCK_D] of q . k -> [BLOCK_C] (-inf where invalid)."""
+    [BLOCK_Q, BLOCK_D] of q . k -> [BLOCK_C] (-inf where invalid). KEYS_AS_ROWS computes the
+    transposed product k . q^T [BLOCK_C, BLOCK_Q] and reduces along its rows instead of its
+    columns (the same values; a launch choice: which reduction stays inside a warp)."""
+    if KEYS_AS_ROWS:
+        s = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)  # [BLOCK_C, BLOCK_Q]
+        visible = tok_valid[:, None] & row_valid[None, :] & (tok[:, None] <= q_pos[None, :])
+        return tl.max(tl.where(visible, s, float("-inf")), axis=1)
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [BLOCK_Q, BLOCK_C]
     visible = row_valid[:, None] & tok_valid[None, :] & (tok[None, :] <= q_pos[:, None])
     return tl.max(tl.where(visible, s, float("-inf")), axis=0)
@@ -95,7 +102,7 @@ def _tournament_tile(q_left, q_right, q_pos, row_valid, first_chunk, n_cand, can
                      chunk_size, num_iters,
                      PAGE_SIZE: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr,
                      CAND_IMPLICIT: tl.constexpr, ROPE_STYLE: tl.constexpr, RAW_KEYS: tl.constexpr,
-                     KEY_ROTATION: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                     KEY_ROTATION: tl.constexpr, DOT_PRECISION: tl.constexpr, KEYS_AS_ROWS: tl.constexpr):
     """SelectRep on BLOCK_C chunks of one kv head in lock-step -> (sigma of each winner [BLOCK_C],
     -inf for empty chunks; the winner's offset within its chunk [BLOCK_C]). q_left / q_right:
     the query tile scoring left / right representatives (the same tile except under RELATIVE,
@@ -115,7 +122,7 @@ def _tournament_tile(q_left, q_right, q_pos, row_valid, first_chunk, n_cand, can
     tok = _candidate_tokens(cand_row, base, has, n_sink, CAND_IMPLICIT)
     k = _load_keys(tok, has, key_pos, k_head, table_row, raw_base, sin, cos, stride_cp, stride_cs, stride_rt,
                    inv_freq_ptr, head_dim, PAGE_SIZE, BLOCK_D, RAW_KEYS, KEY_ROTATION).to(q_left.dtype)
-    s_left = _max_score(q_left, k, q_pos, row_valid, tok, has, DOT_PRECISION)
+    s_left = _max_score(q_left, k, q_pos, row_valid, tok, has, DOT_PRECISION, KEYS_AS_ROWS)
     best = s_left
     half = chunk_size
     for _ in range(num_iters):
@@ -126,14 +133,15 @@ def _tournament_tile(q_left, q_right, q_pos, row_valid, first_chunk, n_cand, can
         k = _load_keys(r_tok, r_valid, key_pos, k_head, table_row, raw_base, sin, cos, stride_cp, stride_cs,
                        stride_rt, inv_freq_ptr, head_dim, PAGE_SIZE, BLOCK_D, RAW_KEYS,
                        KEY_ROTATION).to(q_left.dtype)
-        s_right = _max_score(q_right, k, q_pos, row_valid, r_tok, r_valid, DOT_PRECISION)
+        s_right = _max_score(q_right, k, q_pos, row_valid, r_tok, r_valid, DOT_PRECISION, KEYS_AS_ROWS)
         wins = s_right > s_left
         first = tl.where(wins, right, first)
         best = tl.maximum(s_left, s_right)  # sigma of the winner
         if ROPE_STYLE == C_RELATIVE:
             # the winner is the next range's first, i.e. the left branch: its sigma at the left
             # position, from the key already loaded (no reload, no second rotation)
-            s_left = tl.where(wins, _max_score(q_left, k, q_pos, row_valid, r_tok, r_valid, DOT_PRECISION), s_left)
+            s_left = tl.where(wins, _max_score(q_left, k, q_pos, row_valid, r_tok, r_valid, DOT_PRECISION, KEYS_AS_ROWS),
+                              s_left)
         else:
             s_left = best
     return best, first
@@ -175,6 +183,7 @@ def _select_rep_kernel(
     #                              un-rotate), 2 by chunk index (raw CHUNK_INDEXED)
     DOT_F32: tl.constexpr,  # float32 dot operands (CPU interpreter, float32 caches)
     DOT_PRECISION: tl.constexpr,
+    KEYS_AS_ROWS: tl.constexpr,  # score tiles as [chunks, queries] (_max_score)
 ):
     blk = tl.program_id(0)
     kv_head = tl.program_id(2)
@@ -221,7 +230,7 @@ def _select_rep_kernel(
                                        table_row, k_head, raw_base, inv_freq_ptr, stride_cp, stride_cs,
                                        stride_rt, head_dim, n_sink, chunk_size, num_iters, PAGE_SIZE,
                                        BLOCK_C, BLOCK_D, CAND_IMPLICIT, ROPE_STYLE, RAW_KEYS,
-                                       KEY_ROTATION, DOT_PRECISION)
+                                       KEY_ROTATION, DOT_PRECISION, KEYS_AS_ROWS)
         chunk = first_chunk + tl.arange(0, BLOCK_C)
         in_row = chunk < max_chunks
         tl.store(scores_ptr + out_row + chunk, best, mask=in_row)
@@ -248,7 +257,7 @@ def select_rep_scores(q, k_cache, block_tables, q_start, q_lens, ends, candidate
                       inv_freq: torch.Tensor | None = None, store_reps: bool = False,
                       head_normalized: bool = False, query_stride: int = 1,
                       raw_keys: RawKeys | None = None, block_c: int | None = None,
-                      tiles: int | None = None, num_warps: int | None = None):
+                      tiles: int | None = None, num_warps: int | None = None, keys_as_rows: bool = False):
     """Triton SelectRep: chunk scores float32 [NB, max_chunks] and (store_reps) representatives
     int32 [NB, Hkv, max_chunks]. candidates None = stage 1 (the middle, implicitly); then
     max_candidates must be >= every block's middle length (a fixed capacity keeps the grid
@@ -257,7 +266,8 @@ def select_rep_scores(q, k_cache, block_tables, q_start, q_lens, ends, candidate
     the max over heads (InfiniteHipConfig.chunk_score). query_stride: score with every s-th query
     of a block (InfiniteHipConfig.query_strides). raw_keys: the blocks' keys at position 0
     (raw_keys.unrotate_keys), read instead of re-rotating cached keys when a dynamic RoPE style
-    is on (ignored for "none"). block_c / tiles / num_warps: tuning overrides."""
+    is on (ignored for "none"). block_c / tiles / num_warps / keys_as_rows: tuning overrides
+    (keys_as_rows: score tiles transposed, the same values)."""
     T, Hq, D = q.shape
     num_pages, page_size, Hkv, Dk = k_cache.shape
     NB = ends.shape[0]
@@ -318,7 +328,7 @@ def select_rep_scores(q, k_cache, block_tables, q_start, q_lens, ends, candidate
         ROPE_STYLE=style, RAW_KEYS=raw is not None,
         KEY_ROTATION=0 if style == NONE or (raw is not None and style == RELATIVE) else 2 if raw is not None else 1,
         DOT_F32=not q.is_cuda or q.dtype == torch.float32,
-        DOT_PRECISION=dot_precision(q.dtype if q.is_cuda else torch.float32),
+        DOT_PRECISION=dot_precision(q.dtype if q.is_cuda else torch.float32), KEYS_AS_ROWS=keys_as_rows,
         # H200, 1M keys: 256-row query tiles (stride 1) 8 warps (stage 1 112 vs 163 ms, stage 3
         # 14 vs 27 ms); 64-row tiles (stride 4) and decode 4 (stage 1 24 vs 35 ms)
         num_warps=num_warps or (8 if BLOCK_Q >= 256 else 4),
