@@ -21,15 +21,17 @@ N_SINK, N_STREAM = 64, 256
 CONTEXTS = [6007, 2501]
 
 
-@pytest.mark.parametrize("block_q,q_lens", [(1, [1, 1]), (64, [150, 64])])
+@pytest.mark.parametrize("block_q,q_lens,query_stride", [(1, [1, 1], 1), (64, [150, 64], 1), (64, [150, 64], 4)])
 @pytest.mark.parametrize("rope_style", ["none", "relative", "chunk_indexed"])
-def test_pruning_stage_exact_at_llama8b_shapes(block_q, q_lens, rope_style):
+def test_pruning_stage_exact_at_llama8b_shapes(block_q, q_lens, query_stride, rope_style):
     """Dyadic bf16 inputs make every q.k exact in float32 accumulation, so the kept chunks must
-    have exactly the reference's scores (stage 1 implicit, then an explicit stage)."""
+    have exactly the reference's scores (stage 1 implicit, then an explicit stage). Stride 4
+    gives 64-row query tiles, which stage 1 scores as [chunks, queries] (keys_as_rows)."""
     seqs = PagedSeqs(CONTEXTS, HKV, D, PAGE, seed=block_q, dyadic=rope_style == "none", dtype=torch.bfloat16)
     q = random_rows(seqs.generator, (sum(q_lens), HQ, D), rope_style == "none", torch.bfloat16).to(DEVICE)
     q_start, lens, ends, tables = seqs.blocks(q_lens, block_q)
-    kw = dict(block_q=block_q, n_sink=N_SINK, n_stream=N_STREAM, rope_style=rope_style, inv_freq=inv_freq(D))
+    kw = dict(block_q=block_q, n_sink=N_SINK, n_stream=N_STREAM, rope_style=rope_style, inv_freq=inv_freq(D),
+              query_stride=query_stride)
     sel, n = pruning_stage(q, seqs.k_cache, tables, q_start, lens, ends, chunk_size=32, k=1024,
                            max_candidates=max(CONTEXTS), **kw)
     ref, ref_n = pruning_stage_ref(q, seqs.k_cache, tables, q_start, lens, ends, chunk_size=32, k=1024,
@@ -39,7 +41,7 @@ def test_pruning_stage_exact_at_llama8b_shapes(block_q, q_lens, rope_style):
         from infhip.plugins.infinitehip import select_rep_scores_ref
         scores, _, _ = select_rep_scores_ref(q, seqs.k_cache, tables, q_start, lens, ends, None, None,
                                              chunk_size=32, n_sink=N_SINK, n_stream=N_STREAM,
-                                             max_candidates=max(CONTEXTS))
+                                             max_candidates=max(CONTEXTS), query_stride=query_stride)
         assert chosen_chunk_scores(sel, n, None, scores, 32) == chosen_chunk_scores(ref, ref_n, None, scores, 32)
     else:  # rotations round differently in bf16/float32 vs float64: near-identical sets
         same = [len(set(a[:m].tolist()) & set(b[:m].tolist())) / int(m)

@@ -85,7 +85,8 @@ def test_select_rep_matches_reference_exactly(Hq, Hkv, D, page_size, block_q, q_
 @pytest.mark.parametrize("explicit", [False, True])
 @pytest.mark.parametrize("rope_style", ["none", "relative"])
 def test_keys_as_rows_scores_the_same(block_q, q_lens, explicit, rope_style):
-    """The transposed score tiles (keys_as_rows, a launch choice) give the same representatives
+    """The transposed score tiles (keys_as_rows, a launch choice; stage 1's default for 32-128-row
+    query tiles) give the same representatives
     and chunk scores as the default tiles and the reference: dyadic inputs without RoPE (exact
     dots), and un-rotated keys under RELATIVE (the prefill path), where they must match the
     default launch to float tolerance and the same winners. n_stream 2 < b_q: the causal mask
@@ -98,7 +99,8 @@ def test_keys_as_rows_scores_the_same(block_q, q_lens, explicit, rope_style):
     if rope_style != "none":
         freq = inv_freq(D)
         kw.update(rope_style=rope_style, inv_freq=freq, raw_keys=raw_keys_of(seqs, q_lens, block_q, freq))
-    base, base_reps = select_rep_scores(q, seqs.k_cache, tables, q_start, lens, ends, cand, cand_lens, **kw)
+    base, base_reps = select_rep_scores(q, seqs.k_cache, tables, q_start, lens, ends, cand, cand_lens,
+                                        keys_as_rows=False, **kw)
     rows, rows_reps = select_rep_scores(q, seqs.k_cache, tables, q_start, lens, ends, cand, cand_lens,
                                         keys_as_rows=True, **kw)
     assert torch.isfinite(base).any()

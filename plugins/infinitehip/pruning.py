@@ -257,7 +257,7 @@ def select_rep_scores(q, k_cache, block_tables, q_start, q_lens, ends, candidate
                       inv_freq: torch.Tensor | None = None, store_reps: bool = False,
                       head_normalized: bool = False, query_stride: int = 1,
                       raw_keys: RawKeys | None = None, block_c: int | None = None,
-                      tiles: int | None = None, num_warps: int | None = None, keys_as_rows: bool = False):
+                      tiles: int | None = None, num_warps: int | None = None, keys_as_rows: bool | None = None):
     """Triton SelectRep: chunk scores float32 [NB, max_chunks] and (store_reps) representatives
     int32 [NB, Hkv, max_chunks]. candidates None = stage 1 (the middle, implicitly); then
     max_candidates must be >= every block's middle length (a fixed capacity keeps the grid
@@ -299,6 +299,13 @@ def select_rep_scores(q, k_cache, block_tables, q_start, q_lens, ends, candidate
     # 211 vs 285 µs with 16; decode stages 2 / 3 under dynamic RoPE: 32 vs 54 µs and 23 vs
     # 39 µs, 2026-11-30f); with dynamic RoPE decode's stage 1 does best with 64 (94 vs 113 µs).
     BLOCK_C = block_c or (64 if candidates is None and BLOCK_Q < 128 and style != NONE else _BLOCK_C)
+    # Score tiles as [chunks, queries] for stage 1 with mid-sized query tiles: H200, 1M keys, a
+    # 32K prefill chunk at stride 4 (64-row tiles): 14.8 vs 25.4 ms (raw keys), 31.4 vs 51.3 ms
+    # (re-rotated); slower for 256-row tiles (stride 1: 137 vs 113 ms) and for the gathered
+    # candidates of later stages (stage 2: 7.9 vs 5.7 ms, stage 3: 16.6 vs 14.2 ms), 2026-11-30f.
+    # 32- and 128-row tiles are not measured; decode (16 rows) keeps the default.
+    if keys_as_rows is None:
+        keys_as_rows = candidates is None and 32 <= BLOCK_Q <= 128
     n_tiles = triton.cdiv(max_chunks, BLOCK_C)
     # Several tiles per program only when the grid is huge (prefill): the query tile is then
     # loaded and rotated once per TILES tiles; decode grids stay one tile per program.
