@@ -86,11 +86,10 @@ def test_select_rep_matches_reference_exactly(Hq, Hkv, D, page_size, block_q, q_
 @pytest.mark.parametrize("rope_style", ["none", "relative"])
 def test_keys_as_rows_scores_the_same(block_q, q_lens, explicit, rope_style):
     """The transposed score tiles (keys_as_rows, a launch choice; stage 1's default for 32-128-row
-    query tiles) give the same representatives
-    and chunk scores as the default tiles and the reference: dyadic inputs without RoPE (exact
-    dots), and un-rotated keys under RELATIVE (the prefill path), where they must match the
-    default launch to float tolerance and the same winners. n_stream 2 < b_q: the causal mask
-    inside the block is exercised too."""
+    query tiles) give the same representatives and chunk scores as the default tiles and the
+    reference: dyadic inputs without RoPE (exact dots), and un-rotated keys under RELATIVE (the
+    prefill path), where they must match the default launch to float tolerance and the same
+    winners. n_stream 2 < b_q: the causal mask inside the block is exercised too."""
     Hq, Hkv, D = 6, 2, 32
     seqs, q, (q_start, lens, ends, tables) = setup(Hq, Hkv, D, 16, q_lens, block_q, seed=11,
                                                    dyadic=rope_style == "none")
