@@ -7,6 +7,7 @@
 #   bash benchmarks/gpu_quality.sh smol-chunk-score   SmolLM2 3k: chunk_score max vs head_normalized
 #   bash benchmarks/gpu_quality.sh smol-query-stride  SmolLM2 3k: prefill query strides 1,1,1 vs 4,4,1 vs 4,4,4
 #   bash benchmarks/gpu_quality.sh smol-solo-last     SmolLM2 3k: solo_last_query off vs on
+#   bash benchmarks/gpu_quality.sh smol-layer-bisect  SmolLM2 3k, 8K passkey: pruning in all / lower / upper layers
 set -eo pipefail
 OUT=${OUT:-/tmp/infhip-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD/.stage/pylib:$PYTHONPATH
@@ -72,6 +73,30 @@ smol-solo-last)  # the sampled prefill query scores its own mask (solo_last_quer
         smol_3k_solo$solo
   done
   ;;
+smol-layer-bisect)  # which layers' pruning loses the 8K passkey: pruning in every layer, only
+  # the lower half (upper half dense), only the upper half; 8K keeps every dense layer in its window
+  S=engines/smol-3k-bf16
+  join smol-3k-bf16
+  for half in low high; do
+    D=engines/smol-3k-$half-only
+    if [ ! -d $D ]; then  # the same weights (hard links), a plan with half of the layers dense
+      mkdir -p $D && cp -rl $S/. $D/ && rm $D/config.json
+      HALF=$half python3 - <<'PY'
+import dataclasses, os
+from infhip.config import EngineConfig
+half = os.environ["HALF"]
+c = EngineConfig.load("engines/smol-3k-bf16")
+n = len(c.plan.layers)
+layers = tuple(lp if (lp.index < n // 2) == (half == "low") else dataclasses.replace(lp, plugin="dense")
+               for lp in c.plan.layers)
+dataclasses.replace(c, plan=dataclasses.replace(c.plan, layers=layers)).save(f"engines/smol-3k-{half}-only")
+PY
+    fi
+  done
+  E="--engine $S --engine engines/smol-3k-low-only --engine engines/smol-3k-high-only --device cuda --kv-cache-gib 16"
+  infhip-eval passkey $E --infinitehip query_strides=[4,4,1] --lengths 8k --depths 0.1,0.5 --samples 5 \
+      --json $OUT/passkey_smol_bisect.json --markdown $OUT/passkey_smol_bisect.md
+  ;;
 gemma)
   G=engines/gemma-dense-bf16
   join gemma-dense-bf16
@@ -82,5 +107,5 @@ gemma)
   infhip-eval niah $E --lengths 4k,16k,32k --variants single,multikey --depths 0.5 --samples 3 \
       --json $OUT/niah_gemma_gpu.json
   ;;
-*) echo "usage: bash benchmarks/gpu_quality.sh smol|gemma|smol-chunk-score|smol-query-stride|smol-solo-last" >&2; exit 2 ;;
+*) echo "usage: bash benchmarks/gpu_quality.sh smol|gemma|smol-chunk-score|smol-query-stride|smol-solo-last|smol-layer-bisect" >&2; exit 2 ;;
 esac
