@@ -71,13 +71,15 @@ def infinitehip_config(preset: str, overrides: dict[str, Any] | None = None,
 
     ``dense_threshold`` defaults to n_sink + n_stream + stage-1 k: below that context stage 1
     keeps every candidate, so pruning only narrows the later stages and dense attention over
-    that few keys (≤ 34K) is both exact and fast enough — but never above the model's
-    ``trained_window``: past it dense attention sees positions it was not trained on and fails
-    (SmolLM2's 8K), which is what InfiniteHiP's dynamic RoPE is for."""
+    that few keys (≤ 34K) is both exact and fast enough — but never above ``trained_window`` + 1
+    (a request goes sparse once its context reaches the threshold): a context that fills the
+    trained window exactly stays dense, and the first token past it goes sparse, where dense
+    attention would see positions the model was not trained on and fail (SmolLM2's 8K); that is
+    what InfiniteHiP's dynamic RoPE is for."""
     if preset not in _INFINITEHIP:
         raise ValueError(f"{preset!r} is not an InfiniteHiP preset; those are: {', '.join(_INFINITEHIP)}")
     stages, refresh = _INFINITEHIP[preset]
-    cap = trained_window or 1 << 62
+    cap = trained_window + 1 if trained_window else 1 << 62  # contexts <= the window stay dense
     base = InfiniteHipConfig(n_sink=N_SINK, n_stream=N_STREAM, stages=stages, refresh_intervals=refresh,
                              query_strides=QUERY_STRIDES, solo_last_query=SOLO_LAST_QUERY, key_bank=KEY_BANK,
                              special_layers=(0, 1, 2), special_final_k=4096,

@@ -38,11 +38,12 @@ def test_preset_knobs():
     tiny = infinitehip_config("3k", dict(n_sink=4, n_stream=8, stages=[(8, 4, 32), (8, 2, 16), (8, 1, 8)],
                                          special_final_k=16))
     assert tiny.dense_threshold == 4 + 8 + 32  # the rule follows overridden stages
-    # never above the trained window: past it dense fails and the sparse path must take over
-    assert infinitehip_config("3k", trained_window=8192).dense_threshold == 8192
+    # never past the trained window (dense fails there and the sparse path must take over), but
+    # a context filling it exactly stays dense: the first token past it is sparse
+    assert infinitehip_config("3k", trained_window=8192).dense_threshold == 8193
     assert infinitehip_config("3k", trained_window=131072).dense_threshold == 256 + 1024 + 32768
     assert infinitehip_config("3k", dict(n_sink=4, n_stream=8, stages=[(8, 4, 32), (8, 2, 16), (8, 1, 8)],
-                                         special_final_k=16), trained_window=20).dense_threshold == 20
+                                         special_final_k=16), trained_window=20).dense_threshold == 21
 
 
 @pytest.mark.parametrize("bad, needle", [
