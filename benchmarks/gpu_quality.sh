@@ -28,17 +28,7 @@ case ${1:-smol} in
 smol)
   S=engines/smol-3k-bf16; D=engines/smol-dense-bf16
   join smol-3k-bf16
-  if [ ! -d $D ]; then  # the same weights with the dense plan (hard links, new config.json)
-    mkdir -p $D && cp -rl $S/. $D/ && rm $D/config.json
-    python3 - <<'PY'
-import dataclasses
-from infhip.config import EngineConfig
-c = EngineConfig.load("engines/smol-3k-bf16")
-dense = dataclasses.replace(c.plan, preset="dense", infinitehip=None,
-                            layers=tuple(dataclasses.replace(l, plugin="dense") for l in c.plan.layers))
-dataclasses.replace(c, plan=dense).save("engines/smol-dense-bf16")
-PY
-  fi
+  [ -d $D ] || python3 benchmarks/replan_engine.py $S $D --sparse none  # same weights, dense plan
   E="--engine $D --engine $S --device cuda --kv-cache-gib 16"
   infhip-eval passkey $E --lengths 4k,8k,16k,32k --depths 0.1,0.5,0.9 --samples 5 \
       --json $OUT/passkey_smol_gpu.json --markdown $OUT/passkey_smol_gpu.md --plot $OUT/passkey_smol_gpu.png
@@ -77,21 +67,8 @@ smol-layer-bisect)  # which layers' pruning loses the 8K passkey: pruning in eve
   # the lower half (upper half dense), only the upper half; 8K keeps every dense layer in its window
   S=engines/smol-3k-bf16
   join smol-3k-bf16
-  for half in low high; do
-    D=engines/smol-3k-$half-only
-    if [ ! -d $D ]; then  # the same weights (hard links), a plan with half of the layers dense
-      mkdir -p $D && cp -rl $S/. $D/ && rm $D/config.json
-      HALF=$half python3 - <<'PY'
-import dataclasses, os
-from infhip.config import EngineConfig
-half = os.environ["HALF"]
-c = EngineConfig.load("engines/smol-3k-bf16")
-n = len(c.plan.layers)
-layers = tuple(lp if (lp.index < n // 2) == (half == "low") else dataclasses.replace(lp, plugin="dense")
-               for lp in c.plan.layers)
-dataclasses.replace(c, plan=dataclasses.replace(c.plan, layers=layers)).save(f"engines/smol-3k-{half}-only")
-PY
-    fi
+  for half in low high; do  # the same weights, half of the layers dense
+    [ -d engines/smol-3k-$half-only ] || python3 benchmarks/replan_engine.py $S engines/smol-3k-$half-only --sparse $half
   done
   E="--engine $S --engine engines/smol-3k-low-only --engine engines/smol-3k-high-only --device cuda --kv-cache-gib 16"
   infhip-eval passkey $E --infinitehip query_strides=[4,4,1] --lengths 8k --depths 0.1,0.5 --samples 5 \

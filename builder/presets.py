@@ -3,7 +3,8 @@
     dense      every layer dense (the default)
     3k         InfiniteHiP on full-attention layers: stages (64, 256, 32K) -> (64, 32, 8K) ->
                (64, 8, 2048), final k 4096 in layers 1-3 (1-based), refresh every (16, 8, 4) steps,
-               prefill query strides (4, 4, 1), the sampled query scoring its own mask
+               prefill query strides (4, 4, 1), past the trained window a rotated key bank for the
+               cached decode steps
     3k-fast    3k with refresh (32, 16, 8)
     3k-flash   3k with refresh (96, 24, 8)
     5k         chunks 64 / 32 / 16, k 32K / 16K / 4096, refresh (16, 8, 4)

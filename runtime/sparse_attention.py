@@ -256,7 +256,7 @@ class InfiniteHipLayer:
             if cache.bank is not None and i == len(self.stages) - 1:
                 # the new selection's keys, rotated to their ranks once (read by the cached
                 # steps); written with or without dynamic RoPE so the bank is valid when it turns on
-                write_key_bank(k_cache, block_tables[rows], ends[r], sel, cache.bank, slots.to(torch.int32),
+                write_key_bank(k_cache, block_tables[rows], ends[r], sel, cache.bank, slots,
                                n_sink=self.cfg.n_sink, inv_freq=self.inv_freq, rope_group=stage.chunk_size)
         rows = step.decode_rows
         selected = cache.selected[-1][step.decode_slots]
@@ -265,7 +265,7 @@ class InfiniteHipLayer:
             q[rows], k_cache, v_cache, block_tables[rows], ends, selected, scale=self.scale,
             rope_style=self.cfg.attention_rope if step.dynamic_rope else "none",
             rope_group=self.stages[-1].chunk_size, bank=cache.bank if bank else None,
-            bank_rows=step.decode_slots.to(torch.int32) if bank else None, **kw)
+            bank_rows=step.decode_slots if bank else None, **kw)
 
     def _prefill(self, q, k_cache, v_cache, block_tables, step: SparseStep, out, ends) -> None:
         kw, prune_kw = self._common(), self._prune_kw()

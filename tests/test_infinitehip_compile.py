@@ -56,8 +56,8 @@ def _compile_attention(rope_style: int, num_splits: int, bank: bool = False):
     import infhip.plugins.infinitehip.key_bank as key_bank
     import infhip.plugins.infinitehip.sparse_attention as sparse_attention
 
-    ptrs = {n: "*i32" for n in ("block_tables_ptr", "q_start_ptr", "q_lens_ptr", "ends_ptr", "sel_ptr",
-                                "bank_rows_ptr")}
+    ptrs = {n: "*i32" for n in ("block_tables_ptr", "q_start_ptr", "q_lens_ptr", "ends_ptr", "sel_ptr")}
+    ptrs["bank_rows_ptr"] = "*i64"  # the runtime passes its int64 mask-cache slots
     ptrs.update(q_ptr="*bf16", k_cache_ptr="*bf16", v_cache_ptr="*bf16", out_ptr="*bf16", bank_ptr="*bf16",
                 inv_freq_ptr="*fp32", part_out_ptr="*fp32", part_lse_ptr="*fp32", scale_log2="fp32")
     ce = dict(PAGE_SIZE=16, BLOCK_Q=64, BLOCK_N=64, BLOCK_D=128, NUM_SPLITS=num_splits, SEL_BLOCK=1024,
@@ -65,7 +65,8 @@ def _compile_attention(rope_style: int, num_splits: int, bank: bool = False):
               DOT_PRECISION="tf32")
     _compile(sparse_attention._sparse_attn_kernel, ptrs, ce)
     if bank:
-        ptrs = {n: "*i32" for n in ("block_tables_ptr", "ends_ptr", "sel_ptr", "bank_rows_ptr")}
+        ptrs = {n: "*i32" for n in ("block_tables_ptr", "ends_ptr", "sel_ptr")}
+        ptrs["bank_rows_ptr"] = "*i64"
         ptrs.update(k_cache_ptr="*bf16", bank_ptr="*bf16", inv_freq_ptr="*fp32")
         _compile(key_bank._write_bank_kernel, ptrs, dict(PAGE_SIZE=16, BLOCK_T=64, BLOCK_D=128, SEL_BLOCK=1024,
                                                          ROPE_GROUP=8))

@@ -42,7 +42,7 @@ def _write_bank_kernel(
     ends_ptr,  # [B] int32 context lengths when the selection was made
     sel_ptr,  # [B, K] int32 ascending selected tokens, PAD-padded
     bank_ptr,  # [slots, >= K, Hkv, D]
-    bank_rows_ptr,  # [B] int32 slot of each row
+    bank_rows_ptr,  # [B] int32 / int64 slot of each row
     inv_freq_ptr,  # [D/2] float32
     stride_cp, stride_cs, stride_ch, stride_bt, stride_sel, sel_width,
     stride_bank_slot, stride_bank_entry, stride_bank_head,
@@ -85,7 +85,7 @@ def write_key_bank(k_cache: torch.Tensor, block_tables: torch.Tensor, ends: torc
     assert selected.dtype == torch.int32 and selected.stride(1) == 1
     assert block_tables.dtype == torch.int32 and block_tables.shape[0] == B and block_tables.stride(1) == 1
     assert ends.shape == (B,) and ends.dtype == torch.int32 and ends.is_contiguous()
-    assert bank_rows.shape == (B,) and bank_rows.dtype == torch.int32
+    assert bank_rows.shape == (B,) and bank_rows.dtype in (torch.int32, torch.int64)
     assert bank.dtype == k_cache.dtype and bank.dim() == 4 and bank.shape[1] >= K and bank.shape[2:] == (Hkv, D)
     assert bank.stride(3) == 1
     assert inv_freq.shape == (D // 2,) and inv_freq.dtype == torch.float32

@@ -75,7 +75,7 @@ def _sparse_attn_kernel(
     sel_ptr,  # [NB, K] int32 selected tokens, ascending, PAD-padded
     inv_freq_ptr,  # [D/2] float32 (unused unless ROPE_STYLE == STREAMING)
     bank_ptr,  # BANK: [slots, >= K, Hkv, D] the selected keys rotated to their rank (key_bank.py)
-    bank_rows_ptr,  # BANK: [NB] int32 bank slot of each block
+    bank_rows_ptr,  # BANK: [NB] int32 / int64 bank slot of each block
     # outputs
     out_ptr,  # [T, Hq, D], written when NUM_SPLITS == 1
     part_out_ptr,  # [T, Hq, NUM_SPLITS, D] float32, normalised per split
@@ -220,7 +220,7 @@ def block_sparse_attention(q, k_cache, v_cache, block_tables, q_start, q_lens, e
     rotations then take one sine/cosine per run (any value gives the same result, a power of two
     up to the key tile). bank / bank_rows (STREAMING): the selected keys already rotated to their
     rank (key_bank.write_key_bank from this same `selected`; bank [slots, >= K, Hkv, D], bank_rows
-    int32 [NB] the slot of each block): no key is rotated in the kernel."""
+    int32 / int64 [NB] the slot of each block): no key is rotated in the kernel."""
     T, Hq, D = q.shape
     num_pages, page_size, Hkv, Dk = k_cache.shape
     NB = ends.shape[0]
@@ -245,7 +245,7 @@ def block_sparse_attention(q, k_cache, v_cache, block_tables, q_start, q_lens, e
         assert style == STREAMING, "a rotated key bank is for the streaming RoPE style"
         assert bank.dtype == k_cache.dtype and bank.dim() == 4 and bank.shape[2:] == (Hkv, D) and bank.stride(3) == 1
         assert bank.shape[1] >= selected.shape[1], f"bank holds {bank.shape[1]} keys per slot, selection {selected.shape[1]}"
-        assert bank_rows is not None and bank_rows.shape == (NB,) and bank_rows.dtype == torch.int32
+        assert bank_rows is not None and bank_rows.shape == (NB,) and bank_rows.dtype in (torch.int32, torch.int64)
     if out is None:
         out = torch.zeros_like(q)
     assert out.shape == q.shape and out.stride(2) == 1
