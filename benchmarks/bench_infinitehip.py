@@ -207,9 +207,20 @@ def cycle_stats(step_us: dict, intervals: tuple[int, ...]) -> dict:
 
 # defaults first (tiles, block_c swept 2026-11-30: within 10%); keys_as_rows: transposed score tiles
 PRUNE_VARIANTS = [dict(), dict(num_warps=8), dict(keys_as_rows=True), dict(keys_as_rows=True, num_warps=8)]
-ATTN_VARIANTS = [dict(), dict(block_n=64)]
+
+
+def later_prune_variants(chunk_size: int) -> list[dict]:
+    """Stages 2-3 also with scanning tiles (scan: every candidate scored; 64- and 128-key tiles)."""
+    return PRUNE_VARIANTS + [dict(scan=True), dict(scan=True, num_warps=4), dict(scan=True, tiles=4),
+                             dict(scan=True, block_c=max(1, 128 // chunk_size)),
+                             dict(scan=True, keys_as_rows=True)]
+
+
+# halves: the rotated key halves scored with two dots of D/2 (no join)
+ATTN_VARIANTS = [dict(), dict(block_n=64), dict(halves=True), dict(halves=True, block_n=64)]
 DECODE_STAGE1_VARIANTS = [dict(), dict(block_c=16), dict(block_c=32), dict(num_warps=8), dict(keys_as_rows=True)]  # default: 64 (dynamic RoPE), else 32
-DECODE_LATER_STAGE_VARIANTS = [dict(), dict(block_c=16), dict(block_c=64), dict(num_warps=2), dict(keys_as_rows=True)]  # default: 32
+DECODE_LATER_STAGE_VARIANTS = [dict(), dict(block_c=16), dict(block_c=64), dict(num_warps=2), dict(keys_as_rows=True),
+                               dict(scan=True)]  # default: 32
 # decode attention split counts / key tiles (default: ~2 waves of SMs, 64-key tiles)
 DECODE_ATTN_VARIANTS = [dict(), dict(num_splits=16), dict(num_splits=52), dict(block_n=32),
                         dict(block_n=32, num_splits=64), dict(block_n=32, num_splits=104)]
@@ -240,13 +251,14 @@ def prefill_breakdown(ctx: PagedContext, cfg, gen, raw_keys: bool = False) -> di
                                   rope_style=prune_rope, query_stride=cfg.query_strides[i], **kw))
     for i, st in enumerate(cfg.stages):
         prev = (None, None) if i == 0 else outs[i - 1]
+        stage_variants = PRUNE_VARIANTS if i == 0 else later_prune_variants(st.chunk_size)
         times = [timing.event_ms(lambda st=st, prev=prev, i=i, v=v: pruning_stage(
             q, ctx.k_cache, tables, starts, lens, ends, *prev, chunk_size=st.chunk_size, k=st.k, block_q=bq,
             max_candidates=middle if i == 0 else None, rope_style=prune_rope,
             query_stride=cfg.query_strides[i], **kw, **v), reps=3)
-            for v in PRUNE_VARIANTS]
+            for v in stage_variants]
         res[f"stage{i + 1}"] = times[0]  # the default launch (what the runtime runs); others: variants_ms
-        variants[f"stage{i + 1}"] = {str(v): t for v, t in zip(PRUNE_VARIANTS, times)}
+        variants[f"stage{i + 1}"] = {str(v): t for v, t in zip(stage_variants, times)}
     kw.pop("raw_keys", None)
     out = torch.empty_like(q)
     times = [timing.event_ms(lambda v=v: sparse_prefill_attention(
@@ -290,6 +302,8 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=20, help="copies of a decode step per CUDA graph")
     ap.add_argument("--no-prefill", action="store_true")
     ap.add_argument("--no-decode", action="store_true", help="prefill only")
+    ap.add_argument("--prefill-configs", choices=("all", "preset"), default="all",
+                    help="preset: the preset's own strides (with raw keys past the window) only")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -335,9 +349,10 @@ def main() -> None:
             dynamic = styles(n, cfg)[0] != "none"
             paper = (1,) * len(cfg.stages)
             coarsest = (max(cfg.query_strides),) * len(cfg.stages)
-            for strides, raw in dict.fromkeys(
-                    [(cfg.query_strides, dynamic), (paper, dynamic), (coarsest, dynamic)]
-                    + ([(cfg.query_strides, False)] if dynamic else [])):
+            configs = [(cfg.query_strides, dynamic)]
+            if args.prefill_configs == "all":
+                configs += [(paper, dynamic), (coarsest, dynamic)] + ([(cfg.query_strides, False)] if dynamic else [])
+            for strides, raw in dict.fromkeys(configs):
                 label = name if strides == cfg.query_strides else f"{name} strides {strides}"
                 label += " raw keys" if raw else ""
                 p = prefill_breakdown(ctx, cfg.replace(query_strides=strides), gen, raw_keys=raw)

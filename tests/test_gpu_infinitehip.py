@@ -49,6 +49,40 @@ def test_pruning_stage_exact_at_llama8b_shapes(block_q, q_lens, query_stride, ro
         assert min(same) > 0.9, same
 
 
+@pytest.mark.parametrize("rope_style", ["none", "relative"])
+@pytest.mark.parametrize("scan", [False, True])
+def test_last_stage_exact_at_llama8b_shapes(rope_style, scan):
+    """A last stage (l_c 8 over the reference stage 1's survivors, 64-query blocks: 256-row query
+    tiles) by the tournament and by the scanning tiles (scan): with dyadic inputs the kept
+    chunks have exactly the reference's scores; with relative RoPE from un-rotated keys (the
+    prefill path) near-identical sets."""
+    from infhip.plugins.infinitehip import select_rep_scores_ref
+
+    from .test_infinitehip_pruning import raw_keys_of
+    q_lens, block_q = [150, 64], 64
+    seqs = PagedSeqs(CONTEXTS, HKV, D, PAGE, seed=7, dyadic=rope_style == "none", dtype=torch.bfloat16)
+    q = random_rows(seqs.generator, (sum(q_lens), HQ, D), rope_style == "none", torch.bfloat16).to(DEVICE)
+    q_start, lens, ends, tables = seqs.blocks(q_lens, block_q)
+    kw = dict(n_sink=N_SINK, n_stream=N_STREAM, rope_style=rope_style, inv_freq=inv_freq(D))
+    cand, cand_n = pruning_stage_ref(q, seqs.k_cache, tables, q_start, lens, ends, chunk_size=32, k=1024,
+                                     max_candidates=max(CONTEXTS), **kw)
+    cand, cand_n = cand.to(DEVICE), cand_n.to(DEVICE)
+    raw = raw_keys_of(seqs, q_lens, block_q, inv_freq(D)) if rope_style != "none" else None
+    sel, n = pruning_stage(q, seqs.k_cache, tables, q_start, lens, ends, cand, cand_n, chunk_size=8, k=256,
+                           block_q=block_q, raw_keys=raw, scan=scan, **kw)
+    ref, ref_n = pruning_stage_ref(q, seqs.k_cache, tables, q_start, lens, ends, cand, cand_n, chunk_size=8,
+                                   k=256, **kw)
+    assert torch.equal(n.cpu(), ref_n.cpu()) and int(n.min()) > 0
+    if rope_style == "none":
+        scores, _, _ = select_rep_scores_ref(q, seqs.k_cache, tables, q_start, lens, ends, cand, cand_n,
+                                             chunk_size=8, n_sink=N_SINK, n_stream=N_STREAM)
+        assert chosen_chunk_scores(sel, n, cand, scores, 8) == chosen_chunk_scores(ref, ref_n, cand, scores, 8)
+    else:
+        same = [len(set(a[:m].tolist()) & set(b[:m].tolist())) / int(m)
+                for a, b, m in zip(sel.cpu(), ref.cpu(), n.cpu())]
+        assert min(same) > 0.9, same
+
+
 @pytest.mark.parametrize("rope_style", ["none", "streaming"])
 def test_sparse_decode_at_llama8b_shapes(rope_style):
     seqs = PagedSeqs(CONTEXTS, HKV, D, PAGE, seed=3, dtype=torch.bfloat16)

@@ -104,7 +104,7 @@ def run_selection(g, ends, n_sink, n_stream, runs, run_len):
 def test_streaming_rope_in_runs(selection):
     """rope_group = 4 (one sin/cos per run of 4 selected keys): tiles made of whole runs take the
     per-run path, tiles with scattered keys or a sink/stream edge the per-key one; both match the
-    reference, in decode and in prefill."""
+    reference, in decode and in prefill (prefill also with halves: two dots of D/2)."""
     D, n_sink, n_stream, group = 32, 8, 24, 4
     seqs = PagedSeqs([150, 211], 2, D, 4, seed=5 if selection == "runs" else 6)
     opts = dict(n_sink=n_sink, n_stream=n_stream, scale=0.3, rope_style="streaming", inv_freq=inv_freq(D))
@@ -125,8 +125,10 @@ def test_streaming_rope_in_runs(selection):
     qp = torch.randn(33, 6, D, generator=seqs.generator).to(DEVICE)
     sel = select(ends)
     pargs = (qp, seqs.k_cache, seqs.v_cache, tables, q_start, lens, ends, sel)
-    out = sparse_prefill_attention(*pargs, block_q=8, block_n=16, rope_group=group, **opts)
-    assert rel_err(out, sparse_attention_ref(*pargs, **opts)) < TOL[torch.float32]
+    ref = sparse_attention_ref(*pargs, **opts)
+    for halves in (False, True):  # the rotated halves joined into one dot, or two dots of D/2
+        out = sparse_prefill_attention(*pargs, block_q=8, block_n=16, rope_group=group, halves=halves, **opts)
+        assert rel_err(out, ref) < TOL[torch.float32], halves
 
 
 PREFILL = [(8, 8, [13, 20]), (16, 16, [16, 37])]  # block_q, n_stream, q_lens

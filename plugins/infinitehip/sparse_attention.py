@@ -45,7 +45,7 @@ from .._triton_utils import device_num_sms, dot_precision, next_pow2, triton_on
 from ..dense_attention import _decode_merge_kernel, choose_num_splits, dense_attention_ref
 from .blocks import block_key_mask
 from .rope_styles import (C_STREAMING, NONE, STREAMING, check_rotatable, load_halves, load_rotated,
-                          rope_style_id, rotate_by_ref, rotate_halves, run_sin_cos)
+                          rope_style_id, rotate_by_ref, rotate_halves, run_sin_cos, sin_cos_of)
 
 _LOG2E = 1.4426950408889634
 
@@ -101,6 +101,8 @@ def _sparse_attn_kernel(
     #                            tokens (the last stage's chunks): one sin/cos per run (1: per key)
     BANK: tl.constexpr,  # STREAMING: selected keys from the rotated bank, stream keys scored with
     #                      a counter-rotated query: no key is rotated
+    HALVES: tl.constexpr,  # STREAMING without BANK: score q . k as q1 . k1 + q2 . k2 over the
+    #                        rotated halves (two dots of D/2) instead of joining the halves
     DOT_F32: tl.constexpr,  # float32 dot operands (CPU interpreter, float32 caches)
     DOT_PRECISION: tl.constexpr,
 ):
@@ -134,10 +136,20 @@ def _sparse_attn_kernel(
     q_pos = end - q_len + t  # [BLOCK_Q]
     q_rank = tl.where(q_pos < s, q_pos, mid_end + q_pos - s)  # rank of the query's own token
     ROTATE: tl.constexpr = ROPE_STYLE == C_STREAMING
-    q = load_rotated(q_ptr + (q0 + t).to(tl.int64) * stride_qt + heads * stride_qh, row_valid,
-                     q_rank - q_pos, inv_freq_ptr, head_dim, BLOCK_D, ROTATE)
-    if not DOT_F32:
-        q = q.to(k_cache_ptr.dtype.element_ty)
+    q_rows = q_ptr + (q0 + t).to(tl.int64) * stride_qt + heads * stride_qh
+    if HALVES:  # the rotated query as its two halves [BLOCK_Q, BLOCK_D // 2]
+        qa, qb = load_halves(q_rows, row_valid, head_dim, BLOCK_D)
+        q_sin, q_cos = sin_cos_of(q_rank - q_pos, inv_freq_ptr, head_dim, BLOCK_D)
+        q1 = qa * q_cos - qb * q_sin
+        q2 = qb * q_cos + qa * q_sin
+        if not DOT_F32:
+            q1 = q1.to(k_cache_ptr.dtype.element_ty)
+            q2 = q2.to(k_cache_ptr.dtype.element_ty)
+        q = q1  # unused
+    else:
+        q = load_rotated(q_rows, row_valid, q_rank - q_pos, inv_freq_ptr, head_dim, BLOCK_D, ROTATE)
+        if not DOT_F32:
+            q = q.to(k_cache_ptr.dtype.element_ty)
     if BANK:  # every stream key moves by mid_end - s: q . R(d) k = R(-d) q . k, one query tile
         q_stream = load_rotated(q_ptr + (q0 + t).to(tl.int64) * stride_qt + heads * stride_qh, row_valid,
                                 q_rank - q_pos - (mid_end - s), inv_freq_ptr, head_dim, BLOCK_D, True)
@@ -168,7 +180,11 @@ def _sparse_attn_kernel(
         elif ROTATE:  # keys to their rank (StreamingLLM): R(rank - tok) applied to the cached key
             k1, k2 = load_halves(k_cache_ptr + kv_row, valid, head_dim, BLOCK_D)
             sin, cos = run_sin_cos(rank - tok, inv_freq_ptr, head_dim, BLOCK_N, BLOCK_D, ROPE_GROUP)
-            k = rotate_halves(k1, k2, sin, cos)
+            if HALVES:
+                k = k1 * cos - k2 * sin  # [BLOCK_N, BLOCK_D // 2] each
+                k_hi = k2 * cos + k1 * sin
+            else:
+                k = rotate_halves(k1, k2, sin, cos)
         else:
             k = load_rotated(k_cache_ptr + kv_row, valid, rank - tok, inv_freq_ptr, head_dim, BLOCK_D, False)
         v = tl.load(v_cache_ptr + kv_row[:, None] + d[None, :],
@@ -177,7 +193,13 @@ def _sparse_attn_kernel(
             v = v.to(tl.float32)
         else:
             k = k.to(k_cache_ptr.dtype.element_ty)
-        sc = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [BLOCK_Q, BLOCK_N]
+        if HALVES:
+            if not DOT_F32:
+                k_hi = k_hi.to(k_cache_ptr.dtype.element_ty)
+            sc = (tl.dot(q1, tl.trans(k), input_precision=DOT_PRECISION)
+                  + tl.dot(q2, tl.trans(k_hi), input_precision=DOT_PRECISION))  # [BLOCK_Q, BLOCK_N]
+        else:
+            sc = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [BLOCK_Q, BLOCK_N]
         if BANK:
             sc = tl.where((rank >= mid_end)[None, :], tl.dot(q_stream, tl.trans(k), input_precision=DOT_PRECISION), sc)
         sc = sc * scale_log2
@@ -211,7 +233,7 @@ def block_sparse_attention(q, k_cache, v_cache, block_tables, q_start, q_lens, e
                      inv_freq: torch.Tensor | None = None, num_splits: int = 1, rope_group: int = 1,
                      bank: torch.Tensor | None = None, bank_rows: torch.Tensor | None = None,
                      block_n: int | None = None, num_warps: int | None = None,
-                     out: torch.Tensor | None = None) -> torch.Tensor:
+                     halves: bool | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """Triton launcher (CPU tensors without TRITON_INTERPRET: sparse_attention_ref, same
     contract): q [T, Hq, D] packed, query blocks [NB] (blocks.py, q_lens <= block_q),
     selected int32 [NB, K] (last pruning stage). Returns out [T, Hq, D] (rows of no block: 0).
@@ -220,7 +242,9 @@ def block_sparse_attention(q, k_cache, v_cache, block_tables, q_start, q_lens, e
     rotations then take one sine/cosine per run (any value gives the same result, a power of two
     up to the key tile). bank / bank_rows (STREAMING): the selected keys already rotated to their
     rank (key_bank.write_key_bank from this same `selected`; bank [slots, >= K, Hkv, D], bank_rows
-    int32 / int64 [NB] the slot of each block): no key is rotated in the kernel."""
+    int32 / int64 [NB] the slot of each block): no key is rotated in the kernel. block_n /
+    num_warps / halves: tuning overrides (halves: STREAMING without a bank scores the rotated
+    halves with two dots of D/2, no join; the same values)."""
     T, Hq, D = q.shape
     num_pages, page_size, Hkv, Dk = k_cache.shape
     NB = ends.shape[0]
@@ -266,6 +290,7 @@ def block_sparse_attention(q, k_cache, v_cache, block_tables, q_start, q_lens, e
     # prefill-sized query tiles ([b_q * group, D], 256 rows for Llama-8B) do best with 32-key
     # tiles on the H200 (docs/benchmarks.md); decode's small tiles with 64
     BLOCK_N = block_n or (64 if BLOCK_D <= 128 and block_q * G < 128 else 32)
+    halves = bool(halves) and style == STREAMING and bank is None and BLOCK_D >= 32  # dots need D/2 >= 16
     if num_splits > 1:
         part_out = torch.empty((T, Hq, num_splits, D), dtype=torch.float32, device=q.device)
         part_lse = torch.empty((T, Hq, num_splits), dtype=torch.float32, device=q.device)  # all written
@@ -285,7 +310,8 @@ def block_sparse_attention(q, k_cache, v_cache, block_tables, q_start, q_lens, e
         Hq, G, D, n_sink, n_stream, float(scale) * _LOG2E,
         PAGE_SIZE=page_size, BLOCK_Q=max(16, next_pow2(block_q * G)), BLOCK_N=BLOCK_N,
         BLOCK_D=BLOCK_D, NUM_SPLITS=num_splits, SEL_BLOCK=min(1024, next_pow2(selected.shape[1])),
-        DECODE=decode, ROPE_STYLE=style, ROPE_GROUP=min(rope_group, BLOCK_N), BANK=bank is not None, DOT_F32=not q.is_cuda or q.dtype == torch.float32,
+        DECODE=decode, ROPE_STYLE=style, ROPE_GROUP=min(rope_group, BLOCK_N), BANK=bank is not None, HALVES=halves,
+        DOT_F32=not q.is_cuda or q.dtype == torch.float32,
         DOT_PRECISION=dot_precision(q.dtype if q.is_cuda else torch.float32),
         num_warps=num_warps or (8 if block_q * G >= 128 else 4),
     )
@@ -320,13 +346,14 @@ def sparse_prefill_attention(q, k_cache, v_cache, block_tables, q_start, q_lens,
                              block_q: int, n_sink: int, n_stream: int, scale: float,
                              rope_style="none", inv_freq=None, rope_group: int = 1,
                              block_n: int | None = None, num_warps: int | None = None,
-                             out=None) -> torch.Tensor:
+                             halves: bool | None = None, out=None) -> torch.Tensor:
     """Prefill: flash-style, each query block of <= block_q queries over its own key set with the
     causal cut; q [T, Hq, D] packed, blocks from blocks.plan_query_blocks."""
     return block_sparse_attention(q, k_cache, v_cache, block_tables, q_start, q_lens, ends, selected,
                             block_q=block_q, n_sink=n_sink, n_stream=n_stream, scale=scale,
                             rope_style=rope_style, inv_freq=inv_freq, num_splits=1,
-                            rope_group=rope_group, block_n=block_n, num_warps=num_warps, out=out)
+                            rope_group=rope_group, block_n=block_n, num_warps=num_warps, halves=halves,
+                            out=out)
 
 
 def sparse_attention_ref(q, k_cache, v_cache, block_tables, q_start, q_lens, ends, selected, *,
