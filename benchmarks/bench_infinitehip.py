@@ -216,8 +216,11 @@ def later_prune_variants(chunk_size: int) -> list[dict]:
                              dict(scan=True, keys_as_rows=True)]
 
 
-# halves: the rotated key halves scored with two dots of D/2 (no join)
-ATTN_VARIANTS = [dict(), dict(block_n=64), dict(halves=True), dict(halves=True, block_n=64)]
+# halves: the rotated key halves scored with two dots of D/2 (no join); row_parts: a query block's
+# rows over several programs (smaller query tiles, larger key tiles)
+ATTN_VARIANTS = [dict(), dict(block_n=64), dict(halves=True), dict(row_parts=2), dict(row_parts=2, block_n=64),
+                 dict(row_parts=2, block_n=128), dict(row_parts=4, block_n=64), dict(row_parts=4, block_n=128)]
+ATTN_BANK_VARIANTS = [dict(), dict(block_n=64), dict(row_parts=2, block_n=64), dict(row_parts=2, block_n=128)]
 DECODE_STAGE1_VARIANTS = [dict(), dict(block_c=16), dict(block_c=32), dict(num_warps=8), dict(keys_as_rows=True)]  # default: 64 (dynamic RoPE), else 32
 DECODE_LATER_STAGE_VARIANTS = [dict(), dict(block_c=16), dict(block_c=64), dict(num_warps=2), dict(keys_as_rows=True),
                                dict(scan=True)]  # default: 32
@@ -271,6 +274,19 @@ def prefill_breakdown(ctx: PagedContext, cfg, gen, raw_keys: bool = False) -> di
         variants["attention_without_rope"] = timing.event_ms(lambda: sparse_prefill_attention(
             q, ctx.k_cache, ctx.v_cache, tables, starts, lens, ends, outs[-1][0], block_q=bq, scale=SCALE,
             rope_style="none", out=out, **kw), reps=3)
+        # the selected keys rotated once into a bank (one slot per query block), then attention
+        # without per-key rotation; timed with the bank write
+        sel = outs[-1][0]
+        bank = torch.empty(sel.shape[0], sel.shape[1], HKV, D, device="cuda", dtype=torch.bfloat16)
+        slots = torch.arange(sel.shape[0], device="cuda")
+        write = lambda: write_key_bank(ctx.k_cache, tables, ends, sel, bank, slots, n_sink=cfg.n_sink,  # noqa: E731
+                                       inv_freq=ctx.inv_freq, rope_group=cfg.stages[-1].chunk_size)
+        variants["bank_write"] = timing.event_ms(write, reps=3)
+        variants["attention_bank_incl_write"] = {str(v): timing.event_ms(lambda v=v: (write(), sparse_prefill_attention(
+            q, ctx.k_cache, ctx.v_cache, tables, starts, lens, ends, sel, block_q=bq, scale=SCALE,
+            rope_style=attn_rope, rope_group=cfg.stages[-1].chunk_size, bank=bank, bank_rows=slots, out=out,
+            **kw, **v)), reps=3) for v in ATTN_BANK_VARIANTS}
+        del bank
     res["total"] = sum(res.values())
     res["variants_ms"] = variants
     return res

@@ -64,7 +64,9 @@ def _compile_attention(rope_style: int, num_splits: int, bank: bool = False, hal
     ptrs["bank_rows_ptr"] = "*i64"  # the runtime passes its int64 mask-cache slots
     ptrs.update(q_ptr="*bf16", k_cache_ptr="*bf16", v_cache_ptr="*bf16", out_ptr="*bf16", bank_ptr="*bf16",
                 inv_freq_ptr="*fp32", part_out_ptr="*fp32", part_lse_ptr="*fp32", scale_log2="fp32")
-    ce = dict(PAGE_SIZE=16, BLOCK_Q=64, BLOCK_N=64, BLOCK_D=128, NUM_SPLITS=num_splits, SEL_BLOCK=1024,
+    # prefill (one split) with its query blocks over two programs (row_parts)
+    ce = dict(PAGE_SIZE=16, BLOCK_Q=64, ROW_PARTS=1 if num_splits > 1 else 2, PART_Q=16, BLOCK_N=64,
+              BLOCK_D=128, NUM_SPLITS=num_splits, SEL_BLOCK=1024,
               DECODE=num_splits > 1, ROPE_STYLE=rope_style, ROPE_GROUP=8, BANK=bank, HALVES=halves, DOT_F32=False,
               DOT_PRECISION="tf32")
     _compile(sparse_attention._sparse_attn_kernel, ptrs, ce)

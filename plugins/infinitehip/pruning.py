@@ -126,7 +126,7 @@ def _tournament_tile(q_left, q_right, q_pos, row_valid, first_chunk, n_cand, can
     s_left = _max_score(q_left, k, q_pos, row_valid, tok, has, DOT_PRECISION, KEYS_AS_ROWS)
     best = s_left
     half = chunk_size
-    for _ in range(num_iters):
+    for it in range(num_iters):
         half = half // 2
         right = first + half
         r_valid = right < chunk_len
@@ -140,9 +140,11 @@ def _tournament_tile(q_left, q_right, q_pos, row_valid, first_chunk, n_cand, can
         best = tl.maximum(s_left, s_right)  # sigma of the winner
         if ROPE_STYLE == C_RELATIVE:
             # the winner is the next range's first, i.e. the left branch: its sigma at the left
-            # position, from the key already loaded (no reload, no second rotation)
-            s_left = tl.where(wins, _max_score(q_left, k, q_pos, row_valid, r_tok, r_valid, DOT_PRECISION, KEYS_AS_ROWS),
-                              s_left)
+            # position, from the key already loaded (no reload, no second rotation); not needed
+            # after the last halving (one dot of 2 log2(l_c) + 1 saved)
+            if it + 1 < num_iters:
+                s_left = tl.where(wins, _max_score(q_left, k, q_pos, row_valid, r_tok, r_valid, DOT_PRECISION,
+                                                   KEYS_AS_ROWS), s_left)
         else:
             s_left = best
     return best, first

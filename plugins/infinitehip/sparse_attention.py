@@ -90,7 +90,9 @@ def _sparse_attn_kernel(
     n_sink, n_stream,
     scale_log2,  # softmax scale * log2(e)
     PAGE_SIZE: tl.constexpr,
-    BLOCK_Q: tl.constexpr,  # b_q * group_size query rows, padded to a power of two >= 16
+    BLOCK_Q: tl.constexpr,  # PART_Q * group_size query rows, padded to a power of two >= 16
+    ROW_PARTS: tl.constexpr,  # programs per query block (each its PART_Q queries, the same keys)
+    PART_Q: tl.constexpr,  # queries per program: ceil(b_q / ROW_PARTS)
     BLOCK_N: tl.constexpr,  # keys (ranks) per iteration
     BLOCK_D: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
@@ -106,7 +108,8 @@ def _sparse_attn_kernel(
     DOT_F32: tl.constexpr,  # float32 dot operands (CPU interpreter, float32 caches)
     DOT_PRECISION: tl.constexpr,
 ):
-    blk = tl.program_id(0)
+    blk = tl.program_id(0) // ROW_PARTS
+    part = tl.program_id(0) % ROW_PARTS
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     if DECODE:
@@ -130,9 +133,9 @@ def _sparse_attn_kernel(
     tile_hi = tl.minimum(tile_lo + per_split, num_tiles)
 
     rows = tl.arange(0, BLOCK_Q)
-    t = rows // group_size
+    t = part * PART_Q + rows // group_size  # the row's query within the block
     heads = kv_head * group_size + rows % group_size
-    row_valid = t < q_len
+    row_valid = (rows // group_size < PART_Q) & (t < q_len)
     q_pos = end - q_len + t  # [BLOCK_Q]
     q_rank = tl.where(q_pos < s, q_pos, mid_end + q_pos - s)  # rank of the query's own token
     ROTATE: tl.constexpr = ROPE_STYLE == C_STREAMING
@@ -198,10 +201,16 @@ def _sparse_attn_kernel(
                 k_hi = k_hi.to(k_cache_ptr.dtype.element_ty)
             sc = (tl.dot(q1, tl.trans(k), input_precision=DOT_PRECISION)
                   + tl.dot(q2, tl.trans(k_hi), input_precision=DOT_PRECISION))  # [BLOCK_Q, BLOCK_N]
+        elif BANK:  # stream keys (ranks >= mid_end) with the counter-rotated query
+            if tile * BLOCK_N >= mid_end:
+                sc = tl.dot(q_stream, tl.trans(k), input_precision=DOT_PRECISION)
+            elif (tile + 1) * BLOCK_N > mid_end:
+                sc = tl.where((rank >= mid_end)[None, :], tl.dot(q_stream, tl.trans(k), input_precision=DOT_PRECISION),
+                              tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION))
+            else:
+                sc = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
         else:
             sc = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [BLOCK_Q, BLOCK_N]
-        if BANK:
-            sc = tl.where((rank >= mid_end)[None, :], tl.dot(q_stream, tl.trans(k), input_precision=DOT_PRECISION), sc)
         sc = sc * scale_log2
         visible = valid[None, :] & (tok[None, :] <= q_pos[:, None])
         sc = tl.where(visible, sc, float("-inf"))
@@ -233,7 +242,8 @@ def block_sparse_attention(q, k_cache, v_cache, block_tables, q_start, q_lens, e
                      inv_freq: torch.Tensor | None = None, num_splits: int = 1, rope_group: int = 1,
                      bank: torch.Tensor | None = None, bank_rows: torch.Tensor | None = None,
                      block_n: int | None = None, num_warps: int | None = None,
-                     halves: bool | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+                     halves: bool | None = None, row_parts: int | None = None,
+                     out: torch.Tensor | None = None) -> torch.Tensor:
     """Triton launcher (CPU tensors without TRITON_INTERPRET: sparse_attention_ref, same
     contract): q [T, Hq, D] packed, query blocks [NB] (blocks.py, q_lens <= block_q),
     selected int32 [NB, K] (last pruning stage). Returns out [T, Hq, D] (rows of no block: 0).
@@ -243,8 +253,9 @@ def block_sparse_attention(q, k_cache, v_cache, block_tables, q_start, q_lens, e
     up to the key tile). bank / bank_rows (STREAMING): the selected keys already rotated to their
     rank (key_bank.write_key_bank from this same `selected`; bank [slots, >= K, Hkv, D], bank_rows
     int32 / int64 [NB] the slot of each block): no key is rotated in the kernel. block_n /
-    num_warps / halves: tuning overrides (halves: STREAMING without a bank scores the rotated
-    halves with two dots of D/2, no join; the same values)."""
+    num_warps / halves / row_parts: tuning overrides (halves: STREAMING without a bank scores the
+    rotated halves with two dots of D/2, no join; row_parts: programs per query block, each over
+    ceil(b_q / row_parts) of its queries and all its keys; the same values)."""
     T, Hq, D = q.shape
     num_pages, page_size, Hkv, Dk = k_cache.shape
     NB = ends.shape[0]
@@ -287,16 +298,19 @@ def block_sparse_attention(q, k_cache, v_cache, block_tables, q_start, q_lens, e
         return out
     BLOCK_D = max(16, next_pow2(D))
     G = Hq // Hkv
+    row_parts = row_parts or 1
+    assert row_parts == 1 or num_splits == 1, "row_parts > 1 is for prefill (one split)"
+    part_q = triton.cdiv(block_q, row_parts)
     # prefill-sized query tiles ([b_q * group, D], 256 rows for Llama-8B) do best with 32-key
     # tiles on the H200 (docs/benchmarks.md); decode's small tiles with 64
-    BLOCK_N = block_n or (64 if BLOCK_D <= 128 and block_q * G < 128 else 32)
+    BLOCK_N = block_n or (64 if BLOCK_D <= 128 and part_q * G < 128 else 32)
     halves = bool(halves) and style == STREAMING and bank is None and BLOCK_D >= 32  # dots need D/2 >= 16
     if num_splits > 1:
         part_out = torch.empty((T, Hq, num_splits, D), dtype=torch.float32, device=q.device)
         part_lse = torch.empty((T, Hq, num_splits), dtype=torch.float32, device=q.device)  # all written
     else:
         part_out = part_lse = out  # unused
-    _sparse_attn_kernel[(NB, Hkv, num_splits)](
+    _sparse_attn_kernel[(NB * row_parts, Hkv, num_splits)](
         q, k_cache, v_cache, block_tables, ends if decode else q_start, ends if decode else q_lens, ends,
         selected,
         inv_freq if inv_freq is not None else part_lse,
@@ -308,12 +322,13 @@ def block_sparse_attention(q, k_cache, v_cache, block_tables, q_start, q_lens, e
         *(bank.stride()[:3] if bank is not None else (0, 0, 0)),
         out.stride(0), out.stride(1),
         Hq, G, D, n_sink, n_stream, float(scale) * _LOG2E,
-        PAGE_SIZE=page_size, BLOCK_Q=max(16, next_pow2(block_q * G)), BLOCK_N=BLOCK_N,
+        PAGE_SIZE=page_size, BLOCK_Q=max(16, next_pow2(part_q * G)), ROW_PARTS=row_parts, PART_Q=part_q,
+        BLOCK_N=BLOCK_N,
         BLOCK_D=BLOCK_D, NUM_SPLITS=num_splits, SEL_BLOCK=min(1024, next_pow2(selected.shape[1])),
         DECODE=decode, ROPE_STYLE=style, ROPE_GROUP=min(rope_group, BLOCK_N), BANK=bank is not None, HALVES=halves,
         DOT_F32=not q.is_cuda or q.dtype == torch.float32,
         DOT_PRECISION=dot_precision(q.dtype if q.is_cuda else torch.float32),
-        num_warps=num_warps or (8 if block_q * G >= 128 else 4),
+        num_warps=num_warps or (8 if part_q * G >= 128 else 4),
     )
     if num_splits > 1:
         _decode_merge_kernel[(T, Hq)](
@@ -346,14 +361,16 @@ def sparse_prefill_attention(q, k_cache, v_cache, block_tables, q_start, q_lens,
                              block_q: int, n_sink: int, n_stream: int, scale: float,
                              rope_style="none", inv_freq=None, rope_group: int = 1,
                              block_n: int | None = None, num_warps: int | None = None,
-                             halves: bool | None = None, out=None) -> torch.Tensor:
+                             halves: bool | None = None, row_parts: int | None = None,
+                             bank=None, bank_rows=None, out=None) -> torch.Tensor:
     """Prefill: flash-style, each query block of <= block_q queries over its own key set with the
-    causal cut; q [T, Hq, D] packed, blocks from blocks.plan_query_blocks."""
+    causal cut; q [T, Hq, D] packed, blocks from blocks.plan_query_blocks. bank / bank_rows: the
+    blocks' selected keys rotated to their rank (key_bank.write_key_bank, one slot per block)."""
     return block_sparse_attention(q, k_cache, v_cache, block_tables, q_start, q_lens, ends, selected,
                             block_q=block_q, n_sink=n_sink, n_stream=n_stream, scale=scale,
                             rope_style=rope_style, inv_freq=inv_freq, num_splits=1,
                             rope_group=rope_group, block_n=block_n, num_warps=num_warps, halves=halves,
-                            out=out)
+                            row_parts=row_parts, bank=bank, bank_rows=bank_rows, out=out)
 
 
 def sparse_attention_ref(q, k_cache, v_cache, block_tables, q_start, q_lens, ends, selected, *,
