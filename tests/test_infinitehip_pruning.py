@@ -167,6 +167,33 @@ def test_scan_with_raw_keys_matches_reference(rope_style, explicit):
     assert clear.float().mean() > 0.9 and torch.equal(reps.cpu()[..., :ref_reps.shape[2]][clear], ref_reps[clear])
 
 
+@pytest.mark.parametrize("block_q,q_lens", QUERIES)
+def test_candidates_in_runs_match_reference_exactly(block_q, q_lens):
+    """Candidates as the previous stage leaves them, runs of consecutive tokens (a chunk of
+    consecutive candidates skips the index loads), some runs broken by a missing token and
+    chunks straddling two runs: representatives and chunk scores bit for bit (dyadic inputs)."""
+    seqs, q, (q_start, lens, ends, tables) = setup(6, 2, 16, 4, q_lens, block_q, seed=21, dyadic=True)
+    g, rows = seqs.generator, []
+    for s in stream_starts(ends.cpu(), N_SINK, N_STREAM).tolist():
+        runs = torch.arange(N_SINK, max(s, N_SINK)).split(12)  # runs of 12: chunks of 8 straddle
+        keep = [r for r in runs if torch.rand(1, generator=g) < 0.7]
+        row = torch.cat([r[torch.arange(r.numel()) != int(torch.randint(r.numel(), (1,), generator=g))]
+                         if torch.rand(1, generator=g) < 0.3 else r for r in keep])
+        rows.append(row)
+    cand = torch.full((len(rows), max(r.numel() for r in rows)), PAD, dtype=torch.int32)
+    for i, r in enumerate(rows):
+        cand[i, :r.numel()] = r
+    cand, cand_lens = cand.to(DEVICE), torch.tensor([r.numel() for r in rows], dtype=torch.int32, device=DEVICE)
+    kw = dict(chunk_size=8, n_sink=N_SINK, n_stream=N_STREAM)
+    scores, reps = select_rep_scores(q, seqs.k_cache, tables, q_start, lens, ends, cand, cand_lens,
+                                     block_q=block_q, store_reps=True, **kw)
+    ref_scores, ref_reps, _ = select_rep_scores_ref(q, seqs.k_cache, tables, q_start, lens, ends, cand,
+                                                    cand_lens, **kw)
+    assert torch.isfinite(ref_scores).any()
+    assert torch.equal(scores.double().cpu()[:, :ref_scores.shape[1]], ref_scores)
+    assert torch.equal(reps.cpu()[..., :ref_reps.shape[2]], ref_reps)
+
+
 def test_topk_chunks_matches_reference():
     """Continuous random scores (no ties): identical survivors, ascending, PAD-padded, short last
     chunk and blocks with fewer chunks than K included."""

@@ -124,13 +124,22 @@ def _tournament_tile(q_left, q_right, q_pos, row_valid, first_chunk, n_cand, can
     k = _load_keys(tok, has, key_pos, k_head, table_row, raw_base, sin, cos, stride_cp, stride_cs, stride_rt,
                    inv_freq_ptr, head_dim, PAGE_SIZE, BLOCK_D, RAW_KEYS, KEY_ROTATION).to(q_left.dtype)
     s_left = _max_score(q_left, k, q_pos, row_valid, tok, has, DOT_PRECISION, KEYS_AS_ROWS)
+    # a chunk whose sorted candidates are consecutive tokens (the previous stage kept whole runs)
+    # has candidate i at token tok + i: no index load waits before each halving's key load
+    run = has
+    if not CAND_IMPLICIT:
+        last = tl.load(cand_row + base + chunk_len - 1, mask=has, other=0)
+        run = has & (last - tok == chunk_len - 1)
     best = s_left
     half = chunk_size
-    for it in range(num_iters):
+    for _ in range(num_iters):
         half = half // 2
         right = first + half
         r_valid = right < chunk_len
-        r_tok = _candidate_tokens(cand_row, base + right, r_valid, n_sink, CAND_IMPLICIT)
+        if CAND_IMPLICIT:
+            r_tok = n_sink + base + right
+        else:
+            r_tok = tl.where(run, tok + right, tl.load(cand_row + base + right, mask=r_valid & ~run, other=0))
         k = _load_keys(r_tok, r_valid, key_pos, k_head, table_row, raw_base, sin, cos, stride_cp, stride_cs,
                        stride_rt, inv_freq_ptr, head_dim, PAGE_SIZE, BLOCK_D, RAW_KEYS,
                        KEY_ROTATION).to(q_left.dtype)
@@ -140,11 +149,9 @@ def _tournament_tile(q_left, q_right, q_pos, row_valid, first_chunk, n_cand, can
         best = tl.maximum(s_left, s_right)  # sigma of the winner
         if ROPE_STYLE == C_RELATIVE:
             # the winner is the next range's first, i.e. the left branch: its sigma at the left
-            # position, from the key already loaded (no reload, no second rotation); not needed
-            # after the last halving (one dot of 2 log2(l_c) + 1 saved)
-            if it + 1 < num_iters:
-                s_left = tl.where(wins, _max_score(q_left, k, q_pos, row_valid, r_tok, r_valid, DOT_PRECISION,
-                                                   KEYS_AS_ROWS), s_left)
+            # position, from the key already loaded (no reload, no second rotation)
+            s_left = tl.where(wins, _max_score(q_left, k, q_pos, row_valid, r_tok, r_valid, DOT_PRECISION, KEYS_AS_ROWS),
+                              s_left)
         else:
             s_left = best
     return best, first
