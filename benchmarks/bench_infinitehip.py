@@ -207,23 +207,9 @@ def cycle_stats(step_us: dict, intervals: tuple[int, ...]) -> dict:
 
 # defaults first (tiles, block_c swept 2026-11-30: within 10%); keys_as_rows: transposed score tiles
 PRUNE_VARIANTS = [dict(), dict(num_warps=8), dict(keys_as_rows=True), dict(keys_as_rows=True, num_warps=8)]
-
-
-def later_prune_variants(chunk_size: int) -> list[dict]:
-    """Stages 2-3 also with scanning tiles (scan: every candidate scored; 64- and 128-key tiles)."""
-    return PRUNE_VARIANTS + [dict(scan=True), dict(scan=True, num_warps=4), dict(scan=True, tiles=4),
-                             dict(scan=True, block_c=max(1, 128 // chunk_size)),
-                             dict(scan=True, keys_as_rows=True)]
-
-
-# halves: the rotated key halves scored with two dots of D/2 (no join); row_parts: a query block's
-# rows over several programs (smaller query tiles, larger key tiles)
-ATTN_VARIANTS = [dict(), dict(block_n=64), dict(halves=True), dict(row_parts=2), dict(row_parts=2, block_n=64),
-                 dict(row_parts=2, block_n=128), dict(row_parts=4, block_n=64), dict(row_parts=4, block_n=128)]
-ATTN_BANK_VARIANTS = [dict(), dict(block_n=64), dict(row_parts=2, block_n=64), dict(row_parts=2, block_n=128)]
+ATTN_VARIANTS = [dict(), dict(block_n=64)]
 DECODE_STAGE1_VARIANTS = [dict(), dict(block_c=16), dict(block_c=32), dict(num_warps=8), dict(keys_as_rows=True)]  # default: 64 (dynamic RoPE), else 32
-DECODE_LATER_STAGE_VARIANTS = [dict(), dict(block_c=16), dict(block_c=64), dict(num_warps=2), dict(keys_as_rows=True),
-                               dict(scan=True)]  # default: 32
+DECODE_LATER_STAGE_VARIANTS = [dict(), dict(block_c=16), dict(block_c=64), dict(num_warps=2), dict(keys_as_rows=True)]  # default: 32
 # decode attention split counts / key tiles (default: ~2 waves of SMs, 64-key tiles)
 DECODE_ATTN_VARIANTS = [dict(), dict(num_splits=16), dict(num_splits=52), dict(block_n=32),
                         dict(block_n=32, num_splits=64), dict(block_n=32, num_splits=104)]
@@ -254,14 +240,13 @@ def prefill_breakdown(ctx: PagedContext, cfg, gen, raw_keys: bool = False) -> di
                                   rope_style=prune_rope, query_stride=cfg.query_strides[i], **kw))
     for i, st in enumerate(cfg.stages):
         prev = (None, None) if i == 0 else outs[i - 1]
-        stage_variants = PRUNE_VARIANTS if i == 0 else later_prune_variants(st.chunk_size)
         times = [timing.event_ms(lambda st=st, prev=prev, i=i, v=v: pruning_stage(
             q, ctx.k_cache, tables, starts, lens, ends, *prev, chunk_size=st.chunk_size, k=st.k, block_q=bq,
             max_candidates=middle if i == 0 else None, rope_style=prune_rope,
             query_stride=cfg.query_strides[i], **kw, **v), reps=3)
-            for v in stage_variants]
+            for v in PRUNE_VARIANTS]
         res[f"stage{i + 1}"] = times[0]  # the default launch (what the runtime runs); others: variants_ms
-        variants[f"stage{i + 1}"] = {str(v): t for v, t in zip(stage_variants, times)}
+        variants[f"stage{i + 1}"] = {str(v): t for v, t in zip(PRUNE_VARIANTS, times)}
     kw.pop("raw_keys", None)
     out = torch.empty_like(q)
     times = [timing.event_ms(lambda v=v: sparse_prefill_attention(
@@ -274,19 +259,6 @@ def prefill_breakdown(ctx: PagedContext, cfg, gen, raw_keys: bool = False) -> di
         variants["attention_without_rope"] = timing.event_ms(lambda: sparse_prefill_attention(
             q, ctx.k_cache, ctx.v_cache, tables, starts, lens, ends, outs[-1][0], block_q=bq, scale=SCALE,
             rope_style="none", out=out, **kw), reps=3)
-        # the selected keys rotated once into a bank (one slot per query block), then attention
-        # without per-key rotation; timed with the bank write
-        sel = outs[-1][0]
-        bank = torch.empty(sel.shape[0], sel.shape[1], HKV, D, device="cuda", dtype=torch.bfloat16)
-        slots = torch.arange(sel.shape[0], device="cuda")
-        write = lambda: write_key_bank(ctx.k_cache, tables, ends, sel, bank, slots, n_sink=cfg.n_sink,  # noqa: E731
-                                       inv_freq=ctx.inv_freq, rope_group=cfg.stages[-1].chunk_size)
-        variants["bank_write"] = timing.event_ms(write, reps=3)
-        variants["attention_bank_incl_write"] = {str(v): timing.event_ms(lambda v=v: (write(), sparse_prefill_attention(
-            q, ctx.k_cache, ctx.v_cache, tables, starts, lens, ends, sel, block_q=bq, scale=SCALE,
-            rope_style=attn_rope, rope_group=cfg.stages[-1].chunk_size, bank=bank, bank_rows=slots, out=out,
-            **kw, **v)), reps=3) for v in ATTN_BANK_VARIANTS}
-        del bank
     res["total"] = sum(res.values())
     res["variants_ms"] = variants
     return res

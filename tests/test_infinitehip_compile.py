@@ -18,9 +18,8 @@ import sys
 import pytest
 
 PRUNING = [0, 1, 2]  # rope styles: none, relative, chunk_indexed
-ATTENTION = [(0, 1, False, False), (0, 4, False, False), (3, 1, False, False), (3, 1, False, True),
-             (3, 4, False, False), (3, 4, True, False)]  # (rope style none | streaming, num_splits,
-# rotated key bank, halves: two dots of D/2)
+ATTENTION = [(0, 1, False), (0, 4, False), (3, 1, False), (3, 4, False), (3, 4, True)]  # (rope style
+# none | streaming, num_splits, rotated key bank)
 
 
 def _compile(fn, pointers, constexprs, num_warps=4):
@@ -41,14 +40,11 @@ def _compile_pruning(rope_style: int):
                 inv_freq_ptr="*fp32", scores_ptr="*fp32")
     for raw in ((False, True) if rope_style else (False,)):  # raw keys only with a dynamic style
         # the transposed score tiles (keys_as_rows) with the prefill path's raw RELATIVE keys
-        # and the scanning tiles (scan: every candidate scored; the last stage's prefill path)
-        for rows, scan in (((False, False), (True, False), (False, True)) if raw and rope_style == 1
-                           else ((False, False), (False, True)) if raw else ((False, False),)):
-            ce = dict(PAGE_SIZE=16, BLOCK_Q=256, BLOCK_C=8 if scan else 16, TILES=4, BLOCK_D=128,
-                      CAND_IMPLICIT=rope_style == 0, STORE_REPS=True, ROPE_STYLE=rope_style, RAW_KEYS=raw,
-                      DOT_F32=False, DOT_PRECISION="tf32",
+        for rows in ((False, True) if raw and rope_style == 1 else (False,)):
+            ce = dict(PAGE_SIZE=16, BLOCK_Q=256, BLOCK_C=16, TILES=4, BLOCK_D=128, CAND_IMPLICIT=rope_style == 0,
+                      STORE_REPS=True, ROPE_STYLE=rope_style, RAW_KEYS=raw, DOT_F32=False, DOT_PRECISION="tf32",
                       KEY_ROTATION=0 if rope_style == 0 or (raw and rope_style == 1) else 2 if raw else 1,
-                      KEYS_AS_ROWS=rows, SCAN=scan, CHUNK=8 if scan else 1)
+                      KEYS_AS_ROWS=rows)
             _compile(pruning._select_rep_kernel, ptrs, ce, num_warps=8)
     ptrs = {n: "*i32" for n in ("cand_ptr", "cand_lens_ptr", "ends_ptr", "kept_ptr", "out_ptr", "out_lens_ptr")}
     ptrs.update(scores_ptr="*fp32")
@@ -56,7 +52,7 @@ def _compile_pruning(rope_style: int):
                     LENS_FROM_ENDS=rope_style == 0, BLOCK_ALL=4096, BLOCK=1024), num_warps=8)
 
 
-def _compile_attention(rope_style: int, num_splits: int, bank: bool = False, halves: bool = False):
+def _compile_attention(rope_style: int, num_splits: int, bank: bool = False):
     import infhip.plugins.infinitehip.key_bank as key_bank
     import infhip.plugins.infinitehip.sparse_attention as sparse_attention
 
@@ -64,10 +60,8 @@ def _compile_attention(rope_style: int, num_splits: int, bank: bool = False, hal
     ptrs["bank_rows_ptr"] = "*i64"  # the runtime passes its int64 mask-cache slots
     ptrs.update(q_ptr="*bf16", k_cache_ptr="*bf16", v_cache_ptr="*bf16", out_ptr="*bf16", bank_ptr="*bf16",
                 inv_freq_ptr="*fp32", part_out_ptr="*fp32", part_lse_ptr="*fp32", scale_log2="fp32")
-    # prefill (one split) with its query blocks over two programs (row_parts)
-    ce = dict(PAGE_SIZE=16, BLOCK_Q=64, ROW_PARTS=1 if num_splits > 1 else 2, PART_Q=16, BLOCK_N=64,
-              BLOCK_D=128, NUM_SPLITS=num_splits, SEL_BLOCK=1024,
-              DECODE=num_splits > 1, ROPE_STYLE=rope_style, ROPE_GROUP=8, BANK=bank, HALVES=halves, DOT_F32=False,
+    ce = dict(PAGE_SIZE=16, BLOCK_Q=64, BLOCK_N=64, BLOCK_D=128, NUM_SPLITS=num_splits, SEL_BLOCK=1024,
+              DECODE=num_splits > 1, ROPE_STYLE=rope_style, ROPE_GROUP=8, BANK=bank, DOT_F32=False,
               DOT_PRECISION="tf32")
     _compile(sparse_attention._sparse_attn_kernel, ptrs, ce)
     if bank:
@@ -107,8 +101,8 @@ if __name__ == "__main__":
     elif what == "all":
         for style in PRUNING:
             _compile_pruning(style)
-        for style, splits, bank, halves in ATTENTION:
-            _compile_attention(style, splits, bank, halves)
+        for style, splits, bank in ATTENTION:
+            _compile_attention(style, splits, bank)
     elif what == "pruning":
         _compile_pruning(int(sys.argv[2]))
     else:

@@ -116,62 +116,10 @@ def test_keys_as_rows_scores_the_same(block_q, q_lens, explicit, rope_style):
 
 
 @pytest.mark.parametrize("block_q,q_lens", QUERIES)
-@pytest.mark.parametrize("explicit", [False, True])
-@pytest.mark.parametrize("chunk_size", [4, 8, 16])
-def test_scan_scores_the_same_dyadic(block_q, q_lens, explicit, chunk_size):
-    """The scanning launch (scan: every candidate scored, the halvings on registers) picks the
-    same representatives and chunk scores as the tournament and the reference, bit for bit
-    (dyadic inputs: exact dots), with several tiles per row and per program. n_stream 2 < b_q:
-    the causal cut inside the block too."""
-    seqs, q, (q_start, lens, ends, tables) = setup(6, 2, 32, 16, q_lens, block_q, seed=12, dyadic=True,
-                                                   contexts=(197, 303))
-    cand, cand_lens = random_candidates(seqs.generator, ends) if explicit else (None, None)
-    kw = dict(chunk_size=chunk_size, n_sink=N_SINK, n_stream=2, block_q=block_q, store_reps=True)
-    base, base_reps = select_rep_scores(q, seqs.k_cache, tables, q_start, lens, ends, cand, cand_lens,
-                                        scan=False, **kw)
-    ref_scores, ref_reps, _ = select_rep_scores_ref(
-        q, seqs.k_cache, tables, q_start, lens, ends, cand, cand_lens, chunk_size=chunk_size, n_sink=N_SINK,
-        n_stream=2, max_candidates=None if explicit else base.shape[1] * chunk_size)
-    assert torch.isfinite(ref_scores).any()
-    for over in (dict(), dict(tiles=2), dict(keys_as_rows=True), dict(block_c=max(2, 32 // chunk_size))):
-        scores, reps = select_rep_scores(q, seqs.k_cache, tables, q_start, lens, ends, cand, cand_lens,
-                                         scan=True, **over, **kw)
-        assert torch.equal(scores, base) and torch.equal(reps, base_reps), over
-        assert torch.equal(scores.double().cpu()[:, :ref_scores.shape[1]], ref_scores), over
-        assert torch.equal(reps.cpu()[..., :ref_reps.shape[2]], ref_reps), over
-
-
-@pytest.mark.parametrize("rope_style", ["relative", "chunk_indexed"])
-@pytest.mark.parametrize("explicit", [False, True])
-def test_scan_with_raw_keys_matches_reference(rope_style, explicit):
-    """The scanning launch under the dynamic RoPE styles from un-rotated keys (the prefill path;
-    relative: each key scored as a left and a right representative; chunk_indexed: one sin/cos
-    per chunk) == the float64 reference where its tournament is not a near-tie, and the
-    tournament launch to float tolerance."""
-    Hq, Hkv, D, q_lens, block_q = 6, 2, 32, [13, 20], 8
-    seqs, q, (q_start, lens, ends, tables) = setup(Hq, Hkv, D, 16, q_lens, block_q, seed=13, dyadic=False)
-    cand, cand_lens = random_candidates(seqs.generator, ends) if explicit else (None, None)
-    freq = inv_freq(D)
-    kw = dict(chunk_size=8, n_sink=N_SINK, n_stream=N_STREAM, rope_style=rope_style, inv_freq=freq)
-    raw = raw_keys_of(seqs, q_lens, block_q, freq)
-    scores, reps = select_rep_scores(q, seqs.k_cache, tables, q_start, lens, ends, cand, cand_lens,
-                                     block_q=block_q, store_reps=True, raw_keys=raw, scan=True, **kw)
-    base, _ = select_rep_scores(q, seqs.k_cache, tables, q_start, lens, ends, cand, cand_lens,
-                                block_q=block_q, raw_keys=raw, scan=False, **kw)
-    torch.testing.assert_close(scores, base, rtol=1e-5, atol=1e-5)
-    ref_scores, ref_reps, margins = select_rep_scores_ref(
-        q, seqs.k_cache, tables, q_start, lens, ends, cand, cand_lens,
-        max_candidates=None if explicit else scores.shape[1] * 8, **kw)
-    assert torch.allclose(scores.double().cpu()[:, :ref_scores.shape[1]], ref_scores, rtol=1e-5, atol=1e-5)
-    clear = margins > 1e-4
-    assert clear.float().mean() > 0.9 and torch.equal(reps.cpu()[..., :ref_reps.shape[2]][clear], ref_reps[clear])
-
-
-@pytest.mark.parametrize("block_q,q_lens", QUERIES)
 def test_candidates_in_runs_match_reference_exactly(block_q, q_lens):
-    """Candidates as the previous stage leaves them, runs of consecutive tokens (a chunk of
-    consecutive candidates skips the index loads), some runs broken by a missing token and
-    chunks straddling two runs: representatives and chunk scores bit for bit (dyadic inputs)."""
+    """Candidates as the previous stage leaves them, runs of consecutive tokens, some runs broken
+    by a missing token and chunks straddling two runs: representatives and chunk scores bit for
+    bit (dyadic inputs)."""
     seqs, q, (q_start, lens, ends, tables) = setup(6, 2, 16, 4, q_lens, block_q, seed=21, dyadic=True)
     g, rows = seqs.generator, []
     for s in stream_starts(ends.cpu(), N_SINK, N_STREAM).tolist():

@@ -9,7 +9,7 @@ import torch
 
 from infhip.plugins.dense_attention import dense_attention_ref
 from infhip.plugins.infinitehip import (PAD, initial_candidates, pruning_stage, sparse_attention_ref,
-                                        sparse_decode_attention, sparse_prefill_attention, write_key_bank,
+                                        sparse_decode_attention, sparse_prefill_attention,
                                         stream_starts)
 
 from .test_infinitehip_common import DEVICE, PagedSeqs, inv_freq, rel_err
@@ -104,7 +104,7 @@ def run_selection(g, ends, n_sink, n_stream, runs, run_len):
 def test_streaming_rope_in_runs(selection):
     """rope_group = 4 (one sin/cos per run of 4 selected keys): tiles made of whole runs take the
     per-run path, tiles with scattered keys or a sink/stream edge the per-key one; both match the
-    reference, in decode and in prefill (prefill also with the launch options and a key bank)."""
+    reference, in decode and in prefill."""
     D, n_sink, n_stream, group = 32, 8, 24, 4
     seqs = PagedSeqs([150, 211], 2, D, 4, seed=5 if selection == "runs" else 6)
     opts = dict(n_sink=n_sink, n_stream=n_stream, scale=0.3, rope_style="streaming", inv_freq=inv_freq(D))
@@ -125,18 +125,8 @@ def test_streaming_rope_in_runs(selection):
     qp = torch.randn(33, 6, D, generator=seqs.generator).to(DEVICE)
     sel = select(ends)
     pargs = (qp, seqs.k_cache, seqs.v_cache, tables, q_start, lens, ends, sel)
-    ref = sparse_attention_ref(*pargs, **opts)
-    slots = torch.arange(ends.shape[0], dtype=torch.int64, device=DEVICE)  # one bank slot per block
-    bank = torch.zeros(ends.shape[0], sel.shape[1], 2, D, device=DEVICE)
-    write_key_bank(seqs.k_cache, tables, ends, sel, bank, slots, n_sink=n_sink, inv_freq=opts["inv_freq"],
-                   rope_group=group)
-    # the rotated halves joined into one dot or two dots of D/2; query blocks split over 2 or 3
-    # programs (3: a part past the block's last query); keys from a bank (tiles wholly in the
-    # stream, crossing into it, and before it)
-    for over in (dict(), dict(halves=True), dict(row_parts=2), dict(row_parts=3, halves=True),
-                 dict(bank=bank, bank_rows=slots), dict(bank=bank, bank_rows=slots, row_parts=2)):
-        out = sparse_prefill_attention(*pargs, block_q=8, block_n=16, rope_group=group, **over, **opts)
-        assert rel_err(out, ref) < TOL[torch.float32], over
+    out = sparse_prefill_attention(*pargs, block_q=8, block_n=16, rope_group=group, **opts)
+    assert rel_err(out, sparse_attention_ref(*pargs, **opts)) < TOL[torch.float32]
 
 
 PREFILL = [(8, 8, [13, 20]), (16, 16, [16, 37])]  # block_q, n_stream, q_lens

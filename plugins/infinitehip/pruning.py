@@ -124,22 +124,13 @@ def _tournament_tile(q_left, q_right, q_pos, row_valid, first_chunk, n_cand, can
     k = _load_keys(tok, has, key_pos, k_head, table_row, raw_base, sin, cos, stride_cp, stride_cs, stride_rt,
                    inv_freq_ptr, head_dim, PAGE_SIZE, BLOCK_D, RAW_KEYS, KEY_ROTATION).to(q_left.dtype)
     s_left = _max_score(q_left, k, q_pos, row_valid, tok, has, DOT_PRECISION, KEYS_AS_ROWS)
-    # a chunk whose sorted candidates are consecutive tokens (the previous stage kept whole runs)
-    # has candidate i at token tok + i: no index load waits before each halving's key load
-    run = has
-    if not CAND_IMPLICIT:
-        last = tl.load(cand_row + base + chunk_len - 1, mask=has, other=0)
-        run = has & (last - tok == chunk_len - 1)
     best = s_left
     half = chunk_size
     for _ in range(num_iters):
         half = half // 2
         right = first + half
         r_valid = right < chunk_len
-        if CAND_IMPLICIT:
-            r_tok = n_sink + base + right
-        else:
-            r_tok = tl.where(run, tok + right, tl.load(cand_row + base + right, mask=r_valid & ~run, other=0))
+        r_tok = _candidate_tokens(cand_row, base + right, r_valid, n_sink, CAND_IMPLICIT)
         k = _load_keys(r_tok, r_valid, key_pos, k_head, table_row, raw_base, sin, cos, stride_cp, stride_cs,
                        stride_rt, inv_freq_ptr, head_dim, PAGE_SIZE, BLOCK_D, RAW_KEYS,
                        KEY_ROTATION).to(q_left.dtype)
@@ -152,64 +143,6 @@ def _tournament_tile(q_left, q_right, q_pos, row_valid, first_chunk, n_cand, can
             # position, from the key already loaded (no reload, no second rotation)
             s_left = tl.where(wins, _max_score(q_left, k, q_pos, row_valid, r_tok, r_valid, DOT_PRECISION, KEYS_AS_ROWS),
                               s_left)
-        else:
-            s_left = best
-    return best, first
-
-
-@triton.jit
-def _at(x, offs, at):
-    """x[c, at[c]] of x [BLOCK_C, CHUNK] (offs = arange(CHUNK)) -> [BLOCK_C]."""
-    return tl.max(tl.where(offs[None, :] == at[:, None], x, float("-inf")), axis=1)
-
-
-@triton.jit
-def _scan_tile(q_left, q_right, q_pos, row_valid, first_chunk, n_cand, cand_row, table_row,
-               k_head, raw_base, inv_freq_ptr, stride_cp, stride_cs, stride_rt, head_dim, n_sink,
-               chunk_size, num_iters,
-               PAGE_SIZE: tl.constexpr, BLOCK_C: tl.constexpr, CHUNK: tl.constexpr, BLOCK_D: tl.constexpr,
-               CAND_IMPLICIT: tl.constexpr, ROPE_STYLE: tl.constexpr, RAW_KEYS: tl.constexpr,
-               KEY_ROTATION: tl.constexpr, DOT_PRECISION: tl.constexpr, KEYS_AS_ROWS: tl.constexpr):
-    """_tournament_tile's result from the scores of every candidate of the BLOCK_C chunks: one
-    [BLOCK_C * CHUNK] key tile, one dot per query tile (two under RELATIVE: each key's sigma as a
-    left and as a right representative), then the halvings on registers. More dot work (l_c keys
-    per chunk instead of log2(l_c) + 1) but no load waits on a comparison, so loads and dots
-    pipeline like a flash-attention key loop: for small l_c (the last stage) that wins."""
-    n = tl.arange(0, BLOCK_C * CHUNK)
-    chunk = first_chunk + n // CHUNK
-    idx = first_chunk * CHUNK + n
-    valid = idx < n_cand
-    tok = _candidate_tokens(cand_row, idx, valid, n_sink, CAND_IMPLICIT)
-    key_pos = chunk * 0 if ROPE_STYLE == C_RELATIVE else chunk
-    sin = None
-    cos = None
-    if KEY_ROTATION == 2:  # raw CHUNK_INDEXED: one sin/cos per chunk, shared by its CHUNK keys
-        sin, cos = sin_cos_of(first_chunk + tl.arange(0, BLOCK_C), inv_freq_ptr, head_dim, BLOCK_D)
-        shape: tl.constexpr = (BLOCK_C, CHUNK, BLOCK_D // 2)
-        sin = tl.reshape(tl.broadcast_to(sin[:, None, :], shape), (BLOCK_C * CHUNK, BLOCK_D // 2))
-        cos = tl.reshape(tl.broadcast_to(cos[:, None, :], shape), (BLOCK_C * CHUNK, BLOCK_D // 2))
-    k = _load_keys(tok, valid, key_pos, k_head, table_row, raw_base, sin, cos, stride_cp, stride_cs, stride_rt,
-                   inv_freq_ptr, head_dim, PAGE_SIZE, BLOCK_D, RAW_KEYS, KEY_ROTATION).to(q_left.dtype)
-    sig_left = tl.reshape(_max_score(q_left, k, q_pos, row_valid, tok, valid, DOT_PRECISION, KEYS_AS_ROWS),
-                          (BLOCK_C, CHUNK))
-    sig_right = sig_left
-    if ROPE_STYLE == C_RELATIVE:
-        sig_right = tl.reshape(_max_score(q_right, k, q_pos, row_valid, tok, valid, DOT_PRECISION, KEYS_AS_ROWS),
-                               (BLOCK_C, CHUNK))
-    offs = tl.arange(0, CHUNK)
-    first = tl.zeros([BLOCK_C], tl.int32)  # offset of the current range's first candidate
-    s_left = _at(sig_left, offs, first)
-    best = s_left
-    half = chunk_size
-    for _ in range(num_iters):  # the same halvings as _tournament_tile (invalid keys are -inf)
-        half = half // 2
-        right = first + half
-        s_right = _at(sig_right, offs, right)
-        wins = s_right > s_left
-        first = tl.where(wins, right, first)
-        best = tl.maximum(s_left, s_right)
-        if ROPE_STYLE == C_RELATIVE:
-            s_left = tl.where(wins, _at(sig_left, offs, right), s_left)
         else:
             s_left = best
     return best, first
@@ -252,8 +185,6 @@ def _select_rep_kernel(
     DOT_F32: tl.constexpr,  # float32 dot operands (CPU interpreter, float32 caches)
     DOT_PRECISION: tl.constexpr,
     KEYS_AS_ROWS: tl.constexpr,  # score tiles as [chunks, queries] (_max_score)
-    SCAN: tl.constexpr,  # score every candidate, then the halvings on registers (_scan_tile)
-    CHUNK: tl.constexpr,  # SCAN: chunk_size (a tile holds BLOCK_C * CHUNK keys)
 ):
     blk = tl.program_id(0)
     kv_head = tl.program_id(2)
@@ -296,18 +227,11 @@ def _select_rep_kernel(
     out_row = (blk.to(tl.int64) * num_kv_heads + kv_head) * max_chunks
     for tile in range(TILES):
         first_chunk = (tl.program_id(1) * TILES + tile) * BLOCK_C
-        if SCAN:
-            best, first = _scan_tile(q_left, q_right, q_pos, row_valid, first_chunk, n_cand, cand_row,
-                                     table_row, k_head, raw_base, inv_freq_ptr, stride_cp, stride_cs,
-                                     stride_rt, head_dim, n_sink, chunk_size, num_iters, PAGE_SIZE,
-                                     BLOCK_C, CHUNK, BLOCK_D, CAND_IMPLICIT, ROPE_STYLE, RAW_KEYS,
-                                     KEY_ROTATION, DOT_PRECISION, KEYS_AS_ROWS)
-        else:
-            best, first = _tournament_tile(q_left, q_right, q_pos, row_valid, first_chunk, n_cand, cand_row,
-                                           table_row, k_head, raw_base, inv_freq_ptr, stride_cp, stride_cs,
-                                           stride_rt, head_dim, n_sink, chunk_size, num_iters, PAGE_SIZE,
-                                           BLOCK_C, BLOCK_D, CAND_IMPLICIT, ROPE_STYLE, RAW_KEYS,
-                                           KEY_ROTATION, DOT_PRECISION, KEYS_AS_ROWS)
+        best, first = _tournament_tile(q_left, q_right, q_pos, row_valid, first_chunk, n_cand, cand_row,
+                                       table_row, k_head, raw_base, inv_freq_ptr, stride_cp, stride_cs,
+                                       stride_rt, head_dim, n_sink, chunk_size, num_iters, PAGE_SIZE,
+                                       BLOCK_C, BLOCK_D, CAND_IMPLICIT, ROPE_STYLE, RAW_KEYS,
+                                       KEY_ROTATION, DOT_PRECISION, KEYS_AS_ROWS)
         chunk = first_chunk + tl.arange(0, BLOCK_C)
         in_row = chunk < max_chunks
         tl.store(scores_ptr + out_row + chunk, best, mask=in_row)
@@ -334,8 +258,7 @@ def select_rep_scores(q, k_cache, block_tables, q_start, q_lens, ends, candidate
                       inv_freq: torch.Tensor | None = None, store_reps: bool = False,
                       head_normalized: bool = False, query_stride: int = 1,
                       raw_keys: RawKeys | None = None, block_c: int | None = None,
-                      tiles: int | None = None, num_warps: int | None = None, keys_as_rows: bool | None = None,
-                      scan: bool | None = None):
+                      tiles: int | None = None, num_warps: int | None = None, keys_as_rows: bool | None = None):
     """Triton SelectRep: chunk scores float32 [NB, max_chunks] and (store_reps) representatives
     int32 [NB, Hkv, max_chunks]. candidates None = stage 1 (the middle, implicitly); then
     max_candidates must be >= every block's middle length (a fixed capacity keeps the grid
@@ -344,9 +267,8 @@ def select_rep_scores(q, k_cache, block_tables, q_start, q_lens, ends, candidate
     the max over heads (InfiniteHipConfig.chunk_score). query_stride: score with every s-th query
     of a block (InfiniteHipConfig.query_strides). raw_keys: the blocks' keys at position 0
     (raw_keys.unrotate_keys), read instead of re-rotating cached keys when a dynamic RoPE style
-    is on (ignored for "none"). block_c / tiles / num_warps / keys_as_rows / scan: tuning
-    overrides (keys_as_rows: score tiles transposed; scan: score every candidate, then the
-    halvings on registers; the same values either way)."""
+    is on (ignored for "none"). block_c / tiles / num_warps / keys_as_rows: tuning overrides
+    (keys_as_rows: score tiles transposed, the same values)."""
     T, Hq, D = q.shape
     num_pages, page_size, Hkv, Dk = k_cache.shape
     NB = ends.shape[0]
@@ -385,11 +307,6 @@ def select_rep_scores(q, k_cache, block_tables, q_start, q_lens, ends, candidate
     # 32- and 128-row tiles are not measured; decode (16 rows) keeps the default.
     if keys_as_rows is None:
         keys_as_rows = candidates is None and 32 <= BLOCK_Q <= 128
-    if scan is None:
-        scan = False
-    if scan:  # a tile holds BLOCK_C whole chunks, 64 keys by default
-        BLOCK_C = block_c or max(1, 64 // chunk_size)
-        assert BLOCK_C * chunk_size >= 16, f"scan tiles need >= 16 keys: block_c {BLOCK_C} x l_c {chunk_size}"
     n_tiles = triton.cdiv(max_chunks, BLOCK_C)
     # Several tiles per program only when the grid is huge (prefill): the query tile is then
     # loaded and rotated once per TILES tiles; decode grids stay one tile per program.
@@ -420,7 +337,6 @@ def select_rep_scores(q, k_cache, block_tables, q_start, q_lens, ends, candidate
         KEY_ROTATION=0 if style == NONE or (raw is not None and style == RELATIVE) else 2 if raw is not None else 1,
         DOT_F32=not q.is_cuda or q.dtype == torch.float32,
         DOT_PRECISION=dot_precision(q.dtype if q.is_cuda else torch.float32), KEYS_AS_ROWS=keys_as_rows,
-        SCAN=scan, CHUNK=chunk_size if scan else 1,
         # H200, 1M keys: 256-row query tiles (stride 1) 8 warps (stage 1 112 vs 163 ms, stage 3
         # 14 vs 27 ms); 64-row tiles (stride 4) and decode 4 (stage 1 24 vs 35 ms)
         num_warps=num_warps or (8 if BLOCK_Q >= 256 else 4),

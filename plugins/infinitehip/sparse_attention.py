@@ -45,7 +45,7 @@ from .._triton_utils import device_num_sms, dot_precision, next_pow2, triton_on
 from ..dense_attention import _decode_merge_kernel, choose_num_splits, dense_attention_ref
 from .blocks import block_key_mask
 from .rope_styles import (C_STREAMING, NONE, STREAMING, check_rotatable, load_halves, load_rotated,
-                          rope_style_id, rotate_by_ref, rotate_halves, run_sin_cos, sin_cos_of)
+                          rope_style_id, rotate_by_ref, rotate_halves, run_sin_cos)
 
 _LOG2E = 1.4426950408889634
 
@@ -90,9 +90,7 @@ def _sparse_attn_kernel(
     n_sink, n_stream,
     scale_log2,  # softmax scale * log2(e)
     PAGE_SIZE: tl.constexpr,
-    BLOCK_Q: tl.constexpr,  # PART_Q * group_size query rows, padded to a power of two >= 16
-    ROW_PARTS: tl.constexpr,  # programs per query block (each its PART_Q queries, the same keys)
-    PART_Q: tl.constexpr,  # queries per program: ceil(b_q / ROW_PARTS)
+    BLOCK_Q: tl.constexpr,  # b_q * group_size query rows, padded to a power of two >= 16
     BLOCK_N: tl.constexpr,  # keys (ranks) per iteration
     BLOCK_D: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
@@ -103,13 +101,10 @@ def _sparse_attn_kernel(
     #                            tokens (the last stage's chunks): one sin/cos per run (1: per key)
     BANK: tl.constexpr,  # STREAMING: selected keys from the rotated bank, stream keys scored with
     #                      a counter-rotated query: no key is rotated
-    HALVES: tl.constexpr,  # STREAMING without BANK: score q . k as q1 . k1 + q2 . k2 over the
-    #                        rotated halves (two dots of D/2) instead of joining the halves
     DOT_F32: tl.constexpr,  # float32 dot operands (CPU interpreter, float32 caches)
     DOT_PRECISION: tl.constexpr,
 ):
-    blk = tl.program_id(0) // ROW_PARTS
-    part = tl.program_id(0) % ROW_PARTS
+    blk = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     if DECODE:
@@ -133,26 +128,16 @@ def _sparse_attn_kernel(
     tile_hi = tl.minimum(tile_lo + per_split, num_tiles)
 
     rows = tl.arange(0, BLOCK_Q)
-    t = part * PART_Q + rows // group_size  # the row's query within the block
+    t = rows // group_size
     heads = kv_head * group_size + rows % group_size
-    row_valid = (rows // group_size < PART_Q) & (t < q_len)
+    row_valid = t < q_len
     q_pos = end - q_len + t  # [BLOCK_Q]
     q_rank = tl.where(q_pos < s, q_pos, mid_end + q_pos - s)  # rank of the query's own token
     ROTATE: tl.constexpr = ROPE_STYLE == C_STREAMING
-    q_rows = q_ptr + (q0 + t).to(tl.int64) * stride_qt + heads * stride_qh
-    if HALVES:  # the rotated query as its two halves [BLOCK_Q, BLOCK_D // 2]
-        qa, qb = load_halves(q_rows, row_valid, head_dim, BLOCK_D)
-        q_sin, q_cos = sin_cos_of(q_rank - q_pos, inv_freq_ptr, head_dim, BLOCK_D)
-        q1 = qa * q_cos - qb * q_sin
-        q2 = qb * q_cos + qa * q_sin
-        if not DOT_F32:
-            q1 = q1.to(k_cache_ptr.dtype.element_ty)
-            q2 = q2.to(k_cache_ptr.dtype.element_ty)
-        q = q1  # unused
-    else:
-        q = load_rotated(q_rows, row_valid, q_rank - q_pos, inv_freq_ptr, head_dim, BLOCK_D, ROTATE)
-        if not DOT_F32:
-            q = q.to(k_cache_ptr.dtype.element_ty)
+    q = load_rotated(q_ptr + (q0 + t).to(tl.int64) * stride_qt + heads * stride_qh, row_valid,
+                     q_rank - q_pos, inv_freq_ptr, head_dim, BLOCK_D, ROTATE)
+    if not DOT_F32:
+        q = q.to(k_cache_ptr.dtype.element_ty)
     if BANK:  # every stream key moves by mid_end - s: q . R(d) k = R(-d) q . k, one query tile
         q_stream = load_rotated(q_ptr + (q0 + t).to(tl.int64) * stride_qt + heads * stride_qh, row_valid,
                                 q_rank - q_pos - (mid_end - s), inv_freq_ptr, head_dim, BLOCK_D, True)
@@ -183,11 +168,7 @@ def _sparse_attn_kernel(
         elif ROTATE:  # keys to their rank (StreamingLLM): R(rank - tok) applied to the cached key
             k1, k2 = load_halves(k_cache_ptr + kv_row, valid, head_dim, BLOCK_D)
             sin, cos = run_sin_cos(rank - tok, inv_freq_ptr, head_dim, BLOCK_N, BLOCK_D, ROPE_GROUP)
-            if HALVES:
-                k = k1 * cos - k2 * sin  # [BLOCK_N, BLOCK_D // 2] each
-                k_hi = k2 * cos + k1 * sin
-            else:
-                k = rotate_halves(k1, k2, sin, cos)
+            k = rotate_halves(k1, k2, sin, cos)
         else:
             k = load_rotated(k_cache_ptr + kv_row, valid, rank - tok, inv_freq_ptr, head_dim, BLOCK_D, False)
         v = tl.load(v_cache_ptr + kv_row[:, None] + d[None, :],
@@ -196,21 +177,9 @@ def _sparse_attn_kernel(
             v = v.to(tl.float32)
         else:
             k = k.to(k_cache_ptr.dtype.element_ty)
-        if HALVES:
-            if not DOT_F32:
-                k_hi = k_hi.to(k_cache_ptr.dtype.element_ty)
-            sc = (tl.dot(q1, tl.trans(k), input_precision=DOT_PRECISION)
-                  + tl.dot(q2, tl.trans(k_hi), input_precision=DOT_PRECISION))  # [BLOCK_Q, BLOCK_N]
-        elif BANK:  # stream keys (ranks >= mid_end) with the counter-rotated query
-            if tile * BLOCK_N >= mid_end:
-                sc = tl.dot(q_stream, tl.trans(k), input_precision=DOT_PRECISION)
-            elif (tile + 1) * BLOCK_N > mid_end:
-                sc = tl.where((rank >= mid_end)[None, :], tl.dot(q_stream, tl.trans(k), input_precision=DOT_PRECISION),
-                              tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION))
-            else:
-                sc = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
-        else:
-            sc = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [BLOCK_Q, BLOCK_N]
+        sc = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [BLOCK_Q, BLOCK_N]
+        if BANK:
+            sc = tl.where((rank >= mid_end)[None, :], tl.dot(q_stream, tl.trans(k), input_precision=DOT_PRECISION), sc)
         sc = sc * scale_log2
         visible = valid[None, :] & (tok[None, :] <= q_pos[:, None])
         sc = tl.where(visible, sc, float("-inf"))
@@ -242,7 +211,6 @@ def block_sparse_attention(q, k_cache, v_cache, block_tables, q_start, q_lens, e
                      inv_freq: torch.Tensor | None = None, num_splits: int = 1, rope_group: int = 1,
                      bank: torch.Tensor | None = None, bank_rows: torch.Tensor | None = None,
                      block_n: int | None = None, num_warps: int | None = None,
-                     halves: bool | None = None, row_parts: int | None = None,
                      out: torch.Tensor | None = None) -> torch.Tensor:
     """Triton launcher (CPU tensors without TRITON_INTERPRET: sparse_attention_ref, same
     contract): q [T, Hq, D] packed, query blocks [NB] (blocks.py, q_lens <= block_q),
@@ -252,10 +220,7 @@ def block_sparse_attention(q, k_cache, v_cache, block_tables, q_start, q_lens, e
     rotations then take one sine/cosine per run (any value gives the same result, a power of two
     up to the key tile). bank / bank_rows (STREAMING): the selected keys already rotated to their
     rank (key_bank.write_key_bank from this same `selected`; bank [slots, >= K, Hkv, D], bank_rows
-    int32 / int64 [NB] the slot of each block): no key is rotated in the kernel. block_n /
-    num_warps / halves / row_parts: tuning overrides (halves: STREAMING without a bank scores the
-    rotated halves with two dots of D/2, no join; row_parts: programs per query block, each over
-    ceil(b_q / row_parts) of its queries and all its keys; the same values)."""
+    int32 / int64 [NB] the slot of each block): no key is rotated in the kernel."""
     T, Hq, D = q.shape
     num_pages, page_size, Hkv, Dk = k_cache.shape
     NB = ends.shape[0]
@@ -298,19 +263,15 @@ def block_sparse_attention(q, k_cache, v_cache, block_tables, q_start, q_lens, e
         return out
     BLOCK_D = max(16, next_pow2(D))
     G = Hq // Hkv
-    row_parts = row_parts or 1
-    assert row_parts == 1 or num_splits == 1, "row_parts > 1 is for prefill (one split)"
-    part_q = triton.cdiv(block_q, row_parts)
     # prefill-sized query tiles ([b_q * group, D], 256 rows for Llama-8B) do best with 32-key
     # tiles on the H200 (docs/benchmarks.md); decode's small tiles with 64
-    BLOCK_N = block_n or (64 if BLOCK_D <= 128 and part_q * G < 128 else 32)
-    halves = bool(halves) and style == STREAMING and bank is None and BLOCK_D >= 32  # dots need D/2 >= 16
+    BLOCK_N = block_n or (64 if BLOCK_D <= 128 and block_q * G < 128 else 32)
     if num_splits > 1:
         part_out = torch.empty((T, Hq, num_splits, D), dtype=torch.float32, device=q.device)
         part_lse = torch.empty((T, Hq, num_splits), dtype=torch.float32, device=q.device)  # all written
     else:
         part_out = part_lse = out  # unused
-    _sparse_attn_kernel[(NB * row_parts, Hkv, num_splits)](
+    _sparse_attn_kernel[(NB, Hkv, num_splits)](
         q, k_cache, v_cache, block_tables, ends if decode else q_start, ends if decode else q_lens, ends,
         selected,
         inv_freq if inv_freq is not None else part_lse,
@@ -322,13 +283,11 @@ def block_sparse_attention(q, k_cache, v_cache, block_tables, q_start, q_lens, e
         *(bank.stride()[:3] if bank is not None else (0, 0, 0)),
         out.stride(0), out.stride(1),
         Hq, G, D, n_sink, n_stream, float(scale) * _LOG2E,
-        PAGE_SIZE=page_size, BLOCK_Q=max(16, next_pow2(part_q * G)), ROW_PARTS=row_parts, PART_Q=part_q,
-        BLOCK_N=BLOCK_N,
+        PAGE_SIZE=page_size, BLOCK_Q=max(16, next_pow2(block_q * G)), BLOCK_N=BLOCK_N,
         BLOCK_D=BLOCK_D, NUM_SPLITS=num_splits, SEL_BLOCK=min(1024, next_pow2(selected.shape[1])),
-        DECODE=decode, ROPE_STYLE=style, ROPE_GROUP=min(rope_group, BLOCK_N), BANK=bank is not None, HALVES=halves,
-        DOT_F32=not q.is_cuda or q.dtype == torch.float32,
+        DECODE=decode, ROPE_STYLE=style, ROPE_GROUP=min(rope_group, BLOCK_N), BANK=bank is not None, DOT_F32=not q.is_cuda or q.dtype == torch.float32,
         DOT_PRECISION=dot_precision(q.dtype if q.is_cuda else torch.float32),
-        num_warps=num_warps or (8 if part_q * G >= 128 else 4),
+        num_warps=num_warps or (8 if block_q * G >= 128 else 4),
     )
     if num_splits > 1:
         _decode_merge_kernel[(T, Hq)](
@@ -361,16 +320,13 @@ def sparse_prefill_attention(q, k_cache, v_cache, block_tables, q_start, q_lens,
                              block_q: int, n_sink: int, n_stream: int, scale: float,
                              rope_style="none", inv_freq=None, rope_group: int = 1,
                              block_n: int | None = None, num_warps: int | None = None,
-                             halves: bool | None = None, row_parts: int | None = None,
-                             bank=None, bank_rows=None, out=None) -> torch.Tensor:
+                             out=None) -> torch.Tensor:
     """Prefill: flash-style, each query block of <= block_q queries over its own key set with the
-    causal cut; q [T, Hq, D] packed, blocks from blocks.plan_query_blocks. bank / bank_rows: the
-    blocks' selected keys rotated to their rank (key_bank.write_key_bank, one slot per block)."""
+    causal cut; q [T, Hq, D] packed, blocks from blocks.plan_query_blocks."""
     return block_sparse_attention(q, k_cache, v_cache, block_tables, q_start, q_lens, ends, selected,
                             block_q=block_q, n_sink=n_sink, n_stream=n_stream, scale=scale,
                             rope_style=rope_style, inv_freq=inv_freq, num_splits=1,
-                            rope_group=rope_group, block_n=block_n, num_warps=num_warps, halves=halves,
-                            row_parts=row_parts, bank=bank, bank_rows=bank_rows, out=out)
+                            rope_group=rope_group, block_n=block_n, num_warps=num_warps, out=out)
 
 
 def sparse_attention_ref(q, k_cache, v_cache, block_tables, q_start, q_lens, ends, selected, *,
