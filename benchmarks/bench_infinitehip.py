@@ -180,6 +180,8 @@ def decode_step_types(ctx: PagedContext, cfg, bs: int, reps: int, gen, profile_d
                                        for v in DECODE_ATTN_VARIANTS}
     if bank is not None:  # how much of the cached step is the keys' re-rotation (dynamic RoPE)
         per_stage["attention_bank"] = per_type_bank[S]
+        per_stage["attention_bank_variants"] = {str(v): timing.graph_time_us(
+            lambda v=v: attend(bank=bank, bank_rows=bank_rows, **v), reps) for v in DECODE_BANK_ATTN_VARIANTS}
         per_stage["bank_write"] = timing.graph_time_us(write_bank, reps)
         per_stage["attention_without_rope"] = timing.graph_time_us(lambda: attend(rope_style="none"), reps)
         per_stage["stage1_without_rope"] = timing.graph_time_us(lambda: stage(0, rope_style="none"), reps)
@@ -207,12 +209,16 @@ def cycle_stats(step_us: dict, intervals: tuple[int, ...]) -> dict:
 
 # defaults first (tiles, block_c swept 2026-11-30: within 10%); keys_as_rows: transposed score tiles
 PRUNE_VARIANTS = [dict(), dict(num_warps=8), dict(keys_as_rows=True), dict(keys_as_rows=True, num_warps=8)]
-ATTN_VARIANTS = [dict(), dict(block_n=64)]
+# prefetch: each key tile's tokens and page entries loaded one tile ahead; num_stages: Triton's
+# software pipelining depth (default 3)
+ATTN_VARIANTS = [dict(), dict(block_n=64), dict(prefetch=True), dict(num_stages=1), dict(num_stages=2),
+                 dict(prefetch=True, num_stages=2), dict(prefetch=True, block_n=64)]
 DECODE_STAGE1_VARIANTS = [dict(), dict(block_c=16), dict(block_c=32), dict(num_warps=8), dict(keys_as_rows=True)]  # default: 64 (dynamic RoPE), else 32
 DECODE_LATER_STAGE_VARIANTS = [dict(), dict(block_c=16), dict(block_c=64), dict(num_warps=2), dict(keys_as_rows=True)]  # default: 32
 # decode attention split counts / key tiles (default: ~2 waves of SMs, 64-key tiles)
 DECODE_ATTN_VARIANTS = [dict(), dict(num_splits=16), dict(num_splits=52), dict(block_n=32),
-                        dict(block_n=32, num_splits=64), dict(block_n=32, num_splits=104)]
+                        dict(block_n=32, num_splits=64), dict(block_n=32, num_splits=104), dict(prefetch=True)]
+DECODE_BANK_ATTN_VARIANTS = [dict(), dict(prefetch=True), dict(num_stages=2), dict(prefetch=True, num_stages=2)]
 
 
 def prefill_breakdown(ctx: PagedContext, cfg, gen, raw_keys: bool = False) -> dict:

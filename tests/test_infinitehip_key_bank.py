@@ -62,10 +62,12 @@ def test_decode_with_bank_matches_reference(dtype, num_splits, selection):
     write_key_bank(seqs.k_cache, seqs.block_tables, ends, sel, bank, rows, n_sink=N_SINK, inv_freq=inv_freq(D),
                    rope_group=4)
     q = torch.randn(3, 6, D, generator=seqs.generator).to(dtype).to(DEVICE)
-    out = sparse_decode_attention(q, seqs.k_cache, seqs.v_cache, seqs.block_tables, ends, sel, n_sink=N_SINK,
-                                  n_stream=N_STREAM, scale=0.3, rope_style="streaming", inv_freq=inv_freq(D),
-                                  num_splits=num_splits, block_n=16, bank=bank, bank_rows=rows)
-    assert rel_err(out, decode_ref(seqs, q, ends, sel)) < TOL[dtype]
+    ref = decode_ref(seqs, q, ends, sel)
+    for prefetch in (False, True):
+        out = sparse_decode_attention(q, seqs.k_cache, seqs.v_cache, seqs.block_tables, ends, sel, n_sink=N_SINK,
+                                      n_stream=N_STREAM, scale=0.3, rope_style="streaming", inv_freq=inv_freq(D),
+                                      num_splits=num_splits, block_n=16, bank=bank, bank_rows=rows, prefetch=prefetch)
+        assert rel_err(out, ref) < TOL[dtype], prefetch
 
 
 def test_bank_stays_valid_while_the_context_grows():

@@ -117,10 +117,12 @@ def test_streaming_rope_in_runs(selection):
     q = torch.randn(2, 6, D, generator=seqs.generator).to(DEVICE)
     sel = select(seqs.context_lens)
     args = (q, seqs.k_cache, seqs.v_cache, seqs.block_tables)
-    out = sparse_decode_attention(*args, seqs.context_lens, sel, num_splits=2, block_n=16, rope_group=group, **opts)
     ref = sparse_attention_ref(*args, torch.arange(2, dtype=torch.int32, device=DEVICE),
                                torch.ones(2, dtype=torch.int32, device=DEVICE), seqs.context_lens, sel, **opts)
-    assert rel_err(out, ref) < TOL[torch.float32]
+    for prefetch in (False, True):  # split-K with tiles loaded one ahead (a split's last tile too)
+        out = sparse_decode_attention(*args, seqs.context_lens, sel, num_splits=2, block_n=16, rope_group=group,
+                                      prefetch=prefetch, **opts)
+        assert rel_err(out, ref) < TOL[torch.float32], prefetch
     q_start, lens, ends, tables = seqs.blocks([13, 20], 8)
     qp = torch.randn(33, 6, D, generator=seqs.generator).to(DEVICE)
     sel = select(ends)
@@ -142,8 +144,10 @@ def test_prefill_matches_reference(Hq, Hkv, D, page_size, block_q, n_stream, q_l
     sel = random_selection(seqs.generator, ends, N_SINK, n_stream, k=20)
     args = (q, seqs.k_cache, seqs.v_cache, tables, q_start, lens, ends, sel)
     opts = kw(n_stream, rope_style=rope_style, inv_freq=inv_freq(D))
-    out = sparse_prefill_attention(*args, block_q=block_q, block_n=16, **opts)
-    assert rel_err(out, sparse_attention_ref(*args, **opts)) < TOL[torch.float32]
+    ref = sparse_attention_ref(*args, **opts)
+    for prefetch in (False, True):  # each tile's tokens and pages loaded one tile ahead
+        out = sparse_prefill_attention(*args, block_q=block_q, block_n=16, prefetch=prefetch, **opts)
+        assert rel_err(out, ref) < TOL[torch.float32], prefetch
 
 
 def test_prefill_last_query_equals_decode():

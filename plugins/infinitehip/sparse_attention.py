@@ -66,6 +66,21 @@ def selected_bounds(sel_base, sel_width, n_sink, s, SEL_BLOCK: tl.constexpr):
 
 
 @triton.jit
+def _tile_tokens(tile, n0, mid_end, s, n_keys, sel_row, table_row, stride_cp, stride_cs, kv_head, stride_ch,
+                 PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Ranks [BLOCK_N] of a key tile -> (token, cache row offset of its kv head); both masked to 0
+    past n_keys. Two dependent loads: the selected row (selected ranks), then the page table."""
+    rank = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    valid = rank < n_keys
+    is_sel = (rank >= n0) & (rank < mid_end)
+    sel_tok = tl.load(sel_row + rank, mask=valid & is_sel, other=0)
+    tok = tl.where(rank < n0, rank, tl.where(is_sel, sel_tok, s + rank - mid_end))
+    page = tl.load(table_row + tok // PAGE_SIZE, mask=valid, other=0)
+    kv_row = page.to(tl.int64) * stride_cp + (tok % PAGE_SIZE) * stride_cs + kv_head * stride_ch
+    return tok, kv_row
+
+
+@triton.jit
 def _sparse_attn_kernel(
     # inputs
     q_ptr,  # [T, Hq, D] packed queries
@@ -101,6 +116,7 @@ def _sparse_attn_kernel(
     #                            tokens (the last stage's chunks): one sin/cos per run (1: per key)
     BANK: tl.constexpr,  # STREAMING: selected keys from the rotated bank, stream keys scored with
     #                      a counter-rotated query: no key is rotated
+    PREFETCH: tl.constexpr,  # load the next tile's tokens and page entries while this one computes
     DOT_F32: tl.constexpr,  # float32 dot operands (CPU interpreter, float32 caches)
     DOT_PRECISION: tl.constexpr,
 ):
@@ -152,14 +168,19 @@ def _sparse_attn_kernel(
     m = tl.full([BLOCK_Q], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_Q], tl.float32)
     acc = tl.zeros([BLOCK_Q, BLOCK_D], tl.float32)
+    if PREFETCH:
+        tok, kv_row = _tile_tokens(tile_lo, n0, mid_end, s, n_keys, sel_row, table_row, stride_cp, stride_cs,
+                                   kv_head, stride_ch, PAGE_SIZE, BLOCK_N)
     for tile in range(tile_lo, tile_hi):
         rank = tile * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
         valid = rank < n_keys
         is_sel = (rank >= n0) & (rank < mid_end)
-        sel_tok = tl.load(sel_row + rank, mask=valid & is_sel, other=0)
-        tok = tl.where(rank < n0, rank, tl.where(is_sel, sel_tok, s + rank - mid_end))
-        page = tl.load(table_row + tok // PAGE_SIZE, mask=valid, other=0)
-        kv_row = page.to(tl.int64) * stride_cp + (tok % PAGE_SIZE) * stride_cs + kv_head * stride_ch
+        if PREFETCH:  # this tile's rows were loaded during the previous one; start the next's
+            tok_next, kv_row_next = _tile_tokens(tile + 1, n0, mid_end, s, n_keys, sel_row, table_row, stride_cp,
+                                                 stride_cs, kv_head, stride_ch, PAGE_SIZE, BLOCK_N)
+        else:
+            tok, kv_row = _tile_tokens(tile, n0, mid_end, s, n_keys, sel_row, table_row, stride_cp, stride_cs,
+                                       kv_head, stride_ch, PAGE_SIZE, BLOCK_N)
         if BANK:  # sink keys as cached (rank = token), selected ones from the bank (entry = index
             #       in the selected row), stream ones as cached with the counter-rotated query
             bank_row = bank_base + (rank - n0 + sel_begin).to(tl.int64) * stride_bank_entry
@@ -190,6 +211,9 @@ def _sparse_attn_kernel(
         l = l * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m = m_new
+        if PREFETCH:
+            tok = tok_next
+            kv_row = kv_row_next
 
     has_keys = l > 0.0
     o = tl.where(has_keys[:, None], acc / tl.where(has_keys, l, 1.0)[:, None], 0.0)
@@ -211,6 +235,7 @@ def block_sparse_attention(q, k_cache, v_cache, block_tables, q_start, q_lens, e
                      inv_freq: torch.Tensor | None = None, num_splits: int = 1, rope_group: int = 1,
                      bank: torch.Tensor | None = None, bank_rows: torch.Tensor | None = None,
                      block_n: int | None = None, num_warps: int | None = None,
+                     prefetch: bool = False, num_stages: int | None = None,
                      out: torch.Tensor | None = None) -> torch.Tensor:
     """Triton launcher (CPU tensors without TRITON_INTERPRET: sparse_attention_ref, same
     contract): q [T, Hq, D] packed, query blocks [NB] (blocks.py, q_lens <= block_q),
@@ -220,7 +245,9 @@ def block_sparse_attention(q, k_cache, v_cache, block_tables, q_start, q_lens, e
     rotations then take one sine/cosine per run (any value gives the same result, a power of two
     up to the key tile). bank / bank_rows (STREAMING): the selected keys already rotated to their
     rank (key_bank.write_key_bank from this same `selected`; bank [slots, >= K, Hkv, D], bank_rows
-    int32 / int64 [NB] the slot of each block): no key is rotated in the kernel."""
+    int32 / int64 [NB] the slot of each block): no key is rotated in the kernel. block_n /
+    num_warps / prefetch / num_stages: tuning overrides (prefetch: each tile's tokens and page
+    entries are loaded one tile ahead; the same result)."""
     T, Hq, D = q.shape
     num_pages, page_size, Hkv, Dk = k_cache.shape
     NB = ends.shape[0]
@@ -285,9 +312,11 @@ def block_sparse_attention(q, k_cache, v_cache, block_tables, q_start, q_lens, e
         Hq, G, D, n_sink, n_stream, float(scale) * _LOG2E,
         PAGE_SIZE=page_size, BLOCK_Q=max(16, next_pow2(block_q * G)), BLOCK_N=BLOCK_N,
         BLOCK_D=BLOCK_D, NUM_SPLITS=num_splits, SEL_BLOCK=min(1024, next_pow2(selected.shape[1])),
-        DECODE=decode, ROPE_STYLE=style, ROPE_GROUP=min(rope_group, BLOCK_N), BANK=bank is not None, DOT_F32=not q.is_cuda or q.dtype == torch.float32,
+        DECODE=decode, ROPE_STYLE=style, ROPE_GROUP=min(rope_group, BLOCK_N), BANK=bank is not None, PREFETCH=prefetch,
+        DOT_F32=not q.is_cuda or q.dtype == torch.float32,
         DOT_PRECISION=dot_precision(q.dtype if q.is_cuda else torch.float32),
         num_warps=num_warps or (8 if block_q * G >= 128 else 4),
+        **({"num_stages": num_stages} if num_stages else {}),
     )
     if num_splits > 1:
         _decode_merge_kernel[(T, Hq)](
@@ -301,7 +330,7 @@ def sparse_decode_attention(q, k_cache, v_cache, block_tables, context_lens, sel
                             n_sink: int, n_stream: int, scale: float, rope_style="none",
                             inv_freq=None, num_splits: int | None = None, rope_group: int = 1,
                             bank=None, bank_rows=None, block_n: int | None = None,
-                            out=None) -> torch.Tensor:
+                            prefetch: bool = False, num_stages: int | None = None, out=None) -> torch.Tensor:
     """Decode: q [B, Hq, D] (one query per sequence, position context_lens[b] - 1), selected
     int32 [B, K]. Flash-decoding split-K over sink + selected + stream; out [B, Hq, D].
     bank / bank_rows: the rotated key bank (block_sparse_attention, key_bank.py)."""
@@ -313,20 +342,21 @@ def sparse_decode_attention(q, k_cache, v_cache, block_tables, context_lens, sel
                             block_q=1, n_sink=n_sink, n_stream=n_stream, scale=scale,
                             rope_style=rope_style, inv_freq=inv_freq, num_splits=num_splits,
                             rope_group=rope_group, bank=bank, bank_rows=bank_rows, block_n=block_n,
-                            out=out)
+                            prefetch=prefetch, num_stages=num_stages, out=out)
 
 
 def sparse_prefill_attention(q, k_cache, v_cache, block_tables, q_start, q_lens, ends, selected, *,
                              block_q: int, n_sink: int, n_stream: int, scale: float,
                              rope_style="none", inv_freq=None, rope_group: int = 1,
                              block_n: int | None = None, num_warps: int | None = None,
-                             out=None) -> torch.Tensor:
+                             prefetch: bool = False, num_stages: int | None = None, out=None) -> torch.Tensor:
     """Prefill: flash-style, each query block of <= block_q queries over its own key set with the
     causal cut; q [T, Hq, D] packed, blocks from blocks.plan_query_blocks."""
     return block_sparse_attention(q, k_cache, v_cache, block_tables, q_start, q_lens, ends, selected,
                             block_q=block_q, n_sink=n_sink, n_stream=n_stream, scale=scale,
                             rope_style=rope_style, inv_freq=inv_freq, num_splits=1,
-                            rope_group=rope_group, block_n=block_n, num_warps=num_warps, out=out)
+                            rope_group=rope_group, block_n=block_n, num_warps=num_warps, prefetch=prefetch,
+                            num_stages=num_stages, out=out)
 
 
 def sparse_attention_ref(q, k_cache, v_cache, block_tables, q_start, q_lens, ends, selected, *,
