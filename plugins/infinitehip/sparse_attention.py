@@ -235,7 +235,7 @@ def block_sparse_attention(q, k_cache, v_cache, block_tables, q_start, q_lens, e
                      inv_freq: torch.Tensor | None = None, num_splits: int = 1, rope_group: int = 1,
                      bank: torch.Tensor | None = None, bank_rows: torch.Tensor | None = None,
                      block_n: int | None = None, num_warps: int | None = None,
-                     prefetch: bool = False, num_stages: int | None = None,
+                     prefetch: bool | None = None, num_stages: int | None = None,
                      out: torch.Tensor | None = None) -> torch.Tensor:
     """Triton launcher (CPU tensors without TRITON_INTERPRET: sparse_attention_ref, same
     contract): q [T, Hq, D] packed, query blocks [NB] (blocks.py, q_lens <= block_q),
@@ -247,7 +247,7 @@ def block_sparse_attention(q, k_cache, v_cache, block_tables, q_start, q_lens, e
     rank (key_bank.write_key_bank from this same `selected`; bank [slots, >= K, Hkv, D], bank_rows
     int32 / int64 [NB] the slot of each block): no key is rotated in the kernel. block_n /
     num_warps / prefetch / num_stages: tuning overrides (prefetch: each tile's tokens and page
-    entries are loaded one tile ahead; the same result)."""
+    entries are loaded one tile ahead; the same result; default: on in prefill)."""
     T, Hq, D = q.shape
     num_pages, page_size, Hkv, Dk = k_cache.shape
     NB = ends.shape[0]
@@ -293,6 +293,14 @@ def block_sparse_attention(q, k_cache, v_cache, block_tables, q_start, q_lens, e
     # prefill-sized query tiles ([b_q * group, D], 256 rows for Llama-8B) do best with 32-key
     # tiles on the H200 (docs/benchmarks.md); decode's small tiles with 64
     BLOCK_N = block_n or (64 if BLOCK_D <= 128 and block_q * G < 128 else 32)
+    # H200, a 32K prefill chunk, Llama-8B heads (docs/benchmarks.md, seventh session): tiles
+    # loaded one ahead take 128K keys (no RoPE) from 9.23 to 8.26 ms, and with Triton's pipeline
+    # at depth 2 1M keys (STREAMING) from 14.5 to 12.3 ms (prefetch alone there: 16.2); decode
+    # gains nothing (20.8 vs 20.2 µs rotating, 14.1 vs 14.9 from the bank) and keeps the old loop
+    if prefetch is None:
+        prefetch = not decode
+    if num_stages is None and not decode and prefetch and style == STREAMING and bank is None:
+        num_stages = 2
     if num_splits > 1:
         part_out = torch.empty((T, Hq, num_splits, D), dtype=torch.float32, device=q.device)
         part_lse = torch.empty((T, Hq, num_splits), dtype=torch.float32, device=q.device)  # all written
@@ -330,7 +338,7 @@ def sparse_decode_attention(q, k_cache, v_cache, block_tables, context_lens, sel
                             n_sink: int, n_stream: int, scale: float, rope_style="none",
                             inv_freq=None, num_splits: int | None = None, rope_group: int = 1,
                             bank=None, bank_rows=None, block_n: int | None = None,
-                            prefetch: bool = False, num_stages: int | None = None, out=None) -> torch.Tensor:
+                            prefetch: bool | None = None, num_stages: int | None = None, out=None) -> torch.Tensor:
     """Decode: q [B, Hq, D] (one query per sequence, position context_lens[b] - 1), selected
     int32 [B, K]. Flash-decoding split-K over sink + selected + stream; out [B, Hq, D].
     bank / bank_rows: the rotated key bank (block_sparse_attention, key_bank.py)."""
@@ -349,7 +357,7 @@ def sparse_prefill_attention(q, k_cache, v_cache, block_tables, q_start, q_lens,
                              block_q: int, n_sink: int, n_stream: int, scale: float,
                              rope_style="none", inv_freq=None, rope_group: int = 1,
                              block_n: int | None = None, num_warps: int | None = None,
-                             prefetch: bool = False, num_stages: int | None = None, out=None) -> torch.Tensor:
+                             prefetch: bool | None = None, num_stages: int | None = None, out=None) -> torch.Tensor:
     """Prefill: flash-style, each query block of <= block_q queries over its own key set with the
     causal cut; q [T, Hq, D] packed, blocks from blocks.plan_query_blocks."""
     return block_sparse_attention(q, k_cache, v_cache, block_tables, q_start, q_lens, ends, selected,
