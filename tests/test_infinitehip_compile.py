@@ -62,8 +62,7 @@ def _compile_attention(rope_style: int, num_splits: int, bank: bool = False):
                 inv_freq_ptr="*fp32", part_out_ptr="*fp32", part_lse_ptr="*fp32", scale_log2="fp32")
     ce = dict(PAGE_SIZE=16, BLOCK_Q=64, BLOCK_N=64, BLOCK_D=128, NUM_SPLITS=num_splits, SEL_BLOCK=1024,
               DECODE=num_splits > 1, ROPE_STYLE=rope_style, ROPE_GROUP=8, BANK=bank, DOT_F32=False,
-              # the loops that prefetch rows (1) and K/V (2, no bank) with every key path
-              PREFETCH=1 if bank else 2 if num_splits == 1 else int(rope_style == 3),
+              PREFETCH=rope_style == 3,  # the prefetching loop with every key path
               DOT_PRECISION="tf32")
     _compile(sparse_attention._sparse_attn_kernel, ptrs, ce)
     if bank:

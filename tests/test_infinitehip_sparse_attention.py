@@ -119,7 +119,7 @@ def test_streaming_rope_in_runs(selection):
     args = (q, seqs.k_cache, seqs.v_cache, seqs.block_tables)
     ref = sparse_attention_ref(*args, torch.arange(2, dtype=torch.int32, device=DEVICE),
                                torch.ones(2, dtype=torch.int32, device=DEVICE), seqs.context_lens, sel, **opts)
-    for prefetch in (0, 1, 2):  # split-K with tiles loaded one ahead (a split's last tile too)
+    for prefetch in (False, True):  # split-K with tiles loaded one ahead (a split's last tile too)
         out = sparse_decode_attention(*args, seqs.context_lens, sel, num_splits=2, block_n=16, rope_group=group,
                                       prefetch=prefetch, **opts)
         assert rel_err(out, ref) < TOL[torch.float32], prefetch
@@ -145,7 +145,7 @@ def test_prefill_matches_reference(Hq, Hkv, D, page_size, block_q, n_stream, q_l
     args = (q, seqs.k_cache, seqs.v_cache, tables, q_start, lens, ends, sel)
     opts = kw(n_stream, rope_style=rope_style, inv_freq=inv_freq(D))
     ref = sparse_attention_ref(*args, **opts)
-    for prefetch in (0, 1, 2):  # each tile's tokens and pages (1), and its K/V (2), loaded one tile ahead
+    for prefetch in (False, True):  # each tile's tokens and pages loaded one tile ahead
         out = sparse_prefill_attention(*args, block_q=block_q, block_n=16, prefetch=prefetch, **opts)
         assert rel_err(out, ref) < TOL[torch.float32], prefetch
 

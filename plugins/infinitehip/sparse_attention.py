@@ -81,24 +81,6 @@ def _tile_tokens(tile, n0, mid_end, s, n_keys, sel_row, table_row, stride_cp, st
 
 
 @triton.jit
-def _load_kv_tile(k_cache_ptr, v_cache_ptr, kv_row, valid, head_dim, BLOCK_D: tl.constexpr, HALVES: tl.constexpr):
-    """A key tile's K (HALVES: its two halves [BLOCK_N, BLOCK_D // 2], else [BLOCK_N, BLOCK_D]
-    twice) and V [BLOCK_N, BLOCK_D] as stored (the cache's dtype), 0 where not valid."""
-    d = tl.arange(0, BLOCK_D)
-    v = tl.load(v_cache_ptr + kv_row[:, None] + d[None, :], mask=valid[:, None] & (d < head_dim)[None, :], other=0.0)
-    if HALVES:
-        j = tl.arange(0, BLOCK_D // 2)
-        mask = valid[:, None] & (j < head_dim // 2)[None, :]
-        ka = tl.load(k_cache_ptr + kv_row[:, None] + j[None, :], mask=mask, other=0.0)
-        kb = tl.load(k_cache_ptr + kv_row[:, None] + (head_dim // 2 + j)[None, :], mask=mask, other=0.0)
-    else:
-        ka = tl.load(k_cache_ptr + kv_row[:, None] + d[None, :], mask=valid[:, None] & (d < head_dim)[None, :],
-                     other=0.0)
-        kb = ka
-    return ka, kb, v
-
-
-@triton.jit
 def _sparse_attn_kernel(
     # inputs
     q_ptr,  # [T, Hq, D] packed queries
@@ -134,8 +116,7 @@ def _sparse_attn_kernel(
     #                            tokens (the last stage's chunks): one sin/cos per run (1: per key)
     BANK: tl.constexpr,  # STREAMING: selected keys from the rotated bank, stream keys scored with
     #                      a counter-rotated query: no key is rotated
-    PREFETCH: tl.constexpr,  # while a tile computes, load the next one's tokens and page entries
-    #                          (1) and also its K and V (2; not with BANK)
+    PREFETCH: tl.constexpr,  # load the next tile's tokens and page entries while this one computes
     DOT_F32: tl.constexpr,  # float32 dot operands (CPU interpreter, float32 caches)
     DOT_PRECISION: tl.constexpr,
 ):
@@ -187,32 +168,20 @@ def _sparse_attn_kernel(
     m = tl.full([BLOCK_Q], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_Q], tl.float32)
     acc = tl.zeros([BLOCK_Q, BLOCK_D], tl.float32)
-    if PREFETCH > 0:
+    if PREFETCH:
         tok, kv_row = _tile_tokens(tile_lo, n0, mid_end, s, n_keys, sel_row, table_row, stride_cp, stride_cs,
                                    kv_head, stride_ch, PAGE_SIZE, BLOCK_N)
-    if PREFETCH == 2:
-        ka, kb, v_cur = _load_kv_tile(k_cache_ptr, v_cache_ptr, kv_row,
-                                      tile_lo * BLOCK_N + tl.arange(0, BLOCK_N) < n_keys, head_dim, BLOCK_D, ROTATE)
     for tile in range(tile_lo, tile_hi):
         rank = tile * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
         valid = rank < n_keys
         is_sel = (rank >= n0) & (rank < mid_end)
-        if PREFETCH > 0:  # this tile's rows were loaded during the previous one; start the next's
+        if PREFETCH:  # this tile's rows were loaded during the previous one; start the next's
             tok_next, kv_row_next = _tile_tokens(tile + 1, n0, mid_end, s, n_keys, sel_row, table_row, stride_cp,
                                                  stride_cs, kv_head, stride_ch, PAGE_SIZE, BLOCK_N)
         else:
             tok, kv_row = _tile_tokens(tile, n0, mid_end, s, n_keys, sel_row, table_row, stride_cp, stride_cs,
                                        kv_head, stride_ch, PAGE_SIZE, BLOCK_N)
-        if PREFETCH == 2:  # this tile's K/V too: start the next's loads before computing
-            ka_next, kb_next, v_next = _load_kv_tile(k_cache_ptr, v_cache_ptr, kv_row_next, rank + BLOCK_N < n_keys,
-                                                     head_dim, BLOCK_D, ROTATE)
-            if ROTATE:
-                sin, cos = run_sin_cos(rank - tok, inv_freq_ptr, head_dim, BLOCK_N, BLOCK_D, ROPE_GROUP)
-                k = rotate_halves(ka.to(tl.float32), kb.to(tl.float32), sin, cos)
-            else:
-                k = ka.to(tl.float32)
-            v = v_cur
-        elif BANK:  # sink keys as cached (rank = token), selected ones from the bank (entry = index
+        if BANK:  # sink keys as cached (rank = token), selected ones from the bank (entry = index
             #       in the selected row), stream ones as cached with the counter-rotated query
             bank_row = bank_base + (rank - n0 + sel_begin).to(tl.int64) * stride_bank_entry
             k_rows = tl.where(is_sel, bank_row, k_cache_ptr + kv_row)
@@ -223,9 +192,8 @@ def _sparse_attn_kernel(
             k = rotate_halves(k1, k2, sin, cos)
         else:
             k = load_rotated(k_cache_ptr + kv_row, valid, rank - tok, inv_freq_ptr, head_dim, BLOCK_D, False)
-        if PREFETCH != 2:
-            v = tl.load(v_cache_ptr + kv_row[:, None] + d[None, :],
-                        mask=valid[:, None] & (d < head_dim)[None, :], other=0.0)
+        v = tl.load(v_cache_ptr + kv_row[:, None] + d[None, :],
+                    mask=valid[:, None] & (d < head_dim)[None, :], other=0.0)
         if DOT_F32:
             v = v.to(tl.float32)
         else:
@@ -243,13 +211,9 @@ def _sparse_attn_kernel(
         l = l * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m = m_new
-        if PREFETCH > 0:
+        if PREFETCH:
             tok = tok_next
             kv_row = kv_row_next
-        if PREFETCH == 2:
-            ka = ka_next
-            kb = kb_next
-            v_cur = v_next
 
     has_keys = l > 0.0
     o = tl.where(has_keys[:, None], acc / tl.where(has_keys, l, 1.0)[:, None], 0.0)
@@ -271,7 +235,7 @@ def block_sparse_attention(q, k_cache, v_cache, block_tables, q_start, q_lens, e
                      inv_freq: torch.Tensor | None = None, num_splits: int = 1, rope_group: int = 1,
                      bank: torch.Tensor | None = None, bank_rows: torch.Tensor | None = None,
                      block_n: int | None = None, num_warps: int | None = None,
-                     prefetch: int | bool | None = None, num_stages: int | None = None,
+                     prefetch: bool | None = None, num_stages: int | None = None,
                      out: torch.Tensor | None = None) -> torch.Tensor:
     """Triton launcher (CPU tensors without TRITON_INTERPRET: sparse_attention_ref, same
     contract): q [T, Hq, D] packed, query blocks [NB] (blocks.py, q_lens <= block_q),
@@ -282,9 +246,8 @@ def block_sparse_attention(q, k_cache, v_cache, block_tables, q_start, q_lens, e
     up to the key tile). bank / bank_rows (STREAMING): the selected keys already rotated to their
     rank (key_bank.write_key_bank from this same `selected`; bank [slots, >= K, Hkv, D], bank_rows
     int32 / int64 [NB] the slot of each block): no key is rotated in the kernel. block_n /
-    num_warps / prefetch / num_stages: tuning overrides (prefetch 1 / True: each tile's tokens
-    and page entries are loaded one tile ahead, 2: its K and V too; the same result; default: 1
-    in prefill)."""
+    num_warps / prefetch / num_stages: tuning overrides (prefetch: each tile's tokens and page
+    entries are loaded one tile ahead; the same result; default: on in prefill)."""
     T, Hq, D = q.shape
     num_pages, page_size, Hkv, Dk = k_cache.shape
     NB = ends.shape[0]
@@ -336,8 +299,6 @@ def block_sparse_attention(q, k_cache, v_cache, block_tables, q_start, q_lens, e
     # gains nothing (20.8 vs 20.2 µs rotating, 14.1 vs 14.9 from the bank) and keeps the old loop
     if prefetch is None:
         prefetch = not decode
-    prefetch = int(prefetch)
-    assert prefetch in (0, 1, 2) and not (prefetch == 2 and bank is not None), "prefetch: 0, 1 or 2 (2 without a bank)"
     if num_stages is None and not decode and prefetch and style == STREAMING and bank is None:
         num_stages = 2
     if num_splits > 1:
@@ -377,7 +338,7 @@ def sparse_decode_attention(q, k_cache, v_cache, block_tables, context_lens, sel
                             n_sink: int, n_stream: int, scale: float, rope_style="none",
                             inv_freq=None, num_splits: int | None = None, rope_group: int = 1,
                             bank=None, bank_rows=None, block_n: int | None = None,
-                            prefetch: int | bool | None = None, num_stages: int | None = None, out=None) -> torch.Tensor:
+                            prefetch: bool | None = None, num_stages: int | None = None, out=None) -> torch.Tensor:
     """Decode: q [B, Hq, D] (one query per sequence, position context_lens[b] - 1), selected
     int32 [B, K]. Flash-decoding split-K over sink + selected + stream; out [B, Hq, D].
     bank / bank_rows: the rotated key bank (block_sparse_attention, key_bank.py)."""
@@ -396,7 +357,7 @@ def sparse_prefill_attention(q, k_cache, v_cache, block_tables, q_start, q_lens,
                              block_q: int, n_sink: int, n_stream: int, scale: float,
                              rope_style="none", inv_freq=None, rope_group: int = 1,
                              block_n: int | None = None, num_warps: int | None = None,
-                             prefetch: int | bool | None = None, num_stages: int | None = None, out=None) -> torch.Tensor:
+                             prefetch: bool | None = None, num_stages: int | None = None, out=None) -> torch.Tensor:
     """Prefill: flash-style, each query block of <= block_q queries over its own key set with the
     causal cut; q [T, Hq, D] packed, blocks from blocks.plan_query_blocks."""
     return block_sparse_attention(q, k_cache, v_cache, block_tables, q_start, q_lens, ends, selected,
