@@ -43,8 +43,9 @@ SOLO_LAST_QUERY = False
 # Past the trained window a refresh of the last stage rotates its keys once into a per-request
 # bank that the cached decode steps read (plugins/infinitehip/key_bank.py): Llama-3.1-8B shapes at
 # 1M keys, 3k-flash 27.2 -> 21.0 µs/layer (34.9x -> 45.3x SDPA), 3k 38.9 -> 32.9 µs
-# (docs/benchmarks.md). Memory: (max_num_seqs + 1) x final k x Hkv x D per layer (4 MiB per
-# sequence and layer for Llama-8B), reserved only when max_seq_len exceeds the trained window.
+# (docs/benchmarks.md). Memory: (min(max_num_seqs, key_bank_slots = 8) + 1) x final k x Hkv x D
+# per layer (4 MiB per row and layer for Llama-8B: 1.1 GiB), reserved only when max_seq_len
+# exceeds the trained window.
 KEY_BANK = True
 
 _STAGES_3K = (PruningStage(BLOCK_Q, 256, 32768), PruningStage(BLOCK_Q, 32, 8192), PruningStage(BLOCK_Q, 8, 2048))
@@ -63,7 +64,7 @@ PRESETS = ("dense",) + tuple(_INFINITEHIP)
 # Knobs a runtime may change per engine load without rebuilding (they change speed/accuracy,
 # never the meaning of the weights or of the stored plan's shapes).
 RUNTIME_KNOBS = ("refresh_intervals", "dense_threshold", "rope_off_in_trained_window", "stagger_refresh",
-                 "chunk_score", "query_strides", "key_bank", "solo_last_query")
+                 "chunk_score", "query_strides", "key_bank", "key_bank_slots", "solo_last_query")
 
 
 def infinitehip_config(preset: str, overrides: dict[str, Any] | None = None,

@@ -180,8 +180,12 @@ class InfiniteHipConfig:
     look elsewhere crowd out what the sampled one reads (docs/quality.md, needle coverage).
     ``key_bank`` (streaming attention RoPE): each refresh of the last stage rotates its keys to
     their rank once into a per-request bank that the cached decode steps read, instead of
-    rotating every key at every step (plugins/infinitehip/key_bank.py; memory: slots x layers x
-    final k x kv heads x head_dim in the KV dtype).
+    rotating every key at every step (plugins/infinitehip/key_bank.py; memory: (bank slots + 1)
+    x layers x final k x kv heads x head_dim in the KV dtype). ``key_bank_slots``: how many
+    decoding requests own a bank row (those holding the lowest mask-cache slots,
+    runtime/mask_cache.py); a decode step with a row that owns none attends by rotating keys
+    instead: the same tokens, slower. Past the trained window few requests fit the KV cache at
+    once (one 128K-token Llama-8B request holds 16 GiB), so a few rows cover them.
     """
 
     n_sink: int = 256
@@ -200,6 +204,7 @@ class InfiniteHipConfig:
     stagger_refresh: bool = True  # offset each layer's refresh phase (runtime/mask_cache.py)
     chunk_score: str = "max"  # "max" (paper) | "head_normalized"
     key_bank: bool = False  # rotated key bank for cached decode steps (presets: on)
+    key_bank_slots: int = 8  # requests that can read the bank at once (rows: min(max_num_seqs, this) + 1)
     solo_last_query: bool = False  # the sampled prefill query gets its own block (presets: off)
 
     def __post_init__(self) -> None:
@@ -232,6 +237,8 @@ class InfiniteHipConfig:
         _check(self.attention_rope in ATTENTION_ROPE_STYLES,
                f"attention_rope must be in {ATTENTION_ROPE_STYLES}")
         _check(self.chunk_score in CHUNK_SCORES, f"chunk_score must be one of {CHUNK_SCORES}")
+        _check(isinstance(self.key_bank_slots, int) and not isinstance(self.key_bank_slots, bool)
+               and self.key_bank_slots >= 1, f"key_bank_slots must be an integer >= 1, got {self.key_bank_slots!r}")
         for name in ("rope_off_in_trained_window", "stagger_refresh", "key_bank", "solo_last_query"):
             value = getattr(self, name)
             _check(isinstance(value, bool), f"{name} must be true or false, got {value!r}")

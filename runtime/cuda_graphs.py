@@ -7,7 +7,8 @@ captured size >= B; rows B.. are padding: slot -1 (the cache write skips it), co
 
 InfiniteHiP decode steps (engines with sparse layers, contexts past ``dense_threshold``) replay
 one graph per (batch size, SparseStepHost.graph_key): which pruning stages each layer group
-recomputes this step, the stage-1 candidate capacity and whether dynamic RoPE is on. The key
+recomputes this step, the stage-1 candidate capacity, whether dynamic RoPE is on and whether
+every row owns a key-bank row (``key_bank_slots``: padding rows read the bank's scratch). The key
 is chosen on the host per step; its graph is captured the first time it is needed (a cycle of
 ``n_refresh(0)`` steps has at most that many patterns; the capacity changes when the context
 doubles) into the same pool, and writes its logits into one shared buffer.
@@ -120,7 +121,7 @@ class DecodeGraphs:
         """The SparseStep of a graph: every row is a sparse decode row (row b = batch index b) and
         recomputes the stages the key's refresh pattern names; lengths and mask slots are views
         of the static buffers."""
-        refresh, capacity, dynamic_rope = key
+        refresh, capacity, dynamic_rope, bank_ok = key
         rows, none64, none32 = self.arange[:bs], self.none64, self.none32
         return SparseStep(
             decode_rows=rows, decode_q_start=self.arange32[:bs], decode_q_lens=self.ones32[:bs],
@@ -130,7 +131,7 @@ class DecodeGraphs:
             prefill_seqs=none64, prefill_seq_rows=none64, prefill_seq_ends=[], prefill_block_seq=none64,
             raw_keys=False,
             dense_decode_lens=none32, num_dense_decodes=0, dense_prefill_runs=[],
-            dynamic_rope=dynamic_rope)
+            dynamic_rope=dynamic_rope, bank_ok=bank_ok)
 
     @torch.inference_mode()
     def _capture_all(self) -> None:

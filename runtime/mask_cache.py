@@ -23,13 +23,17 @@ Slots. The cached outputs live in fixed-capacity device tensors per layer (:clas
 stage i -> int32 [max_slots + 1, k_i] + lens [max_slots + 1]; the last row is the scratch slot
 that padding rows of a CUDA graph write) indexed by a per-request slot that :class:`MaskSlots`
 hands out on the host (a request keeps its slot while it decodes; a finished or preempted
-request's slot is reclaimed when needed).
+request's slot is reclaimed when a new request needs one). The lowest free slot goes first, so
+the requests decoding at once hold the lowest slots: the key bank keeps rows for slots below
+``key_bank_slots`` only.
 
     >>> [refresh_from(j, j, (16, 8, 4)) for j in range(9)]   # a request alone, from clock 0
     [0, 3, 3, 3, 2, 3, 3, 3, 1]
 """
 
 from __future__ import annotations
+
+import heapq
 
 import torch
 
@@ -71,7 +75,7 @@ class MaskSlots:
     def __init__(self, max_slots: int):
         self.max_slots = max_slots
         self.scratch = max_slots  # MaskCache row written by padding rows (never handed out)
-        self._free = list(range(max_slots - 1, -1, -1))  # pop() hands out slot 0 first
+        self._free = list(range(max_slots))  # a heap: the lowest free slot is handed out first
         self._slot: dict[int, int] = {}  # seq_id -> slot
         self._owner: dict[int, object] = {}  # slot -> Sequence (to see when it finished)
         self._steps = [0] * max_slots  # sparse decode steps since the slot's masks were valid
@@ -86,7 +90,7 @@ class MaskSlots:
         slot = self._slot.pop(seq_id, None)
         if slot is not None:
             del self._owner[slot]
-            self._free.append(slot)
+            heapq.heappush(self._free, slot)
 
     def invalidate(self, seq_id: int) -> None:
         """The request ran something other than a sparse decode step (prefill, dense decode):
@@ -100,11 +104,10 @@ class MaskSlots:
         not valid, every stage is recomputed."""
         slot = self._slot.get(seq.seq_id)
         if slot is None:
-            if not self._free:
-                self._reclaim()
+            self._reclaim()  # finished requests' (lower) slots first
             if not self._free:
                 raise RuntimeError(f"more than {self.max_slots} requests decode at once")
-            slot = self._free.pop()
+            slot = heapq.heappop(self._free)
             self._slot[seq.seq_id], self._owner[slot] = slot, seq
             self._steps[slot] = 0
         step = self._steps[slot]
@@ -116,19 +119,27 @@ class MaskCache:
     """Device-side cached stage outputs of one layer: stage i -> (int32 [max_slots + 1, k_i]
     ascending PAD-padded survivors, int32 [max_slots + 1] counts); row max_slots is the scratch
     slot (MaskSlots.scratch). With ``bank`` = (Hkv, D, dtype): the rotated key bank of the last
-    stage's survivors, [max_slots + 1, k_last, Hkv, D] (plugins/infinitehip/key_bank.py)."""
+    stage's survivors, [bank_slots + 1, k_last, Hkv, D] (plugins/infinitehip/key_bank.py): one
+    row per mask slot below ``bank_slots`` (default: every slot), the last row a scratch that
+    the other slots write to and that no step reads for them (:meth:`bank_rows`)."""
 
     def __init__(self, stages: tuple[PruningStage, ...], max_slots: int, device: torch.device,
-                 bank: tuple[int, int, torch.dtype] | None = None):
+                 bank: tuple[int, int, torch.dtype] | None = None, bank_slots: int | None = None):
         rows = max_slots + 1
         self.selected = [torch.full((rows, s.k), PAD, dtype=torch.int32, device=device) for s in stages]
         self.lens = [torch.zeros(rows, dtype=torch.int32, device=device) for _ in stages]
         self.bank = None
+        self.bank_slots = min(max_slots, bank_slots or max_slots)  # mask slots that own a bank row
         if bank is not None:  # entries are written before they are read (key_bank.py): no fill
             num_kv_heads, head_dim, dtype = bank
-            self.bank = torch.empty((rows, stages[-1].k, num_kv_heads, head_dim), dtype=dtype, device=device)
+            self.bank = torch.empty((self.bank_slots + 1, stages[-1].k, num_kv_heads, head_dim), dtype=dtype,
+                                    device=device)
+
+    def bank_rows(self, slots: torch.Tensor) -> torch.Tensor:
+        """Bank row of each mask slot: its own below bank_slots, else the scratch row."""
+        return slots.clamp(max=self.bank_slots)
 
     @staticmethod
-    def bank_bytes(final_k: int, max_slots: int, num_kv_heads: int, head_dim: int, itemsize: int) -> int:
-        """Device memory of one layer's key bank."""
-        return (max_slots + 1) * final_k * num_kv_heads * head_dim * itemsize
+    def bank_bytes(final_k: int, bank_slots: int, num_kv_heads: int, head_dim: int, itemsize: int) -> int:
+        """Device memory of one layer's key bank of bank_slots rows (+ scratch)."""
+        return (bank_slots + 1) * final_k * num_kv_heads * head_dim * itemsize

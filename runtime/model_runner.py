@@ -163,8 +163,8 @@ class ModelRunner:
         if ih is not None:
             act += self.max_seq_len * cfg.num_kv_heads * cfg.head_dim * itemsize
             if uses_key_bank(ih, self.max_seq_len, cfg.max_position_embeddings):
-                act += sum(MaskCache.bank_bytes(ih.stages_of(lp.index)[-1].k, max_num_seqs, cfg.num_kv_heads,
-                                                cfg.head_dim, itemsize)
+                act += sum(MaskCache.bank_bytes(ih.stages_of(lp.index)[-1].k, min(max_num_seqs, ih.key_bank_slots),
+                                                cfg.num_kv_heads, cfg.head_dim, itemsize)
                            for lp in self.engine.config.plan.layers if lp.plugin == "infinitehip")
         return act
 

@@ -17,7 +17,8 @@ attend over sink + the last stage's survivors + stream; prefill blocks run every
 and the flash-style block-sparse kernel. RoPE: the dynamic styles (config) apply only when some
 sparse context exceeds the trained window, unless ``rope_off_in_trained_window`` is off. With
 ``key_bank``, a refresh of the last stage also rotates its keys into the layer's bank, and
-decode attention under dynamic RoPE reads them from there (plugins/infinitehip/key_bank.py).
+decode attention under dynamic RoPE reads them from there (plugins/infinitehip/key_bank.py)
+when every decode row owns a bank row (``key_bank_slots``; otherwise it rotates, same tokens).
 """
 
 from __future__ import annotations
@@ -46,9 +47,10 @@ class SparseStepHost:
     dense_decode_lens: list[int]  # [num_decodes] context lengths, 0 for the sparse rows
     dense_prefill_runs: list[tuple[int, int]]  # batch ranges [lo, hi) of dense prefill chunks
     dynamic_rope: bool
+    bank_ok: bool  # every sparse decode row owns a key-bank row (slot < cfg.key_bank_slots)
     refresh: tuple[tuple[bool, ...], ...]  # per layer group, per stage: does any row recompute it
     capacity: int  # stage-1 candidate capacity (>= every row's middle; a power of two)
-    graph_key: tuple | None  # (refresh, capacity, dynamic_rope) when a CUDA graph can replay the step
+    graph_key: tuple | None  # (refresh, capacity, dynamic_rope, bank_ok) when a CUDA graph can replay the step
 
 
 @dataclass
@@ -75,6 +77,7 @@ class SparseStep:
     num_dense_decodes: int
     dense_prefill_runs: list[tuple[int, int]]
     dynamic_rope: bool
+    bank_ok: bool  # decode may read the key bank (SparseStepHost.bank_ok)
 
 
 # Prefill steps with at least this many sparse query blocks prune from un-rotated keys
@@ -143,12 +146,13 @@ class SparsePlanner:
                         for g in range(len(self.group_offsets)))
         capacity = candidate_capacity(max(sparse_ends, default=0), cfg.n_sink, cfg.n_stream)
         graphable = rows and len(rows) == len(seqs) and all(f == firsts[0] for f in firsts)
+        bank_ok = all(slot < cfg.key_bank_slots for slot in slots)
         solo = [bool(cfg.solo_last_query and needs_logits is not None and needs_logits[b]) for b in prefill]
         return SparseStepHost(decode_rows=rows, decode_ends=ends, decode_slots=slots,
                               decode_first_stage=firsts, prefill_seqs=prefill, prefill_solo_last=solo,
                               dense_decode_lens=dense_lens,
-                              dense_prefill_runs=runs, dynamic_rope=dynamic, refresh=refresh, capacity=capacity,
-                              graph_key=(refresh, capacity, dynamic) if graphable else None)
+                              dense_prefill_runs=runs, dynamic_rope=dynamic, bank_ok=bank_ok, refresh=refresh,
+                              capacity=capacity, graph_key=(refresh, capacity, dynamic, bank_ok) if graphable else None)
 
     def skip(self, seqs: list) -> None:
         """A step that runs no sparse attention (e.g. it drops tokens): every request's cached
@@ -191,7 +195,7 @@ class SparsePlanner:
                       and sum(ctx_lens[b] for b in h.prefill_seqs) <= self.raw_keys_max_tokens),
             dense_decode_lens=tensor(h.dense_decode_lens, torch.int32),
             num_dense_decodes=sum(1 for x in h.dense_decode_lens if x), dense_prefill_runs=h.dense_prefill_runs,
-            dynamic_rope=h.dynamic_rope)
+            dynamic_rope=h.dynamic_rope, bank_ok=h.bank_ok)
 
 
 def uses_key_bank(cfg: InfiniteHipConfig, max_seq_len: int, trained_window: int) -> bool:
@@ -215,7 +219,7 @@ class InfiniteHipLayer:
         self.group = group  # refresh-phase group (SparsePlanner.layer_group)
         self.stages = cfg.stages_of(layer)
         self.pruning_rope = cfg.pruning_rope_of(layer)
-        self.cache = MaskCache(self.stages, max_slots, device, bank=bank_layout)
+        self.cache = MaskCache(self.stages, max_slots, device, bank=bank_layout, bank_slots=cfg.key_bank_slots)
 
     def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
             block_tables: torch.Tensor, step: SparseStep, out: torch.Tensor,
@@ -256,16 +260,16 @@ class InfiniteHipLayer:
             if cache.bank is not None and i == len(self.stages) - 1:
                 # the new selection's keys, rotated to their ranks once (read by the cached
                 # steps); written with or without dynamic RoPE so the bank is valid when it turns on
-                write_key_bank(k_cache, block_tables[rows], ends[r], sel, cache.bank, slots,
+                write_key_bank(k_cache, block_tables[rows], ends[r], sel, cache.bank, cache.bank_rows(slots),
                                n_sink=self.cfg.n_sink, inv_freq=self.inv_freq, rope_group=stage.chunk_size)
         rows = step.decode_rows
         selected = cache.selected[-1][step.decode_slots]
-        bank = cache.bank is not None and step.dynamic_rope
+        bank = cache.bank is not None and step.dynamic_rope and step.bank_ok  # else rotate: same tokens
         out[rows] = sparse_decode_attention(
             q[rows], k_cache, v_cache, block_tables[rows], ends, selected, scale=self.scale,
             rope_style=self.cfg.attention_rope if step.dynamic_rope else "none",
             rope_group=self.stages[-1].chunk_size, bank=cache.bank if bank else None,
-            bank_rows=step.decode_slots if bank else None, **kw)
+            bank_rows=cache.bank_rows(step.decode_slots) if bank else None, **kw)
 
     def _prefill(self, q, k_cache, v_cache, block_tables, step: SparseStep, out, ends) -> None:
         kw, prune_kw = self._common(), self._prune_kw()

@@ -208,6 +208,14 @@ def test_key_bank_matches_rotating_every_step(engines, monkeypatch):
     banked = generate(engines["3k"], dict(knobs, key_bank=True), prompts, params)
     assert writes and all(bank_calls[len(bank_calls) // 2:]), "every banked decode step reads the bank"
     assert banked == rotating
+    # one bank row (key_bank_slots=1): while both requests decode, the second one's slot owns no
+    # row and the steps rotate; the first request alone reads the bank again; the same tokens
+    bank_calls.clear()
+    short = [SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True),
+             SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)]
+    mixed = generate(engines["3k"], dict(knobs, key_bank=True, key_bank_slots=1), prompts, short)
+    assert mixed == [rotating[0], rotating[1][:3]]
+    assert bank_calls.count(False) >= 1 and bank_calls[-1], bank_calls
 
 
 def test_key_bank_memory_is_reserved(engines):
@@ -225,6 +233,11 @@ def test_key_bank_memory_is_reserved(engines):
     assert on.non_kv_bytes(3, 64) - off.non_kv_bytes(3, 64) == expected > 0
     banks = [layer.self_attn.sparse.cache.bank for layer in on.model.layers if layer.self_attn.sparse]
     assert sum(b.numel() * b.element_size() for b in banks) == expected
+    # key_bank_slots below max_num_seqs bounds it: (slots + 1) rows
+    few = LLM(engines["3k"], max_num_seqs=3, infinitehip_overrides=dict(past_window, key_bank_slots=1)).runner
+    assert few.non_kv_bytes(3, 64) - off.non_kv_bytes(3, 64) == expected // 2
+    banks = [layer.self_attn.sparse.cache.bank for layer in few.model.layers if layer.self_attn.sparse]
+    assert sum(b.numel() * b.element_size() for b in banks) == expected // 2
 
     inside = LLM(engines["3k"], max_num_seqs=3, infinitehip_overrides={"key_bank": True}).runner
     assert inside.max_seq_len <= cfg.max_position_embeddings  # the test engine fits its window

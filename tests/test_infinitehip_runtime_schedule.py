@@ -64,6 +64,19 @@ def test_slots_reuse_and_invalidate():
     assert slots.next_decode(c) == (1, 0)  # b's slot reclaimed
 
 
+def test_slots_go_lowest_first():
+    """The lowest free slot is handed out, and a finished request's slot is reclaimed before a
+    higher free one is used: the requests decoding at once hold the lowest slots (the key
+    bank's rows, MaskCache.bank_slots)."""
+    slots = MaskSlots(4)
+    a, b, c, d = seq(0), seq(1), seq(2), seq(3)
+    assert [slots.next_decode(s)[0] for s in (a, b, c)] == [0, 1, 2]
+    slots.release(b.seq_id)
+    a.status = SequenceStatus.FINISHED  # not released yet: reclaimed when a new request comes
+    assert slots.next_decode(d)[0] == 0 and slots.next_decode(b)[0] == 1
+    assert slots.next_decode(c) == (2, 1)  # a running request keeps its slot
+
+
 def test_planner_decisions():
     cfg = infinitehip_config("3k", dict(n_sink=4, n_stream=8, stages=[(8, 4, 32), (8, 2, 16), (8, 1, 8)],
                                         special_final_k=16, dense_threshold=50, stagger_refresh=False))
@@ -133,15 +146,19 @@ def test_graph_keys_of_decode_batches():
     planner = SparsePlanner(cfg, max_slots=4, trained_window=100, num_sparse_layers=4)
     a, b, c = seq(0, 60), seq(1, 60), seq(2, 20)
     full = tuple((True, True, True) for _ in range(4))
-    assert planner.plan([a], [60], 1).graph_key == (full, 1024, False)  # a alone: its full first step
+    assert planner.plan([a], [60], 1).graph_key == (full, 1024, False, True)  # a alone: its full first step
     h = planner.plan([a, b], [61, 60], 2)  # b's first step recomputes all, a's does not
     assert h.decode_first_stage[1] == (0, 0, 0, 0) and h.decode_first_stage[0] != h.decode_first_stage[1]
     assert h.graph_key is None
     keys = [planner.plan([a, b], [62 + j, 61 + j], 2).graph_key for j in range(2 * 16)]
     assert all(k is not None for k in keys) and keys[:16] == keys[16:]  # one cycle of the clock
-    refresh, capacity, dynamic = keys[0]
-    assert capacity == 1024 and not dynamic and len(refresh) == 4
+    refresh, capacity, dynamic, bank_ok = keys[0]
+    assert capacity == 1024 and not dynamic and bank_ok and len(refresh) == 4
     assert planner.plan([a, c], [100, 21], 2).graph_key is None  # c stays dense
     assert planner.plan([a, c], [101, 21], 1).graph_key is None  # c is a prefill chunk
     h = planner.plan([a], [1200], 1)  # past the trained window, capacity doubles past 1024
-    assert h.graph_key == (h.refresh, 2048, True)
+    assert h.graph_key == (h.refresh, 2048, True, True)
+    few = SparsePlanner(cfg.replace(key_bank_slots=1), max_slots=4, trained_window=100, num_sparse_layers=4)
+    assert few.plan([a], [60], 1).bank_ok  # a holds slot 0, which owns the bank row
+    h = few.plan([a, b], [61, 60], 2)
+    assert h.decode_slots == [0, 1] and not h.bank_ok  # b's slot 1 has none: the step rotates keys

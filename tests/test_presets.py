@@ -59,6 +59,8 @@ def test_preset_knobs():
     (dict(query_strides=(4, 0, 1)), r"query strides must be in \[1, block_q=64\]"),
     (dict(query_strides=(128, 4, 1)), "query strides must be in"),
     (dict(key_bank="False"), "key_bank must be true or false"),
+    (dict(key_bank_slots=0), "key_bank_slots must be an integer >= 1"),
+    (dict(key_bank_slots=True), "key_bank_slots must be an integer >= 1"),
 ])
 def test_validation(bad, needle):
     with pytest.raises(ValueError, match=needle):
