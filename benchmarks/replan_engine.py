@@ -1,9 +1,12 @@
 """A copy of an InfiniteHiP engine with another plan and the same weights (hard links): every
-layer dense, or pruning in one half of the layers only (layer bisection of retrieval losses,
-docs/quality.md).
+layer dense, pruning in one half of the layers or in a range only (layer bisection of retrieval
+losses, docs/quality.md), optionally with other special layers (those keep special_final_k in
+the last stage).
 
     python benchmarks/replan_engine.py engines/smol-3k-bf16 engines/smol-dense-bf16 --sparse none
     python benchmarks/replan_engine.py engines/smollm2-135m-3k engines/smollm2-135m-3k-low-only --sparse low
+    python benchmarks/replan_engine.py engines/smollm2-135m-3k engines/smol-3k-15-22 --sparse 15-22
+    python benchmarks/replan_engine.py engines/smollm2-135m-3k engines/smol-3k-sp --sparse all --special 0,1,2,18,24
 """
 
 from __future__ import annotations
@@ -16,16 +19,22 @@ from pathlib import Path
 from infhip.config import EngineConfig
 
 
-def replan(src: Path, dst: Path, sparse: str) -> None:
+def replan(src: Path, dst: Path, sparse: str, special: tuple[int, ...] | None = None) -> None:
     """dst: src's files hard-linked, its config.json with layers outside `sparse` made dense
-    ("low": pruning in the lower half of the layers, "high": the upper half, "none": a dense plan)."""
+    ("all": none, "low": pruning in the lower half of the layers only, "high": the upper half,
+    "A-B": layers A..B (0-based, inclusive), "none": a dense plan); special: the InfiniteHiP
+    special layers (0-based), None = as in src."""
     c = EngineConfig.load(src)
     n = len(c.plan.layers)
-
-    def keeps(index: int) -> bool:
-        return sparse != "none" and (index < n // 2) == (sparse == "low")
-    layers = tuple(lp if keeps(lp.index) else dataclasses.replace(lp, plugin="dense") for lp in c.plan.layers)
+    lo, hi = {"all": (0, n - 1), "low": (0, n // 2 - 1), "high": (n // 2, n - 1), "none": (n, n)}.get(sparse) or \
+        tuple(int(x) for x in sparse.split("-"))
+    if not 0 <= lo <= hi <= n:
+        raise SystemExit(f"--sparse {sparse}: a layer range inside 0-{n - 1} is needed")
+    layers = tuple(lp if lo <= lp.index <= hi and lp.plugin == "infinitehip" else dataclasses.replace(lp, plugin="dense")
+                   for lp in c.plan.layers)
     dense = {"preset": "dense", "infinitehip": None} if sparse == "none" else {}
+    if special is not None and sparse != "none":
+        dense = {"infinitehip": c.plan.infinitehip.replace(special_layers=special)}
     config = dataclasses.replace(c, plan=dataclasses.replace(c.plan, layers=layers, **dense))  # validated
     shutil.copytree(src, dst, copy_function=lambda a, b: Path(b).hardlink_to(a))
     try:
@@ -40,12 +49,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("src", type=Path)
     ap.add_argument("dst", type=Path)
-    ap.add_argument("--sparse", choices=("none", "low", "high"), required=True,
-                    help="which layers keep their InfiniteHiP plugin")
+    ap.add_argument("--sparse", required=True,
+                    help="which layers keep their InfiniteHiP plugin: all | low | high | none | A-B (0-based)")
+    ap.add_argument("--special", help="special layers, 0-based, comma-separated (default: as in src)")
     args = ap.parse_args()
     if args.dst.exists():
         raise SystemExit(f"{args.dst} exists; remove it first")
-    replan(args.src, args.dst, args.sparse)
+    special = tuple(int(x) for x in args.special.split(",")) if args.special else None
+    replan(args.src, args.dst, args.sparse, special)
     plugins = "".join("s" if lp.plugin == "infinitehip" else "d" for lp in EngineConfig.load(args.dst).plan.layers)
     print(f"{args.dst}: layers {plugins} (s: infinitehip, d: dense)")
 
