@@ -44,7 +44,7 @@ SOLO_LAST_QUERY = False
 # bank that the cached decode steps read (plugins/infinitehip/key_bank.py): Llama-3.1-8B shapes at
 # 1M keys, 3k-flash 27.2 -> 21.0 µs/layer (34.9x -> 45.3x SDPA), 3k 38.9 -> 32.9 µs
 # (docs/benchmarks.md). Memory: (min(max_num_seqs, key_bank_slots = 8) + 1) x final k x Hkv x D
-# per layer (4 MiB per row and layer for Llama-8B: 1.1 GiB), reserved only when max_seq_len
+# per layer (4 MiB per row and layer for Llama-8B: about 1.2 GiB for 8 + 1 rows), reserved only when max_seq_len
 # exceeds the trained window.
 KEY_BANK = True
 

@@ -295,7 +295,7 @@ def block_sparse_attention(q, k_cache, v_cache, block_tables, q_start, q_lens, e
     BLOCK_N = block_n or (64 if BLOCK_D <= 128 and block_q * G < 128 else 32)
     # H200, a 32K prefill chunk, Llama-8B heads (docs/benchmarks.md, seventh session): tiles
     # loaded one ahead take 128K keys (no RoPE) from 9.23 to 8.26 ms, and with Triton's pipeline
-    # at depth 2 1M keys (STREAMING) from 14.5 to 12.3 ms (prefetch alone there: 16.2); decode
+    # at depth 2 1M keys (STREAMING) from 14.5 to 12.3 ms (prefetch at depth 3 there: 16.2); decode
     # gains nothing (20.8 vs 20.2 µs rotating, 14.1 vs 14.9 from the bank) and keeps the old loop
     if prefetch is None:
         prefetch = not decode
