@@ -274,6 +274,27 @@ def test_raw_keys_match_reference(rope_style, block_q, q_lens, query_stride, exp
     assert clear.float().mean() > 0.9 and torch.equal(reps.cpu()[..., :ref_reps.shape[2]][clear], ref_reps[clear])
 
 
+@pytest.mark.parametrize("chunk_size", [1, 2, 16])
+def test_relative_tournament_lengths_match_reference(chunk_size):
+    """RELATIVE runs its last halving after the loop (no left re-score): l_c 1 (no halving), 2
+    (only the peeled one) and 16 (three in the loop) still pick the reference's representatives,
+    from un-rotated keys (prefill) and from re-rotated cached keys (decode)."""
+    Hq, Hkv, D, q_lens, block_q = 6, 2, 32, [13, 20], 8
+    seqs, q, (q_start, lens, ends, tables) = setup(Hq, Hkv, D, 16, q_lens, block_q, seed=17, dyadic=False)
+    cand, cand_lens = random_candidates(seqs.generator, ends)
+    freq = inv_freq(D)
+    kw = dict(chunk_size=chunk_size, n_sink=N_SINK, n_stream=N_STREAM, rope_style="relative", inv_freq=freq)
+    ref_scores, ref_reps, margins = select_rep_scores_ref(q, seqs.k_cache, tables, q_start, lens, ends, cand,
+                                                          cand_lens, **kw)
+    clear = margins > 1e-4
+    assert clear.float().mean() > 0.9
+    for raw in (None, raw_keys_of(seqs, q_lens, block_q, freq)):
+        scores, reps = select_rep_scores(q, seqs.k_cache, tables, q_start, lens, ends, cand, cand_lens,
+                                         block_q=block_q, store_reps=True, raw_keys=raw, **kw)
+        assert torch.allclose(scores.double().cpu()[:, :ref_scores.shape[1]], ref_scores, rtol=1e-5, atol=1e-5)
+        assert torch.equal(reps.cpu()[..., :ref_reps.shape[2]][clear], ref_reps[clear])
+
+
 def test_select_rep_causal_within_block():
     """n_stream < b_q: the newest candidates lie after the block's first queries, which must not
     score them (causal), exactly as in the reference."""

@@ -98,6 +98,23 @@ def _max_score(q, k, q_pos, row_valid, tok, tok_valid, DOT_PRECISION: tl.constex
 
 
 @triton.jit
+def _score_right(q_right, q_pos, row_valid, first, half, chunk_len, base, key_pos, cand_row, table_row, k_head,
+                 raw_base, sin, cos, inv_freq_ptr, stride_cp, stride_cs, stride_rt, head_dim, n_sink,
+                 PAGE_SIZE: tl.constexpr, BLOCK_D: tl.constexpr, CAND_IMPLICIT: tl.constexpr,
+                 RAW_KEYS: tl.constexpr, KEY_ROTATION: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                 KEYS_AS_ROWS: tl.constexpr):
+    """One halving's right representative (offset first + half of each chunk): (its offset,
+    token, validity, key [BLOCK_C, BLOCK_D], sigma as a right representative)."""
+    right = first + half
+    r_valid = right < chunk_len
+    r_tok = _candidate_tokens(cand_row, base + right, r_valid, n_sink, CAND_IMPLICIT)
+    k = _load_keys(r_tok, r_valid, key_pos, k_head, table_row, raw_base, sin, cos, stride_cp, stride_cs,
+                   stride_rt, inv_freq_ptr, head_dim, PAGE_SIZE, BLOCK_D, RAW_KEYS, KEY_ROTATION).to(q_right.dtype)
+    s_right = _max_score(q_right, k, q_pos, row_valid, r_tok, r_valid, DOT_PRECISION, KEYS_AS_ROWS)
+    return right, r_tok, r_valid, k, s_right
+
+
+@triton.jit
 def _tournament_tile(q_left, q_right, q_pos, row_valid, first_chunk, n_cand, cand_row, table_row,
                      k_head, raw_base, inv_freq_ptr, stride_cp, stride_cs, stride_rt, head_dim, n_sink,
                      chunk_size, num_iters,
@@ -107,7 +124,10 @@ def _tournament_tile(q_left, q_right, q_pos, row_valid, first_chunk, n_cand, can
     """SelectRep on BLOCK_C chunks of one kv head in lock-step -> (sigma of each winner [BLOCK_C],
     -inf for empty chunks; the winner's offset within its chunk [BLOCK_C]). q_left / q_right:
     the query tile scoring left / right representatives (the same tile except under RELATIVE,
-    where keys sit at position 0 and each branch's position is moved onto the query)."""
+    where keys sit at position 0 and each branch's position is moved onto the query). Under
+    RELATIVE the last halving runs after the loop, without the winner's left re-score that only
+    a next halving would read: 2 log2(l_c) dots per chunk instead of 2 log2(l_c) + 1, and no
+    branch inside the loop (H200, 1M keys: stage 3 14.4 -> 13.2 ms)."""
     chunk = first_chunk + tl.arange(0, BLOCK_C)
     base = chunk * chunk_size
     chunk_len = tl.minimum(tl.maximum(n_cand - base, 0), chunk_size)  # valid candidates per chunk
@@ -126,15 +146,13 @@ def _tournament_tile(q_left, q_right, q_pos, row_valid, first_chunk, n_cand, can
     s_left = _max_score(q_left, k, q_pos, row_valid, tok, has, DOT_PRECISION, KEYS_AS_ROWS)
     best = s_left
     half = chunk_size
-    for _ in range(num_iters):
+    PEELED: tl.constexpr = ROPE_STYLE == C_RELATIVE
+    for _ in range(num_iters - 1 if PEELED else num_iters):
         half = half // 2
-        right = first + half
-        r_valid = right < chunk_len
-        r_tok = _candidate_tokens(cand_row, base + right, r_valid, n_sink, CAND_IMPLICIT)
-        k = _load_keys(r_tok, r_valid, key_pos, k_head, table_row, raw_base, sin, cos, stride_cp, stride_cs,
-                       stride_rt, inv_freq_ptr, head_dim, PAGE_SIZE, BLOCK_D, RAW_KEYS,
-                       KEY_ROTATION).to(q_left.dtype)
-        s_right = _max_score(q_right, k, q_pos, row_valid, r_tok, r_valid, DOT_PRECISION, KEYS_AS_ROWS)
+        right, r_tok, r_valid, k, s_right = _score_right(
+            q_right, q_pos, row_valid, first, half, chunk_len, base, key_pos, cand_row, table_row, k_head, raw_base,
+            sin, cos, inv_freq_ptr, stride_cp, stride_cs, stride_rt, head_dim, n_sink, PAGE_SIZE, BLOCK_D,
+            CAND_IMPLICIT, RAW_KEYS, KEY_ROTATION, DOT_PRECISION, KEYS_AS_ROWS)
         wins = s_right > s_left
         first = tl.where(wins, right, first)
         best = tl.maximum(s_left, s_right)  # sigma of the winner
@@ -145,6 +163,15 @@ def _tournament_tile(q_left, q_right, q_pos, row_valid, first_chunk, n_cand, can
                               s_left)
         else:
             s_left = best
+    if PEELED:
+        if num_iters > 0:
+            half = half // 2
+            right, r_tok, r_valid, k, s_right = _score_right(
+                q_right, q_pos, row_valid, first, half, chunk_len, base, key_pos, cand_row, table_row, k_head,
+                raw_base, sin, cos, inv_freq_ptr, stride_cp, stride_cs, stride_rt, head_dim, n_sink, PAGE_SIZE,
+                BLOCK_D, CAND_IMPLICIT, RAW_KEYS, KEY_ROTATION, DOT_PRECISION, KEYS_AS_ROWS)
+            first = tl.where(s_right > s_left, right, first)
+            best = tl.maximum(s_left, s_right)
     return best, first
 
 
