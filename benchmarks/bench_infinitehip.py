@@ -208,10 +208,7 @@ def cycle_stats(step_us: dict, intervals: tuple[int, ...]) -> dict:
 
 
 # defaults first (tiles, block_c swept 2026-11-30: within 10%); keys_as_rows: transposed score tiles
-# left_by_key (RELATIVE from raw keys, i.e. past the window): one query tile, keys loaded twice
-PRUNE_VARIANTS = [dict(), dict(num_warps=8), dict(keys_as_rows=True), dict(left_by_key=True),
-                  dict(left_by_key=True, num_warps=8), dict(left_by_key=True, block_c=16),
-                  dict(left_by_key=True, block_c=64)]
+PRUNE_VARIANTS = [dict(), dict(num_warps=8), dict(keys_as_rows=True), dict(keys_as_rows=True, num_warps=8)]
 # prefetch: each key tile's tokens and page entries loaded one tile ahead (the prefill default);
 # num_stages: Triton's software pipelining depth (prefill default: 2 with STREAMING, else 3)
 ATTN_VARIANTS = [dict(), dict(prefetch=False, num_stages=3), dict(prefetch=True, num_stages=2),

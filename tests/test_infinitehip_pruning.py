@@ -253,8 +253,7 @@ def test_unrotate_keys_moves_every_key_to_position_zero():
 @pytest.mark.parametrize("rope_style", ["relative", "chunk_indexed"])
 @pytest.mark.parametrize("block_q,q_lens,query_stride", [(1, [1, 1], 1), (8, [13, 20], 1), (8, [13, 20], 4)])
 @pytest.mark.parametrize("explicit", [False, True])
-@pytest.mark.parametrize("left_by_key", [False, True])
-def test_raw_keys_match_reference(rope_style, block_q, q_lens, query_stride, explicit, left_by_key):
+def test_raw_keys_match_reference(rope_style, block_q, q_lens, query_stride, explicit):
     """Pruning from un-rotated keys (relative: the branch offset moved onto a second query tile;
     chunk_indexed: one sin/cos per chunk) == the float64 reference of the styles, like the
     in-kernel rotation (representatives compared where the tournament is not a near-tie)."""
@@ -266,7 +265,7 @@ def test_raw_keys_match_reference(rope_style, block_q, q_lens, query_stride, exp
               query_stride=query_stride)
     raw = raw_keys_of(seqs, q_lens, block_q, freq)
     scores, reps = select_rep_scores(q, seqs.k_cache, tables, q_start, lens, ends, cand, cand_lens,
-                                     block_q=block_q, store_reps=True, raw_keys=raw, left_by_key=left_by_key, **kw)
+                                     block_q=block_q, store_reps=True, raw_keys=raw, **kw)
     ref_scores, ref_reps, margins = select_rep_scores_ref(
         q, seqs.k_cache, tables, q_start, lens, ends, cand, cand_lens,
         max_candidates=None if explicit else scores.shape[1] * 8, **kw)
@@ -279,8 +278,7 @@ def test_raw_keys_match_reference(rope_style, block_q, q_lens, query_stride, exp
 def test_relative_tournament_lengths_match_reference(chunk_size):
     """RELATIVE runs its last halving after the loop (no left re-score): l_c 1 (no halving), 2
     (only the peeled one) and 16 (three in the loop) still pick the reference's representatives,
-    from un-rotated keys (prefill; also with left_by_key: one query tile, the left branch scored
-    from keys shifted one position) and from re-rotated cached keys (decode)."""
+    from un-rotated keys (prefill) and from re-rotated cached keys (decode)."""
     Hq, Hkv, D, q_lens, block_q = 6, 2, 32, [13, 20], 8
     seqs, q, (q_start, lens, ends, tables) = setup(Hq, Hkv, D, 16, q_lens, block_q, seed=17, dyadic=False)
     cand, cand_lens = random_candidates(seqs.generator, ends)
@@ -290,10 +288,9 @@ def test_relative_tournament_lengths_match_reference(chunk_size):
                                                           cand_lens, **kw)
     clear = margins > 1e-4
     assert clear.float().mean() > 0.9
-    raw = raw_keys_of(seqs, q_lens, block_q, freq)
-    for over in (dict(raw_keys=None), dict(raw_keys=raw), dict(raw_keys=raw, left_by_key=True)):
+    for raw in (None, raw_keys_of(seqs, q_lens, block_q, freq)):
         scores, reps = select_rep_scores(q, seqs.k_cache, tables, q_start, lens, ends, cand, cand_lens,
-                                         block_q=block_q, store_reps=True, **over, **kw)
+                                         block_q=block_q, store_reps=True, raw_keys=raw, **kw)
         assert torch.allclose(scores.double().cpu()[:, :ref_scores.shape[1]], ref_scores, rtol=1e-5, atol=1e-5)
         assert torch.equal(reps.cpu()[..., :ref_reps.shape[2]][clear], ref_reps[clear])
 

@@ -46,8 +46,7 @@ from .._triton_utils import dot_precision, next_pow2, triton_on
 from .blocks import PAD, stream_starts
 from .raw_keys import RawKeys
 from .rope_styles import (C_CHUNK_INDEXED, C_NONE, C_RELATIVE, CHUNK_INDEXED, NONE, RELATIVE,
-                          check_rotatable, load_rotated, load_rotated_by, load_shifted, rope_style_id,
-                          shift_consts, sin_cos_of)
+                          check_rotatable, load_rotated, load_rotated_by, rope_style_id, sin_cos_of)
 
 _BLOCK_C = 32  # chunks per program (tl.dot needs >= 16 columns)
 
@@ -63,44 +62,17 @@ def _candidate_tokens(cand_row, idx, valid, n_sink, CAND_IMPLICIT: tl.constexpr)
 
 
 @triton.jit
-def _key_rows(tok, tok_valid, k_head_ptr, table_row, raw_base, stride_cp, stride_cs, stride_rt,
-              PAGE_SIZE: tl.constexpr, RAW_KEYS: tl.constexpr):
-    """Address of element 0 of each token's key [BLOCK_C]: RawKeys row raw_base + tok, or the
-    paged cache's row."""
-    if RAW_KEYS:
-        return k_head_ptr + (raw_base + tok).to(tl.int64) * stride_rt
-    page = tl.load(table_row + tok // PAGE_SIZE, mask=tok_valid, other=0)
-    return k_head_ptr + page.to(tl.int64) * stride_cp + (tok % PAGE_SIZE) * stride_cs
-
-
-@triton.jit
-def _load_key_pair(tok, tok_valid, key_pos, k_head_ptr, table_row, raw_base, sin, cos, cos_l, sin_l, stride_cp,
-                   stride_cs, stride_rt, inv_freq_ptr, head_dim, PAGE_SIZE: tl.constexpr, BLOCK_D: tl.constexpr,
-                   RAW_KEYS: tl.constexpr, KEY_ROTATION: tl.constexpr, LEFT_BY_KEY: tl.constexpr):
-    """(keys [BLOCK_C, BLOCK_D] float32 as _load_keys, the keys for the left-branch score):
-    LEFT_BY_KEY (RELATIVE, raw keys): the raw keys moved one position back, R(-1) k, so that the
-    right branch's query scores the left branch, q_left . k = R(1) q_right . k = q_right . R(-1) k
-    (cos_l / sin_l: shift_consts(-1)); otherwise the same keys (scored with q_left)."""
-    if LEFT_BY_KEY:
-        rows = _key_rows(tok, tok_valid, k_head_ptr, table_row, raw_base, stride_cp, stride_cs, stride_rt,
-                         PAGE_SIZE, RAW_KEYS)
-        k, k_left = load_shifted(rows, tok_valid, cos_l, sin_l, head_dim, BLOCK_D)
-    else:
-        k = _load_keys(tok, tok_valid, key_pos, k_head_ptr, table_row, raw_base, sin, cos, stride_cp, stride_cs,
-                       stride_rt, inv_freq_ptr, head_dim, PAGE_SIZE, BLOCK_D, RAW_KEYS, KEY_ROTATION)
-        k_left = k
-    return k, k_left
-
-
-@triton.jit
 def _load_keys(tok, tok_valid, key_pos, k_head_ptr, table_row, raw_base, sin, cos, stride_cp, stride_cs,
                stride_rt, inv_freq_ptr, head_dim, PAGE_SIZE: tl.constexpr, BLOCK_D: tl.constexpr,
                RAW_KEYS: tl.constexpr, KEY_ROTATION: tl.constexpr):
     """Keys [BLOCK_C, BLOCK_D] float32 of BLOCK_C tokens, from the paged cache or (RAW_KEYS) from
     RawKeys rows raw_base + tok; KEY_ROTATION 0: as stored, 1: by key_pos - tok (the style's
     position of each key), 2: by the given sin/cos [BLOCK_C, BLOCK_D // 2]."""
-    rows = _key_rows(tok, tok_valid, k_head_ptr, table_row, raw_base, stride_cp, stride_cs, stride_rt, PAGE_SIZE,
-                     RAW_KEYS)
+    if RAW_KEYS:
+        rows = k_head_ptr + (raw_base + tok).to(tl.int64) * stride_rt
+    else:
+        page = tl.load(table_row + tok // PAGE_SIZE, mask=tok_valid, other=0)
+        rows = k_head_ptr + page.to(tl.int64) * stride_cp + (tok % PAGE_SIZE) * stride_cs
     if KEY_ROTATION == 2:
         k = load_rotated_by(rows, tok_valid, sin, cos, head_dim, BLOCK_D)
     else:
@@ -127,37 +99,33 @@ def _max_score(q, k, q_pos, row_valid, tok, tok_valid, DOT_PRECISION: tl.constex
 
 @triton.jit
 def _score_right(q_right, q_pos, row_valid, first, half, chunk_len, base, key_pos, cand_row, table_row, k_head,
-                 raw_base, sin, cos, cos_l, sin_l, inv_freq_ptr, stride_cp, stride_cs, stride_rt, head_dim, n_sink,
+                 raw_base, sin, cos, inv_freq_ptr, stride_cp, stride_cs, stride_rt, head_dim, n_sink,
                  PAGE_SIZE: tl.constexpr, BLOCK_D: tl.constexpr, CAND_IMPLICIT: tl.constexpr,
                  RAW_KEYS: tl.constexpr, KEY_ROTATION: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                 KEYS_AS_ROWS: tl.constexpr, LEFT_BY_KEY: tl.constexpr):
+                 KEYS_AS_ROWS: tl.constexpr):
     """One halving's right representative (offset first + half of each chunk): (its offset,
-    token, validity, its keys for a left-branch score [BLOCK_C, BLOCK_D] (_load_key_pair), sigma
-    as a right representative)."""
+    token, validity, key [BLOCK_C, BLOCK_D], sigma as a right representative)."""
     right = first + half
     r_valid = right < chunk_len
     r_tok = _candidate_tokens(cand_row, base + right, r_valid, n_sink, CAND_IMPLICIT)
-    k, k_left = _load_key_pair(r_tok, r_valid, key_pos, k_head, table_row, raw_base, sin, cos, cos_l, sin_l,
-                               stride_cp, stride_cs, stride_rt, inv_freq_ptr, head_dim, PAGE_SIZE, BLOCK_D, RAW_KEYS,
-                               KEY_ROTATION, LEFT_BY_KEY)
-    s_right = _max_score(q_right, k.to(q_right.dtype), q_pos, row_valid, r_tok, r_valid, DOT_PRECISION, KEYS_AS_ROWS)
-    return right, r_tok, r_valid, k_left.to(q_right.dtype), s_right
+    k = _load_keys(r_tok, r_valid, key_pos, k_head, table_row, raw_base, sin, cos, stride_cp, stride_cs,
+                   stride_rt, inv_freq_ptr, head_dim, PAGE_SIZE, BLOCK_D, RAW_KEYS, KEY_ROTATION).to(q_right.dtype)
+    s_right = _max_score(q_right, k, q_pos, row_valid, r_tok, r_valid, DOT_PRECISION, KEYS_AS_ROWS)
+    return right, r_tok, r_valid, k, s_right
 
 
 @triton.jit
 def _tournament_tile(q_left, q_right, q_pos, row_valid, first_chunk, n_cand, cand_row, table_row,
-                     k_head, raw_base, cos_l, sin_l, inv_freq_ptr, stride_cp, stride_cs, stride_rt, head_dim,
-                     n_sink, chunk_size, num_iters,
+                     k_head, raw_base, inv_freq_ptr, stride_cp, stride_cs, stride_rt, head_dim, n_sink,
+                     chunk_size, num_iters,
                      PAGE_SIZE: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr,
                      CAND_IMPLICIT: tl.constexpr, ROPE_STYLE: tl.constexpr, RAW_KEYS: tl.constexpr,
-                     KEY_ROTATION: tl.constexpr, DOT_PRECISION: tl.constexpr, KEYS_AS_ROWS: tl.constexpr,
-                     LEFT_BY_KEY: tl.constexpr):
+                     KEY_ROTATION: tl.constexpr, DOT_PRECISION: tl.constexpr, KEYS_AS_ROWS: tl.constexpr):
     """SelectRep on BLOCK_C chunks of one kv head in lock-step -> (sigma of each winner [BLOCK_C],
     -inf for empty chunks; the winner's offset within its chunk [BLOCK_C]). q_left / q_right:
     the query tile scoring left / right representatives (the same tile except under RELATIVE,
-    where keys sit at position 0 and each branch's position is moved onto the query; with
-    LEFT_BY_KEY q_left is q_right and the left scores come from keys moved one position back,
-    _load_key_pair). Under RELATIVE the last halving runs after the loop, without the winner's left re-score that only
+    where keys sit at position 0 and each branch's position is moved onto the query). Under
+    RELATIVE the last halving runs after the loop, without the winner's left re-score that only
     a next halving would read: 2 log2(l_c) dots per chunk instead of 2 log2(l_c) + 1, and no
     branch inside the loop (H200, 1M keys: stage 3 14.4 -> 13.2 ms)."""
     chunk = first_chunk + tl.arange(0, BLOCK_C)
@@ -173,36 +141,35 @@ def _tournament_tile(q_left, q_right, q_pos, row_valid, first_chunk, n_cand, can
         sin, cos = sin_cos_of(chunk, inv_freq_ptr, head_dim, BLOCK_D)
     first = chunk * 0  # offset of the current range's first candidate within the chunk
     tok = _candidate_tokens(cand_row, base, has, n_sink, CAND_IMPLICIT)
-    _, k_first = _load_key_pair(tok, has, key_pos, k_head, table_row, raw_base, sin, cos, cos_l, sin_l, stride_cp,
-                                stride_cs, stride_rt, inv_freq_ptr, head_dim, PAGE_SIZE, BLOCK_D, RAW_KEYS,
-                                KEY_ROTATION, LEFT_BY_KEY)
-    s_left = _max_score(q_left, k_first.to(q_left.dtype), q_pos, row_valid, tok, has, DOT_PRECISION, KEYS_AS_ROWS)
+    k = _load_keys(tok, has, key_pos, k_head, table_row, raw_base, sin, cos, stride_cp, stride_cs, stride_rt,
+                   inv_freq_ptr, head_dim, PAGE_SIZE, BLOCK_D, RAW_KEYS, KEY_ROTATION).to(q_left.dtype)
+    s_left = _max_score(q_left, k, q_pos, row_valid, tok, has, DOT_PRECISION, KEYS_AS_ROWS)
     best = s_left
     half = chunk_size
     PEELED: tl.constexpr = ROPE_STYLE == C_RELATIVE
     for _ in range(num_iters - 1 if PEELED else num_iters):
         half = half // 2
-        right, r_tok, r_valid, k_left, s_right = _score_right(
+        right, r_tok, r_valid, k, s_right = _score_right(
             q_right, q_pos, row_valid, first, half, chunk_len, base, key_pos, cand_row, table_row, k_head, raw_base,
-            sin, cos, cos_l, sin_l, inv_freq_ptr, stride_cp, stride_cs, stride_rt, head_dim, n_sink, PAGE_SIZE,
-            BLOCK_D, CAND_IMPLICIT, RAW_KEYS, KEY_ROTATION, DOT_PRECISION, KEYS_AS_ROWS, LEFT_BY_KEY)
+            sin, cos, inv_freq_ptr, stride_cp, stride_cs, stride_rt, head_dim, n_sink, PAGE_SIZE, BLOCK_D,
+            CAND_IMPLICIT, RAW_KEYS, KEY_ROTATION, DOT_PRECISION, KEYS_AS_ROWS)
         wins = s_right > s_left
         first = tl.where(wins, right, first)
         best = tl.maximum(s_left, s_right)  # sigma of the winner
         if ROPE_STYLE == C_RELATIVE:
             # the winner is the next range's first, i.e. the left branch: its sigma at the left
-            # position, from the key already loaded (no reload)
-            s_left = tl.where(wins, _max_score(q_left, k_left, q_pos, row_valid, r_tok, r_valid, DOT_PRECISION, KEYS_AS_ROWS),
+            # position, from the key already loaded (no reload, no second rotation)
+            s_left = tl.where(wins, _max_score(q_left, k, q_pos, row_valid, r_tok, r_valid, DOT_PRECISION, KEYS_AS_ROWS),
                               s_left)
         else:
             s_left = best
     if PEELED:
         if num_iters > 0:
             half = half // 2
-            right, r_tok, r_valid, k_left, s_right = _score_right(  # k_left: not read after the last halving
+            right, r_tok, r_valid, k, s_right = _score_right(
                 q_right, q_pos, row_valid, first, half, chunk_len, base, key_pos, cand_row, table_row, k_head,
-                raw_base, sin, cos, cos_l, sin_l, inv_freq_ptr, stride_cp, stride_cs, stride_rt, head_dim, n_sink,
-                PAGE_SIZE, BLOCK_D, CAND_IMPLICIT, RAW_KEYS, KEY_ROTATION, DOT_PRECISION, KEYS_AS_ROWS, LEFT_BY_KEY)
+                raw_base, sin, cos, inv_freq_ptr, stride_cp, stride_cs, stride_rt, head_dim, n_sink, PAGE_SIZE,
+                BLOCK_D, CAND_IMPLICIT, RAW_KEYS, KEY_ROTATION, DOT_PRECISION, KEYS_AS_ROWS)
             first = tl.where(s_right > s_left, right, first)
             best = tl.maximum(s_left, s_right)
     return best, first
@@ -245,7 +212,6 @@ def _select_rep_kernel(
     DOT_F32: tl.constexpr,  # float32 dot operands (CPU interpreter, float32 caches)
     DOT_PRECISION: tl.constexpr,
     KEYS_AS_ROWS: tl.constexpr,  # score tiles as [chunks, queries] (_max_score)
-    LEFT_BY_KEY: tl.constexpr,  # RELATIVE from raw keys: one query tile, left scores from shifted keys
 ):
     blk = tl.program_id(0)
     kv_head = tl.program_id(2)
@@ -271,20 +237,14 @@ def _select_rep_kernel(
         q_delta = tl.minimum(q_pos, tl.cdiv(n_cand, chunk_size) + n_stream) - q_pos
     else:
         q_delta = q_pos * 0
-    # RELATIVE: q . R(1) k = R(-1) q . k, the right branch's query one position closer
-    q_right = load_rotated(q_rows, row_valid, q_delta - (ROPE_STYLE == C_RELATIVE), inv_freq_ptr, head_dim, BLOCK_D,
-                           ROPE_STYLE != C_NONE)
+    q_left = load_rotated(q_rows, row_valid, q_delta, inv_freq_ptr, head_dim, BLOCK_D, ROPE_STYLE != C_NONE)
     if not DOT_F32:
-        q_right = q_right.to(k_cache_ptr.dtype.element_ty)
-    q_left = q_right
-    cos_l = None
-    sin_l = None
-    if LEFT_BY_KEY:  # one query tile: the left branch scored as q_right . R(-1) k (_load_key_pair)
-        cos_l, sin_l = shift_consts(-1, inv_freq_ptr, head_dim, BLOCK_D)
-    elif ROPE_STYLE == C_RELATIVE:  # a second query tile for the left branch
-        q_left = load_rotated(q_rows, row_valid, q_delta, inv_freq_ptr, head_dim, BLOCK_D, True)
+        q_left = q_left.to(k_cache_ptr.dtype.element_ty)
+    q_right = q_left
+    if ROPE_STYLE == C_RELATIVE:  # q . R(1) k = R(-1) q . k: the right branch's query one closer
+        q_right = load_rotated(q_rows, row_valid, q_delta - 1, inv_freq_ptr, head_dim, BLOCK_D, True)
         if not DOT_F32:
-            q_left = q_left.to(k_cache_ptr.dtype.element_ty)
+            q_right = q_right.to(k_cache_ptr.dtype.element_ty)
     if RAW_KEYS:
         k_head = raw_ptr + kv_head * stride_rh
         raw_base = tl.load(raw_base_ptr + blk)
@@ -295,10 +255,10 @@ def _select_rep_kernel(
     for tile in range(TILES):
         first_chunk = (tl.program_id(1) * TILES + tile) * BLOCK_C
         best, first = _tournament_tile(q_left, q_right, q_pos, row_valid, first_chunk, n_cand, cand_row,
-                                       table_row, k_head, raw_base, cos_l, sin_l, inv_freq_ptr, stride_cp,
-                                       stride_cs, stride_rt, head_dim, n_sink, chunk_size, num_iters, PAGE_SIZE,
+                                       table_row, k_head, raw_base, inv_freq_ptr, stride_cp, stride_cs,
+                                       stride_rt, head_dim, n_sink, chunk_size, num_iters, PAGE_SIZE,
                                        BLOCK_C, BLOCK_D, CAND_IMPLICIT, ROPE_STYLE, RAW_KEYS,
-                                       KEY_ROTATION, DOT_PRECISION, KEYS_AS_ROWS, LEFT_BY_KEY)
+                                       KEY_ROTATION, DOT_PRECISION, KEYS_AS_ROWS)
         chunk = first_chunk + tl.arange(0, BLOCK_C)
         in_row = chunk < max_chunks
         tl.store(scores_ptr + out_row + chunk, best, mask=in_row)
@@ -325,8 +285,7 @@ def select_rep_scores(q, k_cache, block_tables, q_start, q_lens, ends, candidate
                       inv_freq: torch.Tensor | None = None, store_reps: bool = False,
                       head_normalized: bool = False, query_stride: int = 1,
                       raw_keys: RawKeys | None = None, block_c: int | None = None,
-                      tiles: int | None = None, num_warps: int | None = None, keys_as_rows: bool | None = None,
-                      left_by_key: bool = False):
+                      tiles: int | None = None, num_warps: int | None = None, keys_as_rows: bool | None = None):
     """Triton SelectRep: chunk scores float32 [NB, max_chunks] and (store_reps) representatives
     int32 [NB, Hkv, max_chunks]. candidates None = stage 1 (the middle, implicitly); then
     max_candidates must be >= every block's middle length (a fixed capacity keeps the grid
@@ -335,10 +294,8 @@ def select_rep_scores(q, k_cache, block_tables, q_start, q_lens, ends, candidate
     the max over heads (InfiniteHipConfig.chunk_score). query_stride: score with every s-th query
     of a block (InfiniteHipConfig.query_strides). raw_keys: the blocks' keys at position 0
     (raw_keys.unrotate_keys), read instead of re-rotating cached keys when a dynamic RoPE style
-    is on (ignored for "none"). block_c / tiles / num_warps / keys_as_rows / left_by_key: tuning
-    overrides (keys_as_rows: score tiles transposed; left_by_key: RELATIVE from raw keys with one
-    query tile, each key also loaded halves-swapped and shifted one position for the left
-    branch's score; the same values up to rounding)."""
+    is on (ignored for "none"). block_c / tiles / num_warps / keys_as_rows: tuning overrides
+    (keys_as_rows: score tiles transposed, the same values)."""
     T, Hq, D = q.shape
     num_pages, page_size, Hkv, Dk = k_cache.shape
     NB = ends.shape[0]
@@ -407,7 +364,6 @@ def select_rep_scores(q, k_cache, block_tables, q_start, q_lens, ends, candidate
         KEY_ROTATION=0 if style == NONE or (raw is not None and style == RELATIVE) else 2 if raw is not None else 1,
         DOT_F32=not q.is_cuda or q.dtype == torch.float32,
         DOT_PRECISION=dot_precision(q.dtype if q.is_cuda else torch.float32), KEYS_AS_ROWS=keys_as_rows,
-        LEFT_BY_KEY=left_by_key and style == RELATIVE and raw is not None,
         # H200, 1M keys: 256-row query tiles (stride 1) 8 warps (stage 1 112 vs 163 ms, stage 3
         # 14 vs 27 ms); 64-row tiles (stride 4) and decode 4 (stage 1 24 vs 35 ms)
         num_warps=num_warps or (8 if BLOCK_Q >= 256 else 4),

@@ -140,29 +140,6 @@ def load_rotated_by(row_ptrs, row_mask, sin, cos, head_dim, BLOCK_D: tl.constexp
 
 
 @triton.jit
-def shift_consts(delta, inv_freq_ptr, head_dim, BLOCK_D: tl.constexpr):
-    """(cos, signed sin) [1, BLOCK_D] of one small position delta (|delta| * inv_freq <= pi, no
-    reduction) over full rows: cos(angle[j % half]) and -sin | +sin, for load_shifted."""
-    d = tl.arange(0, BLOCK_D)
-    freq = tl.load(inv_freq_ptr + d % (BLOCK_D // 2), mask=d < head_dim, other=0.0)
-    sin, cos = _sin_cos(freq * delta)
-    return cos[None, :], tl.where(d < BLOCK_D // 2, -sin, sin)[None, :]
-
-
-@triton.jit
-def load_shifted(row_ptrs, row_mask, cos, sin, head_dim, BLOCK_D: tl.constexpr):
-    """Rows [R, BLOCK_D] float32 as stored and rotated by shift_consts' delta, the latter as
-    x * cos + x_swapped * sin with x_swapped loaded a second time with its halves swapped (no
-    register shuffle; the second load reads the lines the first one fetched)."""
-    d = tl.arange(0, BLOCK_D)
-    mask = row_mask[:, None] & (d < head_dim)[None, :]
-    x = tl.load(row_ptrs[:, None] + d[None, :], mask=mask, other=0.0).to(tl.float32)
-    swapped = (d + BLOCK_D // 2) % BLOCK_D
-    x_sw = tl.load(row_ptrs[:, None] + swapped[None, :], mask=mask, other=0.0).to(tl.float32)
-    return x, x * cos + x_sw * sin
-
-
-@triton.jit
 def load_rotated(row_ptrs, row_mask, delta, inv_freq_ptr, head_dim,
                  BLOCK_D: tl.constexpr, ROTATE: tl.constexpr):
     """Load rows [R, BLOCK_D] (row_ptrs [R]: address of element 0 of each row, unit stride) and,
