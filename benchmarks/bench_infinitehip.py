@@ -208,7 +208,9 @@ def cycle_stats(step_us: dict, intervals: tuple[int, ...]) -> dict:
 
 
 # defaults first (tiles, block_c swept 2026-11-30: within 10%); keys_as_rows: transposed score tiles
-PRUNE_VARIANTS = [dict(), dict(num_warps=8), dict(keys_as_rows=True), dict(keys_as_rows=True, num_warps=8)]
+# speculate: each halving's right keys loaded a halving ahead, for both outcomes
+PRUNE_VARIANTS = [dict(), dict(num_warps=8), dict(keys_as_rows=True), dict(speculate=True),
+                  dict(speculate=True, block_c=16), dict(speculate=True, block_c=64)]
 # prefetch: each key tile's tokens and page entries loaded one tile ahead (the prefill default);
 # num_stages: Triton's software pipelining depth (prefill default: 2 with STREAMING, else 3)
 ATTN_VARIANTS = [dict(), dict(prefetch=False, num_stages=3), dict(prefetch=True, num_stages=2),
