@@ -215,8 +215,10 @@ PRUNE_VARIANTS = [dict(), dict(num_warps=8), dict(keys_as_rows=True), dict(specu
 # num_stages: Triton's software pipelining depth (prefill default: 2 with STREAMING, else 3)
 ATTN_VARIANTS = [dict(), dict(prefetch=False, num_stages=3), dict(prefetch=True, num_stages=2),
                  dict(prefetch=True, num_stages=3), dict(block_n=64)]
-DECODE_STAGE1_VARIANTS = [dict(), dict(block_c=16), dict(block_c=32), dict(num_warps=8), dict(keys_as_rows=True)]  # default: 64 (dynamic RoPE), else 32
-DECODE_LATER_STAGE_VARIANTS = [dict(), dict(block_c=16), dict(block_c=64), dict(num_warps=2), dict(keys_as_rows=True)]  # default: 32
+DECODE_STAGE1_VARIANTS = [dict(), dict(block_c=16), dict(block_c=32), dict(num_warps=8), dict(keys_as_rows=True),
+                          dict(speculate=True)]  # default: 64 (dynamic RoPE), else 32
+DECODE_LATER_STAGE_VARIANTS = [dict(), dict(block_c=16), dict(block_c=64), dict(num_warps=2), dict(keys_as_rows=True),
+                               dict(speculate=True)]  # default: 32
 # decode attention split counts / key tiles (default: ~2 waves of SMs, 64-key tiles)
 DECODE_ATTN_VARIANTS = [dict(), dict(num_splits=16), dict(num_splits=52), dict(block_n=32),
                         dict(block_n=32, num_splits=64), dict(block_n=32, num_splits=104), dict(prefetch=True)]
