@@ -50,12 +50,11 @@ def test_pruning_stage_exact_at_llama8b_shapes(block_q, q_lens, query_stride, ro
 
 
 @pytest.mark.parametrize("rope_style", ["none", "relative"])
-@pytest.mark.parametrize("speculate", [False, True])
-def test_last_stage_exact_at_llama8b_shapes(rope_style, speculate):
+def test_last_stage_exact_at_llama8b_shapes(rope_style):
     """A last stage (l_c 8 over the reference stage 1's survivors, candidates in runs, 64-query
     blocks: 256-row query tiles): with dyadic inputs the kept chunks have exactly the
     reference's scores; with relative RoPE from un-rotated keys (the prefill path)
-    near-identical sets. Also with each halving's keys loaded a halving ahead (speculate)."""
+    near-identical sets."""
     from infhip.plugins.infinitehip import select_rep_scores_ref
 
     from .test_infinitehip_pruning import raw_keys_of
@@ -69,7 +68,7 @@ def test_last_stage_exact_at_llama8b_shapes(rope_style, speculate):
     cand, cand_n = cand.to(DEVICE), cand_n.to(DEVICE)
     raw = raw_keys_of(seqs, q_lens, block_q, inv_freq(D)) if rope_style != "none" else None
     sel, n = pruning_stage(q, seqs.k_cache, tables, q_start, lens, ends, cand, cand_n, chunk_size=8, k=256,
-                           block_q=block_q, raw_keys=raw, speculate=speculate, **kw)
+                           block_q=block_q, raw_keys=raw, **kw)
     ref, ref_n = pruning_stage_ref(q, seqs.k_cache, tables, q_start, lens, ends, cand, cand_n, chunk_size=8,
                                    k=256, **kw)
     assert torch.equal(n.cpu(), ref_n.cpu()) and int(n.min()) > 0

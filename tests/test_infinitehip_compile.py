@@ -39,14 +39,12 @@ def _compile_pruning(rope_style: int):
     ptrs.update(q_ptr="*bf16", k_cache_ptr="*bf16", raw_ptr="*bf16", raw_base_ptr="*i64",
                 inv_freq_ptr="*fp32", scores_ptr="*fp32")
     for raw in ((False, True) if rope_style else (False,)):  # raw keys only with a dynamic style
-        # the transposed score tiles (keys_as_rows) and the halvings loaded a halving ahead
-        # (speculate) with the prefill path's raw RELATIVE keys
-        for rows, spec in (((False, False), (True, False), (False, True)) if raw and rope_style == 1
-                           else ((False, False),)):
+        # the transposed score tiles (keys_as_rows) with the prefill path's raw RELATIVE keys
+        for rows in ((False, True) if raw and rope_style == 1 else (False,)):
             ce = dict(PAGE_SIZE=16, BLOCK_Q=256, BLOCK_C=16, TILES=4, BLOCK_D=128, CAND_IMPLICIT=rope_style == 0,
                       STORE_REPS=True, ROPE_STYLE=rope_style, RAW_KEYS=raw, DOT_F32=False, DOT_PRECISION="tf32",
                       KEY_ROTATION=0 if rope_style == 0 or (raw and rope_style == 1) else 2 if raw else 1,
-                      KEYS_AS_ROWS=rows, SPECULATE=spec)
+                      KEYS_AS_ROWS=rows)
             _compile(pruning._select_rep_kernel, ptrs, ce, num_warps=8)
     ptrs = {n: "*i32" for n in ("cand_ptr", "cand_lens_ptr", "ends_ptr", "kept_ptr", "out_ptr", "out_lens_ptr")}
     ptrs.update(scores_ptr="*fp32")

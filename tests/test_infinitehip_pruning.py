@@ -278,8 +278,7 @@ def test_raw_keys_match_reference(rope_style, block_q, q_lens, query_stride, exp
 def test_relative_tournament_lengths_match_reference(chunk_size):
     """RELATIVE runs its last halving after the loop (no left re-score): l_c 1 (no halving), 2
     (only the peeled one) and 16 (three in the loop) still pick the reference's representatives,
-    from un-rotated keys (prefill) and from re-rotated cached keys (decode), also with each
-    halving's keys loaded a halving ahead (speculate)."""
+    from un-rotated keys (prefill) and from re-rotated cached keys (decode)."""
     Hq, Hkv, D, q_lens, block_q = 6, 2, 32, [13, 20], 8
     seqs, q, (q_start, lens, ends, tables) = setup(Hq, Hkv, D, 16, q_lens, block_q, seed=17, dyadic=False)
     cand, cand_lens = random_candidates(seqs.generator, ends)
@@ -289,32 +288,11 @@ def test_relative_tournament_lengths_match_reference(chunk_size):
                                                           cand_lens, **kw)
     clear = margins > 1e-4
     assert clear.float().mean() > 0.9
-    raw = raw_keys_of(seqs, q_lens, block_q, freq)
-    for over in (dict(raw_keys=None), dict(raw_keys=raw), dict(raw_keys=raw, speculate=True),
-                 dict(raw_keys=None, speculate=True)):
+    for raw in (None, raw_keys_of(seqs, q_lens, block_q, freq)):
         scores, reps = select_rep_scores(q, seqs.k_cache, tables, q_start, lens, ends, cand, cand_lens,
-                                         block_q=block_q, store_reps=True, **over, **kw)
+                                         block_q=block_q, store_reps=True, raw_keys=raw, **kw)
         assert torch.allclose(scores.double().cpu()[:, :ref_scores.shape[1]], ref_scores, rtol=1e-5, atol=1e-5)
-        assert torch.equal(reps.cpu()[..., :ref_reps.shape[2]][clear], ref_reps[clear]), over
-
-
-@pytest.mark.parametrize("chunk_size", [1, 2, 8])
-@pytest.mark.parametrize("explicit", [False, True])
-def test_speculative_halvings_match_reference_exactly(chunk_size, explicit):
-    """speculate (each halving's right keys loaded a halving ahead, for both outcomes of the
-    one before) without RoPE: dyadic inputs, so representatives and scores agree bit for bit."""
-    Hq, Hkv, D, q_lens, block_q = 6, 2, 16, [13, 20], 8
-    seqs, q, (q_start, lens, ends, tables) = setup(Hq, Hkv, D, 4, q_lens, block_q, 23 + chunk_size, True)
-    cand, cand_lens = random_candidates(seqs.generator, ends) if explicit else (None, None)
-    kw = dict(chunk_size=chunk_size, n_sink=N_SINK, n_stream=N_STREAM)
-    scores, reps = select_rep_scores(q, seqs.k_cache, tables, q_start, lens, ends, cand, cand_lens,
-                                     block_q=block_q, store_reps=True, speculate=True, **kw)
-    ref_scores, ref_reps, _ = select_rep_scores_ref(q, seqs.k_cache, tables, q_start, lens, ends, cand,
-                                                    cand_lens, max_candidates=scores.shape[1] * chunk_size
-                                                    if not explicit else None, **kw)
-    assert torch.isfinite(ref_scores).any()
-    assert torch.equal(scores.double().cpu()[:, :ref_scores.shape[1]], ref_scores)
-    assert torch.equal(reps.cpu()[..., :ref_reps.shape[2]], ref_reps)
+        assert torch.equal(reps.cpu()[..., :ref_reps.shape[2]][clear], ref_reps[clear])
 
 
 def test_select_rep_causal_within_block():

@@ -98,19 +98,20 @@ def _max_score(q, k, q_pos, row_valid, tok, tok_valid, DOT_PRECISION: tl.constex
 
 
 @triton.jit
-def _load_right(first, half, chunk_len, base, key_pos, cand_row, table_row, k_head, raw_base, sin, cos,
-                inv_freq_ptr, stride_cp, stride_cs, stride_rt, head_dim, n_sink, DTYPE: tl.constexpr,
-                PAGE_SIZE: tl.constexpr, BLOCK_D: tl.constexpr, CAND_IMPLICIT: tl.constexpr,
-                RAW_KEYS: tl.constexpr, KEY_ROTATION: tl.constexpr):
-    """The right representative of the range [first, first + 2 half) of each chunk: (its offset,
-    token, validity, key [BLOCK_C, BLOCK_D] in DTYPE). Invalid (nothing loaded) where it lies
-    past the chunk's end or half is 0."""
+def _score_right(q_right, q_pos, row_valid, first, half, chunk_len, base, key_pos, cand_row, table_row, k_head,
+                 raw_base, sin, cos, inv_freq_ptr, stride_cp, stride_cs, stride_rt, head_dim, n_sink,
+                 PAGE_SIZE: tl.constexpr, BLOCK_D: tl.constexpr, CAND_IMPLICIT: tl.constexpr,
+                 RAW_KEYS: tl.constexpr, KEY_ROTATION: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                 KEYS_AS_ROWS: tl.constexpr):
+    """One halving's right representative (offset first + half of each chunk): (its offset,
+    token, validity, key [BLOCK_C, BLOCK_D], sigma as a right representative)."""
     right = first + half
-    r_valid = (right < chunk_len) & (right > first)  # half > 0
+    r_valid = right < chunk_len
     r_tok = _candidate_tokens(cand_row, base + right, r_valid, n_sink, CAND_IMPLICIT)
     k = _load_keys(r_tok, r_valid, key_pos, k_head, table_row, raw_base, sin, cos, stride_cp, stride_cs,
-                   stride_rt, inv_freq_ptr, head_dim, PAGE_SIZE, BLOCK_D, RAW_KEYS, KEY_ROTATION).to(DTYPE)
-    return right, r_tok, r_valid, k
+                   stride_rt, inv_freq_ptr, head_dim, PAGE_SIZE, BLOCK_D, RAW_KEYS, KEY_ROTATION).to(q_right.dtype)
+    s_right = _max_score(q_right, k, q_pos, row_valid, r_tok, r_valid, DOT_PRECISION, KEYS_AS_ROWS)
+    return right, r_tok, r_valid, k, s_right
 
 
 @triton.jit
@@ -119,17 +120,14 @@ def _tournament_tile(q_left, q_right, q_pos, row_valid, first_chunk, n_cand, can
                      chunk_size, num_iters,
                      PAGE_SIZE: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr,
                      CAND_IMPLICIT: tl.constexpr, ROPE_STYLE: tl.constexpr, RAW_KEYS: tl.constexpr,
-                     KEY_ROTATION: tl.constexpr, DOT_PRECISION: tl.constexpr, KEYS_AS_ROWS: tl.constexpr,
-                     SPECULATE: tl.constexpr):
+                     KEY_ROTATION: tl.constexpr, DOT_PRECISION: tl.constexpr, KEYS_AS_ROWS: tl.constexpr):
     """SelectRep on BLOCK_C chunks of one kv head in lock-step -> (sigma of each winner [BLOCK_C],
     -inf for empty chunks; the winner's offset within its chunk [BLOCK_C]). q_left / q_right:
     the query tile scoring left / right representatives (the same tile except under RELATIVE,
     where keys sit at position 0 and each branch's position is moved onto the query). Under
     RELATIVE the last halving runs after the loop, without the winner's left re-score that only
     a next halving would read: 2 log2(l_c) dots per chunk instead of 2 log2(l_c) + 1, and no
-    branch inside the loop (H200, 1M keys: stage 3 14.4 -> 13.2 ms). SPECULATE: each halving
-    loads the next one's right representative for both of its outcomes before it scores, so
-    the loads are not on the chain of dependent halvings (twice the key loads)."""
+    branch inside the loop (H200, 1M keys: stage 3 14.4 -> 13.2 ms)."""
     chunk = first_chunk + tl.arange(0, BLOCK_C)
     base = chunk * chunk_size
     chunk_len = tl.minimum(tl.maximum(n_cand - base, 0), chunk_size)  # valid candidates per chunk
@@ -148,31 +146,13 @@ def _tournament_tile(q_left, q_right, q_pos, row_valid, first_chunk, n_cand, can
     s_left = _max_score(q_left, k, q_pos, row_valid, tok, has, DOT_PRECISION, KEYS_AS_ROWS)
     best = s_left
     half = chunk_size
-    if SPECULATE:  # the first halving's right representative; later ones are loaded a halving ahead
-        half = half // 2
-        right, r_tok, r_valid, k = _load_right(first, half, chunk_len, base, key_pos, cand_row, table_row, k_head,
-                                               raw_base, sin, cos, inv_freq_ptr, stride_cp, stride_cs, stride_rt,
-                                               head_dim, n_sink, q_left.dtype, PAGE_SIZE, BLOCK_D, CAND_IMPLICIT,
-                                               RAW_KEYS, KEY_ROTATION)
     PEELED: tl.constexpr = ROPE_STYLE == C_RELATIVE
     for _ in range(num_iters - 1 if PEELED else num_iters):
-        if SPECULATE:  # the next halving's right representative if the left / the right half wins
-            nxt = half // 2
-            a_right, a_tok, a_valid, a_k = _load_right(
-                first, nxt, chunk_len, base, key_pos, cand_row, table_row, k_head, raw_base, sin, cos, inv_freq_ptr,
-                stride_cp, stride_cs, stride_rt, head_dim, n_sink, q_left.dtype, PAGE_SIZE, BLOCK_D, CAND_IMPLICIT,
-                RAW_KEYS, KEY_ROTATION)
-            b_right, b_tok, b_valid, b_k = _load_right(
-                right, nxt, chunk_len, base, key_pos, cand_row, table_row, k_head, raw_base, sin, cos, inv_freq_ptr,
-                stride_cp, stride_cs, stride_rt, head_dim, n_sink, q_left.dtype, PAGE_SIZE, BLOCK_D, CAND_IMPLICIT,
-                RAW_KEYS, KEY_ROTATION)
-        else:
-            half = half // 2
-            right, r_tok, r_valid, k = _load_right(
-                first, half, chunk_len, base, key_pos, cand_row, table_row, k_head, raw_base, sin, cos, inv_freq_ptr,
-                stride_cp, stride_cs, stride_rt, head_dim, n_sink, q_left.dtype, PAGE_SIZE, BLOCK_D, CAND_IMPLICIT,
-                RAW_KEYS, KEY_ROTATION)
-        s_right = _max_score(q_right, k, q_pos, row_valid, r_tok, r_valid, DOT_PRECISION, KEYS_AS_ROWS)
+        half = half // 2
+        right, r_tok, r_valid, k, s_right = _score_right(
+            q_right, q_pos, row_valid, first, half, chunk_len, base, key_pos, cand_row, table_row, k_head, raw_base,
+            sin, cos, inv_freq_ptr, stride_cp, stride_cs, stride_rt, head_dim, n_sink, PAGE_SIZE, BLOCK_D,
+            CAND_IMPLICIT, RAW_KEYS, KEY_ROTATION, DOT_PRECISION, KEYS_AS_ROWS)
         wins = s_right > s_left
         first = tl.where(wins, right, first)
         best = tl.maximum(s_left, s_right)  # sigma of the winner
@@ -183,21 +163,13 @@ def _tournament_tile(q_left, q_right, q_pos, row_valid, first_chunk, n_cand, can
                               s_left)
         else:
             s_left = best
-        if SPECULATE:
-            right = tl.where(wins, b_right, a_right)
-            r_tok = tl.where(wins, b_tok, a_tok)
-            r_valid = tl.where(wins, b_valid, a_valid)
-            k = tl.where(wins[:, None], b_k, a_k)
-            half = nxt
     if PEELED:
         if num_iters > 0:
-            if not SPECULATE:
-                half = half // 2
-                right, r_tok, r_valid, k = _load_right(
-                    first, half, chunk_len, base, key_pos, cand_row, table_row, k_head, raw_base, sin, cos,
-                    inv_freq_ptr, stride_cp, stride_cs, stride_rt, head_dim, n_sink, q_left.dtype, PAGE_SIZE,
-                    BLOCK_D, CAND_IMPLICIT, RAW_KEYS, KEY_ROTATION)
-            s_right = _max_score(q_right, k, q_pos, row_valid, r_tok, r_valid, DOT_PRECISION, KEYS_AS_ROWS)
+            half = half // 2
+            right, r_tok, r_valid, k, s_right = _score_right(
+                q_right, q_pos, row_valid, first, half, chunk_len, base, key_pos, cand_row, table_row, k_head,
+                raw_base, sin, cos, inv_freq_ptr, stride_cp, stride_cs, stride_rt, head_dim, n_sink, PAGE_SIZE,
+                BLOCK_D, CAND_IMPLICIT, RAW_KEYS, KEY_ROTATION, DOT_PRECISION, KEYS_AS_ROWS)
             first = tl.where(s_right > s_left, right, first)
             best = tl.maximum(s_left, s_right)
     return best, first
@@ -240,7 +212,6 @@ def _select_rep_kernel(
     DOT_F32: tl.constexpr,  # float32 dot operands (CPU interpreter, float32 caches)
     DOT_PRECISION: tl.constexpr,
     KEYS_AS_ROWS: tl.constexpr,  # score tiles as [chunks, queries] (_max_score)
-    SPECULATE: tl.constexpr,  # load each halving's right keys one halving ahead (_tournament_tile)
 ):
     blk = tl.program_id(0)
     kv_head = tl.program_id(2)
@@ -287,7 +258,7 @@ def _select_rep_kernel(
                                        table_row, k_head, raw_base, inv_freq_ptr, stride_cp, stride_cs,
                                        stride_rt, head_dim, n_sink, chunk_size, num_iters, PAGE_SIZE,
                                        BLOCK_C, BLOCK_D, CAND_IMPLICIT, ROPE_STYLE, RAW_KEYS,
-                                       KEY_ROTATION, DOT_PRECISION, KEYS_AS_ROWS, SPECULATE)
+                                       KEY_ROTATION, DOT_PRECISION, KEYS_AS_ROWS)
         chunk = first_chunk + tl.arange(0, BLOCK_C)
         in_row = chunk < max_chunks
         tl.store(scores_ptr + out_row + chunk, best, mask=in_row)
@@ -314,8 +285,7 @@ def select_rep_scores(q, k_cache, block_tables, q_start, q_lens, ends, candidate
                       inv_freq: torch.Tensor | None = None, store_reps: bool = False,
                       head_normalized: bool = False, query_stride: int = 1,
                       raw_keys: RawKeys | None = None, block_c: int | None = None,
-                      tiles: int | None = None, num_warps: int | None = None, keys_as_rows: bool | None = None,
-                      speculate: bool = False):
+                      tiles: int | None = None, num_warps: int | None = None, keys_as_rows: bool | None = None):
     """Triton SelectRep: chunk scores float32 [NB, max_chunks] and (store_reps) representatives
     int32 [NB, Hkv, max_chunks]. candidates None = stage 1 (the middle, implicitly); then
     max_candidates must be >= every block's middle length (a fixed capacity keeps the grid
@@ -324,9 +294,8 @@ def select_rep_scores(q, k_cache, block_tables, q_start, q_lens, ends, candidate
     the max over heads (InfiniteHipConfig.chunk_score). query_stride: score with every s-th query
     of a block (InfiniteHipConfig.query_strides). raw_keys: the blocks' keys at position 0
     (raw_keys.unrotate_keys), read instead of re-rotating cached keys when a dynamic RoPE style
-    is on (ignored for "none"). block_c / tiles / num_warps / keys_as_rows / speculate: tuning
-    overrides (keys_as_rows: score tiles transposed; speculate: each halving's keys loaded a
-    halving ahead for both outcomes; the same values)."""
+    is on (ignored for "none"). block_c / tiles / num_warps / keys_as_rows: tuning overrides
+    (keys_as_rows: score tiles transposed, the same values)."""
     T, Hq, D = q.shape
     num_pages, page_size, Hkv, Dk = k_cache.shape
     NB = ends.shape[0]
@@ -395,7 +364,6 @@ def select_rep_scores(q, k_cache, block_tables, q_start, q_lens, ends, candidate
         KEY_ROTATION=0 if style == NONE or (raw is not None and style == RELATIVE) else 2 if raw is not None else 1,
         DOT_F32=not q.is_cuda or q.dtype == torch.float32,
         DOT_PRECISION=dot_precision(q.dtype if q.is_cuda else torch.float32), KEYS_AS_ROWS=keys_as_rows,
-        SPECULATE=speculate,
         # H200, 1M keys: 256-row query tiles (stride 1) 8 warps (stage 1 112 vs 163 ms, stage 3
         # 14 vs 27 ms); 64-row tiles (stride 4) and decode 4 (stage 1 24 vs 35 ms)
         num_warps=num_warps or (8 if BLOCK_Q >= 256 else 4),
