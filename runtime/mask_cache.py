@@ -121,7 +121,7 @@ class MaskCache:
     slot (MaskSlots.scratch). With ``bank`` = (Hkv, D, dtype): the rotated key bank of the last
     stage's survivors, [bank_slots + 1, k_last, Hkv, D] (plugins/infinitehip/key_bank.py): one
     row per mask slot below ``bank_slots`` (default: every slot), the last row a scratch that
-    the other slots write to and that no step reads for them (:meth:`bank_rows`)."""
+    the other slots point at and that no step writes or reads (:meth:`bank_rows`)."""
 
     def __init__(self, stages: tuple[PruningStage, ...], max_slots: int, device: torch.device,
                  bank: tuple[int, int, torch.dtype] | None = None, bank_slots: int | None = None):
@@ -135,9 +135,14 @@ class MaskCache:
             self.bank = torch.empty((self.bank_slots + 1, stages[-1].k, num_kv_heads, head_dim), dtype=dtype,
                                     device=device)
 
+    @property
+    def scratch_bank_row(self) -> int:
+        """The bank row of every mask slot without one of its own (written and read by none)."""
+        return self.bank_slots
+
     def bank_rows(self, slots: torch.Tensor) -> torch.Tensor:
         """Bank row of each mask slot: its own below bank_slots, else the scratch row."""
-        return slots.clamp(max=self.bank_slots)
+        return slots.clamp(max=self.scratch_bank_row)
 
     @staticmethod
     def bank_bytes(final_k: int, bank_slots: int, num_kv_heads: int, head_dim: int, itemsize: int) -> int:

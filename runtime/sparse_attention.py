@@ -261,7 +261,8 @@ class InfiniteHipLayer:
                 # the new selection's keys, rotated to their ranks once (read by the cached
                 # steps); written with or without dynamic RoPE so the bank is valid when it turns on
                 write_key_bank(k_cache, block_tables[rows], ends[r], sel, cache.bank, cache.bank_rows(slots),
-                               n_sink=self.cfg.n_sink, inv_freq=self.inv_freq, rope_group=stage.chunk_size)
+                               n_sink=self.cfg.n_sink, inv_freq=self.inv_freq, rope_group=stage.chunk_size,
+                               skip_row=cache.scratch_bank_row)
         rows = step.decode_rows
         selected = cache.selected[-1][step.decode_slots]
         bank = cache.bank is not None and step.dynamic_rope and step.bank_ok  # else rotate: same tokens

@@ -49,6 +49,25 @@ def test_writer_matches_reference(selection):
     assert rel_err(bank[written], ref[written]) < 1e-6
 
 
+def test_writer_skips_rows_pointed_at_the_scratch_row():
+    """skip_row (the runtime's scratch row of requests without a bank row): those rows write
+    nothing, the others exactly what they write without it."""
+    seqs = PagedSeqs([150, 211, 97], 2, D, 4, seed=12)
+    ends = seqs.context_lens
+    sel = random_selection(seqs.generator, ends, N_SINK, N_STREAM, k=30)
+    rows = torch.tensor([0, 2, 2], dtype=torch.int32, device=DEVICE)  # rows 1 and 2 share scratch row 2
+    bank = make_bank(seqs, 3, sel.shape[1], torch.float32)
+    ref = bank.clone()
+    write_key_bank(seqs.k_cache, seqs.block_tables, ends, sel, bank, rows, n_sink=N_SINK, inv_freq=inv_freq(D),
+                   skip_row=2)
+    write_key_bank_ref(seqs.k_cache, seqs.block_tables, ends[:1], sel[:1], ref, rows[:1], n_sink=N_SINK,
+                       inv_freq=inv_freq(D))
+    assert bank[2].isnan().all() and bank[1].isnan().all(), "nothing written to the scratch (or unused) row"
+    written = ~ref.isnan()
+    assert written[0].any() and torch.equal(bank.isnan(), ref.isnan())
+    assert rel_err(bank[written], ref[written]) < 1e-6
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("num_splits", [1, 3])
 @pytest.mark.parametrize("selection", ["runs", "scattered"])

@@ -46,19 +46,21 @@ def _write_bank_kernel(
     inv_freq_ptr,  # [D/2] float32
     stride_cp, stride_cs, stride_ch, stride_bt, stride_sel, sel_width,
     stride_bank_slot, stride_bank_entry, stride_bank_head,
-    head_dim, n_sink,
+    head_dim, n_sink, skip_row,
     PAGE_SIZE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, SEL_BLOCK: tl.constexpr,
     ROPE_GROUP: tl.constexpr,
 ):
     row = tl.program_id(0)
     head = tl.program_id(2)
+    slot = tl.load(bank_rows_ptr + row).to(tl.int64)
     end = tl.load(ends_ptr + row)
     n0 = tl.minimum(n_sink, end)
     sel_base = sel_ptr + row.to(tl.int64) * stride_sel
     sel_begin, _ = selected_bounds(sel_base, sel_width, n_sink, end, SEL_BLOCK)
     idx = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
     tok = tl.load(sel_base + idx, mask=idx < sel_width, other=2147483647)
-    valid = (idx < sel_width) & (tok >= n_sink) & (tok < end)  # the middle's entries
+    in_bank = (slot + idx * 0) != skip_row  # [BLOCK_T]: a scratch row writes (and loads) nothing
+    valid = (idx < sel_width) & (tok >= n_sink) & (tok < end) & in_bank  # the middle's entries
     tok = tl.where(valid, tok, 0)
     rank = n0 + idx - sel_begin
     page = tl.load(block_tables_ptr + row.to(tl.int64) * stride_bt + tok // PAGE_SIZE, mask=valid, other=0)
@@ -67,7 +69,6 @@ def _write_bank_kernel(
     sin, cos = run_sin_cos(rank - tok, inv_freq_ptr, head_dim, BLOCK_T, BLOCK_D, ROPE_GROUP)
     k = rotate_halves(k1, k2, sin, cos)
     d = tl.arange(0, BLOCK_D)
-    slot = tl.load(bank_rows_ptr + row).to(tl.int64)
     dst = bank_ptr + slot * stride_bank_slot + idx.to(tl.int64)[:, None] * stride_bank_entry \
         + head * stride_bank_head + d[None, :]
     tl.store(dst, k.to(bank_ptr.dtype.element_ty), mask=valid[:, None] & (d < head_dim)[None, :])
@@ -75,11 +76,13 @@ def _write_bank_kernel(
 
 def write_key_bank(k_cache: torch.Tensor, block_tables: torch.Tensor, ends: torch.Tensor,
                    selected: torch.Tensor, bank: torch.Tensor, bank_rows: torch.Tensor, *,
-                   n_sink: int, inv_freq: torch.Tensor, rope_group: int = 1) -> None:
+                   n_sink: int, inv_freq: torch.Tensor, rope_group: int = 1, skip_row: int | None = None) -> None:
     """Rotate the middle entries of each selected row b (int32 [B, K], ascending, PAD-padded; the
     context was ends[b] tokens long) to their StreamingLLM rank into bank[bank_rows[b], i]
     (bank [slots, >= K, Hkv, D], the cache's dtype). rope_group: the selection's run length
-    (the last stage's chunk size), as in block_sparse_attention."""
+    (the last stage's chunk size), as in block_sparse_attention. skip_row: rows b with
+    bank_rows[b] == skip_row write (and read) nothing: requests without a bank row of their own,
+    pointed at a scratch row that no step reads (runtime/mask_cache.py)."""
     num_pages, page_size, Hkv, D = k_cache.shape
     B, K = selected.shape
     assert selected.dtype == torch.int32 and selected.stride(1) == 1
@@ -94,23 +97,26 @@ def write_key_bank(k_cache: torch.Tensor, block_tables: torch.Tensor, ends: torc
     if B == 0 or K == 0:
         return
     if not triton_on(k_cache, selected):  # CPU without the interpreter
-        write_key_bank_ref(k_cache, block_tables, ends, selected, bank, bank_rows, n_sink=n_sink, inv_freq=inv_freq)
+        write_key_bank_ref(k_cache, block_tables, ends, selected, bank, bank_rows, n_sink=n_sink, inv_freq=inv_freq,
+                           skip_row=skip_row)
         return
     BLOCK_T = 64
     _write_bank_kernel[(B, triton.cdiv(K, BLOCK_T), Hkv)](
         k_cache, block_tables, ends, selected, bank, bank_rows, inv_freq,
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0), selected.stride(0), K,
-        bank.stride(0), bank.stride(1), bank.stride(2), D, n_sink,
+        bank.stride(0), bank.stride(1), bank.stride(2), D, n_sink, -1 if skip_row is None else skip_row,
         PAGE_SIZE=page_size, BLOCK_T=BLOCK_T, BLOCK_D=D, SEL_BLOCK=min(1024, next_pow2(K)),
         ROPE_GROUP=min(rope_group, BLOCK_T), num_warps=4)
 
 
 def write_key_bank_ref(k_cache, block_tables, ends, selected, bank, bank_rows, *, n_sink: int,
-                       inv_freq: torch.Tensor) -> None:
-    """Reference of write_key_bank: per row, the middle entries i of the selection, rotated by
-    rank(i) - tok_i in float64, stored in the bank's dtype."""
+                       inv_freq: torch.Tensor, skip_row: int | None = None) -> None:
+    """Reference of write_key_bank: per row (but those pointed at skip_row), the middle entries i
+    of the selection, rotated by rank(i) - tok_i in float64, stored in the bank's dtype."""
     page = k_cache.shape[1]
     for b in range(selected.shape[0]):
+        if skip_row is not None and int(bank_rows[b]) == skip_row:
+            continue
         end, row = int(ends[b]), selected[b].long()
         in_middle = (row >= n_sink) & (row < end)
         idx = in_middle.nonzero()[:, 0]
