@@ -45,6 +45,11 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--preset", default="dense", choices=PRESETS,
                    help="execution preset: dense (default) or InfiniteHiP 3k | 3k-fast | 3k-flash | 5k "
                         "on the full-attention layers (knobs in config.json, plan.infinitehip)")
+    p.add_argument("--infinitehip", default=None, metavar="KEY=VALUE[,KEY=VALUE]",
+                   help="change knobs of the InfiniteHiP preset, e.g. special_layers=[0,1,2,3,4,5,6,7,8] "
+                        "(those layers keep special_final_k in the last stage) or "
+                        "stages=[[64,64,32768],[64,32,16384],[64,16,4096]]; every knob is listed under "
+                        "plan.infinitehip in an engine's config.json")
     p.add_argument("--token-drop", nargs="?", const="", default=None, metavar="SPEC",
                    help="UniPrefill token dropping in prefill at the full-attention layers: bare for "
                         "the defaults (p=0.99,n=128,G=64,A=128,min_len=8192), or key=value,... "
@@ -71,15 +76,18 @@ def main(argv: list[str] | None = None) -> int:
     args = make_parser().parse_args(argv)
     from infhip.builder.build import build_engine
     from infhip.builder.errors import BuildError
+    from infhip.builder.presets import parse_knobs
     from infhip.builder.token_drop_spec import parse_token_drop
 
-    token_drop = None
-    if args.token_drop is not None:
-        try:
+    token_drop, infinitehip = None, None
+    try:
+        if args.token_drop is not None:
             token_drop = parse_token_drop(args.token_drop)
-        except ValueError as e:
-            print(f"infhip-build: error: {e}", file=sys.stderr)
-            return 1
+        if args.infinitehip is not None:
+            infinitehip = parse_knobs(args.infinitehip)
+    except ValueError as e:
+        print(f"infhip-build: error: {e}", file=sys.stderr)
+        return 1
 
     try:
         out = build_engine(
@@ -87,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
             max_seq_len=args.max_seq_len, max_batch_size=args.max_batch_size, page_size=args.page_size,
             max_num_batched_tokens=args.max_num_batched_tokens, device=args.device,
             random_weights=args.random_weights, seed=args.seed, force=args.force, progress=not args.quiet,
-            token_drop=token_drop)
+            token_drop=token_drop, infinitehip_overrides=infinitehip)
     except BuildError as e:
         print(f"infhip-build: error: {e}", file=sys.stderr)
         return 1

@@ -24,6 +24,7 @@ the runtime may change the safe ones (:data:`RUNTIME_KNOBS`) per ``LLM(...)``.
 from __future__ import annotations
 
 import dataclasses
+import json
 from typing import Any
 
 from infhip.config import InfiniteHipConfig, ModelConfig, Plan, PruningStage
@@ -67,6 +68,28 @@ RUNTIME_KNOBS = ("refresh_intervals", "dense_threshold", "rope_off_in_trained_wi
                  "chunk_score", "query_strides", "key_bank", "key_bank_slots", "solo_last_query")
 
 
+def parse_knobs(spec: str) -> dict[str, Any]:
+    """'a=1,b=x,c=[32,16,8]' -> {'a': 1, 'b': 'x', 'c': [32, 16, 8]}: InfiniteHiP knobs as given on
+    a command line (values as JSON where they parse, else strings; commas inside brackets do not
+    split). ValueError names the part that is not KEY=VALUE."""
+    out, depth, start, parts = {}, 0, 0, []
+    for i, ch in enumerate(spec + ","):
+        depth += ch == "["
+        depth -= ch == "]"
+        if ch == "," and depth == 0:
+            parts.append(spec[start:i])
+            start = i + 1
+    for part in filter(None, (x.strip() for x in parts)):
+        key, sep, value = part.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"InfiniteHiP knobs are KEY=VALUE pairs separated by commas, got {part!r}")
+        try:
+            out[key.strip()] = json.loads(value)
+        except json.JSONDecodeError:
+            out[key.strip()] = value.strip()
+    return out
+
+
 def infinitehip_config(preset: str, overrides: dict[str, Any] | None = None,
                        trained_window: int | None = None) -> InfiniteHipConfig:
     """The knobs of an InfiniteHiP preset, with ``overrides`` applied (validated).
@@ -104,6 +127,10 @@ def make_plan(model: ModelConfig, preset: str = "dense", overrides: dict[str, An
             raise ValueError("the dense preset takes no InfiniteHiP overrides")
         return dense
     cfg = infinitehip_config(preset, overrides, trained_window=model.max_position_embeddings)
+    past = [i for i in cfg.special_layers if i >= model.num_layers]
+    if past:
+        raise ValueError(f"special_layers {past} are past the model's {model.num_layers} layers "
+                         f"(0-based indices, 0..{model.num_layers - 1})")
     layers = tuple(dataclasses.replace(layer, plugin="infinitehip") if layer.window is None else layer
                    for layer in dense.layers)
     if not any(layer.plugin == "infinitehip" for layer in layers):
@@ -125,4 +152,4 @@ def apply_runtime_overrides(plan: Plan, overrides: dict[str, Any] | None) -> Pla
     return dataclasses.replace(plan, infinitehip=plan.infinitehip.replace(**overrides))
 
 
-__all__ = ["PRESETS", "RUNTIME_KNOBS", "apply_runtime_overrides", "infinitehip_config", "make_plan"]
+__all__ = ["PRESETS", "RUNTIME_KNOBS", "apply_runtime_overrides", "infinitehip_config", "make_plan", "parse_knobs"]

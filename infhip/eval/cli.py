@@ -121,27 +121,14 @@ def parse_token_drop_arg(spec: str | None) -> bool | dict | None:
 
 
 def parse_overrides(spec: str | None) -> dict | None:
-    """'a=1,b=x,c=[32,16,8]' -> {'a': 1, 'b': 'x', 'c': [32, 16, 8]} (values as JSON where they parse)."""
+    """'a=1,b=x,c=[32,16,8]' -> {'a': 1, 'b': 'x', 'c': [32, 16, 8]} (builder/presets.parse_knobs)."""
     if not spec:
         return None
-    import json
-    out, depth, start = {}, 0, 0
-    parts = []
-    for i, ch in enumerate(spec + ","):  # split on commas outside brackets
-        depth += ch == "["
-        depth -= ch == "]"
-        if ch == "," and depth == 0:
-            parts.append(spec[start:i])
-            start = i + 1
-    for part in filter(None, (x.strip() for x in parts)):
-        key, sep, value = part.partition("=")
-        if not sep or not key.strip():
-            raise EvalError(f"--infinitehip takes KEY=VALUE pairs, got {part!r}")
-        try:
-            out[key.strip()] = json.loads(value)
-        except json.JSONDecodeError:
-            out[key.strip()] = value.strip()
-    return out
+    from infhip.builder.presets import parse_knobs
+    try:
+        return parse_knobs(spec)
+    except ValueError as e:
+        raise EvalError(f"--infinitehip: {e}") from None
 
 
 def _log(msg: str) -> None:
