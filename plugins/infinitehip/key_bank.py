@@ -81,7 +81,7 @@ def write_key_bank(k_cache: torch.Tensor, block_tables: torch.Tensor, ends: torc
     context was ends[b] tokens long) to their StreamingLLM rank into bank[bank_rows[b], i]
     (bank [slots, >= K, Hkv, D], the cache's dtype). rope_group: the selection's run length
     (the last stage's chunk size), as in block_sparse_attention. skip_row: rows b with
-    bank_rows[b] == skip_row write (and read) nothing: requests without a bank row of their own,
+    bank_rows[b] == skip_row load and write nothing: requests without a bank row of their own,
     pointed at a scratch row that no step reads (runtime/mask_cache.py)."""
     num_pages, page_size, Hkv, D = k_cache.shape
     B, K = selected.shape
