@@ -208,11 +208,13 @@ def cycle_stats(step_us: dict, intervals: tuple[int, ...]) -> dict:
 
 
 # defaults first (tiles, block_c swept 2026-11-30: within 10%); keys_as_rows: transposed score tiles
-PRUNE_VARIANTS = [dict(), dict(num_warps=8), dict(keys_as_rows=True), dict(keys_as_rows=True, num_warps=8)]
+# num_warps 16: half the registers per thread for the 256-row tiles (ncu, 2026-12-01: 255 + spills)
+PRUNE_VARIANTS = [dict(), dict(num_warps=8), dict(keys_as_rows=True), dict(num_warps=16)]
 # prefetch: each key tile's tokens and page entries loaded one tile ahead (the prefill default);
 # num_stages: Triton's software pipelining depth (prefill default: 2 with STREAMING, else 3)
 ATTN_VARIANTS = [dict(), dict(prefetch=False, num_stages=3), dict(prefetch=True, num_stages=2),
-                 dict(prefetch=True, num_stages=3), dict(block_n=64)]
+                 dict(prefetch=True, num_stages=3), dict(block_n=64), dict(num_warps=16),
+                 dict(num_warps=16, block_n=64), dict(num_warps=16, num_stages=3)]
 DECODE_STAGE1_VARIANTS = [dict(), dict(block_c=16), dict(block_c=32), dict(num_warps=8), dict(keys_as_rows=True)]  # default: 64 (dynamic RoPE), else 32
 DECODE_LATER_STAGE_VARIANTS = [dict(), dict(block_c=16), dict(block_c=64), dict(num_warps=2), dict(keys_as_rows=True)]  # default: 32
 # decode attention split counts / key tiles (default: ~2 waves of SMs, 64-key tiles)
