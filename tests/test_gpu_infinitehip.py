@@ -96,13 +96,14 @@ def test_sparse_decode_at_llama8b_shapes(rope_style):
     assert rel_err(out, ref) < 2e-2
 
 
-def test_sparse_prefill_at_llama8b_shapes():
+@pytest.mark.parametrize("rope_style", ["streaming", "none"])  # the launches differ (warps, pipeline depth)
+def test_sparse_prefill_at_llama8b_shapes(rope_style):
     seqs = PagedSeqs(CONTEXTS, HKV, D, PAGE, seed=5, dtype=torch.bfloat16)
     q_lens = [300, 77]
     q = torch.randn(sum(q_lens), HQ, D, generator=seqs.generator).to(torch.bfloat16).to(DEVICE)
     q_start, lens, ends, tables = seqs.blocks(q_lens, 64)
     sel = random_selection(seqs.generator, ends, N_SINK, N_STREAM, k=1024)
-    opts = dict(n_sink=N_SINK, n_stream=N_STREAM, scale=D ** -0.5, rope_style="streaming", inv_freq=inv_freq(D))
+    opts = dict(n_sink=N_SINK, n_stream=N_STREAM, scale=D ** -0.5, rope_style=rope_style, inv_freq=inv_freq(D))
     out = torch.full_like(q, float("nan"))
     sparse_prefill_attention(q, seqs.k_cache, seqs.v_cache, tables, q_start, lens, ends, sel, block_q=64,
                              out=out, **opts)
