@@ -30,7 +30,8 @@ global memory and a max over heads (a torch reduction) follows. No program waits
 RoPE styles (rope_styles.py) rotate the query tile once and each loaded key. RELATIVE puts
 every key at position 0 (un-rotated) and the branch offset on the query: a second query tile one
 position closer scores right representatives, and the winner's sigma at the left position comes
-from the key just loaded (one load and one rotation per halving, two dots). CHUNK_INDEXED numbers
+from the key just loaded (one load and one rotation per halving, two dots; the last halving
+needs no left score: one). CHUNK_INDEXED numbers
 chunks within the block's own candidate list. With RawKeys (raw_keys.py: keys un-rotated once per
 prefill step) no key is rotated per load; CHUNK_INDEXED then rotates by a sin/cos computed once
 per tile.
