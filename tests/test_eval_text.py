@@ -111,6 +111,25 @@ def test_parsing_and_results_roundtrip(tmp_path):
         Record("ppl", "e", 64, float("nan"))
 
 
+def test_per_layer_recall_summary(tmp_path):
+    """Recall records average per (engine, length, layer) over heads and samples; the markdown
+    names each (engine, length)'s lowest layers, lowest first, and the JSON keeps the table."""
+    recs = [Record("recall", e, 8192, score, metric="recall", sample=s, layer=layer, head=h)
+            for e, shift in (("a", 0.0), ("b", 0.01))
+            for layer in range(7) for s in range(2) for h in range(3)
+            for score in [min(1.0, 0.90 + 0.01 * layer + 0.002 * h + shift)]]
+    r = EvalResult("recall", {"lengths": [8192]}, recs)
+    rows = r.per_layer()
+    assert [(x["engine"], x["layer"]) for x in rows] == [(e, layer) for e in "ab" for layer in range(7)]
+    assert rows[3]["score"] == pytest.approx(0.932) and rows[3]["n"] == 6
+    text = r.markdown()
+    assert "| a | 8192 | 0: 0.902, 1: 0.912, 2: 0.922, 3: 0.932, 4: 0.942 |" in text
+    assert "| b | 8192 | 0: 0.912," in text and "5:" not in text.split("| a | 8192 |")[1].split("\n")[0]
+    assert EvalResult.load(r.save(tmp_path / "r.json")).per_layer() == rows
+    assert "per_layer" in r.to_dict() and "per_layer" not in EvalResult("ppl", {}, [
+        Record("ppl", "e", 64, 4.0, metric="ppl")]).to_dict()
+
+
 @pytest.mark.parametrize("module", ["text", "results", "common", "niah", "agree", "prompts", "forcing",
                                     "passkey", "ppl", "recall", "plot", "stage", "cli"])
 def test_doctests(module):

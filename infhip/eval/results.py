@@ -26,6 +26,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+LOWEST_LAYERS = 5  # layers named per (engine, length) under a per-layer result's table
+
 
 @dataclass
 class Record:
@@ -76,8 +78,20 @@ class EvalResult:
             rows.append(row)
         return rows
 
+    def per_layer(self) -> list[dict[str, Any]]:
+        """Mean score per (engine, length, layer) over heads and samples, for the records that
+        have a layer (recall); ascending layer within each (engine, length)."""
+        groups: dict[tuple[str, int, int], list[float]] = {}
+        for r in self.records:
+            if r.layer is not None:
+                groups.setdefault((r.engine, r.length, r.layer), []).append(r.score)
+        order = list(dict.fromkeys((e, n) for e, n, _ in groups))  # (engine, length) first seen
+        return [{"engine": e, "length": n, "layer": layer, "score": sum(v) / len(v), "n": len(v)}
+                for (e, n, layer), v in sorted(groups.items(), key=lambda kv: (order.index(kv[0][:2]), kv[0][2]))]
+
     def markdown(self) -> str:
-        """One row per (engine, metric), one column per length."""
+        """One row per (engine, metric), one column per length; with per-layer records (recall)
+        a second table names each (engine, length)'s lowest layers."""
         rows = self.summary()
         lengths = sorted({r["length"] for r in rows})
         table: dict[tuple[str, str], dict[int, str]] = {}
@@ -88,11 +102,21 @@ class EvalResult:
                  "|---|---|" + "---|" * len(lengths)]
         for (engine, metric), cells in table.items():
             lines.append(f"| {engine} | {metric} | " + " | ".join(cells.get(n, "") for n in lengths) + " |")
+        layers = self.per_layer()
+        if layers:
+            lines += ["", "| engine | length | lowest layers (0-based: mean over heads and samples) |", "|---|---|---|"]
+            for engine, length in dict.fromkeys((r["engine"], r["length"]) for r in layers):
+                worst = sorted((r for r in layers if (r["engine"], r["length"]) == (engine, length)),
+                               key=lambda r: r["score"])[:LOWEST_LAYERS]
+                lines.append(f"| {engine} | {length} | " + ", ".join(f"{r['layer']}: {r['score']:.3f}" for r in worst)
+                             + " |")
         return "\n".join(lines)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"task": self.task, "settings": self.settings, "meta": self.meta,
-                "summary": self.summary(), "records": [dataclasses.asdict(r) for r in self.records]}
+        d = {"task": self.task, "settings": self.settings, "meta": self.meta, "summary": self.summary()}
+        if any(r.layer is not None for r in self.records):
+            d["per_layer"] = self.per_layer()
+        return {**d, "records": [dataclasses.asdict(r) for r in self.records]}
 
     def save(self, path: str | Path) -> Path:
         path = Path(path)
