@@ -492,6 +492,8 @@ def test_bad_names_and_flags_give_one_line_errors(tiny, tmp_path, capsys, monkey
         (["--checkpoint", src, "--max-batch-size", "0"], ["positive integer"]),
         (["--checkpoint", src, "--dtype", "int8"], ["invalid choice"]),
         (["--checkpoint", src, "--max-num-batched-tokens", "2", "--max-batch-size", "4"], ["max_num_batched_tokens"]),
+        # a KV dtype other than the weights' built fine and crashed at the first attention call
+        (["--checkpoint", src, "--dtype", "bfloat16", "--kv-dtype", "float32"], ["kv_dtype", "omit --kv-dtype"]),
     ]
     for argv, needles in cases:
         rc, err = run_cli(capsys, *argv, "--output", out, "--device", "cpu")

@@ -166,3 +166,16 @@ def test_cli_infinitehip_knobs(hf, tmp_path, capsys):
     rc = build_cli.main(["--checkpoint", str(hf / "llama"), "--output", str(tmp_path / "d"), "--device", "cpu",
                          "--quiet", "--infinitehip", "n_sink=4"])
     assert rc == 1 and "dense preset" in capsys.readouterr().err
+
+
+def test_engine_with_another_kv_dtype_is_refused_at_load(hf, tmp_path):
+    """An engine whose KV dtype differs from its weights' (writable before the builder refused
+    it) fails to load with the reason, instead of at the first attention call."""
+    from infhip.config import EngineFormatError
+    out = tmp_path / "kv"
+    assert build_cli.main(["--checkpoint", str(hf / "llama"), "--output", str(out), "--device", "cpu", "--quiet"]) == 0
+    d = json.loads((out / "config.json").read_text())
+    d["build"]["kv_dtype"] = "float32" if d["build"]["dtype"] != "float32" else "bfloat16"
+    (out / "config.json").write_text(json.dumps(d))
+    with pytest.raises(EngineFormatError, match="differs from dtype"):
+        EngineConfig.load(out)
