@@ -9,7 +9,9 @@
 
 Every step the scheduler picks decodes and prefill chunks (requests join and leave per step),
 the runner computes logits for the sequences that need a token, the sampler picks tokens, and
-the detokenizer applies stop strings.
+the detokenizer applies stop strings. `LLM` is not thread-safe: `infhip-serve`
+(runtime/server.py) drives the same cycle (`_add`, `step`, `_delta`, `_abort`) from its one
+engine thread for all concurrent HTTP requests.
 """
 
 from __future__ import annotations
@@ -223,13 +225,21 @@ class LLM:
         try:
             while not req.seq.is_finished:
                 if req in self.step() or req.seq.is_finished:
-                    new_tokens = req.seq.output_token_ids[req.emitted_tokens:]
-                    req.emitted_tokens = len(req.seq.output_token_ids)
-                    text = req.detok.delta(final=req.seq.is_finished)
-                    if new_tokens or text or req.seq.is_finished:
-                        yield StreamDelta(new_tokens, text, req.seq.finish_reason)
+                    delta = self._delta(req)
+                    if delta is not None:
+                        yield delta
         finally:  # also when the caller stops iterating early: free the request's pages
             self._abort(req)
+
+    def _delta(self, req: _Request) -> StreamDelta | None:
+        """What req produced since its last delta (None if nothing yet; the last one carries the
+        finish reason)."""
+        new_tokens = req.seq.output_token_ids[req.emitted_tokens:]
+        req.emitted_tokens = len(req.seq.output_token_ids)
+        text = req.detok.delta(final=req.seq.is_finished)
+        if new_tokens or text or req.seq.is_finished:
+            return StreamDelta(new_tokens, text, req.seq.finish_reason)
+        return None
 
     def _abort(self, req: _Request) -> None:
         """Finish a request (if still running) and forget it; its KV pages are freed."""
