@@ -9,18 +9,14 @@ import shutil
 import pytest
 
 from infhip import LLM, SamplingParams
-from infhip.builder.build import build_engine
 from infhip.config import EngineFormatError
 from infhip.runtime import cli as run_cli
-from tests._tiny import write_tiny_hf_checkpoint
+from tests._tiny import build_tiny_api_engine
 
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
-    root = tmp_path_factory.mktemp("api")
-    write_tiny_hf_checkpoint(root / "hf", "llama", tokenizer=True)
-    return build_engine(checkpoint=root / "hf", output_dir=root / "engine", dtype="float32", device="cpu",
-                        max_seq_len=128, max_batch_size=4, progress=False)
+    return build_tiny_api_engine(tmp_path_factory.mktemp("api"))
 
 
 @pytest.fixture(scope="module")

@@ -12,17 +12,13 @@ import threading
 import pytest
 
 from infhip import LLM, SamplingParams
-from infhip.builder.build import build_engine
 from infhip.runtime.server import make_server, parse_completion_request
-from tests._tiny import write_tiny_hf_checkpoint
+from tests._tiny import build_tiny_api_engine
 
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
-    root = tmp_path_factory.mktemp("serve")
-    write_tiny_hf_checkpoint(root / "hf", "llama", tokenizer=True)
-    return build_engine(checkpoint=root / "hf", output_dir=root / "engine", dtype="float32", device="cpu",
-                        max_seq_len=128, max_batch_size=4, progress=False)
+    return build_tiny_api_engine(tmp_path_factory.mktemp("serve"))
 
 
 @pytest.fixture(scope="module")
