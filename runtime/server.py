@@ -190,6 +190,8 @@ def make_server(llm, host: str = "127.0.0.1", port: int = 8000, model_name: str 
                 return
             try:
                 length = int(self.headers.get("Content-Length", 0))
+                if length < 0:
+                    raise BadRequest(f"Content-Length must be >= 0, got {length}")
                 text, token_ids, params, stream = parse_completion_request(self.rfile.read(length))
             except (BadRequest, ValueError) as e:
                 self._error(400, str(e))

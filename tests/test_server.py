@@ -142,6 +142,13 @@ def test_bad_requests_get_400_with_the_reason(server, body, needle):
     assert needle in json.loads(data)["error"]["message"]
 
 
+def test_bad_content_length_gets_400(server):
+    for header in (b"-5", b"abc"):
+        with socket.create_connection(server.server_address[:2], timeout=30) as sock:
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: " + header + b"\r\n\r\n")
+            assert sock.recv(4096).startswith(b"HTTP/1.1 400"), header
+
+
 def test_health_models_and_unknown_paths(server):
     conn = http.client.HTTPConnection(*server.server_address[:2], timeout=10)
     for path, status in (("/health", 200), ("/v1/models", 200), ("/nope", 404)):
