@@ -8,7 +8,8 @@ captured size >= B; rows B.. are padding: slot -1 (the cache write skips it), co
 InfiniteHiP decode steps (engines with sparse layers, contexts past ``dense_threshold``) replay
 one graph per (batch size, SparseStepHost.graph_key): which pruning stages each layer group
 recomputes this step, the stage-1 candidate capacity, whether dynamic RoPE is on and whether
-every row owns a key-bank row (``key_bank_slots``: padding rows read the bank's scratch). The key
+every row owns a key-bank row (``key_bank_slots``; padding rows point at the bank's scratch row,
+which nothing writes or reads). The key
 is chosen on the host per step; its graph is captured the first time it is needed (a cycle of
 ``n_refresh(0)`` steps has at most that many patterns; the capacity changes when the context
 doubles) into the same pool, and writes its logits into one shared buffer.

@@ -102,7 +102,7 @@ class EngineLoop:
             if not self._live or self._stop.is_set():
                 continue
             try:
-                self.llm.step()
+                touched = {id(r) for r in self.llm.step()}
             except Exception as e:  # noqa: BLE001 - every live request learns why and is freed
                 for req, outbox in self._live.values():
                     self.llm._abort(req)
@@ -110,6 +110,8 @@ class EngineLoop:
                 self._live.clear()
                 continue
             for key, (req, outbox) in list(self._live.items()):
+                if id(req) not in touched and not req.seq.is_finished:
+                    continue  # nothing new (e.g. still prefilling): no detokenizer work
                 delta = self.llm._delta(req)
                 if delta is not None:
                     outbox.put(delta)
