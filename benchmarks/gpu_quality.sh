@@ -6,6 +6,7 @@
 #   bash benchmarks/gpu_quality.sh gemma    Gemma-3-270M bf16: dense baselines, 1K-32K
 #   bash benchmarks/gpu_quality.sh smol-chunk-score   SmolLM2 3k: chunk_score max vs head_normalized
 #   bash benchmarks/gpu_quality.sh smol-query-stride  SmolLM2 3k: prefill query strides 1,1,1 vs 4,4,1 vs 4,4,4
+#   bash benchmarks/gpu_quality.sh smol-stage3-stride SmolLM2 3k: NIAH 8K-32K with query strides 4,4,1 vs 4,4,4
 #   bash benchmarks/gpu_quality.sh smol-solo-last     SmolLM2 3k: solo_last_query off vs on
 #   bash benchmarks/gpu_quality.sh smol-layer-bisect  SmolLM2 3k, 8K passkey: pruning in all / lower / upper layers
 set -eo pipefail
@@ -55,6 +56,16 @@ smol-query-stride)  # prefill query strides: the paper's formula (1,1,1) vs its 
     infhip-eval ppl $E --lengths 16k,32k --chunk 256 --samples 2 --json $OUT/ppl_smol_3k_s$tag.json
   done
   ;;
+smol-stage3-stride)  # the last stage scored by every query (4,4,1, the presets) or every 4th (4,4,4): NIAH only
+  S=engines/smol-3k-bf16
+  join smol-3k-bf16
+  for strides in 4,4,1 4,4,4; do
+    tag=${strides//,/}
+    infhip-eval niah --engine $S --device cuda --kv-cache-gib 16 --infinitehip query_strides=[$strides] \
+        --lengths 8k,16k,32k --variants single,multikey --depths 0.1,0.3,0.5,0.7,0.9 --samples 3 \
+        --json $OUT/niah_smol_3k_s$tag.json --markdown $OUT/niah_smol_3k_s$tag.md
+  done
+  ;;
 smol-solo-last)  # the sampled prefill query scores its own mask (solo_last_query) vs the block's
   S=engines/smol-3k-bf16
   join smol-3k-bf16
@@ -84,5 +95,5 @@ gemma)
   infhip-eval niah $E --lengths 4k,16k,32k --variants single,multikey --depths 0.5 --samples 3 \
       --json $OUT/niah_gemma_gpu.json
   ;;
-*) echo "usage: bash benchmarks/gpu_quality.sh smol|gemma|smol-chunk-score|smol-query-stride|smol-solo-last|smol-layer-bisect" >&2; exit 2 ;;
+*) echo "usage: bash benchmarks/gpu_quality.sh smol|gemma|smol-chunk-score|smol-query-stride|smol-stage3-stride|smol-solo-last|smol-layer-bisect" >&2; exit 2 ;;
 esac
