@@ -24,6 +24,11 @@ padded batch slots) give zeros and read no cache.
 
 Prefill (packed variable-length queries, each sequence's last q_len tokens) loops
 over sequences in Python and calls torch SDPA per sequence.
+
+FP8 caches (plugins/kv_quant.py): every entry point takes k_scale / v_scale, the float32
+[num_pages, page_size, Hkv] scales of float8_e4m3fn caches (None: the cache is in the queries'
+dtype). The decode kernel dequantizes each loaded K / V tile (one scale per key row) and casts
+it to q's dtype for the dots; the torch paths gather and dequantize to q's dtype.
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ import triton.language as tl
 from torch.nn.attention.bias import causal_lower_right
 
 from ._triton_utils import device_num_sms, dot_precision, next_pow2, use_triton
+from .kv_quant import check_kv_scales, dequantize_tile, read_pages
 
 _LOG2E = 1.4426950408889634
 _PREFILL_MAX_Q_SLICE = 4096  # query rows per SDPA call when an explicit window mask is built
@@ -57,6 +63,7 @@ def _decode_split_kernel(
     # inputs
     q_ptr,  # [B, Hq, D]
     k_cache_ptr, v_cache_ptr,  # [num_pages, page_size, Hkv, D] (same strides)
+    k_scale_ptr, v_scale_ptr,  # [num_pages, page_size, Hkv] float32 when KV_SCALED (else dummies)
     block_tables_ptr,  # [B, max_pages] int32
     context_lens_ptr,  # [B] int32
     # outputs
@@ -78,6 +85,7 @@ def _decode_split_kernel(
     NUM_SPLITS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     DOT_F32: tl.constexpr,  # upcast dot operands (Triton's interpreter mis-multiplies bf16)
+    KV_SCALED: tl.constexpr,  # fp8 caches: dequantize K / V tiles with their row scales
 ):
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -116,8 +124,9 @@ def _decode_split_kernel(
         kv_off = row[:, None] + d[None, :]  # [BLOCK_N, BLOCK_D]
         kv_mask = valid[:, None] & d_mask[None, :]
         k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0)
-        if DOT_F32:
-            k = k.to(tl.float32)
+        if KV_SCALED:
+            k = dequantize_tile(k, k_scale_ptr, row, valid, head_dim, True)
+        k = k.to(q.dtype)  # q's dtype (float32 under DOT_F32): a no-op for an unscaled cache on GPU
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2  # [BLOCK_G, BLOCK_N]
         s = tl.where(valid[None, :], s, float("-inf"))
         # every block holds >= 1 valid key, so m_new is finite and alpha = 0 on the first block
@@ -126,9 +135,10 @@ def _decode_split_kernel(
         p = tl.exp2(s - m_new[:, None])
         l = l * alpha + tl.sum(p, axis=1)
         v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0)
-        if DOT_F32:
-            v = v.to(tl.float32)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        if KV_SCALED:
+            v = dequantize_tile(v, v_scale_ptr, row, valid, head_dim, True)
+        v = v.to(q.dtype)
+        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision=DOT_PRECISION)
         m = m_new
 
     has_keys = l > 0.0  # False for an empty share (context 0, or more splits than blocks)
@@ -196,16 +206,19 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_blocks: int, num_sms: i
 def paged_decode_attention_triton(q, k_cache, v_cache, block_tables, context_lens, scale: float,
                                   window: int | None = None, out: torch.Tensor | None = None,
                                   num_splits: int | None = None, block_n: int | None = None,
-                                  max_len: int | None = None):
+                                  max_len: int | None = None, k_scale=None, v_scale=None):
     """Triton launcher for `paged_decode_attention` (num_splits / block_n: tuning/test overrides;
     max_len: a bound on every context length, which sizes the split count when the block table
-    is wider, as in CUDA graphs)."""
+    is wider, as in CUDA graphs; k_scale / v_scale: the scales of fp8 caches)."""
     B, Hq, D = q.shape
     num_pages, page_size, Hkv, Dk = k_cache.shape
     assert Dk == D and Hq % Hkv == 0, "q [B, Hq, D] vs cache [P, page, Hkv, D] mismatch"
     assert v_cache.shape == k_cache.shape and v_cache.stride() == k_cache.stride()
     assert k_cache.stride(3) == 1 and q.stride(2) == 1, "last dims must be contiguous"
-    assert q.dtype == k_cache.dtype == v_cache.dtype, "q and cache dtypes must match (tl.dot)"
+    scaled = check_kv_scales(k_cache, v_cache, k_scale, v_scale)
+    assert scaled or q.dtype == k_cache.dtype == v_cache.dtype, "q and cache dtypes must match (tl.dot)"
+    if not scaled:
+        k_scale = v_scale = k_cache  # dummies, never read
     assert page_size & (page_size - 1) == 0, "page_size must be a power of two"
     assert block_tables.dtype == torch.int32 and block_tables.dim() == 2 and block_tables.shape[0] == B
     assert block_tables.stride(1) == 1
@@ -234,7 +247,7 @@ def paged_decode_attention_triton(q, k_cache, v_cache, block_tables, context_len
     else:
         part_out = part_lse = out  # unused
     _decode_split_kernel[(B, Hkv, num_splits)](
-        q, k_cache, v_cache, block_tables, context_lens,
+        q, k_cache, v_cache, k_scale, v_scale, block_tables, context_lens,
         out, part_out, part_lse,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -244,7 +257,7 @@ def paged_decode_attention_triton(q, k_cache, v_cache, block_tables, context_len
         PAGE_SIZE=page_size, BLOCK_N=BLOCK_N, BLOCK_G=max(16, next_pow2(Hq // Hkv)),
         BLOCK_D=BLOCK_D, NUM_SPLITS=num_splits,
         DOT_PRECISION=dot_precision(q.dtype if q.is_cuda else torch.float32), DOT_F32=not q.is_cuda,
-        num_warps=_DECODE_NUM_WARPS, num_stages=_DECODE_NUM_STAGES,
+        KV_SCALED=scaled, num_warps=_DECODE_NUM_WARPS, num_stages=_DECODE_NUM_STAGES,
     )
     if num_splits > 1:
         _decode_merge_kernel[(B, Hq)](
@@ -257,15 +270,20 @@ def paged_decode_attention_triton(q, k_cache, v_cache, block_tables, context_len
 
 # ============================================================================ torch paths
 
-def _gather_kv(k_cache, v_cache, table_row, start: int, end: int):
-    """Keys/values of positions [start, end) of one sequence: 2 x [end - start, Hkv, D]."""
+def _gather_kv(k_cache, v_cache, table_row, start: int, end: int, *, k_scale=None, v_scale=None,
+               dtype: torch.dtype | None = None):
+    """Keys/values of positions [start, end) of one sequence: 2 x [end - start, Hkv, D] in dtype
+    (None: the cache's own dtype; required for an fp8 cache, whose rows come back dequantized
+    with k_scale / v_scale)."""
+    scaled = check_kv_scales(k_cache, v_cache, k_scale, v_scale)
+    assert dtype is not None or not scaled, "an fp8 cache is gathered into a dtype (pass dtype=q.dtype)"
     page_size = k_cache.shape[1]
     first_page, num_pages = start // page_size, triton.cdiv(end, page_size) - start // page_size
     pages = table_row[first_page:first_page + num_pages]
     lo = start - first_page * page_size
-    k = k_cache.index_select(0, pages).flatten(0, 1)[lo:lo + end - start]
-    v = v_cache.index_select(0, pages).flatten(0, 1)[lo:lo + end - start]
-    return k, v
+    k = read_pages(k_cache, k_scale, pages, k_cache.dtype if dtype is None else dtype)
+    v = read_pages(v_cache, v_scale, pages, v_cache.dtype if dtype is None else dtype)
+    return k.flatten(0, 1)[lo:lo + end - start], v.flatten(0, 1)[lo:lo + end - start]
 
 
 def _heads_first(x: torch.Tensor) -> torch.Tensor:
@@ -300,11 +318,18 @@ def paged_prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, con
                             scale: float, window: int | None = None,
                             k_new: torch.Tensor | None = None, v_new: torch.Tensor | None = None,
                             cu_seqlens_q_list: list[int] | None = None,
-                            context_lens_list: list[int] | None = None) -> torch.Tensor:
+                            context_lens_list: list[int] | None = None,
+                            k_scale=None, v_scale=None) -> torch.Tensor:
     """Causal attention of packed queries q [T, Hq, D]; sequence b owns rows
     cu_seqlens_q[b]:cu_seqlens_q[b+1], the last q_len of its context_lens[b] tokens
     (whose k/v are already in the cache; k_new/v_new [T, Hkv, D] are the same fresh
-    rows, used directly when a sequence has no earlier context)."""
+    rows, used directly when a sequence has no earlier context). With an fp8 cache
+    (k_scale / v_scale given) every key and value is read back from the cache,
+    dequantized to q's dtype, k_new / v_new unused: attention sees the cached rows
+    whether a prompt comes whole or in chunks, and decode sees the same ones."""
+    scaled = check_kv_scales(k_cache, v_cache, k_scale, v_scale)
+    if scaled:
+        k_new = v_new = None
     cu = cu_seqlens_q_list if cu_seqlens_q_list is not None else cu_seqlens_q.tolist()
     ctxs = context_lens_list if context_lens_list is not None else context_lens.tolist()
     window = int(window or 0)
@@ -323,7 +348,8 @@ def paged_prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, con
             out[q0:q1] = o[0].transpose(0, 1)
             continue
         kv_start = max(0, ctx - q_len - window + 1) if windowed else 0
-        k, v = _gather_kv(k_cache, v_cache, block_tables[b], kv_start, ctx)
+        k, v = _gather_kv(k_cache, v_cache, block_tables[b], kv_start, ctx, k_scale=k_scale, v_scale=v_scale,
+                          dtype=q.dtype)
         if windowed:
             out[q0:q1] = _windowed_sdpa(q[q0:q1], k, v, ctx - q_len, kv_start, window, scale)
         else:
@@ -335,15 +361,19 @@ def paged_prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, con
 
 
 def paged_decode_attention_ref(q, k_cache, v_cache, block_tables, context_lens, scale: float,
-                               window: int | None = None, out: torch.Tensor | None = None):
-    """Torch path for decode: per sequence, gather the visible keys and run SDPA."""
+                               window: int | None = None, out: torch.Tensor | None = None,
+                               k_scale=None, v_scale=None):
+    """Torch path for decode: per sequence, gather the visible keys (dequantized to q's dtype
+    from an fp8 cache) and run SDPA."""
+    check_kv_scales(k_cache, v_cache, k_scale, v_scale)
     window = int(window or 0)
     out = torch.empty_like(q) if out is None else out
     for b, ctx in enumerate(context_lens.tolist()):
         if ctx == 0:  # padded batch slot
             out[b] = 0
             continue
-        k, v = _gather_kv(k_cache, v_cache, block_tables[b], max(0, ctx - window) if window else 0, ctx)
+        k, v = _gather_kv(k_cache, v_cache, block_tables[b], max(0, ctx - window) if window else 0, ctx,
+                          k_scale=k_scale, v_scale=v_scale, dtype=q.dtype)
         o = F.scaled_dot_product_attention(q[b][None, :, None, :], _heads_first(k), _heads_first(v),
                                            scale=scale, enable_gqa=True)
         out[b] = o[0, :, 0, :]
@@ -352,13 +382,15 @@ def paged_decode_attention_ref(q, k_cache, v_cache, block_tables, context_lens, 
 
 def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale: float,
                            window: int | None = None, out: torch.Tensor | None = None,
-                           max_len: int | None = None) -> torch.Tensor:
+                           max_len: int | None = None, k_scale=None, v_scale=None) -> torch.Tensor:
     """One query per sequence (position context_lens[b] - 1) over the paged cache; [B, Hq, D].
-    max_len: optional bound on context_lens (launch sizing only)."""
+    max_len: optional bound on context_lens (launch sizing only); k_scale / v_scale: the scales
+    of fp8 caches (None for a cache in q's dtype)."""
     if use_triton(q, k_cache):
         return paged_decode_attention_triton(q, k_cache, v_cache, block_tables, context_lens,
-                                             scale, window, out, max_len=max_len)
-    return paged_decode_attention_ref(q, k_cache, v_cache, block_tables, context_lens, scale, window, out)
+                                             scale, window, out, max_len=max_len, k_scale=k_scale, v_scale=v_scale)
+    return paged_decode_attention_ref(q, k_cache, v_cache, block_tables, context_lens, scale, window, out,
+                                      k_scale=k_scale, v_scale=v_scale)
 
 
 # ============================================================================ test reference

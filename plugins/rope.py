@@ -13,7 +13,10 @@ rotate_half(x) = cat(-x[half:], x[:half]). Math in float32, stored in x.dtype.
 
 KV write: token t goes to flat slot s = slot_mapping[t] of the cache
 [num_pages, page_size, Hkv, D], i.e. page s // page_size, row s % page_size;
-s < 0 means "skip" (padding). The cache dtype may differ (cast on store).
+s < 0 means "skip" (padding). The cache dtype may differ (cast on store). An fp8 cache
+(float8_e4m3fn, with k_scale / v_scale [num_pages, page_size, Hkv] float32 beside it) gets each
+row quantized as plugins/kv_quant.py describes: the stored k row is the rotated key, in k's
+dtype, divided by its own scale (amax / 448).
 
 Accuracy note: angles reach ~1e5 rad at 128K context; GPU sin/cos may use fast
 approximations that are only accurate near [-pi, pi], so the kernel reduces the
@@ -27,6 +30,7 @@ import triton
 import triton.language as tl
 
 from ._triton_utils import next_pow2, use_triton
+from .kv_quant import _round_to_e4m3, check_kv_scales, write_rows
 
 
 @triton.jit
@@ -47,24 +51,52 @@ def _rotate_heads(x_ptr, stride_h, num_heads, cos, sin, half_dim,
 
 
 @triton.jit
-def _write_kv_row(k1, k2, v_row_ptr, slot, k_cache_ptr, v_cache_ptr, stride_vh,
+def _quantize_halves(x1, x2):
+    """kv_quant.quantize_tile(x, True) for rows held as two halves x1, x2 [R, BLOCK_HALF] (float32,
+    zeros past half_dim): one scale per row over both halves; returns (y1, y2, scale [R]). The
+    same arithmetic as quantize_tile (448 = FP8_MAX, 1e-30 = its zero-row floor)."""
+    s = tl.maximum(tl.max(tl.maximum(tl.abs(x1), tl.abs(x2)), axis=1), 1e-30) / 448.0
+    y1 = tl.minimum(tl.maximum(x1 / s[:, None], -448.0), 448.0)
+    y2 = tl.minimum(tl.maximum(x2 / s[:, None], -448.0), 448.0)
+    return _round_to_e4m3(y1), _round_to_e4m3(y2), s
+
+
+@triton.jit
+def _store_row(x1, x2, cache_ptr, scale_ptr, row_off, scale_off, cols, kv_mask, head_mask, half_dim,
+               KV_SCALED: tl.constexpr):
+    """Store rows given as halves at cache_ptr + row_off ([R, 1]; + cols, + half_dim + cols); an
+    fp8 cache gets the quantized rows and their scales at scale_ptr + scale_off ([R])."""
+    if KV_SCALED:
+        y1, y2, s = _quantize_halves(x1.to(tl.float32), x2.to(tl.float32))
+        tl.store(scale_ptr + scale_off, s, mask=head_mask)
+    else:
+        y1, y2 = x1, x2
+    tl.store(cache_ptr + row_off + cols, y1.to(cache_ptr.dtype.element_ty), mask=kv_mask)
+    tl.store(cache_ptr + row_off + cols + half_dim, y2.to(cache_ptr.dtype.element_ty), mask=kv_mask)
+
+
+@triton.jit
+def _write_kv_row(k1, k2, v_row_ptr, slot, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, stride_vh,
                   stride_cp, stride_cs, stride_ch, num_kv_heads, half_dim, page_size,
-                  BLOCK_HKV: tl.constexpr, BLOCK_HALF: tl.constexpr):
-    """Store one token's k halves (k1, k2: [BLOCK_HKV, BLOCK_HALF]) and its v row at cache `slot`."""
+                  BLOCK_HKV: tl.constexpr, BLOCK_HALF: tl.constexpr, KV_SCALED: tl.constexpr):
+    """Store one token's k halves (k1, k2: [BLOCK_HKV, BLOCK_HALF]) and its v row at cache `slot`
+    (quantized, with the row scales, when KV_SCALED)."""
     heads = tl.arange(0, BLOCK_HKV)[:, None]
     cols = tl.arange(0, BLOCK_HALF)[None, :]
     kv_mask = (heads < num_kv_heads) & (cols < half_dim)
+    heads_1d = tl.arange(0, BLOCK_HKV)
+    head_mask = heads_1d < num_kv_heads
     page = slot // page_size
-    cache_off = page * stride_cp + (slot - page * page_size) * stride_cs + heads * stride_ch + cols
-    kc = k_cache_ptr + cache_off  # first halves
-    tl.store(kc, k1.to(k_cache_ptr.dtype.element_ty), mask=kv_mask)
-    tl.store(kc + half_dim, k2.to(k_cache_ptr.dtype.element_ty), mask=kv_mask)
+    base = page * stride_cp + (slot - page * page_size) * stride_cs
+    row_off = base + heads * stride_ch  # [BLOCK_HKV, 1]
+    scale_off = (base + heads_1d * stride_ch) // (2 * half_dim)  # kv_quant: a row's scale at offset // D
+    _store_row(k1, k2, k_cache_ptr, k_scale_ptr, row_off, scale_off, cols, kv_mask, head_mask, half_dim,
+               KV_SCALED)
     v_row = v_row_ptr + heads * stride_vh + cols
     v1 = tl.load(v_row, mask=kv_mask, other=0.0)
     v2 = tl.load(v_row + half_dim, mask=kv_mask, other=0.0)
-    vc = v_cache_ptr + cache_off
-    tl.store(vc, v1.to(v_cache_ptr.dtype.element_ty), mask=kv_mask)
-    tl.store(vc + half_dim, v2.to(v_cache_ptr.dtype.element_ty), mask=kv_mask)
+    _store_row(v1, v2, v_cache_ptr, v_scale_ptr, row_off, scale_off, cols, kv_mask, head_mask, half_dim,
+               KV_SCALED)
 
 
 @triton.jit
@@ -79,6 +111,7 @@ def _rope_kv_kernel(
     # outputs
     k_cache_ptr,  # [num_pages, page_size, Hkv, D]
     v_cache_ptr,  # [num_pages, page_size, Hkv, D], same strides as k_cache
+    k_scale_ptr, v_scale_ptr,  # [num_pages, page_size, Hkv] float32 (fp8 caches; dummies otherwise)
     # constants
     stride_qt, stride_qh,
     stride_kt, stride_kh,
@@ -91,6 +124,7 @@ def _rope_kv_kernel(
     BLOCK_HALF: tl.constexpr,
     APPLY_ROPE: tl.constexpr,
     WRITE_KV: tl.constexpr,
+    KV_SCALED: tl.constexpr,  # fp8 caches: quantize rows, store their scales
 ):
     # Grid (T, 1 + cdiv(Hq, BLOCK_HQ)): program 0 of a token handles k (rotation, cache write of
     # k and v); programs 1.. rotate BLOCK_HQ query heads each, so a decode step (T = 1..16) does
@@ -119,9 +153,9 @@ def _rope_kv_kernel(
             if WRITE_KV:
                 slot = tl.load(slot_mapping_ptr + t).to(tl.int64)
                 if slot >= 0:  # slot < 0: padding token, nothing to write
-                    _write_kv_row(k1, k2, v_row, slot, k_cache_ptr, v_cache_ptr, stride_vh,
-                                  stride_cp, stride_cs, stride_ch, num_kv_heads, half_dim, page_size,
-                                  BLOCK_HKV, BLOCK_HALF)
+                    _write_kv_row(k1, k2, v_row, slot, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
+                                  stride_vh, stride_cp, stride_cs, stride_ch, num_kv_heads, half_dim, page_size,
+                                  BLOCK_HKV, BLOCK_HALF, KV_SCALED)
     else:
         heads = tl.arange(0, BLOCK_HKV)[:, None]
         cols = tl.arange(0, BLOCK_HALF)[None, :]
@@ -130,14 +164,16 @@ def _rope_kv_kernel(
         k2 = tl.load(k_row + heads * stride_kh + cols + half_dim, mask=kv_mask, other=0.0)
         slot = tl.load(slot_mapping_ptr + t).to(tl.int64)
         if slot >= 0:
-            _write_kv_row(k1, k2, v_row, slot, k_cache_ptr, v_cache_ptr, stride_vh,
-                          stride_cp, stride_cs, stride_ch, num_kv_heads, half_dim, page_size,
-                          BLOCK_HKV, BLOCK_HALF)
+            _write_kv_row(k1, k2, v_row, slot, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
+                          stride_vh, stride_cp, stride_cs, stride_ch, num_kv_heads, half_dim, page_size,
+                          BLOCK_HKV, BLOCK_HALF, KV_SCALED)
 
 
 def rope_kv_triton(q, k, v, positions, inv_freq, attention_scaling,
-                   k_cache, v_cache, slot_mapping, apply_rope: bool, write: bool) -> None:
-    """Launcher for every combination: rope only, rope + KV write, KV write only (q unused)."""
+                   k_cache, v_cache, slot_mapping, apply_rope: bool, write: bool,
+                   k_scale=None, v_scale=None) -> None:
+    """Launcher for every combination: rope only, rope + KV write, KV write only (q unused).
+    k_scale / v_scale: the scales of fp8 caches (None for caches in any other dtype)."""
     T, Hkv, D = k.shape
     assert D % 2 == 0 and k.stride(2) == 1, "k: [T, Hkv, D], last dim contiguous, D even"
     if apply_rope:
@@ -153,8 +189,13 @@ def rope_kv_triton(q, k, v, positions, inv_freq, attention_scaling,
         assert k_cache.dim() == 4 and k_cache.shape[2:] == (Hkv, D) and k_cache.stride(3) == 1
         assert slot_mapping.shape == (T,) and slot_mapping.dtype in (torch.int32, torch.int64)
         assert slot_mapping.is_contiguous()
+        scaled = check_kv_scales(k_cache, v_cache, k_scale, v_scale)
     else:
+        assert k_scale is None and v_scale is None, "scales given without a KV write"
         v, k_cache, v_cache, slot_mapping = k, k, k, positions  # dummies
+        scaled = False
+    if not scaled:
+        k_scale = v_scale = k_cache  # dummies, never read
     if T == 0:
         return
     Hq = q.shape[1] if apply_rope else 0
@@ -164,12 +205,12 @@ def rope_kv_triton(q, k, v, positions, inv_freq, attention_scaling,
     num_q_parts = triton.cdiv(Hq, BLOCK_HQ) if apply_rope else 0
     _rope_kv_kernel[(T, 1 + num_q_parts)](
         q, k, v, positions, inv_freq, slot_mapping,
-        k_cache, v_cache,
+        k_cache, v_cache, k_scale, v_scale,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         *cache_strides,
         Hq, Hkv, D // 2, page_size, float(attention_scaling),
         BLOCK_HQ=BLOCK_HQ, BLOCK_HKV=next_pow2(Hkv), BLOCK_HALF=next_pow2(D // 2),
-        APPLY_ROPE=apply_rope, WRITE_KV=write, num_warps=4,
+        APPLY_ROPE=apply_rope, WRITE_KV=write, KV_SCALED=scaled, num_warps=4,
     )
 
 
@@ -191,13 +232,15 @@ def apply_rope_ref_(q, k, positions, inv_freq, attention_scaling) -> None:
     k.copy_(_rotate_ref(k, cos, sin))
 
 
-def write_kv_ref(k, v, k_cache, v_cache, slot_mapping) -> None:
-    """Reference KV write: cache[slot // page_size, slot % page_size] = k/v[t] for slot >= 0."""
+def write_kv_ref(k, v, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None) -> None:
+    """Reference KV write: cache[slot // page_size, slot % page_size] = k/v[t] for slot >= 0
+    (quantized, with the row scales, into fp8 caches)."""
+    check_kv_scales(k_cache, v_cache, k_scale, v_scale)
     keep = slot_mapping >= 0
     slots = slot_mapping[keep].long()
     page, row = slots // k_cache.shape[1], slots % k_cache.shape[1]
-    k_cache[page, row] = k[keep].to(k_cache.dtype)
-    v_cache[page, row] = v[keep].to(v_cache.dtype)
+    write_rows(k_cache, k_scale, page, row, k[keep])
+    write_rows(v_cache, v_scale, page, row, v[keep])
 
 
 # ----------------------------------------------------------------------------- public API
@@ -211,21 +254,24 @@ def apply_rope_(q, k, positions, inv_freq, attention_scaling: float) -> None:
         apply_rope_ref_(q, k, positions, inv_freq, attention_scaling)
 
 
-def write_kv(k, v, k_cache, v_cache, slot_mapping) -> None:
-    """Write k, v [T, Hkv, D] into the paged caches at slot_mapping (slot < 0 skipped)."""
+def write_kv(k, v, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None) -> None:
+    """Write k, v [T, Hkv, D] into the paged caches at slot_mapping (slot < 0 skipped); fp8
+    caches need their k_scale / v_scale."""
     if use_triton(k, k_cache):
         rope_kv_triton(None, k, v, None, None, 1.0, k_cache, v_cache, slot_mapping,
-                       apply_rope=False, write=True)
+                       apply_rope=False, write=True, k_scale=k_scale, v_scale=v_scale)
     else:
-        write_kv_ref(k, v, k_cache, v_cache, slot_mapping)
+        write_kv_ref(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
 
 
 def rope_and_write_kv(q, k, v, positions, inv_freq, attention_scaling: float,
-                      k_cache, v_cache, slot_mapping) -> None:
-    """Rotate q and k in place and write rotated k and v into the paged KV cache (one launch on CUDA)."""
+                      k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None) -> None:
+    """Rotate q and k in place and write rotated k and v into the paged KV cache (one launch on
+    CUDA); fp8 caches need their k_scale / v_scale."""
     if use_triton(q, k, k_cache):
         rope_kv_triton(q, k, v, positions, inv_freq, attention_scaling,
-                       k_cache, v_cache, slot_mapping, apply_rope=True, write=True)
+                       k_cache, v_cache, slot_mapping, apply_rope=True, write=True,
+                       k_scale=k_scale, v_scale=v_scale)
     else:
         apply_rope_ref_(q, k, positions, inv_freq, attention_scaling)
-        write_kv_ref(k, v, k_cache, v_cache, slot_mapping)
+        write_kv_ref(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)

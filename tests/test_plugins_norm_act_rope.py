@@ -8,6 +8,7 @@ from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
 from infhip.plugins.activation import gated_act, gated_act_ref, gated_act_triton
+from infhip.plugins.kv_quant import FP8_DTYPE, dequantize_rows, quantize_rows
 from infhip.plugins.rms_norm import rms_norm, rms_norm_ref, rms_norm_triton
 from infhip.plugins.rope import (
     apply_rope_, apply_rope_ref_, rope_and_write_kv, rope_kv_triton, write_kv, write_kv_ref,
@@ -217,3 +218,111 @@ def test_write_kv(page_size):
         kc, vc = rkc.clone(), rvc.clone()
         write_kv(k, v, kc, vc, slots)
         assert torch.equal(kc, rkc) and torch.equal(vc, rvc)
+
+
+# ----------------------------------------------------------------------------- fp8 KV cache
+
+def assert_fp8_within_one_step(got: torch.Tensor, ref: torch.Tensor):
+    """fp8 values equal up to one e4m3 step (2^-3 relative, 2^-9 subnormal): the kernel divides
+    by the scale with the device's division, which may round a tie differently from torch's."""
+    g, r = got.float(), ref.float()
+    assert ((g - r).abs() <= r.abs() * 2.0 ** -3 + 2.0 ** -9).all()
+
+
+def random_fp8_cache(num_pages, page_size, Hkv, D, gen):
+    """A random fp8 cache with random scales (never the values a write produces)."""
+    cache = torch.randn(num_pages, page_size, Hkv, D, generator=gen).to(FP8_DTYPE).to(DEVICE)
+    scale = (0.5 + torch.rand(num_pages, page_size, Hkv, generator=gen)).to(DEVICE)
+    return cache, scale
+
+
+FP8_WRITE_CASES = [
+    # Hq, Hkv, D, page_size
+    (6, 2, 32, 4),
+    (6, 2, 40, 16),  # half = 20: masked lanes inside each half
+    (3, 3, 32, 16),  # 3 kv heads padded to 4 (masked head rows)
+]
+
+
+@pytest.mark.parametrize("Hq,Hkv,D,page_size", FP8_WRITE_CASES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("apply_rope", [True, False])
+def test_write_kv_fp8(Hq, Hkv, D, page_size, dtype, apply_rope):
+    """An fp8 cache gets kv_quant.quantize_rows of the (rotated) k and of v, and the row scales;
+    padding tokens and every other slot keep their bytes and scales."""
+    g = torch.Generator().manual_seed(6)
+    T, num_pages = 7, 5
+    rot = hf_rotary(Hq, Hkv, D, "llama3")
+    inv_freq, scaling = rot.inv_freq.to(DEVICE), rot.attention_scaling
+    positions = torch.tensor([3, 4, 5, 6, 0, 1, 9], dtype=torch.int64, device=DEVICE)
+    slots = torch.tensor([page_size + 1, -1, 3 * page_size, page_size - 1, 2 * page_size + 2, -1,
+                          4 * page_size + 3], device=DEVICE)
+    _, q, k, v = fused_qkv(T, Hq, Hkv, D, dtype, g)
+    with torch.no_grad():  # rows of very different sizes, one all-zero row (the 1e-30 floor)
+        k.mul_(torch.logspace(-2, 2, T, device=DEVICE)[:, None, None].to(dtype))
+        v.mul_(torch.logspace(2, -2, T, device=DEVICE)[:, None, None].to(dtype))
+        k[3, 0] = 0.0
+    q0, k0 = q.clone(), k.clone()
+    kc, ks = random_fp8_cache(num_pages, page_size, Hkv, D, g)
+    vc, vs = random_fp8_cache(num_pages, page_size, Hkv, D, g)
+    kc0, ks0, vc0, vs0 = kc.clone(), ks.clone(), vc.clone(), vs.clone()
+
+    rope_kv_triton(q if apply_rope else None, k, v, positions if apply_rope else None,
+                   inv_freq if apply_rope else None, scaling, kc, vc, slots, apply_rope=apply_rope, write=True,
+                   k_scale=ks, v_scale=vs)
+
+    # the stored key row is the kernel's own rotated k (k was rotated in place), quantized
+    keep = slots >= 0
+    page, row = slots[keep] // page_size, slots[keep] % page_size
+    qk, sk = quantize_rows(k[keep])
+    qv, sv = quantize_rows(v[keep])
+    assert torch.allclose(ks[page, row], sk, rtol=1e-6, atol=0) and torch.allclose(vs[page, row], sv, rtol=1e-6, atol=0)
+    assert_fp8_within_one_step(kc[page, row], qk)
+    assert_fp8_within_one_step(vc[page, row], qv)
+    zero = slots[3].item()  # token 3's kv head 0 was all zeros: zeros back, the floor scale
+    assert torch.equal(kc[zero // page_size, zero % page_size, 0].float(), torch.zeros(D, device=DEVICE))
+    assert ks[zero // page_size, zero % page_size, 0].item() == pytest.approx(1e-30 / 448.0)
+    back = dequantize_rows(kc[page, row], ks[page, row], torch.float32)
+    assert torch.allclose(back, k[keep].float(), rtol=2 ** -3, atol=float(sk.max()) * 2 ** -9)
+    # untouched slots keep their bytes and scales
+    written = torch.zeros(num_pages * page_size, dtype=torch.bool, device=DEVICE)
+    written[slots[keep]] = True
+    for cache, cache0 in ((kc, kc0), (vc, vc0)):
+        flat, flat0 = cache.flatten(0, 1).view(torch.uint8), cache0.flatten(0, 1).view(torch.uint8)
+        assert torch.equal(flat[~written], flat0[~written])
+    for sc, sc0 in ((ks, ks0), (vs, vs0)):
+        assert torch.equal(sc.flatten(0, 1)[~written], sc0.flatten(0, 1)[~written])
+
+    # the torch reference writes exactly quantize_rows, and agrees with the kernel to one step
+    rkc, rks, rvc, rvs = kc0.clone(), ks0.clone(), vc0.clone(), vs0.clone()
+    write_kv_ref(k, v, rkc, rvc, slots, k_scale=rks, v_scale=rvs)
+    assert torch.equal(rkc[page, row].view(torch.uint8), qk.view(torch.uint8)) and torch.equal(rks[page, row], sk)
+    assert torch.equal(rvc[page, row].view(torch.uint8), qv.view(torch.uint8)) and torch.equal(rvs[page, row], sv)
+    assert_fp8_within_one_step(kc, rkc)
+    assert_fp8_within_one_step(vc, rvc)
+    assert torch.equal(ks, rks) and torch.equal(vs, rvs)
+
+    if DEVICE == "cpu":  # the public dispatch (the references on CPU) takes the scales too
+        pkc, pks, pvc, pvs = kc0.clone(), ks0.clone(), vc0.clone(), vs0.clone()
+        if apply_rope:
+            q2, k2 = q0.clone(), k0.clone()
+            rope_and_write_kv(q2, k2, v, positions, inv_freq, scaling, pkc, pvc, slots, k_scale=pks, v_scale=pvs)
+        else:
+            k2 = k0
+            write_kv(k2, v, pkc, pvc, slots, k_scale=pks, v_scale=pvs)
+        qk2, sk2 = quantize_rows(k2[keep])
+        assert torch.equal(pkc[page, row].view(torch.uint8), qk2.view(torch.uint8)) and torch.equal(pks[page, row], sk2)
+        assert torch.equal(pvc[page, row].view(torch.uint8), qv.view(torch.uint8))
+
+
+def test_write_kv_fp8_validates_scales():
+    g = torch.Generator().manual_seed(7)
+    k, v = randn(2, 2, 16, gen=g), randn(2, 2, 16, gen=g)
+    kc, ks = random_fp8_cache(3, 4, 2, 16, g)
+    vc, vs = random_fp8_cache(3, 4, 2, 16, g)
+    slots = torch.tensor([1, 5], device=DEVICE)
+    with pytest.raises(AssertionError, match="needs its k_scale"):
+        rope_kv_triton(None, k, v, None, None, 1.0, kc, vc, slots, apply_rope=False, write=True)
+    with pytest.raises(AssertionError, match="scales are for fp8"):
+        plain = torch.zeros(3, 4, 2, 16, device=DEVICE)
+        write_kv_ref(k, v, plain, plain.clone(), slots, k_scale=ks, v_scale=vs)
