@@ -9,6 +9,7 @@ import torch
 
 from infhip.plugins.infinitehip import (PAD, block_key_mask, initial_candidates, plan_query_blocks,
                                         rotate_by_ref, selected_range, stream_starts)
+from infhip.plugins.kv_quant import dequantize_rows, quantize_rows
 from infhip.plugins.rope import apply_rope_ref_
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -64,6 +65,31 @@ class PagedSeqs:
         """Query blocks of the sequences' newest q_lens tokens: (q_start, q_lens, ends, tables)."""
         q_start, lens, ends, seq = plan_query_blocks(q_lens, self.context_lens.tolist(), block_q, DEVICE)
         return q_start, lens, ends, self.block_tables[seq.long()]
+
+
+class Fp8Caches:
+    """fp8 copies of a PagedSeqs' caches (kv_quant.quantize_rows): k_cache / v_cache
+    float8_e4m3fn [num_pages, page_size, Hkv, D], k_scale / v_scale float32 [num_pages, page_size,
+    Hkv]. NaN rows (unused slots, the null page) stay NaN, so stray reads still poison."""
+
+    def __init__(self, k_cache, k_scale, v_cache, v_scale):
+        self.k_cache, self.k_scale, self.v_cache, self.v_scale = k_cache, k_scale, v_cache, v_scale
+
+    def scales(self):
+        return dict(k_scale=self.k_scale, v_scale=self.v_scale)
+
+
+def quantize_seqs(seqs: PagedSeqs) -> Fp8Caches:
+    """Quantize seqs' caches to fp8 + scales, and replace seqs.k_cache / v_cache (and keys /
+    values) by the float32 *dequantized* values: the fp8 kernels must compute what the float32
+    ones (and the references) compute on seqs afterwards."""
+    k8, ks = quantize_rows(seqs.k_cache)
+    v8, vs = quantize_rows(seqs.v_cache)
+    seqs.k_cache = dequantize_rows(k8, ks, torch.float32)
+    seqs.v_cache = dequantize_rows(v8, vs, torch.float32)
+    seqs.keys = [dequantize_rows(*quantize_rows(k), torch.float32) for k in seqs.keys]
+    seqs.values = [dequantize_rows(*quantize_rows(v), torch.float32) for v in seqs.values]
+    return Fp8Caches(k8, ks, v8, vs)
 
 
 # ----------------------------------------------------------------------------- blocks.py

@@ -10,7 +10,7 @@ import torch
 from infhip.plugins.infinitehip import (sparse_attention_ref, sparse_decode_attention, write_key_bank,
                                         write_key_bank_ref)
 
-from .test_infinitehip_common import DEVICE, PagedSeqs, inv_freq, rel_err
+from .test_infinitehip_common import DEVICE, PagedSeqs, inv_freq, quantize_seqs, rel_err
 from .test_infinitehip_sparse_attention import random_selection, run_selection
 
 N_SINK, N_STREAM, D = 8, 24, 32
@@ -118,3 +118,65 @@ def test_bank_needs_the_streaming_style():
         sparse_decode_attention(q, seqs.k_cache, seqs.v_cache, seqs.block_tables, seqs.context_lens, sel,
                                 n_sink=N_SINK, n_stream=N_STREAM, scale=0.3, bank=bank,
                                 bank_rows=torch.zeros(1, dtype=torch.int32, device=DEVICE))
+
+
+# ------------------------------------------------------------------------------ fp8 KV cache
+
+@pytest.mark.parametrize("selection", ["runs", "scattered"])
+def test_fp8_writer_matches_dequantized(selection):
+    """An fp8 cache (kv_quant.py): the writer dequantizes (row scales after the rotation) into a
+    bank in the queries' dtype == the reference on the dequantized float32 cache; the reference
+    reading the fp8 cache itself agrees exactly."""
+    seqs = PagedSeqs([150, 211], 2, D, 4, seed=13)
+    fp8 = quantize_seqs(seqs)
+    ends = seqs.context_lens
+    sel = (run_selection(seqs.generator, ends, N_SINK, N_STREAM, runs=9, run_len=4) if selection == "runs"
+           else random_selection(seqs.generator, ends, N_SINK, N_STREAM, k=30))
+    rows = torch.tensor([2, 0], dtype=torch.int32, device=DEVICE)
+    bank = make_bank(seqs, 3, sel.shape[1], torch.float32)
+    ref, ref8 = bank.clone(), bank.clone()
+    write_key_bank(fp8.k_cache, seqs.block_tables, ends, sel, bank, rows, n_sink=N_SINK, inv_freq=inv_freq(D),
+                   rope_group=4, k_scale=fp8.k_scale)
+    write_key_bank_ref(seqs.k_cache, seqs.block_tables, ends, sel, ref, rows, n_sink=N_SINK, inv_freq=inv_freq(D))
+    write_key_bank_ref(fp8.k_cache, seqs.block_tables, ends, sel, ref8, rows, n_sink=N_SINK, inv_freq=inv_freq(D),
+                       k_scale=fp8.k_scale)
+    written = ~ref.isnan()
+    assert written.any() and torch.equal(bank.isnan(), ref.isnan()) and torch.equal(ref8.isnan(), ref.isnan())
+    assert rel_err(bank[written], ref[written]) < 1e-6
+    assert torch.equal(ref8[written], ref[written])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("selection", ["runs", "scattered"])
+def test_fp8_decode_with_bank_matches_dequantized(dtype, num_splits, selection):
+    """fp8 caches, the bank and the queries in dtype: sink and stream keys dequantized from the
+    cache in the kernel, selected ones from the bank == the reference on the dequantized caches."""
+    seqs = PagedSeqs([150, 211, 97], 2, D, 4, seed=num_splits + 17)
+    fp8 = quantize_seqs(seqs)
+    ends = seqs.context_lens
+    sel = (run_selection(seqs.generator, ends, N_SINK, N_STREAM, runs=9, run_len=4) if selection == "runs"
+           else random_selection(seqs.generator, ends, N_SINK, N_STREAM, k=30))
+    rows = torch.tensor([1, 3, 0], dtype=torch.int32, device=DEVICE)
+    bank = make_bank(seqs, 4, sel.shape[1], dtype)
+    write_key_bank(fp8.k_cache, seqs.block_tables, ends, sel, bank, rows, n_sink=N_SINK, inv_freq=inv_freq(D),
+                   rope_group=4, k_scale=fp8.k_scale)
+    q = torch.randn(3, 6, D, generator=seqs.generator).to(dtype).to(DEVICE)
+    ref = decode_ref(seqs, q, ends, sel)
+    for prefetch in (False, True):
+        out = sparse_decode_attention(q, fp8.k_cache, fp8.v_cache, seqs.block_tables, ends, sel, n_sink=N_SINK,
+                                      n_stream=N_STREAM, scale=0.3, rope_style="streaming", inv_freq=inv_freq(D),
+                                      num_splits=num_splits, block_n=16, bank=bank, bank_rows=rows, prefetch=prefetch,
+                                      **fp8.scales())
+        assert out.dtype == dtype and rel_err(out, ref) < TOL[dtype], prefetch
+
+
+def test_fp8_bank_is_never_fp8():
+    seqs = PagedSeqs([97], 2, D, 4, seed=2)
+    fp8 = quantize_seqs(seqs)
+    sel = random_selection(seqs.generator, seqs.context_lens, N_SINK, N_STREAM, k=8)
+    bank = make_bank(seqs, 1, sel.shape[1], torch.float32).to(fp8.k_cache.dtype)
+    with pytest.raises(AssertionError, match="queries' dtype"):
+        write_key_bank(fp8.k_cache, seqs.block_tables, seqs.context_lens, sel, bank,
+                       torch.zeros(1, dtype=torch.int32, device=DEVICE), n_sink=N_SINK, inv_freq=inv_freq(D),
+                       k_scale=fp8.k_scale)

@@ -10,9 +10,10 @@ from infhip.plugins.infinitehip import (PAD, pruning_stage, pruning_stage_ref, s
                                         select_rep_scores_ref, stream_starts, topk_chunks,
                                         topk_chunks_ref)
 
+from infhip.plugins.infinitehip import plan_query_blocks
 from infhip.plugins.infinitehip.raw_keys import unrotate_keys
 
-from .test_infinitehip_common import DEVICE, PagedSeqs, inv_freq, random_rows, rotate_by_ref
+from .test_infinitehip_common import DEVICE, PagedSeqs, inv_freq, quantize_seqs, random_rows, rotate_by_ref
 
 N_SINK, N_STREAM = 4, 8
 
@@ -405,3 +406,67 @@ def test_head_normalized_scores_match_reference_and_rescue_a_quiet_head():
         sel, n = pruning_stage(*args, chunk_size=4, k=8, block_q=1, n_sink=N_SINK, n_stream=N_STREAM,
                                head_normalized=normalized)
         assert (N_SINK + 20 in sel[0, :int(n[0])].tolist()) == want
+
+
+# ------------------------------------------------------------------------------ fp8 KV cache
+
+@pytest.mark.parametrize("rope_style,raw", [("none", False), ("relative", False), ("relative", True),
+                                            ("chunk_indexed", False), ("chunk_indexed", True)])
+@pytest.mark.parametrize("block_q,q_lens", QUERIES)
+@pytest.mark.parametrize("explicit", [False, True])
+def test_fp8_select_rep_matches_dequantized(rope_style, raw, block_q, q_lens, explicit):
+    """Keys from an fp8 cache (kv_quant.py; row scales after the in-kernel rotation) or from
+    RawKeys un-rotated out of it (dequantized into the queries' dtype) == the float64 reference on
+    the dequantized float32 cache (representatives where the tournament is not a near-tie); the
+    reference reading the fp8 cache agrees exactly; without RoPE the float32 kernel on the
+    dequantized cache agrees bit for bit (the same keys), and so does the whole stage."""
+    Hq, Hkv, D, page_size = 6, 2, 32, 8
+    seqs, q, (q_start, lens, ends, tables) = setup(Hq, Hkv, D, page_size, q_lens, block_q, seed=23, dyadic=False,
+                                                   contexts=(97, 150))
+    fp8 = quantize_seqs(seqs)
+    cand, cand_lens = random_candidates(seqs.generator, ends) if explicit else (None, None)
+    freq = inv_freq(D)
+    kw = dict(chunk_size=8, n_sink=N_SINK, n_stream=N_STREAM, rope_style=rope_style, inv_freq=freq)
+    raw_keys = None
+    if raw:
+        seq = plan_query_blocks(q_lens, seqs.context_lens.tolist(), block_q, DEVICE)[3]
+        raw_keys = unrotate_keys(fp8.k_cache, seqs.block_tables, seqs.context_lens.tolist(), freq, seq.long(),
+                                 k_scale=fp8.k_scale, dtype=q.dtype)
+    scores, reps = select_rep_scores(q, fp8.k_cache, tables, q_start, lens, ends, cand, cand_lens, block_q=block_q,
+                                     store_reps=True, raw_keys=raw_keys, k_scale=fp8.k_scale, **kw)
+    width = None if explicit else scores.shape[1] * 8
+    ref_scores, ref_reps, margins = select_rep_scores_ref(q, seqs.k_cache, tables, q_start, lens, ends, cand,
+                                                          cand_lens, max_candidates=width, **kw)
+    ref8 = select_rep_scores_ref(q, fp8.k_cache, tables, q_start, lens, ends, cand, cand_lens, max_candidates=width,
+                                 k_scale=fp8.k_scale, **kw)
+    assert torch.equal(ref8[0], ref_scores) and torch.equal(ref8[1], ref_reps)
+    assert torch.isfinite(ref_scores).any()
+    assert torch.allclose(scores.double().cpu()[:, :ref_scores.shape[1]], ref_scores, rtol=1e-5, atol=1e-5)
+    clear = margins > 1e-4
+    assert clear.float().mean() > 0.9 and torch.equal(reps.cpu()[..., :ref_reps.shape[2]][clear], ref_reps[clear])
+    if rope_style == "none":
+        plain = select_rep_scores(q, seqs.k_cache, tables, q_start, lens, ends, cand, cand_lens, block_q=block_q,
+                                  store_reps=True, **kw)
+        assert torch.equal(scores, plain[0]) and torch.equal(reps, plain[1])
+        stage = dict(chunk_size=8, k=24, block_q=block_q, n_sink=N_SINK, n_stream=N_STREAM)
+        got = pruning_stage(q, fp8.k_cache, tables, q_start, lens, ends, cand, cand_lens, k_scale=fp8.k_scale,
+                            **stage)
+        want = pruning_stage(q, seqs.k_cache, tables, q_start, lens, ends, cand, cand_lens, **stage)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+def test_fp8_unrotate_keys_dequantizes():
+    """RawKeys of an fp8 cache hold R(-p) of the dequantized keys in the given dtype (the
+    queries'), never fp8; an fp8 cache without dtype= is refused."""
+    seqs = PagedSeqs([37, 70], 2, 16, 4, seed=5)
+    fp8 = quantize_seqs(seqs)
+    freq = inv_freq(16)
+    seq = plan_query_blocks([5, 9], seqs.context_lens.tolist(), 4, DEVICE)[3].long()
+    want = torch.cat([rotate_by_ref(k.cpu(), -torch.arange(k.shape[0]), freq.cpu()) for k in seqs.keys])
+    for dtype, tol in ((torch.float32, 2e-5), (torch.bfloat16, 1e-2)):
+        raw = unrotate_keys(fp8.k_cache, seqs.block_tables, seqs.context_lens.tolist(), freq, seq,
+                            k_scale=fp8.k_scale, dtype=dtype)
+        assert raw.keys.dtype == dtype and raw.block_base.tolist() == [0, 0, 37, 37, 37]
+        assert torch.allclose(raw.keys.double().cpu(), want, atol=tol, rtol=tol)
+    with pytest.raises(AssertionError, match="needs dtype="):
+        unrotate_keys(fp8.k_cache, seqs.block_tables, seqs.context_lens.tolist(), freq, seq, k_scale=fp8.k_scale)

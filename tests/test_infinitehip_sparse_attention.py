@@ -12,7 +12,7 @@ from infhip.plugins.infinitehip import (PAD, initial_candidates, pruning_stage, 
                                         sparse_decode_attention, sparse_prefill_attention,
                                         stream_starts)
 
-from .test_infinitehip_common import DEVICE, PagedSeqs, inv_freq, rel_err
+from .test_infinitehip_common import DEVICE, PagedSeqs, inv_freq, quantize_seqs, rel_err
 
 N_SINK = 4
 SHAPES = [(6, 2, 16, 4), (4, 4, 32, 16)]  # Hq, Hkv, D, page_size
@@ -209,3 +209,96 @@ def test_sink_and_stream_always_attended():
                                   **kw(n_stream, scale=1.0))
     v = seqs.values[0][:, 0]
     assert rel_err(out[0, 0], (v[1] + v[ctx - 3]) / 2) < 1e-4
+
+
+# ------------------------------------------------------------------------------ fp8 KV cache
+
+FP8_SHAPES = [(6, 2, 16, 4, "none"), (6, 2, 24, 8, "none"), (6, 2, 16, 4, "streaming"),
+              (3, 1, 32, 16, "streaming")]  # Hq, Hkv, D (24: not a power of two), page_size, rope style
+
+
+@pytest.mark.parametrize("Hq,Hkv,D,page_size,rope_style", FP8_SHAPES)
+def test_fp8_cache_decode_matches_dequantized(Hq, Hkv, D, page_size, rope_style):
+    """fp8 caches with row scales (kv_quant.py): decode (split-K, tiles loaded one ahead or not)
+    == the same attention on the dequantized float32 caches — the float64 reference, and
+    without RoPE bit for bit the float32 kernel (the same dequantized keys and values); the
+    reference reading the fp8 caches itself agrees exactly."""
+    seqs = PagedSeqs([97, 203, 6], Hkv, D, page_size, seed=D + Hq)
+    fp8 = quantize_seqs(seqs)
+    q = torch.randn(3, Hq, D, generator=seqs.generator).to(DEVICE)
+    sel = random_selection(seqs.generator, seqs.context_lens, N_SINK, 8, k=24)
+    opts = kw(8, rope_style=rope_style, inv_freq=inv_freq(D))
+    blocks = (torch.arange(3, dtype=torch.int32, device=DEVICE), torch.ones(3, dtype=torch.int32, device=DEVICE),
+              seqs.context_lens, sel)
+    ref = sparse_attention_ref(q, seqs.k_cache, seqs.v_cache, seqs.block_tables, *blocks, **opts)
+    ref8 = sparse_attention_ref(q, fp8.k_cache, fp8.v_cache, seqs.block_tables, *blocks, **opts, **fp8.scales())
+    assert torch.equal(ref8, ref)
+    for num_splits, prefetch in ((1, False), (3, False), (3, True)):
+        out = sparse_decode_attention(q, fp8.k_cache, fp8.v_cache, seqs.block_tables, seqs.context_lens, sel,
+                                      num_splits=num_splits, block_n=16, prefetch=prefetch, **opts, **fp8.scales())
+        assert out.dtype == q.dtype and rel_err(out, ref) < TOL[torch.float32], (num_splits, prefetch)
+        if rope_style == "none":
+            plain = sparse_decode_attention(q, seqs.k_cache, seqs.v_cache, seqs.block_tables, seqs.context_lens,
+                                            sel, num_splits=num_splits, block_n=16, prefetch=prefetch, **opts)
+            assert torch.equal(out, plain), (num_splits, prefetch)
+
+
+@pytest.mark.parametrize("Hq,Hkv,D,page_size,rope_style", FP8_SHAPES)
+@pytest.mark.parametrize("rope_group", [1, 4])
+def test_fp8_cache_prefill_matches_dequantized(Hq, Hkv, D, page_size, rope_style, rope_group):
+    """Prefill blocks over fp8 caches == the dequantized float32 caches (reference; without RoPE
+    the float32 kernel bit for bit), prefetching or not, a sin/cos per key or per run of 4."""
+    block_q, n_stream, q_lens = 8, 8, [13, 20]
+    seqs = PagedSeqs([97, 203], Hkv, D, page_size, seed=3 * D + Hq)
+    fp8 = quantize_seqs(seqs)
+    q = torch.randn(sum(q_lens), Hq, D, generator=seqs.generator).to(DEVICE)
+    q_start, lens, ends, tables = seqs.blocks(q_lens, block_q)
+    sel = random_selection(seqs.generator, ends, N_SINK, n_stream, k=20)
+    blocks = (tables, q_start, lens, ends, sel)
+    opts = kw(n_stream, rope_style=rope_style, inv_freq=inv_freq(D))
+    ref = sparse_attention_ref(q, seqs.k_cache, seqs.v_cache, *blocks, **opts)
+    for prefetch in (False, True):
+        out = sparse_prefill_attention(q, fp8.k_cache, fp8.v_cache, *blocks, block_q=block_q, block_n=16,
+                                       prefetch=prefetch, rope_group=rope_group, **opts, **fp8.scales())
+        assert rel_err(out, ref) < TOL[torch.float32], prefetch
+        if rope_style == "none":
+            plain = sparse_prefill_attention(q, seqs.k_cache, seqs.v_cache, *blocks, block_q=block_q, block_n=16,
+                                             prefetch=prefetch, **opts)
+            assert torch.equal(out, plain), prefetch
+
+
+@pytest.mark.parametrize("rope_style", ["none", "streaming"])
+def test_fp8_cache_with_bf16_queries(rope_style):
+    """bf16 queries over fp8 caches (the serving case): dots in the queries' dtype, out bf16,
+    within bf16 tolerance of the float64 reference on the dequantized caches."""
+    D = 64
+    seqs = PagedSeqs([203, 150], 2, D, 16, seed=4)
+    fp8 = quantize_seqs(seqs)
+    opts = kw(16, scale=0.125, rope_style=rope_style, inv_freq=inv_freq(D))
+    q = torch.randn(2, 6, D, generator=seqs.generator).to(torch.bfloat16).to(DEVICE)
+    sel = random_selection(seqs.generator, seqs.context_lens, N_SINK, 16, k=40)
+    out = sparse_decode_attention(q, fp8.k_cache, fp8.v_cache, seqs.block_tables, seqs.context_lens, sel,
+                                  **opts, **fp8.scales())
+    ref = sparse_attention_ref(q, seqs.k_cache, seqs.v_cache, seqs.block_tables,
+                               torch.arange(2, dtype=torch.int32, device=DEVICE),
+                               torch.ones(2, dtype=torch.int32, device=DEVICE), seqs.context_lens, sel, **opts)
+    assert out.dtype == torch.bfloat16 and rel_err(out, ref) < TOL[torch.bfloat16]
+    q_start, lens, ends, tables = seqs.blocks([13, 20], 16)
+    qp = torch.randn(33, 6, D, generator=seqs.generator).to(torch.bfloat16).to(DEVICE)
+    sel = random_selection(seqs.generator, ends, N_SINK, 16, k=30)
+    blocks = (tables, q_start, lens, ends, sel)
+    out = sparse_prefill_attention(qp, fp8.k_cache, fp8.v_cache, *blocks, block_q=16, **opts, **fp8.scales())
+    ref = sparse_attention_ref(qp, seqs.k_cache, seqs.v_cache, *blocks, **opts)
+    assert out.dtype == torch.bfloat16 and rel_err(out, ref) < TOL[torch.bfloat16]
+
+
+def test_fp8_cache_needs_its_scales():
+    seqs = PagedSeqs([97], 2, 16, 4, seed=1)
+    fp8 = quantize_seqs(seqs)
+    q = torch.randn(1, 6, 16, generator=seqs.generator).to(DEVICE)
+    sel = random_selection(seqs.generator, seqs.context_lens, N_SINK, 8, k=8)
+    with pytest.raises(AssertionError, match="needs its k_scale"):
+        sparse_decode_attention(q, fp8.k_cache, fp8.v_cache, seqs.block_tables, seqs.context_lens, sel, **kw(8))
+    with pytest.raises(AssertionError, match="scales are for fp8"):
+        sparse_decode_attention(q, seqs.k_cache, seqs.v_cache, seqs.block_tables, seqs.context_lens, sel,
+                                **kw(8), **fp8.scales())

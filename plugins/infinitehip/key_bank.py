@@ -12,13 +12,17 @@ caching), and with it each selected key's rank
 (only the stream moves as the request grows). So when the selection is made, its keys are
 rotated to their ranks once, into a bank
 
-    bank[slot, i, h] = R(rank(i) - tok_i) k_cache[tok_i, h]            (the cache's dtype)
+    bank[slot, i, h] = R(rank(i) - tok_i) k_cache[tok_i, h]            (the queries' dtype)
 
 and `sparse_decode_attention(..., bank=, bank_rows=)` reads them instead: sink keys sit at their
 own rank (no rotation), selected keys come rotated from the bank, and the stream keys, which all
 move by one shift mid_end - s, are scored with a second query tile rotated the other way
 (q . R(d) k = R(-d) q . k). Entries outside the middle (stray sink tokens, PAD) are not written;
 the attention never reads them.
+
+The bank holds keys in the queries' dtype: an fp8 cache (kv_quant.py, k_scale given) is
+dequantized here (each row times its scale, after the rotation), so attention reads bank keys
+without scales. (Unscaled caches are in the queries' dtype already.)
 
 Memory: [slots, K, Hkv, D] per layer — Llama-3.1-8B with the 3k budget (K = 2048): 4 MiB per
 request and layer.
@@ -31,6 +35,7 @@ import triton
 import triton.language as tl
 
 from .._triton_utils import next_pow2, triton_on
+from ..kv_quant import check_kv_scales, dequantize_tile, is_fp8, read_rows
 from .rope_styles import check_rotatable, load_halves, rotate_by_ref, rotate_halves, run_sin_cos
 from .sparse_attention import selected_bounds
 
@@ -38,6 +43,7 @@ from .sparse_attention import selected_bounds
 @triton.jit
 def _write_bank_kernel(
     k_cache_ptr,  # [num_pages, page_size, Hkv, D]
+    k_scale_ptr,  # KV_SCALED: [num_pages, page_size, Hkv] float32 row scales
     block_tables_ptr,  # [B, max_pages] int32
     ends_ptr,  # [B] int32 context lengths when the selection was made
     sel_ptr,  # [B, K] int32 ascending selected tokens, PAD-padded
@@ -47,8 +53,9 @@ def _write_bank_kernel(
     stride_cp, stride_cs, stride_ch, stride_bt, stride_sel, sel_width,
     stride_bank_slot, stride_bank_entry, stride_bank_head,
     head_dim, n_sink, skip_row,
+    stride_sp, stride_ss, stride_sh,  # KV_SCALED: the scale tensor's strides
     PAGE_SIZE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, SEL_BLOCK: tl.constexpr,
-    ROPE_GROUP: tl.constexpr,
+    ROPE_GROUP: tl.constexpr, KV_SCALED: tl.constexpr,
 ):
     row = tl.program_id(0)
     head = tl.program_id(2)
@@ -68,6 +75,9 @@ def _write_bank_kernel(
     k1, k2 = load_halves(rows, valid, head_dim, BLOCK_D)
     sin, cos = run_sin_cos(rank - tok, inv_freq_ptr, head_dim, BLOCK_T, BLOCK_D, ROPE_GROUP)
     k = rotate_halves(k1, k2, sin, cos)
+    # fp8: each row times its scale after the rotation (scale index from the scale strides: head_dim 1)
+    k = dequantize_tile(k, k_scale_ptr, page.to(tl.int64) * stride_sp + (tok % PAGE_SIZE) * stride_ss
+                        + head * stride_sh, valid, 1, KV_SCALED)
     d = tl.arange(0, BLOCK_D)
     dst = bank_ptr + slot * stride_bank_slot + idx.to(tl.int64)[:, None] * stride_bank_entry \
         + head * stride_bank_head + d[None, :]
@@ -76,10 +86,12 @@ def _write_bank_kernel(
 
 def write_key_bank(k_cache: torch.Tensor, block_tables: torch.Tensor, ends: torch.Tensor,
                    selected: torch.Tensor, bank: torch.Tensor, bank_rows: torch.Tensor, *,
-                   n_sink: int, inv_freq: torch.Tensor, rope_group: int = 1, skip_row: int | None = None) -> None:
+                   n_sink: int, inv_freq: torch.Tensor, rope_group: int = 1, skip_row: int | None = None,
+                   k_scale: torch.Tensor | None = None) -> None:
     """Rotate the middle entries of each selected row b (int32 [B, K], ascending, PAD-padded; the
     context was ends[b] tokens long) to their StreamingLLM rank into bank[bank_rows[b], i]
-    (bank [slots, >= K, Hkv, D], the cache's dtype). rope_group: the selection's run length
+    (bank [slots, >= K, Hkv, D], the queries' dtype: the cache's, or any non-fp8 dtype for an fp8
+    cache, whose row scales k_scale [num_pages, page_size, Hkv] then dequantize the keys). rope_group: the selection's run length
     (the last stage's chunk size), as in block_sparse_attention. skip_row: rows b with
     bank_rows[b] == skip_row load and write nothing: requests without a bank row of their own,
     pointed at a scratch row that no step reads (runtime/mask_cache.py)."""
@@ -89,7 +101,10 @@ def write_key_bank(k_cache: torch.Tensor, block_tables: torch.Tensor, ends: torc
     assert block_tables.dtype == torch.int32 and block_tables.shape[0] == B and block_tables.stride(1) == 1
     assert ends.shape == (B,) and ends.dtype == torch.int32 and ends.is_contiguous()
     assert bank_rows.shape == (B,) and bank_rows.dtype in (torch.int32, torch.int64)
-    assert bank.dtype == k_cache.dtype and bank.dim() == 4 and bank.shape[1] >= K and bank.shape[2:] == (Hkv, D)
+    scaled = check_kv_scales(k_cache, None, k_scale, None)
+    assert (bank.dtype == k_cache.dtype if not scaled else not is_fp8(bank)), (
+        f"a {bank.dtype} bank for a {k_cache.dtype} cache (the bank holds keys in the queries' dtype)")
+    assert bank.dim() == 4 and bank.shape[1] >= K and bank.shape[2:] == (Hkv, D)
     assert bank.stride(3) == 1
     assert inv_freq.shape == (D // 2,) and inv_freq.dtype == torch.float32
     assert rope_group >= 1 and rope_group & (rope_group - 1) == 0, f"rope_group must be a power of two, got {rope_group}"
@@ -98,21 +113,24 @@ def write_key_bank(k_cache: torch.Tensor, block_tables: torch.Tensor, ends: torc
         return
     if not triton_on(k_cache, selected):  # CPU without the interpreter
         write_key_bank_ref(k_cache, block_tables, ends, selected, bank, bank_rows, n_sink=n_sink, inv_freq=inv_freq,
-                           skip_row=skip_row)
+                           skip_row=skip_row, k_scale=k_scale)
         return
     BLOCK_T = 64
     _write_bank_kernel[(B, triton.cdiv(K, BLOCK_T), Hkv)](
-        k_cache, block_tables, ends, selected, bank, bank_rows, inv_freq,
+        k_cache, k_scale if scaled else k_cache, block_tables, ends, selected, bank, bank_rows, inv_freq,
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0), selected.stride(0), K,
         bank.stride(0), bank.stride(1), bank.stride(2), D, n_sink, -1 if skip_row is None else skip_row,
+        *(k_scale.stride() if scaled else (0, 0, 0)),
         PAGE_SIZE=page_size, BLOCK_T=BLOCK_T, BLOCK_D=D, SEL_BLOCK=min(1024, next_pow2(K)),
-        ROPE_GROUP=min(rope_group, BLOCK_T), num_warps=4)
+        ROPE_GROUP=min(rope_group, BLOCK_T), KV_SCALED=scaled, num_warps=4)
 
 
 def write_key_bank_ref(k_cache, block_tables, ends, selected, bank, bank_rows, *, n_sink: int,
-                       inv_freq: torch.Tensor, skip_row: int | None = None) -> None:
+                       inv_freq: torch.Tensor, skip_row: int | None = None, k_scale=None) -> None:
     """Reference of write_key_bank: per row (but those pointed at skip_row), the middle entries i
-    of the selection, rotated by rank(i) - tok_i in float64, stored in the bank's dtype."""
+    of the selection, rotated by rank(i) - tok_i in float64, stored in the bank's dtype (an fp8
+    cache's rows dequantized to float32 first, k_scale)."""
+    scaled = check_kv_scales(k_cache, None, k_scale, None)
     page = k_cache.shape[1]
     for b in range(selected.shape[0]):
         if skip_row is not None and int(bank_rows[b]) == skip_row:
@@ -125,7 +143,8 @@ def write_key_bank_ref(k_cache, block_tables, ends, selected, bank, bank_rows, *
         sel_begin = int((row < n_sink).sum())
         tok = row[idx]
         rank = min(n_sink, end) + idx - sel_begin
-        k = k_cache[block_tables[b, tok // page].long(), tok % page]
+        k = read_rows(k_cache, k_scale, block_tables[b, tok // page].long(), tok % page,
+                      torch.float32 if scaled else k_cache.dtype)
         bank[int(bank_rows[b]), idx] = rotate_by_ref(k.cpu(), (rank - tok).cpu(), inv_freq.cpu()).to(
             bank.dtype).to(bank.device)
 

@@ -35,6 +35,11 @@ needs no left score: one). CHUNK_INDEXED numbers
 chunks within the block's own candidate list. With RawKeys (raw_keys.py: keys un-rotated once per
 prefill step) no key is rotated per load; CHUNK_INDEXED then rotates by a sin/cos computed once
 per tile.
+
+FP8 cache (plugins/kv_quant.py; k_scale given): each loaded key row is rotated in float32 as above
+and multiplied by its row scale afterwards (rotations are linear), then cast to the queries'
+dtype for the dot: one extra [BLOCK_C] float32 load per key load. RawKeys are already in the
+queries' dtype (raw_keys.py dequantizes when it un-rotates): no scales then.
 """
 
 from __future__ import annotations
@@ -44,6 +49,7 @@ import triton
 import triton.language as tl
 
 from .._triton_utils import dot_precision, next_pow2, triton_on
+from ..kv_quant import check_kv_scales, dequantize_tile
 from .blocks import PAD, stream_starts
 from .raw_keys import RawKeys
 from .rope_styles import (C_CHUNK_INDEXED, C_NONE, C_RELATIVE, CHUNK_INDEXED, NONE, RELATIVE,
@@ -63,12 +69,15 @@ def _candidate_tokens(cand_row, idx, valid, n_sink, CAND_IMPLICIT: tl.constexpr)
 
 
 @triton.jit
-def _load_keys(tok, tok_valid, key_pos, k_head_ptr, table_row, raw_base, sin, cos, stride_cp, stride_cs,
-               stride_rt, inv_freq_ptr, head_dim, PAGE_SIZE: tl.constexpr, BLOCK_D: tl.constexpr,
-               RAW_KEYS: tl.constexpr, KEY_ROTATION: tl.constexpr):
+def _load_keys(tok, tok_valid, key_pos, k_head_ptr, s_head_ptr, table_row, raw_base, sin, cos, stride_cp,
+               stride_cs, stride_sp, stride_ss, stride_rt, inv_freq_ptr, head_dim, PAGE_SIZE: tl.constexpr,
+               BLOCK_D: tl.constexpr, RAW_KEYS: tl.constexpr, KEY_ROTATION: tl.constexpr,
+               KV_SCALED: tl.constexpr):
     """Keys [BLOCK_C, BLOCK_D] float32 of BLOCK_C tokens, from the paged cache or (RAW_KEYS) from
     RawKeys rows raw_base + tok; KEY_ROTATION 0: as stored, 1: by key_pos - tok (the style's
-    position of each key), 2: by the given sin/cos [BLOCK_C, BLOCK_D // 2]."""
+    position of each key), 2: by the given sin/cos [BLOCK_C, BLOCK_D // 2]. KV_SCALED (an fp8
+    cache, never with RAW_KEYS): each row times its scale (s_head_ptr: the kv head's scales),
+    after the rotation."""
     if RAW_KEYS:
         rows = k_head_ptr + (raw_base + tok).to(tl.int64) * stride_rt
     else:
@@ -78,6 +87,9 @@ def _load_keys(tok, tok_valid, key_pos, k_head_ptr, table_row, raw_base, sin, co
         k = load_rotated_by(rows, tok_valid, sin, cos, head_dim, BLOCK_D)
     else:
         k = load_rotated(rows, tok_valid, key_pos - tok, inv_freq_ptr, head_dim, BLOCK_D, KEY_ROTATION == 1)
+    if KV_SCALED:  # the row's scale index from the scale tensor's strides (head_dim 1: no division)
+        k = dequantize_tile(k, s_head_ptr, page.to(tl.int64) * stride_sp + (tok % PAGE_SIZE) * stride_ss,
+                            tok_valid, 1, KV_SCALED)
     return k
 
 
@@ -100,28 +112,30 @@ def _max_score(q, k, q_pos, row_valid, tok, tok_valid, DOT_PRECISION: tl.constex
 
 @triton.jit
 def _score_right(q_right, q_pos, row_valid, first, half, chunk_len, base, key_pos, cand_row, table_row, k_head,
-                 raw_base, sin, cos, inv_freq_ptr, stride_cp, stride_cs, stride_rt, head_dim, n_sink,
-                 PAGE_SIZE: tl.constexpr, BLOCK_D: tl.constexpr, CAND_IMPLICIT: tl.constexpr,
+                 s_head, raw_base, sin, cos, inv_freq_ptr, stride_cp, stride_cs, stride_sp, stride_ss, stride_rt,
+                 head_dim, n_sink, PAGE_SIZE: tl.constexpr, BLOCK_D: tl.constexpr, CAND_IMPLICIT: tl.constexpr,
                  RAW_KEYS: tl.constexpr, KEY_ROTATION: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                 KEYS_AS_ROWS: tl.constexpr):
+                 KEYS_AS_ROWS: tl.constexpr, KV_SCALED: tl.constexpr):
     """One halving's right representative (offset first + half of each chunk): (its offset,
     token, validity, key [BLOCK_C, BLOCK_D], sigma as a right representative)."""
     right = first + half
     r_valid = right < chunk_len
     r_tok = _candidate_tokens(cand_row, base + right, r_valid, n_sink, CAND_IMPLICIT)
-    k = _load_keys(r_tok, r_valid, key_pos, k_head, table_row, raw_base, sin, cos, stride_cp, stride_cs,
-                   stride_rt, inv_freq_ptr, head_dim, PAGE_SIZE, BLOCK_D, RAW_KEYS, KEY_ROTATION).to(q_right.dtype)
+    k = _load_keys(r_tok, r_valid, key_pos, k_head, s_head, table_row, raw_base, sin, cos, stride_cp, stride_cs,
+                   stride_sp, stride_ss, stride_rt, inv_freq_ptr, head_dim, PAGE_SIZE, BLOCK_D, RAW_KEYS,
+                   KEY_ROTATION, KV_SCALED).to(q_right.dtype)
     s_right = _max_score(q_right, k, q_pos, row_valid, r_tok, r_valid, DOT_PRECISION, KEYS_AS_ROWS)
     return right, r_tok, r_valid, k, s_right
 
 
 @triton.jit
 def _tournament_tile(q_left, q_right, q_pos, row_valid, first_chunk, n_cand, cand_row, table_row,
-                     k_head, raw_base, inv_freq_ptr, stride_cp, stride_cs, stride_rt, head_dim, n_sink,
-                     chunk_size, num_iters,
+                     k_head, s_head, raw_base, inv_freq_ptr, stride_cp, stride_cs, stride_sp, stride_ss,
+                     stride_rt, head_dim, n_sink, chunk_size, num_iters,
                      PAGE_SIZE: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr,
                      CAND_IMPLICIT: tl.constexpr, ROPE_STYLE: tl.constexpr, RAW_KEYS: tl.constexpr,
-                     KEY_ROTATION: tl.constexpr, DOT_PRECISION: tl.constexpr, KEYS_AS_ROWS: tl.constexpr):
+                     KEY_ROTATION: tl.constexpr, DOT_PRECISION: tl.constexpr, KEYS_AS_ROWS: tl.constexpr,
+                     KV_SCALED: tl.constexpr):
     """SelectRep on BLOCK_C chunks of one kv head in lock-step -> (sigma of each winner [BLOCK_C],
     -inf for empty chunks; the winner's offset within its chunk [BLOCK_C]). q_left / q_right:
     the query tile scoring left / right representatives (the same tile except under RELATIVE,
@@ -142,8 +156,9 @@ def _tournament_tile(q_left, q_right, q_pos, row_valid, first_chunk, n_cand, can
         sin, cos = sin_cos_of(chunk, inv_freq_ptr, head_dim, BLOCK_D)
     first = chunk * 0  # offset of the current range's first candidate within the chunk
     tok = _candidate_tokens(cand_row, base, has, n_sink, CAND_IMPLICIT)
-    k = _load_keys(tok, has, key_pos, k_head, table_row, raw_base, sin, cos, stride_cp, stride_cs, stride_rt,
-                   inv_freq_ptr, head_dim, PAGE_SIZE, BLOCK_D, RAW_KEYS, KEY_ROTATION).to(q_left.dtype)
+    k = _load_keys(tok, has, key_pos, k_head, s_head, table_row, raw_base, sin, cos, stride_cp, stride_cs,
+                   stride_sp, stride_ss, stride_rt, inv_freq_ptr, head_dim, PAGE_SIZE, BLOCK_D, RAW_KEYS,
+                   KEY_ROTATION, KV_SCALED).to(q_left.dtype)
     s_left = _max_score(q_left, k, q_pos, row_valid, tok, has, DOT_PRECISION, KEYS_AS_ROWS)
     best = s_left
     half = chunk_size
@@ -151,9 +166,10 @@ def _tournament_tile(q_left, q_right, q_pos, row_valid, first_chunk, n_cand, can
     for _ in range(num_iters - 1 if PEELED else num_iters):
         half = half // 2
         right, r_tok, r_valid, k, s_right = _score_right(
-            q_right, q_pos, row_valid, first, half, chunk_len, base, key_pos, cand_row, table_row, k_head, raw_base,
-            sin, cos, inv_freq_ptr, stride_cp, stride_cs, stride_rt, head_dim, n_sink, PAGE_SIZE, BLOCK_D,
-            CAND_IMPLICIT, RAW_KEYS, KEY_ROTATION, DOT_PRECISION, KEYS_AS_ROWS)
+            q_right, q_pos, row_valid, first, half, chunk_len, base, key_pos, cand_row, table_row, k_head, s_head,
+            raw_base, sin, cos, inv_freq_ptr, stride_cp, stride_cs, stride_sp, stride_ss, stride_rt, head_dim,
+            n_sink, PAGE_SIZE, BLOCK_D, CAND_IMPLICIT, RAW_KEYS, KEY_ROTATION, DOT_PRECISION, KEYS_AS_ROWS,
+            KV_SCALED)
         wins = s_right > s_left
         first = tl.where(wins, right, first)
         best = tl.maximum(s_left, s_right)  # sigma of the winner
@@ -169,8 +185,9 @@ def _tournament_tile(q_left, q_right, q_pos, row_valid, first_chunk, n_cand, can
             half = half // 2
             right, r_tok, r_valid, k, s_right = _score_right(
                 q_right, q_pos, row_valid, first, half, chunk_len, base, key_pos, cand_row, table_row, k_head,
-                raw_base, sin, cos, inv_freq_ptr, stride_cp, stride_cs, stride_rt, head_dim, n_sink, PAGE_SIZE,
-                BLOCK_D, CAND_IMPLICIT, RAW_KEYS, KEY_ROTATION, DOT_PRECISION, KEYS_AS_ROWS)
+                s_head, raw_base, sin, cos, inv_freq_ptr, stride_cp, stride_cs, stride_sp, stride_ss, stride_rt,
+                head_dim, n_sink, PAGE_SIZE, BLOCK_D, CAND_IMPLICIT, RAW_KEYS, KEY_ROTATION, DOT_PRECISION,
+                KEYS_AS_ROWS, KV_SCALED)
             first = tl.where(s_right > s_left, right, first)
             best = tl.maximum(s_left, s_right)
     return best, first
@@ -181,6 +198,7 @@ def _select_rep_kernel(
     # inputs
     q_ptr,  # [T, Hq, D] packed queries, rotated at their positions
     k_cache_ptr,  # [num_pages, page_size, Hkv, D]
+    k_scale_ptr,  # KV_SCALED: [num_pages, page_size, Hkv] float32 row scales of the fp8 cache
     raw_ptr,  # RAW_KEYS: RawKeys.keys [N, Hkv, D] (keys at position 0, token order)
     raw_base_ptr,  # RAW_KEYS: [NB] int64 row of each block's token 0 in raw_ptr
     block_tables_ptr,  # [NB, max_pages] int32
@@ -195,6 +213,7 @@ def _select_rep_kernel(
     # constants
     stride_qt, stride_qh,
     stride_cp, stride_cs, stride_ch,
+    stride_sp, stride_ss, stride_sh,  # KV_SCALED: the scale tensor's strides
     stride_rt, stride_rh,
     stride_bt, stride_cand,
     max_chunks, num_kv_heads, group_size, head_dim,
@@ -210,9 +229,10 @@ def _select_rep_kernel(
     RAW_KEYS: tl.constexpr,  # keys from raw_ptr (raw_keys.py), not the paged cache
     KEY_ROTATION: tl.constexpr,  # 0 none (NONE; raw RELATIVE), 1 by style position - token (RELATIVE:
     #                              un-rotate), 2 by chunk index (raw CHUNK_INDEXED)
-    DOT_F32: tl.constexpr,  # float32 dot operands (CPU interpreter, float32 caches)
+    DOT_F32: tl.constexpr,  # float32 dot operands (CPU interpreter, float32 queries)
     DOT_PRECISION: tl.constexpr,
     KEYS_AS_ROWS: tl.constexpr,  # score tiles as [chunks, queries] (_max_score)
+    KV_SCALED: tl.constexpr,  # keys from an fp8 cache (kv_quant.py): rows times their scales
 ):
     blk = tl.program_id(0)
     kv_head = tl.program_id(2)
@@ -240,26 +260,27 @@ def _select_rep_kernel(
         q_delta = q_pos * 0
     q_left = load_rotated(q_rows, row_valid, q_delta, inv_freq_ptr, head_dim, BLOCK_D, ROPE_STYLE != C_NONE)
     if not DOT_F32:
-        q_left = q_left.to(k_cache_ptr.dtype.element_ty)
+        q_left = q_left.to(q_ptr.dtype.element_ty)  # dots in the queries' dtype
     q_right = q_left
     if ROPE_STYLE == C_RELATIVE:  # q . R(1) k = R(-1) q . k: the right branch's query one closer
         q_right = load_rotated(q_rows, row_valid, q_delta - 1, inv_freq_ptr, head_dim, BLOCK_D, True)
         if not DOT_F32:
-            q_right = q_right.to(k_cache_ptr.dtype.element_ty)
+            q_right = q_right.to(q_ptr.dtype.element_ty)
     if RAW_KEYS:
         k_head = raw_ptr + kv_head * stride_rh
         raw_base = tl.load(raw_base_ptr + blk)
     else:
         k_head = k_cache_ptr + kv_head * stride_ch
         raw_base = blk.to(tl.int64) * 0
+    s_head = k_scale_ptr + kv_head * stride_sh  # KV_SCALED
     out_row = (blk.to(tl.int64) * num_kv_heads + kv_head) * max_chunks
     for tile in range(TILES):
         first_chunk = (tl.program_id(1) * TILES + tile) * BLOCK_C
         best, first = _tournament_tile(q_left, q_right, q_pos, row_valid, first_chunk, n_cand, cand_row,
-                                       table_row, k_head, raw_base, inv_freq_ptr, stride_cp, stride_cs,
-                                       stride_rt, head_dim, n_sink, chunk_size, num_iters, PAGE_SIZE,
-                                       BLOCK_C, BLOCK_D, CAND_IMPLICIT, ROPE_STYLE, RAW_KEYS,
-                                       KEY_ROTATION, DOT_PRECISION, KEYS_AS_ROWS)
+                                       table_row, k_head, s_head, raw_base, inv_freq_ptr, stride_cp, stride_cs,
+                                       stride_sp, stride_ss, stride_rt, head_dim, n_sink, chunk_size, num_iters,
+                                       PAGE_SIZE, BLOCK_C, BLOCK_D, CAND_IMPLICIT, ROPE_STYLE, RAW_KEYS,
+                                       KEY_ROTATION, DOT_PRECISION, KEYS_AS_ROWS, KV_SCALED)
         chunk = first_chunk + tl.arange(0, BLOCK_C)
         in_row = chunk < max_chunks
         tl.store(scores_ptr + out_row + chunk, best, mask=in_row)
@@ -286,7 +307,8 @@ def select_rep_scores(q, k_cache, block_tables, q_start, q_lens, ends, candidate
                       inv_freq: torch.Tensor | None = None, store_reps: bool = False,
                       head_normalized: bool = False, query_stride: int = 1,
                       raw_keys: RawKeys | None = None, block_c: int | None = None,
-                      tiles: int | None = None, num_warps: int | None = None, keys_as_rows: bool | None = None):
+                      tiles: int | None = None, num_warps: int | None = None, keys_as_rows: bool | None = None,
+                      k_scale: torch.Tensor | None = None):
     """Triton SelectRep: chunk scores float32 [NB, max_chunks] and (store_reps) representatives
     int32 [NB, Hkv, max_chunks]. candidates None = stage 1 (the middle, implicitly); then
     max_candidates must be >= every block's middle length (a fixed capacity keeps the grid
@@ -296,11 +318,14 @@ def select_rep_scores(q, k_cache, block_tables, q_start, q_lens, ends, candidate
     of a block (InfiniteHipConfig.query_strides). raw_keys: the blocks' keys at position 0
     (raw_keys.unrotate_keys), read instead of re-rotating cached keys when a dynamic RoPE style
     is on (ignored for "none"). block_c / tiles / num_warps / keys_as_rows: tuning overrides
-    (keys_as_rows: score tiles transposed, the same values)."""
+    (keys_as_rows: score tiles transposed, the same values). k_scale: float32 [num_pages,
+    page_size, Hkv] row scales of an fp8 k_cache (kv_quant.py; None: the cache is in q's dtype);
+    raw_keys are then in q's dtype (raw_keys.unrotate_keys(..., dtype=q.dtype))."""
     T, Hq, D = q.shape
     num_pages, page_size, Hkv, Dk = k_cache.shape
     NB = ends.shape[0]
-    assert Dk == D and Hq % Hkv == 0 and q.dtype == k_cache.dtype
+    scaled = check_kv_scales(k_cache, None, k_scale, None)
+    assert Dk == D and Hq % Hkv == 0 and (scaled or q.dtype == k_cache.dtype)
     assert q.stride(2) == 1 and k_cache.stride(3) == 1 and page_size & (page_size - 1) == 0
     for meta in (q_start, q_lens, ends):
         assert meta.shape == (NB,) and meta.dtype == torch.int32 and meta.is_contiguous()
@@ -341,7 +366,7 @@ def select_rep_scores(q, k_cache, block_tables, q_start, q_lens, ends, candidate
     TILES = tiles or min(16, next_pow2(max(1, NB * Hkv * n_tiles // 16384)))
     raw = raw_keys if style != NONE else None
     if raw is not None:
-        assert raw.keys.dtype == k_cache.dtype and raw.keys.shape[1:] == (Hkv, D) and raw.keys.stride(2) == 1
+        assert raw.keys.dtype == q.dtype and raw.keys.shape[1:] == (Hkv, D) and raw.keys.stride(2) == 1
         assert raw.block_base.shape == (NB,) and raw.block_base.dtype == torch.int64
     if NB == 0 or max_chunks == 0:
         scores = torch.full((NB, max_chunks), float("-inf"), dtype=torch.float32, device=q.device)
@@ -350,12 +375,14 @@ def select_rep_scores(q, k_cache, block_tables, q_start, q_lens, ends, candidate
     part = torch.empty((NB, Hkv, max_chunks), dtype=torch.float32, device=q.device)
     reps = torch.empty((NB, Hkv, max_chunks), dtype=torch.int32, device=q.device) if store_reps else part
     _select_rep_kernel[(NB, triton.cdiv(n_tiles, TILES), Hkv)](
-        q, k_cache, raw.keys if raw is not None else k_cache, raw.block_base if raw is not None else ends,
+        q, k_cache, k_scale if scaled else k_cache,
+        raw.keys if raw is not None else k_cache, raw.block_base if raw is not None else ends,
         block_tables, q_start, q_lens, ends, cand, cand_lens,
         inv_freq if inv_freq is not None else part,
         part, reps,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        *(k_scale.stride() if scaled else (0, 0, 0)),
         raw.keys.stride(0) if raw is not None else 0, raw.keys.stride(1) if raw is not None else 0,
         block_tables.stride(0), cand.stride(0),
         max_chunks, Hkv, G, D, n_sink, n_stream, chunk_size, _num_iters(chunk_size), query_stride,
@@ -365,6 +392,7 @@ def select_rep_scores(q, k_cache, block_tables, q_start, q_lens, ends, candidate
         KEY_ROTATION=0 if style == NONE or (raw is not None and style == RELATIVE) else 2 if raw is not None else 1,
         DOT_F32=not q.is_cuda or q.dtype == torch.float32,
         DOT_PRECISION=dot_precision(q.dtype if q.is_cuda else torch.float32), KEYS_AS_ROWS=keys_as_rows,
+        KV_SCALED=scaled and raw is None,  # raw keys come dequantized
         # H200, 1M keys: 256-row query tiles (stride 1) 8 warps (stage 1 112 vs 163 ms, stage 3
         # 14 vs 27 ms); 64-row tiles (stride 4) and decode 4 (stage 1 24 vs 35 ms)
         num_warps=num_warps or (8 if BLOCK_Q >= 256 else 4),
@@ -507,10 +535,11 @@ def pruning_stage(q, k_cache, block_tables, q_start, q_lens, ends, candidates=No
                   *, chunk_size: int, k: int, block_q: int, n_sink: int, n_stream: int,
                   max_candidates: int | None = None, rope_style="none", inv_freq=None,
                   head_normalized: bool = False, query_stride: int = 1,
-                  raw_keys: RawKeys | None = None, **tuning):
+                  raw_keys: RawKeys | None = None, k_scale: torch.Tensor | None = None, **tuning):
     """One pruning stage: the Triton SelectRep kernel, then topk_chunks (CPU tensors without
     TRITON_INTERPRET: pruning_ref.pruning_stage_ref, same contract). Returns the survivors
     (int32 [NB, k] ascending, PAD-padded) and their counts (int32 [NB]), the next stage's input.
+    k_scale: the row scales of an fp8 k_cache (select_rep_scores).
 
         >>> sel, n = pruning_stage(q, k_cache, tables, q_start, q_lens, ends,   # doctest: +SKIP
         ...                        chunk_size=256, k=32768, block_q=64, n_sink=256, n_stream=1024)
@@ -523,7 +552,7 @@ def pruning_stage(q, k_cache, block_tables, q_start, q_lens, ends, candidates=No
         return pruning_stage_ref(q, k_cache, block_tables, q_start, q_lens, ends, candidates, cand_lens,
                                  chunk_size=chunk_size, k=k, n_sink=n_sink, n_stream=n_stream,
                                  max_candidates=max_candidates, rope_style=rope_style, inv_freq=inv_freq,
-                                 head_normalized=head_normalized, query_stride=query_stride)
+                                 head_normalized=head_normalized, query_stride=query_stride, k_scale=k_scale)
     if candidates is not None and cand_lens is None:  # once, for both kernels
         cand_lens = _candidate_lens(ends, candidates, None, n_sink, n_stream)
     scores, _ = select_rep_scores(q, k_cache, block_tables, q_start, q_lens, ends, candidates,
@@ -531,6 +560,6 @@ def pruning_stage(q, k_cache, block_tables, q_start, q_lens, ends, candidates=No
                                   n_stream=n_stream, max_candidates=max_candidates,
                                   rope_style=rope_style, inv_freq=inv_freq,
                                   head_normalized=head_normalized, query_stride=query_stride,
-                                  raw_keys=raw_keys, **tuning)
+                                  raw_keys=raw_keys, k_scale=k_scale, **tuning)
     return topk_chunks(scores, candidates, cand_lens, chunk_size=chunk_size, k=k, n_sink=n_sink,
                        ends=ends, n_stream=n_stream)

@@ -13,6 +13,7 @@ import math
 
 import torch
 
+from ..kv_quant import check_kv_scales, read_rows
 from .blocks import PAD, initial_candidates
 from .rope_styles import CHUNK_INDEXED, NONE, RELATIVE, rope_style_id, rotate_by_ref
 
@@ -41,11 +42,13 @@ def _sigma_tables(q_rows, q_pos, keys, toks, chunk_of, num_chunks, n_stream, sty
 def select_rep_scores_ref(q, k_cache, block_tables, q_start, q_lens, ends, candidates=None,
                           cand_lens=None, *, chunk_size: int, n_sink: int, n_stream: int,
                           max_candidates: int | None = None, rope_style="none", inv_freq=None,
-                          head_normalized: bool = False, query_stride: int = 1):
+                          head_normalized: bool = False, query_stride: int = 1, k_scale=None):
     """Reference of pruning.select_rep_scores: (scores float64 [NB, C], reps int32 [NB, Hkv, C],
     margins float64 [NB, Hkv, C] = smallest |sigma_right - sigma_left| of each tournament).
     head_normalized: each kv head's chunk scores minus that head's best, then the max.
-    query_stride s: only the block's queries min(s (i + 1) - 1, q_len - 1) score."""
+    query_stride s: only the block's queries min(s (i + 1) - 1, q_len - 1) score. k_scale: an
+    fp8 k_cache's row scales (its keys dequantized to float32 rows)."""
+    scaled = check_kv_scales(k_cache, None, k_scale, None)
     style = rope_style_id(rope_style)
     if candidates is None:
         candidates, cand_lens = initial_candidates(ends, n_sink, n_stream, width=max_candidates)
@@ -61,7 +64,8 @@ def select_rep_scores_ref(q, k_cache, block_tables, q_start, q_lens, ends, candi
         if n == 0 or q_len == 0:
             continue
         toks = candidates[i, :n].long().cpu()
-        keys = k_cache[block_tables[i, toks // page].long(), toks % page].cpu()  # [n, Hkv, D]
+        pages, slots = block_tables[i, toks // page].long(), (toks % page).to(block_tables.device)
+        keys = read_rows(k_cache, k_scale, pages, slots, torch.float32 if scaled else k_cache.dtype).cpu()  # [n, Hkv, D]
         sampled = torch.arange(query_stride - 1, q_len - 1 + query_stride, query_stride).clamp(max=q_len - 1)
         q_rows = q[int(q_start[i]):int(q_start[i]) + q_len].cpu()[sampled]
         q_pos = torch.arange(e - q_len, e)[sampled]
@@ -115,8 +119,9 @@ def topk_chunks_ref(scores, candidates, cand_lens, *, chunk_size: int, k: int, n
 def pruning_stage_ref(q, k_cache, block_tables, q_start, q_lens, ends, candidates=None,
                       cand_lens=None, *, chunk_size: int, k: int, n_sink: int, n_stream: int,
                       max_candidates: int | None = None, rope_style="none", inv_freq=None,
-                      head_normalized: bool = False, query_stride: int = 1):
-    """Reference of pruning.pruning_stage: (survivors int32 [NB, k] PAD-padded, lens [NB])."""
+                      head_normalized: bool = False, query_stride: int = 1, k_scale=None):
+    """Reference of pruning.pruning_stage: (survivors int32 [NB, k] PAD-padded, lens [NB]).
+    k_scale: an fp8 k_cache's row scales."""
     if candidates is None:
         candidates, cand_lens = initial_candidates(ends, n_sink, n_stream, width=max_candidates)
     elif cand_lens is None:
@@ -124,5 +129,6 @@ def pruning_stage_ref(q, k_cache, block_tables, q_start, q_lens, ends, candidate
     scores, _, _ = select_rep_scores_ref(q, k_cache, block_tables, q_start, q_lens, ends, candidates,
                                          cand_lens, chunk_size=chunk_size, n_sink=n_sink,
                                          n_stream=n_stream, rope_style=rope_style, inv_freq=inv_freq,
-                                         head_normalized=head_normalized, query_stride=query_stride)
+                                         head_normalized=head_normalized, query_stride=query_stride,
+                                         k_scale=k_scale)
     return topk_chunks_ref(scores, candidates, cand_lens, chunk_size=chunk_size, k=k, n_sink=n_sink)

@@ -11,7 +11,9 @@ of every token of each sequence once (this module, one pass over the keys), and 
                    the right branch (key at 1) scores R(-1) of it = q at n_stream — two query tiles
     CHUNK_INDEXED  rotates a key by its chunk index c: sin/cos per chunk, computed once per tile
 
-Layout: keys [N, Hkv, D] in the cache dtype (one rounding, like the bf16 cast before the dot),
+Layout: keys [N, Hkv, D] in the cache dtype (one rounding, like the bf16 cast before the dot) or,
+for an fp8 cache (kv_quant.py), in the given compute dtype (the queries'): rows are dequantized
+(times their scales, after the rotation) on the way, so pruning never sees fp8 here;
 sequence s at rows [base_s, base_s + len_s) in token order (no page table); block_base int64 [NB]
 is the base of each query block's sequence. Decode does not use it (one query: the in-kernel
 rotation of the few keys it loads is cheaper than a pass over all of them).
@@ -26,6 +28,7 @@ import triton
 import triton.language as tl
 
 from .._triton_utils import next_pow2, triton_on
+from ..kv_quant import check_kv_scales, dequantize_tile, is_fp8, read_rows
 from .rope_styles import check_rotatable, load_rotated, rotate_by_ref
 
 
@@ -41,12 +44,14 @@ class RawKeys:
 @triton.jit
 def _unrotate_kernel(
     k_cache_ptr,  # [num_pages, page_size, Hkv, D]
+    k_scale_ptr,  # KV_SCALED: [num_pages, page_size, Hkv] float32 row scales
     table_ptr,  # [max_pages] int32, one sequence
     inv_freq_ptr,  # [D/2] float32
     out_ptr,  # [len, Hkv, D] this sequence's rows of RawKeys.keys
     length, head_dim,
     stride_cp, stride_cs, stride_ch, stride_ot, stride_oh,
-    PAGE_SIZE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+    stride_sp, stride_ss, stride_sh,  # KV_SCALED: the scale tensor's strides
+    PAGE_SIZE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, KV_SCALED: tl.constexpr,
 ):
     tok = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     head = tl.program_id(1)
@@ -54,17 +59,28 @@ def _unrotate_kernel(
     page = tl.load(table_ptr + tok // PAGE_SIZE, mask=valid, other=0)
     rows = k_cache_ptr + page.to(tl.int64) * stride_cp + (tok % PAGE_SIZE) * stride_cs + head * stride_ch
     k = load_rotated(rows, valid, -tok, inv_freq_ptr, head_dim, BLOCK_D, True)
+    # fp8: each row times its scale after the rotation (scale index from the scale strides: head_dim 1)
+    k = dequantize_tile(k, k_scale_ptr, page.to(tl.int64) * stride_sp + (tok % PAGE_SIZE) * stride_ss
+                        + head * stride_sh, valid, 1, KV_SCALED)
     d = tl.arange(0, BLOCK_D)
     out = out_ptr + tok.to(tl.int64)[:, None] * stride_ot + head * stride_oh + d[None, :]
     tl.store(out, k.to(out_ptr.dtype.element_ty), mask=valid[:, None] & (d < head_dim)[None, :])
 
 
 def unrotate_keys(k_cache: torch.Tensor, seq_tables: torch.Tensor, seq_lens: list[int],
-                  inv_freq: torch.Tensor, block_seq: torch.Tensor) -> RawKeys:
+                  inv_freq: torch.Tensor, block_seq: torch.Tensor, *, k_scale: torch.Tensor | None = None,
+                  dtype: torch.dtype | None = None) -> RawKeys:
     """RawKeys of S sequences: seq_tables int32 [S, max_pages] (their page tables), seq_lens the
     tokens to un-rotate of each (host ints, an upper bound is fine: rows past a sequence's end are
-    never read), block_seq int64 [NB] the sequence (0..S-1) of each query block."""
+    never read), block_seq int64 [NB] the sequence (0..S-1) of each query block. k_scale: the row
+    scales of an fp8 k_cache (kv_quant.py); dtype: RawKeys.keys' dtype, the queries' (default: the
+    cache's; required for an fp8 cache, and never fp8)."""
     num_pages, page_size, Hkv, D = k_cache.shape
+    scaled = check_kv_scales(k_cache, None, k_scale, None)
+    if dtype is None:
+        assert not scaled, "unrotate_keys of an fp8 cache needs dtype= (the queries' dtype)"
+        dtype = k_cache.dtype
+    assert not is_fp8(dtype), "RawKeys hold dequantized keys: dtype must not be fp8"
     assert seq_tables.dtype == torch.int32 and seq_tables.shape[0] == len(seq_lens) and seq_tables.stride(1) == 1
     assert inv_freq.shape == (D // 2,) and inv_freq.dtype == torch.float32
     check_rotatable(D)
@@ -72,7 +88,7 @@ def unrotate_keys(k_cache: torch.Tensor, seq_tables: torch.Tensor, seq_lens: lis
     bases = [0]
     for n in seq_lens:
         bases.append(bases[-1] + n)
-    keys = torch.empty((bases[-1], Hkv, D), dtype=k_cache.dtype, device=k_cache.device)
+    keys = torch.empty((bases[-1], Hkv, D), dtype=dtype, device=k_cache.device)
     base_t = torch.tensor(bases[:-1], dtype=torch.int64, device=k_cache.device)
     raw = RawKeys(keys, base_t[block_seq] if block_seq.numel() else block_seq.to(torch.int64))
     for s, n in enumerate(seq_lens):
@@ -81,14 +97,16 @@ def unrotate_keys(k_cache: torch.Tensor, seq_tables: torch.Tensor, seq_lens: lis
         out = keys[bases[s]:bases[s] + n]
         if not triton_on(k_cache):  # CPU without the interpreter
             toks = torch.arange(n, device=k_cache.device)
-            stored = k_cache[seq_tables[s, toks // page_size].long(), toks % page_size]
+            stored = read_rows(k_cache, k_scale, seq_tables[s, toks // page_size].long(), toks % page_size,
+                               torch.float32 if scaled else k_cache.dtype)
             out.copy_(rotate_by_ref(stored, -toks, inv_freq).to(out.dtype))
             continue
         BLOCK_T = 64
         _unrotate_kernel[(triton.cdiv(n, BLOCK_T), Hkv)](
-            k_cache, seq_tables[s], inv_freq, out, n, D,
+            k_cache, k_scale if scaled else k_cache, seq_tables[s], inv_freq, out, n, D,
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), out.stride(0), out.stride(1),
-            PAGE_SIZE=page_size, BLOCK_T=BLOCK_T, BLOCK_D=max(16, next_pow2(D)))
+            *(k_scale.stride() if scaled else (0, 0, 0)),
+            PAGE_SIZE=page_size, BLOCK_T=BLOCK_T, BLOCK_D=max(16, next_pow2(D)), KV_SCALED=scaled)
     return raw
 
 

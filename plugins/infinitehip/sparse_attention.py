@@ -33,6 +33,13 @@ run's broken edge pay one per key. The key loads stay outside that branch (a bra
 cost more than the trig it saved: 21 -> 23.5 µs per decode step at 1M keys on the H200).
 Needs n_stream >= b_q so every query's own token is a streaming token (a query always sees
 itself).
+
+FP8 cache (plugins/kv_quant.py; k_scale / v_scale given): the kernel loads fp8 K/V tiles, rotates
+keys as above in float32 and multiplies each row by its scale afterwards (a rotation is linear:
+scaling after it is the same), and casts to the queries' dtype for the dots; the key bank stays
+in the queries' dtype (key_bank.py dequantizes when it writes). A tile's row scales are one
+[BLOCK_N] float32 load each for K and V, indexed through the scale tensor's own strides (no
+division by D in the loop).
 """
 
 from __future__ import annotations
@@ -42,6 +49,7 @@ import triton
 import triton.language as tl
 
 from .._triton_utils import device_num_sms, dot_precision, next_pow2, triton_on
+from ..kv_quant import check_kv_scales, dequantize_tile, read_rows
 from ..dense_attention import _decode_merge_kernel, choose_num_splits, dense_attention_ref
 from .blocks import block_key_mask
 from .rope_styles import (C_STREAMING, NONE, STREAMING, check_rotatable, load_halves, load_rotated,
@@ -67,9 +75,11 @@ def selected_bounds(sel_base, sel_width, n_sink, s, SEL_BLOCK: tl.constexpr):
 
 @triton.jit
 def _tile_tokens(tile, n0, mid_end, s, n_keys, sel_row, table_row, stride_cp, stride_cs, kv_head, stride_ch,
-                 PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Ranks [BLOCK_N] of a key tile -> (token, cache row offset of its kv head); both masked to 0
-    past n_keys. Two dependent loads: the selected row (selected ranks), then the page table."""
+                 stride_sp, stride_ss, stride_sh, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+                 KV_SCALED: tl.constexpr):
+    """Ranks [BLOCK_N] of a key tile -> (token, cache row offset of its kv head, index of the row's
+    scale (KV_SCALED; else a copy of the row offset, unused)); all masked to 0 past n_keys. Two
+    dependent loads: the selected row (selected ranks), then the page table."""
     rank = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     valid = rank < n_keys
     is_sel = (rank >= n0) & (rank < mid_end)
@@ -77,7 +87,11 @@ def _tile_tokens(tile, n0, mid_end, s, n_keys, sel_row, table_row, stride_cp, st
     tok = tl.where(rank < n0, rank, tl.where(is_sel, sel_tok, s + rank - mid_end))
     page = tl.load(table_row + tok // PAGE_SIZE, mask=valid, other=0)
     kv_row = page.to(tl.int64) * stride_cp + (tok % PAGE_SIZE) * stride_cs + kv_head * stride_ch
-    return tok, kv_row
+    if KV_SCALED:
+        sc_row = page.to(tl.int64) * stride_sp + (tok % PAGE_SIZE) * stride_ss + kv_head * stride_sh
+    else:
+        sc_row = kv_row
+    return tok, kv_row, sc_row
 
 
 @triton.jit
@@ -85,6 +99,7 @@ def _sparse_attn_kernel(
     # inputs
     q_ptr,  # [T, Hq, D] packed queries
     k_cache_ptr, v_cache_ptr,  # [num_pages, page_size, Hkv, D] (same strides)
+    k_scale_ptr, v_scale_ptr,  # KV_SCALED: [num_pages, page_size, Hkv] float32 row scales (same strides)
     block_tables_ptr,  # [NB, max_pages] int32
     q_start_ptr, q_lens_ptr, ends_ptr,  # [NB] int32 query blocks (DECODE: q_start/q_lens unused)
     sel_ptr,  # [NB, K] int32 selected tokens, ascending, PAD-padded
@@ -98,6 +113,7 @@ def _sparse_attn_kernel(
     # constants
     stride_qt, stride_qh,
     stride_cp, stride_cs, stride_ch,
+    stride_sp, stride_ss, stride_sh,  # KV_SCALED: the scale tensors' strides
     stride_bt, stride_sel, sel_width,
     stride_bank_slot, stride_bank_entry, stride_bank_head,
     stride_ot, stride_oh,
@@ -117,12 +133,14 @@ def _sparse_attn_kernel(
     BANK: tl.constexpr,  # STREAMING: selected keys from the rotated bank, stream keys scored with
     #                      a counter-rotated query: no key is rotated
     PREFETCH: tl.constexpr,  # load the next tile's tokens and page entries while this one computes
-    DOT_F32: tl.constexpr,  # float32 dot operands (CPU interpreter, float32 caches)
+    DOT_F32: tl.constexpr,  # float32 dot operands (CPU interpreter, float32 queries)
     DOT_PRECISION: tl.constexpr,
+    KV_SCALED: tl.constexpr,  # fp8 caches with row scales (kv_quant.py): dequantize K/V tiles
 ):
     blk = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
+    COMPUTE = q_ptr.dtype.element_ty  # dot operands in the queries' dtype (unless DOT_F32)
     if DECODE:
         q_len = 1
         q0 = blk
@@ -153,12 +171,12 @@ def _sparse_attn_kernel(
     q = load_rotated(q_ptr + (q0 + t).to(tl.int64) * stride_qt + heads * stride_qh, row_valid,
                      q_rank - q_pos, inv_freq_ptr, head_dim, BLOCK_D, ROTATE)
     if not DOT_F32:
-        q = q.to(k_cache_ptr.dtype.element_ty)
+        q = q.to(COMPUTE)
     if BANK:  # every stream key moves by mid_end - s: q . R(d) k = R(-d) q . k, one query tile
         q_stream = load_rotated(q_ptr + (q0 + t).to(tl.int64) * stride_qt + heads * stride_qh, row_valid,
                                 q_rank - q_pos - (mid_end - s), inv_freq_ptr, head_dim, BLOCK_D, True)
         if not DOT_F32:
-            q_stream = q_stream.to(k_cache_ptr.dtype.element_ty)
+            q_stream = q_stream.to(COMPUTE)
         bank_base = (bank_ptr + tl.load(bank_rows_ptr + blk).to(tl.int64) * stride_bank_slot
                      + kv_head * stride_bank_head)
     d = tl.arange(0, BLOCK_D)
@@ -169,35 +187,52 @@ def _sparse_attn_kernel(
     l = tl.zeros([BLOCK_Q], tl.float32)
     acc = tl.zeros([BLOCK_Q, BLOCK_D], tl.float32)
     if PREFETCH:
-        tok, kv_row = _tile_tokens(tile_lo, n0, mid_end, s, n_keys, sel_row, table_row, stride_cp, stride_cs,
-                                   kv_head, stride_ch, PAGE_SIZE, BLOCK_N)
+        tok, kv_row, sc_row = _tile_tokens(tile_lo, n0, mid_end, s, n_keys, sel_row, table_row, stride_cp,
+                                           stride_cs, kv_head, stride_ch, stride_sp, stride_ss, stride_sh,
+                                           PAGE_SIZE, BLOCK_N, KV_SCALED)
     for tile in range(tile_lo, tile_hi):
         rank = tile * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
         valid = rank < n_keys
         is_sel = (rank >= n0) & (rank < mid_end)
         if PREFETCH:  # this tile's rows were loaded during the previous one; start the next's
-            tok_next, kv_row_next = _tile_tokens(tile + 1, n0, mid_end, s, n_keys, sel_row, table_row, stride_cp,
-                                                 stride_cs, kv_head, stride_ch, PAGE_SIZE, BLOCK_N)
+            tok_next, kv_row_next, sc_row_next = _tile_tokens(
+                tile + 1, n0, mid_end, s, n_keys, sel_row, table_row, stride_cp, stride_cs, kv_head, stride_ch,
+                stride_sp, stride_ss, stride_sh, PAGE_SIZE, BLOCK_N, KV_SCALED)
         else:
-            tok, kv_row = _tile_tokens(tile, n0, mid_end, s, n_keys, sel_row, table_row, stride_cp, stride_cs,
-                                       kv_head, stride_ch, PAGE_SIZE, BLOCK_N)
+            tok, kv_row, sc_row = _tile_tokens(tile, n0, mid_end, s, n_keys, sel_row, table_row, stride_cp,
+                                               stride_cs, kv_head, stride_ch, stride_sp, stride_ss, stride_sh,
+                                               PAGE_SIZE, BLOCK_N, KV_SCALED)
+        # (dequantize_tile with head_dim 1: sc_row already indexes the scale tensor)
         if BANK:  # sink keys as cached (rank = token), selected ones from the bank (entry = index
             #       in the selected row), stream ones as cached with the counter-rotated query
             bank_row = bank_base + (rank - n0 + sel_begin).to(tl.int64) * stride_bank_entry
-            k_rows = tl.where(is_sel, bank_row, k_cache_ptr + kv_row)
-            k = load_rotated(k_rows, valid, rank, inv_freq_ptr, head_dim, BLOCK_D, False)
+            if KV_SCALED:  # an fp8 cache and a bank in q's dtype: two masked loads, scales for the cache's
+                cached = valid & ~is_sel
+                k = tl.where(is_sel[:, None],
+                             load_rotated(bank_row, valid & is_sel, rank, inv_freq_ptr, head_dim, BLOCK_D, False),
+                             dequantize_tile(load_rotated(k_cache_ptr + kv_row, cached, rank, inv_freq_ptr,
+                                                          head_dim, BLOCK_D, False),
+                                             k_scale_ptr, sc_row, cached, 1, KV_SCALED))
+            else:
+                k_rows = tl.where(is_sel, bank_row, k_cache_ptr + kv_row)
+                k = load_rotated(k_rows, valid, rank, inv_freq_ptr, head_dim, BLOCK_D, False)
         elif ROTATE:  # keys to their rank (StreamingLLM): R(rank - tok) applied to the cached key
             k1, k2 = load_halves(k_cache_ptr + kv_row, valid, head_dim, BLOCK_D)
             sin, cos = run_sin_cos(rank - tok, inv_freq_ptr, head_dim, BLOCK_N, BLOCK_D, ROPE_GROUP)
             k = rotate_halves(k1, k2, sin, cos)
+            k = dequantize_tile(k, k_scale_ptr, sc_row, valid, 1, KV_SCALED)  # scales after the rotation
         else:
             k = load_rotated(k_cache_ptr + kv_row, valid, rank - tok, inv_freq_ptr, head_dim, BLOCK_D, False)
+            k = dequantize_tile(k, k_scale_ptr, sc_row, valid, 1, KV_SCALED)
         v = tl.load(v_cache_ptr + kv_row[:, None] + d[None, :],
                     mask=valid[:, None] & (d < head_dim)[None, :], other=0.0)
+        if KV_SCALED:
+            v = dequantize_tile(v, v_scale_ptr, sc_row, valid, 1, KV_SCALED)
         if DOT_F32:
             v = v.to(tl.float32)
         else:
-            k = k.to(k_cache_ptr.dtype.element_ty)
+            k = k.to(COMPUTE)
+            v = v.to(COMPUTE)
         sc = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [BLOCK_Q, BLOCK_N]
         if BANK:
             sc = tl.where((rank >= mid_end)[None, :], tl.dot(q_stream, tl.trans(k), input_precision=DOT_PRECISION), sc)
@@ -214,6 +249,8 @@ def _sparse_attn_kernel(
         if PREFETCH:
             tok = tok_next
             kv_row = kv_row_next
+            if KV_SCALED:
+                sc_row = sc_row_next
 
     has_keys = l > 0.0
     o = tl.where(has_keys[:, None], acc / tl.where(has_keys, l, 1.0)[:, None], 0.0)
@@ -236,7 +273,8 @@ def block_sparse_attention(q, k_cache, v_cache, block_tables, q_start, q_lens, e
                      bank: torch.Tensor | None = None, bank_rows: torch.Tensor | None = None,
                      block_n: int | None = None, num_warps: int | None = None,
                      prefetch: bool | None = None, num_stages: int | None = None,
-                     out: torch.Tensor | None = None) -> torch.Tensor:
+                     out: torch.Tensor | None = None, k_scale: torch.Tensor | None = None,
+                     v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Triton launcher (CPU tensors without TRITON_INTERPRET: sparse_attention_ref, same
     contract): q [T, Hq, D] packed, query blocks [NB] (blocks.py, q_lens <= block_q),
     selected int32 [NB, K] (last pruning stage). Returns out [T, Hq, D] (rows of no block: 0).
@@ -247,14 +285,17 @@ def block_sparse_attention(q, k_cache, v_cache, block_tables, q_start, q_lens, e
     rank (key_bank.write_key_bank from this same `selected`; bank [slots, >= K, Hkv, D], bank_rows
     int32 / int64 [NB] the slot of each block): no key is rotated in the kernel. block_n /
     num_warps / prefetch / num_stages: tuning overrides (prefetch: each tile's tokens and page
-    entries are loaded one tile ahead; the same result; default: on in prefill)."""
+    entries are loaded one tile ahead; the same result; default: on in prefill). k_scale /
+    v_scale: float32 [num_pages, page_size, Hkv] row scales of fp8 caches (kv_quant.py; None: the
+    caches are in q's dtype); the bank and out stay in q's dtype."""
     T, Hq, D = q.shape
     num_pages, page_size, Hkv, Dk = k_cache.shape
     NB = ends.shape[0]
     decode = q_start is None
     if decode:
         assert q_lens is None and block_q == 1 and T == NB, "decode: one query row per block"
-    assert Dk == D and Hq % Hkv == 0 and q.dtype == k_cache.dtype == v_cache.dtype
+    scaled = check_kv_scales(k_cache, v_cache, k_scale, v_scale)
+    assert Dk == D and Hq % Hkv == 0 and (scaled or q.dtype == k_cache.dtype == v_cache.dtype)
     assert v_cache.shape == k_cache.shape and v_cache.stride() == k_cache.stride()
     assert q.stride(2) == 1 and k_cache.stride(3) == 1 and page_size & (page_size - 1) == 0
     for meta in (ends,) if decode else (q_start, q_lens, ends):
@@ -270,7 +311,7 @@ def block_sparse_attention(q, k_cache, v_cache, block_tables, q_start, q_lens, e
     assert rope_group >= 1 and rope_group & (rope_group - 1) == 0, f"rope_group must be a power of two, got {rope_group}"
     if bank is not None:
         assert style == STREAMING, "a rotated key bank is for the streaming RoPE style"
-        assert bank.dtype == k_cache.dtype and bank.dim() == 4 and bank.shape[2:] == (Hkv, D) and bank.stride(3) == 1
+        assert bank.dtype == q.dtype and bank.dim() == 4 and bank.shape[2:] == (Hkv, D) and bank.stride(3) == 1
         assert bank.shape[1] >= selected.shape[1], f"bank holds {bank.shape[1]} keys per slot, selection {selected.shape[1]}"
         assert bank_rows is not None and bank_rows.shape == (NB,) and bank_rows.dtype in (torch.int32, torch.int64)
     if out is None:
@@ -284,7 +325,7 @@ def block_sparse_attention(q, k_cache, v_cache, block_tables, q_start, q_lens, e
             q_lens = torch.ones(NB, dtype=torch.int32, device=q.device)
         ref = sparse_attention_ref(q, k_cache, v_cache, block_tables, q_start, q_lens, ends, selected,
                                    n_sink=n_sink, n_stream=n_stream, scale=scale, rope_style=rope_style,
-                                   inv_freq=inv_freq)
+                                   inv_freq=inv_freq, k_scale=k_scale, v_scale=v_scale)
         for q0, n in zip(q_start.tolist(), q_lens.tolist()):
             out[q0:q0 + n] = ref[q0:q0 + n].to(out.dtype)
         return out
@@ -311,13 +352,14 @@ def block_sparse_attention(q, k_cache, v_cache, block_tables, q_start, q_lens, e
     else:
         part_out = part_lse = out  # unused
     _sparse_attn_kernel[(NB, Hkv, num_splits)](
-        q, k_cache, v_cache, block_tables, ends if decode else q_start, ends if decode else q_lens, ends,
-        selected,
+        q, k_cache, v_cache, k_scale if scaled else k_cache, v_scale if scaled else v_cache,
+        block_tables, ends if decode else q_start, ends if decode else q_lens, ends, selected,
         inv_freq if inv_freq is not None else part_lse,
         bank if bank is not None else k_cache, bank_rows if bank_rows is not None else ends,
         out, part_out, part_lse,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        *(k_scale.stride() if scaled else (0, 0, 0)),
         block_tables.stride(0), selected.stride(0), selected.shape[1],
         *(bank.stride()[:3] if bank is not None else (0, 0, 0)),
         out.stride(0), out.stride(1),
@@ -326,7 +368,7 @@ def block_sparse_attention(q, k_cache, v_cache, block_tables, q_start, q_lens, e
         BLOCK_D=BLOCK_D, NUM_SPLITS=num_splits, SEL_BLOCK=min(1024, next_pow2(selected.shape[1])),
         DECODE=decode, ROPE_STYLE=style, ROPE_GROUP=min(rope_group, BLOCK_N), BANK=bank is not None, PREFETCH=prefetch,
         DOT_F32=not q.is_cuda or q.dtype == torch.float32,
-        DOT_PRECISION=dot_precision(q.dtype if q.is_cuda else torch.float32),
+        DOT_PRECISION=dot_precision(q.dtype if q.is_cuda else torch.float32), KV_SCALED=scaled,
         num_warps=num_warps,
         **({"num_stages": num_stages} if num_stages else {}),
     )
@@ -342,10 +384,12 @@ def sparse_decode_attention(q, k_cache, v_cache, block_tables, context_lens, sel
                             n_sink: int, n_stream: int, scale: float, rope_style="none",
                             inv_freq=None, num_splits: int | None = None, rope_group: int = 1,
                             bank=None, bank_rows=None, block_n: int | None = None,
-                            prefetch: bool | None = None, num_stages: int | None = None, out=None) -> torch.Tensor:
+                            prefetch: bool | None = None, num_stages: int | None = None, out=None,
+                            k_scale=None, v_scale=None) -> torch.Tensor:
     """Decode: q [B, Hq, D] (one query per sequence, position context_lens[b] - 1), selected
     int32 [B, K]. Flash-decoding split-K over sink + selected + stream; out [B, Hq, D].
-    bank / bank_rows: the rotated key bank (block_sparse_attention, key_bank.py)."""
+    bank / bank_rows: the rotated key bank (block_sparse_attention, key_bank.py). k_scale /
+    v_scale: the row scales of fp8 caches (None: caches in q's dtype)."""
     B = q.shape[0]
     if num_splits is None:
         tiles = triton.cdiv(n_sink + selected.shape[1] + n_stream, block_n or 64)
@@ -354,29 +398,35 @@ def sparse_decode_attention(q, k_cache, v_cache, block_tables, context_lens, sel
                             block_q=1, n_sink=n_sink, n_stream=n_stream, scale=scale,
                             rope_style=rope_style, inv_freq=inv_freq, num_splits=num_splits,
                             rope_group=rope_group, bank=bank, bank_rows=bank_rows, block_n=block_n,
-                            prefetch=prefetch, num_stages=num_stages, out=out)
+                            prefetch=prefetch, num_stages=num_stages, out=out, k_scale=k_scale,
+                            v_scale=v_scale)
 
 
 def sparse_prefill_attention(q, k_cache, v_cache, block_tables, q_start, q_lens, ends, selected, *,
                              block_q: int, n_sink: int, n_stream: int, scale: float,
                              rope_style="none", inv_freq=None, rope_group: int = 1,
                              block_n: int | None = None, num_warps: int | None = None,
-                             prefetch: bool | None = None, num_stages: int | None = None, out=None) -> torch.Tensor:
+                             prefetch: bool | None = None, num_stages: int | None = None, out=None,
+                             k_scale=None, v_scale=None) -> torch.Tensor:
     """Prefill: flash-style, each query block of <= block_q queries over its own key set with the
-    causal cut; q [T, Hq, D] packed, blocks from blocks.plan_query_blocks."""
+    causal cut; q [T, Hq, D] packed, blocks from blocks.plan_query_blocks. k_scale / v_scale:
+    the row scales of fp8 caches (None: caches in q's dtype)."""
     return block_sparse_attention(q, k_cache, v_cache, block_tables, q_start, q_lens, ends, selected,
                             block_q=block_q, n_sink=n_sink, n_stream=n_stream, scale=scale,
                             rope_style=rope_style, inv_freq=inv_freq, num_splits=1,
                             rope_group=rope_group, block_n=block_n, num_warps=num_warps, prefetch=prefetch,
-                            num_stages=num_stages, out=out)
+                            num_stages=num_stages, out=out, k_scale=k_scale, v_scale=v_scale)
 
 
 def sparse_attention_ref(q, k_cache, v_cache, block_tables, q_start, q_lens, ends, selected, *,
                          n_sink: int, n_stream: int, scale: float, rope_style="none",
-                         inv_freq=None) -> torch.Tensor:
+                         inv_freq=None, k_scale=None, v_scale=None) -> torch.Tensor:
     """Reference: per block, gather the key set (blocks.block_key_mask) and run an explicit
     float64 softmax (dense_attention_ref, causal by position). STREAMING rotates keys to their
-    rank and each query to the rank of its own token. Returns float32 [T, Hq, D]."""
+    rank and each query to the rank of its own token. fp8 caches (k_scale / v_scale given) are
+    dequantized to float32 rows. Returns float32 [T, Hq, D]."""
+    scaled = check_kv_scales(k_cache, v_cache, k_scale, v_scale)
+    rows_dtype = torch.float32 if scaled else k_cache.dtype
     style = rope_style_id(rope_style)
     page = k_cache.shape[1]
     out = torch.zeros(q.shape, dtype=torch.float32)
@@ -387,8 +437,9 @@ def sparse_attention_ref(q, k_cache, v_cache, block_tables, q_start, q_lens, end
         if q_len == 0:
             continue
         toks = masks[i].nonzero()[:, 0]  # ascending
-        k = k_cache[block_tables[i, toks // page].long(), toks % page].cpu()
-        v = v_cache[block_tables[i, toks // page].long(), toks % page].cpu()
+        pages, slots = block_tables[i, toks // page].long(), (toks % page).to(block_tables.device)
+        k = read_rows(k_cache, k_scale, pages, slots, rows_dtype).cpu()
+        v = read_rows(v_cache, v_scale, pages, slots, rows_dtype).cpu()
         q_rows, q_pos = q[q0:q0 + q_len].cpu(), torch.arange(e - q_len, e)
         if style == STREAMING:
             ranks = torch.arange(toks.numel())
