@@ -1,7 +1,7 @@
 """Whole-model decode at long context: InfiniteHiP presets vs the dense engine, Llama-3.1-8B
 shapes, random weights, bf16, one GPU, batch 1, through the runtime (CUDA graphs, scheduler).
 
-    python benchmarks/bench_decode_e2e.py --out $OUT [--contexts 128000,512000]
+    python benchmarks/bench_decode_e2e.py --out $OUT [--contexts 128000,512000] [--kv-dtype fp8]
 
 One random-weight engine (preset 3k-flash) is built and loaded once. Its KV cache is filled with
 random keys and values, and a request whose first N - 1 tokens count as already computed
@@ -45,7 +45,7 @@ CONFIGS = [  # name, runtime knobs (None: dense)
 ]
 
 
-def build(work: Path, max_len: int) -> Path:
+def build(work: Path, max_len: int, kv_dtype: str) -> Path:
     from infhip.builder.build import build_engine
     from infhip.builder.registry import bundled_config
 
@@ -53,8 +53,22 @@ def build(work: Path, max_len: int) -> Path:
     src.parent.mkdir(parents=True, exist_ok=True)
     src.write_text(bundled_config("llama-3.1-8b").read_text())
     return build_engine(checkpoint=src, output_dir=work / "engine", preset="3k-flash", dtype="bfloat16",
-                        device="cuda", random_weights=True, max_seq_len=max_len, max_batch_size=1,
-                        force=True, progress=False)
+                        kv_dtype=kv_dtype, device="cuda", random_weights=True, max_seq_len=max_len,
+                        max_batch_size=1, force=True, progress=False)
+
+
+def fill_random(attn, pages_per_chunk: int = 4096) -> None:
+    """Random N(0, 1) keys and values in every page (scaled like real ones); an fp8 cache gets
+    them quantized with their per-row scales, a chunk of pages at a time."""
+    from infhip.plugins.kv_quant import quantize_rows
+
+    for cache, scale in ((attn.k_cache, attn.k_scale), (attn.v_cache, attn.v_scale)):
+        if scale is None:
+            cache.normal_()
+            continue
+        for p0 in range(0, cache.shape[0], pages_per_chunk):
+            x = torch.randn(cache[p0:p0 + pages_per_chunk].shape, device=cache.device, dtype=torch.bfloat16)
+            cache[p0:p0 + pages_per_chunk], scale[p0:p0 + pages_per_chunk] = quantize_rows(x)
 
 
 def synthetic_request(llm, n: int):
@@ -105,9 +119,16 @@ def main() -> None:
     p.add_argument("--work", type=Path, default=Path("/tmp/infhip-e2e"))
     p.add_argument("--contexts", default="128000,512000")
     p.add_argument("--kv-gib", type=float, default=72)
+    p.add_argument("--kv-dtype", choices=("bfloat16", "fp8"), default="bfloat16")
+    p.add_argument("--configs", default=",".join(name for name, _ in CONFIGS),
+                   help="comma-separated subset of: " + ", ".join(name for name, _ in CONFIGS))
     args = p.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     contexts = [int(x) for x in args.contexts.split(",")]
+    wanted = [c.strip() for c in args.configs.split(",")]
+    unknown = set(wanted) - {name for name, _ in CONFIGS}
+    if unknown or "dense" not in wanted:
+        p.error(f"--configs: unknown {sorted(unknown)}" if unknown else "--configs must include dense (the baseline)")
 
     import transformers
     import triton
@@ -116,21 +137,20 @@ def main() -> None:
     from infhip.builder.presets import apply_runtime_overrides
 
     res: dict = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-                 "transformers": transformers.__version__, "contexts": {}}
+                 "transformers": transformers.__version__, "kv_dtype": args.kv_dtype, "contexts": {}}
     t0 = time.perf_counter()
-    engine = build(args.work, max(contexts) + 8192)
+    engine = build(args.work, max(contexts) + 8192, args.kv_dtype)
     llm = LLM(engine, max_num_seqs=1, kv_cache_memory_bytes=int(args.kv_gib * (1 << 30)))
     res["setup_s"] = time.perf_counter() - t0
     runner, plan = llm.runner, llm.engine.config.plan
     for layer in llm.engine.model.layers:  # random keys and values everywhere, scaled like real ones
-        layer.self_attn.k_cache.normal_()
-        layer.self_attn.v_cache.normal_()
+        fill_random(layer.self_attn)
     print(f"engine built and loaded in {res['setup_s']:.0f} s; stages {plan.infinitehip.stages}", flush=True)
 
     for n in contexts:
         seq = synthetic_request(llm, n)
         rows = res["contexts"][str(n)] = {}
-        for name, knobs in CONFIGS:
+        for name, knobs in [c for c in CONFIGS if c[0] in wanted]:
             knobs = knobs if knobs is not None else dict(dense_threshold=1 << 40)
             ih = apply_runtime_overrides(plan, knobs).infinitehip
             runner.set_infinitehip(ih)
@@ -151,7 +171,7 @@ def main() -> None:
 
     (args.out / "bench_decode_e2e.json").write_text(json.dumps(res, indent=2))
     print(f"\n{res['gpu']}  torch {res['torch']}  triton {res['triton']}; Llama-3.1-8B shapes, random weights, "
-          "bf16, batch 1; ratios vs dense in the same run")
+          f"bf16, KV {args.kv_dtype}, batch 1; ratios vs dense in the same run")
     print(f"{'context':>8} {'config':<14}{'median ms':>10}{'P99/med':>9}{'max/med':>9}{'tok/s (8 fused)':>17}"
           f"{'x dense (median)':>18}{'x dense (tok/s)':>17}")
     for n, rows in res["contexts"].items():

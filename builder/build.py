@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from infhip import __version__
-from infhip.config import DTYPES, BuildConfig, EngineConfig, EngineFormatError
+from infhip.config import DTYPES, KV_DTYPES, BuildConfig, EngineConfig, EngineFormatError
 from infhip.builder.checkpoint import GGUFCheckpoint, HFDirCheckpoint
 from infhip.builder.convert import convert_weights, random_weights, unused_tensors, weight_specs
 from infhip.builder.errors import BuildError
@@ -153,9 +153,9 @@ def build_engine(
 
     if preset not in PRESETS:
         raise BuildError(f"unknown preset {preset!r}; available: {', '.join(PRESETS)}")
-    for flag, value in (("--dtype", dtype), ("--kv-dtype", kv_dtype or dtype)):
-        if value not in DTYPES:
-            raise BuildError(f"{flag} must be one of {', '.join(DTYPES)}, got {value!r}")
+    for flag, value, allowed in (("--dtype", dtype, DTYPES), ("--kv-dtype", kv_dtype or dtype, KV_DTYPES)):
+        if value not in allowed:
+            raise BuildError(f"{flag} must be one of {', '.join(allowed)}, got {value!r}")
     for flag, value in (("--max-seq-len", max_seq_len), ("--max-batch-size", max_batch_size),
                         ("--page-size", page_size), ("--max-num-batched-tokens", max_num_batched_tokens)):
         if value is not None and (not isinstance(value, int) or value <= 0):

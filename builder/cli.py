@@ -16,7 +16,7 @@ import argparse
 import json
 import sys
 
-from infhip.config import DTYPES
+from infhip.config import DTYPES, KV_DTYPES
 
 
 def _positive_int(text: str) -> int:
@@ -55,8 +55,9 @@ def make_parser() -> argparse.ArgumentParser:
                         "the defaults (p=0.99,n=128,G=64,A=128,min_len=8192), or key=value,... "
                         "with keys p, n, G, A, min_len, rho, spare (e.g. p=0.98,G=32); composes with --preset")
     p.add_argument("--dtype", default="bfloat16", choices=DTYPES, help="weight dtype (default bfloat16)")
-    p.add_argument("--kv-dtype", choices=DTYPES,
-                   help="KV-cache dtype; for now it must equal --dtype, the default (an FP8 cache is planned)")
+    p.add_argument("--kv-dtype", choices=KV_DTYPES,
+                   help="KV-cache dtype: --dtype (the default) or fp8 (e4m3 with a scale per token and kv "
+                        "head: half the memory of bf16, so twice the tokens)")
     p.add_argument("--max-seq-len", type=_positive_int,
                    help="longest sequence served (default: the model's window, at most 131072)")
     p.add_argument("--max-batch-size", type=_positive_int, default=16, help="most concurrent sequences (16)")

@@ -42,6 +42,9 @@ FORMAT_VERSION = 1
 ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma3")
 LAYER_TYPES = ("full_attention", "sliding_attention")
 DTYPES = ("bfloat16", "float16", "float32")
+# KV cache dtypes: the weights' dtype, or fp8 (float8_e4m3fn rows with a float32 scale per token
+# and kv head, plugins/kv_quant.py; half the bytes of bf16)
+KV_DTYPES = DTYPES + ("fp8",)
 ACTIVATIONS = ("silu", "gelu_tanh")
 
 
@@ -397,11 +400,11 @@ class BuildConfig:
 
     def __post_init__(self) -> None:
         _check(self.dtype in DTYPES, f"dtype {self.dtype!r} not in {DTYPES}")
-        _check(self.kv_dtype in DTYPES, f"kv_dtype {self.kv_dtype!r} not in {DTYPES}")
-        # the attention kernels and the dense paths take the KV cache in the queries' dtype; a
-        # separate KV dtype (FP8) is planned: docs/design/long_context_memory.md
-        _check(self.kv_dtype == self.dtype, f"kv_dtype {self.kv_dtype!r} differs from dtype {self.dtype!r}, which "
-               "this runtime cannot serve yet (the KV cache is kept in the weights' dtype); omit --kv-dtype")
+        _check(self.kv_dtype in KV_DTYPES, f"kv_dtype {self.kv_dtype!r} not in {KV_DTYPES}")
+        # the kernels dequantize an fp8 cache to the queries' dtype; any other KV dtype must be
+        # the weights' own (the dots run in the queries' dtype)
+        _check(self.kv_dtype in (self.dtype, "fp8"), f"kv_dtype {self.kv_dtype!r} differs from dtype {self.dtype!r}; "
+               "the KV cache is kept in the weights' dtype or in fp8: omit --kv-dtype or pass --kv-dtype fp8")
         _check(self.max_seq_len > 0, f"max_seq_len must be positive, got {self.max_seq_len}")
         _check(self.max_batch_size > 0, f"max_batch_size must be positive, got {self.max_batch_size}")
         _check(self.page_size > 0 and self.page_size & (self.page_size - 1) == 0,

@@ -13,6 +13,7 @@ from infhip.config import EngineConfig, EngineFormatError
 from infhip.runtime.models import MODEL_CLASSES
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+KV_DTYPES = {**DTYPES, "fp8": torch.float8_e4m3fn}  # infhip.config.KV_DTYPES; fp8: plugins/kv_quant.py
 
 
 def gpu_target(device: torch.device) -> str:

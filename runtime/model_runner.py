@@ -17,7 +17,8 @@ from dataclasses import dataclass
 import torch
 
 from infhip.runtime.cuda_graphs import DecodeGraphs, GraphKey, len_bucket
-from infhip.runtime.engine import DTYPES, LoadedEngine
+from infhip.plugins.kv_quant import is_fp8, new_kv_scales
+from infhip.runtime.engine import DTYPES, KV_DTYPES, LoadedEngine
 from infhip.runtime.forward_context import ForwardContext, KVGroupMetadata, LayerKV, compact_slots, forward_context
 from infhip.runtime.kv_cache import KVCacheManager, KVGroupSpec
 from infhip.runtime.scheduler import SchedulerOutput
@@ -63,11 +64,13 @@ class ModelRunner:
         self.page_size = build.page_size
         self.max_seq_len = build.max_seq_len
         self.max_pages_per_seq = math.ceil(build.max_seq_len / self.page_size)
-        kv_dtype = DTYPES[build.kv_dtype]
+        kv_dtype = KV_DTYPES[build.kv_dtype]
         attn_layers = [layer.self_attn for layer in self.model.layers]
         layer_groups = [a.kv_group for a in attn_layers]
         windows = {a.kv_group: a.window for a in attn_layers}
-        page_bytes = 2 * self.page_size * cfg.num_kv_heads * cfg.head_dim * kv_dtype.itemsize
+        # K and V pages (+ an fp8 cache's float32 scale per token and kv head, plugins/kv_quant.py)
+        row_bytes = cfg.head_dim * kv_dtype.itemsize + (4 if is_fp8(kv_dtype) else 0)
+        page_bytes = 2 * self.page_size * cfg.num_kv_heads * row_bytes
 
         budget = kv_cache_memory_bytes or self._default_kv_budget(max_num_seqs, max_num_batched_tokens,
                                                                   gpu_memory_utilization)
@@ -92,6 +95,7 @@ class ModelRunner:
             shape = (specs[attn.kv_group].num_pages, self.page_size, cfg.num_kv_heads, cfg.head_dim)
             attn.k_cache = torch.zeros(shape, dtype=kv_dtype, device=self.device)
             attn.v_cache = torch.zeros(shape, dtype=kv_dtype, device=self.device)
+            attn.k_scale, attn.v_scale = new_kv_scales(attn.k_cache), new_kv_scales(attn.v_cache)  # None unless fp8
         self.groups = sorted(specs)
 
         self.max_num_seqs = max_num_seqs
@@ -129,7 +133,8 @@ class ModelRunner:
                                             len(sparse), raw_keys_max_tokens=self.max_seq_len)
         bank = uses_key_bank(ih, self.max_seq_len, self.engine.config.model.max_position_embeddings)
         for k, (attn, lp) in enumerate(sparse):
-            kv_layout = (attn.k_cache.shape[2], attn.k_cache.shape[3], attn.k_cache.dtype)
+            # the bank holds rotated keys in the queries' (the weights') dtype, whatever the cache's
+            kv_layout = (attn.k_cache.shape[2], attn.k_cache.shape[3], DTYPES[self.engine.config.build.dtype])
             attn.sparse = InfiniteHipLayer(ih, lp.index, self.max_num_seqs, attn.scale, attn.rope[0].inv_freq,
                                            self.device, group=self.sparse_planner.layer_group[k],
                                            bank_layout=kv_layout if bank else None)
@@ -159,7 +164,8 @@ class ModelRunner:
         one sequence's raw-keys scratch and the layers' key banks (cfg.key_bank)."""
         cfg = self.engine.config.model
         act = max_num_batched_tokens * (8 * cfg.hidden_size + 6 * cfg.intermediate_size) * 4
-        ih, itemsize = self.engine.config.plan.infinitehip, DTYPES[self.engine.config.build.kv_dtype].itemsize
+        # raw-keys scratch and key banks hold keys in the weights' dtype (also for an fp8 cache)
+        ih, itemsize = self.engine.config.plan.infinitehip, DTYPES[self.engine.config.build.dtype].itemsize
         if ih is not None:
             act += self.max_seq_len * cfg.num_kv_heads * cfg.head_dim * itemsize
             if uses_key_bank(ih, self.max_seq_len, cfg.max_position_embeddings):

@@ -186,7 +186,7 @@ class TokenDropStep:
         nd = ctx.num_decodes
         if nd:
             paged_decode_attention(q[:nd], attn.k_cache, attn.v_cache, meta.block_tables[:nd],
-                                   ctx.context_lens[:nd], attn.scale, attn.window, out=out[:nd])
+                                   ctx.context_lens[:nd], attn.scale, attn.window, out=out[:nd], **attn.kv_scales)
         dropping = {d.b for d in self.drops}
         sub = _fc.ForwardContext(positions=ctx.positions, context_lens=ctx.context_lens, cu_seqlens_q=cu_t,
                                  num_decodes=nd, groups=ctx.groups, cu_seqlens_q_list=cu,
@@ -212,7 +212,7 @@ class TokenDropStep:
             for d in self.drops:
                 self.drop_rows[cu[d.b]:cu[d.b + 1]] = True
             self.drop_rows = self.drop_rows.to(dev)
-        write_kv(k, v, attn.k_cache, attn.v_cache, torch.where(self.drop_rows, -1, meta.slot_mapping))
+        write_kv(k, v, attn.k_cache, attn.v_cache, torch.where(self.drop_rows, -1, meta.slot_mapping), **attn.kv_scales)
         out = torch.empty_like(q)
         self._dense_rows(attn, q, k, v, out, ctx, meta, cu, ctx.cu_seqlens_q)
 
@@ -222,7 +222,8 @@ class TokenDropStep:
         for d, n_prev in zip(self.drops, prev):
             chunk = k[cu[d.b]:cu[d.b + 1]]
             if n_prev:
-                ck, _ = _gather_kv(attn.k_cache, attn.v_cache, meta.block_tables[d.b], 0, n_prev)
+                ck, _ = _gather_kv(attn.k_cache, attn.v_cache, meta.block_tables[d.b], 0, n_prev,
+                                   dtype=q.dtype, **attn.kv_scales)
                 chunk = torch.cat([ck, chunk])
             keys.append(chunk)
         keep = self._select(attn, q, keys, prev, ctx)
@@ -234,13 +235,14 @@ class TokenDropStep:
             rows = (local + cu[d.b]).to(dev)
             qk, kk, vk = q.index_select(0, rows), k.index_select(0, rows), v.index_select(0, rows)
             # kept token i goes to compact slot n_prev + i: the slot of chunk row i in this layer's view
-            write_kv(kk, vk, attn.k_cache, attn.v_cache, meta.slot_mapping[cu[d.b]:cu[d.b] + num_kept])
+            write_kv(kk, vk, attn.k_cache, attn.v_cache, meta.slot_mapping[cu[d.b]:cu[d.b] + num_kept],
+                     **attn.kv_scales)
             ctx_len = n_prev + num_kept
             out.index_copy_(0, rows, paged_prefill_attention(
                 qk, attn.k_cache, attn.v_cache, meta.block_tables[d.b:d.b + 1],
                 torch.tensor([0, num_kept], dtype=torch.int32, device=dev),
                 torch.tensor([ctx_len], dtype=torch.int32, device=dev), attn.scale, None,
-                k_new=kk, v_new=vk, cu_seqlens_q_list=[0, num_kept], context_lens_list=[ctx_len]))
+                k_new=kk, v_new=vk, cu_seqlens_q_list=[0, num_kept], context_lens_list=[ctx_len], **attn.kv_scales))
             self.kept_pos[d.b] = local + d.start
             record[d.b] = (num_kept, d.end - d.start, self.kept_pos[d.b])
         self.records.append((self.layer, record))
@@ -303,7 +305,7 @@ class TokenDropStep:
         """A sliding layer between anchors: the compact rows only."""
         meta, rope, W = ctx.groups[attn.kv_group], attn.rope[0], attn.window
         rope_and_write_kv(q, k, v, self.positions, rope.inv_freq, rope.attention_scaling,
-                          attn.k_cache, attn.v_cache, self.slots[attn.kv_group])
+                          attn.k_cache, attn.v_cache, self.slots[attn.kv_group], **attn.kv_scales)
         out = torch.empty_like(q)
         self._dense_rows(attn, q, k, v, out, ctx, meta, self.cu, self.cu_t)
         for d in self.drops:
@@ -313,7 +315,8 @@ class TokenDropStep:
             kk, vv = k[r0:r1], v[r0:r1]
             k_pos = q_pos
             if kv0 < d.start:
-                ck, cv = _gather_kv(attn.k_cache, attn.v_cache, meta.block_tables[d.b], kv0, d.start)
+                ck, cv = _gather_kv(attn.k_cache, attn.v_cache, meta.block_tables[d.b], kv0, d.start,
+                                    dtype=q.dtype, **attn.kv_scales)
                 kk, vv = torch.cat([ck, kk]), torch.cat([cv, vv])
                 k_pos = torch.cat([torch.arange(kv0, d.start), q_pos])
             out[r0:r1] = kept_attention(q[r0:r1], q_pos, kk, vv, k_pos, attn.scale, W)

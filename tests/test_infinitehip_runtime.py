@@ -43,6 +43,12 @@ def engines(tmp_path_factory):
     for preset in ("3k", "3k-fast", "3k-flash", "5k"):
         e[preset] = build_engine(checkpoint=root / "llama", output_dir=root / preset, preset=preset,
                                  infinitehip_overrides=TINY_5K if preset == "5k" else TINY, **kw)
+    fp8 = dict(kw, kv_dtype="fp8")  # the same weights over an fp8 KV cache (plugins/kv_quant.py)
+    e["dense-fp8"] = build_engine(checkpoint=root / "llama", output_dir=root / "dense-fp8", **fp8)
+    e["cover-fp8"] = build_engine(checkpoint=root / "llama", output_dir=root / "cover-fp8", preset="3k",
+                                  infinitehip_overrides=COVER, **fp8)
+    e["3k-fp8"] = build_engine(checkpoint=root / "llama", output_dir=root / "3k-fp8", preset="3k",
+                               infinitehip_overrides=TINY, **fp8)
     return e
 
 
@@ -135,6 +141,31 @@ def test_raw_keys_in_prefill_under_interpreter(engines, monkeypatch):
     monkeypatch.setattr(sa, "RAW_KEYS_MIN_BLOCKS", 10**9)
     made.clear()
     assert generate(engines["3k"], knobs, prompts, params) == with_raw and not made
+
+
+def test_fp8_cache_covering_sets_equal_fp8_dense(engines, calls):
+    """Over an fp8 KV cache the sparse path (torch references) reads the same dequantized keys
+    and values as the dense one: covering sets give the fp8 dense engine's tokens."""
+    assert generate(engines["cover-fp8"], LOW) == generate(engines["dense-fp8"])
+    assert calls["prefill"] > 0 and calls["decode"] > 0
+
+
+def test_fp8_cache_kernels_equal_references_in_the_runtime(engines, monkeypatch):
+    """The Triton launchers (interpreted) over an fp8 cache with real pruning, dynamic RoPE, raw
+    keys (a 66-token prefill has >= RAW_KEYS_MIN_BLOCKS blocks) and the rotated key bank give the
+    torch references' tokens; covering sets give fp8 dense's."""
+    prompts, params = [PROMPTS[2][:66]], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    knobs = dict(LOW, rope_off_in_trained_window=False)
+    made, banked = [], []
+    real, real_bank = sa.unrotate_keys, sa.write_key_bank
+    monkeypatch.setattr(sa, "unrotate_keys", lambda *a, **k: made.append(1) or real(*a, **k))
+    monkeypatch.setattr(sa, "write_key_bank", lambda *a, **k: banked.append(1) or real_bank(*a, **k))
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    kernels = generate(engines["3k-fp8"], knobs, prompts, params)
+    assert made and banked
+    assert generate(engines["cover-fp8"], LOW, prompts, params) == generate(engines["dense-fp8"], None, prompts, params)
+    monkeypatch.delenv("TRITON_INTERPRET")
+    assert generate(engines["3k-fp8"], knobs, prompts, params) == kernels
 
 
 def test_dynamic_rope_runs(engines, calls):

@@ -92,3 +92,43 @@ def test_batch_equals_alone(tiny):
         alone = llm.generate(prompt_token_ids=[ids], sampling_params=sp)[0]
         assert out.token_ids == alone.token_ids, arch
         assert len(out.token_ids) == sp.max_tokens
+
+
+@pytest.fixture
+def hf_with_fp8_kv(monkeypatch):
+    """Make transformers' eager attention see K and V as an fp8 cache holds them: each row (token,
+    kv head) quantized to float8_e4m3fn with its own scale and read back (plugins/kv_quant.py)."""
+    import importlib
+
+    from infhip.plugins.kv_quant import dequantize_rows, quantize_rows
+
+    def fake_quant(x):
+        return dequantize_rows(*quantize_rows(x), x.dtype)
+
+    for arch in ARCHS:
+        mod = importlib.import_module(f"transformers.models.{arch}.modeling_{arch}")
+        original = mod.eager_attention_forward
+        monkeypatch.setattr(mod, "eager_attention_forward",
+                            lambda module, q, k, v, *a, _f=original, **kw: _f(module, q, fake_quant(k), fake_quant(v), *a, **kw))
+
+
+@pytest.mark.parametrize("budget", [256, 32])
+def test_fp8_kv_cache_matches_transformers_on_quantized_kv(tiny, tmp_path, hf_with_fp8_kv, budget):
+    """An engine built with --kv-dtype fp8 equals transformers whose attention reads K/V through
+    the same per-row e4m3 quantization (so every key and value the runtime attends to, in whole
+    or chunked prefill alike, is the cached fp8 one); and it differs from the unquantized model
+    by what fp8 costs, not more."""
+    arch, hf_cfg, _, hf = tiny
+    engine = build_engine(checkpoint=hf.name_or_path, output_dir=tmp_path / "fp8", dtype="float32", kv_dtype="fp8",
+                          device="cpu", max_seq_len=256, max_batch_size=4)
+    ids = prompt_ids(0, PROMPT_LEN, hf_cfg["vocab_size"])
+    llm = LLM(engine, max_num_batched_tokens=budget)
+    assert llm.runner.model.layers[0].self_attn.k_cache.dtype == torch.float8_e4m3fn
+    ours = last_logits(llm, ids)
+    hf_eager = AutoModelForCausalLM.from_pretrained(hf.name_or_path, dtype=torch.float32,
+                                                    attn_implementation="eager").eval()
+    with torch.no_grad():
+        ref = hf_eager(torch.tensor([ids])).logits[0, -1]
+        exact = hf(torch.tensor([ids])).logits[0, -1]
+    assert rel_err(ours, ref) <= 1e-4, arch
+    assert 1e-6 < rel_err(ours, exact) <= 0.1, arch

@@ -31,6 +31,7 @@ from infhip.eval.common import EvalError, check_fits, engine_info, engine_name, 
 from infhip.eval.forcing import teacher_force
 from infhip.eval.ppl import ppl_items
 from infhip.eval.results import EvalResult, Record
+from infhip.plugins.kv_quant import read_rows
 
 
 class NoSparseLayers(RuntimeError):
@@ -116,11 +117,11 @@ def layer_recall(attn, q: torch.Tensor, table: list[int], length: int, params: d
         sel, num = pruning_stage(q, attn.k_cache, tables, q_start, q_lens, ends, sel, num, chunk_size=l_c, k=k,
                                  block_q=b_q, n_sink=n_sink, n_stream=n_stream, rope_style=rope_style,
                                  inv_freq=inv_freq, head_normalized=params.get("head_normalized", False),
-                                 query_stride=stride)
+                                 query_stride=stride, k_scale=attn.k_scale)
     keep = per_query_key_mask(sel, q_lens, ends, n_sink, n_stream, length)
     page = attn.k_cache.shape[1]
     rows = torch.tensor(table, device=dev).repeat_interleave(page)[:length]
-    keys = attn.k_cache[rows, torch.arange(length, device=dev) % page]  # [length, Hkv, D]
+    keys = read_rows(attn.k_cache, attn.k_scale, rows, torch.arange(length, device=dev) % page, q.dtype)  # [length, Hkv, D]
     per_head, _ = attention_recall(q, keys, keep, scale=attn.scale)
     return per_head
 

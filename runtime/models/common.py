@@ -75,11 +75,19 @@ class Attention(nn.Module):
         self.kv_group = plan.attention  # "global" | "sliding": layers of a group share page tables
         self.layer_index = plan.index
         self.rope = [rope]  # a list: not a submodule (its buffer is owned by the model's `rope` dict)
-        # Set by the ModelRunner after loading: [num_pages, page_size, Hkv, D] each.
+        # Set by the ModelRunner after loading: [num_pages, page_size, Hkv, D] each, and for an
+        # fp8 cache their float32 scales [num_pages, page_size, Hkv] (plugins/kv_quant.py; else None).
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
+        self.k_scale: torch.Tensor | None = None
+        self.v_scale: torch.Tensor | None = None
         # Set by the ModelRunner on "infinitehip" layers: an InfiniteHipLayer (its mask cache).
         self.sparse = None
+
+    @property
+    def kv_scales(self) -> dict:
+        """The cache scales as the plugins' keyword arguments (None, None unless fp8)."""
+        return {"k_scale": self.k_scale, "v_scale": self.v_scale}
 
     def _dense_prefill(self, q, k, v, out, ctx, meta, lo: int, hi: int) -> None:
         """Dense causal attention of the prefill chunks of sequences lo..hi-1 (batch order)."""
@@ -89,7 +97,8 @@ class Attention(nn.Module):
             q[first:last], self.k_cache, self.v_cache, meta.block_tables[lo:hi],
             ctx.cu_seqlens_q[lo:hi + 1] - first, ctx.context_lens[lo:hi], self.scale, self.window,
             k_new=k[first:last], v_new=v[first:last],
-            cu_seqlens_q_list=[c - first for c in cu[lo:hi + 1]], context_lens_list=ctx.context_lens_list[lo:hi])
+            cu_seqlens_q_list=[c - first for c in cu[lo:hi + 1]], context_lens_list=ctx.context_lens_list[lo:hi],
+            **self.kv_scales)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         base = get_forward_context()
@@ -109,7 +118,7 @@ class Attention(nn.Module):
         meta = ctx.groups[self.kv_group]
         rope = self.rope[0]
         rope_and_write_kv(q, k, v, ctx.positions, rope.inv_freq, rope.attention_scaling,
-                          self.k_cache, self.v_cache, meta.slot_mapping)
+                          self.k_cache, self.v_cache, meta.slot_mapping, **self.kv_scales)
         out = torch.empty_like(q)
         # InfiniteHiP layers hand the step's long-context rows to the sparse path (runtime/
         # sparse_attention.py); every other row goes through the dense kernels below.
@@ -123,12 +132,12 @@ class Attention(nn.Module):
         if nd and dense_decode_lens is not None:  # decode rows first: one query each, flash-decoding
             paged_decode_attention(q[:nd], self.k_cache, self.v_cache, meta.block_tables[:nd],
                                    dense_decode_lens, self.scale, self.window, out=out[:nd],
-                                   max_len=ctx.decode_len_bound)
+                                   max_len=ctx.decode_len_bound, **self.kv_scales)
         for lo, hi in prefill_runs:  # prefill chunks lo..hi-1: causal over context + chunk
             self._dense_prefill(q, k, v, out, ctx, meta, lo, hi)
         if sparse is not None:  # a layer with compacted KV (drop history) holds fewer keys
             dropped = None if ctx is base else base.context_lens - ctx.context_lens
-            self.sparse.run(q, self.k_cache, self.v_cache, meta.block_tables, sparse, out, dropped)
+            self.sparse.run(q, self.k_cache, self.v_cache, meta.block_tables, sparse, out, dropped, **self.kv_scales)
         return self.o_proj(out.view(num_tokens, -1))
 
 
