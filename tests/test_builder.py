@@ -104,6 +104,26 @@ def test_tiny_build_round_trips(tiny, tmp_path, arch):
     assert model.attention_bias == (arch == "qwen2") and model.qk_norm == (arch in ("qwen3", "gemma3"))
 
 
+def test_cli_fp8_kv_cache(tiny, tmp_path, capsys):
+    """--kv-dtype fp8 is recorded in the engine (weights stay in --dtype) and the runtime keeps
+    float8_e4m3fn caches with float32 scales per token and kv head; an unknown KV dtype is a
+    usage error."""
+    from infhip import LLM
+
+    src, _ = tiny["llama"]
+    out = tmp_path / "fp8"
+    rc, err = run_cli(capsys, "--checkpoint", src, "--output", out, "--device", "cpu", "--dtype", "float32",
+                      "--kv-dtype", "fp8", "--max-seq-len", "64", "--quiet")
+    assert rc == 0, err
+    build = EngineConfig.load(out).build
+    assert (build.dtype, build.kv_dtype) == ("float32", "fp8")
+    attn = LLM(out).runner.model.layers[0].self_attn
+    assert attn.k_cache.dtype == attn.v_cache.dtype == torch.float8_e4m3fn
+    assert attn.k_scale.dtype == torch.float32 and attn.k_scale.shape == attn.k_cache.shape[:3]
+    rc, err = run_cli(capsys, "--checkpoint", src, "--output", tmp_path / "x", "--kv-dtype", "int8")
+    assert rc == 2 and "invalid choice" in err
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 def test_converted_tensors_equal_hf(tiny, tmp_path, arch):
     src, hf_cfg = tiny[arch]
