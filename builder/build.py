@@ -21,7 +21,7 @@ import tempfile
 import time
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -90,11 +90,13 @@ def _check_output(out: Path, force: bool) -> None:
         raise BuildError(f"refusing to replace {out}: it is not an infhip engine directory (no config.json)")
 
 
-def _install(tmp: Path, out: Path, force: bool) -> None:
-    """Rename tmp to out; an existing out is moved aside first and deleted only after success."""
+def install_dir(tmp: Path, out: Path, check_existing: Callable[[Path], None]) -> None:
+    """Rename the finished folder tmp to out; an existing out is first re-checked with
+    check_existing (it may have appeared while tmp was written), moved aside, and deleted only
+    after the rename succeeded (restored if it failed). Used by the builder and the exporters."""
     old = None
     if out.exists():
-        _check_output(out, force)  # it may have appeared while we were building
+        check_existing(out)
         old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
         os.rename(out, old / out.name)
     try:
@@ -214,7 +216,7 @@ def build_engine(
             _write_engine(tmp, engine, ckpt, src, inv_freqs, device, seed, progress, warnings, timings, t)
             timings["total"] = round(time.perf_counter() - t_start, 3)
             _finish_report(tmp, timings)
-            _install(tmp, out, force)
+            install_dir(tmp, out, lambda o: _check_output(o, force))
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise

@@ -32,6 +32,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from infhip.builder.build import install_dir
 from infhip.builder.cli import _positive_int
 from infhip.builder.errors import BuildError
 
@@ -87,24 +88,6 @@ def _check_destination(out: Path, force: bool) -> None:
                          "remove it or choose another --model-name")
 
 
-def _install(tmp: Path, out: Path, force: bool) -> None:
-    """Rename tmp to out; an existing out is moved aside first and deleted only after success."""
-    old = None
-    if out.exists():
-        _check_destination(out, force)  # it may have appeared while we were writing
-        old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
-        os.rename(out, old / out.name)
-    try:
-        os.rename(tmp, out)
-    except OSError:
-        if old is not None:
-            os.rename(old / out.name, out)
-        raise
-    finally:
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
-
-
 def export_triton_repo(engine_dir: str | os.PathLike, repo_dir: str | os.PathLike, model_name: str | None = None,
                        max_batch_size: int | None = None, decoupled: bool = True, device: str | None = None,
                        force: bool = False) -> Path:
@@ -158,7 +141,7 @@ def export_triton_repo(engine_dir: str | os.PathLike, repo_dir: str | os.PathLik
         (tmp / "config.pbtxt").write_text(text)
         (tmp / "1").mkdir()
         shutil.copyfile(_MODEL_SOURCE, tmp / "1" / "model.py")
-        _install(tmp, out, force)
+        install_dir(tmp, out, lambda o: _check_destination(o, force))
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

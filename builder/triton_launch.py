@@ -25,6 +25,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import shutil
+import subprocess
 import sys
 import sysconfig
 from pathlib import Path
@@ -83,3 +84,12 @@ def server_command(repo_dir: str | os.PathLike, backend_dir: str | os.PathLike, 
             "--backend-directory", str(backends.resolve()), "--http-port", str(http_port),
             "--grpc-port", str(grpc_port), "--metrics-port", str(metrics_port), "--exit-timeout-secs", "5"]
     return argv, env
+
+
+def stop_server(proc: subprocess.Popen, grace_s: float = 30) -> None:
+    """Terminate a tritonserver started from server_command, killing it if it outlives grace_s."""
+    proc.terminate()
+    try:
+        proc.wait(grace_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()

@@ -22,7 +22,7 @@ import urllib.request
 from pathlib import Path
 
 from infhip.builder.export_triton import export_triton_repo
-from infhip.builder.triton_launch import numpy_ok, server_command
+from infhip.builder.triton_launch import numpy_ok, server_command, stop_server
 
 
 def post(url: str, body: dict) -> bytes:
@@ -80,11 +80,7 @@ def main() -> int:
     except KeyboardInterrupt:
         pass
     finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop_server(proc)
     return 0
 
 

@@ -483,7 +483,7 @@ def _post(url, body):
 
 @pytest.mark.skipif(_real_triton_reason() is not None, reason=str(_real_triton_reason()))
 def test_real_tritonserver_round_trip(engine, reference, tmp_path):
-    from infhip.builder.triton_launch import server_command
+    from infhip.builder.triton_launch import server_command, stop_server
 
     export_triton_repo(engine, tmp_path / "repo", model_name="tiny")
     http, grpc, metrics = _free_ports(3)
@@ -516,8 +516,4 @@ def test_real_tritonserver_round_trip(engine, reference, tmp_path):
             _post(f"{base}/v2/models/tiny/generate", {"text_input": "hi", "top_p": 1.5})
         assert "top_p must be in (0, 1]" in bad.value.read().decode()
     finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop_server(proc)
