@@ -68,25 +68,36 @@ def test_writer_skips_rows_pointed_at_the_scratch_row():
     assert rel_err(bank[written], ref[written]) < 1e-6
 
 
+@pytest.mark.parametrize("fp8", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("num_splits", [1, 3])
 @pytest.mark.parametrize("selection", ["runs", "scattered"])
-def test_decode_with_bank_matches_reference(dtype, num_splits, selection):
-    seqs = PagedSeqs([150, 211, 97], 2, D, 4, seed=num_splits + 7, dtype=dtype)
+def test_decode_with_bank_matches_reference(dtype, num_splits, selection, fp8):
+    """The bank, the queries and (fp8 False) the caches in dtype == the reference. fp8: the caches
+    in fp8 (sink and stream keys dequantized from the cache in the kernel, selected ones from the
+    bank) == the reference on the dequantized caches."""
+    seqs = PagedSeqs([150, 211, 97], 2, D, 4, seed=num_splits + (17 if fp8 else 7),
+                     dtype=torch.float32 if fp8 else dtype)
+    if fp8:
+        cache = quantize_seqs(seqs)
+        k_cache, v_cache, scales = cache.k_cache, cache.v_cache, cache.scales()
+    else:
+        k_cache, v_cache, scales = seqs.k_cache, seqs.v_cache, {}
     ends = seqs.context_lens
     sel = (run_selection(seqs.generator, ends, N_SINK, N_STREAM, runs=9, run_len=4) if selection == "runs"
            else random_selection(seqs.generator, ends, N_SINK, N_STREAM, k=30))
     rows = torch.tensor([1, 3, 0], dtype=torch.int32, device=DEVICE)
     bank = make_bank(seqs, 4, sel.shape[1], dtype)
-    write_key_bank(seqs.k_cache, seqs.block_tables, ends, sel, bank, rows, n_sink=N_SINK, inv_freq=inv_freq(D),
-                   rope_group=4)
+    write_key_bank(k_cache, seqs.block_tables, ends, sel, bank, rows, n_sink=N_SINK, inv_freq=inv_freq(D),
+                   rope_group=4, k_scale=scales.get("k_scale"))
     q = torch.randn(3, 6, D, generator=seqs.generator).to(dtype).to(DEVICE)
     ref = decode_ref(seqs, q, ends, sel)
     for prefetch in (False, True):
-        out = sparse_decode_attention(q, seqs.k_cache, seqs.v_cache, seqs.block_tables, ends, sel, n_sink=N_SINK,
+        out = sparse_decode_attention(q, k_cache, v_cache, seqs.block_tables, ends, sel, n_sink=N_SINK,
                                       n_stream=N_STREAM, scale=0.3, rope_style="streaming", inv_freq=inv_freq(D),
-                                      num_splits=num_splits, block_n=16, bank=bank, bank_rows=rows, prefetch=prefetch)
-        assert rel_err(out, ref) < TOL[dtype], prefetch
+                                      num_splits=num_splits, block_n=16, bank=bank, bank_rows=rows, prefetch=prefetch,
+                                      **scales)
+        assert out.dtype == dtype and rel_err(out, ref) < TOL[dtype], prefetch
 
 
 def test_bank_stays_valid_while_the_context_grows():
@@ -144,31 +155,6 @@ def test_fp8_writer_matches_dequantized(selection):
     assert written.any() and torch.equal(bank.isnan(), ref.isnan()) and torch.equal(ref8.isnan(), ref.isnan())
     assert rel_err(bank[written], ref[written]) < 1e-6
     assert torch.equal(ref8[written], ref[written])
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("num_splits", [1, 3])
-@pytest.mark.parametrize("selection", ["runs", "scattered"])
-def test_fp8_decode_with_bank_matches_dequantized(dtype, num_splits, selection):
-    """fp8 caches, the bank and the queries in dtype: sink and stream keys dequantized from the
-    cache in the kernel, selected ones from the bank == the reference on the dequantized caches."""
-    seqs = PagedSeqs([150, 211, 97], 2, D, 4, seed=num_splits + 17)
-    fp8 = quantize_seqs(seqs)
-    ends = seqs.context_lens
-    sel = (run_selection(seqs.generator, ends, N_SINK, N_STREAM, runs=9, run_len=4) if selection == "runs"
-           else random_selection(seqs.generator, ends, N_SINK, N_STREAM, k=30))
-    rows = torch.tensor([1, 3, 0], dtype=torch.int32, device=DEVICE)
-    bank = make_bank(seqs, 4, sel.shape[1], dtype)
-    write_key_bank(fp8.k_cache, seqs.block_tables, ends, sel, bank, rows, n_sink=N_SINK, inv_freq=inv_freq(D),
-                   rope_group=4, k_scale=fp8.k_scale)
-    q = torch.randn(3, 6, D, generator=seqs.generator).to(dtype).to(DEVICE)
-    ref = decode_ref(seqs, q, ends, sel)
-    for prefetch in (False, True):
-        out = sparse_decode_attention(q, fp8.k_cache, fp8.v_cache, seqs.block_tables, ends, sel, n_sink=N_SINK,
-                                      n_stream=N_STREAM, scale=0.3, rope_style="streaming", inv_freq=inv_freq(D),
-                                      num_splits=num_splits, block_n=16, bank=bank, bank_rows=rows, prefetch=prefetch,
-                                      **fp8.scales())
-        assert out.dtype == dtype and rel_err(out, ref) < TOL[dtype], prefetch
 
 
 def test_fp8_bank_is_never_fp8():
