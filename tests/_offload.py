@@ -1,0 +1,33 @@
+"""Test helper: move some pages of a paged cache into a host twin (plugins/kv_offload.py).
+
+The moved GPU pages are overwritten with NaN (and their fp8 scales too), so a kernel that reads
+an offloaded page from the GPU pool instead of the host twin poisons its output."""
+
+from __future__ import annotations
+
+import torch
+
+from infhip.plugins.kv_offload import HostKV, host_page
+
+
+def offload_pages(k_cache, v_cache, block_tables, every: int = 2, k_scale=None, v_scale=None,
+                  keep_first: int = 0):
+    """Move every ``every``-th page named in block_tables (from logical page keep_first on) to a
+    new host twin. Returns (host, tables): tables with those entries < 0. The caches (and scales)
+    are modified in place: the moved pages are NaN."""
+    tables = block_tables.clone()
+    moved = sorted({int(p) for p in block_tables[:, keep_first::every].flatten().tolist() if p > 0})
+    host = HostKV.like(k_cache.cpu(), max(1, len(moved)))
+    for h, page in enumerate(moved):
+        host.k[h] = k_cache[page].cpu()
+        host.v[h] = v_cache[page].cpu()
+        if k_scale is not None:
+            host.k_scale[h] = k_scale[page].cpu()
+            host.v_scale[h] = v_scale[page].cpu()
+            k_scale[page] = float("nan")
+            v_scale[page] = float("nan")
+        k_cache[page] = float("nan")
+        v_cache[page] = float("nan")
+        tables[block_tables == page] = host_page(h)
+    assert (tables < 0).any(), "the test moved no page"
+    return host, tables
