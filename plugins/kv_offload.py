@@ -29,13 +29,15 @@ the address arithmetic and the pool itself. Paper 000, "KV Cache Offloading Arch
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from .kv_quant import is_fp8, new_kv_scales
+from ._triton_utils import triton_on
+from .kv_quant import is_fp8
 
 
 def host_page(page: int) -> int:
@@ -47,10 +49,19 @@ def host_page(page: int) -> int:
     return -1 - page
 
 
-def _pin(t: torch.Tensor) -> torch.Tensor:
-    """Pinned (page-locked, device-mapped) when a GPU exists; a plain CPU tensor otherwise (CPU
-    tests and the interpreter read host pages through ordinary pointers)."""
-    return t.pin_memory() if torch.cuda.is_available() else t
+def pinned_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialised CPU tensor, page-locked with cudaHostRegister (mapped: under UVA its
+    address is valid on the GPU), unregistered when the tensor is freed. Not
+    ``torch.empty(pin_memory=True)``: torch's caching host allocator rounds every block up to a
+    power of two, so a 17 GiB pool would pin 32 GiB."""
+    t = torch.empty(shape, dtype=dtype)
+    cudart = torch.cuda.cudart()
+    err = cudart.cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0)
+    if int(err) != 0:
+        raise RuntimeError(f"cudaHostRegister of {t.numel() * t.element_size() / 2**30:.2f} GiB failed "
+                           f"(error {int(err)}): not enough lockable host memory for the KV offload pool")
+    weakref.finalize(t, cudart.cudaHostUnregister, t.data_ptr())
+    return t
 
 
 @dataclass
@@ -65,16 +76,17 @@ class HostKV:
 
     @classmethod
     def like(cls, k_cache: torch.Tensor, num_pages: int) -> "HostKV":
-        """A zeroed host twin of ``num_pages`` pages for a GPU cache shaped like ``k_cache``.
-        Pinned memory is allocated page-locked up front (never managed memory: SPEC §7)."""
+        """A host twin of ``num_pages`` pages for a GPU cache shaped like ``k_cache``, allocated
+        page-locked up front when a GPU exists (never managed memory: SPEC §7). Not initialised:
+        a host page is written (copy_pages) before any table names it."""
         if num_pages < 1:
             raise ValueError(f"a host KV pool needs at least one page, got {num_pages}")
         shape = (num_pages, *k_cache.shape[1:])
-        k = _pin(torch.zeros(shape, dtype=k_cache.dtype))
-        v = _pin(torch.zeros(shape, dtype=k_cache.dtype))
+        new = pinned_empty if torch.cuda.is_available() else torch.empty
+        k, v = new(shape, dtype=k_cache.dtype), new(shape, dtype=k_cache.dtype)
         ks = vs = None
         if is_fp8(k_cache):
-            ks, vs = _pin(new_kv_scales(k)), _pin(new_kv_scales(v))
+            ks, vs = new(shape[:3], dtype=torch.float32), new(shape[:3], dtype=torch.float32)
         return cls(k, v, ks, vs)
 
     @property
@@ -135,6 +147,45 @@ def page_offset(page, stride_page, host_delta, OFFLOAD: tl.constexpr):
     return page.to(tl.int64) * stride_page
 
 
+@triton.jit
+def _copy_pages_kernel(ptr, src_ptr, dst_ptr, host_delta, stride_page, page_elems, BLOCK: tl.constexpr):
+    """Program (i, j): elements [j * BLOCK, (j + 1) * BLOCK) of page src[i] -> page dst[i]
+    (block-table entries of either pool)."""
+    i = tl.program_id(0)
+    src = page_offset(tl.load(src_ptr + i), stride_page, host_delta, True)
+    dst = page_offset(tl.load(dst_ptr + i), stride_page, host_delta, True)
+    idx = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = idx < page_elems
+    tl.store(ptr + dst + idx, tl.load(ptr + src + idx, mask=mask), mask=mask)
+
+
+def copy_pages(k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: torch.Tensor | None,
+               v_scale: torch.Tensor | None, src: torch.Tensor, dst: torch.Tensor, offload: HostKV) -> None:
+    """Copy whole pages src[i] -> dst[i] (int32 [N] block-table entries: >= 0 GPU, < 0 host) of K,
+    V and an fp8 cache's scales; e.g. GPU pages to the host twin when they are offloaded. On a GPU
+    the kernel writes the pinned pages directly (no staging), in stream order: a GPU page freed
+    after this call may be reused by any later kernel."""
+    assert src.shape == dst.shape and src.dtype == dst.dtype == torch.int32
+    if src.numel() == 0:
+        return
+    deltas = offload_deltas(k_cache, v_cache, k_scale, v_scale, offload)
+    pairs = [(k_cache, offload.k), (v_cache, offload.v)]
+    if k_scale is not None:
+        pairs += [(k_scale, offload.k_scale), (v_scale, offload.v_scale)]
+    if not triton_on(k_cache):  # CPU without the interpreter
+        for (cache, host), _ in zip(pairs, deltas):
+            rows = [(host[host_page(p)] if p < 0 else cache[p]).clone() for p in src.tolist()]
+            for p, row in zip(dst.tolist(), rows):
+                (host[host_page(p)] if p < 0 else cache[p]).copy_(row)
+        return
+    for (cache, _), delta in zip(pairs, deltas):
+        assert cache.is_contiguous()
+        page_elems = cache[0].numel()
+        BLOCK = 4096
+        _copy_pages_kernel[(src.numel(), triton.cdiv(page_elems, BLOCK))](
+            cache, src, dst, delta, cache.stride(0), page_elems, BLOCK=BLOCK)
+
+
 # ------------------------------------------------------------------------------------ torch
 
 def merged_pool(cache: torch.Tensor, host: torch.Tensor | None,
@@ -161,4 +212,4 @@ def merged_kv(k_cache, v_cache, k_scale, v_scale, block_tables, offload: HostKV 
     return k, v, ks, vs, tables
 
 
-__all__ = ["HostKV", "host_page", "offload_deltas", "page_offset", "merged_pool", "merged_kv"]
+__all__ = ["HostKV", "host_page", "offload_deltas", "page_offset", "copy_pages", "merged_pool", "merged_kv"]

@@ -12,6 +12,14 @@ group; Gemma-3 has "global" and "sliding" (window W). A query at position p of a
 needs keys p-W+1..p only, so pages whose positions all lie before the window of the next chunk's
 first query are released early: such a group holds at most ``pages_for(W, ...)`` pages per
 sequence however long it grows.
+
+KV offloading (plugins/kv_offload.py): a full-attention group may have a host pool
+(:class:`OffloadSpec`). Once a sequence's context reaches ``min_context`` (the InfiniteHiP
+threshold: every later step of it reads its keys through the sparse kernels, which follow
+host entries), its pages between the first ``head_tokens`` (sink) and the last ``tail_tokens``
+(stream) move to host pages (:meth:`KVCacheManager.offload`); the table names a host page by an
+entry < 0 (host page -1 - entry), and the GPU page returns to the free list. So the GPU holds
+about head + tail + one chunk per sequence however long it grows, the host the rest.
 """
 
 from __future__ import annotations
@@ -70,11 +78,36 @@ class PageAllocator:
 
 
 @dataclass(frozen=True)
+class OffloadSpec:
+    """Host pool of a full-attention group: ``host_pages`` pages; a sequence whose context is at
+    least ``min_context`` keeps its first ``head_tokens`` and last ``tail_tokens`` tokens' pages on
+    the GPU and moves the others, at least ``batch_pages`` at a time (fewer copies and table
+    re-uploads; the GPU holds up to batch_pages - 1 pages more per sequence)."""
+
+    host_pages: int
+    head_tokens: int
+    tail_tokens: int
+    min_context: int
+    batch_pages: int = 16
+
+    def __post_init__(self) -> None:
+        for name in ("host_pages", "batch_pages"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ValueError(f"OffloadSpec.{name} must be an int >= 1, got {getattr(self, name)!r}")
+        for name in ("head_tokens", "tail_tokens", "min_context"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
+                raise ValueError(f"OffloadSpec.{name} must be an int >= 0, got {getattr(self, name)!r}")
+
+
+@dataclass(frozen=True)
 class KVGroupSpec:
     num_pages: int  # physical pages, the null page included
     window: int | None  # sliding window (keys p-window+1..p), None = full attention
+    offload: OffloadSpec | None = None  # host pool (full attention only)
 
     def __post_init__(self) -> None:
+        if self.offload is not None and self.window is not None:
+            raise ValueError("KV offloading is for full-attention groups (window None)")
         if isinstance(self.num_pages, bool) or not isinstance(self.num_pages, int) \
                 or self.num_pages < 2:
             raise ValueError(f"KVGroupSpec.num_pages must be an int >= 2, got {self.num_pages!r}")
@@ -89,6 +122,7 @@ class _Table:
 
     pages: list[int] = field(default_factory=list)
     lo: int = 0
+    host_hi: int = 0  # offloading: logical pages [head, host_hi) are on the host (entries < 0)
 
 
 class KVCacheManager:
@@ -105,25 +139,42 @@ class KVCacheManager:
         self.groups = dict(groups)
         self.max_pages_per_seq = max_pages_per_seq
         self._alloc = {name: PageAllocator(spec.num_pages) for name, spec in self.groups.items()}
+        # Host pools: host page h is entry -(h + 1), so allocator page p (1..host_pages) is entry -p.
+        self._host = {name: PageAllocator(spec.offload.host_pages + 1)
+                      for name, spec in self.groups.items() if spec.offload is not None}
         self._tables: dict[str, dict[int, _Table]] = {name: {} for name in self.groups}
 
     # ---- sizing -------------------------------------------------------------------------
     @staticmethod
-    def pages_for(spec_window: int | None, page_size: int, max_seq_len: int, max_chunk: int) -> int:
-        """Pages one sequence may hold at once in a group: all of its ceil(len / page_size) pages,
-        or for a window W with chunks of <= max_chunk tokens the pages spanning positions
-        start-W+1 .. start+chunk-1, at most ceil((W - 1 + max_chunk) / page_size) + 1."""
+    def pages_for(spec_window: int | None, page_size: int, max_seq_len: int, max_chunk: int,
+                  offload: OffloadSpec | None = None) -> int:
+        """GPU pages one sequence may hold at once in a group: all of its ceil(len / page_size)
+        pages, or for a window W with chunks of <= max_chunk tokens the pages spanning positions
+        start-W+1 .. start+chunk-1, at most ceil((W - 1 + max_chunk) / page_size) + 1. With
+        offloading: everything until the context reaches min_context (a chunk may end up to
+        chunk - 1 tokens past it), then head + tail + one chunk + a batch not yet moved."""
         full = _cdiv(max_seq_len, page_size)
+        chunk = min(max_chunk, max_seq_len)
+        if offload is not None:
+            before = _cdiv(min(max_seq_len, offload.min_context - 1 + chunk), page_size)
+            after = (_cdiv(offload.head_tokens, page_size) + _cdiv(offload.tail_tokens + chunk, page_size)
+                     + offload.batch_pages + 1)
+            return min(full, max(before, after))
         if spec_window is None:
             return full
-        chunk = min(max_chunk, max_seq_len)
         return min(full, _cdiv(spec_window - 1 + chunk, page_size) + 1)
 
     def pages_needed(self, group: str, num_tokens: int, max_chunk: int | None = None) -> int:
         """Pages a sequence growing to ``num_tokens`` tokens in chunks of <= ``max_chunk`` (default:
         all at once) holds at most in ``group``."""
-        return self.pages_for(self._spec(group).window, self.page_size, num_tokens,
-                              num_tokens if max_chunk is None else max_chunk)
+        spec = self._spec(group)
+        return self.pages_for(spec.window, self.page_size, num_tokens,
+                              num_tokens if max_chunk is None else max_chunk, spec.offload)
+
+    def host_pages_needed(self, group: str, num_tokens: int) -> int:
+        """Host pages a sequence of ``num_tokens`` tokens may hold in ``group`` (0 without a host pool)."""
+        off = self._spec(group).offload
+        return 0 if off is None else max(0, _cdiv(num_tokens, self.page_size) - _cdiv(off.head_tokens, self.page_size))
 
     def num_free_pages(self, group: str) -> int:
         self._spec(group)
@@ -191,7 +242,10 @@ class KVCacheManager:
             t = tables.pop(seq_id, None)
             if t is not None:
                 for page in t.pages[t.lo:]:
-                    self._alloc[g].free(page)
+                    if page < 0:
+                        self._host[g].free(-page)
+                    else:
+                        self._alloc[g].free(page)
 
     # ---- views for the executor ---------------------------------------------------------
     def block_table(self, seq_id: int, group: str) -> list[int]:
@@ -203,8 +257,9 @@ class KVCacheManager:
     def page_list(self, seq_id: int, group: str) -> list[int]:
         """The live page table of block_table (no copy; read it, never modify it). It only grows
         at the end or has entries released to 0 at the front until the sequence is freed; a
-        re-admitted sequence gets a new list, so (list identity, length) tells a reader what
-        changed since it last looked (runtime/cuda_graphs.py stages only new entries)."""
+        re-admitted sequence, and one whose pages were just offloaded, gets a new list, so (list
+        identity, length) tells a reader what changed since it last looked
+        (runtime/cuda_graphs.py stages only new entries)."""
         self._spec(group)
         t = self._tables[group].get(seq_id)
         return t.pages if t is not None else []
@@ -229,7 +284,43 @@ class KVCacheManager:
         while pos < end:  # one range per page: fast for long chunks
             i, off = divmod(pos, ps)
             n = min(ps - off, end - pos)
+            if t.pages[i] < 0:
+                raise ValueError(f"sequence {seq_id} group {group!r}: position {pos} is on an offloaded "
+                                 f"(host) page; new tokens are written to GPU pages only")
             base = t.pages[i] * ps
             slots.extend(range(base + off, base + off + n))
             pos += n
         return slots
+
+    # ---- offloading (plugins/kv_offload.py) ---------------------------------------------
+    def num_free_host_pages(self, group: str) -> int:
+        self._spec(group)
+        return self._host[group].num_free if group in self._host else 0
+
+    def offload(self, seq_id: int, group: str, context: int) -> tuple[list[int], list[int]]:
+        """Move the pages of ``seq_id`` that the group's OffloadSpec lets go, now that it holds
+        ``context`` tokens: returns (GPU pages, host entries), pairwise, for the caller to copy
+        *before* any later kernel may reuse the GPU pages (copy_pages, same stream). The table
+        becomes a new list (so readers that cache by list identity re-read it) naming the host
+        entries; the GPU pages are free. Nothing moves below min_context, while fewer than
+        batch_pages pages are eligible, or beyond the host pool's free pages (those stay on the
+        GPU: the pool is full, not an error)."""
+        off = self._spec(group).offload
+        t = self._tables[group].get(seq_id)
+        if off is None or t is None or context < off.min_context:
+            return [], []
+        ps = self.page_size
+        head = _cdiv(off.head_tokens, ps)
+        hi = min(len(t.pages), max(0, context - off.tail_tokens) // ps)  # pages wholly before the tail
+        lo = max(t.host_hi, head, t.lo)
+        if hi - lo < off.batch_pages:
+            return [], []
+        n = min(hi - lo, self._host[group].num_free)
+        pages = list(t.pages)
+        src = pages[lo:lo + n]
+        dst = [-self._host[group].allocate() for _ in range(n)]
+        pages[lo:lo + n] = dst
+        for p in src:
+            self._alloc[group].free(p)
+        t.pages, t.host_hi = pages, lo + n
+        return src, dst

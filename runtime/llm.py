@@ -54,6 +54,10 @@ class LLM:
         max_num_seqs: most sequences in one step (default: the engine's max_batch_size).
         max_num_batched_tokens: token budget of one step (chunked prefill), default from the engine.
         kv_cache_memory_bytes: KV cache size; default 90% of free GPU memory, or 2 GiB on CPU.
+        kv_offload_bytes: pinned host memory for offloaded KV pages (default 0: none). Engines
+            with InfiniteHiP: once a request passes the dense threshold, its pages between the
+            sink and the stream move to the host and the sparse kernels read them in place, so
+            the GPU holds about sink + stream + one chunk per request (plugins/kv_offload.py).
         enforce_eager: never use CUDA graphs.
         num_decode_steps: when a step is all decodes and nobody waits, run this many decode steps
             back to back on the device (each feeds on the last one's tokens) before the host looks
@@ -72,7 +76,8 @@ class LLM:
     def __init__(self, engine_dir: str | Path, device: str | None = None, max_num_seqs: int | None = None,
                  max_num_batched_tokens: int | None = None, kv_cache_memory_bytes: int | None = None,
                  enforce_eager: bool = False, num_decode_steps: int | None = None,
-                 infinitehip_overrides: dict | None = None, token_drop: bool | dict | None = None):
+                 infinitehip_overrides: dict | None = None, token_drop: bool | dict | None = None,
+                 kv_offload_bytes: int = 0):
         self.engine = load_engine(engine_dir, device)
         if infinitehip_overrides:
             config = self.engine.config
@@ -94,7 +99,8 @@ class LLM:
         if budget < self.max_num_seqs:
             raise ValueError(f"max_num_batched_tokens ({budget}) must be >= max_num_seqs ({self.max_num_seqs})")
         self.runner = ModelRunner(self.engine, self.max_num_seqs, budget, kv_cache_memory_bytes,
-                                  enforce_eager=enforce_eager, max_decode_steps=num_decode_steps)
+                                  enforce_eager=enforce_eager, max_decode_steps=num_decode_steps,
+                                  kv_offload_bytes=kv_offload_bytes)
         self.scheduler = Scheduler(self.runner.kv, self.max_num_seqs, budget, build.max_seq_len)
         self.sampler = Sampler()
         self.tokenizer = self.engine.tokenizer

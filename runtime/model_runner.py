@@ -20,13 +20,17 @@ from infhip.runtime.cuda_graphs import DecodeGraphs, GraphKey, len_bucket
 from infhip.plugins.kv_quant import is_fp8, new_kv_scales
 from infhip.runtime.engine import DTYPES, KV_DTYPES, LoadedEngine
 from infhip.runtime.forward_context import ForwardContext, KVGroupMetadata, LayerKV, compact_slots, forward_context
-from infhip.runtime.kv_cache import KVCacheManager, KVGroupSpec
+from infhip.plugins.kv_offload import HostKV, copy_pages
+from infhip.runtime.kv_cache import KVCacheManager, KVGroupSpec, OffloadSpec
 from infhip.runtime.scheduler import SchedulerOutput
 from infhip.runtime.mask_cache import MaskCache
 from infhip.runtime.sparse_attention import InfiniteHipLayer, SparsePlanner, SparseStepHost, uses_key_bank
 from infhip.runtime.token_drop import DropChunk, TokenDropStep, keep_tail, plan_drops
 
 GiB = 1 << 30
+# KV offloading moves a request's pages once at least this many tokens' pages are eligible: fewer
+# copy launches and page-table re-uploads, at the cost of that many more tokens on the GPU.
+OFFLOAD_BATCH_TOKENS = 256
 
 
 @dataclass
@@ -58,7 +62,8 @@ class StepPlan:
 class ModelRunner:
     def __init__(self, engine: LoadedEngine, max_num_seqs: int, max_num_batched_tokens: int,
                  kv_cache_memory_bytes: int | None = None, gpu_memory_utilization: float = 0.9,
-                 enforce_eager: bool = False, max_decode_steps: int = 1):
+                 enforce_eager: bool = False, max_decode_steps: int = 1, kv_offload_bytes: int = 0):
+        """kv_offload_bytes: host memory for offloaded KV pages (0: none; _offload_spec)."""
         self.engine, self.model, self.device = engine, engine.model, engine.device
         cfg, build = engine.config.model, engine.config.build
         self.page_size = build.page_size
@@ -74,12 +79,14 @@ class ModelRunner:
 
         budget = kv_cache_memory_bytes or self._default_kv_budget(max_num_seqs, max_num_batched_tokens,
                                                                   gpu_memory_utilization)
+        offload = self._offload_spec(kv_offload_bytes, page_bytes, layer_groups.count("global"))
         specs: dict[str, KVGroupSpec] = {}
         # Sliding groups get exactly what max_num_seqs windows need; the global group the rest.
         for group in sorted(set(layer_groups), key=lambda g: g != "sliding"):
             num_layers = layer_groups.count(group)
+            group_offload = offload if group == "global" else None
             per_seq = KVCacheManager.pages_for(windows[group], self.page_size, self.max_seq_len,
-                                               max_num_batched_tokens)
+                                               max_num_batched_tokens, group_offload)
             wanted = max_num_seqs * per_seq + 1  # + the null page
             affordable = budget // (page_bytes * num_layers)
             num_pages = min(wanted, affordable)
@@ -89,13 +96,16 @@ class ModelRunner:
                     f"{group} layers, one sequence of {self.max_seq_len} tokens needs {per_seq + 1}; "
                     "pass a larger kv_cache_memory_bytes or rebuild with a smaller --max-seq-len")
             budget -= num_pages * page_bytes * num_layers
-            specs[group] = KVGroupSpec(num_pages=num_pages, window=windows[group])
+            specs[group] = KVGroupSpec(num_pages=num_pages, window=windows[group], offload=group_offload)
         self.kv = KVCacheManager(self.page_size, specs, self.max_pages_per_seq)
         for attn in attn_layers:
             shape = (specs[attn.kv_group].num_pages, self.page_size, cfg.num_kv_heads, cfg.head_dim)
             attn.k_cache = torch.zeros(shape, dtype=kv_dtype, device=self.device)
             attn.v_cache = torch.zeros(shape, dtype=kv_dtype, device=self.device)
             attn.k_scale, attn.v_scale = new_kv_scales(attn.k_cache), new_kv_scales(attn.v_cache)  # None unless fp8
+            if specs[attn.kv_group].offload is not None:  # its host twin (plugins/kv_offload.py)
+                attn.host_kv = HostKV.like(attn.k_cache, offload.host_pages)
+        self.offload_layers = [a for a in attn_layers if a.host_kv is not None]
         self.groups = sorted(specs)
 
         self.max_num_seqs = max_num_seqs
@@ -141,10 +151,52 @@ class ModelRunner:
         if self.graphs is not None:
             self.graphs.lazy_graphs.clear()
 
+    def _offload_spec(self, nbytes: int, page_bytes: int, num_global_layers: int) -> OffloadSpec | None:
+        """The host pool of the full-attention ("global") layers for ``nbytes`` of host memory.
+        Pages move once a request's context reaches the InfiniteHiP threshold (every later step
+        of it runs the sparse kernels, which read host pages in place), keeping the sink and
+        stream tokens' pages on the GPU. Requires every full-attention layer to be an
+        InfiniteHiP layer (dense kernels do not follow host entries) and no token drop."""
+        if not nbytes:
+            return None
+        plan = self.engine.config.plan
+        ih = plan.infinitehip
+        if ih is None or any(lp.plugin != "infinitehip" for lp in plan.layers if lp.attention == "global"):
+            raise ValueError("KV offloading needs an engine whose full-attention layers all run InfiniteHiP "
+                             "(build it with --preset 3k | 3k-fast | 3k-flash | 5k)")
+        if plan.token_drop is not None:
+            raise ValueError("KV offloading and token drop cannot be combined yet (token drop's gathers "
+                             "read pages directly); load with token_drop=False")
+        host_pages = nbytes // (page_bytes * num_global_layers)
+        if host_pages < 1:
+            raise ValueError(f"kv_offload_bytes={nbytes} holds no page of the {num_global_layers} "
+                             f"full-attention layers ({page_bytes * num_global_layers} bytes per page)")
+        return OffloadSpec(host_pages=host_pages, head_tokens=ih.n_sink, tail_tokens=ih.n_stream,
+                           min_context=ih.dense_threshold, batch_pages=max(1, OFFLOAD_BATCH_TOKENS // self.page_size))
+
+    def _offload(self, seqs_and_contexts) -> None:
+        """After a step (its kernels already queued): move the pages that the step's requests no
+        longer keep on the GPU to the host pools; the copies run on the same stream, ahead of any
+        later kernel that could reuse the freed GPU pages."""
+        if not self.offload_layers:
+            return
+        src, dst = [], []
+        for seq, context in seqs_and_contexts:
+            s, d = self.kv.offload(seq.seq_id, "global", context)
+            src += s
+            dst += d
+        if not src:
+            return
+        src_t, dst_t = self._tensor(src, torch.int32), self._tensor(dst, torch.int32)
+        for attn in self.offload_layers:
+            copy_pages(attn.k_cache, attn.v_cache, attn.k_scale, attn.v_scale, src_t, dst_t, attn.host_kv)
+
     def set_token_drop(self, cfg) -> None:
         """Turn token drop on (a TokenDropConfig) or off (None) from the next step on. With
         InfiniteHiP layers, only requests that stay inside the trained window drop
         (runtime/token_drop.py says why)."""
+        if cfg is not None and getattr(self, "offload_layers", None):
+            raise ValueError("token drop cannot be turned on while KV pages are offloaded")
         self.token_drop = cfg
         self.drop_max_context = (self.engine.config.model.max_position_embeddings
                                  if self.engine.config.plan.infinitehip is not None else None)
@@ -300,12 +352,15 @@ class ModelRunner:
         if self._uses_graph(p, len(out.chunks)):
             bs = self.graphs.load([p])
             # a decode chunk always samples
-            return self.graphs.replay(0, bs, len(out.chunks), key=self._graph_key(p))
-        with forward_context(self._context(p)) as ctx:
-            hidden = self.model(self._tensor(p.input_ids, torch.int64))
-        if ctx.token_drop is not None:
-            self._record_retention(out, ctx.token_drop)
-        return self.model.compute_logits(hidden[self._tensor(p.logits_rows, torch.int64)])
+            logits = self.graphs.replay(0, bs, len(out.chunks), key=self._graph_key(p))
+        else:
+            with forward_context(self._context(p)) as ctx:
+                hidden = self.model(self._tensor(p.input_ids, torch.int64))
+            if ctx.token_drop is not None:
+                self._record_retention(out, ctx.token_drop)
+            logits = self.model.compute_logits(hidden[self._tensor(p.logits_rows, torch.int64)])
+        self._offload((ch.seq, ch.end) for ch in out.chunks)
+        return logits
 
     def _record_retention(self, out: SchedulerOutput, td: TokenDropStep) -> None:
         """Drop histories (tokens each anchor did not write), and kept / total tokens per anchor of
@@ -351,9 +406,10 @@ class ModelRunner:
             for j in range(num_steps):
                 logits = self.graphs.replay(j, bs, n, tokens[-1] if tokens else None, key=self._graph_key(plans[j]))
                 tokens.append(sample(logits))
-            return tokens
-        for j, p in enumerate(plans):
-            input_ids = tokens[-1] if tokens else self._tensor(p.input_ids, torch.int64)
-            with forward_context(self._context(p)):
-                tokens.append(sample(self.model.compute_logits(self.model(input_ids))))
+        else:
+            for j, p in enumerate(plans):
+                input_ids = tokens[-1] if tokens else self._tensor(p.input_ids, torch.int64)
+                with forward_context(self._context(p)):
+                    tokens.append(sample(self.model.compute_logits(self.model(input_ids))))
+        self._offload((seq, ctx) for seq, ctx in zip(seqs, plans[-1].ctx_lens))
         return tokens

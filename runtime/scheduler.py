@@ -135,6 +135,11 @@ class Scheduler:
                 raise ValueError(f"request {seq.seq_id}: prompt of {n} tokens needs {need} KV pages "
                                  f"in group {g!r}, the cache has {spec.num_pages - 1}; give the KV "
                                  f"cache more memory or shorten the prompt")
+            host = self.kv.host_pages_needed(g, n)
+            if spec.offload is not None and host > spec.offload.host_pages:
+                raise ValueError(f"request {seq.seq_id}: prompt of {n} tokens offloads up to {host} KV pages "
+                                 f"in group {g!r}, the host pool has {spec.offload.host_pages}; give "
+                                 f"kv_offload_bytes more memory or shorten the prompt")
         if seq.seq_id in self._ids:
             raise ValueError(f"seq_id {seq.seq_id} is already in use by an unfinished request")
         if seq.status is not SequenceStatus.WAITING or seq.num_computed_tokens:

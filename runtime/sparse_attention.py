@@ -224,19 +224,20 @@ class InfiniteHipLayer:
     def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
             block_tables: torch.Tensor, step: SparseStep, out: torch.Tensor,
             dropped: torch.Tensor | None = None, k_scale: torch.Tensor | None = None,
-            v_scale: torch.Tensor | None = None) -> None:
+            v_scale: torch.Tensor | None = None, offload=None) -> None:
         """Write the sparse rows of out [T, Hq, D]; q [T, Hq, D] is already rotated and this
         step's K/V are in the cache. dropped: int32 [B] tokens this layer does not hold of each
         sequence (UniPrefill drop histories, compacted KV), None = all held: the key ranges end
         that much earlier in the layer's cache. k_scale / v_scale: an fp8 cache's scales
-        (plugins/kv_quant.py), None otherwise."""
-        scales = (k_scale, v_scale)
+        (plugins/kv_quant.py), None otherwise. offload: the caches' host twin (table entries < 0
+        name its pages, plugins/kv_offload.py), None without offloading."""
+        extra = (k_scale, v_scale, offload)
         if step.decode_rows.numel():
             ends = step.decode_ends if dropped is None else step.decode_ends - dropped[step.decode_rows]
-            self._decode(q, k_cache, v_cache, block_tables, step, out, ends, *scales)
+            self._decode(q, k_cache, v_cache, block_tables, step, out, ends, *extra)
         if step.prefill_seqs.numel():
             ends = step.prefill_ends if dropped is None else step.prefill_ends - dropped[step.prefill_seqs]
-            self._prefill(q, k_cache, v_cache, block_tables, step, out, ends, *scales)
+            self._prefill(q, k_cache, v_cache, block_tables, step, out, ends, *extra)
 
     def _common(self) -> dict:
         return dict(n_sink=self.cfg.n_sink, n_stream=self.cfg.n_stream, inv_freq=self.inv_freq)
@@ -244,7 +245,8 @@ class InfiniteHipLayer:
     def _prune_kw(self) -> dict:
         return dict(self._common(), head_normalized=self.cfg.chunk_score == "head_normalized")
 
-    def _decode(self, q, k_cache, v_cache, block_tables, step: SparseStep, out, ends, k_scale, v_scale) -> None:
+    def _decode(self, q, k_cache, v_cache, block_tables, step: SparseStep, out, ends, k_scale, v_scale,
+                offload) -> None:
         kw, cache = self._common(), self.cache
         prune_kw = self._prune_kw()
         rope = self.pruning_rope if step.dynamic_rope else "none"
@@ -258,14 +260,14 @@ class InfiniteHipLayer:
                                      step.decode_q_lens[r], ends[r], *prev,
                                      chunk_size=stage.chunk_size, k=stage.k, block_q=1,
                                      max_candidates=step.max_middle if i == 0 else None,
-                                     rope_style=rope, k_scale=k_scale, **prune_kw)
+                                     rope_style=rope, k_scale=k_scale, offload=offload, **prune_kw)
             cache.selected[i][slots], cache.lens[i][slots] = sel, num
             if cache.bank is not None and i == len(self.stages) - 1:
                 # the new selection's keys, rotated to their ranks once (read by the cached
                 # steps); written with or without dynamic RoPE so the bank is valid when it turns on
                 write_key_bank(k_cache, block_tables[rows], ends[r], sel, cache.bank, cache.bank_rows(slots),
                                n_sink=self.cfg.n_sink, inv_freq=self.inv_freq, rope_group=stage.chunk_size,
-                               skip_row=cache.scratch_bank_row, k_scale=k_scale)
+                               skip_row=cache.scratch_bank_row, k_scale=k_scale, offload=offload)
         rows = step.decode_rows
         selected = cache.selected[-1][step.decode_slots]
         bank = cache.bank is not None and step.dynamic_rope and step.bank_ok  # else rotate: same tokens
@@ -273,9 +275,11 @@ class InfiniteHipLayer:
             q[rows], k_cache, v_cache, block_tables[rows], ends, selected, scale=self.scale,
             rope_style=self.cfg.attention_rope if step.dynamic_rope else "none",
             rope_group=self.stages[-1].chunk_size, bank=cache.bank if bank else None,
-            bank_rows=cache.bank_rows(step.decode_slots) if bank else None, k_scale=k_scale, v_scale=v_scale, **kw)
+            bank_rows=cache.bank_rows(step.decode_slots) if bank else None, k_scale=k_scale, v_scale=v_scale,
+            offload=offload, **kw)
 
-    def _prefill(self, q, k_cache, v_cache, block_tables, step: SparseStep, out, ends, k_scale, v_scale) -> None:
+    def _prefill(self, q, k_cache, v_cache, block_tables, step: SparseStep, out, ends, k_scale, v_scale,
+                 offload) -> None:
         kw, prune_kw = self._common(), self._prune_kw()
         tables = block_tables[step.prefill_seqs]
         blocks = (step.prefill_q_start, step.prefill_q_lens, ends)
@@ -283,14 +287,15 @@ class InfiniteHipLayer:
         raw = None  # dynamic RoPE over many blocks: un-rotate each key once, not once per block
         if step.raw_keys and rope != "none" and triton_on(q, k_cache):
             raw = unrotate_keys(k_cache, block_tables[step.prefill_seq_rows], step.prefill_seq_ends,
-                                self.inv_freq, step.prefill_block_seq, k_scale=k_scale, dtype=q.dtype)
+                                self.inv_freq, step.prefill_block_seq, k_scale=k_scale, dtype=q.dtype,
+                                offload=offload)
         sel = num = None
         for i, stage in enumerate(self.stages):
             sel, num = pruning_stage(q, k_cache, tables, *blocks, sel, num, chunk_size=stage.chunk_size,
                                      k=stage.k, block_q=self.cfg.block_q, query_stride=self.cfg.query_strides[i],
                                      max_candidates=step.max_middle if i == 0 else None, rope_style=rope,
-                                     raw_keys=raw, k_scale=k_scale, **prune_kw)
+                                     raw_keys=raw, k_scale=k_scale, offload=offload, **prune_kw)
         sparse_prefill_attention(q, k_cache, v_cache, tables, *blocks, sel, block_q=self.cfg.block_q,
                                  scale=self.scale, out=out, rope_group=self.stages[-1].chunk_size,
                                  rope_style=self.cfg.attention_rope if step.dynamic_rope else "none",
-                                 k_scale=k_scale, v_scale=v_scale, **kw)
+                                 k_scale=k_scale, v_scale=v_scale, offload=offload, **kw)

@@ -12,6 +12,11 @@ fp8e4nv cache, float32 row scales and bf16 queries too (KV_SCALED).
     python tests/test_infinitehip_compile.py pruning 1     # one variant by hand
     python tests/test_infinitehip_compile.py pruning 1 fp8
     python tests/test_infinitehip_compile.py attention 3 4 bank fp8
+
+KV offloading (plugins/kv_offload.py): the key readers also compile with host pages (OFFLOAD, int64
+host deltas), plain and fp8.
+
+    python tests/test_infinitehip_compile.py pruning 1 fp8 offload
 """
 
 from __future__ import annotations
@@ -26,6 +31,8 @@ PRUNING = [0, 1, 2]  # rope styles: none, relative, chunk_indexed
 ATTENTION = [(0, 1, False), (0, 4, False), (3, 1, False), (3, 4, False), (3, 4, True)]  # (rope style
 # none | streaming, num_splits, rotated key bank)
 FP8 = "*fp8e4nv"  # torch.float8_e4m3fn
+# host pool offsets in elements (kv_offload.offload_deltas): int64, pinned memory is far from the GPU's
+_HOST_DELTAS = dict(k_host_delta="i64", ks_host_delta="i64")
 
 
 def _compile(fn, pointers, constexprs, num_warps=4):
@@ -47,22 +54,24 @@ def _cache_ptrs(fp8: bool, *names: str) -> dict:
     return ptrs
 
 
-def _compile_pruning(rope_style: int, fp8: bool = False):
+def _compile_pruning(rope_style: int, fp8: bool = False, offload: bool = False):
     import infhip.plugins.infinitehip.pruning as pruning
 
     ptrs = {n: "*i32" for n in ("block_tables_ptr", "q_start_ptr", "q_lens_ptr", "ends_ptr", "cand_ptr",
                                 "cand_lens_ptr", "reps_ptr")}
     ptrs.update(q_ptr="*bf16", raw_ptr="*bf16", raw_base_ptr="*i64", inv_freq_ptr="*fp32", scores_ptr="*fp32",
-                **_cache_ptrs(fp8, "k"))
-    for raw in ((False, True) if rope_style else (False,)):  # raw keys only with a dynamic style
+                **_cache_ptrs(fp8, "k"), **_HOST_DELTAS)
+    # raw keys only with a dynamic style (and never with OFFLOAD: they are read without page tables)
+    for raw in ((False, True) if rope_style and not offload else (False,)):
         # the transposed score tiles (keys_as_rows) with the prefill path's raw RELATIVE keys
         for rows in ((False, True) if raw and rope_style == 1 else (False,)):
             ce = dict(PAGE_SIZE=16, BLOCK_Q=256, BLOCK_C=16, TILES=4, BLOCK_D=128, CAND_IMPLICIT=rope_style == 0,
                       STORE_REPS=True, ROPE_STYLE=rope_style, RAW_KEYS=raw, DOT_F32=False, DOT_PRECISION="tf32",
                       KEY_ROTATION=0 if rope_style == 0 or (raw and rope_style == 1) else 2 if raw else 1,
-                      KEYS_AS_ROWS=rows, KV_SCALED=fp8 and not raw)  # raw keys come dequantized (bf16)
+                      KEYS_AS_ROWS=rows, KV_SCALED=fp8 and not raw,  # raw keys come dequantized (bf16)
+                      OFFLOAD=offload)
             _compile(pruning._select_rep_kernel, ptrs, ce, num_warps=8)
-    if fp8:
+    if fp8 or offload:  # top-k reads no keys
         return None
     ptrs = {n: "*i32" for n in ("cand_ptr", "cand_lens_ptr", "ends_ptr", "kept_ptr", "out_ptr", "out_lens_ptr")}
     ptrs.update(scores_ptr="*fp32")
@@ -70,32 +79,36 @@ def _compile_pruning(rope_style: int, fp8: bool = False):
                     LENS_FROM_ENDS=rope_style == 0, BLOCK_ALL=4096, BLOCK=1024), num_warps=8)
 
 
-def _compile_raw_keys(fp8: bool):
+def _compile_raw_keys(fp8: bool, offload: bool = False):
     import infhip.plugins.infinitehip.raw_keys as raw_keys
 
-    ptrs = dict(table_ptr="*i32", inv_freq_ptr="*fp32", out_ptr="*bf16", **_cache_ptrs(fp8, "k"))
-    _compile(raw_keys._unrotate_kernel, ptrs, dict(PAGE_SIZE=16, BLOCK_T=64, BLOCK_D=128, KV_SCALED=fp8))
+    ptrs = dict(table_ptr="*i32", inv_freq_ptr="*fp32", out_ptr="*bf16", **_cache_ptrs(fp8, "k"), **_HOST_DELTAS)
+    _compile(raw_keys._unrotate_kernel, ptrs, dict(PAGE_SIZE=16, BLOCK_T=64, BLOCK_D=128, KV_SCALED=fp8,
+                                                   OFFLOAD=offload))
 
 
-def _compile_attention(rope_style: int, num_splits: int, bank: bool = False, fp8: bool = False):
+def _compile_attention(rope_style: int, num_splits: int, bank: bool = False, fp8: bool = False,
+                       offload: bool = False):
     import infhip.plugins.infinitehip.key_bank as key_bank
     import infhip.plugins.infinitehip.sparse_attention as sparse_attention
 
     ptrs = {n: "*i32" for n in ("block_tables_ptr", "q_start_ptr", "q_lens_ptr", "ends_ptr", "sel_ptr")}
     ptrs["bank_rows_ptr"] = "*i64"  # the runtime passes its int64 mask-cache slots
     ptrs.update(q_ptr="*bf16", out_ptr="*bf16", bank_ptr="*bf16", inv_freq_ptr="*fp32", part_out_ptr="*fp32",
-                part_lse_ptr="*fp32", scale_log2="fp32", **_cache_ptrs(fp8, "k", "v"))
+                part_lse_ptr="*fp32", scale_log2="fp32", **_cache_ptrs(fp8, "k", "v"), **_HOST_DELTAS,
+                v_host_delta="i64", vs_host_delta="i64")
     ce = dict(PAGE_SIZE=16, BLOCK_Q=64, BLOCK_N=64, BLOCK_D=128, NUM_SPLITS=num_splits, SEL_BLOCK=1024,
               DECODE=num_splits > 1, ROPE_STYLE=rope_style, ROPE_GROUP=8, BANK=bank, DOT_F32=False,
               PREFETCH=rope_style == 3,  # the prefetching loop with every key path
-              DOT_PRECISION="tf32", KV_SCALED=fp8)
+              DOT_PRECISION="tf32", KV_SCALED=fp8, OFFLOAD=offload)
     _compile(sparse_attention._sparse_attn_kernel, ptrs, ce)
-    if bank:
+    if bank and not offload:  # the writer compiles both ways below
         ptrs = {n: "*i32" for n in ("block_tables_ptr", "ends_ptr", "sel_ptr")}
         ptrs["bank_rows_ptr"] = "*i64"
-        ptrs.update(bank_ptr="*bf16", inv_freq_ptr="*fp32", **_cache_ptrs(fp8, "k"))
-        _compile(key_bank._write_bank_kernel, ptrs, dict(PAGE_SIZE=16, BLOCK_T=64, BLOCK_D=128, SEL_BLOCK=1024,
-                                                         ROPE_GROUP=8, KV_SCALED=fp8))
+        ptrs.update(bank_ptr="*bf16", inv_freq_ptr="*fp32", **_cache_ptrs(fp8, "k"), **_HOST_DELTAS)
+        for offload in (False, True):
+            _compile(key_bank._write_bank_kernel, ptrs, dict(PAGE_SIZE=16, BLOCK_T=64, BLOCK_D=128, SEL_BLOCK=1024,
+                                                             ROPE_GROUP=8, KV_SCALED=fp8, OFFLOAD=offload))
 
 
 def _run(*args: str) -> subprocess.CompletedProcess:
@@ -128,12 +141,16 @@ if __name__ == "__main__":
         for fp8 in (False, True):
             for style in PRUNING:
                 _compile_pruning(style, fp8)
+                _compile_pruning(style, fp8, offload=True)
             for style, splits, bank in ATTENTION:
                 _compile_attention(style, splits, bank, fp8)
+                _compile_attention(style, splits, bank, fp8, offload=True)
             _compile_raw_keys(fp8)
+            _compile_raw_keys(fp8, offload=True)
     elif what == "pruning":
-        _compile_pruning(int(sys.argv[2]), "fp8" in sys.argv[3:])
+        _compile_pruning(int(sys.argv[2]), "fp8" in sys.argv[3:], "offload" in sys.argv[3:])
     elif what == "raw_keys":
-        _compile_raw_keys("fp8" in sys.argv[2:])
+        _compile_raw_keys("fp8" in sys.argv[2:], "offload" in sys.argv[2:])
     else:
-        _compile_attention(int(sys.argv[2]), int(sys.argv[3]), "bank" in sys.argv[4:], "fp8" in sys.argv[4:])
+        _compile_attention(int(sys.argv[2]), int(sys.argv[3]), "bank" in sys.argv[4:], "fp8" in sys.argv[4:],
+                           "offload" in sys.argv[4:])

@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from infhip.runtime.kv_cache import KVCacheManager, KVGroupSpec, OutOfPages, PageAllocator
+from infhip.runtime.kv_cache import KVCacheManager, KVGroupSpec, OffloadSpec, OutOfPages, PageAllocator
 
 
 def test_allocator_free_list_invariants():
@@ -145,3 +145,49 @@ def test_free_returns_everything():
     for sid in range(6):
         kv.free(sid)
     assert kv.num_free_pages("global") == 63 and kv.num_free_pages("sliding") == 63
+
+
+# ---- offloading: pages between the head and the tail move to a host pool --------------------
+
+def _offload_manager(host_pages=16, batch_pages=2, gpu_pages=20):
+    spec = OffloadSpec(host_pages=host_pages, head_tokens=6, tail_tokens=10, min_context=40, batch_pages=batch_pages)
+    return KVCacheManager(4, {"global": KVGroupSpec(gpu_pages, None, offload=spec)}, max_pages_per_seq=64)
+
+
+def test_offload_moves_middle_pages_to_host_entries():
+    kv = _offload_manager()
+    kv.append(1, 0, 38)
+    assert kv.offload(1, "global", 38) == ([], []), "below min_context nothing moves"
+    kv.append(1, 38, 50)
+    before = kv.block_table(1, "global")
+    table_obj = kv.page_list(1, "global")
+    free = kv.num_free_pages("global")
+    src, dst = kv.offload(1, "global", 50)
+    # head = 2 pages (6 tokens), tail: pages wholly before token 40 -> logical pages 2..9
+    assert src == before[2:10] and all(d < 0 for d in dst) and len(set(dst)) == 8
+    table = kv.block_table(1, "global")
+    assert table[:2] == before[:2] and table[2:10] == dst and table[10:] == before[10:]
+    assert kv.page_list(1, "global") is not table_obj, "a new list, so cached uploads re-read it"
+    assert kv.num_free_pages("global") == free + 8 and kv.num_free_host_pages("global") == 8
+    assert kv.offload(1, "global", 50) == ([], []), "already moved"
+    with pytest.raises(ValueError, match="offloaded"):
+        kv.slot_mapping(1, "global", 12, 13)
+    assert kv.slot_mapping(1, "global", 45, 46) == [before[11] * 4 + 1]
+    kv.append(1, 50, 51)
+    assert kv.offload(1, "global", 51) == ([], []), "one eligible page is less than a batch of 2"
+    kv.free(1)
+    assert kv.num_free_pages("global") == 19 and kv.num_free_host_pages("global") == 16
+
+
+def test_offload_stops_at_a_full_host_pool_and_sizes_gpu_need():
+    kv = _offload_manager(host_pages=3)
+    kv.append(7, 0, 60)
+    src, dst = kv.offload(7, "global", 60)
+    assert len(src) == 3 and kv.num_free_host_pages("global") == 0, "as many as the host pool holds"
+    assert kv.block_table(7, "global")[5] > 0, "the rest stays on the GPU"
+    # GPU pages a growing request holds: all until min_context + a chunk, then head + tail +
+    # chunk + batch; host pages: all but the head
+    assert kv.pages_needed("global", 1000, max_chunk=8) == max(-(-47 // 4), 2 + -(-18 // 4) + 2 + 1)
+    assert kv.pages_needed("global", 20) == 5 and kv.host_pages_needed("global", 1000) == 250 - 2
+    with pytest.raises(ValueError, match="full-attention"):
+        KVGroupSpec(8, 16, offload=OffloadSpec(1, 0, 0, 0))

@@ -8,7 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
-from infhip.plugins.kv_offload import HostKV, host_page, merged_pool, offload_deltas, page_offset
+from infhip.plugins.kv_offload import HostKV, copy_pages, host_page, merged_pool, offload_deltas, page_offset
 from infhip.plugins.kv_quant import FP8_DTYPE, new_kv_scales
 
 from ._offload import offload_pages
@@ -73,3 +73,37 @@ def test_host_twin_layout_and_checks():
     with pytest.raises(ValueError, match="at least one page"):
         HostKV.like(cache, 0)
     assert offload_deltas(cache, cache, scales, scales, None) == (0, 0, 0, 0)
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("interpreter", [True, False])
+def test_copy_pages_moves_pages_both_ways(fp8, interpreter, monkeypatch):
+    """GPU pages -> host pages and back: every byte (and the fp8 scales) arrives; other pages
+    are untouched."""
+    if not interpreter:
+        if DEVICE == "cuda":
+            pytest.skip("the torch fallback runs on CPU tensors only")
+        monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    g = torch.Generator().manual_seed(9)
+    k = torch.randn(6, 4, 2, 8, generator=g).to(DEVICE)
+    v = torch.randn(6, 4, 2, 8, generator=g).to(DEVICE)
+    ks = vs = None
+    if fp8:
+        k, v = k.to(FP8_DTYPE), v.to(FP8_DTYPE)
+        ks, vs = torch.rand(6, 4, 2, generator=g).to(DEVICE), torch.rand(6, 4, 2, generator=g).to(DEVICE)
+    host = HostKV.like(k, 4)
+    host.k.zero_()
+    k0, v0 = k.clone(), v.clone()
+    src = torch.tensor([3, 1, 5], dtype=torch.int32, device=DEVICE)
+    dst = torch.tensor([host_page(2), host_page(0), host_page(3)], dtype=torch.int32, device=DEVICE)
+    copy_pages(k, v, ks, vs, src, dst, host)
+    for s, h in ((3, 2), (1, 0), (5, 3)):
+        assert torch.equal(host.k[h].view(torch.uint8), k0[s].cpu().view(torch.uint8))
+        assert torch.equal(host.v[h].view(torch.uint8), v0[s].cpu().view(torch.uint8))
+        if fp8:
+            assert torch.equal(host.k_scale[h], ks[s].cpu()) and torch.equal(host.v_scale[h], vs[s].cpu())
+    assert not host.k[1].view(torch.uint8).any(), "host page 1 was not a destination"
+    back = torch.tensor([4], dtype=torch.int32, device=DEVICE)
+    copy_pages(k, v, ks, vs, torch.tensor([host_page(0)], dtype=torch.int32, device=DEVICE), back, host)
+    assert torch.equal(k[4].view(torch.uint8), k0[1].view(torch.uint8))
+    assert torch.equal(k[:4].view(torch.uint8), k0[:4].view(torch.uint8))

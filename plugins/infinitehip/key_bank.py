@@ -35,6 +35,7 @@ import triton
 import triton.language as tl
 
 from .._triton_utils import next_pow2, triton_on
+from ..kv_offload import HostKV, merged_kv, offload_deltas, page_offset
 from ..kv_quant import check_kv_scales, dequantize_tile, is_fp8, read_rows
 from .rope_styles import check_rotatable, load_halves, rotate_by_ref, rotate_halves, run_sin_cos
 from .sparse_attention import selected_bounds
@@ -54,8 +55,10 @@ def _write_bank_kernel(
     stride_bank_slot, stride_bank_entry, stride_bank_head,
     head_dim, n_sink, skip_row,
     stride_sp, stride_ss, stride_sh,  # KV_SCALED: the scale tensor's strides
+    k_host_delta, ks_host_delta,  # OFFLOAD: elements from k_cache / k_scale to their host twins
     PAGE_SIZE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, SEL_BLOCK: tl.constexpr,
     ROPE_GROUP: tl.constexpr, KV_SCALED: tl.constexpr,
+    OFFLOAD: tl.constexpr,  # table entries < 0 name host pages (kv_offload.py)
 ):
     row = tl.program_id(0)
     head = tl.program_id(2)
@@ -71,13 +74,14 @@ def _write_bank_kernel(
     tok = tl.where(valid, tok, 0)
     rank = n0 + idx - sel_begin
     page = tl.load(block_tables_ptr + row.to(tl.int64) * stride_bt + tok // PAGE_SIZE, mask=valid, other=0)
-    rows = k_cache_ptr + page.to(tl.int64) * stride_cp + (tok % PAGE_SIZE) * stride_cs + head * stride_ch
+    rows = k_cache_ptr + page_offset(page, stride_cp, k_host_delta, OFFLOAD) + (tok % PAGE_SIZE) * stride_cs \
+        + head * stride_ch
     k1, k2 = load_halves(rows, valid, head_dim, BLOCK_D)
     sin, cos = run_sin_cos(rank - tok, inv_freq_ptr, head_dim, BLOCK_T, BLOCK_D, ROPE_GROUP)
     k = rotate_halves(k1, k2, sin, cos)
     # fp8: each row times its scale after the rotation (scale index from the scale strides: head_dim 1)
-    k = dequantize_tile(k, k_scale_ptr, page.to(tl.int64) * stride_sp + (tok % PAGE_SIZE) * stride_ss
-                        + head * stride_sh, valid, 1, KV_SCALED)
+    k = dequantize_tile(k, k_scale_ptr, page_offset(page, stride_sp, ks_host_delta, OFFLOAD)
+                        + (tok % PAGE_SIZE) * stride_ss + head * stride_sh, valid, 1, KV_SCALED)
     d = tl.arange(0, BLOCK_D)
     dst = bank_ptr + slot * stride_bank_slot + idx.to(tl.int64)[:, None] * stride_bank_entry \
         + head * stride_bank_head + d[None, :]
@@ -87,14 +91,15 @@ def _write_bank_kernel(
 def write_key_bank(k_cache: torch.Tensor, block_tables: torch.Tensor, ends: torch.Tensor,
                    selected: torch.Tensor, bank: torch.Tensor, bank_rows: torch.Tensor, *,
                    n_sink: int, inv_freq: torch.Tensor, rope_group: int = 1, skip_row: int | None = None,
-                   k_scale: torch.Tensor | None = None) -> None:
+                   k_scale: torch.Tensor | None = None, offload: HostKV | None = None) -> None:
     """Rotate the middle entries of each selected row b (int32 [B, K], ascending, PAD-padded; the
     context was ends[b] tokens long) to their StreamingLLM rank into bank[bank_rows[b], i]
     (bank [slots, >= K, Hkv, D], the queries' dtype: the cache's, or any non-fp8 dtype for an fp8
     cache, whose row scales k_scale [num_pages, page_size, Hkv] then dequantize the keys). rope_group: the selection's run length
     (the last stage's chunk size), as in block_sparse_attention. skip_row: rows b with
     bank_rows[b] == skip_row load and write nothing: requests without a bank row of their own,
-    pointed at a scratch row that no step reads (runtime/mask_cache.py)."""
+    pointed at a scratch row that no step reads (runtime/mask_cache.py).
+    offload: host twin of the cache; table entries < 0 name its pages (kv_offload.py)."""
     num_pages, page_size, Hkv, D = k_cache.shape
     B, K = selected.shape
     assert selected.dtype == torch.int32 and selected.stride(1) == 1
@@ -113,23 +118,26 @@ def write_key_bank(k_cache: torch.Tensor, block_tables: torch.Tensor, ends: torc
         return
     if not triton_on(k_cache, selected):  # CPU without the interpreter
         write_key_bank_ref(k_cache, block_tables, ends, selected, bank, bank_rows, n_sink=n_sink, inv_freq=inv_freq,
-                           skip_row=skip_row, k_scale=k_scale)
+                           skip_row=skip_row, k_scale=k_scale, offload=offload)
         return
+    dk, _, dks, _ = offload_deltas(k_cache, None, k_scale, None, offload)
     BLOCK_T = 64
     _write_bank_kernel[(B, triton.cdiv(K, BLOCK_T), Hkv)](
         k_cache, k_scale if scaled else k_cache, block_tables, ends, selected, bank, bank_rows, inv_freq,
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0), selected.stride(0), K,
         bank.stride(0), bank.stride(1), bank.stride(2), D, n_sink, -1 if skip_row is None else skip_row,
-        *(k_scale.stride() if scaled else (0, 0, 0)),
+        *(k_scale.stride() if scaled else (0, 0, 0)), dk, dks,
         PAGE_SIZE=page_size, BLOCK_T=BLOCK_T, BLOCK_D=D, SEL_BLOCK=min(1024, next_pow2(K)),
-        ROPE_GROUP=min(rope_group, BLOCK_T), KV_SCALED=scaled, num_warps=4)
+        ROPE_GROUP=min(rope_group, BLOCK_T), KV_SCALED=scaled, OFFLOAD=offload is not None, num_warps=4)
 
 
 def write_key_bank_ref(k_cache, block_tables, ends, selected, bank, bank_rows, *, n_sink: int,
-                       inv_freq: torch.Tensor, skip_row: int | None = None, k_scale=None) -> None:
+                       inv_freq: torch.Tensor, skip_row: int | None = None, k_scale=None, offload=None) -> None:
     """Reference of write_key_bank: per row (but those pointed at skip_row), the middle entries i
     of the selection, rotated by rank(i) - tok_i in float64, stored in the bank's dtype (an fp8
-    cache's rows dequantized to float32 first, k_scale)."""
+    cache's rows dequantized to float32 first, k_scale).
+    offload: host twin of the cache; table entries < 0 name its pages (kv_offload.py)."""
+    k_cache, _, k_scale, _, block_tables = merged_kv(k_cache, None, k_scale, None, block_tables, offload)
     scaled = check_kv_scales(k_cache, None, k_scale, None)
     page = k_cache.shape[1]
     for b in range(selected.shape[0]):

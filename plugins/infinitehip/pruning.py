@@ -49,6 +49,7 @@ import triton
 import triton.language as tl
 
 from .._triton_utils import dot_precision, next_pow2, triton_on
+from ..kv_offload import HostKV, offload_deltas, page_offset
 from ..kv_quant import check_kv_scales, dequantize_tile
 from .blocks import PAD, stream_starts
 from .raw_keys import RawKeys
@@ -70,26 +71,27 @@ def _candidate_tokens(cand_row, idx, valid, n_sink, CAND_IMPLICIT: tl.constexpr)
 
 @triton.jit
 def _load_keys(tok, tok_valid, key_pos, k_head_ptr, s_head_ptr, table_row, raw_base, sin, cos, stride_cp,
-               stride_cs, stride_sp, stride_ss, stride_rt, inv_freq_ptr, head_dim, PAGE_SIZE: tl.constexpr,
-               BLOCK_D: tl.constexpr, RAW_KEYS: tl.constexpr, KEY_ROTATION: tl.constexpr,
-               KV_SCALED: tl.constexpr):
+               stride_cs, stride_sp, stride_ss, stride_rt, k_host_delta, ks_host_delta, inv_freq_ptr, head_dim,
+               PAGE_SIZE: tl.constexpr, BLOCK_D: tl.constexpr, RAW_KEYS: tl.constexpr, KEY_ROTATION: tl.constexpr,
+               KV_SCALED: tl.constexpr, OFFLOAD: tl.constexpr):
     """Keys [BLOCK_C, BLOCK_D] float32 of BLOCK_C tokens, from the paged cache or (RAW_KEYS) from
     RawKeys rows raw_base + tok; KEY_ROTATION 0: as stored, 1: by key_pos - tok (the style's
     position of each key), 2: by the given sin/cos [BLOCK_C, BLOCK_D // 2]. KV_SCALED (an fp8
     cache, never with RAW_KEYS): each row times its scale (s_head_ptr: the kv head's scales),
-    after the rotation."""
+    after the rotation. OFFLOAD: table entries < 0 are host pages, k_host_delta / ks_host_delta
+    elements from the cache / its scales (kv_offload.page_offset)."""
     if RAW_KEYS:
         rows = k_head_ptr + (raw_base + tok).to(tl.int64) * stride_rt
     else:
         page = tl.load(table_row + tok // PAGE_SIZE, mask=tok_valid, other=0)
-        rows = k_head_ptr + page.to(tl.int64) * stride_cp + (tok % PAGE_SIZE) * stride_cs
+        rows = k_head_ptr + page_offset(page, stride_cp, k_host_delta, OFFLOAD) + (tok % PAGE_SIZE) * stride_cs
     if KEY_ROTATION == 2:
         k = load_rotated_by(rows, tok_valid, sin, cos, head_dim, BLOCK_D)
     else:
         k = load_rotated(rows, tok_valid, key_pos - tok, inv_freq_ptr, head_dim, BLOCK_D, KEY_ROTATION == 1)
     if KV_SCALED:  # the row's scale index from the scale tensor's strides (head_dim 1: no division)
-        k = dequantize_tile(k, s_head_ptr, page.to(tl.int64) * stride_sp + (tok % PAGE_SIZE) * stride_ss,
-                            tok_valid, 1, KV_SCALED)
+        k = dequantize_tile(k, s_head_ptr, page_offset(page, stride_sp, ks_host_delta, OFFLOAD)
+                            + (tok % PAGE_SIZE) * stride_ss, tok_valid, 1, KV_SCALED)
     return k
 
 
@@ -113,17 +115,18 @@ def _max_score(q, k, q_pos, row_valid, tok, tok_valid, DOT_PRECISION: tl.constex
 @triton.jit
 def _score_right(q_right, q_pos, row_valid, first, half, chunk_len, base, key_pos, cand_row, table_row, k_head,
                  s_head, raw_base, sin, cos, inv_freq_ptr, stride_cp, stride_cs, stride_sp, stride_ss, stride_rt,
-                 head_dim, n_sink, PAGE_SIZE: tl.constexpr, BLOCK_D: tl.constexpr, CAND_IMPLICIT: tl.constexpr,
-                 RAW_KEYS: tl.constexpr, KEY_ROTATION: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                 KEYS_AS_ROWS: tl.constexpr, KV_SCALED: tl.constexpr):
+                 k_host_delta, ks_host_delta, head_dim, n_sink, PAGE_SIZE: tl.constexpr, BLOCK_D: tl.constexpr,
+                 CAND_IMPLICIT: tl.constexpr, RAW_KEYS: tl.constexpr, KEY_ROTATION: tl.constexpr,
+                 DOT_PRECISION: tl.constexpr, KEYS_AS_ROWS: tl.constexpr, KV_SCALED: tl.constexpr,
+                 OFFLOAD: tl.constexpr):
     """One halving's right representative (offset first + half of each chunk): (its offset,
     token, validity, key [BLOCK_C, BLOCK_D], sigma as a right representative)."""
     right = first + half
     r_valid = right < chunk_len
     r_tok = _candidate_tokens(cand_row, base + right, r_valid, n_sink, CAND_IMPLICIT)
     k = _load_keys(r_tok, r_valid, key_pos, k_head, s_head, table_row, raw_base, sin, cos, stride_cp, stride_cs,
-                   stride_sp, stride_ss, stride_rt, inv_freq_ptr, head_dim, PAGE_SIZE, BLOCK_D, RAW_KEYS,
-                   KEY_ROTATION, KV_SCALED).to(q_right.dtype)
+                   stride_sp, stride_ss, stride_rt, k_host_delta, ks_host_delta, inv_freq_ptr, head_dim, PAGE_SIZE,
+                   BLOCK_D, RAW_KEYS, KEY_ROTATION, KV_SCALED, OFFLOAD).to(q_right.dtype)
     s_right = _max_score(q_right, k, q_pos, row_valid, r_tok, r_valid, DOT_PRECISION, KEYS_AS_ROWS)
     return right, r_tok, r_valid, k, s_right
 
@@ -131,11 +134,11 @@ def _score_right(q_right, q_pos, row_valid, first, half, chunk_len, base, key_po
 @triton.jit
 def _tournament_tile(q_left, q_right, q_pos, row_valid, first_chunk, n_cand, cand_row, table_row,
                      k_head, s_head, raw_base, inv_freq_ptr, stride_cp, stride_cs, stride_sp, stride_ss,
-                     stride_rt, head_dim, n_sink, chunk_size, num_iters,
+                     stride_rt, k_host_delta, ks_host_delta, head_dim, n_sink, chunk_size, num_iters,
                      PAGE_SIZE: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr,
                      CAND_IMPLICIT: tl.constexpr, ROPE_STYLE: tl.constexpr, RAW_KEYS: tl.constexpr,
                      KEY_ROTATION: tl.constexpr, DOT_PRECISION: tl.constexpr, KEYS_AS_ROWS: tl.constexpr,
-                     KV_SCALED: tl.constexpr):
+                     KV_SCALED: tl.constexpr, OFFLOAD: tl.constexpr):
     """SelectRep on BLOCK_C chunks of one kv head in lock-step -> (sigma of each winner [BLOCK_C],
     -inf for empty chunks; the winner's offset within its chunk [BLOCK_C]). q_left / q_right:
     the query tile scoring left / right representatives (the same tile except under RELATIVE,
@@ -157,8 +160,8 @@ def _tournament_tile(q_left, q_right, q_pos, row_valid, first_chunk, n_cand, can
     first = chunk * 0  # offset of the current range's first candidate within the chunk
     tok = _candidate_tokens(cand_row, base, has, n_sink, CAND_IMPLICIT)
     k = _load_keys(tok, has, key_pos, k_head, s_head, table_row, raw_base, sin, cos, stride_cp, stride_cs,
-                   stride_sp, stride_ss, stride_rt, inv_freq_ptr, head_dim, PAGE_SIZE, BLOCK_D, RAW_KEYS,
-                   KEY_ROTATION, KV_SCALED).to(q_left.dtype)
+                   stride_sp, stride_ss, stride_rt, k_host_delta, ks_host_delta, inv_freq_ptr, head_dim, PAGE_SIZE,
+                   BLOCK_D, RAW_KEYS, KEY_ROTATION, KV_SCALED, OFFLOAD).to(q_left.dtype)
     s_left = _max_score(q_left, k, q_pos, row_valid, tok, has, DOT_PRECISION, KEYS_AS_ROWS)
     best = s_left
     half = chunk_size
@@ -167,9 +170,9 @@ def _tournament_tile(q_left, q_right, q_pos, row_valid, first_chunk, n_cand, can
         half = half // 2
         right, r_tok, r_valid, k, s_right = _score_right(
             q_right, q_pos, row_valid, first, half, chunk_len, base, key_pos, cand_row, table_row, k_head, s_head,
-            raw_base, sin, cos, inv_freq_ptr, stride_cp, stride_cs, stride_sp, stride_ss, stride_rt, head_dim,
-            n_sink, PAGE_SIZE, BLOCK_D, CAND_IMPLICIT, RAW_KEYS, KEY_ROTATION, DOT_PRECISION, KEYS_AS_ROWS,
-            KV_SCALED)
+            raw_base, sin, cos, inv_freq_ptr, stride_cp, stride_cs, stride_sp, stride_ss, stride_rt, k_host_delta,
+            ks_host_delta, head_dim, n_sink, PAGE_SIZE, BLOCK_D, CAND_IMPLICIT, RAW_KEYS, KEY_ROTATION,
+            DOT_PRECISION, KEYS_AS_ROWS, KV_SCALED, OFFLOAD)
         wins = s_right > s_left
         first = tl.where(wins, right, first)
         best = tl.maximum(s_left, s_right)  # sigma of the winner
@@ -186,8 +189,8 @@ def _tournament_tile(q_left, q_right, q_pos, row_valid, first_chunk, n_cand, can
             right, r_tok, r_valid, k, s_right = _score_right(
                 q_right, q_pos, row_valid, first, half, chunk_len, base, key_pos, cand_row, table_row, k_head,
                 s_head, raw_base, sin, cos, inv_freq_ptr, stride_cp, stride_cs, stride_sp, stride_ss, stride_rt,
-                head_dim, n_sink, PAGE_SIZE, BLOCK_D, CAND_IMPLICIT, RAW_KEYS, KEY_ROTATION, DOT_PRECISION,
-                KEYS_AS_ROWS, KV_SCALED)
+                k_host_delta, ks_host_delta, head_dim, n_sink, PAGE_SIZE, BLOCK_D, CAND_IMPLICIT, RAW_KEYS,
+                KEY_ROTATION, DOT_PRECISION, KEYS_AS_ROWS, KV_SCALED, OFFLOAD)
             first = tl.where(s_right > s_left, right, first)
             best = tl.maximum(s_left, s_right)
     return best, first
@@ -214,6 +217,7 @@ def _select_rep_kernel(
     stride_qt, stride_qh,
     stride_cp, stride_cs, stride_ch,
     stride_sp, stride_ss, stride_sh,  # KV_SCALED: the scale tensor's strides
+    k_host_delta, ks_host_delta,  # OFFLOAD: elements from k_cache / k_scale to their host twins
     stride_rt, stride_rh,
     stride_bt, stride_cand,
     max_chunks, num_kv_heads, group_size, head_dim,
@@ -233,6 +237,7 @@ def _select_rep_kernel(
     DOT_PRECISION: tl.constexpr,
     KEYS_AS_ROWS: tl.constexpr,  # score tiles as [chunks, queries] (_max_score)
     KV_SCALED: tl.constexpr,  # keys from an fp8 cache (kv_quant.py): rows times their scales
+    OFFLOAD: tl.constexpr,  # table entries < 0 name host pages (kv_offload.py)
 ):
     blk = tl.program_id(0)
     kv_head = tl.program_id(2)
@@ -278,9 +283,10 @@ def _select_rep_kernel(
         first_chunk = (tl.program_id(1) * TILES + tile) * BLOCK_C
         best, first = _tournament_tile(q_left, q_right, q_pos, row_valid, first_chunk, n_cand, cand_row,
                                        table_row, k_head, s_head, raw_base, inv_freq_ptr, stride_cp, stride_cs,
-                                       stride_sp, stride_ss, stride_rt, head_dim, n_sink, chunk_size, num_iters,
-                                       PAGE_SIZE, BLOCK_C, BLOCK_D, CAND_IMPLICIT, ROPE_STYLE, RAW_KEYS,
-                                       KEY_ROTATION, DOT_PRECISION, KEYS_AS_ROWS, KV_SCALED)
+                                       stride_sp, stride_ss, stride_rt, k_host_delta, ks_host_delta, head_dim,
+                                       n_sink, chunk_size, num_iters, PAGE_SIZE, BLOCK_C, BLOCK_D, CAND_IMPLICIT,
+                                       ROPE_STYLE, RAW_KEYS, KEY_ROTATION, DOT_PRECISION, KEYS_AS_ROWS, KV_SCALED,
+                                       OFFLOAD)
         chunk = first_chunk + tl.arange(0, BLOCK_C)
         in_row = chunk < max_chunks
         tl.store(scores_ptr + out_row + chunk, best, mask=in_row)
@@ -308,7 +314,7 @@ def select_rep_scores(q, k_cache, block_tables, q_start, q_lens, ends, candidate
                       head_normalized: bool = False, query_stride: int = 1,
                       raw_keys: RawKeys | None = None, block_c: int | None = None,
                       tiles: int | None = None, num_warps: int | None = None, keys_as_rows: bool | None = None,
-                      k_scale: torch.Tensor | None = None):
+                      k_scale: torch.Tensor | None = None, offload: HostKV | None = None):
     """Triton SelectRep: chunk scores float32 [NB, max_chunks] and (store_reps) representatives
     int32 [NB, Hkv, max_chunks]. candidates None = stage 1 (the middle, implicitly); then
     max_candidates must be >= every block's middle length (a fixed capacity keeps the grid
@@ -320,7 +326,8 @@ def select_rep_scores(q, k_cache, block_tables, q_start, q_lens, ends, candidate
     is on (ignored for "none"). block_c / tiles / num_warps / keys_as_rows: tuning overrides
     (keys_as_rows: score tiles transposed, the same values). k_scale: float32 [num_pages,
     page_size, Hkv] row scales of an fp8 k_cache (kv_quant.py; None: the cache is in q's dtype);
-    raw_keys are then in q's dtype (raw_keys.unrotate_keys(..., dtype=q.dtype))."""
+    raw_keys are then in q's dtype (raw_keys.unrotate_keys(..., dtype=q.dtype)).
+    offload: host twin of the cache; table entries < 0 name its pages (kv_offload.py)."""
     T, Hq, D = q.shape
     num_pages, page_size, Hkv, Dk = k_cache.shape
     NB = ends.shape[0]
@@ -374,6 +381,7 @@ def select_rep_scores(q, k_cache, block_tables, q_start, q_lens, ends, candidate
         return scores, (reps if store_reps else None)
     part = torch.empty((NB, Hkv, max_chunks), dtype=torch.float32, device=q.device)
     reps = torch.empty((NB, Hkv, max_chunks), dtype=torch.int32, device=q.device) if store_reps else part
+    dk, _, dks, _ = offload_deltas(k_cache, None, k_scale, None, offload)
     _select_rep_kernel[(NB, triton.cdiv(n_tiles, TILES), Hkv)](
         q, k_cache, k_scale if scaled else k_cache,
         raw.keys if raw is not None else k_cache, raw.block_base if raw is not None else ends,
@@ -382,7 +390,7 @@ def select_rep_scores(q, k_cache, block_tables, q_start, q_lens, ends, candidate
         part, reps,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        *(k_scale.stride() if scaled else (0, 0, 0)),
+        *(k_scale.stride() if scaled else (0, 0, 0)), dk, dks,
         raw.keys.stride(0) if raw is not None else 0, raw.keys.stride(1) if raw is not None else 0,
         block_tables.stride(0), cand.stride(0),
         max_chunks, Hkv, G, D, n_sink, n_stream, chunk_size, _num_iters(chunk_size), query_stride,
@@ -393,6 +401,7 @@ def select_rep_scores(q, k_cache, block_tables, q_start, q_lens, ends, candidate
         DOT_F32=not q.is_cuda or q.dtype == torch.float32,
         DOT_PRECISION=dot_precision(q.dtype if q.is_cuda else torch.float32), KEYS_AS_ROWS=keys_as_rows,
         KV_SCALED=scaled and raw is None,  # raw keys come dequantized
+        OFFLOAD=offload is not None and raw is None,  # raw keys are read without page tables
         # H200, 1M keys: 256-row query tiles (stride 1) 8 warps (stage 1 112 vs 163 ms, stage 3
         # 14 vs 27 ms); 64-row tiles (stride 4) and decode 4 (stage 1 24 vs 35 ms)
         num_warps=num_warps or (8 if BLOCK_Q >= 256 else 4),
@@ -535,11 +544,13 @@ def pruning_stage(q, k_cache, block_tables, q_start, q_lens, ends, candidates=No
                   *, chunk_size: int, k: int, block_q: int, n_sink: int, n_stream: int,
                   max_candidates: int | None = None, rope_style="none", inv_freq=None,
                   head_normalized: bool = False, query_stride: int = 1,
-                  raw_keys: RawKeys | None = None, k_scale: torch.Tensor | None = None, **tuning):
+                  raw_keys: RawKeys | None = None, k_scale: torch.Tensor | None = None,
+                  offload: HostKV | None = None, **tuning):
     """One pruning stage: the Triton SelectRep kernel, then topk_chunks (CPU tensors without
     TRITON_INTERPRET: pruning_ref.pruning_stage_ref, same contract). Returns the survivors
     (int32 [NB, k] ascending, PAD-padded) and their counts (int32 [NB]), the next stage's input.
     k_scale: the row scales of an fp8 k_cache (select_rep_scores).
+    offload: host twin of the cache; table entries < 0 name its pages (kv_offload.py).
 
         >>> sel, n = pruning_stage(q, k_cache, tables, q_start, q_lens, ends,   # doctest: +SKIP
         ...                        chunk_size=256, k=32768, block_q=64, n_sink=256, n_stream=1024)
@@ -552,7 +563,8 @@ def pruning_stage(q, k_cache, block_tables, q_start, q_lens, ends, candidates=No
         return pruning_stage_ref(q, k_cache, block_tables, q_start, q_lens, ends, candidates, cand_lens,
                                  chunk_size=chunk_size, k=k, n_sink=n_sink, n_stream=n_stream,
                                  max_candidates=max_candidates, rope_style=rope_style, inv_freq=inv_freq,
-                                 head_normalized=head_normalized, query_stride=query_stride, k_scale=k_scale)
+                                 head_normalized=head_normalized, query_stride=query_stride, k_scale=k_scale,
+                                 offload=offload)
     if candidates is not None and cand_lens is None:  # once, for both kernels
         cand_lens = _candidate_lens(ends, candidates, None, n_sink, n_stream)
     scores, _ = select_rep_scores(q, k_cache, block_tables, q_start, q_lens, ends, candidates,
@@ -560,6 +572,6 @@ def pruning_stage(q, k_cache, block_tables, q_start, q_lens, ends, candidates=No
                                   n_stream=n_stream, max_candidates=max_candidates,
                                   rope_style=rope_style, inv_freq=inv_freq,
                                   head_normalized=head_normalized, query_stride=query_stride,
-                                  raw_keys=raw_keys, k_scale=k_scale, **tuning)
+                                  raw_keys=raw_keys, k_scale=k_scale, offload=offload, **tuning)
     return topk_chunks(scores, candidates, cand_lens, chunk_size=chunk_size, k=k, n_sink=n_sink,
                        ends=ends, n_stream=n_stream)

@@ -13,6 +13,7 @@ import math
 
 import torch
 
+from ..kv_offload import merged_kv
 from ..kv_quant import check_kv_scales, read_rows
 from .blocks import PAD, initial_candidates
 from .rope_styles import CHUNK_INDEXED, NONE, RELATIVE, rope_style_id, rotate_by_ref
@@ -42,12 +43,14 @@ def _sigma_tables(q_rows, q_pos, keys, toks, chunk_of, num_chunks, n_stream, sty
 def select_rep_scores_ref(q, k_cache, block_tables, q_start, q_lens, ends, candidates=None,
                           cand_lens=None, *, chunk_size: int, n_sink: int, n_stream: int,
                           max_candidates: int | None = None, rope_style="none", inv_freq=None,
-                          head_normalized: bool = False, query_stride: int = 1, k_scale=None):
+                          head_normalized: bool = False, query_stride: int = 1, k_scale=None, offload=None):
     """Reference of pruning.select_rep_scores: (scores float64 [NB, C], reps int32 [NB, Hkv, C],
     margins float64 [NB, Hkv, C] = smallest |sigma_right - sigma_left| of each tournament).
     head_normalized: each kv head's chunk scores minus that head's best, then the max.
     query_stride s: only the block's queries min(s (i + 1) - 1, q_len - 1) score. k_scale: an
-    fp8 k_cache's row scales (its keys dequantized to float32 rows)."""
+    fp8 k_cache's row scales (its keys dequantized to float32 rows).
+    offload: host twin of the cache; table entries < 0 name its pages (kv_offload.py)."""
+    k_cache, _, k_scale, _, block_tables = merged_kv(k_cache, None, k_scale, None, block_tables, offload)
     scaled = check_kv_scales(k_cache, None, k_scale, None)
     style = rope_style_id(rope_style)
     if candidates is None:
@@ -119,9 +122,10 @@ def topk_chunks_ref(scores, candidates, cand_lens, *, chunk_size: int, k: int, n
 def pruning_stage_ref(q, k_cache, block_tables, q_start, q_lens, ends, candidates=None,
                       cand_lens=None, *, chunk_size: int, k: int, n_sink: int, n_stream: int,
                       max_candidates: int | None = None, rope_style="none", inv_freq=None,
-                      head_normalized: bool = False, query_stride: int = 1, k_scale=None):
+                      head_normalized: bool = False, query_stride: int = 1, k_scale=None, offload=None):
     """Reference of pruning.pruning_stage: (survivors int32 [NB, k] PAD-padded, lens [NB]).
-    k_scale: an fp8 k_cache's row scales."""
+    k_scale: an fp8 k_cache's row scales.
+    offload: host twin of the cache; table entries < 0 name its pages (kv_offload.py)."""
     if candidates is None:
         candidates, cand_lens = initial_candidates(ends, n_sink, n_stream, width=max_candidates)
     elif cand_lens is None:
@@ -130,5 +134,5 @@ def pruning_stage_ref(q, k_cache, block_tables, q_start, q_lens, ends, candidate
                                          cand_lens, chunk_size=chunk_size, n_sink=n_sink,
                                          n_stream=n_stream, rope_style=rope_style, inv_freq=inv_freq,
                                          head_normalized=head_normalized, query_stride=query_stride,
-                                         k_scale=k_scale)
+                                         k_scale=k_scale, offload=offload)
     return topk_chunks_ref(scores, candidates, cand_lens, chunk_size=chunk_size, k=k, n_sink=n_sink)

@@ -28,6 +28,7 @@ import triton
 import triton.language as tl
 
 from .._triton_utils import next_pow2, triton_on
+from ..kv_offload import HostKV, merged_kv, offload_deltas, page_offset
 from ..kv_quant import check_kv_scales, dequantize_tile, is_fp8, read_rows
 from .rope_styles import check_rotatable, load_rotated, rotate_by_ref
 
@@ -51,17 +52,20 @@ def _unrotate_kernel(
     length, head_dim,
     stride_cp, stride_cs, stride_ch, stride_ot, stride_oh,
     stride_sp, stride_ss, stride_sh,  # KV_SCALED: the scale tensor's strides
+    k_host_delta, ks_host_delta,  # OFFLOAD: elements from k_cache / k_scale to their host twins
     PAGE_SIZE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, KV_SCALED: tl.constexpr,
+    OFFLOAD: tl.constexpr,  # table entries < 0 name host pages (kv_offload.py)
 ):
     tok = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     head = tl.program_id(1)
     valid = tok < length
     page = tl.load(table_ptr + tok // PAGE_SIZE, mask=valid, other=0)
-    rows = k_cache_ptr + page.to(tl.int64) * stride_cp + (tok % PAGE_SIZE) * stride_cs + head * stride_ch
+    rows = k_cache_ptr + page_offset(page, stride_cp, k_host_delta, OFFLOAD) + (tok % PAGE_SIZE) * stride_cs \
+        + head * stride_ch
     k = load_rotated(rows, valid, -tok, inv_freq_ptr, head_dim, BLOCK_D, True)
     # fp8: each row times its scale after the rotation (scale index from the scale strides: head_dim 1)
-    k = dequantize_tile(k, k_scale_ptr, page.to(tl.int64) * stride_sp + (tok % PAGE_SIZE) * stride_ss
-                        + head * stride_sh, valid, 1, KV_SCALED)
+    k = dequantize_tile(k, k_scale_ptr, page_offset(page, stride_sp, ks_host_delta, OFFLOAD)
+                        + (tok % PAGE_SIZE) * stride_ss + head * stride_sh, valid, 1, KV_SCALED)
     d = tl.arange(0, BLOCK_D)
     out = out_ptr + tok.to(tl.int64)[:, None] * stride_ot + head * stride_oh + d[None, :]
     tl.store(out, k.to(out_ptr.dtype.element_ty), mask=valid[:, None] & (d < head_dim)[None, :])
@@ -69,12 +73,13 @@ def _unrotate_kernel(
 
 def unrotate_keys(k_cache: torch.Tensor, seq_tables: torch.Tensor, seq_lens: list[int],
                   inv_freq: torch.Tensor, block_seq: torch.Tensor, *, k_scale: torch.Tensor | None = None,
-                  dtype: torch.dtype | None = None) -> RawKeys:
+                  dtype: torch.dtype | None = None, offload: HostKV | None = None) -> RawKeys:
     """RawKeys of S sequences: seq_tables int32 [S, max_pages] (their page tables), seq_lens the
     tokens to un-rotate of each (host ints, an upper bound is fine: rows past a sequence's end are
     never read), block_seq int64 [NB] the sequence (0..S-1) of each query block. k_scale: the row
     scales of an fp8 k_cache (kv_quant.py); dtype: RawKeys.keys' dtype, the queries' (default: the
-    cache's; required for an fp8 cache, and never fp8)."""
+    cache's; required for an fp8 cache, and never fp8).
+    offload: host twin of the cache; table entries < 0 name its pages (kv_offload.py)."""
     num_pages, page_size, Hkv, D = k_cache.shape
     scaled = check_kv_scales(k_cache, None, k_scale, None)
     if dtype is None:
@@ -91,11 +96,16 @@ def unrotate_keys(k_cache: torch.Tensor, seq_tables: torch.Tensor, seq_lens: lis
     keys = torch.empty((bases[-1], Hkv, D), dtype=dtype, device=k_cache.device)
     base_t = torch.tensor(bases[:-1], dtype=torch.int64, device=k_cache.device)
     raw = RawKeys(keys, base_t[block_seq] if block_seq.numel() else block_seq.to(torch.int64))
+    on_triton = triton_on(k_cache)
+    if on_triton:
+        dk, _, dks, _ = offload_deltas(k_cache, None, k_scale, None, offload)
+    else:  # the torch path below reads host pages from a merged pool
+        k_cache, _, k_scale, _, seq_tables = merged_kv(k_cache, None, k_scale, None, seq_tables, offload)
     for s, n in enumerate(seq_lens):
         if n == 0:
             continue
         out = keys[bases[s]:bases[s] + n]
-        if not triton_on(k_cache):  # CPU without the interpreter
+        if not on_triton:  # CPU without the interpreter
             toks = torch.arange(n, device=k_cache.device)
             stored = read_rows(k_cache, k_scale, seq_tables[s, toks // page_size].long(), toks % page_size,
                                torch.float32 if scaled else k_cache.dtype)
@@ -105,8 +115,9 @@ def unrotate_keys(k_cache: torch.Tensor, seq_tables: torch.Tensor, seq_lens: lis
         _unrotate_kernel[(triton.cdiv(n, BLOCK_T), Hkv)](
             k_cache, k_scale if scaled else k_cache, seq_tables[s], inv_freq, out, n, D,
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), out.stride(0), out.stride(1),
-            *(k_scale.stride() if scaled else (0, 0, 0)),
-            PAGE_SIZE=page_size, BLOCK_T=BLOCK_T, BLOCK_D=max(16, next_pow2(D)), KV_SCALED=scaled)
+            *(k_scale.stride() if scaled else (0, 0, 0)), dk, dks,
+            PAGE_SIZE=page_size, BLOCK_T=BLOCK_T, BLOCK_D=max(16, next_pow2(D)), KV_SCALED=scaled,
+            OFFLOAD=offload is not None)
     return raw
 
 

@@ -40,6 +40,11 @@ scaling after it is the same), and casts to the queries' dtype for the dots; the
 in the queries' dtype (key_bank.py dequantizes when it writes). A tile's row scales are one
 [BLOCK_N] float32 load each for K and V, indexed through the scale tensor's own strides (no
 division by D in the loop).
+
+Offloaded pages (plugins/kv_offload.py; `offload` given): table entries < 0 are pages of a host
+twin, read in place. K, V and the two scale tensors are four allocations on each side, so each
+reaches its twin by its own delta and a host row has four offsets where a GPU row has one
+(`_tile_tokens`); without `offload` the kernel compiles to the same code as before (OFFLOAD False).
 """
 
 from __future__ import annotations
@@ -49,6 +54,7 @@ import triton
 import triton.language as tl
 
 from .._triton_utils import device_num_sms, dot_precision, next_pow2, triton_on
+from ..kv_offload import HostKV, merged_kv, offload_deltas, page_offset
 from ..kv_quant import check_kv_scales, dequantize_tile, read_rows
 from ..dense_attention import _decode_merge_kernel, choose_num_splits, dense_attention_ref
 from .blocks import block_key_mask
@@ -74,24 +80,39 @@ def selected_bounds(sel_base, sel_width, n_sink, s, SEL_BLOCK: tl.constexpr):
 
 
 @triton.jit
+def _row(page, slot, kv_head, stride_page, stride_slot, stride_head, host_delta, OFFLOAD: tl.constexpr):
+    """Offset of row (page, slot, kv_head) from its GPU pool's pointer, host pages included
+    (kv_offload.page_offset)."""
+    return page_offset(page, stride_page, host_delta, OFFLOAD) + slot * stride_slot + kv_head * stride_head
+
+
+@triton.jit
 def _tile_tokens(tile, n0, mid_end, s, n_keys, sel_row, table_row, stride_cp, stride_cs, kv_head, stride_ch,
-                 stride_sp, stride_ss, stride_sh, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-                 KV_SCALED: tl.constexpr):
-    """Ranks [BLOCK_N] of a key tile -> (token, cache row offset of its kv head, index of the row's
-    scale (KV_SCALED; else a copy of the row offset, unused)); all masked to 0 past n_keys. Two
-    dependent loads: the selected row (selected ranks), then the page table."""
+                 stride_sp, stride_ss, stride_sh, k_host_delta, v_host_delta, ks_host_delta, vs_host_delta,
+                 PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, KV_SCALED: tl.constexpr,
+                 OFFLOAD: tl.constexpr):
+    """Ranks [BLOCK_N] of a key tile -> (token, K row offset of its kv head, V row offset, index
+    of the K row's scale, of the V row's (KV_SCALED; else copies of the K offset, unused)); all
+    masked to 0 past n_keys. Two dependent loads: the selected row (selected ranks), then the
+    page table. Without OFFLOAD, V's offsets are K's (the same values: one row offset, as the
+    pools share strides); with it a host page's K and V rows differ (separate host allocations)."""
     rank = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     valid = rank < n_keys
     is_sel = (rank >= n0) & (rank < mid_end)
     sel_tok = tl.load(sel_row + rank, mask=valid & is_sel, other=0)
     tok = tl.where(rank < n0, rank, tl.where(is_sel, sel_tok, s + rank - mid_end))
     page = tl.load(table_row + tok // PAGE_SIZE, mask=valid, other=0)
-    kv_row = page.to(tl.int64) * stride_cp + (tok % PAGE_SIZE) * stride_cs + kv_head * stride_ch
+    slot = tok % PAGE_SIZE
+    k_row = _row(page, slot, kv_head, stride_cp, stride_cs, stride_ch, k_host_delta, OFFLOAD)
+    v_row = _row(page, slot, kv_head, stride_cp, stride_cs, stride_ch, v_host_delta, OFFLOAD) if OFFLOAD else k_row
     if KV_SCALED:
-        sc_row = page.to(tl.int64) * stride_sp + (tok % PAGE_SIZE) * stride_ss + kv_head * stride_sh
+        ks_row = _row(page, slot, kv_head, stride_sp, stride_ss, stride_sh, ks_host_delta, OFFLOAD)
+        vs_row = (_row(page, slot, kv_head, stride_sp, stride_ss, stride_sh, vs_host_delta, OFFLOAD)
+                  if OFFLOAD else ks_row)
     else:
-        sc_row = kv_row
-    return tok, kv_row, sc_row
+        ks_row = k_row
+        vs_row = k_row
+    return tok, k_row, v_row, ks_row, vs_row
 
 
 @triton.jit
@@ -100,6 +121,7 @@ def _sparse_attn_kernel(
     q_ptr,  # [T, Hq, D] packed queries
     k_cache_ptr, v_cache_ptr,  # [num_pages, page_size, Hkv, D] (same strides)
     k_scale_ptr, v_scale_ptr,  # KV_SCALED: [num_pages, page_size, Hkv] float32 row scales (same strides)
+    #                            OFFLOAD: all four also reach their host twins (the deltas below)
     block_tables_ptr,  # [NB, max_pages] int32
     q_start_ptr, q_lens_ptr, ends_ptr,  # [NB] int32 query blocks (DECODE: q_start/q_lens unused)
     sel_ptr,  # [NB, K] int32 selected tokens, ascending, PAD-padded
@@ -114,6 +136,7 @@ def _sparse_attn_kernel(
     stride_qt, stride_qh,
     stride_cp, stride_cs, stride_ch,
     stride_sp, stride_ss, stride_sh,  # KV_SCALED: the scale tensors' strides
+    k_host_delta, v_host_delta, ks_host_delta, vs_host_delta,  # OFFLOAD: kv_offload.offload_deltas
     stride_bt, stride_sel, sel_width,
     stride_bank_slot, stride_bank_entry, stride_bank_head,
     stride_ot, stride_oh,
@@ -136,6 +159,7 @@ def _sparse_attn_kernel(
     DOT_F32: tl.constexpr,  # float32 dot operands (CPU interpreter, float32 queries)
     DOT_PRECISION: tl.constexpr,
     KV_SCALED: tl.constexpr,  # fp8 caches with row scales (kv_quant.py): dequantize K/V tiles
+    OFFLOAD: tl.constexpr,  # table entries < 0 are host pages (kv_offload.py)
 ):
     blk = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -187,22 +211,25 @@ def _sparse_attn_kernel(
     l = tl.zeros([BLOCK_Q], tl.float32)
     acc = tl.zeros([BLOCK_Q, BLOCK_D], tl.float32)
     if PREFETCH:
-        tok, kv_row, sc_row = _tile_tokens(tile_lo, n0, mid_end, s, n_keys, sel_row, table_row, stride_cp,
-                                           stride_cs, kv_head, stride_ch, stride_sp, stride_ss, stride_sh,
-                                           PAGE_SIZE, BLOCK_N, KV_SCALED)
+        tok, k_row, v_row, ks_row, vs_row = _tile_tokens(
+            tile_lo, n0, mid_end, s, n_keys, sel_row, table_row, stride_cp, stride_cs, kv_head, stride_ch,
+            stride_sp, stride_ss, stride_sh, k_host_delta, v_host_delta, ks_host_delta, vs_host_delta,
+            PAGE_SIZE, BLOCK_N, KV_SCALED, OFFLOAD)
     for tile in range(tile_lo, tile_hi):
         rank = tile * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
         valid = rank < n_keys
         is_sel = (rank >= n0) & (rank < mid_end)
         if PREFETCH:  # this tile's rows were loaded during the previous one; start the next's
-            tok_next, kv_row_next, sc_row_next = _tile_tokens(
+            tok_next, k_row_next, v_row_next, ks_row_next, vs_row_next = _tile_tokens(
                 tile + 1, n0, mid_end, s, n_keys, sel_row, table_row, stride_cp, stride_cs, kv_head, stride_ch,
-                stride_sp, stride_ss, stride_sh, PAGE_SIZE, BLOCK_N, KV_SCALED)
+                stride_sp, stride_ss, stride_sh, k_host_delta, v_host_delta, ks_host_delta, vs_host_delta,
+                PAGE_SIZE, BLOCK_N, KV_SCALED, OFFLOAD)
         else:
-            tok, kv_row, sc_row = _tile_tokens(tile, n0, mid_end, s, n_keys, sel_row, table_row, stride_cp,
-                                               stride_cs, kv_head, stride_ch, stride_sp, stride_ss, stride_sh,
-                                               PAGE_SIZE, BLOCK_N, KV_SCALED)
-        # (dequantize_tile with head_dim 1: sc_row already indexes the scale tensor)
+            tok, k_row, v_row, ks_row, vs_row = _tile_tokens(
+                tile, n0, mid_end, s, n_keys, sel_row, table_row, stride_cp, stride_cs, kv_head, stride_ch,
+                stride_sp, stride_ss, stride_sh, k_host_delta, v_host_delta, ks_host_delta, vs_host_delta,
+                PAGE_SIZE, BLOCK_N, KV_SCALED, OFFLOAD)
+        # (dequantize_tile with head_dim 1: ks_row / vs_row already index the scale tensors)
         if BANK:  # sink keys as cached (rank = token), selected ones from the bank (entry = index
             #       in the selected row), stream ones as cached with the counter-rotated query
             bank_row = bank_base + (rank - n0 + sel_begin).to(tl.int64) * stride_bank_entry
@@ -210,24 +237,24 @@ def _sparse_attn_kernel(
                 cached = valid & ~is_sel
                 k = tl.where(is_sel[:, None],
                              load_rotated(bank_row, valid & is_sel, rank, inv_freq_ptr, head_dim, BLOCK_D, False),
-                             dequantize_tile(load_rotated(k_cache_ptr + kv_row, cached, rank, inv_freq_ptr,
+                             dequantize_tile(load_rotated(k_cache_ptr + k_row, cached, rank, inv_freq_ptr,
                                                           head_dim, BLOCK_D, False),
-                                             k_scale_ptr, sc_row, cached, 1, KV_SCALED))
+                                             k_scale_ptr, ks_row, cached, 1, KV_SCALED))
             else:
-                k_rows = tl.where(is_sel, bank_row, k_cache_ptr + kv_row)
+                k_rows = tl.where(is_sel, bank_row, k_cache_ptr + k_row)
                 k = load_rotated(k_rows, valid, rank, inv_freq_ptr, head_dim, BLOCK_D, False)
         elif ROTATE:  # keys to their rank (StreamingLLM): R(rank - tok) applied to the cached key
-            k1, k2 = load_halves(k_cache_ptr + kv_row, valid, head_dim, BLOCK_D)
+            k1, k2 = load_halves(k_cache_ptr + k_row, valid, head_dim, BLOCK_D)
             sin, cos = run_sin_cos(rank - tok, inv_freq_ptr, head_dim, BLOCK_N, BLOCK_D, ROPE_GROUP)
             k = rotate_halves(k1, k2, sin, cos)
-            k = dequantize_tile(k, k_scale_ptr, sc_row, valid, 1, KV_SCALED)  # scales after the rotation
+            k = dequantize_tile(k, k_scale_ptr, ks_row, valid, 1, KV_SCALED)  # scales after the rotation
         else:
-            k = load_rotated(k_cache_ptr + kv_row, valid, rank - tok, inv_freq_ptr, head_dim, BLOCK_D, False)
-            k = dequantize_tile(k, k_scale_ptr, sc_row, valid, 1, KV_SCALED)
-        v = tl.load(v_cache_ptr + kv_row[:, None] + d[None, :],
+            k = load_rotated(k_cache_ptr + k_row, valid, rank - tok, inv_freq_ptr, head_dim, BLOCK_D, False)
+            k = dequantize_tile(k, k_scale_ptr, ks_row, valid, 1, KV_SCALED)
+        v = tl.load(v_cache_ptr + v_row[:, None] + d[None, :],
                     mask=valid[:, None] & (d < head_dim)[None, :], other=0.0)
         if KV_SCALED:
-            v = dequantize_tile(v, v_scale_ptr, sc_row, valid, 1, KV_SCALED)
+            v = dequantize_tile(v, v_scale_ptr, vs_row, valid, 1, KV_SCALED)
         if DOT_F32:
             v = v.to(tl.float32)
         else:
@@ -246,11 +273,13 @@ def _sparse_attn_kernel(
         l = l * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m = m_new
-        if PREFETCH:
+        if PREFETCH:  # carry only distinct offsets (without OFFLOAD, V's are K's)
             tok = tok_next
-            kv_row = kv_row_next
+            k_row = k_row_next
+            v_row = v_row_next if OFFLOAD else k_row
             if KV_SCALED:
-                sc_row = sc_row_next
+                ks_row = ks_row_next
+                vs_row = vs_row_next if OFFLOAD else ks_row
 
     has_keys = l > 0.0
     o = tl.where(has_keys[:, None], acc / tl.where(has_keys, l, 1.0)[:, None], 0.0)
@@ -274,7 +303,7 @@ def block_sparse_attention(q, k_cache, v_cache, block_tables, q_start, q_lens, e
                      block_n: int | None = None, num_warps: int | None = None,
                      prefetch: bool | None = None, num_stages: int | None = None,
                      out: torch.Tensor | None = None, k_scale: torch.Tensor | None = None,
-                     v_scale: torch.Tensor | None = None) -> torch.Tensor:
+                     v_scale: torch.Tensor | None = None, offload: HostKV | None = None) -> torch.Tensor:
     """Triton launcher (CPU tensors without TRITON_INTERPRET: sparse_attention_ref, same
     contract): q [T, Hq, D] packed, query blocks [NB] (blocks.py, q_lens <= block_q),
     selected int32 [NB, K] (last pruning stage). Returns out [T, Hq, D] (rows of no block: 0).
@@ -287,7 +316,8 @@ def block_sparse_attention(q, k_cache, v_cache, block_tables, q_start, q_lens, e
     num_warps / prefetch / num_stages: tuning overrides (prefetch: each tile's tokens and page
     entries are loaded one tile ahead; the same result; default: on in prefill). k_scale /
     v_scale: float32 [num_pages, page_size, Hkv] row scales of fp8 caches (kv_quant.py; None: the
-    caches are in q's dtype); the bank and out stay in q's dtype."""
+    caches are in q's dtype); the bank and out stay in q's dtype.
+    offload: host twin of the caches; table entries < 0 name its pages (kv_offload.py)."""
     T, Hq, D = q.shape
     num_pages, page_size, Hkv, Dk = k_cache.shape
     NB = ends.shape[0]
@@ -325,7 +355,7 @@ def block_sparse_attention(q, k_cache, v_cache, block_tables, q_start, q_lens, e
             q_lens = torch.ones(NB, dtype=torch.int32, device=q.device)
         ref = sparse_attention_ref(q, k_cache, v_cache, block_tables, q_start, q_lens, ends, selected,
                                    n_sink=n_sink, n_stream=n_stream, scale=scale, rope_style=rope_style,
-                                   inv_freq=inv_freq, k_scale=k_scale, v_scale=v_scale)
+                                   inv_freq=inv_freq, k_scale=k_scale, v_scale=v_scale, offload=offload)
         for q0, n in zip(q_start.tolist(), q_lens.tolist()):
             out[q0:q0 + n] = ref[q0:q0 + n].to(out.dtype)
         return out
@@ -346,6 +376,7 @@ def block_sparse_attention(q, k_cache, v_cache, block_tables, q_start, q_lens, e
     # with STREAMING 16 warps lose, 12.3 -> 14.9 ms at 1M: the rotation wants the registers)
     if num_warps is None:
         num_warps = 16 if not decode and style == NONE and block_q * G >= 256 else 8 if block_q * G >= 128 else 4
+    deltas = offload_deltas(k_cache, v_cache, k_scale if scaled else None, v_scale if scaled else None, offload)
     if num_splits > 1:
         part_out = torch.empty((T, Hq, num_splits, D), dtype=torch.float32, device=q.device)
         part_lse = torch.empty((T, Hq, num_splits), dtype=torch.float32, device=q.device)  # all written
@@ -359,7 +390,7 @@ def block_sparse_attention(q, k_cache, v_cache, block_tables, q_start, q_lens, e
         out, part_out, part_lse,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        *(k_scale.stride() if scaled else (0, 0, 0)),
+        *(k_scale.stride() if scaled else (0, 0, 0)), *deltas,
         block_tables.stride(0), selected.stride(0), selected.shape[1],
         *(bank.stride()[:3] if bank is not None else (0, 0, 0)),
         out.stride(0), out.stride(1),
@@ -369,7 +400,7 @@ def block_sparse_attention(q, k_cache, v_cache, block_tables, q_start, q_lens, e
         DECODE=decode, ROPE_STYLE=style, ROPE_GROUP=min(rope_group, BLOCK_N), BANK=bank is not None, PREFETCH=prefetch,
         DOT_F32=not q.is_cuda or q.dtype == torch.float32,
         DOT_PRECISION=dot_precision(q.dtype if q.is_cuda else torch.float32), KV_SCALED=scaled,
-        num_warps=num_warps,
+        OFFLOAD=offload is not None, num_warps=num_warps,
         **({"num_stages": num_stages} if num_stages else {}),
     )
     if num_splits > 1:
@@ -385,11 +416,12 @@ def sparse_decode_attention(q, k_cache, v_cache, block_tables, context_lens, sel
                             inv_freq=None, num_splits: int | None = None, rope_group: int = 1,
                             bank=None, bank_rows=None, block_n: int | None = None,
                             prefetch: bool | None = None, num_stages: int | None = None, out=None,
-                            k_scale=None, v_scale=None) -> torch.Tensor:
+                            k_scale=None, v_scale=None, offload: HostKV | None = None) -> torch.Tensor:
     """Decode: q [B, Hq, D] (one query per sequence, position context_lens[b] - 1), selected
     int32 [B, K]. Flash-decoding split-K over sink + selected + stream; out [B, Hq, D].
     bank / bank_rows: the rotated key bank (block_sparse_attention, key_bank.py). k_scale /
-    v_scale: the row scales of fp8 caches (None: caches in q's dtype)."""
+    v_scale: the row scales of fp8 caches (None: caches in q's dtype).
+    offload: host twin of the caches; table entries < 0 name its pages (kv_offload.py)."""
     B = q.shape[0]
     if num_splits is None:
         tiles = triton.cdiv(n_sink + selected.shape[1] + n_stream, block_n or 64)
@@ -399,7 +431,7 @@ def sparse_decode_attention(q, k_cache, v_cache, block_tables, context_lens, sel
                             rope_style=rope_style, inv_freq=inv_freq, num_splits=num_splits,
                             rope_group=rope_group, bank=bank, bank_rows=bank_rows, block_n=block_n,
                             prefetch=prefetch, num_stages=num_stages, out=out, k_scale=k_scale,
-                            v_scale=v_scale)
+                            v_scale=v_scale, offload=offload)
 
 
 def sparse_prefill_attention(q, k_cache, v_cache, block_tables, q_start, q_lens, ends, selected, *,
@@ -407,24 +439,30 @@ def sparse_prefill_attention(q, k_cache, v_cache, block_tables, q_start, q_lens,
                              rope_style="none", inv_freq=None, rope_group: int = 1,
                              block_n: int | None = None, num_warps: int | None = None,
                              prefetch: bool | None = None, num_stages: int | None = None, out=None,
-                             k_scale=None, v_scale=None) -> torch.Tensor:
+                             k_scale=None, v_scale=None, offload: HostKV | None = None) -> torch.Tensor:
     """Prefill: flash-style, each query block of <= block_q queries over its own key set with the
     causal cut; q [T, Hq, D] packed, blocks from blocks.plan_query_blocks. k_scale / v_scale:
-    the row scales of fp8 caches (None: caches in q's dtype)."""
+    the row scales of fp8 caches (None: caches in q's dtype).
+    offload: host twin of the caches; table entries < 0 name its pages (kv_offload.py)."""
     return block_sparse_attention(q, k_cache, v_cache, block_tables, q_start, q_lens, ends, selected,
                             block_q=block_q, n_sink=n_sink, n_stream=n_stream, scale=scale,
                             rope_style=rope_style, inv_freq=inv_freq, num_splits=1,
                             rope_group=rope_group, block_n=block_n, num_warps=num_warps, prefetch=prefetch,
-                            num_stages=num_stages, out=out, k_scale=k_scale, v_scale=v_scale)
+                            num_stages=num_stages, out=out, k_scale=k_scale, v_scale=v_scale,
+                            offload=offload)
 
 
 def sparse_attention_ref(q, k_cache, v_cache, block_tables, q_start, q_lens, ends, selected, *,
                          n_sink: int, n_stream: int, scale: float, rope_style="none",
-                         inv_freq=None, k_scale=None, v_scale=None) -> torch.Tensor:
+                         inv_freq=None, k_scale=None, v_scale=None,
+                         offload: HostKV | None = None) -> torch.Tensor:
     """Reference: per block, gather the key set (blocks.block_key_mask) and run an explicit
     float64 softmax (dense_attention_ref, causal by position). STREAMING rotates keys to their
     rank and each query to the rank of its own token. fp8 caches (k_scale / v_scale given) are
-    dequantized to float32 rows. Returns float32 [T, Hq, D]."""
+    dequantized to float32 rows. Returns float32 [T, Hq, D].
+    offload: host twin of the caches; table entries < 0 name its pages (kv_offload.py)."""
+    k_cache, v_cache, k_scale, v_scale, block_tables = merged_kv(k_cache, v_cache, k_scale, v_scale,
+                                                                 block_tables, offload)
     scaled = check_kv_scales(k_cache, v_cache, k_scale, v_scale)
     rows_dtype = torch.float32 if scaled else k_cache.dtype
     style = rope_style_id(rope_style)

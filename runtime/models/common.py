@@ -83,6 +83,8 @@ class Attention(nn.Module):
         self.v_scale: torch.Tensor | None = None
         # Set by the ModelRunner on "infinitehip" layers: an InfiniteHipLayer (its mask cache).
         self.sparse = None
+        # Set by the ModelRunner when KV pages are offloaded: the caches' host twin (plugins/kv_offload.py).
+        self.host_kv = None
 
     @property
     def kv_scales(self) -> dict:
@@ -137,7 +139,8 @@ class Attention(nn.Module):
             self._dense_prefill(q, k, v, out, ctx, meta, lo, hi)
         if sparse is not None:  # a layer with compacted KV (drop history) holds fewer keys
             dropped = None if ctx is base else base.context_lens - ctx.context_lens
-            self.sparse.run(q, self.k_cache, self.v_cache, meta.block_tables, sparse, out, dropped, **self.kv_scales)
+            self.sparse.run(q, self.k_cache, self.v_cache, meta.block_tables, sparse, out, dropped,
+                            offload=self.host_kv, **self.kv_scales)
         return self.o_proj(out.view(num_tokens, -1))
 
 

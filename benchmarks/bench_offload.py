@@ -1,0 +1,156 @@
+"""Decode with the KV cache offloaded to host memory vs resident on the GPU: Llama-3.1-8B shapes,
+random weights, one H200, batch 1, through the runtime (CUDA graphs, scheduler), 3k-flash.
+
+    python benchmarks/bench_offload.py --out $OUT [--contexts 512000] [--kv-dtype fp8]
+
+Per context, in one process:
+1. resident: an engine whose GPU cache holds the whole context; dense (the baseline) and the
+   InfiniteHiP configs decode one request (bench_decode_e2e.py's synthetic request: random K/V,
+   the first N - 1 tokens count as computed);
+2. offloaded: the same engine loaded again with a small GPU cache and ``kv_offload_bytes`` for
+   the rest; the request is grown chunk by chunk, each chunk's middle pages moved to the host
+   pool as the runtime moves them after a prefill step (so the GPU never holds the context),
+   then decodes under the same InfiniteHiP configs. Stage refreshes read the offloaded keys in
+   place (zero-copy over PCIe); cached steps read the key bank, sink and stream from the GPU and
+   the selected values from the host.
+
+Reports median step time, P99, fused tok/s, GPU KV bytes, and ratios against the resident run
+of the same config and against dense, all timed in this run. Prints a table last; JSON to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from bench_decode_e2e import build, fill_random, fused_tok_s, p99, step_times_ms  # noqa: E402
+
+GiB = 1 << 30
+CONFIGS = {"3k-flash": dict(refresh_intervals=(96, 24, 8)), "3k": dict(refresh_intervals=(16, 8, 4))}
+
+
+def grown_request(llm, n: int, chunk: int = 32768):
+    """bench_decode_e2e.synthetic_request, but its pages are appended a chunk at a time and
+    offloaded after each (runner._offload, what a prefill step ends with)."""
+    from infhip import SamplingParams
+    from infhip.runtime.sequence import SequenceStatus
+
+    vocab = llm.engine.config.model.vocab_size
+    ids = torch.randint(10, vocab, (n,), generator=torch.Generator().manual_seed(n)).tolist()
+    req = llm._add(None, ids, SamplingParams(max_tokens=1 << 20, temperature=0.0, ignore_eos=True))
+    seq, sched = req.seq, llm.scheduler
+    sched.waiting.remove(seq)
+    for start in range(0, n - 1, chunk):
+        end = min(n - 1, start + chunk)
+        sched.kv.append(seq.seq_id, start, end)
+        llm.runner._offload([(seq, end)])
+    seq.status = SequenceStatus.RUNNING
+    sched.running.append(seq)
+    seq.num_computed_tokens = n - 1
+    return seq
+
+
+def measure(llm, configs: list[str], plan, n_dense: bool) -> dict:
+    from infhip.builder.presets import apply_runtime_overrides
+
+    rows = {}
+    todo = ([("dense", dict(dense_threshold=1 << 40))] if n_dense else []) + [(c, CONFIGS[c]) for c in configs]
+    for name, knobs in todo:
+        ih = apply_runtime_overrides(plan, knobs).infinitehip
+        llm.runner.set_infinitehip(ih)
+        cycle = ih.refresh_intervals[0] if name != "dense" else 8
+        step_times_ms(llm, cycle + 8)  # warm-up: every refresh pattern's graph
+        times = step_times_ms(llm, max(64, 2 * cycle))
+        med = statistics.median(times)
+        rows[name] = {"median_ms": med, "p99_ms": p99(times), "fused8_tok_s": fused_tok_s(llm, 96), "step_ms": times}
+        print(f"  {name:<10} median {med:7.2f} ms  P99 {p99(times):7.2f}  fused {rows[name]['fused8_tok_s']:7.1f} tok/s",
+              flush=True)
+    return rows
+
+
+def kv_bytes(llm) -> tuple[int, int]:
+    """(GPU, host) bytes of the KV caches (and fp8 scales) of all layers."""
+    gpu = host = 0
+    for layer in llm.engine.model.layers:
+        a = layer.self_attn
+        for t in (a.k_cache, a.v_cache, a.k_scale, a.v_scale):
+            gpu += 0 if t is None else t.numel() * t.element_size()
+        if a.host_kv is not None:
+            for t in (a.host_kv.k, a.host_kv.v, a.host_kv.k_scale, a.host_kv.v_scale):
+                host += 0 if t is None else t.numel() * t.element_size()
+    return gpu, host
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--work", type=Path, default=Path("/tmp/infhip-offload"))
+    p.add_argument("--contexts", default="512000")
+    p.add_argument("--kv-dtype", choices=("bfloat16", "fp8"), default="fp8")
+    p.add_argument("--configs", default="3k-flash,3k")
+    p.add_argument("--gpu-kv-gib", type=float, default=4, help="GPU KV cache of the offloaded run")
+    args = p.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    contexts = [int(x) for x in args.contexts.split(",")]
+    configs = args.configs.split(",")
+
+    import triton
+
+    from infhip import LLM
+
+    res = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+           "kv_dtype": args.kv_dtype, "contexts": {}}
+    engine = build(args.work, max(contexts) + 8192, args.kv_dtype)
+    per_token = None
+    for n in contexts:
+        out = res["contexts"][str(n)] = {}
+        for mode in ("resident", "offloaded"):
+            t0 = time.perf_counter()
+            if mode == "resident":
+                llm = LLM(engine, max_num_seqs=1, kv_cache_memory_bytes=None)
+            else:
+                llm = LLM(engine, max_num_seqs=1, kv_cache_memory_bytes=int(args.gpu_kv_gib * GiB),
+                          kv_offload_bytes=int(1.03 * n * per_token))
+            for layer in llm.engine.model.layers:
+                fill_random(layer.self_attn)
+            plan = llm.engine.config.plan
+            gpu_b, host_b = kv_bytes(llm)
+            if per_token is None:  # bytes of one token's K/V (+ scales) over all layers
+                a = llm.engine.model.layers[0].self_attn
+                per_token = len(llm.engine.model.layers) * 2 * (a.k_cache[0, 0].numel() * a.k_cache.element_size()
+                                                                + (4 * a.k_cache.shape[2] if a.k_scale is not None else 0))
+            seq = grown_request(llm, n) if mode == "offloaded" else grown_request(llm, n, chunk=n)
+            print(f"{n} {mode}: GPU KV {gpu_b / GiB:.1f} GiB, host KV {host_b / GiB:.1f} GiB, "
+                  f"set-up {time.perf_counter() - t0:.0f} s", flush=True)
+            rows = measure(llm, configs, plan, n_dense=mode == "resident")
+            out[mode] = {"gpu_kv_gib": gpu_b / GiB, "host_kv_gib": host_b / GiB, "rows": rows}
+            llm.scheduler.finish(seq, "abort")
+            del llm, seq
+            gc.collect()
+            torch.cuda.empty_cache()
+
+    (args.out / "bench_offload.json").write_text(json.dumps(res, indent=2))
+    print(f"\n{res['gpu']}  torch {res['torch']}  triton {res['triton']}; Llama-3.1-8B shapes, random weights, "
+          f"bf16 weights, KV {args.kv_dtype}, batch 1, CUDA graphs; ratios in this run")
+    print(f"{'context':>8} {'config':<10}{'mode':<10}{'GPU KV GiB':>11}{'median ms':>10}{'P99/med':>8}"
+          f"{'tok/s':>8}{'x resident':>11}{'x dense':>8}")
+    for n, modes in res["contexts"].items():
+        dense = modes["resident"]["rows"]["dense"]
+        for mode, m in modes.items():
+            for name, r in m["rows"].items():
+                base = modes["resident"]["rows"][name]
+                print(f"{n:>8} {name:<10}{mode:<10}{m['gpu_kv_gib']:>11.1f}{r['median_ms']:>10.2f}"
+                      f"{r['p99_ms'] / r['median_ms']:>8.2f}{r['fused8_tok_s']:>8.1f}"
+                      f"{r['fused8_tok_s'] / base['fused8_tok_s']:>11.2f}{r['fused8_tok_s'] / dense['fused8_tok_s']:>8.2f}")
+
+
+if __name__ == "__main__":
+    main()

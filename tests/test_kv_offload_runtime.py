@@ -1,0 +1,82 @@
+"""KV offloading in the runtime (tiny CPU engines): requests past the InfiniteHiP threshold move
+their middle pages to the host pool after each step, and generate exactly the tokens they
+generate with every page on the GPU — through the torch references and through the Triton
+kernels under the interpreter, over float32 and fp8 caches."""
+
+from __future__ import annotations
+
+import pytest
+
+import infhip.runtime.model_runner as model_runner
+from infhip import LLM, SamplingParams
+from infhip.builder.build import build_engine
+from tests._tiny import write_tiny_hf_checkpoint
+
+from .test_infinitehip_runtime import LOW, PROMPTS, TINY
+
+GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+MiB = 1 << 20
+
+
+@pytest.fixture(scope="module")
+def engines(tmp_path_factory):
+    root = tmp_path_factory.mktemp("offload")
+    write_tiny_hf_checkpoint(root / "llama", "llama")
+    kw = dict(dtype="float32", device="cpu", max_seq_len=200, max_batch_size=4, progress=False)
+    return {"3k": build_engine(checkpoint=root / "llama", output_dir=root / "3k", preset="3k",
+                               infinitehip_overrides=TINY, **kw),
+            "3k-fp8": build_engine(checkpoint=root / "llama", output_dir=root / "3k-fp8", preset="3k",
+                                   infinitehip_overrides=TINY, kv_dtype="fp8", **kw),
+            "dense": build_engine(checkpoint=root / "llama", output_dir=root / "dense", **kw)}
+
+
+def run(engine, offload_bytes, budget=48):
+    """Generated tokens, and how many pages moved to the host while generating them."""
+    llm = LLM(engine, max_num_batched_tokens=budget, infinitehip_overrides=LOW, kv_offload_bytes=offload_bytes)
+    moved = []
+    real = llm.runner.kv.offload
+
+    def counted(*a):
+        src, dst = real(*a)
+        moved.extend(dst)
+        return src, dst
+    llm.runner.kv.offload = counted
+    out = [o.token_ids for o in llm.generate(prompt_token_ids=PROMPTS, sampling_params=GREEDY)]
+    spec = llm.runner.kv.groups["global"].offload
+    assert llm.runner.kv.num_free_host_pages("global") == (spec.host_pages if spec else 0), \
+        "finished requests return their host pages"
+    return out, len(moved)
+
+
+@pytest.fixture
+def small_batches(monkeypatch):
+    """Move pages one at a time (tiny contexts: 16-token pages, a few of them eligible)."""
+    monkeypatch.setattr(model_runner, "OFFLOAD_BATCH_TOKENS", 16)
+
+
+@pytest.mark.parametrize("engine", ["3k", "3k-fp8"])
+@pytest.mark.parametrize("kernels", ["references", "interpreter"])
+def test_offloaded_pages_generate_the_same_tokens(engines, small_batches, monkeypatch, engine, kernels):
+    if kernels == "references":
+        monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    elif engine == "3k-fp8":
+        pytest.skip("fp8 kernels over host pages: the plugin tests cover them; one interpreted run is enough here")
+    expected, none_moved = run(engines[engine], 0)
+    got, moved = run(engines[engine], 4 * MiB)
+    assert none_moved == 0 and moved >= 10, f"only {moved} pages moved: the test would not exercise host pages"
+    assert got == expected
+
+
+def test_offloading_is_refused_where_dense_kernels_would_read_host_pages(engines):
+    with pytest.raises(ValueError, match="InfiniteHiP"):
+        LLM(engines["dense"], kv_offload_bytes=4 * MiB)
+    with pytest.raises(ValueError, match="token drop"):
+        LLM(engines["3k"], kv_offload_bytes=4 * MiB, token_drop=True)
+    with pytest.raises(ValueError, match="holds no page"):
+        LLM(engines["3k"], kv_offload_bytes=100)
+
+
+def test_a_prompt_larger_than_the_host_pool_is_refused(engines, small_batches):
+    llm = LLM(engines["3k"], kv_offload_bytes=40 * 1024, infinitehip_overrides=LOW)
+    with pytest.raises(ValueError, match="host pool"):
+        llm.generate(prompt_token_ids=[[5] * 190], sampling_params=GREEDY)
