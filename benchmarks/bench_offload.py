@@ -96,7 +96,7 @@ def main() -> None:
     p.add_argument("--contexts", default="512000")
     p.add_argument("--kv-dtype", choices=("bfloat16", "fp8"), default="fp8")
     p.add_argument("--configs", default="3k-flash,3k")
-    p.add_argument("--gpu-kv-gib", type=float, default=4, help="GPU KV cache of the offloaded run")
+    p.add_argument("--gpu-kv-gib", type=float, default=8, help="GPU KV cache of the offloaded run")
     args = p.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     contexts = [int(x) for x in args.contexts.split(",")]

@@ -137,6 +137,10 @@ class ModelRunner:
             if ih is not None:
                 raise ValueError("this engine has no InfiniteHiP layers; build it with --preset")
             return
+        offload = self.kv.groups["global"].offload if "global" in self.kv.groups else None
+        if offload is not None and ih.dense_threshold > offload.min_context:
+            raise ValueError(f"dense_threshold {ih.dense_threshold} is above {offload.min_context}, where this "
+                             "runner starts offloading KV pages: dense kernels would meet host pages")
         attn_layers = [layer.self_attn for layer in self.model.layers]
         sparse = [(attn, lp) for attn, lp in zip(attn_layers, plan.layers) if lp.plugin == "infinitehip"]
         self.sparse_planner = SparsePlanner(ih, self.max_num_seqs, self.engine.config.model.max_position_embeddings,

@@ -31,3 +31,16 @@ def offload_pages(k_cache, v_cache, block_tables, every: int = 2, k_scale=None, 
         tables[block_tables == page] = host_page(h)
     assert (tables < 0).any(), "the test moved no page"
     return host, tables
+
+
+def count_moves(llm) -> list[int]:
+    """Record the host entries of every page the runtime moves from now on (a live list)."""
+    moved: list[int] = []
+    real = llm.runner.kv.offload
+
+    def counted(*args):
+        src, dst = real(*args)
+        moved.extend(dst)
+        return src, dst
+    llm.runner.kv.offload = counted
+    return moved

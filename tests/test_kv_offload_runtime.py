@@ -12,6 +12,8 @@ from infhip import LLM, SamplingParams
 from infhip.builder.build import build_engine
 from tests._tiny import write_tiny_hf_checkpoint
 
+from ._offload import count_moves
+
 from .test_infinitehip_runtime import LOW, PROMPTS, TINY
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
@@ -33,14 +35,7 @@ def engines(tmp_path_factory):
 def run(engine, offload_bytes, budget=48):
     """Generated tokens, and how many pages moved to the host while generating them."""
     llm = LLM(engine, max_num_batched_tokens=budget, infinitehip_overrides=LOW, kv_offload_bytes=offload_bytes)
-    moved = []
-    real = llm.runner.kv.offload
-
-    def counted(*a):
-        src, dst = real(*a)
-        moved.extend(dst)
-        return src, dst
-    llm.runner.kv.offload = counted
+    moved = count_moves(llm)
     out = [o.token_ids for o in llm.generate(prompt_token_ids=PROMPTS, sampling_params=GREEDY)]
     spec = llm.runner.kv.groups["global"].offload
     assert llm.runner.kv.num_free_host_pages("global") == (spec.host_pages if spec else 0), \
