@@ -121,19 +121,24 @@ class MaskCache:
     slot (MaskSlots.scratch). With ``bank`` = (Hkv, D, dtype): the rotated key bank of the last
     stage's survivors, [bank_slots + 1, k_last, Hkv, D] (plugins/infinitehip/key_bank.py): one
     row per mask slot below ``bank_slots`` (default: every slot), the last row a scratch that
-    the other slots point at and that no step writes or reads (:meth:`bank_rows`)."""
+    the other slots point at and that no step writes or reads (:meth:`bank_rows`). With
+    ``value_bank`` (offloaded caches) a value bank of the same layout beside it holds the same
+    entries' values, so cached decode steps read no host page."""
 
     def __init__(self, stages: tuple[PruningStage, ...], max_slots: int, device: torch.device,
-                 bank: tuple[int, int, torch.dtype] | None = None, bank_slots: int | None = None):
+                 bank: tuple[int, int, torch.dtype] | None = None, bank_slots: int | None = None,
+                 value_bank: bool = False):
         rows = max_slots + 1
         self.selected = [torch.full((rows, s.k), PAD, dtype=torch.int32, device=device) for s in stages]
         self.lens = [torch.zeros(rows, dtype=torch.int32, device=device) for _ in stages]
-        self.bank = None
+        self.bank = self.value_bank = None
         self.bank_slots = min(max_slots, bank_slots or max_slots)  # mask slots that own a bank row
         if bank is not None:  # entries are written before they are read (key_bank.py): no fill
             num_kv_heads, head_dim, dtype = bank
-            self.bank = torch.empty((self.bank_slots + 1, stages[-1].k, num_kv_heads, head_dim), dtype=dtype,
-                                    device=device)
+            shape = (self.bank_slots + 1, stages[-1].k, num_kv_heads, head_dim)
+            self.bank = torch.empty(shape, dtype=dtype, device=device)
+            if value_bank:
+                self.value_bank = torch.empty(shape, dtype=dtype, device=device)
 
     @property
     def scratch_bank_row(self) -> int:

@@ -78,7 +78,7 @@ class ModelRunner:
         page_bytes = 2 * self.page_size * cfg.num_kv_heads * row_bytes
 
         budget = kv_cache_memory_bytes or self._default_kv_budget(max_num_seqs, max_num_batched_tokens,
-                                                                  gpu_memory_utilization)
+                                                                  gpu_memory_utilization, bool(kv_offload_bytes))
         offload = self._offload_spec(kv_offload_bytes, page_bytes, layer_groups.count("global"))
         specs: dict[str, KVGroupSpec] = {}
         # Sliding groups get exactly what max_num_seqs windows need; the global group the rest.
@@ -151,7 +151,8 @@ class ModelRunner:
             kv_layout = (attn.k_cache.shape[2], attn.k_cache.shape[3], DTYPES[self.engine.config.build.dtype])
             attn.sparse = InfiniteHipLayer(ih, lp.index, self.max_num_seqs, attn.scale, attn.rope[0].inv_freq,
                                            self.device, group=self.sparse_planner.layer_group[k],
-                                           bank_layout=kv_layout if bank else None)
+                                           bank_layout=kv_layout if bank else None,
+                                           value_bank=bank and offload is not None)
         if self.graphs is not None:
             self.graphs.lazy_graphs.clear()
 
@@ -207,17 +208,19 @@ class ModelRunner:
         windows = [layer.self_attn.window for layer in self.model.layers]
         self.drop_tail = keep_tail(cfg, windows) if cfg is not None else 0
 
-    def _default_kv_budget(self, max_num_seqs: int, max_num_batched_tokens: int, utilization: float) -> int:
+    def _default_kv_budget(self, max_num_seqs: int, max_num_batched_tokens: int, utilization: float,
+                           value_banks: bool = False) -> int:
         if self.device.type != "cuda":
             return 2 * GiB
         free, total = torch.cuda.mem_get_info(self.device)
-        reserved = self.non_kv_bytes(max_num_seqs, max_num_batched_tokens)
+        reserved = self.non_kv_bytes(max_num_seqs, max_num_batched_tokens, value_banks)
         return max(0, int(free - (1 - utilization) * total) - reserved - GiB)
 
-    def non_kv_bytes(self, max_num_seqs: int, max_num_batched_tokens: int) -> int:
+    def non_kv_bytes(self, max_num_seqs: int, max_num_batched_tokens: int, value_banks: bool = False) -> int:
         """Device memory the default KV budget leaves to other buffers: activations of the
         largest step (a few [T, hidden] / [T, 2I] tensors and fp32 logits) and, with InfiniteHiP,
-        one sequence's raw-keys scratch and the layers' key banks (cfg.key_bank)."""
+        one sequence's raw-keys scratch and the layers' key banks (cfg.key_bank), twice that with
+        value banks (offloading)."""
         cfg = self.engine.config.model
         act = max_num_batched_tokens * (8 * cfg.hidden_size + 6 * cfg.intermediate_size) * 4
         # raw-keys scratch and key banks hold keys in the weights' dtype (also for an fp8 cache)
@@ -225,9 +228,10 @@ class ModelRunner:
         if ih is not None:
             act += self.max_seq_len * cfg.num_kv_heads * cfg.head_dim * itemsize
             if uses_key_bank(ih, self.max_seq_len, cfg.max_position_embeddings):
-                act += sum(MaskCache.bank_bytes(ih.stages_of(lp.index)[-1].k, min(max_num_seqs, ih.key_bank_slots),
-                                                cfg.num_kv_heads, cfg.head_dim, itemsize)
-                           for lp in self.engine.config.plan.layers if lp.plugin == "infinitehip")
+                act += (1 + value_banks) * sum(
+                    MaskCache.bank_bytes(ih.stages_of(lp.index)[-1].k, min(max_num_seqs, ih.key_bank_slots),
+                                         cfg.num_kv_heads, cfg.head_dim, itemsize)
+                    for lp in self.engine.config.plan.layers if lp.plugin == "infinitehip")
         return act
 
     # -- plan: host-side, once per step -------------------------------------------------------

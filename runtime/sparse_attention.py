@@ -211,15 +211,17 @@ class InfiniteHipLayer:
 
     def __init__(self, cfg: InfiniteHipConfig, layer: int, max_slots: int, scale: float,
                  inv_freq: torch.Tensor, device: torch.device, group: int = 0,
-                 bank_layout: tuple[int, int, torch.dtype] | None = None):
+                 bank_layout: tuple[int, int, torch.dtype] | None = None, value_bank: bool = False):
         """bank_layout: (Hkv, D, dtype) of the KV cache to keep a rotated key bank of
-        (uses_key_bank), else None."""
+        (uses_key_bank), else None; value_bank: keep the selected values beside it (offloaded
+        caches: cached decode steps then read only GPU pages)."""
         assert inv_freq.dtype == torch.float32, "RoPE inv_freq is stored in float32"
         self.cfg, self.scale, self.inv_freq = cfg, scale, inv_freq
         self.group = group  # refresh-phase group (SparsePlanner.layer_group)
         self.stages = cfg.stages_of(layer)
         self.pruning_rope = cfg.pruning_rope_of(layer)
-        self.cache = MaskCache(self.stages, max_slots, device, bank=bank_layout, bank_slots=cfg.key_bank_slots)
+        self.cache = MaskCache(self.stages, max_slots, device, bank=bank_layout, bank_slots=cfg.key_bank_slots,
+                               value_bank=value_bank)
 
     def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
             block_tables: torch.Tensor, step: SparseStep, out: torch.Tensor,
@@ -267,7 +269,8 @@ class InfiniteHipLayer:
                 # steps); written with or without dynamic RoPE so the bank is valid when it turns on
                 write_key_bank(k_cache, block_tables[rows], ends[r], sel, cache.bank, cache.bank_rows(slots),
                                n_sink=self.cfg.n_sink, inv_freq=self.inv_freq, rope_group=stage.chunk_size,
-                               skip_row=cache.scratch_bank_row, k_scale=k_scale, offload=offload)
+                               skip_row=cache.scratch_bank_row, k_scale=k_scale, offload=offload,
+                               v_cache=v_cache, v_scale=v_scale, value_bank=cache.value_bank)
         rows = step.decode_rows
         selected = cache.selected[-1][step.decode_slots]
         bank = cache.bank is not None and step.dynamic_rope and step.bank_ok  # else rotate: same tokens
@@ -276,7 +279,7 @@ class InfiniteHipLayer:
             rope_style=self.cfg.attention_rope if step.dynamic_rope else "none",
             rope_group=self.stages[-1].chunk_size, bank=cache.bank if bank else None,
             bank_rows=cache.bank_rows(step.decode_slots) if bank else None, k_scale=k_scale, v_scale=v_scale,
-            offload=offload, **kw)
+            offload=offload, value_bank=cache.value_bank if bank else None, **kw)
 
     def _prefill(self, q, k_cache, v_cache, block_tables, step: SparseStep, out, ends, k_scale, v_scale,
                  offload) -> None:

@@ -166,3 +166,53 @@ def test_fp8_bank_is_never_fp8():
         write_key_bank(fp8.k_cache, seqs.block_tables, seqs.context_lens, sel, bank,
                        torch.zeros(1, dtype=torch.int32, device=DEVICE), n_sink=N_SINK, inv_freq=inv_freq(D),
                        k_scale=fp8.k_scale)
+
+
+# ------------------------------------------------------------------------------ value bank
+
+def _middle_only_pages(seqs, n_stream):
+    """Physical pages of seqs holding no sink and no stream token (only middle tokens)."""
+    ps, pages = seqs.k_cache.shape[1], set()
+    for b, end in enumerate(seqs.context_lens.tolist()):
+        lo, hi = -(-N_SINK // ps), (end - n_stream) // ps  # wholly after the sink, before the stream
+        pages |= {int(p) for p in seqs.block_tables[b, lo:hi].tolist()}
+    return sorted(pages)
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_value_bank_serves_every_selected_row(fp8):
+    """write_key_bank(value_bank=) copies the selection's values (dequantized) == the reference;
+    decode with both banks == decode with the key bank alone, and still does after every page
+    holding only middle tokens turned NaN: the selected rows come from the banks alone."""
+    seqs = PagedSeqs([150, 211, 97], 2, D, 4, seed=23 + fp8)
+    if fp8:
+        cache = quantize_seqs(seqs)
+        k_cache, v_cache, scales = cache.k_cache, cache.v_cache, cache.scales()
+    else:
+        k_cache, v_cache, scales = seqs.k_cache, seqs.v_cache, {}
+    ends = seqs.context_lens
+    sel = run_selection(seqs.generator, ends, N_SINK, N_STREAM, runs=9, run_len=4)
+    rows = torch.tensor([1, 3, 0], dtype=torch.int32, device=DEVICE)
+    bank, values = make_bank(seqs, 4, sel.shape[1], torch.float32), make_bank(seqs, 4, sel.shape[1], torch.float32)
+    ref_bank, ref_values = bank.clone(), values.clone()
+    kw = dict(n_sink=N_SINK, inv_freq=inv_freq(D), k_scale=scales.get("k_scale"), v_cache=v_cache,
+              v_scale=scales.get("v_scale"))
+    write_key_bank(k_cache, seqs.block_tables, ends, sel, bank, rows, rope_group=4, value_bank=values, **kw)
+    write_key_bank_ref(k_cache, seqs.block_tables, ends, sel, ref_bank, rows, value_bank=ref_values, **kw)
+    assert torch.equal(values.isnan(), bank.isnan()) and (~values.isnan()).any()
+    assert torch.equal(values[~values.isnan()], ref_values[~ref_values.isnan()])
+
+    q = torch.randn(3, 6, D, generator=seqs.generator).to(DEVICE)
+    run = dict(n_sink=N_SINK, n_stream=N_STREAM, scale=0.3, rope_style="streaming", inv_freq=inv_freq(D),
+               num_splits=2, block_n=16, bank=bank, bank_rows=rows, **scales)
+    keys_only = sparse_decode_attention(q, k_cache, v_cache, seqs.block_tables, ends, sel, **run)
+    both = sparse_decode_attention(q, k_cache, v_cache, seqs.block_tables, ends, sel, value_bank=values, **run)
+    assert torch.equal(both, keys_only)
+    middle = _middle_only_pages(seqs, N_STREAM)
+    assert middle, "the test must poison some pages"
+    for t in (k_cache, v_cache, *scales.values()):
+        t[middle] = float("nan")
+    poisoned = sparse_decode_attention(q, k_cache, v_cache, seqs.block_tables, ends, sel, value_bank=values, **run)
+    assert torch.equal(poisoned, keys_only)
+    assert sparse_decode_attention(q, k_cache, v_cache, seqs.block_tables, ends, sel, **run).isnan().any(), \
+        "without the value bank the poisoned pages are read"

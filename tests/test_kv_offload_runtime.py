@@ -17,6 +17,7 @@ from ._offload import count_moves
 from .test_infinitehip_runtime import LOW, PROMPTS, TINY
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+SHORT = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 MiB = 1 << 20
 
 
@@ -32,11 +33,11 @@ def engines(tmp_path_factory):
             "dense": build_engine(checkpoint=root / "llama", output_dir=root / "dense", **kw)}
 
 
-def run(engine, offload_bytes, budget=48):
+def run(engine, offload_bytes, budget=48, overrides=LOW, prompts=PROMPTS, params=GREEDY):
     """Generated tokens, and how many pages moved to the host while generating them."""
-    llm = LLM(engine, max_num_batched_tokens=budget, infinitehip_overrides=LOW, kv_offload_bytes=offload_bytes)
+    llm = LLM(engine, max_num_batched_tokens=budget, infinitehip_overrides=overrides, kv_offload_bytes=offload_bytes)
     moved = count_moves(llm)
-    out = [o.token_ids for o in llm.generate(prompt_token_ids=PROMPTS, sampling_params=GREEDY)]
+    out = [o.token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=params)]
     spec = llm.runner.kv.groups["global"].offload
     assert llm.runner.kv.num_free_host_pages("global") == (spec.host_pages if spec else 0), \
         "finished requests return their host pages"
@@ -52,13 +53,39 @@ def small_batches(monkeypatch):
 @pytest.mark.parametrize("engine", ["3k", "3k-fp8"])
 @pytest.mark.parametrize("kernels", ["references", "interpreter"])
 def test_offloaded_pages_generate_the_same_tokens(engines, small_batches, monkeypatch, engine, kernels):
+    prompts, params = PROMPTS, GREEDY
     if kernels == "references":
         monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     elif engine == "3k-fp8":
         pytest.skip("fp8 kernels over host pages: the plugin tests cover them; one interpreted run is enough here")
-    expected, none_moved = run(engines[engine], 0)
-    got, moved = run(engines[engine], 4 * MiB)
+    else:  # the interpreter is slow: two requests, fewer tokens
+        prompts, params = [PROMPTS[0], PROMPTS[2]], SHORT
+    expected, none_moved = run(engines[engine], 0, prompts=prompts, params=params)
+    got, moved = run(engines[engine], 4 * MiB, prompts=prompts, params=params)
     assert none_moved == 0 and moved >= 10, f"only {moved} pages moved: the test would not exercise host pages"
+    assert got == expected
+
+
+def test_offloaded_decode_reads_the_value_bank(engines, small_batches, monkeypatch):
+    """Dynamic RoPE on (the key bank's case): with offloading, last-stage refreshes also copy the
+    selected values into a value bank and decode reads both banks; the tokens equal the
+    resident run's (interpreted kernels: the banks are a kernel path)."""
+    import infhip.runtime.sparse_attention as sa
+
+    seen = []
+    real = sa.sparse_decode_attention
+
+    def spy(*a, **k):
+        seen.append(k.get("value_bank") is not None)
+        return real(*a, **k)
+    monkeypatch.setattr(sa, "sparse_decode_attention", spy)
+    knobs = dict(LOW, rope_off_in_trained_window=False, refresh_intervals=[4, 2, 1])
+    prompts = [PROMPTS[2]]
+    expected, _ = run(engines["3k"], 0, overrides=knobs, prompts=prompts, params=SHORT)
+    assert seen and not any(seen)
+    seen.clear()
+    got, moved = run(engines["3k"], 4 * MiB, overrides=knobs, prompts=prompts, params=SHORT)
+    assert moved >= 4 and seen and all(seen)
     assert got == expected
 
 

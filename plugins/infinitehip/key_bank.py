@@ -56,9 +56,12 @@ def _write_bank_kernel(
     head_dim, n_sink, skip_row,
     stride_sp, stride_ss, stride_sh,  # KV_SCALED: the scale tensor's strides
     k_host_delta, ks_host_delta,  # OFFLOAD: elements from k_cache / k_scale to their host twins
+    v_cache_ptr, v_scale_ptr, value_bank_ptr,  # VALUES: the value rows, their scales, the value bank
+    v_host_delta, vs_host_delta,  # VALUES and OFFLOAD: elements from v_cache / v_scale to their host twins
     PAGE_SIZE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, SEL_BLOCK: tl.constexpr,
     ROPE_GROUP: tl.constexpr, KV_SCALED: tl.constexpr,
     OFFLOAD: tl.constexpr,  # table entries < 0 name host pages (kv_offload.py)
+    VALUES: tl.constexpr,  # also copy the selected values (unrotated) into the value bank
 ):
     row = tl.program_id(0)
     head = tl.program_id(2)
@@ -83,15 +86,24 @@ def _write_bank_kernel(
     k = dequantize_tile(k, k_scale_ptr, page_offset(page, stride_sp, ks_host_delta, OFFLOAD)
                         + (tok % PAGE_SIZE) * stride_ss + head * stride_sh, valid, 1, KV_SCALED)
     d = tl.arange(0, BLOCK_D)
-    dst = bank_ptr + slot * stride_bank_slot + idx.to(tl.int64)[:, None] * stride_bank_entry \
-        + head * stride_bank_head + d[None, :]
-    tl.store(dst, k.to(bank_ptr.dtype.element_ty), mask=valid[:, None] & (d < head_dim)[None, :])
+    dst = slot * stride_bank_slot + idx.to(tl.int64)[:, None] * stride_bank_entry + head * stride_bank_head \
+        + d[None, :]
+    in_row = valid[:, None] & (d < head_dim)[None, :]
+    tl.store(bank_ptr + dst, k.to(bank_ptr.dtype.element_ty), mask=in_row)
+    if VALUES:
+        v_rows = page_offset(page, stride_cp, v_host_delta, OFFLOAD) + (tok % PAGE_SIZE) * stride_cs + head * stride_ch
+        v = tl.load(v_cache_ptr + v_rows[:, None] + d[None, :], mask=in_row, other=0.0)
+        v = dequantize_tile(v, v_scale_ptr, page_offset(page, stride_sp, vs_host_delta, OFFLOAD)
+                            + (tok % PAGE_SIZE) * stride_ss + head * stride_sh, valid, 1, KV_SCALED)
+        tl.store(value_bank_ptr + dst, v.to(value_bank_ptr.dtype.element_ty), mask=in_row)
 
 
 def write_key_bank(k_cache: torch.Tensor, block_tables: torch.Tensor, ends: torch.Tensor,
                    selected: torch.Tensor, bank: torch.Tensor, bank_rows: torch.Tensor, *,
                    n_sink: int, inv_freq: torch.Tensor, rope_group: int = 1, skip_row: int | None = None,
-                   k_scale: torch.Tensor | None = None, offload: HostKV | None = None) -> None:
+                   k_scale: torch.Tensor | None = None, offload: HostKV | None = None,
+                   v_cache: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+                   value_bank: torch.Tensor | None = None) -> None:
     """Rotate the middle entries of each selected row b (int32 [B, K], ascending, PAD-padded; the
     context was ends[b] tokens long) to their StreamingLLM rank into bank[bank_rows[b], i]
     (bank [slots, >= K, Hkv, D], the queries' dtype: the cache's, or any non-fp8 dtype for an fp8
@@ -99,7 +111,10 @@ def write_key_bank(k_cache: torch.Tensor, block_tables: torch.Tensor, ends: torc
     (the last stage's chunk size), as in block_sparse_attention. skip_row: rows b with
     bank_rows[b] == skip_row load and write nothing: requests without a bank row of their own,
     pointed at a scratch row that no step reads (runtime/mask_cache.py).
-    offload: host twin of the cache; table entries < 0 name its pages (kv_offload.py)."""
+    offload: host twin of the cache; table entries < 0 name its pages (kv_offload.py).
+    value_bank (with v_cache, and v_scale for fp8): also copy the same entries' values, as they
+    are (dequantized), into value_bank [slots, >= K, Hkv, D] (the key bank's layout), for decode
+    attention to read the selected rows from the banks alone (block_sparse_attention)."""
     num_pages, page_size, Hkv, D = k_cache.shape
     B, K = selected.shape
     assert selected.dtype == torch.int32 and selected.stride(1) == 1
@@ -114,30 +129,42 @@ def write_key_bank(k_cache: torch.Tensor, block_tables: torch.Tensor, ends: torc
     assert inv_freq.shape == (D // 2,) and inv_freq.dtype == torch.float32
     assert rope_group >= 1 and rope_group & (rope_group - 1) == 0, f"rope_group must be a power of two, got {rope_group}"
     check_rotatable(D)
+    values = value_bank is not None
+    if values:
+        assert v_cache is not None and v_cache.shape == k_cache.shape and v_cache.stride() == k_cache.stride()
+        check_kv_scales(k_cache, v_cache, k_scale, v_scale)
+        assert value_bank.dtype == bank.dtype and value_bank.shape[1:] == bank.shape[1:] \
+            and value_bank.stride() == bank.stride(), "the value bank must be laid out like the key bank"
     if B == 0 or K == 0:
         return
     if not triton_on(k_cache, selected):  # CPU without the interpreter
         write_key_bank_ref(k_cache, block_tables, ends, selected, bank, bank_rows, n_sink=n_sink, inv_freq=inv_freq,
-                           skip_row=skip_row, k_scale=k_scale, offload=offload)
+                           skip_row=skip_row, k_scale=k_scale, offload=offload, v_cache=v_cache, v_scale=v_scale,
+                           value_bank=value_bank)
         return
-    dk, _, dks, _ = offload_deltas(k_cache, None, k_scale, None, offload)
+    dk, dv, dks, dvs = offload_deltas(k_cache, v_cache, k_scale, v_scale if values else None, offload)
     BLOCK_T = 64
     _write_bank_kernel[(B, triton.cdiv(K, BLOCK_T), Hkv)](
         k_cache, k_scale if scaled else k_cache, block_tables, ends, selected, bank, bank_rows, inv_freq,
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0), selected.stride(0), K,
         bank.stride(0), bank.stride(1), bank.stride(2), D, n_sink, -1 if skip_row is None else skip_row,
         *(k_scale.stride() if scaled else (0, 0, 0)), dk, dks,
+        v_cache if values else k_cache, v_scale if values and scaled else k_cache, value_bank if values else bank,
+        dv, dvs,
         PAGE_SIZE=page_size, BLOCK_T=BLOCK_T, BLOCK_D=D, SEL_BLOCK=min(1024, next_pow2(K)),
-        ROPE_GROUP=min(rope_group, BLOCK_T), KV_SCALED=scaled, OFFLOAD=offload is not None, num_warps=4)
+        ROPE_GROUP=min(rope_group, BLOCK_T), KV_SCALED=scaled, OFFLOAD=offload is not None, VALUES=values,
+        num_warps=4)
 
 
 def write_key_bank_ref(k_cache, block_tables, ends, selected, bank, bank_rows, *, n_sink: int,
-                       inv_freq: torch.Tensor, skip_row: int | None = None, k_scale=None, offload=None) -> None:
+                       inv_freq: torch.Tensor, skip_row: int | None = None, k_scale=None, offload=None,
+                       v_cache=None, v_scale=None, value_bank=None) -> None:
     """Reference of write_key_bank: per row (but those pointed at skip_row), the middle entries i
     of the selection, rotated by rank(i) - tok_i in float64, stored in the bank's dtype (an fp8
-    cache's rows dequantized to float32 first, k_scale).
-    offload: host twin of the cache; table entries < 0 name its pages (kv_offload.py)."""
-    k_cache, _, k_scale, _, block_tables = merged_kv(k_cache, None, k_scale, None, block_tables, offload)
+    cache's rows dequantized to float32 first, k_scale); with value_bank, the same entries' values
+    as they are. offload: host twin of the cache; table entries < 0 name its pages (kv_offload.py)."""
+    k_cache, v_cache, k_scale, v_scale, block_tables = merged_kv(k_cache, v_cache, k_scale, v_scale, block_tables,
+                                                                 offload)
     scaled = check_kv_scales(k_cache, None, k_scale, None)
     page = k_cache.shape[1]
     for b in range(selected.shape[0]):
@@ -155,6 +182,9 @@ def write_key_bank_ref(k_cache, block_tables, ends, selected, bank, bank_rows, *
                       torch.float32 if scaled else k_cache.dtype)
         bank[int(bank_rows[b]), idx] = rotate_by_ref(k.cpu(), (rank - tok).cpu(), inv_freq.cpu()).to(
             bank.dtype).to(bank.device)
+        if value_bank is not None:
+            value_bank[int(bank_rows[b]), idx] = read_rows(v_cache, v_scale, block_tables[b, tok // page].long(),
+                                                           tok % page, value_bank.dtype)
 
 
 __all__ = ["write_key_bank", "write_key_bank_ref"]

@@ -128,6 +128,7 @@ def _sparse_attn_kernel(
     inv_freq_ptr,  # [D/2] float32 (unused unless ROPE_STYLE == STREAMING)
     bank_ptr,  # BANK: [slots, >= K, Hkv, D] the selected keys rotated to their rank (key_bank.py)
     bank_rows_ptr,  # BANK: [NB] int32 / int64 bank slot of each block
+    value_bank_ptr,  # VALUE_BANK: [slots, >= K, Hkv, D] the selected values (the bank's strides)
     # outputs
     out_ptr,  # [T, Hq, D], written when NUM_SPLITS == 1
     part_out_ptr,  # [T, Hq, NUM_SPLITS, D] float32, normalised per split
@@ -153,6 +154,7 @@ def _sparse_attn_kernel(
     ROPE_STYLE: tl.constexpr,  # NONE | STREAMING
     ROPE_GROUP: tl.constexpr,  # STREAMING: selected keys come in runs of this many consecutive
     #                            tokens (the last stage's chunks): one sin/cos per run (1: per key)
+    VALUE_BANK: tl.constexpr,  # BANK: selected values from the value bank too (offloaded caches)
     BANK: tl.constexpr,  # STREAMING: selected keys from the rotated bank, stream keys scored with
     #                      a counter-rotated query: no key is rotated
     PREFETCH: tl.constexpr,  # load the next tile's tokens and page entries while this one computes
@@ -201,8 +203,8 @@ def _sparse_attn_kernel(
                                 q_rank - q_pos - (mid_end - s), inv_freq_ptr, head_dim, BLOCK_D, True)
         if not DOT_F32:
             q_stream = q_stream.to(COMPUTE)
-        bank_base = (bank_ptr + tl.load(bank_rows_ptr + blk).to(tl.int64) * stride_bank_slot
-                     + kv_head * stride_bank_head)
+        bank_off = tl.load(bank_rows_ptr + blk).to(tl.int64) * stride_bank_slot + kv_head * stride_bank_head
+        bank_base = bank_ptr + bank_off
     d = tl.arange(0, BLOCK_D)
     sel_row = sel_base + sel_begin - n0  # indexed by rank
     table_row = block_tables_ptr + blk.to(tl.int64) * stride_bt
@@ -251,10 +253,20 @@ def _sparse_attn_kernel(
         else:
             k = load_rotated(k_cache_ptr + k_row, valid, rank - tok, inv_freq_ptr, head_dim, BLOCK_D, False)
             k = dequantize_tile(k, k_scale_ptr, ks_row, valid, 1, KV_SCALED)
-        v = tl.load(v_cache_ptr + v_row[:, None] + d[None, :],
-                    mask=valid[:, None] & (d < head_dim)[None, :], other=0.0)
-        if KV_SCALED:
-            v = dequantize_tile(v, v_scale_ptr, vs_row, valid, 1, KV_SCALED)
+        if VALUE_BANK:  # selected values from the bank (q's dtype), sink and stream ones as cached
+            cached = valid & ~is_sel
+            v_sel = tl.load(value_bank_ptr + bank_off + (rank - n0 + sel_begin).to(tl.int64)[:, None]
+                            * stride_bank_entry + d[None, :],
+                            mask=(valid & is_sel)[:, None] & (d < head_dim)[None, :], other=0.0)
+            v = tl.load(v_cache_ptr + v_row[:, None] + d[None, :],
+                        mask=cached[:, None] & (d < head_dim)[None, :], other=0.0)
+            v = dequantize_tile(v, v_scale_ptr, vs_row, cached, 1, KV_SCALED)
+            v = tl.where(is_sel[:, None], v_sel.to(tl.float32), v)
+        else:
+            v = tl.load(v_cache_ptr + v_row[:, None] + d[None, :],
+                        mask=valid[:, None] & (d < head_dim)[None, :], other=0.0)
+            if KV_SCALED:
+                v = dequantize_tile(v, v_scale_ptr, vs_row, valid, 1, KV_SCALED)
         if DOT_F32:
             v = v.to(tl.float32)
         else:
@@ -300,6 +312,7 @@ def block_sparse_attention(q, k_cache, v_cache, block_tables, q_start, q_lens, e
                      block_q: int, n_sink: int, n_stream: int, scale: float, rope_style="none",
                      inv_freq: torch.Tensor | None = None, num_splits: int = 1, rope_group: int = 1,
                      bank: torch.Tensor | None = None, bank_rows: torch.Tensor | None = None,
+                     value_bank: torch.Tensor | None = None,
                      block_n: int | None = None, num_warps: int | None = None,
                      prefetch: bool | None = None, num_stages: int | None = None,
                      out: torch.Tensor | None = None, k_scale: torch.Tensor | None = None,
@@ -312,7 +325,10 @@ def block_sparse_attention(q, k_cache, v_cache, block_tables, q_start, q_lens, e
     rotations then take one sine/cosine per run (any value gives the same result, a power of two
     up to the key tile). bank / bank_rows (STREAMING): the selected keys already rotated to their
     rank (key_bank.write_key_bank from this same `selected`; bank [slots, >= K, Hkv, D], bank_rows
-    int32 / int64 [NB] the slot of each block): no key is rotated in the kernel. block_n /
+    int32 / int64 [NB] the slot of each block): no key is rotated in the kernel. value_bank
+    (with bank): the selected values, written beside the keys (write_key_bank(value_bank=)): the
+    selected rows then come from the banks alone, so a cached decode step over an offloaded
+    cache reads only GPU memory (sink and stream pages stay on the GPU). block_n /
     num_warps / prefetch / num_stages: tuning overrides (prefetch: each tile's tokens and page
     entries are loaded one tile ahead; the same result; default: on in prefill). k_scale /
     v_scale: float32 [num_pages, page_size, Hkv] row scales of fp8 caches (kv_quant.py; None: the
@@ -344,6 +360,10 @@ def block_sparse_attention(q, k_cache, v_cache, block_tables, q_start, q_lens, e
         assert bank.dtype == q.dtype and bank.dim() == 4 and bank.shape[2:] == (Hkv, D) and bank.stride(3) == 1
         assert bank.shape[1] >= selected.shape[1], f"bank holds {bank.shape[1]} keys per slot, selection {selected.shape[1]}"
         assert bank_rows is not None and bank_rows.shape == (NB,) and bank_rows.dtype in (torch.int32, torch.int64)
+    if value_bank is not None:
+        assert bank is not None, "a value bank comes with the key bank (same entries and slots)"
+        assert value_bank.dtype == q.dtype and value_bank.shape[1:] == bank.shape[1:] \
+            and value_bank.stride() == bank.stride(), "the value bank must be laid out like the key bank"
     if out is None:
         out = torch.zeros_like(q)
     assert out.shape == q.shape and out.stride(2) == 1
@@ -387,6 +407,7 @@ def block_sparse_attention(q, k_cache, v_cache, block_tables, q_start, q_lens, e
         block_tables, ends if decode else q_start, ends if decode else q_lens, ends, selected,
         inv_freq if inv_freq is not None else part_lse,
         bank if bank is not None else k_cache, bank_rows if bank_rows is not None else ends,
+        value_bank if value_bank is not None else v_cache,
         out, part_out, part_lse,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -398,6 +419,7 @@ def block_sparse_attention(q, k_cache, v_cache, block_tables, q_start, q_lens, e
         PAGE_SIZE=page_size, BLOCK_Q=max(16, next_pow2(block_q * G)), BLOCK_N=BLOCK_N,
         BLOCK_D=BLOCK_D, NUM_SPLITS=num_splits, SEL_BLOCK=min(1024, next_pow2(selected.shape[1])),
         DECODE=decode, ROPE_STYLE=style, ROPE_GROUP=min(rope_group, BLOCK_N), BANK=bank is not None, PREFETCH=prefetch,
+        VALUE_BANK=value_bank is not None,
         DOT_F32=not q.is_cuda or q.dtype == torch.float32,
         DOT_PRECISION=dot_precision(q.dtype if q.is_cuda else torch.float32), KV_SCALED=scaled,
         OFFLOAD=offload is not None, num_warps=num_warps,
@@ -416,10 +438,12 @@ def sparse_decode_attention(q, k_cache, v_cache, block_tables, context_lens, sel
                             inv_freq=None, num_splits: int | None = None, rope_group: int = 1,
                             bank=None, bank_rows=None, block_n: int | None = None,
                             prefetch: bool | None = None, num_stages: int | None = None, out=None,
-                            k_scale=None, v_scale=None, offload: HostKV | None = None) -> torch.Tensor:
+                            k_scale=None, v_scale=None, offload: HostKV | None = None,
+                            value_bank=None) -> torch.Tensor:
     """Decode: q [B, Hq, D] (one query per sequence, position context_lens[b] - 1), selected
     int32 [B, K]. Flash-decoding split-K over sink + selected + stream; out [B, Hq, D].
-    bank / bank_rows: the rotated key bank (block_sparse_attention, key_bank.py). k_scale /
+    bank / bank_rows: the rotated key bank (block_sparse_attention, key_bank.py); value_bank: the
+    selected values beside it (offloaded caches: cached steps then read no host page). k_scale /
     v_scale: the row scales of fp8 caches (None: caches in q's dtype).
     offload: host twin of the caches; table entries < 0 name its pages (kv_offload.py)."""
     B = q.shape[0]
@@ -431,7 +455,7 @@ def sparse_decode_attention(q, k_cache, v_cache, block_tables, context_lens, sel
                             rope_style=rope_style, inv_freq=inv_freq, num_splits=num_splits,
                             rope_group=rope_group, bank=bank, bank_rows=bank_rows, block_n=block_n,
                             prefetch=prefetch, num_stages=num_stages, out=out, k_scale=k_scale,
-                            v_scale=v_scale, offload=offload)
+                            v_scale=v_scale, offload=offload, value_bank=value_bank)
 
 
 def sparse_prefill_attention(q, k_cache, v_cache, block_tables, q_start, q_lens, ends, selected, *,
