@@ -94,21 +94,24 @@ def _compile_attention(rope_style: int, num_splits: int, bank: bool = False, fp8
 
     ptrs = {n: "*i32" for n in ("block_tables_ptr", "q_start_ptr", "q_lens_ptr", "ends_ptr", "sel_ptr")}
     ptrs["bank_rows_ptr"] = "*i64"  # the runtime passes its int64 mask-cache slots
-    ptrs.update(q_ptr="*bf16", out_ptr="*bf16", bank_ptr="*bf16", inv_freq_ptr="*fp32", part_out_ptr="*fp32",
-                part_lse_ptr="*fp32", scale_log2="fp32", **_cache_ptrs(fp8, "k", "v"), **_HOST_DELTAS,
+    banks = dict(bank_ptr="*bf16", value_bank_ptr="*bf16")
+    ptrs.update(q_ptr="*bf16", out_ptr="*bf16", inv_freq_ptr="*fp32", part_out_ptr="*fp32",
+                part_lse_ptr="*fp32", scale_log2="fp32", **banks, **_cache_ptrs(fp8, "k", "v"), **_HOST_DELTAS,
                 v_host_delta="i64", vs_host_delta="i64")
+    # the runtime keeps a value bank beside the key bank when it offloads (runtime/sparse_attention.py)
     ce = dict(PAGE_SIZE=16, BLOCK_Q=64, BLOCK_N=64, BLOCK_D=128, NUM_SPLITS=num_splits, SEL_BLOCK=1024,
               DECODE=num_splits > 1, ROPE_STYLE=rope_style, ROPE_GROUP=8, BANK=bank, DOT_F32=False,
               PREFETCH=rope_style == 3,  # the prefetching loop with every key path
-              DOT_PRECISION="tf32", KV_SCALED=fp8, OFFLOAD=offload)
+              DOT_PRECISION="tf32", KV_SCALED=fp8, OFFLOAD=offload, VALUE_BANK=bank and offload)
     _compile(sparse_attention._sparse_attn_kernel, ptrs, ce)
-    if bank and not offload:  # the writer compiles both ways below
+    if bank:  # the bank writer, copying values too when offloading
         ptrs = {n: "*i32" for n in ("block_tables_ptr", "ends_ptr", "sel_ptr")}
         ptrs["bank_rows_ptr"] = "*i64"
-        ptrs.update(bank_ptr="*bf16", inv_freq_ptr="*fp32", **_cache_ptrs(fp8, "k"), **_HOST_DELTAS)
-        for offload in (False, True):
-            _compile(key_bank._write_bank_kernel, ptrs, dict(PAGE_SIZE=16, BLOCK_T=64, BLOCK_D=128, SEL_BLOCK=1024,
-                                                             ROPE_GROUP=8, KV_SCALED=fp8, OFFLOAD=offload))
+        ptrs.update(inv_freq_ptr="*fp32", **banks, **_cache_ptrs(fp8, "k", "v"), **_HOST_DELTAS,
+                    v_host_delta="i64", vs_host_delta="i64")
+        _compile(key_bank._write_bank_kernel, ptrs, dict(PAGE_SIZE=16, BLOCK_T=64, BLOCK_D=128, SEL_BLOCK=1024,
+                                                         ROPE_GROUP=8, KV_SCALED=fp8, OFFLOAD=offload,
+                                                         VALUES=offload))
 
 
 def _run(*args: str) -> subprocess.CompletedProcess:
