@@ -45,6 +45,7 @@ import torch
 import torch.nn.functional as F
 
 from infhip.builder.presets import infinitehip_config
+from infhip.plugins.kv_offload import HostKV, copy_pages
 from infhip.plugins.infinitehip import (plan_query_blocks, pruning_stage, sparse_decode_attention,
                                         sparse_prefill_attention, unrotate_keys, write_key_bank)
 from infhip.runtime.mask_cache import refresh_from
@@ -223,21 +224,40 @@ DECODE_ATTN_VARIANTS = [dict(), dict(num_splits=16), dict(num_splits=52), dict(b
 DECODE_BANK_ATTN_VARIANTS = [dict(), dict(prefetch=True), dict(num_stages=2), dict(prefetch=True, num_stages=2)]
 
 
-def prefill_breakdown(ctx: PagedContext, cfg, gen, raw_keys: bool = False) -> dict:
+def offload_past(ctx: PagedContext, cfg):
+    """(host twin, page table) with the pages the runtime would have offloaded when a 32K chunk
+    ending at ctx.n is prefilled (runtime/kv_cache.py: all but the sink's and the last n_stream
+    tokens' before the chunk; the chunk's own pages are on the GPU) copied to pinned host memory
+    and named there (plugins/kv_offload.py)."""
+    lo = -(-cfg.n_sink // PAGE)
+    hi = max(lo, (ctx.n - CHUNK - cfg.n_stream) // PAGE)
+    host = HostKV.like(ctx.k_cache, max(1, hi - lo))
+    dst = -1 - torch.arange(hi - lo, device="cuda", dtype=torch.int32)
+    copy_pages(ctx.k_cache, ctx.v_cache, None, None, ctx.table[0, lo:hi].contiguous(), dst, host)
+    table = ctx.table.clone()
+    table[0, lo:hi] = dst
+    torch.cuda.synchronize()
+    return host, table
+
+
+def prefill_breakdown(ctx: PagedContext, cfg, gen, raw_keys: bool = False, offload=None) -> dict:
     """ms of each stage and of the attention for a 32K chunk ending at ctx.n (all fresh, each
     stage with cfg.query_strides; raw_keys: with dynamic RoPE, keys un-rotated once first, as
     the runtime does, timed as "unrotate"); each part timed for a few launch configurations
-    (tuning overrides), the fastest counted."""
+    (tuning overrides), the fastest counted. offload: (host twin, page table) of offload_past:
+    the kernels read the offloaded pages from host memory."""
     q = torch.randn(CHUNK, HQ, D, device="cuda", dtype=torch.bfloat16, generator=gen)
     bq = cfg.block_q
     starts, lens, ends, seq = plan_query_blocks([CHUNK], [ctx.n], bq, device="cuda")
-    tables = ctx.table.expand(starts.shape[0], -1).contiguous()
+    host, table = offload if offload is not None else (None, ctx.table)
+    tables = table.expand(starts.shape[0], -1).contiguous()
     middle = max(0, ctx.n - cfg.n_stream - cfg.n_sink)
     prune_rope, attn_rope = styles(ctx.n, cfg)
-    kw = dict(n_sink=cfg.n_sink, n_stream=cfg.n_stream, inv_freq=ctx.inv_freq)
+    kw = dict(n_sink=cfg.n_sink, n_stream=cfg.n_stream, inv_freq=ctx.inv_freq, offload=host)
     res, variants = {}, {}
     if raw_keys and prune_rope != "none":
-        unrotate = lambda: unrotate_keys(ctx.k_cache, ctx.table, [ctx.n], ctx.inv_freq, seq.long())  # noqa: E731
+        unrotate = lambda: unrotate_keys(ctx.k_cache, table, [ctx.n], ctx.inv_freq, seq.long(),  # noqa: E731
+                                         offload=host)
         res["unrotate"] = timing.event_ms(unrotate, reps=3)
         kw["raw_keys"] = unrotate()
     outs = []
@@ -300,6 +320,8 @@ def main() -> None:
     ap.add_argument("--no-decode", action="store_true", help="prefill only")
     ap.add_argument("--prefill-configs", choices=("all", "preset"), default="all",
                     help="preset: the preset's own strides (with raw keys past the window) only")
+    ap.add_argument("--offload", action="store_true",
+                    help="also the preset's prefill with the past pages in pinned host memory (KV offloading)")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -348,10 +370,13 @@ def main() -> None:
             configs = [(cfg.query_strides, dynamic)]
             if args.prefill_configs == "all":
                 configs += [(paper, dynamic), (coarsest, dynamic)] + ([(cfg.query_strides, False)] if dynamic else [])
-            for strides, raw in dict.fromkeys(configs):
+            runs = [(strides, raw, False) for strides, raw in dict.fromkeys(configs)]
+            runs += [(cfg.query_strides, dynamic, True)] if args.offload else []
+            for strides, raw, offloaded in runs:
                 label = name if strides == cfg.query_strides else f"{name} strides {strides}"
-                label += " raw keys" if raw else ""
-                p = prefill_breakdown(ctx, cfg.replace(query_strides=strides), gen, raw_keys=raw)
+                label += (" raw keys" if raw else "") + (" offloaded" if offloaded else "")
+                p = prefill_breakdown(ctx, cfg.replace(query_strides=strides), gen, raw_keys=raw,
+                                      offload=offload_past(ctx, cfg) if offloaded else None)
                 p["speedup_vs_sdpa"] = r["sdpa_prefill"]["ms"] / p["total"]
                 r[f"prefill_{label}"] = p
                 print(f"[{n}] {label} prefill (ms): { {k: v for k, v in p.items() if k != 'variants_ms'} }",
