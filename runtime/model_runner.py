@@ -144,7 +144,8 @@ class ModelRunner:
         attn_layers = [layer.self_attn for layer in self.model.layers]
         sparse = [(attn, lp) for attn, lp in zip(attn_layers, plan.layers) if lp.plugin == "infinitehip"]
         self.sparse_planner = SparsePlanner(ih, self.max_num_seqs, self.engine.config.model.max_position_embeddings,
-                                            len(sparse), raw_keys_max_tokens=self.max_seq_len)
+                                            len(sparse), raw_keys_max_tokens=self.max_seq_len,
+                                            offloading=offload is not None)
         bank = uses_key_bank(ih, self.max_seq_len, self.engine.config.model.max_position_embeddings)
         for k, (attn, lp) in enumerate(sparse):
             # the bank holds rotated keys in the queries' (the weights') dtype, whatever the cache's
@@ -160,8 +161,12 @@ class ModelRunner:
         """The host pool of the full-attention ("global") layers for ``nbytes`` of host memory.
         Pages move once a request's context reaches the InfiniteHiP threshold (every later step
         of it runs the sparse kernels, which read host pages in place), keeping the sink and
-        stream tokens' pages on the GPU. Requires every full-attention layer to be an
-        InfiniteHiP layer (dense kernels do not follow host entries) and no token drop."""
+        stream tokens' pages on the GPU — and, when RoPE stays off inside the trained window,
+        only past that window: there prefill prunes from the raw-keys scratch (each offloaded
+        key crosses PCIe once per chunk), while inside it every query block's stages would read
+        the host pages again (a 32K chunk at 128K keys: 23 -> 398 ms per layer, measured).
+        Requires every full-attention layer to be an InfiniteHiP layer (dense kernels do not
+        follow host entries) and no token drop."""
         if not nbytes:
             return None
         plan = self.engine.config.plan
@@ -176,8 +181,10 @@ class ModelRunner:
         if host_pages < 1:
             raise ValueError(f"kv_offload_bytes={nbytes} holds no page of the {num_global_layers} "
                              f"full-attention layers ({page_bytes * num_global_layers} bytes per page)")
+        window = self.engine.config.model.max_position_embeddings
+        min_context = max(ih.dense_threshold, window + 1) if ih.rope_off_in_trained_window else ih.dense_threshold
         return OffloadSpec(host_pages=host_pages, head_tokens=ih.n_sink, tail_tokens=ih.n_stream,
-                           min_context=ih.dense_threshold, batch_pages=max(1, OFFLOAD_BATCH_TOKENS // self.page_size))
+                           min_context=min_context, batch_pages=max(1, OFFLOAD_BATCH_TOKENS // self.page_size))
 
     def _offload(self, seqs_and_contexts) -> None:
         """After a step (its kernels already queued): move the pages that the step's requests no

@@ -103,8 +103,13 @@ class SparsePlanner:
     """Host side: decides per step which rows go sparse and which stages they recompute."""
 
     def __init__(self, cfg: InfiniteHipConfig, max_slots: int, trained_window: int, num_sparse_layers: int = 1,
-                 raw_keys_max_tokens: int = 0):
+                 raw_keys_max_tokens: int = 0, offloading: bool = False):
+        """offloading: the runner moves KV pages to host memory (runtime/kv_cache.py): every
+        dynamic-RoPE prefill step then prunes from the raw-keys scratch, which reads each
+        offloaded key over PCIe once, instead of once per query block (a 32K chunk at 1M keys:
+        unrotate 48 ms, stages unchanged; docs/benchmarks.md)."""
         self.cfg, self.trained_window = cfg, trained_window
+        self.offloading = offloading
         # Raw keys need a [tokens, Hkv, D] scratch per layer call: only steps whose sparse prefill
         # contexts sum to at most this many tokens use them (the runner reserves that memory).
         self.raw_keys_max_tokens = raw_keys_max_tokens
@@ -191,7 +196,7 @@ class SparsePlanner:
             prefill_seq_rows=tensor(h.prefill_seqs, torch.int64),
             prefill_seq_ends=[ctx_lens[b] for b in h.prefill_seqs],
             prefill_block_seq=tensor(seq_of, torch.int64),
-            raw_keys=(h.dynamic_rope and len(seq_of) >= RAW_KEYS_MIN_BLOCKS
+            raw_keys=(h.dynamic_rope and (self.offloading or len(seq_of) >= RAW_KEYS_MIN_BLOCKS)
                       and sum(ctx_lens[b] for b in h.prefill_seqs) <= self.raw_keys_max_tokens),
             dense_decode_lens=tensor(h.dense_decode_lens, torch.int32),
             num_dense_decodes=sum(1 for x in h.dense_decode_lens if x), dense_prefill_runs=h.dense_prefill_runs,

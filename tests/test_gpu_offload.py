@@ -35,7 +35,8 @@ def test_offloaded_decode_in_cuda_graphs_equals_resident(tmp_path, monkeypatch, 
     write_tiny_hf_checkpoint(tmp_path / "hf", "llama")
     engine = build_engine(checkpoint=tmp_path / "hf", output_dir=tmp_path / "e", dtype="float32", device="cuda",
                           max_seq_len=400, max_batch_size=4, preset="3k", kv_dtype=kv_dtype,
-                          infinitehip_overrides=dict(TINY, dense_threshold=30), progress=False)
+                          infinitehip_overrides=dict(TINY, dense_threshold=30, rope_off_in_trained_window=False),
+                          progress=False)
     sp = SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True)
     kw = dict(kv_cache_memory_bytes=1 << 26, max_num_batched_tokens=64)
     resident = LLM(engine, **kw)

@@ -33,7 +33,12 @@ def engines(tmp_path_factory):
             "dense": build_engine(checkpoint=root / "llama", output_dir=root / "dense", **kw)}
 
 
-def run(engine, offload_bytes, budget=48, overrides=LOW, prompts=PROMPTS, params=GREEDY):
+# The tiny model's window (256) holds every context here: RoPE on in it, so pages move from the
+# threshold on (with it off they would move only past the window, ModelRunner._offload_spec).
+PAST = dict(LOW, rope_off_in_trained_window=False)
+
+
+def run(engine, offload_bytes, budget=48, overrides=PAST, prompts=PROMPTS, params=GREEDY):
     """Generated tokens, and how many pages moved to the host while generating them."""
     llm = LLM(engine, max_num_batched_tokens=budget, infinitehip_overrides=overrides, kv_offload_bytes=offload_bytes)
     moved = count_moves(llm)
@@ -79,7 +84,7 @@ def test_offloaded_decode_reads_the_value_bank(engines, small_batches, monkeypat
         seen.append(k.get("value_bank") is not None)
         return real(*a, **k)
     monkeypatch.setattr(sa, "sparse_decode_attention", spy)
-    knobs = dict(LOW, rope_off_in_trained_window=False, refresh_intervals=[4, 2, 1])
+    knobs = dict(PAST, refresh_intervals=[4, 2, 1])
     prompts = [PROMPTS[2]]
     expected, _ = run(engines["3k"], 0, overrides=knobs, prompts=prompts, params=SHORT)
     assert seen and not any(seen)
@@ -87,6 +92,17 @@ def test_offloaded_decode_reads_the_value_bank(engines, small_batches, monkeypat
     got, moved = run(engines["3k"], 4 * MiB, overrides=knobs, prompts=prompts, params=SHORT)
     assert moved >= 4 and seen and all(seen)
     assert got == expected
+
+
+def test_offloading_starts_past_the_window_when_rope_is_off_inside_it(engines):
+    """Inside the trained window prefill stages would read every offloaded key once per query
+    block (no raw-keys scratch without dynamic RoPE): pages move only past the window there."""
+    inside = LLM(engines["3k"], infinitehip_overrides=LOW, kv_offload_bytes=4 * MiB).runner
+    window = inside.engine.config.model.max_position_embeddings
+    assert inside.kv.groups["global"].offload.min_context == window + 1
+    past = LLM(engines["3k"], infinitehip_overrides=PAST, kv_offload_bytes=4 * MiB).runner
+    assert past.kv.groups["global"].offload.min_context == PAST["dense_threshold"]
+    assert past.sparse_planner.offloading and not LLM(engines["3k"]).runner.sparse_planner.offloading
 
 
 def test_offloading_is_refused_where_dense_kernels_would_read_host_pages(engines):
@@ -99,6 +115,6 @@ def test_offloading_is_refused_where_dense_kernels_would_read_host_pages(engines
 
 
 def test_a_prompt_larger_than_the_host_pool_is_refused(engines, small_batches):
-    llm = LLM(engines["3k"], kv_offload_bytes=40 * 1024, infinitehip_overrides=LOW)
+    llm = LLM(engines["3k"], kv_offload_bytes=40 * 1024, infinitehip_overrides=PAST)
     with pytest.raises(ValueError, match="host pool"):
         llm.generate(prompt_token_ids=[[5] * 190], sampling_params=GREEDY)
