@@ -96,7 +96,9 @@ def main() -> None:
     p.add_argument("--contexts", default="512000")
     p.add_argument("--kv-dtype", choices=("bfloat16", "fp8"), default="fp8")
     p.add_argument("--configs", default="3k-flash,3k")
-    p.add_argument("--gpu-kv-gib", type=float, default=8, help="GPU KV cache of the offloaded run")
+    p.add_argument("--gpu-kv-gib", type=float, default=16,
+                   help="GPU KV cache of the offloaded run: it holds a request whole until it passes the "
+                        "trained window (128K for Llama-3.1-8B, ~10.3 GiB in fp8), the sink + stream after")
     p.add_argument("--resident-max", type=int, default=None,
                    help="contexts above this get no resident run (it would not fit the GPU); their "
                         "ratios are against the resident run of the largest context at or below it")
