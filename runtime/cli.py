@@ -28,6 +28,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: the engine's target")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
     p.add_argument("--stats", action="store_true", help="print timing to stderr at the end")
+    p.add_argument("--kv-offload-gib", type=float, default=0.0,
+                   help="pinned host memory for offloaded KV pages (InfiniteHiP engines; default 0: none)")
     return p.parse_args(argv)
 
 
@@ -43,7 +45,9 @@ def main(argv=None) -> int:
         prompt = args.prompt if args.prompt is not None else args.prompt_file.read_text()
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                                 top_k=args.top_k, seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos)
-        llm = LLM(args.engine, device=args.device)
+        if args.kv_offload_gib < 0:
+            raise ValueError(f"--kv-offload-gib must be >= 0, got {args.kv_offload_gib}")
+        llm = LLM(args.engine, device=args.device, kv_offload_bytes=int(args.kv_offload_gib * (1 << 30)))
         if args.chat:
             if llm.tokenizer is None or not getattr(llm.tokenizer, "chat_template", None):
                 raise ValueError("--chat needs an engine whose tokenizer has a chat template")

@@ -260,13 +260,17 @@ def main(argv=None) -> int:
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port (8000; 0 = any free one)")
     p.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: the engine's target")
+    p.add_argument("--kv-offload-gib", type=float, default=0.0,
+                   help="pinned host memory for offloaded KV pages (InfiniteHiP engines; default 0: none)")
     args = p.parse_args(argv)
     from pathlib import Path
 
     from infhip.config import EngineFormatError
     from infhip.runtime.llm import LLM
     try:
-        llm = LLM(args.engine, device=args.device)
+        if args.kv_offload_gib < 0:
+            raise ValueError(f"--kv-offload-gib must be >= 0, got {args.kv_offload_gib}")
+        llm = LLM(args.engine, device=args.device, kv_offload_bytes=int(args.kv_offload_gib * (1 << 30)))
         server = make_server(llm, args.host, args.port, model_name=Path(args.engine).name)
     except (ValueError, EngineFormatError, MemoryError, OSError) as e:
         print(f"infhip-serve: error: {e}", file=sys.stderr)

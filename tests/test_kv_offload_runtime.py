@@ -118,3 +118,15 @@ def test_a_prompt_larger_than_the_host_pool_is_refused(engines, small_batches):
     llm = LLM(engines["3k"], kv_offload_bytes=40 * 1024, infinitehip_overrides=PAST)
     with pytest.raises(ValueError, match="host pool"):
         llm.generate(prompt_token_ids=[[5] * 190], sampling_params=GREEDY)
+
+
+def test_cli_flags_pass_the_host_pool_and_refuse_bad_values(engines, capsys):
+    """infhip-run --kv-offload-gib: a clear error on a dense engine and on a negative size."""
+    from infhip.runtime import cli, server
+
+    assert cli.main(["--engine", str(engines["dense"]), "--prompt", "hi", "--kv-offload-gib", "0.01"]) == 2
+    assert "InfiniteHiP" in capsys.readouterr().err
+    assert cli.main(["--engine", str(engines["3k"]), "--prompt", "hi", "--kv-offload-gib", "-1"]) == 2
+    assert ">= 0" in capsys.readouterr().err
+    assert server.main(["--engine", str(engines["dense"]), "--kv-offload-gib", "0.01"]) == 2
+    assert "InfiniteHiP" in capsys.readouterr().err
