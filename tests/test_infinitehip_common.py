@@ -92,6 +92,15 @@ def quantize_seqs(seqs: PagedSeqs) -> Fp8Caches:
     return Fp8Caches(k8, ks, v8, vs)
 
 
+def kv_caches(seqs: PagedSeqs, fp8: bool):
+    """(k_cache, v_cache, scale kwargs) to run the kernels on: seqs' own caches (no scales), or
+    fp8 copies with their row scales (quantize_seqs: seqs then holds the dequantized values)."""
+    if not fp8:
+        return seqs.k_cache, seqs.v_cache, {}
+    c = quantize_seqs(seqs)
+    return c.k_cache, c.v_cache, c.scales()
+
+
 # ----------------------------------------------------------------------------- blocks.py
 
 def test_plan_query_blocks_layout():

@@ -10,7 +10,7 @@ import torch
 from infhip.plugins.infinitehip import (sparse_attention_ref, sparse_decode_attention, write_key_bank,
                                         write_key_bank_ref)
 
-from .test_infinitehip_common import DEVICE, PagedSeqs, inv_freq, quantize_seqs, rel_err
+from .test_infinitehip_common import DEVICE, PagedSeqs, inv_freq, kv_caches, quantize_seqs, rel_err
 from .test_infinitehip_sparse_attention import random_selection, run_selection
 
 N_SINK, N_STREAM, D = 8, 24, 32
@@ -78,11 +78,7 @@ def test_decode_with_bank_matches_reference(dtype, num_splits, selection, fp8):
     bank) == the reference on the dequantized caches."""
     seqs = PagedSeqs([150, 211, 97], 2, D, 4, seed=num_splits + (17 if fp8 else 7),
                      dtype=torch.float32 if fp8 else dtype)
-    if fp8:
-        cache = quantize_seqs(seqs)
-        k_cache, v_cache, scales = cache.k_cache, cache.v_cache, cache.scales()
-    else:
-        k_cache, v_cache, scales = seqs.k_cache, seqs.v_cache, {}
+    k_cache, v_cache, scales = kv_caches(seqs, fp8)
     ends = seqs.context_lens
     sel = (run_selection(seqs.generator, ends, N_SINK, N_STREAM, runs=9, run_len=4) if selection == "runs"
            else random_selection(seqs.generator, ends, N_SINK, N_STREAM, k=30))
@@ -185,11 +181,7 @@ def test_value_bank_serves_every_selected_row(fp8):
     decode with both banks == decode with the key bank alone, and still does after every page
     holding only middle tokens turned NaN: the selected rows come from the banks alone."""
     seqs = PagedSeqs([150, 211, 97], 2, D, 4, seed=23 + fp8)
-    if fp8:
-        cache = quantize_seqs(seqs)
-        k_cache, v_cache, scales = cache.k_cache, cache.v_cache, cache.scales()
-    else:
-        k_cache, v_cache, scales = seqs.k_cache, seqs.v_cache, {}
+    k_cache, v_cache, scales = kv_caches(seqs, fp8)
     ends = seqs.context_lens
     sel = run_selection(seqs.generator, ends, N_SINK, N_STREAM, runs=9, run_len=4)
     rows = torch.tensor([1, 3, 0], dtype=torch.int32, device=DEVICE)

@@ -17,18 +17,10 @@ from infhip.plugins.infinitehip import (sparse_attention_ref, sparse_decode_atte
 from infhip.plugins.kv_offload import offload_deltas
 
 from ._offload import offload_pages
-from .test_infinitehip_common import DEVICE, PagedSeqs, inv_freq, quantize_seqs
+from .test_infinitehip_common import DEVICE, PagedSeqs, inv_freq, kv_caches
 from .test_infinitehip_sparse_attention import random_selection, run_selection
 
 N_SINK, D = 4, 16
-
-
-def caches(seqs, fp8):
-    """(k_cache, v_cache, scales kwargs): the float32 caches, or fp8 ones with their row scales."""
-    if not fp8:
-        return seqs.k_cache, seqs.v_cache, {}
-    c = quantize_seqs(seqs)
-    return c.k_cache, c.v_cache, c.scales()
 
 
 def offload(k_cache, v_cache, tables, scales):
@@ -60,7 +52,7 @@ def test_decode_reads_host_pages(num_splits, rope_style, bank, fp8):
     only sink and stream keys come from the pools."""
     n_stream = 8
     seqs = PagedSeqs([97, 203, 7], 2, D, 4, seed=num_splits + 2 * bank + 5 * fp8)
-    k_cache, v_cache, scales = caches(seqs, fp8)
+    k_cache, v_cache, scales = kv_caches(seqs, fp8)
     ends = seqs.context_lens
     sel = (run_selection(seqs.generator, ends, N_SINK, n_stream, runs=7, run_len=4) if bank
            else random_selection(seqs.generator, ends, N_SINK, n_stream, k=24))
@@ -91,7 +83,7 @@ def test_prefill_reads_host_pages(rope_style, fp8):
     """Prefill blocks of 8 queries over offloaded pages, tiles loaded one ahead or not."""
     block_q, n_stream = 8, 8
     seqs = PagedSeqs([97, 203], 2, D, 4, seed=11 + fp8)
-    k_cache, v_cache, scales = caches(seqs, fp8)
+    k_cache, v_cache, scales = kv_caches(seqs, fp8)
     q = torch.randn(33, 6, D, generator=seqs.generator).to(DEVICE)
     q_start, lens, ends, tables = seqs.blocks([13, 20], block_q)
     sel = random_selection(seqs.generator, ends, N_SINK, n_stream, k=20)
