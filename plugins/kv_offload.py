@@ -23,7 +23,8 @@ strides within a page). Launchers take ``offload: HostKV | None`` and pass the d
 select (``OFFLOAD`` constexpr False). The torch references read a merged copy instead
 (:func:`merged_pool`: the host pages appended after the GPU pages, the tables renumbered).
 
-Which pages move, and when, is the runtime's business (runtime/kv_offload.py); this module is
+Which pages move, and when, is the runtime's business (runtime/kv_cache.py KVCacheManager.offload,
+runtime/model_runner.py ModelRunner._offload, which calls copy_pages); this module is
 the address arithmetic and the pool itself. Paper 000, "KV Cache Offloading Architecture".
 """
 
@@ -58,7 +59,7 @@ def pinned_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     cudart = torch.cuda.cudart()
     err = cudart.cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0)
     if int(err) != 0:
-        raise RuntimeError(f"cudaHostRegister of {t.numel() * t.element_size() / 2**30:.2f} GiB failed "
+        raise MemoryError(f"cudaHostRegister of {t.numel() * t.element_size() / 2**30:.2f} GiB failed "
                            f"(error {int(err)}): not enough lockable host memory for the KV offload pool")
     weakref.finalize(t, cudart.cudaHostUnregister, t.data_ptr())
     return t
