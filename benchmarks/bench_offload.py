@@ -58,11 +58,11 @@ def grown_request(llm, n: int, chunk: int = 32768):
     return seq
 
 
-def measure(llm, configs: list[str], plan, n_dense: bool) -> dict:
+def measure(llm, configs: list[str], plan, with_dense: bool) -> dict:
     from infhip.builder.presets import apply_runtime_overrides
 
     rows = {}
-    todo = ([("dense", dict(dense_threshold=1 << 40))] if n_dense else []) + [(c, CONFIGS[c]) for c in configs]
+    todo = ([("dense", dict(dense_threshold=1 << 40))] if with_dense else []) + [(c, CONFIGS[c]) for c in configs]
     for name, knobs in todo:
         ih = apply_runtime_overrides(plan, knobs).infinitehip
         llm.runner.set_infinitehip(ih)
@@ -138,7 +138,7 @@ def main() -> None:
             seq = grown_request(llm, n) if mode == "offloaded" else grown_request(llm, n, chunk=n)
             print(f"{n} {mode}: GPU KV {gpu_b / GiB:.1f} GiB, host KV {host_b / GiB:.1f} GiB, "
                   f"set-up {time.perf_counter() - t0:.0f} s", flush=True)
-            rows = measure(llm, configs, plan, n_dense=mode == "resident")
+            rows = measure(llm, configs, plan, with_dense=mode == "resident")
             out[mode] = {"gpu_kv_gib": gpu_b / GiB, "host_kv_gib": host_b / GiB, "rows": rows}
             llm.scheduler.finish(seq, "abort")
             del llm, seq

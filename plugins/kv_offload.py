@@ -94,12 +94,6 @@ class HostKV:
     def num_pages(self) -> int:
         return self.k.shape[0]
 
-    def page_bytes(self) -> int:
-        """Host bytes of one page of K and V (and their scales)."""
-        per = self.k[0].numel() * self.k.element_size()
-        scales = self.k_scale[0].numel() * 4 if self.k_scale is not None else 0
-        return 2 * (per + scales)
-
     def check(self, k_cache: torch.Tensor, k_scale: torch.Tensor | None) -> None:
         """Raise unless this twin matches the GPU cache (dtype, per-page layout, scales)."""
         for name, host in (("k", self.k), ("v", self.v)):
@@ -169,16 +163,17 @@ def copy_pages(k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: torch.Tens
     assert src.shape == dst.shape and src.dtype == dst.dtype == torch.int32
     if src.numel() == 0:
         return
-    deltas = offload_deltas(k_cache, v_cache, k_scale, v_scale, offload)
     pairs = [(k_cache, offload.k), (v_cache, offload.v)]
     if k_scale is not None:
         pairs += [(k_scale, offload.k_scale), (v_scale, offload.v_scale)]
     if not triton_on(k_cache):  # CPU without the interpreter
-        for (cache, host), _ in zip(pairs, deltas):
+        offload.check(k_cache, k_scale)
+        for cache, host in pairs:
             rows = [(host[host_page(p)] if p < 0 else cache[p]).clone() for p in src.tolist()]
             for p, row in zip(dst.tolist(), rows):
                 (host[host_page(p)] if p < 0 else cache[p]).copy_(row)
         return
+    deltas = offload_deltas(k_cache, v_cache, k_scale, v_scale, offload)
     for (cache, _), delta in zip(pairs, deltas):
         assert cache.is_contiguous()
         page_elems = cache[0].numel()

@@ -17,7 +17,7 @@ def offload_pages(k_cache, v_cache, block_tables, every: int = 2, k_scale=None, 
     are modified in place: the moved pages are NaN."""
     tables = block_tables.clone()
     moved = sorted({int(p) for p in block_tables[:, keep_first::every].flatten().tolist() if p > 0})
-    host = HostKV.like(k_cache.cpu(), max(1, len(moved)))
+    host = HostKV.like(k_cache, max(1, len(moved)))  # (like() reads only the shape and dtype)
     for h, page in enumerate(moved):
         host.k[h] = k_cache[page].cpu()
         host.v[h] = v_cache[page].cpu()

@@ -15,7 +15,7 @@ from infhip.plugins.infinitehip import (plan_query_blocks, pruning_stage, prunin
 from infhip.plugins.infinitehip.raw_keys import unrotate_keys
 
 from ._offload import offload_pages
-from .test_infinitehip_common import DEVICE, PagedSeqs, inv_freq, quantize_seqs, random_rows
+from .test_infinitehip_common import DEVICE, PagedSeqs, inv_freq, kv_caches, random_rows
 from .test_infinitehip_sparse_attention import random_selection
 
 N_SINK, N_STREAM = 4, 8
@@ -26,10 +26,8 @@ CONTEXTS = [61, 97]
 def make_cache(fp8: bool, seed: int):
     """(seqs, k_cache, v_cache, k_scale, v_scale): float32 caches, or fp8 ones with row scales."""
     seqs = PagedSeqs(CONTEXTS, HKV, D, PAGE, seed)
-    if not fp8:
-        return seqs, seqs.k_cache, seqs.v_cache, None, None
-    c = quantize_seqs(seqs)
-    return seqs, c.k_cache, c.v_cache, c.k_scale, c.v_scale
+    k_cache, v_cache, scales = kv_caches(seqs, fp8)
+    return seqs, k_cache, v_cache, scales.get("k_scale"), scales.get("v_scale")
 
 
 def offload(seqs, k_cache, v_cache, k_scale, v_scale):
