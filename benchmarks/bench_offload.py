@@ -14,8 +14,13 @@ Per context, in one process:
    place (zero-copy over PCIe); cached steps read the key bank, sink and stream from the GPU and
    the selected values from the host.
 
-Reports median step time, P99, fused tok/s, GPU KV bytes, and ratios against the resident run
-of the same config and against dense, all timed in this run. Prints a table last; JSON to --out.
+3. with --prefill-chunk (default 32768): the wall time of one step that prefills the last chunk
+   of an n-token request (3k-flash), resident, and offloaded with the chunk's host pages staged
+   to the GPU a layer ahead (runtime/offload_staging.py) and read in place.
+
+Reports median step time, P99, fused tok/s, GPU KV bytes (the pool, and the request's pages in
+it), and ratios against the resident run of the same config and against dense, all timed in
+this run. Prints tables last; JSON to --out.
 """
 
 from __future__ import annotations
@@ -37,9 +42,10 @@ GiB = 1 << 30
 CONFIGS = {"3k-flash": dict(refresh_intervals=(96, 24, 8)), "3k": dict(refresh_intervals=(16, 8, 4))}
 
 
-def grown_request(llm, n: int, chunk: int = 32768):
+def grown_request(llm, n: int, chunk: int = 32768, computed: int | None = None):
     """bench_decode_e2e.synthetic_request, but its pages are appended a chunk at a time and
-    offloaded after each (runner._offload, what a prefill step ends with)."""
+    offloaded after each (runner._offload, what a prefill step ends with). ``computed`` (default
+    n - 1) tokens count as computed: the next step prefills the rest."""
     from infhip import SamplingParams
     from infhip.runtime.sequence import SequenceStatus
 
@@ -48,14 +54,31 @@ def grown_request(llm, n: int, chunk: int = 32768):
     req = llm._add(None, ids, SamplingParams(max_tokens=1 << 20, temperature=0.0, ignore_eos=True))
     seq, sched = req.seq, llm.scheduler
     sched.waiting.remove(seq)
-    for start in range(0, n - 1, chunk):
-        end = min(n - 1, start + chunk)
+    computed = n - 1 if computed is None else computed
+    for start in range(0, computed, chunk):
+        end = min(computed, start + chunk)
         sched.kv.append(seq.seq_id, start, end)
         llm.runner._offload([(seq, end)])
     seq.status = SequenceStatus.RUNNING
     sched.running.append(seq)
-    seq.num_computed_tokens = n - 1
+    seq.num_computed_tokens = computed
     return seq
+
+
+def prefill_ms(llm, n: int, chunk: int = 32768, warmup: int = 200_000) -> float:
+    """Wall time of one step that prefills the last ``chunk`` tokens of an n-token request whose
+    first n - chunk are cached (offloaded as the runtime would have), after one such step at a
+    ``warmup``-token context (kernel compilation; past the trained window, like n)."""
+    times = []
+    for m in (min(n, warmup), n):
+        seq = grown_request(llm, m, computed=m - chunk)
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        llm.step()  # the chunk (32 layers of pruning + block-sparse attention), then its sampled token
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - t) * 1e3)
+        llm.scheduler.finish(seq, "abort")
+    return times[-1]
 
 
 def measure(llm, configs: list[str], plan, with_dense: bool) -> dict:
@@ -99,6 +122,8 @@ def main() -> None:
     p.add_argument("--gpu-kv-gib", type=float, default=16,
                    help="GPU KV cache of the offloaded run: it holds a request whole until it passes the "
                         "trained window (128K for Llama-3.1-8B, ~10.3 GiB in fp8), the sink + stream after")
+    p.add_argument("--prefill-chunk", type=int, default=32768,
+                   help="also time one prefill step of this many tokens at each context (0: skip)")
     p.add_argument("--resident-max", type=int, default=None,
                    help="contexts above this get no resident run (it would not fit the GPU); their "
                         "ratios are against the resident run of the largest context at or below it")
@@ -139,8 +164,20 @@ def main() -> None:
             print(f"{n} {mode}: GPU KV {gpu_b / GiB:.1f} GiB, host KV {host_b / GiB:.1f} GiB, "
                   f"set-up {time.perf_counter() - t0:.0f} s", flush=True)
             rows = measure(llm, configs, plan, with_dense=mode == "resident")
-            out[mode] = {"gpu_kv_gib": gpu_b / GiB, "host_kv_gib": host_b / GiB, "rows": rows}
+            gpu_used = torch.cuda.memory_allocated() / GiB
+            on_gpu = sum(p >= 0 for p in llm.runner.kv.page_list(seq.seq_id, "global"))
+            request_gib = on_gpu * per_token * llm.runner.page_size / GiB  # its pages in the GPU pool
             llm.scheduler.finish(seq, "abort")
+            out[mode] = {"gpu_kv_gib": gpu_b / GiB, "host_kv_gib": host_b / GiB, "gpu_allocated_gib": gpu_used,
+                         "request_gpu_kv_gib": request_gib, "rows": rows, "prefill_ms": {}}
+            if args.prefill_chunk:  # one chunk at context n, 3k-flash (the engine's preset)
+                llm.runner.set_infinitehip(plan.infinitehip)
+                variants = {"resident": True} if mode == "resident" else {"staged": True, "in place": False}
+                for name, staged in variants.items():
+                    if llm.runner.staging is not None:
+                        llm.runner.staging.enabled = staged
+                    ms = out[mode]["prefill_ms"][name] = prefill_ms(llm, n, args.prefill_chunk)
+                    print(f"  prefill {args.prefill_chunk} at {n}, {name}: {ms:.0f} ms", flush=True)
             del llm, seq
             gc.collect()
             torch.cuda.empty_cache()
@@ -148,7 +185,7 @@ def main() -> None:
     (args.out / "bench_offload.json").write_text(json.dumps(res, indent=2))
     print(f"\n{res['gpu']}  torch {res['torch']}  triton {res['triton']}; Llama-3.1-8B shapes, random weights, "
           f"bf16 weights, KV {args.kv_dtype}, batch 1, CUDA graphs; ratios in this run")
-    print(f"{'context':>8} {'config':<10}{'mode':<10}{'GPU KV GiB':>11}{'median ms':>10}{'P99/med':>8}"
+    print(f"{'context':>8} {'config':<10}{'mode':<10}{'req KV GiB':>11}{'median ms':>10}{'P99/med':>8}"
           f"{'tok/s':>8}{'x resident':>11}{'x dense':>8}")
     resident = None
     for n, modes in res["contexts"].items():
@@ -157,9 +194,19 @@ def main() -> None:
         for mode, m in modes.items():
             for name, r in m["rows"].items():
                 base = resident["rows"][name]
-                print(f"{n:>8} {name:<10}{mode:<10}{m['gpu_kv_gib']:>11.1f}{r['median_ms']:>10.2f}"
+                print(f"{n:>8} {name:<10}{mode:<10}{m['request_gpu_kv_gib']:>11.1f}{r['median_ms']:>10.2f}"
                       f"{r['p99_ms'] / r['median_ms']:>8.2f}{r['fused8_tok_s']:>8.1f}"
                       f"{r['fused8_tok_s'] / base['fused8_tok_s']:>11.2f}{r['fused8_tok_s'] / dense['fused8_tok_s']:>8.2f}")
+    if args.prefill_chunk:
+        print(f"\nprefill of one {args.prefill_chunk}-token chunk (3k-flash, all layers, wall ms; "
+              "x resident = resident time / this time)")
+        resident = None
+        for n, modes in res["contexts"].items():
+            resident = modes.get("resident", resident)
+            base = resident["prefill_ms"]["resident"]
+            for mode, m in modes.items():
+                for name, ms in m["prefill_ms"].items():
+                    print(f"{n:>8} {mode:<10}{name:<10}{ms:>10.0f} ms{base / ms:>8.2f}x resident")
 
 
 if __name__ == "__main__":

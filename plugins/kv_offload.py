@@ -68,7 +68,8 @@ def pinned_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
 @dataclass
 class HostKV:
     """The host twin of one layer's paged K/V cache (same dtype and per-page layout); fp8 caches
-    also keep their row scales here."""
+    also keep their row scales here. Kernels need only the twin's address, so a GPU buffer with
+    copies of some host pages serves as a twin too (runtime/offload_staging.py: staged prefill)."""
 
     k: torch.Tensor  # [num_host_pages, page_size, Hkv, D], pinned
     v: torch.Tensor
@@ -102,8 +103,9 @@ class HostKV:
                 raise ValueError(f"host {name} pool {host.dtype} {tuple(host.shape)} strides {host.stride()} "
                                  f"does not match the cache {k_cache.dtype} {tuple(k_cache.shape)} "
                                  f"strides {k_cache.stride()} (same dtype and page layout needed)")
-            if host.device.type != "cpu":
-                raise ValueError(f"host {name} pool must be a (pinned) CPU tensor, got {host.device}")
+            if host.device.type != "cpu" and host.device != k_cache.device:
+                raise ValueError(f"host {name} pool must be a (pinned) CPU tensor or a staging copy on the "
+                                 f"cache's device {k_cache.device}, got {host.device}")
         if (k_scale is None) != (self.k_scale is None):
             raise ValueError("an fp8 cache's host twin needs its row scales, a non-fp8 one none")
 
@@ -123,7 +125,7 @@ def offload_deltas(k_cache: torch.Tensor, v_cache: torch.Tensor | None, k_scale:
     if offload is None:
         return 0, 0, 0, 0
     offload.check(k_cache, k_scale)
-    if torch.cuda.is_available() and k_cache.is_cuda and not offload.k.is_pinned():
+    if k_cache.is_cuda and offload.k.device.type == "cpu" and not offload.k.is_pinned():
         raise ValueError("the host KV pool must be pinned memory for the GPU to read it")
     return (_delta(k_cache, offload.k), 0 if v_cache is None else _delta(v_cache, offload.v),
             0 if k_scale is None else _delta(k_scale, offload.k_scale),

@@ -24,6 +24,7 @@ from infhip.plugins.kv_offload import HostKV, copy_pages
 from infhip.runtime.kv_cache import KVCacheManager, KVGroupSpec, OffloadSpec
 from infhip.runtime.scheduler import SchedulerOutput
 from infhip.runtime.mask_cache import MaskCache
+from infhip.runtime.offload_staging import PrefillStaging, plan_staging
 from infhip.runtime.sparse_attention import InfiniteHipLayer, SparsePlanner, SparseStepHost, uses_key_bank
 from infhip.runtime.token_drop import DropChunk, TokenDropStep, keep_tail, plan_drops
 
@@ -77,9 +78,12 @@ class ModelRunner:
         row_bytes = cfg.head_dim * kv_dtype.itemsize + (4 if is_fp8(kv_dtype) else 0)
         page_bytes = 2 * self.page_size * cfg.num_kv_heads * row_bytes
 
-        budget = kv_cache_memory_bytes or self._default_kv_budget(max_num_seqs, max_num_batched_tokens,
-                                                                  gpu_memory_utilization, bool(kv_offload_bytes))
         offload = self._offload_spec(kv_offload_bytes, page_bytes, layer_groups.count("global"))
+        # staged prefill (runtime/offload_staging.py): two buffers of one sequence's host pages
+        staging_pages = min(offload.host_pages, self.max_pages_per_seq) if offload else 0
+        budget = kv_cache_memory_bytes or self._default_kv_budget(
+            max_num_seqs, max_num_batched_tokens, gpu_memory_utilization, offload is not None,
+            PrefillStaging.bytes_for(staging_pages, page_bytes))
         specs: dict[str, KVGroupSpec] = {}
         # Sliding groups get exactly what max_num_seqs windows need; the global group the rest.
         for group in sorted(set(layer_groups), key=lambda g: g != "sliding"):
@@ -106,6 +110,7 @@ class ModelRunner:
             if specs[attn.kv_group].offload is not None:  # its host twin (plugins/kv_offload.py)
                 attn.host_kv = HostKV.like(attn.k_cache, offload.host_pages)
         self.offload_layers = [a for a in attn_layers if a.host_kv is not None]
+        self.staging = PrefillStaging(self.offload_layers, staging_pages, self.device) if offload else None
         self.groups = sorted(specs)
 
         self.max_num_seqs = max_num_seqs
@@ -216,11 +221,11 @@ class ModelRunner:
         self.drop_tail = keep_tail(cfg, windows) if cfg is not None else 0
 
     def _default_kv_budget(self, max_num_seqs: int, max_num_batched_tokens: int, utilization: float,
-                           value_banks: bool = False) -> int:
+                           value_banks: bool = False, staging_bytes: int = 0) -> int:
         if self.device.type != "cuda":
             return 2 * GiB
         free, total = torch.cuda.mem_get_info(self.device)
-        reserved = self.non_kv_bytes(max_num_seqs, max_num_batched_tokens, value_banks)
+        reserved = self.non_kv_bytes(max_num_seqs, max_num_batched_tokens, value_banks) + staging_bytes
         return max(0, int(free - (1 - utilization) * total) - reserved - GiB)
 
     def non_kv_bytes(self, max_num_seqs: int, max_num_batched_tokens: int, value_banks: bool = False) -> int:
@@ -300,6 +305,11 @@ class ModelRunner:
 
     # -- run ------------------------------------------------------------------------------------
     def _context(self, p: StepPlan) -> ForwardContext:
+        sparse = self.sparse_planner.to_device(p.sparse, p.cu, p.ctx_lens, self._tensor) if p.has_sparse else None
+        if sparse is not None and self.staging is not None and self.staging.enabled and p.sparse.prefill_seqs:
+            stage = plan_staging(p.tables["global"], p.sparse.prefill_seqs, self.staging.capacity)
+            if stage is not None:
+                sparse.staged = self.staging.start(stage, self._block_tables(stage.tables))
         return ForwardContext(
             positions=self._tensor(p.positions, torch.int64),
             context_lens=self._tensor(p.ctx_lens, torch.int32),
@@ -309,7 +319,7 @@ class ModelRunner:
                                        block_tables=self._block_tables(p.tables[g]))
                     for g in self.groups},
             cu_seqlens_q_list=p.cu, context_lens_list=p.ctx_lens,
-            sparse=self.sparse_planner.to_device(p.sparse, p.cu, p.ctx_lens, self._tensor) if p.has_sparse else None,
+            sparse=sparse,
             token_drop=TokenDropStep(self.token_drop, p.drops, self.anchors, self.drop_tail) if p.drops else None,
             layer_kv=self._layer_kv(p) if p.layer_dropped is not None else None,
             decode_len_bound=self.decode_len_bound(p) if p.num_decodes else None)

@@ -24,6 +24,7 @@ when every decode row owns a bank row (``key_bank_slots``; otherwise it rotates,
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -32,6 +33,9 @@ from infhip.plugins._triton_utils import triton_on
 from infhip.plugins.infinitehip import (plan_query_blocks, pruning_stage, sparse_decode_attention,
                                         sparse_prefill_attention, unrotate_keys, write_key_bank)
 from infhip.runtime.mask_cache import MaskCache, MaskSlots, layer_offsets, refresh_from
+
+if TYPE_CHECKING:
+    from infhip.runtime.offload_staging import StagedStep
 
 
 @dataclass
@@ -78,6 +82,9 @@ class SparseStep:
     dense_prefill_runs: list[tuple[int, int]]
     dynamic_rope: bool
     bank_ok: bool  # decode may read the key bank (SparseStepHost.bank_ok)
+    # Offloaded pages of the sparse prefill chunks copied to the GPU, a layer at a time
+    # (runtime/offload_staging.py); None: prefill reads them in place (or there are none).
+    staged: StagedStep | None = None
 
 
 # Prefill steps with at least this many sparse query blocks prune from un-rotated keys
@@ -222,6 +229,7 @@ class InfiniteHipLayer:
         caches: cached decode steps then read only GPU pages)."""
         assert inv_freq.dtype == torch.float32, "RoPE inv_freq is stored in float32"
         self.cfg, self.scale, self.inv_freq = cfg, scale, inv_freq
+        self.layer = layer
         self.group = group  # refresh-phase group (SparsePlanner.layer_group)
         self.stages = cfg.stages_of(layer)
         self.pruning_rope = cfg.pruning_rope_of(layer)
@@ -244,7 +252,12 @@ class InfiniteHipLayer:
             self._decode(q, k_cache, v_cache, block_tables, step, out, ends, *extra)
         if step.prefill_seqs.numel():
             ends = step.prefill_ends if dropped is None else step.prefill_ends - dropped[step.prefill_seqs]
-            self._prefill(q, k_cache, v_cache, block_tables, step, out, ends, *extra)
+            if step.staged is None:
+                self._prefill(q, k_cache, v_cache, block_tables, step, out, ends, *extra)
+            else:  # the chunks' host pages, copied to a GPU twin (their tables renumbered)
+                twin = step.staged.acquire(self.layer)
+                self._prefill(q, k_cache, v_cache, step.staged.tables, step, out, ends, k_scale, v_scale, twin)
+                step.staged.release(self.layer)
 
     def _common(self) -> dict:
         return dict(n_sink=self.cfg.n_sink, n_stream=self.cfg.n_stream, inv_freq=self.inv_freq)

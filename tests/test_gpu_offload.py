@@ -20,10 +20,12 @@ def test_host_pool_is_pinned_at_its_exact_size():
     assert host.k.untyped_storage().nbytes() == 1000 * 16 * 8 * 128 * 2
 
 
-@pytest.mark.parametrize("kv_dtype", ["float32", "fp8"])
-def test_offloaded_decode_in_cuda_graphs_equals_resident(tmp_path, monkeypatch, kv_dtype):
+@pytest.mark.parametrize("kv_dtype,staged", [("float32", True), ("fp8", True), ("fp8", False)])
+def test_offloaded_decode_in_cuda_graphs_equals_resident(tmp_path, monkeypatch, kv_dtype, staged):
     """A tiny engine, every context past dense_threshold: with offloading (pages moved one at a
-    time, so the tables change during decode) the graphs produce the resident run's tokens."""
+    time, so the tables change during decode) the graphs produce the resident run's tokens; the
+    prefill chunks after the first read the offloaded pages staged by the side stream
+    (runtime/offload_staging.py) or in place."""
     from infhip import LLM, SamplingParams
     from infhip.builder.build import build_engine
 
@@ -42,7 +44,9 @@ def test_offloaded_decode_in_cuda_graphs_equals_resident(tmp_path, monkeypatch, 
     resident = LLM(engine, **kw)
     expected = [o.token_ids for o in resident.generate(prompt_token_ids=PROMPTS, sampling_params=sp)]
     offloaded = LLM(engine, kv_offload_bytes=1 << 26, **kw)
+    offloaded.runner.staging.enabled = staged
     moved = count_moves(offloaded)
     got = [o.token_ids for o in offloaded.generate(prompt_token_ids=PROMPTS, sampling_params=sp)]
     assert len(moved) >= 20 and len(offloaded.runner.graphs.lazy_graphs) >= 2
+    assert (offloaded.runner.staging.pages_staged > 0) == staged
     assert got == expected
