@@ -124,6 +124,8 @@ def main() -> None:
                         "trained window (128K for Llama-3.1-8B, ~10.3 GiB in fp8), the sink + stream after")
     p.add_argument("--prefill-chunk", type=int, default=32768,
                    help="also time one prefill step of this many tokens at each context (0: skip)")
+    p.add_argument("--in-place-max", type=int, default=1 << 40,
+                   help="contexts above this time no in-place offloaded prefill (it takes minutes to set up)")
     p.add_argument("--resident-max", type=int, default=None,
                    help="contexts above this get no resident run (it would not fit the GPU); their "
                         "ratios are against the resident run of the largest context at or below it")
@@ -172,7 +174,8 @@ def main() -> None:
                          "request_gpu_kv_gib": request_gib, "rows": rows, "prefill_ms": {}}
             if args.prefill_chunk:  # one chunk at context n, 3k-flash (the engine's preset)
                 llm.runner.set_infinitehip(plan.infinitehip)
-                variants = {"resident": True} if mode == "resident" else {"staged": True, "in place": False}
+                variants = ({"resident": True} if mode == "resident" else
+                            {"staged": True, "in place": False} if n <= args.in_place_max else {"staged": True})
                 for name, staged in variants.items():
                     if llm.runner.staging is not None:
                         llm.runner.staging.enabled = staged
