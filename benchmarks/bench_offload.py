@@ -140,7 +140,12 @@ def main() -> None:
 
     res = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
            "kv_dtype": args.kv_dtype, "contexts": {}}
+    # The resident runs get an engine whose max_seq_len its GPU can hold (one sequence's pages are
+    # reserved); the offloaded ones one for the largest context.
+    resident_max = max(n for n in contexts if args.resident_max is None or n <= args.resident_max)
     engine = build(args.work, max(contexts) + 8192, args.kv_dtype)
+    resident_engine = engine if resident_max == max(contexts) else build(
+        args.work / "resident", resident_max + 8192, args.kv_dtype)
     per_token = None
     for n in contexts:
         out = res["contexts"][str(n)] = {}
@@ -148,7 +153,7 @@ def main() -> None:
         for mode in ("offloaded",) if too_big else ("resident", "offloaded"):
             t0 = time.perf_counter()
             if mode == "resident":
-                llm = LLM(engine, max_num_seqs=1, kv_cache_memory_bytes=None)
+                llm = LLM(resident_engine, max_num_seqs=1, kv_cache_memory_bytes=None)
             elif per_token is None:
                 raise SystemExit("the first context needs a resident run (it sizes the host pool)")
             else:
