@@ -65,13 +65,14 @@ def grown_request(llm, n: int, chunk: int = 32768, computed: int | None = None):
     return seq
 
 
-def prefill_ms(llm, n: int, chunk: int = 32768, warmup: int = 200_000) -> float:
+def prefill_ms(llm, n: int, chunk: int = 32768) -> float:
     """Wall time of one step that prefills the last ``chunk`` tokens of an n-token request whose
-    first n - chunk are cached (offloaded as the runtime would have), after one such step at a
-    ``warmup``-token context (kernel compilation; past the trained window, like n)."""
+    first n - chunk are cached (offloaded as the runtime would have); the second of two such
+    steps, each on a fresh request (the first compiles: the pruning kernels' tiling constants
+    depend on the context, so a shorter warm-up would not do)."""
     times = []
-    for m in (min(n, warmup), n):
-        seq = grown_request(llm, m, computed=m - chunk)
+    for _ in range(2):
+        seq = grown_request(llm, n, computed=n - chunk)
         torch.cuda.synchronize()
         t = time.perf_counter()
         llm.step()  # the chunk (32 layers of pruning + block-sparse attention), then its sampled token
