@@ -44,3 +44,36 @@ def count_moves(llm) -> list[int]:
         return src, dst
     llm.runner.kv.offload = counted
     return moved
+
+
+def poison_host_during_staged_prefill(monkeypatch) -> list[int]:
+    """From now on, while a layer's staged prefill runs (runtime/offload_staging.py, between its
+    acquire and release), that layer's host pool is NaN, restored after: a kernel that read a
+    host page instead of the staged copy would poison the output. Returns the layers acquired
+    (a live list)."""
+    from infhip.runtime.offload_staging import StagedStep
+
+    saved: dict[int, torch.Tensor] = {}
+    calls: list[int] = []
+    real_acquire, real_release = StagedStep.acquire, StagedStep.release
+
+    def pool(step, layer):
+        host = step.staging.hosts[step.staging.order[layer]]
+        return [t for t in (host.k, host.v, host.k_scale, host.v_scale) if t is not None]
+
+    def acquire(self, layer):
+        twin = real_acquire(self, layer)  # on CPU the copies are done when it returns
+        for t in pool(self, layer):
+            saved[id(t)] = t.clone()
+            t.fill_(float("nan"))
+        calls.append(layer)
+        return twin
+
+    def release(self, layer):
+        for t in pool(self, layer):
+            t.copy_(saved.pop(id(t)))
+        real_release(self, layer)
+
+    monkeypatch.setattr(StagedStep, "acquire", acquire)
+    monkeypatch.setattr(StagedStep, "release", release)
+    return calls

@@ -1,7 +1,8 @@
 """KV offloading in the runtime (tiny CPU engines): requests past the InfiniteHiP threshold move
 their middle pages to the host pool after each step, and generate exactly the tokens they
 generate with every page on the GPU — through the torch references and through the Triton
-kernels under the interpreter, over float32 and fp8 caches."""
+kernels under the interpreter, over float32 and fp8 caches. Prefill chunks read the offloaded
+pages from staged GPU copies (runtime/offload_staging.py; tests/test_offload_staging.py)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from infhip import LLM, SamplingParams
 from infhip.builder.build import build_engine
 from tests._tiny import write_tiny_hf_checkpoint
 
-from ._offload import count_moves
+from ._offload import count_moves, poison_host_during_staged_prefill
 
 from .test_infinitehip_runtime import LOW, PROMPTS, TINY
 
@@ -58,14 +59,18 @@ def small_batches(monkeypatch):
 # fp8 kernels over host pages are covered by the plugin tests: one interpreted run is enough here
 @pytest.mark.parametrize("kernels,engine", [("references", "3k"), ("references", "3k-fp8"), ("interpreter", "3k")])
 def test_offloaded_pages_generate_the_same_tokens(engines, small_batches, monkeypatch, engine, kernels):
+    """Prefill kernels run while the host pools are NaN: they read only the staged copies (the
+    interpreted run: a twin at another address, reached by the same element offsets)."""
     prompts, params = PROMPTS, GREEDY
     if kernels == "references":
         monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     else:  # the interpreter is slow: two requests, fewer tokens
         prompts, params = [PROMPTS[0], PROMPTS[2]], SHORT
     expected, none_moved = run(engines[engine], 0, prompts=prompts, params=params)
+    staged = poison_host_during_staged_prefill(monkeypatch)
     got, moved = run(engines[engine], 4 * MiB, prompts=prompts, params=params)
     assert none_moved == 0 and moved >= 10, f"only {moved} pages moved: the test would not exercise host pages"
+    assert len(staged) >= 4, "no prefill step read staged pages"
     assert got == expected
 
 

@@ -1,17 +1,18 @@
 """Staged prefill over an offloaded cache (runtime/offload_staging.py): the plan (which host
-pages go to which staging slot, in how many copies), and in the runtime that prefill kernels read
-only the staged copies — the host pools are NaN while they run — and generate the resident run's
-tokens, staged or not."""
+pages go to which staging slot, in how many copies), the buffers, and the in-place fallback.
+That staged prefill reads only the staged copies and generates the resident run's tokens is
+tests/test_kv_offload_runtime.py's main test (the host pools are NaN while prefill kernels run:
+tests/_offload.py poison_host_during_staged_prefill)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from infhip.runtime.offload_staging import StagedStep, plan_staging
+from infhip.runtime.offload_staging import plan_staging
 
 from .test_infinitehip_runtime import PROMPTS
-from .test_kv_offload_runtime import GREEDY, MiB, SHORT, engines, run, small_batches  # noqa: F401 (fixtures)
+from .test_kv_offload_runtime import GREEDY, MiB, PAST, engines, run, small_batches  # noqa: F401 (fixtures)
 
 
 def test_plan_renumbers_host_entries_of_the_staged_rows_only():
@@ -35,69 +36,12 @@ def test_plan_declines_what_it_cannot_stage():
     assert len(plan_staging(scattered, rows=[0], capacity=64, max_runs=10).runs) == 10
 
 
-@pytest.fixture
-def poisoned_host_during_prefill(monkeypatch):
-    """While a layer's staged prefill runs, its host pool is NaN (restored after): a kernel that
-    read a host page instead of the staged copy would poison the output."""
-    saved = {}
-
-    def poison(host):
-        for t in (host.k, host.v, host.k_scale, host.v_scale):
-            if t is not None:
-                saved[id(t)] = t.clone()
-                t.fill_(float("nan"))
-
-    def restore(host):
-        for t in (host.k, host.v, host.k_scale, host.v_scale):
-            if t is not None:
-                t.copy_(saved.pop(id(t)))
-
-    real_acquire, real_release = StagedStep.acquire, StagedStep.release
-    calls = []
-
-    def acquire(self, layer):
-        twin = real_acquire(self, layer)  # (on CPU the copies are done when it returns)
-        poison(self.staging.hosts[self.staging.order[layer]])
-        calls.append(layer)
-        return twin
-
-    def release(self, layer):
-        restore(self.staging.hosts[self.staging.order[layer]])
-        real_release(self, layer)
-
-    monkeypatch.setattr(StagedStep, "acquire", acquire)
-    monkeypatch.setattr(StagedStep, "release", release)
-    return calls
-
-
-@pytest.mark.parametrize("engine", ["3k", "3k-fp8"])
-def test_staged_prefill_reads_only_the_staged_copies(engines, small_batches, poisoned_host_during_prefill,
-                                                     monkeypatch, engine):
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # torch references: fast
-    expected, _ = run(engines[engine], 0)
-    got, moved = run(engines[engine], 4 * MiB)
-    assert moved >= 10 and len(poisoned_host_during_prefill) >= 4, "no staged prefill step ran"
-    assert got == expected
-
-
-def test_staged_kernels_generate_the_resident_tokens(engines, small_batches, poisoned_host_during_prefill):
-    """The Triton kernels (interpreter) over a staged twin: a CPU tensor at another address than
-    the host pool, reached by the same element offsets."""
-    prompts = [PROMPTS[0], PROMPTS[2]]
-    expected, _ = run(engines["3k"], 0, prompts=prompts, params=SHORT)
-    got, _ = run(engines["3k"], 4 * MiB, prompts=prompts, params=SHORT)
-    assert len(poisoned_host_during_prefill) >= 2
-    assert got == expected
-
-
 def test_prefill_reads_in_place_when_staging_is_off(engines, small_batches, monkeypatch):
     """enabled = False (or a step that does not fit the buffers): the kernels read the host pool."""
     from infhip import LLM
 
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     expected, _ = run(engines["3k"], 0)
-    from .test_kv_offload_runtime import PAST
-
     llm = LLM(engines["3k"], max_num_batched_tokens=48, infinitehip_overrides=PAST, kv_offload_bytes=4 * MiB)
     llm.runner.staging.enabled = False
     got = [o.token_ids for o in llm.generate(prompt_token_ids=PROMPTS, sampling_params=GREEDY)]
