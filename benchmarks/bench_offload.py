@@ -42,6 +42,16 @@ GiB = 1 << 30
 CONFIGS = {"3k-flash": dict(refresh_intervals=(96, 24, 8)), "3k": dict(refresh_intervals=(16, 8, 4))}
 
 
+def config_knobs(name: str) -> dict:
+    """Runtime knobs of a config: a name in CONFIGS, or ``r<n1>-<n2>-<n3>`` for those refresh
+    intervals (e.g. r256-8-4: stage 1 almost never, to take its refreshes out of a breakdown)."""
+    if name in CONFIGS:
+        return CONFIGS[name]
+    if name.startswith("r") and all(x.isdigit() for x in name[1:].split("-")):
+        return dict(refresh_intervals=tuple(int(x) for x in name[1:].split("-")))
+    raise SystemExit(f"unknown config {name!r}: use one of {', '.join(CONFIGS)} or r<n1>-<n2>-<n3>")
+
+
 def grown_request(llm, n: int, chunk: int = 32768, computed: int | None = None):
     """bench_decode_e2e.synthetic_request, but its pages are appended a chunk at a time and
     offloaded after each (runner._offload, what a prefill step ends with). ``computed`` (default
@@ -84,19 +94,29 @@ def prefill_ms(llm, n: int, chunk: int = 32768) -> float:
 
 def measure(llm, configs: list[str], plan, with_dense: bool) -> dict:
     from infhip.builder.presets import apply_runtime_overrides
+    from infhip.runtime.offload_cache import CacheStats
 
     rows = {}
-    todo = ([("dense", dict(dense_threshold=1 << 40))] if with_dense else []) + [(c, CONFIGS[c]) for c in configs]
+    todo = ([("dense", dict(dense_threshold=1 << 40))] if with_dense else []) + [(c, config_knobs(c)) for c in configs]
     for name, knobs in todo:
         ih = apply_runtime_overrides(plan, knobs).infinitehip
         llm.runner.set_infinitehip(ih)
         cycle = ih.refresh_intervals[0] if name != "dense" else 8
         step_times_ms(llm, cycle + 8)  # warm-up: every refresh pattern's graph
-        times = step_times_ms(llm, max(64, 2 * cycle))
+        cache = llm.runner.page_cache
+        if cache is not None:
+            cache.stats = CacheStats()
+        times = step_times_ms(llm, max(64, 2 * cycle))  # whole cycles: the mean is the amortized step
         med = statistics.median(times)
-        rows[name] = {"median_ms": med, "p99_ms": p99(times), "fused8_tok_s": fused_tok_s(llm, 96), "step_ms": times}
-        print(f"  {name:<10} median {med:7.2f} ms  P99 {p99(times):7.2f}  fused {rows[name]['fused8_tok_s']:7.1f} tok/s",
-              flush=True)
+        rows[name] = {"median_ms": med, "mean_ms": statistics.fmean(times), "p99_ms": p99(times),
+                      "fused8_tok_s": fused_tok_s(llm, 96), "step_ms": times}
+        print(f"  {name:<13} median {med:7.2f} ms  mean {rows[name]['mean_ms']:7.2f}  P99 {p99(times):7.2f}  "
+              f"fused {rows[name]['fused8_tok_s']:7.1f} tok/s", flush=True)
+        if cache is not None:
+            rows[name]["page_cache"] = dict(vars(cache.stats), hit_ratio=cache.stats.hit_ratio,
+                                            pages_per_layer=cache.capacity)
+            print(f"  {'':<13} page cache: {cache.capacity} pages per layer, hit ratio {cache.stats.hit_ratio:.3f}, "
+                  f"{cache.stats.copied} copied, {cache.stats.evicted} evicted", flush=True)
     return rows
 
 
@@ -127,6 +147,9 @@ def main() -> None:
                    help="also time one prefill step of this many tokens at each context (0: skip)")
     p.add_argument("--in-place-max", type=int, default=1 << 40,
                    help="contexts above this time no in-place offloaded prefill (it takes minutes to set up)")
+    p.add_argument("--page-cache", action=argparse.BooleanOptionalAction, default=True,
+                   help="also run offloaded with GPU copies of hot host pages (runtime/offload_cache.py; "
+                        "mode 'cached'); 'offloaded' runs without them")
     p.add_argument("--resident-max", type=int, default=None,
                    help="contexts above this get no resident run (it would not fit the GPU); their "
                         "ratios are against the resident run of the largest context at or below it")
@@ -151,15 +174,17 @@ def main() -> None:
     for n in contexts:
         out = res["contexts"][str(n)] = {}
         too_big = args.resident_max is not None and n > args.resident_max
-        for mode in ("offloaded",) if too_big else ("resident", "offloaded"):
+        offloaded = ["offloaded"] + (["cached"] if args.page_cache else [])
+        for mode in offloaded if too_big else ["resident"] + offloaded:
             t0 = time.perf_counter()
             if mode == "resident":
                 llm = LLM(resident_engine, max_num_seqs=1, kv_cache_memory_bytes=None)
             elif per_token is None:
                 raise SystemExit("the first context needs a resident run (it sizes the host pool)")
-            else:
+            else:  # "offloaded": every refresh reads the host; "cached": GPU copies of hot host pages
                 llm = LLM(engine, max_num_seqs=1, kv_cache_memory_bytes=int(args.gpu_kv_gib * GiB),
-                          kv_offload_bytes=int(1.03 * n * per_token))
+                          kv_offload_bytes=int(1.03 * n * per_token),
+                          kv_offload_cache_tokens=None if mode == "cached" else 0)
             for layer in llm.engine.model.layers:
                 fill_random(layer.self_attn)
             plan = llm.engine.config.plan
@@ -168,7 +193,7 @@ def main() -> None:
                 a = llm.engine.model.layers[0].self_attn
                 per_token = len(llm.engine.model.layers) * 2 * (a.k_cache[0, 0].numel() * a.k_cache.element_size()
                                                                 + (4 * a.k_cache.shape[2] if a.k_scale is not None else 0))
-            seq = grown_request(llm, n) if mode == "offloaded" else grown_request(llm, n, chunk=n)
+            seq = grown_request(llm, n) if mode != "resident" else grown_request(llm, n, chunk=n)
             print(f"{n} {mode}: GPU KV {gpu_b / GiB:.1f} GiB, host KV {host_b / GiB:.1f} GiB, "
                   f"set-up {time.perf_counter() - t0:.0f} s", flush=True)
             rows = measure(llm, configs, plan, with_dense=mode == "resident")
@@ -180,7 +205,7 @@ def main() -> None:
                          "request_gpu_kv_gib": request_gib, "rows": rows, "prefill_ms": {}}
             if args.prefill_chunk:  # one chunk at context n, 3k-flash (the engine's preset)
                 llm.runner.set_infinitehip(plan.infinitehip)
-                variants = ({"resident": True} if mode == "resident" else
+                variants = ({"resident": True} if mode == "resident" else {} if mode == "cached" else
                             {"staged": True, "in place": False} if n <= args.in_place_max else {"staged": True})
                 for name, staged in variants.items():
                     if llm.runner.staging is not None:
@@ -194,7 +219,7 @@ def main() -> None:
     (args.out / "bench_offload.json").write_text(json.dumps(res, indent=2))
     print(f"\n{res['gpu']}  torch {res['torch']}  triton {res['triton']}; Llama-3.1-8B shapes, random weights, "
           f"bf16 weights, KV {args.kv_dtype}, batch 1, CUDA graphs; ratios in this run")
-    print(f"{'context':>8} {'config':<10}{'mode':<10}{'req KV GiB':>11}{'median ms':>10}{'P99/med':>8}"
+    print(f"{'context':>8} {'config':<13}{'mode':<10}{'req KV GiB':>11}{'median ms':>10}{'mean ms':>9}{'P99/med':>8}"
           f"{'tok/s':>8}{'x resident':>11}{'x dense':>8}")
     resident = None
     for n, modes in res["contexts"].items():
@@ -203,7 +228,7 @@ def main() -> None:
         for mode, m in modes.items():
             for name, r in m["rows"].items():
                 base = resident["rows"][name]
-                print(f"{n:>8} {name:<10}{mode:<10}{m['request_gpu_kv_gib']:>11.1f}{r['median_ms']:>10.2f}"
+                print(f"{n:>8} {name:<13}{mode:<10}{m['request_gpu_kv_gib']:>11.1f}{r['median_ms']:>10.2f}{r['mean_ms']:>9.2f}"
                       f"{r['p99_ms'] / r['median_ms']:>8.2f}{r['fused8_tok_s']:>8.1f}"
                       f"{r['fused8_tok_s'] / base['fused8_tok_s']:>11.2f}{r['fused8_tok_s'] / dense['fused8_tok_s']:>8.2f}")
     if args.prefill_chunk:

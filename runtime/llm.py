@@ -58,6 +58,10 @@ class LLM:
             with InfiniteHiP: once a request passes the dense threshold, its pages between the
             sink and the stream move to the host and the sparse kernels read them in place, so
             the GPU holds about sink + stream + one chunk per request (plugins/kv_offload.py).
+        kv_offload_cache_tokens: with kv_offload_bytes, GPU room (tokens per layer) for copies
+            of the host pages decode's pruning refreshes read most: the pages of stage 1's
+            survivors, kept by LRU (runtime/offload_cache.py). Default: one request's survivors
+            (the first stage's k); 0: none, every refresh reads the host.
         enforce_eager: never use CUDA graphs.
         num_decode_steps: when a step is all decodes and nobody waits, run this many decode steps
             back to back on the device (each feeds on the last one's tokens) before the host looks
@@ -77,7 +81,7 @@ class LLM:
                  max_num_batched_tokens: int | None = None, kv_cache_memory_bytes: int | None = None,
                  enforce_eager: bool = False, num_decode_steps: int | None = None,
                  infinitehip_overrides: dict | None = None, token_drop: bool | dict | None = None,
-                 kv_offload_bytes: int = 0):
+                 kv_offload_bytes: int = 0, kv_offload_cache_tokens: int | None = None):
         self.engine = load_engine(engine_dir, device)
         if infinitehip_overrides:
             config = self.engine.config
@@ -100,7 +104,8 @@ class LLM:
             raise ValueError(f"max_num_batched_tokens ({budget}) must be >= max_num_seqs ({self.max_num_seqs})")
         self.runner = ModelRunner(self.engine, self.max_num_seqs, budget, kv_cache_memory_bytes,
                                   enforce_eager=enforce_eager, max_decode_steps=num_decode_steps,
-                                  kv_offload_bytes=kv_offload_bytes)
+                                  kv_offload_bytes=kv_offload_bytes,
+                                  kv_offload_cache_tokens=kv_offload_cache_tokens)
         self.scheduler = Scheduler(self.runner.kv, self.max_num_seqs, budget, build.max_seq_len)
         self.sampler = Sampler()
         self.tokenizer = self.engine.tokenizer

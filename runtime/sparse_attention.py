@@ -30,6 +30,7 @@ import torch
 
 from infhip.config import InfiniteHipConfig
 from infhip.plugins._triton_utils import triton_on
+from infhip.plugins.kv_offload import cached_tables
 from infhip.plugins.infinitehip import (plan_query_blocks, pruning_stage, sparse_decode_attention,
                                         sparse_prefill_attention, unrotate_keys, write_key_bank)
 from infhip.runtime.mask_cache import MaskCache, MaskSlots, layer_offsets, refresh_from
@@ -270,6 +271,10 @@ class InfiniteHipLayer:
         kw, cache = self._common(), self.cache
         prune_kw = self._prune_kw()
         rope = self.pruning_rope if step.dynamic_rope else "none"
+        bank = cache.bank is not None and step.dynamic_rope and step.bank_ok  # else rotate: same tokens
+        if offload is not None and offload.gpu_pages is not None and (any(step.refresh[self.group]) or not bank):
+            # host pages with a GPU copy (runtime/offload_cache.py) are read from it
+            block_tables = cached_tables(block_tables, offload.gpu_pages)
         for i, stage in enumerate(self.stages):
             if not step.refresh[self.group][i]:
                 continue
@@ -291,7 +296,6 @@ class InfiniteHipLayer:
                                v_cache=v_cache, v_scale=v_scale, value_bank=cache.value_bank)
         rows = step.decode_rows
         selected = cache.selected[-1][step.decode_slots]
-        bank = cache.bank is not None and step.dynamic_rope and step.bank_ok  # else rotate: same tokens
         out[rows] = sparse_decode_attention(
             q[rows], k_cache, v_cache, block_tables[rows], ends, selected, scale=self.scale,
             rope_style=self.cfg.attention_rope if step.dynamic_rope else "none",
