@@ -110,11 +110,12 @@ def test_decode_reads_the_gpu_copies_of_hot_host_pages(engines, small_batches, m
 
 
 def test_a_small_cache_evicts_and_generates_the_same_tokens(engines, small_batches, monkeypatch):  # noqa: F811
-    """One page of copies per layer for three requests: constant eviction, same tokens."""
+    """One page of copies per layer for three requests, stage 1 recomputed every step: constant
+    eviction, same tokens."""
     from infhip import LLM
 
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    knobs = dict(PAST, refresh_intervals=[2, 1, 1])
+    knobs = dict(PAST, refresh_intervals=[1, 1, 1])
     expected, _ = run(engines["3k"], 0, overrides=knobs, params=SHORT)
     llm = LLM(engines["3k"], max_num_batched_tokens=48, infinitehip_overrides=knobs,
               kv_offload_bytes=4 * MiB, kv_offload_cache_tokens=16)
