@@ -107,6 +107,7 @@ def measure(llm, configs: list[str], plan, with_dense: bool) -> dict:
         if cache is not None:
             cache.stats = CacheStats()
         times = step_times_ms(llm, max(64, 2 * cycle))  # whole cycles: the mean is the amortized step
+        host_ms = 1e3 * cache.stats.host_s / len(times) if cache is not None else 0.0  # page cache, per step
         med = statistics.median(times)
         rows[name] = {"median_ms": med, "mean_ms": statistics.fmean(times), "p99_ms": p99(times),
                       "fused8_tok_s": fused_tok_s(llm, 96), "step_ms": times}
@@ -114,9 +115,10 @@ def measure(llm, configs: list[str], plan, with_dense: bool) -> dict:
               f"fused {rows[name]['fused8_tok_s']:7.1f} tok/s", flush=True)
         if cache is not None:
             rows[name]["page_cache"] = dict(vars(cache.stats), hit_ratio=cache.stats.hit_ratio,
-                                            pages_per_layer=cache.capacity)
+                                            pages_per_layer=cache.capacity, host_ms_per_step=host_ms)
             print(f"  {'':<13} page cache: {cache.capacity} pages per layer, hit ratio {cache.stats.hit_ratio:.3f}, "
-                  f"{cache.stats.copied} copied, {cache.stats.evicted} evicted", flush=True)
+                  f"{cache.stats.copied} copied, {cache.stats.evicted} evicted, host "
+                  f"{host_ms:.2f} ms/step", flush=True)
     return rows
 
 

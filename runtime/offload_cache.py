@@ -29,6 +29,8 @@ page that does not fit stays a (slower) host read.
 
 from __future__ import annotations
 
+import operator
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -128,6 +130,7 @@ class CacheStats:
     copied: int = 0
     evicted: int = 0
     invalidated: int = 0
+    host_s: float = 0.0  # host time in collect and apply
 
     @property
     def hit_ratio(self) -> float:
@@ -162,6 +165,7 @@ class OffloadPageCache:
         """After a step's kernels are queued: for every layer whose stage 1 was recomputed by some
         decode row in ``host_plans`` (the step's SparseStepHost, one per fused decode step; rows
         index ``seqs``), start copying those rows' survivors to the host."""
+        t0 = time.perf_counter()
         rows: dict[int, dict[int, int]] = {}  # layer -> {slot: seq_id}
         for h in host_plans:
             if h is None or not h.decode_rows:
@@ -171,22 +175,27 @@ class OffloadPageCache:
                 for r, b in enumerate(h.decode_rows):
                     if h.decode_first_stage[r][g] == 0:
                         rows.setdefault(k, {})[h.decode_slots[r]] = seqs[b].seq_id
+        on_gpu = self.device.type == "cuda"
         for k, slot_seq in rows.items():
             cache = self.layers[k].sparse.cache
-            slots = torch.tensor(list(slot_seq), dtype=torch.int64, device=self.device)
-            on_gpu = self.device.type == "cuda"
-            sel = cache.selected[0][slots].to("cpu", non_blocking=on_gpu)  # pinned when non-blocking
-            lens = cache.lens[0][slots].to("cpu", non_blocking=on_gpu)
+            # one row per slot into pinned memory, queued on the stream: no host wait here
+            sel = torch.empty((len(slot_seq), cache.selected[0].shape[1]), dtype=torch.int32, pin_memory=on_gpu)
+            lens = torch.empty(len(slot_seq), dtype=torch.int32, pin_memory=on_gpu)
+            for i, slot in enumerate(slot_seq):
+                sel[i].copy_(cache.selected[0][slot], non_blocking=on_gpu)
+                lens[i:i + 1].copy_(cache.lens[0][slot:slot + 1], non_blocking=on_gpu)
             done = None
             if on_gpu:
                 done = torch.cuda.Event()
                 done.record()
             self._pending.append(_Pending(k, list(slot_seq.values()), sel, lens, done))
+        self.stats.host_s += time.perf_counter() - t0
 
     def apply(self, kv) -> None:
         """Before a step's kernels: drop the copies of host pages freed since the last step, then
         admit the pages of the survivors collected after the last step (``kv``: the
         KVCacheManager, for the requests' current tables)."""
+        t0 = time.perf_counter()
         freed = kv.pop_freed_host_pages("global")
         if freed:
             pages = np.unique(np.asarray(freed, dtype=np.int64))
@@ -201,14 +210,18 @@ class OffloadPageCache:
                 item.done.synchronize()  # normally long done: the step that queued it has sampled
             needed = []
             for seq_id, sel, n in zip(item.seq_ids, item.selected.numpy(), item.lens.tolist()):
-                table = np.asarray(kv.page_list(seq_id, "global"), dtype=np.int64)
-                if table.size == 0:  # finished since
-                    continue
+                table = kv.page_list(seq_id, "global")  # a list of up to max_seq_len / page_size ints
                 logical = survivor_pages(sel[:n].astype(np.int64), self.page_size)
-                entries = table[logical[logical < table.size]]
+                logical = logical[logical < len(table)].tolist()  # none left if it finished since
+                if not logical:
+                    continue
+                # only the survivors' entries (converting the whole table costs ms at 1M tokens)
+                entries = np.array(operator.itemgetter(*logical)(table) if len(logical) > 1 else
+                                   [table[logical[0]]], dtype=np.int64)
                 needed.append(-1 - entries[entries < 0])
             if needed:
                 self._admit(item.layer, np.unique(np.concatenate(needed)))
+        self.stats.host_s += time.perf_counter() - t0
 
     def _admit(self, k: int, needed: np.ndarray) -> None:
         a, lru = self.layers[k], self.lru[k]
@@ -221,9 +234,13 @@ class OffloadPageCache:
         self.stats.evicted += int(evicted.size)
         dst = self._pool[torch.from_numpy(slots)]
         host = torch.from_numpy(admitted)
-        index = torch.cat([torch.from_numpy(evicted), host]).to(self.device)
-        value = torch.cat([torch.full((evicted.size,), -1, dtype=torch.int32), dst]).to(self.device)
+        index = self._to_device(torch.cat([torch.from_numpy(evicted), host]))
+        value = self._to_device(torch.cat([torch.full((evicted.size,), -1, dtype=torch.int32), dst]))
         # stream order: the map changes and the copies land before the next kernel reads either
         a.host_kv.gpu_pages[index] = value
-        copy_pages(a.k_cache, a.v_cache, a.k_scale, a.v_scale, (-1 - host).to(torch.int32).to(self.device),
-                   dst.to(self.device), a.host_kv)
+        copy_pages(a.k_cache, a.v_cache, a.k_scale, a.v_scale, self._to_device((-1 - host).to(torch.int32)),
+                   self._to_device(dst), a.host_kv)
+
+    def _to_device(self, t: torch.Tensor) -> torch.Tensor:
+        """Host -> device without a stream sync (a pageable copy would wait for queued kernels)."""
+        return t.pin_memory().to(self.device, non_blocking=True) if self.device.type == "cuda" else t
