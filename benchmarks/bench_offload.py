@@ -186,7 +186,7 @@ def main() -> None:
             else:  # "offloaded": every refresh reads the host; "cached": GPU copies of hot host pages
                 llm = LLM(engine, max_num_seqs=1, kv_cache_memory_bytes=int(args.gpu_kv_gib * GiB),
                           kv_offload_bytes=int(1.03 * n * per_token),
-                          kv_offload_cache_tokens=None if mode == "cached" else 0)
+                          kv_offload_cache_tokens=None if mode == "cached" else 0)  # None: stage 1's k
             for layer in llm.engine.model.layers:
                 fill_random(layer.self_attn)
             plan = llm.engine.config.plan

@@ -60,8 +60,10 @@ class LLM:
             the GPU holds about sink + stream + one chunk per request (plugins/kv_offload.py).
         kv_offload_cache_tokens: with kv_offload_bytes, GPU room (tokens per layer) for copies
             of the host pages decode's pruning refreshes read most: the pages of stage 1's
-            survivors, kept by LRU (runtime/offload_cache.py). Default: one request's survivors
-            (the first stage's k); 0: none, every refresh reads the host.
+            survivors, kept by LRU (runtime/offload_cache.py). None: one request's survivors
+            (the first stage's k). Default 0 (off): on random weights, whose masks change at
+            every refresh, it made 1M-token decode slower (docs/benchmarks.md); it pays only
+            where masks stay put between stage-1 refreshes.
         enforce_eager: never use CUDA graphs.
         num_decode_steps: when a step is all decodes and nobody waits, run this many decode steps
             back to back on the device (each feeds on the last one's tokens) before the host looks
@@ -81,7 +83,7 @@ class LLM:
                  max_num_batched_tokens: int | None = None, kv_cache_memory_bytes: int | None = None,
                  enforce_eager: bool = False, num_decode_steps: int | None = None,
                  infinitehip_overrides: dict | None = None, token_drop: bool | dict | None = None,
-                 kv_offload_bytes: int = 0, kv_offload_cache_tokens: int | None = None):
+                 kv_offload_bytes: int = 0, kv_offload_cache_tokens: int | None = 0):
         self.engine = load_engine(engine_dir, device)
         if infinitehip_overrides:
             config = self.engine.config

@@ -65,11 +65,11 @@ class ModelRunner:
     def __init__(self, engine: LoadedEngine, max_num_seqs: int, max_num_batched_tokens: int,
                  kv_cache_memory_bytes: int | None = None, gpu_memory_utilization: float = 0.9,
                  enforce_eager: bool = False, max_decode_steps: int = 1, kv_offload_bytes: int = 0,
-                 kv_offload_cache_tokens: int | None = None):
+                 kv_offload_cache_tokens: int | None = 0):
         """kv_offload_bytes: host memory for offloaded KV pages (0: none; _offload_spec).
         kv_offload_cache_tokens: with offloading, GPU pages for copies of that many tokens of
-        hot host pages per layer (runtime/offload_cache.py; default: one request's stage-1
-        survivors; 0: none)."""
+        hot host pages per layer (runtime/offload_cache.py; None: one request's stage-1
+        survivors; 0, the default: none)."""
         self.engine, self.model, self.device = engine, engine.model, engine.device
         cfg, build = engine.config.model, engine.config.build
         self.page_size = build.page_size
@@ -177,8 +177,8 @@ class ModelRunner:
             self.graphs.lazy_graphs.clear()
 
     def _offload_cache_pages(self, tokens: int | None) -> int:
-        """GPU pool pages for copies of hot host pages: ``tokens`` per layer (default: the
-        stage-1 survivors of one request, the pages stages 2 and 3 and the bank writer read)."""
+        """GPU pool pages for copies of hot host pages: ``tokens`` per layer (None: the stage-1
+        survivors of one request, the pages stages 2 and 3 and the bank writer read)."""
         if tokens is None:
             tokens = self.engine.config.plan.infinitehip.stages[0].k
         if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0:

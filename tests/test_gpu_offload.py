@@ -44,7 +44,7 @@ def test_offloaded_decode_in_cuda_graphs_equals_resident(tmp_path, monkeypatch, 
     kw = dict(kv_cache_memory_bytes=1 << 26, max_num_batched_tokens=64)
     resident = LLM(engine, **kw)
     expected = [o.token_ids for o in resident.generate(prompt_token_ids=PROMPTS, sampling_params=sp)]
-    offloaded = LLM(engine, kv_offload_bytes=1 << 26, **kw)
+    offloaded = LLM(engine, kv_offload_bytes=1 << 26, kv_offload_cache_tokens=1024, **kw)
     offloaded.runner.staging.enabled = staged
     moved = count_moves(offloaded)
     poisoned = poison_copied_host_pages_during_decode(monkeypatch)  # decode reads their GPU copies

@@ -128,11 +128,10 @@ def test_a_small_cache_evicts_and_generates_the_same_tokens(engines, small_batch
 def test_cache_size_knob(engines):  # noqa: F811
     from infhip import LLM
 
-    llm = LLM(engines["3k"], infinitehip_overrides=PAST, kv_offload_bytes=4 * MiB)
+    llm = LLM(engines["3k"], infinitehip_overrides=PAST, kv_offload_bytes=4 * MiB, kv_offload_cache_tokens=None)
     k1 = llm.engine.config.plan.infinitehip.stages[0].k
-    assert llm.runner.page_cache.capacity == -(-k1 // llm.runner.page_size)  # default: stage 1's survivors
-    assert LLM(engines["3k"], infinitehip_overrides=PAST, kv_offload_bytes=4 * MiB,
-               kv_offload_cache_tokens=0).runner.page_cache is None
+    assert llm.runner.page_cache.capacity == -(-k1 // llm.runner.page_size)  # None: stage 1's survivors
+    assert LLM(engines["3k"], infinitehip_overrides=PAST, kv_offload_bytes=4 * MiB).runner.page_cache is None
     assert LLM(engines["3k"], infinitehip_overrides=PAST).runner.page_cache is None  # no offloading
     with pytest.raises(ValueError, match="kv_offload_cache_tokens must be an int >= 0"):
         LLM(engines["3k"], infinitehip_overrides=PAST, kv_offload_bytes=4 * MiB, kv_offload_cache_tokens=-1)
