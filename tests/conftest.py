@@ -17,6 +17,11 @@ if not _HAS_NVIDIA:
 
 import torch  # noqa: E402  (after the env var on purpose)
 
+# Under pytest-xdist (the README runs `-n 2`) each worker gets one torch thread: two workers with
+# two threads each would fight over a 2-core machine.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(1)
+
 HAS_CUDA = torch.cuda.is_available()
 if not HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
