@@ -230,9 +230,10 @@ def main() -> None:
         for mode, m in modes.items():
             for name, r in m["rows"].items():
                 base = resident["rows"][name]
-                print(f"{n:>8} {name:<13}{mode:<10}{m['request_gpu_kv_gib']:>11.1f}{r['median_ms']:>10.2f}{r['mean_ms']:>9.2f}"
-                      f"{r['p99_ms'] / r['median_ms']:>8.2f}{r['fused8_tok_s']:>8.1f}"
-                      f"{r['fused8_tok_s'] / base['fused8_tok_s']:>11.2f}{r['fused8_tok_s'] / dense['fused8_tok_s']:>8.2f}")
+                tok_s = r["fused8_tok_s"]
+                print(f"{n:>8} {name:<13}{mode:<10}{m['request_gpu_kv_gib']:>11.1f}{r['median_ms']:>10.2f}"
+                      f"{r['mean_ms']:>9.2f}{r['p99_ms'] / r['median_ms']:>8.2f}{tok_s:>8.1f}"
+                      f"{tok_s / base['fused8_tok_s']:>11.2f}{tok_s / dense['fused8_tok_s']:>8.2f}")
     if args.prefill_chunk:
         print(f"\nprefill of one {args.prefill_chunk}-token chunk (3k-flash, all layers, wall ms; "
               "x resident = resident time / this time)")

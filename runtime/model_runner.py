@@ -84,6 +84,9 @@ class ModelRunner:
         page_bytes = 2 * self.page_size * cfg.num_kv_heads * row_bytes
 
         offload = self._offload_spec(kv_offload_bytes, page_bytes, layer_groups.count("global"))
+        if kv_offload_cache_tokens and not offload:
+            raise ValueError(f"kv_offload_cache_tokens={kv_offload_cache_tokens} keeps GPU copies of offloaded pages: "
+                             "it needs kv_offload_bytes > 0")
         cache_pages = self._offload_cache_pages(kv_offload_cache_tokens) if offload else 0
         # staged prefill (runtime/offload_staging.py): two buffers of one sequence's host pages
         staging_pages = min(offload.host_pages, self.max_pages_per_seq) if offload else 0
@@ -107,7 +110,7 @@ class ModelRunner:
                     f"{group} layers, one sequence of {self.max_seq_len} tokens needs {per_seq + 1}; "
                     "pass a larger kv_cache_memory_bytes or rebuild with a smaller --max-seq-len")
             if extra:  # the copies give way to requests' pages when the budget is short
-                cache_pages = min(extra, num_pages - per_seq - 1)
+                cache_pages = max(0, min(extra, num_pages - per_seq - 1))
             budget -= num_pages * page_bytes * num_layers
             specs[group] = KVGroupSpec(num_pages=num_pages, window=windows[group], offload=group_offload)
         self.kv = KVCacheManager(self.page_size, specs, self.max_pages_per_seq)

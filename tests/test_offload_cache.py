@@ -133,5 +133,7 @@ def test_cache_size_knob(engines):  # noqa: F811
     assert llm.runner.page_cache.capacity == -(-k1 // llm.runner.page_size)  # None: stage 1's survivors
     assert LLM(engines["3k"], infinitehip_overrides=PAST, kv_offload_bytes=4 * MiB).runner.page_cache is None
     assert LLM(engines["3k"], infinitehip_overrides=PAST).runner.page_cache is None  # no offloading
+    with pytest.raises(ValueError, match="needs kv_offload_bytes"):
+        LLM(engines["3k"], infinitehip_overrides=PAST, kv_offload_cache_tokens=64)
     with pytest.raises(ValueError, match="kv_offload_cache_tokens must be an int >= 0"):
         LLM(engines["3k"], infinitehip_overrides=PAST, kv_offload_bytes=4 * MiB, kv_offload_cache_tokens=-1)
