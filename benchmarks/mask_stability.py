@@ -12,7 +12,7 @@ lie on at step t are compared with those at step t + lag:
 about k / middle (the masks are independent); the offload cache needs it near 1.
 
     python benchmarks/mask_stability.py --engine engines/smollm2-135m-3k --length 8192 \\
-        --stages "1,32,1024;1,8,512;1,4,256" --lags 4,16
+        --stages "1,64,1024;1,16,512;1,4,256" --lags 4,16
 
 CPU, float32 (references). Prints a table per stage; --json writes the raw numbers.
 """

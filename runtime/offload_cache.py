@@ -29,7 +29,6 @@ page that does not fit stays a (slower) host read.
 
 from __future__ import annotations
 
-import operator
 import time
 from dataclasses import dataclass, field
 
@@ -216,8 +215,7 @@ class OffloadPageCache:
                 if not logical:
                     continue
                 # only the survivors' entries (converting the whole table costs ms at 1M tokens)
-                entries = np.array(operator.itemgetter(*logical)(table) if len(logical) > 1 else
-                                   [table[logical[0]]], dtype=np.int64)
+                entries = np.array([table[i] for i in logical], dtype=np.int64)
                 needed.append(-1 - entries[entries < 0])
             if needed:
                 self._admit(item.layer, np.unique(np.concatenate(needed)))
