@@ -13,10 +13,13 @@ import os
 import torch
 import triton
 
+from infhip.plugins.aot import recording_target
+
 
 def use_triton(*tensors: torch.Tensor) -> bool:
-    """True when the fused Triton path should run (all given tensors on CUDA)."""
-    return all(t.is_cuda for t in tensors)
+    """True when the fused Triton path should run (all given tensors on CUDA; any tensors while
+    plugins/aot.py records launches for a GPU target)."""
+    return all(t.is_cuda for t in tensors) or recording_target() is not None
 
 
 def triton_on(*tensors: torch.Tensor) -> bool:
@@ -37,7 +40,11 @@ def num_sms(device_index: int) -> int:
 
 
 def device_num_sms(device: torch.device) -> int:
-    """SM count for `device`; a nominal 4 off-GPU (interpreter tests)."""
+    """SM count for `device`; the target's while recording launches (plugins/aot.py); a nominal 4
+    off-GPU (interpreter tests)."""
+    target = recording_target()
+    if target is not None:
+        return target.num_sms
     if device.type != "cuda":
         return 4
     index = device.index if device.index is not None else torch.cuda.current_device()

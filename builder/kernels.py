@@ -1,0 +1,83 @@
+"""AOT kernels of an engine: enumerate every Triton kernel variant its plan can launch, compile
+each for the engine's GPU target, write ``kernels/`` (Triton's cache layout) and its index.
+
+Enumeration asks every plugin module that owns kernels for its ``aot_launches(space)``: the
+plugin calls its own launchers on fake (meta) tensors for every shape class the runtime passes
+it, under plugins/aot.py's recorder, which turns each launch into the variant Triton would
+compile. Compiling runs ``triton.compile`` for the target in worker processes (no GPU needed).
+
+kernels/index.json::
+
+    {"format": 1, "target": "sm_90", "num_sms": 132, "triton": "3.6.0",
+     "kernels": [{"kernel": "infhip.plugins.rms_norm:_rms_norm_kernel", "variant": "<canonical key>",
+                  "hash": "<Triton's hash>", "target": "sm_90", "triton": "3.6.0",
+                  "files": {"<DIR>/<name>.cubin": {"sha256": ..., "size": ...}, ...}}, ...]}
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import importlib
+import json
+import multiprocessing
+import os
+import time
+from pathlib import Path
+
+from infhip.plugins.aot import KernelVariant, LaunchSpace, Target, compile_variant, record
+
+INDEX_FORMAT = 1
+# Every plugin module with Triton kernels; each defines aot_launches(space).
+PLUGIN_MODULES = (
+    "rms_norm", "activation", "rope", "skinny_gemm", "dense_attention", "kv_quant", "kv_offload",
+    "infinitehip.pruning", "infinitehip.sparse_attention", "infinitehip.key_bank", "infinitehip.raw_keys",
+    "token_drop.importance", "token_drop.top_p", "token_drop.attention", "token_drop.gather",
+)
+
+
+def enumerate_variants(config, target: Target) -> dict[KernelVariant, tuple]:
+    """variant -> what triton.compile needs, for every launch the engine's plan allows."""
+    space = LaunchSpace(config, target)
+    with record(target, launch=False) as rec:
+        for name in PLUGIN_MODULES:
+            launches = getattr(importlib.import_module(f"infhip.plugins.{name}"), "aot_launches", None)
+            if launches is not None:
+                launches(space)
+    return rec.packed
+
+
+def _compile_in_worker(args: tuple) -> dict:
+    variant, target, out = args
+    return compile_variant(variant, None, target, out)
+
+
+def _worker_init() -> None:
+    os.environ.pop("TRITON_INTERPRET", None)  # workers compile: the kernels must be JITFunctions
+
+
+def compile_kernels(config, target: Target, kernels_dir: Path, jobs: int | None = None,
+                    progress: bool = True) -> dict:
+    """Enumerate and compile the engine's kernels into kernels_dir; write index.json. Returns the
+    build report's entry: count, bytes, seconds."""
+    import triton
+    from tqdm import tqdm
+
+    t0 = time.perf_counter()
+    variants = sorted(enumerate_variants(config, target), key=lambda v: v.key)
+    kernels_dir.mkdir(parents=True, exist_ok=True)
+    jobs = max(1, min(jobs or os.cpu_count() or 1, len(variants) or 1))
+    entries = []
+    bar = tqdm(total=len(variants), desc=f"compiling kernels for {target.name}", unit="kernel",
+               disable=not progress)
+    ctx = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(jobs, mp_context=ctx, initializer=_worker_init) as pool:
+        for entry in pool.map(_compile_in_worker, [(v, target, str(kernels_dir)) for v in variants]):
+            entries.append(entry)
+            bar.update(1)
+    bar.close()
+    index = {"format": INDEX_FORMAT, "target": target.name, "num_sms": target.num_sms,
+             "triton": triton.__version__, "kernels": entries}
+    (kernels_dir / "index.json").write_text(json.dumps(index, indent=1) + "\n")
+    size = sum(f["size"] for e in entries for f in e["files"].values())
+    return {"count": len(entries), "bytes": size, "seconds": round(time.perf_counter() - t0, 2),
+            "target": target.name, "triton": triton.__version__}
