@@ -49,17 +49,35 @@ def _resolve_source(source: str | os.PathLike | ModelSource) -> ModelSource:
     return resolve_model(str(source))
 
 
-def _device_and_target(device: str | None) -> tuple[str, str]:
+def _device_and_target(device: str | None, target: str | None) -> tuple[str, str]:
+    """(device the weights are converted on, engine target). A GPU target can be built without
+    a GPU (``--target sm_90``): weights convert on the CPU, kernels compile for the target."""
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if device not in ("cpu", "cuda") and not device.startswith("cuda:"):
         raise BuildError(f"--device must be cpu or cuda, got {device!r}")
+    if target is not None and target != "cpu" and not (target.startswith("sm_") and target[3:].isdigit()):
+        raise BuildError(f"--target must be cpu or sm_XY (e.g. sm_90), got {target!r}")
     if device == "cpu":
-        return device, "cpu"
+        return device, target or "cpu"
     if not torch.cuda.is_available():
-        raise BuildError("--device cuda asked for, but no CUDA GPU is visible here; use --device cpu")
+        raise BuildError("--device cuda asked for, but no CUDA GPU is visible here; use --device cpu, "
+                         "or --target sm_90 to build a GPU engine on this machine")
     major, minor = torch.cuda.get_device_capability(torch.device(device))
-    return device, f"sm_{major}{minor}"
+    have = f"sm_{major}{minor}"
+    if target not in (None, have):
+        raise BuildError(f"--target {target} differs from this GPU ({have}); build on a {target} GPU, "
+                         f"or with --device cpu --target {target}")
+    return device, have
+
+
+def _kernel_target(target: str, device: str):
+    """The AOT compile target: the GPU's own SM count when building on it, else an H100/H200's."""
+    from infhip.plugins.aot import Target
+
+    if device != "cpu":
+        return Target(target, torch.cuda.get_device_properties(torch.device(device)).multi_processor_count)
+    return Target(target)
 
 
 def _graph_batch_sizes(max_batch_size: int) -> tuple[int, ...]:
@@ -130,13 +148,16 @@ def build_engine(
     model: str | None = None,
     infinitehip_overrides: dict[str, Any] | None = None,
     token_drop: Any = None,
+    target: str | None = None,
 ) -> Path:
     """Build an engine from ``source`` (a checkpoint path, a model alias or a cached HF repo id;
     or say which with ``checkpoint=PATH`` / ``model=NAME``, as the CLI does) into ``output_dir``
     and return its path. Raises :class:`BuildError` for anything the user can fix.
     ``max_seq_len`` defaults to the model's trained window capped at 131072;
     ``max_num_batched_tokens`` to 32768 on a GPU target (one long-context prefill chunk: the
-    InfiniteHiP query-chunk size) and 8192 on the CPU, at least max_batch_size; ``kv_dtype`` to ``dtype``; ``device`` to cuda when a GPU is visible (the target then is its ``sm_XY``), else cpu.
+    InfiniteHiP query-chunk size) and 8192 on the CPU, at least max_batch_size; ``kv_dtype`` to ``dtype``; ``device`` to cuda when a GPU is visible (the target then is its ``sm_XY``), else cpu;
+    ``target`` ("sm_90") builds a GPU engine from the CPU. GPU engines get every kernel their
+    plan can launch compiled into ``kernels/`` (builder/kernels.py).
     ``preset`` is one of builder/presets.py's PRESETS; ``infinitehip_overrides`` changes any
     InfiniteHiP knob of it (e.g. tiny stages for tests). ``token_drop`` (None/False = off, True,
     a ``--token-drop`` spec string, a dict or a TokenDropConfig) enables UniPrefill token
@@ -162,7 +183,7 @@ def build_engine(
                         ("--page-size", page_size), ("--max-num-batched-tokens", max_num_batched_tokens)):
         if value is not None and (not isinstance(value, int) or value <= 0):
             raise BuildError(f"{flag} must be a positive integer, got {value!r}")
-    device, target = _device_and_target(device)
+    device, target = _device_and_target(device, target)
     out = Path(output_dir).expanduser()
     _check_output(out, force)
 
@@ -254,10 +275,6 @@ def _write_engine(tmp: Path, engine: EngineConfig, ckpt, src: ModelSource, inv_f
     os.chmod(tmp / "rank0.safetensors", 0o666 & ~_umask())  # save_file creates it 0600
     del tensors
     engine.save(tmp)
-    (tmp / "kernels").mkdir()
-    (tmp / "kernels" / "index.json").write_text(json.dumps(
-        {"target": build.target, "kernels": [],
-         "note": "Triton JIT: kernels compile on first use for the target"}, indent=2) + "\n")
     t = time.perf_counter()
     timings["save"] = round(t - t_now, 3)
 
@@ -273,6 +290,10 @@ def _write_engine(tmp: Path, engine: EngineConfig, ckpt, src: ModelSource, inv_f
         shutil.rmtree(tmp / "tokenizer", ignore_errors=True)
         warnings.append(f"tokenizer not saved ({type(e).__name__}: {e})")
     timings["tokenizer"] = round(time.perf_counter() - t, 3)
+
+    t = time.perf_counter()
+    kernels = _write_kernels(tmp / "kernels", engine, device, progress)
+    timings["kernels"] = round(time.perf_counter() - t, 3)
 
     try:  # what the runtime will do first; fail here rather than there
         reloaded = EngineConfig.load(tmp)
@@ -294,10 +315,29 @@ def _write_engine(tmp: Path, engine: EngineConfig, ckpt, src: ModelSource, inv_f
         "num_parameters": num_parameters,
         "sizes_bytes": {"rank0.safetensors": (tmp / "rank0.safetensors").stat().st_size,
                         "tokenizer": _dir_size(tmp / "tokenizer") if has_tokenizer else 0},
+        "kernels": kernels,
         "timings_s": timings,
         "warnings": warnings,
     }
     (tmp / "build_report.json").write_text(json.dumps(report, indent=2) + "\n")
+
+
+def _write_kernels(folder: Path, engine: EngineConfig, device: str, progress: bool) -> dict:
+    """kernels/: every kernel variant of the plan compiled for a GPU target; for the CPU an empty
+    index (torch and Triton's interpreter run there, nothing is compiled)."""
+    from infhip.builder.kernels import compile_kernels
+
+    if engine.build.target == "cpu":
+        folder.mkdir()
+        (folder / "index.json").write_text(json.dumps(
+            {"format": 1, "target": "cpu", "kernels": [],
+             "note": "CPU engine: torch references and Triton's interpreter, nothing compiled"}, indent=2) + "\n")
+        return {"count": 0, "bytes": 0, "seconds": 0.0, "target": "cpu"}
+    try:
+        return compile_kernels(engine, _kernel_target(engine.build.target, device), folder, progress=progress)
+    except Exception as e:  # a kernel that does not compile for the target is a bug, said plainly
+        raise BuildError(f"compiling the engine's kernels for {engine.build.target} failed "
+                         f"({type(e).__name__}: {e})") from e
 
 
 def _finish_report(tmp: Path, timings: dict[str, float]) -> None:

@@ -66,6 +66,9 @@ def make_parser() -> argparse.ArgumentParser:
                    help="token budget of one scheduler step (default max(8192, max batch size))")
     p.add_argument("--device", choices=("cpu", "cuda"),
                    help="target device (default: cuda when a GPU is visible, else cpu)")
+    p.add_argument("--target", metavar="sm_XY",
+                   help="GPU to compile the kernels for (default: this GPU; sm_90 builds an H100/H200 "
+                        "engine on a machine without one)")
     p.add_argument("--random-weights", action="store_true",
                    help="random weights of the model's shape (no checkpoint weights needed)")
     p.add_argument("--seed", type=int, default=0, help="seed of --random-weights (0)")
@@ -97,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
             max_seq_len=args.max_seq_len, max_batch_size=args.max_batch_size, page_size=args.page_size,
             max_num_batched_tokens=args.max_num_batched_tokens, device=args.device,
             random_weights=args.random_weights, seed=args.seed, force=args.force, progress=not args.quiet,
-            token_drop=token_drop, infinitehip_overrides=infinitehip)
+            token_drop=token_drop, infinitehip_overrides=infinitehip, target=args.target)
     except BuildError as e:
         print(f"infhip-build: error: {e}", file=sys.stderr)
         return 1
@@ -110,7 +113,8 @@ def main(argv: list[str] | None = None) -> int:
     report = json.loads((out / "build_report.json").read_text())
     size_mb = report["sizes_bytes"]["total"] / 2**20
     print(f"engine written to {out}: {report['architecture']}, {report['num_parameters']:,} parameters, "
-          f"{report['dtype']}, target {report['target']}, {size_mb:.1f} MiB in {report['timings_s']['total']:.1f} s")
+          f"{report['dtype']}, target {report['target']}, {report['kernels']['count']} kernels, "
+          f"{size_mb:.1f} MiB in {report['timings_s']['total']:.1f} s")
     for w in report["warnings"]:
         print(f"warning: {w}", file=sys.stderr)
     return 0

@@ -55,15 +55,12 @@ def _worker_init() -> None:
     os.environ.pop("TRITON_INTERPRET", None)  # workers compile: the kernels must be JITFunctions
 
 
-def compile_kernels(config, target: Target, kernels_dir: Path, jobs: int | None = None,
-                    progress: bool = True) -> dict:
-    """Enumerate and compile the engine's kernels into kernels_dir; write index.json. Returns the
-    build report's entry: count, bytes, seconds."""
-    import triton
+def compile_variants(variants: list[KernelVariant], target: Target, kernels_dir: Path, jobs: int | None = None,
+                     progress: bool = False) -> list[dict]:
+    """Compile variants into kernels_dir in worker processes (fresh interpreters: a process that
+    imported the kernels under TRITON_INTERPRET=1 cannot compile them). Index entries, in order."""
     from tqdm import tqdm
 
-    t0 = time.perf_counter()
-    variants = sorted(enumerate_variants(config, target), key=lambda v: v.key)
     kernels_dir.mkdir(parents=True, exist_ok=True)
     jobs = max(1, min(jobs or os.cpu_count() or 1, len(variants) or 1))
     entries = []
@@ -75,6 +72,18 @@ def compile_kernels(config, target: Target, kernels_dir: Path, jobs: int | None 
             entries.append(entry)
             bar.update(1)
     bar.close()
+    return entries
+
+
+def compile_kernels(config, target: Target, kernels_dir: Path, jobs: int | None = None,
+                    progress: bool = True) -> dict:
+    """Enumerate and compile the engine's kernels into kernels_dir; write index.json. Returns the
+    build report's entry: count, bytes, seconds."""
+    import triton
+
+    t0 = time.perf_counter()
+    variants = sorted(enumerate_variants(config, target), key=lambda v: v.key)
+    entries = compile_variants(variants, target, kernels_dir, jobs, progress)
     index = {"format": INDEX_FORMAT, "target": target.name, "num_sms": target.num_sms,
              "triton": triton.__version__, "kernels": entries}
     (kernels_dir / "index.json").write_text(json.dumps(index, indent=1) + "\n")

@@ -10,6 +10,7 @@ import torch
 from safetensors.torch import load_file
 
 from infhip.config import EngineConfig, EngineFormatError
+from infhip.runtime.kernel_store import KernelStore, jit_mode, open_store
 from infhip.runtime.models import MODEL_CLASSES
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -21,8 +22,9 @@ def gpu_target(device: torch.device) -> str:
     return f"sm_{major}{minor}"
 
 
-def resolve_device(config: EngineConfig, device: str | torch.device | None) -> torch.device:
-    """The engine's target decides the device unless one is given; mismatches are refused."""
+def resolve_device(config: EngineConfig, device: str | torch.device | None, jit: str = "warn") -> torch.device:
+    """The engine's target decides the device unless one is given; mismatches are refused (a GPU
+    other than the target runs only with jit="allow": its kernels then compile here)."""
     target = config.build.target
     if device is None:
         device = "cpu" if target == "cpu" else "cuda"
@@ -33,10 +35,10 @@ def resolve_device(config: EngineConfig, device: str | torch.device | None) -> t
                 f"engine targets {target} but no CUDA GPU is available here; run it on a GPU, or "
                 "rebuild for the CPU with: infhip-build ... --device cpu")
         have = gpu_target(device)
-        if target != "cpu" and target != have:
+        if target != "cpu" and target != have and jit != "allow":
             raise EngineFormatError(
                 f"engine was built for {target} but this GPU is {have}; rebuild it on this machine "
-                "with: infhip-build ... --device cuda")
+                "with: infhip-build ... --device cuda (or load with jit='allow' to compile its kernels here)")
     elif target != "cpu":
         raise EngineFormatError(
             f"engine was built for GPU target {target}; load it on a GPU (device='cuda') or rebuild "
@@ -51,6 +53,7 @@ class LoadedEngine:
     tokenizer: object | None  # a transformers tokenizer, None for random-weights engines
     device: torch.device
     dtype: torch.dtype
+    kernels: KernelStore | None = None  # the engine's compiled kernels, served to Triton
 
 
 def load_tokenizer(engine_dir: Path):
@@ -61,10 +64,13 @@ def load_tokenizer(engine_dir: Path):
     return AutoTokenizer.from_pretrained(str(tok_dir))
 
 
-def load_engine(engine_dir: str | Path, device: str | torch.device | None = None) -> LoadedEngine:
+def load_engine(engine_dir: str | Path, device: str | torch.device | None = None,
+                jit: str | None = None) -> LoadedEngine:
+    """jit: what to do when a kernel would compile while serving (runtime/kernel_store.py)."""
     engine_dir = Path(engine_dir)
     config = EngineConfig.load(engine_dir)
-    device = resolve_device(config, device)
+    jit = jit_mode(jit)
+    device = resolve_device(config, device, jit)
     weights_path = engine_dir / "rank0.safetensors"
     if not weights_path.is_file():
         raise EngineFormatError(f"{weights_path} is missing; rebuild the engine")
@@ -78,5 +84,9 @@ def load_engine(engine_dir: str | Path, device: str | torch.device | None = None
     except RuntimeError as e:
         raise EngineFormatError(f"{weights_path} does not match config.json ({e}); rebuild the engine") from e
     model.eval().requires_grad_(False)
-    return LoadedEngine(config=config, model=model, tokenizer=load_tokenizer(engine_dir),
-                        device=device, dtype=DTYPES[config.build.dtype])
+    loaded = LoadedEngine(config=config, model=model, tokenizer=load_tokenizer(engine_dir),
+                          device=device, dtype=DTYPES[config.build.dtype])
+    if device.type == "cuda":
+        loaded.kernels = open_store(engine_dir, config.build.target, jit, owner=loaded,
+                                    num_sms=torch.cuda.get_device_properties(device).multi_processor_count)
+    return loaded

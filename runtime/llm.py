@@ -73,6 +73,10 @@ class LLM:
         infinitehip_overrides: safe InfiniteHiP knobs to change for this load, e.g.
             ``{"dense_threshold": 2048, "refresh_intervals": (32, 16, 8)}`` (builder/presets.py
             RUNTIME_KNOBS); only for engines built with an InfiniteHiP preset.
+        jit: a kernel the engine holds no binary for, about to compile while serving:
+            "forbid" raises (runtime/kernel_store.JitForbidden), "warn" compiles and logs it once,
+            "allow" compiles silently and also runs the engine on a GPU other than its target.
+            Default: $INFHIP_JIT, else "warn".
         token_drop: UniPrefill token dropping for this load: False turns it off, True or a dict
             of knobs (``{"p": 0.98, "min_prompt_len": 4096}``; short keys p, n, G, A, min_len,
             rho also accepted) turns it on, knobs not given coming from the engine's plan (or
@@ -83,8 +87,8 @@ class LLM:
                  max_num_batched_tokens: int | None = None, kv_cache_memory_bytes: int | None = None,
                  enforce_eager: bool = False, num_decode_steps: int | None = None,
                  infinitehip_overrides: dict | None = None, token_drop: bool | dict | None = None,
-                 kv_offload_bytes: int = 0, kv_offload_cache_tokens: int | None = 0):
-        self.engine = load_engine(engine_dir, device)
+                 kv_offload_bytes: int = 0, kv_offload_cache_tokens: int | None = 0, jit: str | None = None):
+        self.engine = load_engine(engine_dir, device, jit)
         if infinitehip_overrides:
             config = self.engine.config
             self.engine.config = dataclasses.replace(
