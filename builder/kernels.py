@@ -24,7 +24,7 @@ import os
 import time
 from pathlib import Path
 
-from infhip.plugins.aot import KernelVariant, LaunchSpace, Target, compile_variant, record
+from infhip.plugins.aot import KernelVariant, LaunchSpace, Target, compile_variant, folder_files, record
 
 INDEX_FORMAT = 1
 # Every plugin module with Triton kernels; each defines aot_launches(space).
@@ -48,7 +48,16 @@ def enumerate_variants(config, target: Target) -> dict[KernelVariant, tuple]:
 
 def _compile_in_worker(args: tuple) -> dict:
     variant, target, out = args
-    return compile_variant(variant, None, target, out)
+    return compile_variant(variant, None, target, out, load=_can_load(target))
+
+
+def _can_load(target: Target) -> bool:
+    """Whether this machine has a GPU of the target (then the launchers are built too)."""
+    import torch
+    if not torch.cuda.is_available():
+        return False
+    major, minor = torch.cuda.get_device_capability()
+    return f"sm_{major}{minor}" == target.name
 
 
 def _worker_init() -> None:
@@ -84,9 +93,13 @@ def compile_kernels(config, target: Target, kernels_dir: Path, jobs: int | None 
     t0 = time.perf_counter()
     variants = sorted(enumerate_variants(config, target), key=lambda v: v.key)
     entries = compile_variants(variants, target, kernels_dir, jobs, progress)
+    kernel_dirs = {next(iter(e["files"])).split("/", 1)[0] for e in entries}
+    launchers = {}  # Triton's host-side launchers (built when compiling on a GPU of the target)
+    for folder in sorted(p for p in kernels_dir.iterdir() if p.is_dir() and p.name not in kernel_dirs):
+        launchers.update(folder_files(folder))
     index = {"format": INDEX_FORMAT, "target": target.name, "num_sms": target.num_sms,
-             "triton": triton.__version__, "kernels": entries}
+             "triton": triton.__version__, "kernels": entries, "launchers": launchers}
     (kernels_dir / "index.json").write_text(json.dumps(index, indent=1) + "\n")
-    size = sum(f["size"] for e in entries for f in e["files"].values())
-    return {"count": len(entries), "bytes": size, "seconds": round(time.perf_counter() - t0, 2),
+    size = sum(f["size"] for e in entries for f in e["files"].values()) + sum(f["size"] for f in launchers.values())
+    return {"count": len(entries), "launchers": len(launchers), "bytes": size, "seconds": round(time.perf_counter() - t0, 2),
             "target": target.name, "triton": triton.__version__}

@@ -87,7 +87,7 @@ class KernelVariant:
     def describe(self) -> str:
         """One line for error messages: the kernel and what it was specialized on."""
         consts = ", ".join(f"{k}={v}" for k, v in self.constants)
-        attrs = ", ".join(f"{k}:{v}" for k, v in self.attrs)
+        attrs = ", ".join(f"{k}:{v}" for k, v in self.attrs if v)
         return (f"{self.kernel} [{consts}] [{attrs}] num_warps={self.options[0]} num_stages={self.options[1]}")
 
     @classmethod
@@ -96,9 +96,10 @@ class KernelVariant:
         names = [p.name for p in fn.params]
         const = tuple(sorted((names[path[0]] if len(path) == 1 else repr(path), _value_repr(v))
                              for path, v in constexprs.items()))
+        # every entry, empty ones too: Triton hashes the attrs dict as text
         attr = tuple(sorted((names[path[0]] if len(path) == 1 else repr(path),
                              ",".join(f"{a}={b}" for a, b in vals))
-                            for path, vals in attrs.items() if vals))
+                            for path, vals in attrs.items()))
         return cls(kernel=kernel_name(fn), signature=tuple((k, str(v)) for k, v in signature.items()),
                    constants=const, attrs=attr, options=tuple(int(getattr(options, o)) for o in _OPTION_NAMES))
 
@@ -200,11 +201,13 @@ def record(target: Target = Target(), launch: bool = False):
 
 # -- compiling ---------------------------------------------------------------------------------
 
-def compile_variant(variant: KernelVariant, packed: tuple | None, target: Target, cache_dir: str | Path) -> dict:
+def compile_variant(variant: KernelVariant, packed: tuple | None, target: Target, cache_dir: str | Path,
+                    load: bool = False) -> dict:
     """Compile one variant for ``target`` into ``cache_dir`` (Triton's cache layout: one folder
     per Triton hash, binaries only). Returns its index entry: the variant, Triton's hash and the
     files with their sha256 and size. ``packed`` is what :class:`Recorder` kept for the variant
-    (None: re-derived from the variant, for worker processes)."""
+    (None: re-derived from the variant, for worker processes). ``load`` (on a GPU of the target)
+    also loads it, which builds Triton's host-side launcher for its signature into cache_dir."""
     import triton
     from triton.compiler import ASTSource
 
@@ -212,13 +215,22 @@ def compile_variant(variant: KernelVariant, packed: tuple | None, target: Target
     with _cache_dir(cache_dir):
         kernel = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=target.gpu_target(),
                                 options=options.__dict__)
+        if load:
+            kernel._init_handles()
     folder = Path(cache_dir) / Path(next(iter(kernel.metadata_group.values()))).parent.name
-    files = {}
-    for p in sorted(folder.iterdir()):  # the binaries, the metadata and Triton's group file
-        data = p.read_bytes()
-        files[f"{folder.name}/{p.name}"] = {"sha256": hashlib.sha256(data).hexdigest(), "size": len(data)}
+    files = folder_files(folder)  # the binaries, the metadata and Triton's group file
     return {"kernel": variant.kernel, "variant": variant.key, "hash": kernel.hash, "target": target.name,
             "triton": triton.__version__, "files": files}
+
+
+def folder_files(folder: Path) -> dict:
+    """{"<folder>/<file>": {"sha256", "size"}} of one cache folder."""
+    files = {}
+    for p in sorted(folder.iterdir()):
+        if p.is_file() and p.name != "lock":
+            data = p.read_bytes()
+            files[f"{folder.name}/{p.name}"] = {"sha256": hashlib.sha256(data).hexdigest(), "size": len(data)}
+    return files
 
 
 @contextlib.contextmanager
@@ -244,9 +256,13 @@ def _unpack(variant: KernelVariant, target: Target) -> tuple:
     index = {p.name: (p.num,) for p in fn.params}
     signature = dict(variant.signature)
     constexprs = {index[k]: _parse_value(v) for k, v in variant.constants}
-    attrs = {index[p.name]: [] for p in fn.params}
-    for name, text in variant.attrs:
-        attrs[index[name]] = [[a, ast.literal_eval(b)] for a, b in (x.split("=") for x in text.split(","))]
+    texts = dict(variant.attrs)
+    attrs = {}  # in parameter order, as Triton's _pack_args makes it (its text is hashed)
+    for p in fn.params:
+        if p.name in texts:
+            text = texts[p.name]
+            attrs[index[p.name]] = [[a, ast.literal_eval(b)] for a, b in (x.split("=") for x in text.split(","))] \
+                if text else []
     backend = make_backend(target.gpu_target())
     options = backend.parse_options(dict(zip(_OPTION_NAMES, variant.options)))
     return fn, signature, constexprs, attrs, options

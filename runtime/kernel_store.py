@@ -8,9 +8,10 @@ manager (:class:`EngineKernelCache`), so a launch that Triton has not seen in th
 its binary up in the engine first: the compile step finds it there and only loads it. Nothing
 is read from or written to ``~/.triton`` for those kernels.
 
-What still happens at load: Triton builds one small C launcher per kernel *signature* (host
-code, gcc) the first time the signature is used. Those go to Triton's cache dir (``TRITON_CACHE_DIR``
-or ``~/.triton/cache``), or to a private temporary folder when that is not writable.
+Triton launches through one small C launcher per kernel *signature* (host code, gcc, about 0.5 s
+each to build). An engine built on a GPU of its target holds them too (for the builder's Python
+version); otherwise they are built on first use into Triton's cache dir (``TRITON_CACHE_DIR`` or
+``~/.triton/cache``), or into a private temporary folder when that is not writable.
 
 JIT policy (``LLM(jit=...)`` or ``INFHIP_JIT``): before any compile Triton calls our hook with the
 variant it is about to compile (plugins/aot.py's KernelVariant). A variant the loaded engines do
@@ -107,19 +108,20 @@ def open_store(engine_dir: Path, target: str, mode: str, owner: object, num_sms:
         raise EngineFormatError(f"the engine's kernels were enumerated for a {index.get('num_sms')}-SM {target}, this "
                                 f"GPU has {num_sms} SMs; {rebuild} (or load with jit='allow')")
     store = KernelStore(root=root, target=index["target"], triton_version=index["triton"], mode=mode)
-    for entry in entries:
-        for rel, meta in entry["files"].items():
-            path = root / rel
-            try:
-                data = path.read_bytes()
-            except OSError:
-                raise EngineFormatError(f"kernel file {path} is missing; {rebuild}") from None
-            if len(data) != meta["size"] or hashlib.sha256(data).hexdigest() != meta["sha256"]:
-                raise EngineFormatError(f"kernel file {path} is corrupt (sha256 mismatch); {rebuild}")
-            store.num_files += 1
-            store.num_bytes += len(data)
-        store.variants.add(entry["variant"])
-        store.hashes.add(next(iter(entry["files"])).split("/", 1)[0])
+    files = [(rel, meta) for entry in entries for rel, meta in entry["files"].items()]
+    files += list(index.get("launchers", {}).items())
+    for rel, meta in files:
+        path = root / rel
+        try:
+            data = path.read_bytes()
+        except OSError:
+            raise EngineFormatError(f"kernel file {path} is missing; {rebuild}") from None
+        if len(data) != meta["size"] or hashlib.sha256(data).hexdigest() != meta["sha256"]:
+            raise EngineFormatError(f"kernel file {path} is corrupt (sha256 mismatch); {rebuild}")
+        store.num_files += 1
+        store.num_bytes += len(data)
+        store.hashes.add(rel.split("/", 1)[0])
+    store.variants = {entry["variant"] for entry in entries}
     store.load_seconds = time.perf_counter() - t0
     _install()
     with _lock:

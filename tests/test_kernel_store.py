@@ -146,3 +146,39 @@ def test_jit_mode_from_env(monkeypatch):
     assert kernel_store.jit_mode(None) == "forbid" and kernel_store.jit_mode("allow") == "allow"
     with pytest.raises(ValueError, match="jit must be one of forbid, warn, allow"):
         kernel_store.jit_mode("never")
+
+
+_ROUND_TRIP = '''
+import torch
+from triton._C.libtriton import get_cache_invalidating_env_vars
+from triton.compiler import ASTSource, make_backend
+from triton.runtime.cache import get_cache_key
+from infhip.plugins import aot
+from infhip.plugins.rms_norm import rms_norm
+target = aot.Target()
+x = torch.empty(5, 4096, dtype=torch.bfloat16, device="meta")
+w = torch.empty(4096, dtype=torch.float32, device="meta")
+with aot.record(target) as rec:
+    rms_norm(x, w, 1e-6)
+    rms_norm(x[:, :2048], w[:2048], 1e-6, residual=x[:, :2048])
+backend = make_backend(target.gpu_target())
+for variant, packed in rec.packed.items():
+    keys = {get_cache_key(ASTSource(fn, sig, ce, at), backend, backend.parse_options(op.__dict__),
+                          get_cache_invalidating_env_vars())
+            for fn, sig, ce, at, op in (packed, aot._unpack(variant, target))}
+    assert len(keys) == 1, variant.describe()
+print("OK", len(rec.packed))
+'''
+
+
+def test_variant_round_trips_to_tritons_cache_key():
+    """A variant rebuilt from its index text (what the builder's worker processes compile) gets
+    the cache key Triton computes for the launch itself: the engine's binary is found, not
+    recompiled. (Triton hashes the attrs dict as text: order and empty entries matter.)"""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", _ROUND_TRIP], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and "OK 2" in proc.stdout, proc.stdout + proc.stderr[-3000:]
