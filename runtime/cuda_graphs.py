@@ -5,37 +5,41 @@ one memory pool at start-up (SPEC §8.6). A decode step of B sequences replays t
 captured size >= B; rows B.. are padding: slot -1 (the cache write skips it), context length 0
 (attention reads nothing), token 0 and the scratch mask-cache slot.
 
-InfiniteHiP decode steps (engines with sparse layers, contexts past ``dense_threshold``) replay
-one graph per (batch size, SparseStepHost.graph_key): which pruning stages each layer group
-recomputes this step, the stage-1 candidate capacity, whether dynamic RoPE is on and whether
-every row owns a key-bank row (``key_bank_slots``; padding rows point at the bank's scratch row,
-which nothing writes or reads). The key
-is chosen on the host per step; its graph is captured the first time it is needed (a cycle of
-``n_refresh(0)`` steps has at most that many patterns; the capacity changes when the context
-doubles) into the same pool, and writes its logits into one shared buffer.
+Every graph is captured at load (``capture``, keys from ModelRunner.graph_keys), none on the
+request path; a key nobody listed is still captured when first needed, with a warning, and
+counted in ``report["on_request"]``. A key is (sparse key or None, drop histories or not,
+length bucket or None); the dense start-up graphs are (None, False, None):
 
-Decode steps of requests with a UniPrefill drop history (full-attention layers hold only their
-kept keys, runtime/token_drop.py) replay lazily captured graphs too: each global layer's
-context lengths and compact KV slots are computed inside the graph from the per-layer dropped
-counts, which travel with the other per-step rows.
+- InfiniteHiP decode steps (contexts past ``dense_threshold``, every row sparse and refreshing
+  alike) replay the graph of their SparseStepHost.graph_key: which pruning stages each layer
+  group recomputes this step (the refresh pattern; runtime/mask_cache.py aligns the layers'
+  phases so a cycle has n_refresh(0) / n_refresh(-1) + 2 patterns), the stage-1 candidate
+  capacity (fixed: the engine's longest context), and whether dynamic RoPE is on. Padding rows
+  point at the mask cache's and the key bank's scratch rows, which nothing reads.
+- Decode steps of requests with a UniPrefill drop history (full-attention layers hold only
+  their kept keys, runtime/token_drop.py): each global layer's context lengths and compact KV
+  slots are computed inside the graph from the per-layer dropped counts, which travel with the
+  other per-step rows.
+- Short contexts: the dense decode kernel's split count is fixed at capture from the
+  block-table width (max_seq_len), which for a few hundred tokens means dozens of idle splits
+  and a merge kernel. Decode steps whose contexts are all <= a bucket of DECODE_LEN_BUCKETS
+  replay a graph captured with that bound (fewer splits; one and no merge up to 512 tokens).
 
-Short contexts: the dense decode kernel's split count is fixed at capture from the block-table
-width (max_seq_len), which for a few hundred tokens means dozens of idle splits and a merge
-kernel. Decode steps whose contexts are all <= a bucket of DECODE_LEN_BUCKETS replay a graph
-captured with that bound (fewer splits; one and no merge up to 512 tokens).
-
-A lazy graph's key is (sparse key or None, drop histories or not, length bucket or None); the
-start-up graphs are (None, False, None).
+All graphs share one memory pool and write their logits into one shared buffer.
 """
 
 from __future__ import annotations
 
 import bisect
+import logging
+import time
 
 import torch
 
 from infhip.runtime.forward_context import ForwardContext, KVGroupMetadata, LayerKV, compact_slots, forward_context
 from infhip.runtime.sparse_attention import SparseStep
+
+log = logging.getLogger("infhip.graphs")
 
 _MASK_SLOT_ROW = 3  # the row of `rows` that holds each decode row's mask-cache slot
 GraphKey = tuple  # (SparseStepHost.graph_key | None, has drop histories: bool, length bucket | None)
@@ -95,6 +99,8 @@ class DecodeGraphs:
             self.ones32 = torch.ones(max_bs, dtype=torch.int32, device=dev)
             self.none64 = torch.zeros(0, dtype=torch.int64, device=dev)
             self.none32 = torch.zeros(0, dtype=torch.int32, device=dev)
+        # captured at load (graphs, seconds, pool bytes) and on the request path (should stay 0)
+        self.report = {"graphs": 0, "seconds": 0.0, "pool_bytes": 0, "on_request": 0}
         self._capture_all()
 
     def _pad_rows(self, rows) -> None:
@@ -136,6 +142,7 @@ class DecodeGraphs:
 
     @torch.inference_mode()
     def _capture_all(self) -> None:
+        t0 = time.perf_counter()
         for bs in reversed(self.sizes):
             ctx = self._context(bs)
             with forward_context(ctx):
@@ -148,6 +155,8 @@ class DecodeGraphs:
                 self.pool = graph.pool()
             self.graphs[bs] = graph
         torch.cuda.synchronize()
+        self.report["graphs"] += len(self.sizes)
+        self.report["seconds"] += time.perf_counter() - t0
 
     def _forward(self, bs: int, layer_kv: bool = False) -> torch.Tensor:
         self.context_lens[:bs].copy_(self.rows[2, :bs])
@@ -160,14 +169,30 @@ class DecodeGraphs:
         model = self.runner.model
         return model.compute_logits(model(self.input_ids[:bs]))
 
+    def capture(self, keys: list[GraphKey]) -> None:
+        """Capture (at load) the graph of every (batch size, key) not captured yet; adds to
+        ``report`` (count, seconds, pool bytes)."""
+        t0 = time.perf_counter()
+        todo = [(bs, key) for key in keys for bs in reversed(self.sizes) if (bs, key) not in self.lazy_graphs]
+        warmed = set()
+        for bs, key in todo:
+            # one warm-up per batch size and kind of step (its kernels load outside any capture)
+            kind = (bs, key[0] is not None and key[0][2], key[1], key[2])
+            self._capture_lazy(bs, key, warm_up=kind not in warmed)
+            warmed.add(kind)
+        torch.cuda.synchronize()
+        self.report["graphs"] += len(todo)
+        self.report["seconds"] += time.perf_counter() - t0
+        self.report["pool_bytes"] = _pool_bytes(self.pool)
+
     @torch.inference_mode()
-    def _capture_lazy(self, bs: int, key: GraphKey) -> torch.cuda.CUDAGraph:
+    def _capture_lazy(self, bs: int, key: GraphKey, warm_up: bool = True) -> torch.cuda.CUDAGraph:
         """Capture the graph (bs, key) with padding inputs (the warm-up writes no KV and only the
         scratch mask slot); the caller stages the real inputs afterwards."""
         self._pad_rows(self.rows)
         layer_kv = key[1]
         with forward_context(self._context(bs, key)):
-            logits = self._forward(bs, layer_kv)  # warm-up: compiles the Triton kernels outside the capture
+            logits = self._forward(bs, layer_kv) if warm_up or self.lazy_logits is None else None
             if self.lazy_logits is None:
                 self.lazy_logits = torch.empty((self.sizes[-1], logits.shape[1]), dtype=logits.dtype,
                                                device=logits.device)
@@ -177,6 +202,13 @@ class DecodeGraphs:
                 self.lazy_logits[:bs].copy_(self._forward(bs, layer_kv))
         self.lazy_graphs[(bs, key)] = graph
         return graph
+
+    def _capture_on_request(self, bs: int, key: GraphKey) -> torch.cuda.CUDAGraph:
+        """A key the runner did not list at load (ModelRunner.graph_keys): captured now, said once."""
+        log.warning("capturing a decode graph on the request path (batch %d, key %s): "
+                    "ModelRunner.graph_keys did not list it", bs, key)
+        self.report["on_request"] += 1
+        return self._capture_lazy(bs, key)
 
     def fits(self, num_seqs: int) -> bool:
         return num_seqs <= self.sizes[-1]
@@ -232,10 +264,19 @@ class DecodeGraphs:
         if key is None:
             graph, logits = self.graphs[bs], self.logits[bs]
         else:
-            graph = self.lazy_graphs.get((bs, key)) or self._capture_lazy(bs, key)
+            graph = self.lazy_graphs.get((bs, key)) or self._capture_on_request(bs, key)
             logits = self.lazy_logits
         self.rows[:, :bs].copy_(self.steps[step, :, :bs])
         if input_ids is not None:
             self.input_ids[:n].copy_(input_ids)
         graph.replay()
         return logits[:n]
+
+
+def _pool_bytes(pool) -> int:
+    """Bytes reserved by the graphs' private memory pool (0 if unknown)."""
+    try:
+        stats = torch.cuda.memory.memory_snapshot()
+    except RuntimeError:
+        return 0
+    return sum(seg["total_size"] for seg in stats if tuple(seg.get("segment_pool_id", ())) == tuple(pool or ()))

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -88,7 +89,9 @@ class LLM:
                  enforce_eager: bool = False, num_decode_steps: int | None = None,
                  infinitehip_overrides: dict | None = None, token_drop: bool | dict | None = None,
                  kv_offload_bytes: int = 0, kv_offload_cache_tokens: int | None = 0, jit: str | None = None):
+        t0 = time.perf_counter()
         self.engine = load_engine(engine_dir, device, jit)
+        t_engine = time.perf_counter()
         if infinitehip_overrides:
             config = self.engine.config
             self.engine.config = dataclasses.replace(
@@ -113,11 +116,25 @@ class LLM:
                                   kv_offload_bytes=kv_offload_bytes,
                                   kv_offload_cache_tokens=kv_offload_cache_tokens)
         self.scheduler = Scheduler(self.runner.kv, self.max_num_seqs, budget, build.max_seq_len)
+        self.load_report = self._load_report(t0, t_engine)
         self.sampler = Sampler()
         self.tokenizer = self.engine.tokenizer
         self.eos_token_ids = tuple(self.engine.config.model.eos_token_ids)
         self._ids = itertools.count()
         self._requests: dict[int, _Request] = {}
+
+    def _load_report(self, t0: float, t_engine: float) -> dict:
+        """Where LLM() spent its time: reading weights, verifying the engine's compiled kernels,
+        capturing the decode graphs (kernels load on their first launch, in the graphs' warm-ups)."""
+        kernels = self.engine.kernels
+        graphs = self.runner.graphs.report if self.runner.graphs is not None else {"graphs": 0, "seconds": 0.0}
+        total = time.perf_counter() - t0
+        verify = kernels.load_seconds if kernels is not None else 0.0
+        return {"total_s": round(total, 3), "weights_s": round(t_engine - t0 - verify, 3),
+                "kernels_verify_s": round(verify, 3), "kernels": len(kernels.variants) if kernels else 0,
+                "graphs": graphs["graphs"], "graphs_s": round(graphs["seconds"], 3),
+                "graph_pool_bytes": graphs.get("pool_bytes", 0),
+                "other_s": round(total - (t_engine - t0) - graphs["seconds"], 3)}
 
     # -- requests -------------------------------------------------------------------------------
     def _add(self, prompt: str | None, token_ids: list[int] | None, params: SamplingParams) -> _Request:

@@ -52,14 +52,21 @@ def refresh_from(step: int, clock: int, intervals: tuple[int, ...]) -> int:
     return len(intervals)
 
 
-def layer_offsets(num_layers: int, cycle: int) -> list[int]:
+def layer_offsets(num_layers: int, cycle: int, align: int = 1) -> list[int]:
     """Refresh-phase shift of each of ``num_layers`` InfiniteHiP layers over a cycle of
-    ``cycle`` steps (n_refresh(0)): evenly spaced.
+    ``cycle`` steps (n_refresh(0)): evenly spaced, rounded down to multiples of ``align``.
 
-        >>> layer_offsets(4, 16), layer_offsets(5, 2)
-        ([0, 4, 8, 12], [0, 0, 0, 1, 1])
+    The runtime aligns them to the last stage's interval: every refresh then falls on a step
+    that is a multiple of it, so a cycle has n_refresh(0) / n_refresh(-1) refresh patterns (plus
+    "none" and a newcomer's full step) instead of n_refresh(0), and the CUDA graphs of every
+    pattern are captured at load (runtime/cuda_graphs.py). The work per cycle is the same; it
+    is spread over fewer steps, which a stream does not see: decode runs num_decode_steps (8)
+    steps back to back before tokens reach the host.
+
+        >>> layer_offsets(4, 16), layer_offsets(5, 2), layer_offsets(32, 96, align=8)[:6]
+        ([0, 4, 8, 12], [0, 0, 0, 1, 1], [0, 0, 0, 8, 8, 8])
     """
-    return [k * cycle // num_layers for k in range(num_layers)]
+    return [k * cycle // num_layers // align * align for k in range(num_layers)]
 
 
 def refresh_schedule(num_steps: int, intervals: tuple[int, ...], clock: int = 0) -> list[tuple[int, ...]]:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from infhip.runtime.cuda_graphs import DecodeGraphs, GraphKey, len_bucket
+from infhip.runtime.cuda_graphs import DECODE_LEN_BUCKETS, DecodeGraphs, GraphKey, len_bucket
 from infhip.plugins.kv_quant import is_fp8, new_kv_scales
 from infhip.runtime.engine import DTYPES, KV_DTYPES, LoadedEngine
 from infhip.runtime.forward_context import ForwardContext, KVGroupMetadata, LayerKV, compact_slots, forward_context
@@ -145,6 +145,23 @@ class ModelRunner:
         if self.device.type == "cuda" and not enforce_eager:
             sizes = [b for b in build.cuda_graph_batch_sizes if b <= max_num_seqs]
             self.graphs = DecodeGraphs(self, sizes, max_decode_steps)
+            self.graphs.capture(self.graph_keys())
+
+    def graph_keys(self) -> list[GraphKey]:
+        """Every decode-graph key this runner's plan can replay besides the start-up dense graphs:
+        short-context length buckets, drop histories (token drop), and the InfiniteHiP keys
+        (refresh patterns x dynamic RoPE). All are captured at load, none on the request path."""
+        buckets = [b for b in DECODE_LEN_BUCKETS if b < self.table_tokens]
+        drops = self.token_drop is not None and self.graphs is not None and self.graphs.supports_layer_kv
+        keys = [(None, False, b) for b in buckets]
+        if drops:
+            keys += [(None, True, b) for b in buckets + [None]]
+        if self.sparse_planner is not None:
+            for sparse in self.sparse_planner.graph_keys():
+                keys.append((sparse, False, None))
+                if drops and not sparse[2]:  # requests drop tokens only inside the trained window
+                    keys.append((sparse, True, None))
+        return keys
 
     def set_infinitehip(self, ih) -> None:
         """(Re)configure the InfiniteHiP layers from an InfiniteHipConfig (the engine's, or one
@@ -164,7 +181,7 @@ class ModelRunner:
         sparse = [(attn, lp) for attn, lp in zip(attn_layers, plan.layers) if lp.plugin == "infinitehip"]
         self.sparse_planner = SparsePlanner(ih, self.max_num_seqs, self.engine.config.model.max_position_embeddings,
                                             len(sparse), raw_keys_max_tokens=self.max_seq_len,
-                                            offloading=offload is not None)
+                                            offloading=offload is not None, max_seq_len=self.max_seq_len)
         bank = uses_key_bank(ih, self.max_seq_len, self.engine.config.model.max_position_embeddings)
         for k, (attn, lp) in enumerate(sparse):
             # the bank holds rotated keys in the queries' (the weights') dtype, whatever the cache's
@@ -178,6 +195,7 @@ class ModelRunner:
                                                self.device)
         if self.graphs is not None:
             self.graphs.lazy_graphs.clear()
+            self.graphs.capture(self.graph_keys())
 
     def _offload_cache_pages(self, tokens: int | None) -> int:
         """GPU pool pages for copies of hot host pages: ``tokens`` per layer (None: the stage-1
@@ -240,7 +258,10 @@ class ModelRunner:
         (runtime/token_drop.py says why)."""
         if cfg is not None and getattr(self, "offload_layers", None):
             raise ValueError("token drop cannot be turned on while KV pages are offloaded")
+        newly_on = cfg is not None and getattr(self, "token_drop", None) is None
         self.token_drop = cfg
+        if newly_on and getattr(self, "graphs", None) is not None:
+            self.graphs.capture(self.graph_keys())
         self.drop_max_context = (self.engine.config.model.max_position_embeddings
                                  if self.engine.config.plan.infinitehip is not None else None)
         windows = [layer.self_attn.window for layer in self.model.layers]

@@ -111,7 +111,7 @@ class SparsePlanner:
     """Host side: decides per step which rows go sparse and which stages they recompute."""
 
     def __init__(self, cfg: InfiniteHipConfig, max_slots: int, trained_window: int, num_sparse_layers: int = 1,
-                 raw_keys_max_tokens: int = 0, offloading: bool = False):
+                 raw_keys_max_tokens: int = 0, offloading: bool = False, max_seq_len: int | None = None):
         """offloading: the runner moves KV pages to host memory (runtime/kv_cache.py): every
         dynamic-RoPE prefill step then prunes from the raw-keys scratch, which reads each
         offloaded key over PCIe once, instead of once per query block (a 32K chunk at 1M keys:
@@ -123,11 +123,20 @@ class SparsePlanner:
         self.raw_keys_max_tokens = raw_keys_max_tokens
         self.slots = MaskSlots(max_slots)
         self.clock = 0  # steps with sparse decode rows so far: the refresh schedule's time
-        offsets = (layer_offsets(num_sparse_layers, cfg.refresh_intervals[0]) if cfg.stagger_refresh
-                   else [0] * num_sparse_layers)
+        offsets = (layer_offsets(num_sparse_layers, cfg.refresh_intervals[0], align=cfg.refresh_intervals[-1])
+                   if cfg.stagger_refresh else [0] * num_sparse_layers)
         self.group_offsets = sorted(set(offsets))
         # layer_group[k]: the group of the k-th InfiniteHiP layer (InfiniteHipLayer.group)
         self.layer_group = [self.group_offsets.index(o) for o in offsets]
+        # Decode steps a CUDA graph replays score stage 1 over the capacity of the longest context
+        # the engine serves, whatever the step's: one graph then serves every context. Chunks past
+        # a row's middle score -inf and are never kept (as with today's power-of-two rounding),
+        # and stage 1 only runs on its refresh steps, so the larger grid costs little.
+        # None: the step's own capacity (tests of the planner alone).
+        self.graph_capacity = (candidate_capacity(max_seq_len, cfg.n_sink, cfg.n_stream)
+                               if max_seq_len is not None else None)
+        self.trained_window_rope_off = cfg.rope_off_in_trained_window
+        self.max_seq_len = max_seq_len
 
     def plan(self, seqs: list, ctx_lens: list[int], num_decodes: int,
              needs_logits: list[bool] | None = None) -> SparseStepHost:
@@ -158,14 +167,35 @@ class SparsePlanner:
         refresh = tuple(tuple(any(f[g] <= i for f in firsts) for i in range(n))
                         for g in range(len(self.group_offsets)))
         capacity = candidate_capacity(max(sparse_ends, default=0), cfg.n_sink, cfg.n_stream)
-        graphable = rows and len(rows) == len(seqs) and all(f == firsts[0] for f in firsts)
         bank_ok = all(slot < cfg.key_bank_slots for slot in slots)
+        # a step some of whose rows own no key-bank row runs eagerly (only with more long requests
+        # decoding at once than key_bank_slots): its graphs would double the set captured at load
+        graphable = rows and len(rows) == len(seqs) and all(f == firsts[0] for f in firsts) and bank_ok
+        if graphable and self.graph_capacity is not None:
+            capacity = max(capacity, self.graph_capacity)
         solo = [bool(cfg.solo_last_query and needs_logits is not None and needs_logits[b]) for b in prefill]
         return SparseStepHost(decode_rows=rows, decode_ends=ends, decode_slots=slots,
                               decode_first_stage=firsts, prefill_seqs=prefill, prefill_solo_last=solo,
                               dense_decode_lens=dense_lens,
                               dense_prefill_runs=runs, dynamic_rope=dynamic, bank_ok=bank_ok, refresh=refresh,
                               capacity=capacity, graph_key=(refresh, capacity, dynamic, bank_ok) if graphable else None)
+
+    def graph_keys(self) -> list[tuple]:
+        """Every graph_key a decode step of this planner can have (runtime/cuda_graphs.py
+        captures them all at load): the refresh patterns of one cycle of the clock, plus a
+        newcomer's full first step, with dynamic RoPE off (sparse inside the trained window) and
+        on (past it), where the engine's limits reach them."""
+        cfg, n = self.cfg, len(self.cfg.stages)
+        patterns = {tuple((True,) * n for _ in self.group_offsets)}
+        for clock in range(cfg.refresh_intervals[0]):
+            firsts = [refresh_from(1, clock + o, cfg.refresh_intervals) for o in self.group_offsets]
+            patterns.add(tuple(tuple(f <= i for i in range(n)) for f in firsts))
+        dynamic = []
+        if self.trained_window_rope_off and cfg.dense_threshold <= self.trained_window:
+            dynamic.append(False)
+        if not self.trained_window_rope_off or self.max_seq_len is None or self.max_seq_len > self.trained_window:
+            dynamic.append(True)
+        return [(refresh, self.graph_capacity, d, True) for d in dynamic for refresh in sorted(patterns)]
 
     def skip(self, seqs: list) -> None:
         """A step that runs no sparse attention (e.g. it drops tokens): every request's cached

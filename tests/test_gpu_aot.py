@@ -1,6 +1,6 @@
 """Ahead-of-time kernels on the GPU: a kernel compiled by the builder's path launches from the
 engine's kernels/ folder without compiling, with an empty, read-only Triton cache; an engine
-built for this GPU generates under jit="forbid". Each check runs in a fresh Python process (a
+built for this GPU generates under jit="forbid", every decode graph captured at load. Each check runs in a fresh Python process (a
 process that already compiled a kernel would find it in Triton's in-memory cache)."""
 
 from __future__ import annotations
@@ -79,7 +79,8 @@ _ENGINE_SCRIPT = textwrap.dedent('''
     outs = llm.generate(prompt_token_ids=prompts, sampling_params=SamplingParams(max_tokens=8, temperature=0,
                                                                                  ignore_eos=True))
     assert all(len(o.token_ids) == 8 for o in outs)
-    print("OK")
+    assert llm.runner.graphs.report["on_request"] == 0, llm.runner.graphs.report  # all captured at load
+    print("OK", llm.load_report)
 ''')
 
 

@@ -162,3 +162,25 @@ def test_graph_keys_of_decode_batches():
     assert few.plan([a], [60], 1).bank_ok  # a holds slot 0, which owns the bank row
     h = few.plan([a, b], [61, 60], 2)
     assert h.decode_slots == [0, 1] and not h.bank_ok  # b's slot 1 has none: the step rotates keys
+
+
+@pytest.mark.parametrize("preset, patterns", [("3k", 6), ("3k-flash", 14)])
+def test_graph_keys_listed_at_load_cover_every_decode_step(preset, patterns):
+    """Every graph key decode steps produce — one request, two joining later, contexts crossing
+    the trained window and several capacity doublings — is one of planner.graph_keys(), which
+    the runner captures at load: n_refresh(0) / n_refresh(-1) + 2 refresh patterns per dynamic
+    RoPE mode (phases aligned to the last interval), one fixed candidate capacity."""
+    cfg = infinitehip_config(preset, dict(n_sink=4, n_stream=8, stages=[(8, 4, 32), (8, 2, 16), (8, 1, 8)],
+                                          special_final_k=16, dense_threshold=50))
+    planner = SparsePlanner(cfg, max_slots=4, trained_window=100, num_sparse_layers=32, max_seq_len=5000)
+    listed = planner.graph_keys()
+    assert len(listed) == 2 * patterns and len({k[1] for k in listed}) == 1
+    a, b, c = seq(0, 60), seq(1, 60), seq(2, 60)
+    seen = set()
+    for j in range(400):
+        batch = [(a, 60 + 10 * j)] + ([(b, 80 + 10 * j)] if j >= 37 else []) + ([(c, 90 + 10 * j)] if j >= 91 else [])
+        h = planner.plan([s for s, _ in batch], [n for _, n in batch], len(batch))
+        if h.graph_key is not None:
+            seen.add(h.graph_key)
+    assert seen and seen <= set(listed), sorted(set(seen) - set(listed))[:2]
+    assert {k[2] for k in seen} == {False, True}  # inside and past the trained window
