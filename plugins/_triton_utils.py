@@ -9,11 +9,33 @@ from __future__ import annotations
 
 import functools
 import os
+import tempfile
 
 import torch
 import triton
 
 from infhip.plugins.aot import recording_target
+
+
+def _writable(path: str) -> bool:
+    try:
+        os.makedirs(path, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path):
+            return True
+    except OSError:
+        return False
+
+
+def _ensure_writable_cache() -> None:
+    """A Triton cache dir that cannot be written (a read-only home, a locked-down container)
+    would fail the first compile of a launcher or kernel: use a private temporary one instead.
+    Engines' own kernels come from the engine either way (runtime/kernel_store.py)."""
+    from triton import knobs
+    if os.environ.get("TRITON_INTERPRET") != "1" and not _writable(knobs.cache.dir):
+        knobs.cache.dir = tempfile.mkdtemp(prefix="infhip-triton-")
+
+
+_ensure_writable_cache()
 
 
 def use_triton(*tensors: torch.Tensor) -> bool:

@@ -11,7 +11,8 @@ is read from or written to ``~/.triton`` for those kernels.
 Triton launches through one small C launcher per kernel *signature* (host code, gcc, about 0.5 s
 each to build). An engine built on a GPU of its target holds them too (for the builder's Python
 version); otherwise they are built on first use into Triton's cache dir (``TRITON_CACHE_DIR`` or
-``~/.triton/cache``), or into a private temporary folder when that is not writable.
+``~/.triton/cache``), or into a private temporary folder when that is not writable
+(plugins/_triton_utils.py arranges that when the plugins are imported).
 
 JIT policy (``LLM(jit=...)`` or ``INFHIP_JIT``): before any compile Triton calls our hook with the
 variant it is about to compile (plugins/aot.py's KernelVariant). A variant the loaded engines do
@@ -27,7 +28,6 @@ import hashlib
 import json
 import logging
 import os
-import tempfile
 import threading
 import types
 import weakref
@@ -153,8 +153,6 @@ def _install() -> None:
 
     if _installed:
         return
-    if not _writable(knobs.cache.dir):  # launchers (and allowed JIT compiles) need a place
-        knobs.cache.dir = tempfile.mkdtemp(prefix="infhip-triton-")
     knobs.cache.manager_class = EngineKernelCache
     previous = knobs.runtime.jit_cache_hook
 
@@ -163,15 +161,6 @@ def _install() -> None:
         return previous(*args, **kwargs) if previous is not None else None
     knobs.runtime.jit_cache_hook = before_compile
     _installed = True
-
-
-def _writable(path: str) -> bool:
-    try:
-        os.makedirs(path, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=path):
-            return True
-    except OSError:
-        return False
 
 
 def _check_variant(fn_info, compile_args: dict) -> None:
