@@ -163,6 +163,7 @@ class LLM:
         return self.scheduler.num_waiting
 
     def stats(self) -> EngineStats:
+        """Requests and KV pages now (read-only; safe to call between steps)."""
         kv = self.runner.kv
         free = {g: kv.num_free_pages(g) for g in kv.groups}
         host = {g: spec.offload.host_pages for g, spec in kv.groups.items() if spec.offload is not None}
