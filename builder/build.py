@@ -116,7 +116,10 @@ def _check_apart(out: Path, source: Path) -> None:
 def _lock_tmp(tmp: Path) -> int:
     """Mark tmp as a running build's (see _TMP_LOCK); returns the fd that holds the lock."""
     fd = os.open(tmp / _TMP_LOCK, os.O_CREAT | os.O_WRONLY, 0o600)
-    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:  # a filesystem without locks: the build goes on; its leftovers then stay
+        pass
     return fd
 
 
@@ -131,7 +134,7 @@ def _is_leftover(tmp: Path) -> bool:
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         return True
-    except BlockingIOError:  # a build is writing it
+    except OSError:  # a build is writing it (or no locks here, so nobody can tell): leave it
         return False
     finally:
         os.close(fd)
@@ -274,8 +277,9 @@ def build_engine(
         out.parent.mkdir(parents=True, exist_ok=True)
         _remove_leftovers(out)
         tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-        lock = _lock_tmp(tmp)
+        lock = None
         try:
+            lock = _lock_tmp(tmp)
             os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes it 0700; the engine is a normal folder
             _write_engine(tmp, engine, ckpt, src, inv_freqs, device, seed, progress, warnings, timings, t)
             timings["total"] = round(time.perf_counter() - t_start, 3)
@@ -286,7 +290,8 @@ def build_engine(
             shutil.rmtree(tmp, ignore_errors=True)
             raise
         finally:
-            os.close(lock)
+            if lock is not None:
+                os.close(lock)
     finally:
         ckpt.close()
     return out
