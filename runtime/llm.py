@@ -368,7 +368,9 @@ class LLM:
     def generate(self, prompts: list[str] | str | None = None,
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  prompt_token_ids: list[list[int]] | None = None) -> list[RequestOutput]:
-        """Generate completions for a batch of prompts (continuous batching); outputs in input order."""
+        """Generate completions for a batch of prompts (continuous batching); outputs in input order.
+        A bad prompt or params raise ValueError and run none of them; a request that fails while
+        running comes back with finish_reason "error" and its `error`, the others complete."""
         reqs = []
         try:
             for p, ids, sp in self._normalise(prompts, prompt_token_ids, sampling_params):
@@ -383,7 +385,8 @@ class LLM:
 
     def generate_stream(self, prompt: str | None = None, sampling_params: SamplingParams | None = None,
                         prompt_token_ids: list[int] | None = None) -> Iterator[StreamDelta]:
-        """Yield the completion of one prompt piece by piece as it is generated."""
+        """Yield the completion of one prompt piece by piece as it is generated (if it fails, the
+        last delta has finish_reason "error" and its `error`)."""
         [(p, ids, sp)] = self._normalise(prompt, prompt_token_ids, sampling_params)
         req = self._add(p, ids, sp)
         try:
