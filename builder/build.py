@@ -3,8 +3,11 @@
 Phases: resolve the source, read and normalise its config, convert (or generate) the weights,
 then write ``rank0.safetensors``, ``config.json``, ``tokenizer/``, ``kernels/index.json`` and
 ``build_report.json`` into a temporary sibling ``.<name>.tmp-XXXX`` that is renamed into place only
-when complete. Any failure (or Ctrl-C) removes the temporary directory; an existing engine is
-replaced only with ``force=True`` and only after the new one is complete.
+when complete. Any failure (or Ctrl-C) removes the temporary directory; a build killed outright
+leaves it behind, and the next build of the same output removes it (a running build holds a lock
+in its own, so it is never taken for such a leftover). An existing engine is replaced only with
+``force=True``, only after the new one is complete, and only if it is an infhip engine
+(``infhip.config.is_engine_dir``); the output may not be, hold or lie inside the checkpoint.
 
     >>> from infhip.builder import build_engine
     >>> build_engine("smollm2-135m", "engines/smollm2-135m", dtype="float32", device="cpu")  # doctest: +SKIP
@@ -14,9 +17,11 @@ replaced only with ``force=True`` and only after the new one is complete.
 from __future__ import annotations
 
 import dataclasses
+import fcntl
 import json
 import os
 import shutil
+import sys
 import tempfile
 import time
 from datetime import datetime, timezone
@@ -26,7 +31,7 @@ from typing import Any, Callable
 import torch
 
 from infhip import __version__
-from infhip.config import DTYPES, KV_DTYPES, BuildConfig, EngineConfig, EngineFormatError
+from infhip.config import DTYPES, KV_DTYPES, BuildConfig, EngineConfig, EngineFormatError, is_engine_dir
 from infhip.builder.checkpoint import GGUFCheckpoint, HFDirCheckpoint
 from infhip.builder.convert import convert_weights, random_weights, unused_tensors, weight_specs
 from infhip.builder.errors import BuildError
@@ -37,6 +42,12 @@ from infhip.builder.registry import ModelSource, resolve_model
 from infhip.builder.tokenizer import save_tokenizer
 
 MAX_DEFAULT_SEQ_LEN = 131072
+# A running build holds an exclusive flock on this file in its temporary folder; the kernel drops
+# the lock when the process dies, however it dies.
+_TMP_LOCK = ".infhip-build.lock"
+# A temporary folder without the lock file is a leftover once this old: one written before the
+# lock existed (a build holds its lock from right after mkdtemp until right before the rename).
+_UNLOCKED_GRACE_S = 60.0
 
 
 def _resolve_source(source: str | os.PathLike | ModelSource) -> ModelSource:
@@ -103,9 +114,62 @@ def _check_output(out: Path, force: bool) -> None:
         raise BuildError(f"{out} already exists; pass --force to replace it")
     if not out.is_dir():
         raise BuildError(f"{out} exists and is not a directory; remove it or choose another --output")
-    # --force replaces engines, never arbitrary folders (think --output ~ --force).
-    if any(out.iterdir()) and not (out / "config.json").is_file():
-        raise BuildError(f"refusing to replace {out}: it is not an infhip engine directory (no config.json)")
+    # --force replaces engines, never arbitrary folders (think --output ~ --force) or checkpoints.
+    if any(out.iterdir()) and not is_engine_dir(out):
+        raise BuildError(f"refusing to replace {out}: it is not an infhip engine directory (no engine "
+                         "config.json); choose another --output, or remove it yourself")
+
+
+def _check_apart(out: Path, source: Path) -> None:
+    """The output (replaced as a whole) must not be the checkpoint, hold it, or lie inside it."""
+    o, s = out.resolve(), source.resolve()
+    if o == s or s.is_relative_to(o):
+        where = "is" if o == s else "contains"
+        raise BuildError(f"--output {out} {where} the checkpoint {source}: writing the engine there would "
+                         "replace the checkpoint; choose an --output outside it")
+    if o.is_relative_to(s):
+        raise BuildError(f"--output {out} lies inside the checkpoint {source}; choose an --output outside it")
+
+
+def _lock_tmp(tmp: Path) -> int:
+    """Mark tmp as a running build's (see _TMP_LOCK); returns the fd that holds the lock."""
+    fd = os.open(tmp / _TMP_LOCK, os.O_CREAT | os.O_WRONLY, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:  # a filesystem without locks: the build goes on; its leftovers then stay
+        pass
+    return fd
+
+
+def _is_leftover(tmp: Path) -> bool:
+    """Is tmp a temporary folder whose build is gone (its lock free, or no lock and old)?"""
+    try:
+        fd = os.open(tmp / _TMP_LOCK, os.O_RDONLY)
+    except FileNotFoundError:
+        return time.time() - tmp.stat().st_mtime > _UNLOCKED_GRACE_S
+    except OSError:  # not ours to open (another user's build): leave it
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except OSError:  # a build is writing it (or no locks here, so nobody can tell): leave it
+        return False
+    finally:
+        os.close(fd)
+
+
+def _remove_leftovers(out: Path) -> None:
+    """Remove the temporary folders of killed builds of out (siblings .<name>.tmp-*), saying so."""
+    prefix = f".{out.name}.tmp-"
+    found = [p for p in out.parent.iterdir()
+             if p.name.startswith(prefix) and p.is_dir() and not p.is_symlink() and _is_leftover(p)]
+    if not found:
+        return
+    size = sum(_dir_size(p) for p in found)
+    for p in found:
+        shutil.rmtree(p, ignore_errors=True)
+    print(f"infhip-build: removed {len(found)} unfinished folder(s) left by killed builds of {out} "
+          f"({size / 2**20:.1f} MiB): {', '.join(p.name for p in found)}", file=sys.stderr)
 
 
 def install_dir(tmp: Path, out: Path, check_existing: Callable[[Path], None]) -> None:
@@ -185,13 +249,14 @@ def build_engine(
             raise BuildError(f"{flag} must be a positive integer, got {value!r}")
     device, target = _device_and_target(device, target)
     out = Path(output_dir).expanduser()
-    _check_output(out, force)
 
     t = time.perf_counter()
     if checkpoint is not None:  # a path, never an alias: a typo must say "does not exist"
         src = ModelSource(str(checkpoint), Path(checkpoint).expanduser())
     else:
         src = resolve_model(str(model)) if model is not None else _resolve_source(source)
+    _check_apart(out, src.path)
+    _check_output(out, force)
     ckpt = src.open()
     warnings.extend(ckpt.notes)
     t = lap("open_source", t)
@@ -231,16 +296,23 @@ def build_engine(
         engine = EngineConfig(model=mcfg, plan=plan, build=build, infhip_version=__version__)
 
         out.parent.mkdir(parents=True, exist_ok=True)
+        _remove_leftovers(out)
         tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-        os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes it 0700; the engine is a normal folder
+        lock = None
         try:
+            lock = _lock_tmp(tmp)
+            os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes it 0700; the engine is a normal folder
             _write_engine(tmp, engine, ckpt, src, inv_freqs, device, seed, progress, warnings, timings, t)
             timings["total"] = round(time.perf_counter() - t_start, 3)
             _finish_report(tmp, timings)
+            os.unlink(tmp / _TMP_LOCK)  # not part of the engine; the fd keeps the lock until the end
             install_dir(tmp, out, lambda o: _check_output(o, force))
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
+        finally:
+            if lock is not None:
+                os.close(lock)
     finally:
         ckpt.close()
     return out

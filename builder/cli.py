@@ -72,7 +72,8 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--random-weights", action="store_true",
                    help="random weights of the model's shape (no checkpoint weights needed)")
     p.add_argument("--seed", type=int, default=0, help="seed of --random-weights (0)")
-    p.add_argument("--force", action="store_true", help="replace an existing engine at --output")
+    p.add_argument("--force", action="store_true",
+                   help="replace an existing engine at --output (an infhip engine only, never the checkpoint)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     return p
 

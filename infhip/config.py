@@ -6,7 +6,7 @@ computed at load time (number of KV pages, CUDA-graph pools) live in runtime obj
 
 Engine directory (SPEC §3)::
 
-    <engine>/config.json        EngineConfig.to_dict()
+    <engine>/config.json        EngineConfig.to_dict(), "format": "infhip-engine" first (is_engine_dir)
     <engine>/rank0.safetensors  weights, our names (see WEIGHT NAMES below)
     <engine>/tokenizer/         tokenizer.json + tokenizer_config.json (may be absent: random weights)
     <engine>/kernels/index.json plugin kernels known for the target
@@ -38,6 +38,10 @@ from pathlib import Path
 from typing import Any
 
 FORMAT_VERSION = 1
+# config.json's "format": what tells an engine from other folders with a config.json (a Hugging
+# Face checkpoint), e.g. before `infhip-build --force` replaces one. Engines written before the
+# marker are told by their format_version and sections (is_engine_dir).
+ENGINE_FORMAT = "infhip-engine"
 
 ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma3")
 LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -431,6 +435,7 @@ class EngineConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return {
+            "format": ENGINE_FORMAT,
             "format_version": self.format_version,
             "infhip_version": self.infhip_version,
             "model": dataclasses.asdict(self.model),
@@ -465,3 +470,19 @@ class EngineConfig:
                        infhip_version=d.get("infhip_version", ""))
         except (KeyError, TypeError, ValueError) as e:
             raise EngineFormatError(f"{path} is damaged or incomplete ({e}); rebuild the engine") from e
+
+
+def is_engine_dir(path: str | Path) -> bool:
+    """Does ``path`` hold an infhip engine, of any format version? Its config.json says
+    ``"format": "infhip-engine"`` or, written before that marker, has an int format_version and
+    the model, plan and build sections."""
+    try:
+        d = json.loads(Path(path, "config.json").read_text())
+    except (OSError, ValueError):  # no config.json, unreadable, not JSON (or not UTF-8)
+        return False
+    if not isinstance(d, dict):
+        return False
+    if "format" in d:
+        return d["format"] == ENGINE_FORMAT
+    return isinstance(d.get("format_version"), int) and all(
+        isinstance(d.get(k), dict) for k in ("model", "plan", "build"))

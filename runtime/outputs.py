@@ -14,7 +14,8 @@ class RequestOutput:
     prompt_token_ids: list[int]
     token_ids: list[int]
     text: str
-    finish_reason: str  # "stop" | "length" | "abort"
+    finish_reason: str  # "stop" | "length" | "abort" | "error"
+    error: str | None = None  # with finish_reason "error": what failed (the other requests went on)
 
 
 @dataclass
@@ -25,3 +26,4 @@ class StreamDelta:
     token_ids: list[int]
     text: str
     finish_reason: str | None = None  # set on the last delta
+    error: str | None = None  # on the last delta, with finish_reason "error": what failed

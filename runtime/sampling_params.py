@@ -10,12 +10,20 @@
     Traceback (most recent call last):
         ...
     ValueError: SamplingParams.top_p must be in (0, 1], got 1.5
+
+Checks that need the engine (top_k and stop_token_ids inside its vocabulary, max_tokens lowered
+to the room max_seq_len leaves after the prompt) are `SamplingParams.for_engine`'s, which
+`LLM` applies to every request before it is queued.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
+
+# torch.Generator.manual_seed takes any 64-bit value, signed or not (seed s < 0 acts as 2**64 + s).
+SEED_RANGE = (-(1 << 63), 1 << 64)  # [lo, hi)
 
 
 def _is_int(x: object) -> bool:
@@ -31,14 +39,15 @@ def _is_number(x: object) -> bool:
 class SamplingParams:
     """How one request generates.
 
-    max_tokens      tokens to generate at most (finish_reason "length" when reached)
+    max_tokens      tokens to generate at most (finish_reason "length" when reached); an engine
+                    lowers it to what its max_seq_len leaves after the prompt (for_engine)
     temperature     0 = greedy (argmax); otherwise logits are divided by it before softmax
     top_p           nucleus sampling: keep the fewest most-likely tokens whose mass >= top_p
     top_k           keep the k most-likely tokens; 0 or -1 = off
     stop            strings that end generation (matched on detokenised text; not included)
     stop_token_ids  token ids that end generation (besides the model's EOS tokens)
     ignore_eos      keep generating past EOS (benchmarks)
-    seed            per-request RNG seed: the same seed gives the same tokens
+    seed            per-request RNG seed, 64 bits: the same seed gives the same tokens
     """
 
     max_tokens: int = 16
@@ -82,8 +91,26 @@ class SamplingParams:
 
         if not isinstance(self.ignore_eos, bool):
             raise bad("ignore_eos", "a bool", self.ignore_eos)
-        if self.seed is not None and not _is_int(self.seed):
-            raise bad("seed", "an int or None", self.seed)
+        lo, hi = SEED_RANGE
+        if self.seed is not None and not (_is_int(self.seed) and lo <= self.seed < hi):
+            raise bad("seed", "an int or None, of 64 bits: in [-2**63, 2**64)", self.seed)
+
+    def for_engine(self, vocab_size: int, max_new_tokens: int) -> SamplingParams:
+        """A checked copy for one request on an engine with ``vocab_size`` tokens, where the
+        prompt leaves room for ``max_new_tokens`` more. Every field is checked again (the
+        dataclass is mutable; the copy shares no list with self), top_k and stop_token_ids must
+        lie in the vocabulary (ValueError), and max_tokens above the room is lowered to it: the
+        request then ends with finish_reason "length" there, as it would at max_seq_len."""
+        p = dataclasses.replace(self)
+        if p.top_k > vocab_size:
+            raise ValueError(f"SamplingParams.top_k must be at most the vocabulary size {vocab_size} "
+                             f"(or 0 / -1 for off), got {p.top_k}")
+        outside = [t for t in p.stop_token_ids if t >= vocab_size]
+        if outside:
+            raise ValueError(f"SamplingParams.stop_token_ids must be token ids of this engine, in "
+                             f"[0, {vocab_size}); got {outside[:3]}{' ...' if len(outside) > 3 else ''}")
+        p.max_tokens = min(p.max_tokens, max_new_tokens)
+        return p
 
     @property
     def greedy(self) -> bool:

@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 
 from infhip.runtime.sampling_params import SamplingParams
 
-FINISH_REASONS = ("stop", "length", "abort")
+# "error": the engine failed this request alone (LLM: the request's `error` says why).
+FINISH_REASONS = ("stop", "length", "abort", "error")
 
 
 class SequenceStatus(enum.Enum):
@@ -33,7 +34,7 @@ class Sequence:
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0  # tokens whose KV is in the cache (a prefix of all_token_ids)
     status: SequenceStatus = SequenceStatus.WAITING
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    finish_reason: str | None = None  # one of FINISH_REASONS once finished
     arrival: int = 0  # admission order, stamped by Scheduler.add (FIFO key; newest is preempted first)
     # UniPrefill drop history (runtime/token_drop.py): per layer, how many of the computed tokens
     # that layer holds no KV for. None: every layer holds all of them. Reset by a prefill from 0.

@@ -42,7 +42,9 @@ def test_defaults_and_normalisation():
     (dict(stop=[1]), "SamplingParams.stop must be a string or a list of strings"),
     (dict(stop_token_ids=[1, "2"]), "SamplingParams.stop_token_ids must be a list of token ids"),
     (dict(stop_token_ids=[-1]), "SamplingParams.stop_token_ids must be a list of token ids"),
-    (dict(seed=1.5), "SamplingParams.seed must be an int or None, got 1.5"),
+    (dict(seed=1.5), "SamplingParams.seed must be an int or None, of 64 bits: in [-2**63, 2**64), got 1.5"),
+    (dict(seed=2**64), "SamplingParams.seed must be an int or None, of 64 bits"),
+    (dict(seed=-2**63 - 1), "SamplingParams.seed must be an int or None, of 64 bits"),
     (dict(ignore_eos=1), "SamplingParams.ignore_eos must be a bool"),
 ])
 def test_validation_messages(kwargs, message):
