@@ -20,12 +20,15 @@ gets the reason at once (`alive` turns False).
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 import time
 from typing import Protocol
 
 from infhip.runtime.sampling_params import SamplingParams
+
+_log = logging.getLogger("infhip.engine_loop")
 
 
 class _Accepted:
@@ -73,7 +76,7 @@ class EngineLoop:
 
     @property
     def alive(self) -> bool:
-        return self._thread.is_alive()
+        return self.death is None and self._thread.is_alive()
 
     def close(self) -> None:
         self._stop.set()
@@ -121,8 +124,8 @@ class EngineLoop:
             while not self._stop.is_set():
                 self._turn()
         except BaseException as e:  # noqa: BLE001 - nobody may wait forever on a dead thread
+            _log.exception("the engine thread died")
             self._die(e)
-            raise
 
     def _turn(self) -> None:
         """Take what arrived (waiting for it when idle), then run one step and hand out deltas."""

@@ -127,7 +127,7 @@ async def _generate(engine: AsyncEngine, request: Request, text, ids, params, sh
         return Response(status_code=499)  # nobody reads it
     except Exception as e:
         gen.close()
-        raise ApiError(503 if not engine.loop.alive else 500, f"the engine failed: {e}") from None
+        raise ApiError(503 if not engine.loop.alive else 500, f"the engine failed: {type(e).__name__}: {e}") from None
     if stream:
         return StreamingResponse(_events(gen, shape, prompt_tokens, include_usage), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})

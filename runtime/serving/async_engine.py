@@ -69,7 +69,7 @@ class Generation:
         while (msg := await self._next()) is not None:
             if isinstance(msg, Exception):
                 self._settled = True
-                raise EngineFailure(str(msg)) from msg
+                raise EngineFailure(f"{type(msg).__name__}: {msg}") from msg
             yield msg
         self._settled = True
 
