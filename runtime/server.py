@@ -125,7 +125,10 @@ def main(argv=None) -> int:
         return 2
     print(f"infhip-serve: {args.engine} on {server.url} (POST /v1/completions, /v1/chat/completions; "
           "GET /v1/models, /health, /metrics)", file=sys.stderr, flush=True)
-    server.serve_forever()
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:  # uvicorn re-raises SIGINT after its graceful shutdown
+        pass
     return 0
 
 
