@@ -128,29 +128,34 @@ class EngineLoop:
             self._die(e)
 
     def _turn(self) -> None:
-        """Take what arrived (waiting for it when idle), then run one step and hand out deltas."""
+        """Take what arrived (waiting for it when idle), run one step, then hand out its messages
+        (after the observer has sampled the state, so a client that has its answer never reads
+        metrics from before it)."""
         try:
             self._handle(self._inbox.get(timeout=None if not self._live else 0.0))
             while True:
                 self._handle(self._inbox.get_nowait())
         except queue.Empty:
             pass
-        if self._live and not self._stop.is_set():
-            self._step()
+        mail = self._step() if self._live and not self._stop.is_set() else []
         if self.observer is not None:
             self.observer.sample(self.llm)
+        for outbox, message in mail:
+            outbox.put(message)
 
-    def _step(self) -> None:
+    def _step(self) -> list[tuple[Outbox, object]]:
+        """One LLM step; the (outbox, message) pairs it produced."""
         try:
             touched = {id(r) for r in self.llm.step()}
         except Exception as e:  # noqa: BLE001 - every live request learns why and is freed
-            for req, outbox in self._live.values():
+            mail = [(outbox, e) for _, outbox in self._live.values()]
+            for req, _ in self._live.values():
                 self.llm._abort(req)
-                outbox.put(e)
             if self.observer is not None:
                 self.observer.step_failed(len(self._live))
             self._live.clear()
-            return
+            return mail
+        mail = []
         for key, (req, outbox) in list(self._live.items()):
             if id(req) not in touched and not req.seq.is_finished:
                 continue  # nothing new (e.g. still prefilling): no detokenizer work
@@ -158,21 +163,26 @@ class EngineLoop:
             if delta is not None:
                 if self.observer is not None:
                     self.observer.delta(req, delta)
-                outbox.put(delta)
+                mail.append((outbox, delta))
             if req.seq.is_finished:
                 self.llm._abort(req)  # forget it: its pages are already free
                 if self.observer is not None:
                     self.observer.gone(req, aborted=False)
-                outbox.put(None)
+                mail.append((outbox, None))
                 del self._live[key]
+        return mail
 
     def _die(self, e: BaseException) -> None:
         """Fail every live and queued request with the reason; later submits fail at once."""
         with self._death_lock:
             self.death = e
         error = RuntimeError(f"the engine thread died: {e!r}")
-        for _, outbox in self._live.values():
+        for req, outbox in self._live.values():
             outbox.put(error)
+            try:  # free its KV pages if the LLM still can
+                self.llm._abort(req)
+            except Exception:  # noqa: BLE001 - the LLM may be what broke
+                _log.exception("aborting a request of the dead engine thread failed")
         self._live.clear()
         while True:
             try:

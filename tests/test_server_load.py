@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import threading
 import time
 
 import httpx
@@ -87,7 +86,7 @@ def test_128_concurrent_streaming_clients(server, alone):
     assert elapsed < 60
 
 
-async def leave_mid_request(server, stream: bool, generating: threading.Event) -> None:
+async def leave_mid_request(server, stream: bool, generating: asyncio.Event) -> None:
     """Send a long request, leave once every request of the storm is generating."""
     body = json.dumps({"prompt": "In the beginning", "stream": stream, "max_tokens": 110, "temperature": 0,
                        "ignore_eos": True}).encode()
@@ -95,7 +94,7 @@ async def leave_mid_request(server, stream: bool, generating: threading.Event) -
     writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                  b"Content-Length: %d\r\n\r\n" % len(body) + body)
     await writer.drain()
-    await asyncio.get_running_loop().run_in_executor(None, generating.wait, 60)
+    await generating.wait()
     writer.close()
     await writer.wait_closed()
 
@@ -106,19 +105,20 @@ def test_64_clients_leaving_mid_request_free_everything(server, alone, monkeypat
     aborts = metrics.aborts._value.get()
     step, delta = llm.step, metrics.delta
     monkeypatch.setattr(llm, "step", lambda: time.sleep(0.02) or step())  # 110 tokens >= 2.2 s: still generating
-    started, generating = set(), threading.Event()
-
-    def count_started(req, d):  # the engine thread: set once all 64 requests have a token
-        started.add(req.seq.seq_id)
-        if len(started) == 64:
-            generating.set()
-        delta(req, d)
-    monkeypatch.setattr(metrics, "delta", count_started)
 
     async def storm():
-        await asyncio.gather(*(leave_mid_request(server, i % 2 == 0, generating) for i in range(64)))
+        loop, generating, started = asyncio.get_running_loop(), asyncio.Event(), set()
+
+        def count_started(req, d):  # on the engine thread: all 64 requests have a token -> leave
+            if req.seq.seq_id not in started:
+                started.add(req.seq.seq_id)
+                if len(started) == 64:  # once: this event loop is closed after the storm
+                    loop.call_soon_threadsafe(generating.set)
+            delta(req, d)
+        monkeypatch.setattr(metrics, "delta", count_started)
+        await asyncio.wait_for(asyncio.gather(*(leave_mid_request(server, i % 2 == 0, generating)
+                                                for i in range(64))), 60)
     asyncio.run(storm())
-    assert generating.is_set()
     left = time.monotonic()
     assert wait_for(lambda: engine_is_idle(server, free), 2.0), (len(server.loop._live), kv_free_pages(llm), free)
     assert time.monotonic() - left < 2.0

@@ -199,16 +199,17 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
+def _text_choice(text: str, token_ids: list[int], finish_reason: str | None) -> dict:
+    return {"index": 0, "text": text, "token_ids": token_ids, "logprobs": None, "finish_reason": finish_reason}
+
+
 def completion(meta: dict, text: str, token_ids: list[int], finish_reason: str | None, use: dict) -> dict:
-    return {**meta, "object": "text_completion", "usage": use,
-            "choices": [{"index": 0, "text": text, "token_ids": token_ids, "logprobs": None,
-                         "finish_reason": finish_reason}]}
+    return {**meta, "object": "text_completion", "choices": [_text_choice(text, token_ids, finish_reason)],
+            "usage": use}
 
 
 def completion_chunk(meta: dict, text: str, token_ids: list[int], finish_reason: str | None) -> dict:
-    return {**meta, "object": "text_completion",
-            "choices": [{"index": 0, "text": text, "token_ids": token_ids, "logprobs": None,
-                         "finish_reason": finish_reason}]}
+    return {**meta, "object": "text_completion", "choices": [_text_choice(text, token_ids, finish_reason)]}
 
 
 def chat_completion(meta: dict, text: str, token_ids: list[int], finish_reason: str | None, use: dict) -> dict:
