@@ -75,6 +75,7 @@ def offline(engine: str, device: str | None, prompts_by_n: dict[int, list], max_
         dt = time.perf_counter() - start
         rows[n] = {"requests_per_s": n / dt, "tokens_per_s": sum(len(o.token_ids) for o in outs) / dt,
                    "seconds": dt}
+        print(f"[bench_serving] offline, {n} requests: {dt:.1f} s", file=sys.stderr, flush=True)
     del llm
     gc.collect()
     _empty_cuda_cache()
@@ -158,7 +159,10 @@ def main(argv=None) -> int:
     off = offline(args.engine, args.device, prompts, args.max_tokens)
     proc, url = start_server(args.engine, args.device)
     try:
-        srv = {n: asyncio.run(served(url, prompts[n], args.max_tokens)) for n in clients}
+        srv = {}
+        for n in clients:
+            srv[n] = asyncio.run(served(url, prompts[n], args.max_tokens))
+            print(f"[bench_serving] served, {n} clients: {srv[n]['seconds']:.1f} s", file=sys.stderr, flush=True)
     finally:
         proc.send_signal(signal.SIGINT)
         proc.wait(timeout=60)
