@@ -41,6 +41,7 @@ class HttpServer:
         self.app = make_app(self.engine, self.metrics, model_name, self.limits)
         self._socket = _listen(host, port, backlog)
         self.server_address = self._socket.getsockname()[:2]
+        self._thread: threading.Thread | None = None  # set by start()
         self._uvicorn = uvicorn.Server(uvicorn.Config(
             self.app, log_level="warning", access_log=False, lifespan="off", backlog=backlog,
             timeout_keep_alive=keep_alive_s, timeout_graceful_shutdown=5))
@@ -65,7 +66,7 @@ class HttpServer:
 
     def shutdown(self) -> None:
         self._uvicorn.should_exit = True
-        if getattr(self, "_thread", None) is not None:
+        if self._thread is not None:
             self._thread.join()
 
 
