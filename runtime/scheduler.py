@@ -108,6 +108,7 @@ class Scheduler:
         self.running: list[Sequence] = []  # sorted by arrival: oldest first
         self._ids: set[int] = set()  # unfinished seq ids
         self._next_arrival = 0
+        self.num_preemptions = 0  # since start (infhip-serve's /metrics)
 
     @property
     def num_waiting(self) -> int:
@@ -173,6 +174,7 @@ class Scheduler:
         victim.status = SequenceStatus.WAITING
         self.waiting.appendleft(victim)  # preempted newest-first, so older ones end up in front
         step.preempted.append(victim)
+        self.num_preemptions += 1
 
     def _alone_error(self, seq: Sequence, end: int) -> RuntimeError:
         free = {g: self.kv.num_free_pages(g) for g in self.kv.groups}

@@ -108,11 +108,11 @@ def write_tiny_hf_checkpoint(path: str | Path, arch: str, seed: int = 0, tokeniz
     return json.loads((path / "config.json").read_text())
 
 
-def build_tiny_api_engine(root: str | Path) -> Path:
-    """A float32 CPU engine of the tiny Llama with a tokenizer (max_seq_len 128, 4 sequences)
-    under root: what the API and server tests serve."""
+def build_tiny_api_engine(root: str | Path, max_batch_size: int = 4) -> Path:
+    """A float32 CPU engine of the tiny Llama with a tokenizer (max_seq_len 128, 4 sequences
+    unless told) under root: what the API and server tests serve."""
     from infhip.builder.build import build_engine
     root = Path(root)
     write_tiny_hf_checkpoint(root / "hf", "llama", tokenizer=True)
     return build_engine(checkpoint=root / "hf", output_dir=root / "engine", dtype="float32", device="cpu",
-                        max_seq_len=128, max_batch_size=4, progress=False)
+                        max_seq_len=128, max_batch_size=max_batch_size, progress=False)

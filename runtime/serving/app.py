@@ -1,0 +1,250 @@
+"""The FastAPI app of `infhip-serve`: routes, body limits, and one error format everywhere,
+``{"error": {"message", "type", "code"}}`` (code = the HTTP status), FastAPI's own 404/405/422
+answers included.
+
+Every generating route: read the body (at most `max_body_bytes`, within `body_timeout_s`, else
+413 / 408), validate it (400), tokenize off the engine thread, hand it to the engine (400 if the
+engine refuses the prompt), then answer as one JSON object or as server-sent events. A client
+that disconnects while its request waits or generates, streaming or not, has it aborted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
+
+from infhip.runtime.serving import protocol as P
+from infhip.runtime.serving.async_engine import AsyncEngine, ClientGone, EngineFailure, Generation
+from infhip.runtime.serving.metrics import CONTENT_TYPE, ServerMetrics
+
+ENDPOINTS = ("POST /v1/completions", "POST /v1/chat/completions", "GET /v1/models", "GET /health", "GET /metrics")
+
+
+@dataclass(frozen=True)
+class HttpLimits:
+    max_body_bytes: int = 8 << 20  # a 1M-token prompt as text is ~4 MB
+    body_timeout_s: float = 30.0  # the whole body, from the end of the headers
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, headers: dict | None = None):
+        super().__init__(message)
+        self.status, self.message, self.headers = status, message, headers
+
+
+def error_body(status: int, message: str) -> dict:
+    kind = "invalid_request_error" if status < 500 else "service_unavailable" if status == 503 else "server_error"
+    return {"error": {"message": message, "type": kind, "code": status}}
+
+
+def error_response(status: int, message: str, headers: dict | None = None) -> JSONResponse:
+    return JSONResponse(error_body(status, message), status_code=status, headers=headers)
+
+
+def make_app(engine: AsyncEngine, metrics: ServerMetrics, model_name: str, limits: HttpLimits) -> FastAPI:
+    app = FastAPI(title="infhip-serve", docs_url=None, redoc_url=None, openapi_url=None)
+    _install_error_handlers(app)
+
+    @app.get("/health")
+    async def health():
+        if not engine.loop.alive:
+            return error_response(503, f"the engine thread is not running ({engine.loop.death!r})")
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def prometheus_metrics():
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "infhip",
+                                            "max_model_len": engine.limits.max_seq_len}]}
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        body = P.parse_body(P.CompletionRequest, await read_body(request, limits))
+        params = body.sampling_params(body.max_tokens, engine.limits)
+        if isinstance(body.prompt, str):
+            text, ids = body.prompt, await engine.encode(body.prompt)
+        else:
+            text, ids = None, body.prompt
+        shape = _CompletionShape(P.new_meta("cmpl", model_name))
+        return await _generate(engine, request, text, ids, params, shape, body.stream, body.include_usage)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        body = P.parse_body(P.ChatCompletionRequest, await read_body(request, limits))
+        params = body.sampling_params(body.max_new_tokens, engine.limits)
+        text, ids = await engine.encode_chat([m.for_template() for m in body.messages])
+        shape = _ChatShape(P.new_meta("chatcmpl", model_name))
+        return await _generate(engine, request, text, ids, params, shape, body.stream, body.include_usage)
+
+    return app
+
+
+async def read_body(request: Request, limits: HttpLimits) -> bytes:
+    """The request body; 413 past max_body_bytes (before reading when Content-Length says so),
+    408 when it has not all arrived within body_timeout_s (a Content-Length above what is sent)."""
+    declared = request.headers.get("content-length")  # the HTTP parser has checked it is a number
+    if declared is not None and int(declared) > limits.max_body_bytes:
+        raise ApiError(413, f"the body is {declared} bytes; the limit is {limits.max_body_bytes} (--max-body-bytes)")
+    chunks, size = [], 0
+
+    async def read() -> None:
+        nonlocal size
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limits.max_body_bytes:
+                raise ApiError(413, f"the body exceeds {limits.max_body_bytes} bytes (--max-body-bytes)")
+            chunks.append(chunk)
+
+    try:
+        await asyncio.wait_for(read(), limits.body_timeout_s)
+    except TimeoutError:
+        raise ApiError(408, f"the body did not arrive within {limits.body_timeout_s:g} s "
+                            f"({size} bytes of {declared or 'an unknown length'} received)") from None
+    return b"".join(chunks)
+
+
+async def _generate(engine: AsyncEngine, request: Request, text, ids, params, shape, stream: bool,
+                    include_usage: bool) -> Response:
+    gen = Generation(engine.loop, request.receive)
+    try:
+        prompt_tokens = await gen.start(text, ids, params)
+    except ValueError as e:  # the engine refused the prompt (too long, token id out of range, ...)
+        gen.close()
+        raise ApiError(400, str(e)) from None
+    except ClientGone:
+        gen.close()
+        return Response(status_code=499)  # nobody reads it
+    except Exception as e:
+        gen.close()
+        raise ApiError(503 if not engine.loop.alive else 500, f"the engine failed: {type(e).__name__}: {e}") from None
+    if stream:
+        return StreamingResponse(_events(gen, shape, prompt_tokens, include_usage), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    try:
+        return await _whole(gen, shape, prompt_tokens)
+    finally:
+        gen.close()
+
+
+async def _whole(gen: Generation, shape, prompt_tokens: int) -> Response:
+    pieces, tokens, last = [], [], None
+    try:
+        async for last in gen.deltas():
+            pieces.append(last.text)
+            tokens += last.token_ids
+    except EngineFailure as e:
+        return error_response(500, f"the engine failed: {e}")
+    except ClientGone:
+        return Response(status_code=499)
+    if last.finish_reason == "error":
+        return error_response(500, _request_error(last))
+    return JSONResponse(shape.whole("".join(pieces), tokens, last.finish_reason, P.usage(prompt_tokens, len(tokens))))
+
+
+async def _events(gen: Generation, shape, prompt_tokens: int, include_usage: bool) -> AsyncIterator[bytes]:
+    """The SSE body: shape's opening chunks, one chunk per delta, the usage chunk if asked, then
+    [DONE]; a failed request ends with one error event instead."""
+    try:
+        for chunk in shape.opening():
+            yield _sse(chunk)
+        num_tokens = 0
+        async for delta in gen.deltas():
+            if delta.finish_reason == "error":
+                yield _sse(error_body(500, _request_error(delta)))
+                return
+            num_tokens += len(delta.token_ids)
+            yield _sse(shape.chunk(delta.text, delta.token_ids, delta.finish_reason))
+        if include_usage:
+            yield _sse(P.usage_chunk(shape.meta, shape.chunk_object, P.usage(prompt_tokens, num_tokens)))
+        yield b"data: [DONE]\n\n"
+    except EngineFailure as e:
+        yield _sse(error_body(500, f"the engine failed: {e}"))
+    except ClientGone:
+        return
+    finally:
+        gen.close()
+
+
+def _request_error(delta) -> str:
+    # StreamDelta.error: why the engine failed this request alone (finish_reason "error")
+    return f"the request failed in the engine: {getattr(delta, 'error', None) or 'no reason given'}"
+
+
+def _sse(obj: dict) -> bytes:
+    return b"data: " + json.dumps(obj).encode() + b"\n\n"
+
+
+class _CompletionShape:
+    chunk_object = "text_completion"
+
+    def __init__(self, meta: dict):
+        self.meta = meta
+
+    def opening(self) -> list[dict]:
+        return []
+
+    def chunk(self, text: str, token_ids: list[int], finish_reason: str | None) -> dict:
+        return P.completion_chunk(self.meta, text, token_ids, finish_reason)
+
+    def whole(self, text: str, token_ids: list[int], finish_reason: str | None, use: dict) -> dict:
+        return P.completion(self.meta, text, token_ids, finish_reason, use)
+
+
+class _ChatShape:
+    chunk_object = "chat.completion.chunk"
+
+    def __init__(self, meta: dict):
+        self.meta = meta
+
+    def opening(self) -> list[dict]:
+        return [P.chat_chunk(self.meta, {"role": "assistant", "content": ""}, [], None)]
+
+    def chunk(self, text: str, token_ids: list[int], finish_reason: str | None) -> dict:
+        return P.chat_chunk(self.meta, {"content": text} if text else {}, token_ids, finish_reason)
+
+    def whole(self, text: str, token_ids: list[int], finish_reason: str | None, use: dict) -> dict:
+        return P.chat_completion(self.meta, text, token_ids, finish_reason, use)
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(ApiError)
+    async def api_error(request: Request, exc: ApiError):
+        return error_response(exc.status, exc.message, exc.headers)
+
+    @app.exception_handler(P.BadRequest)
+    async def bad_request(request: Request, exc: P.BadRequest):
+        return error_response(400, str(exc))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException):
+        where = f"{request.method} {request.url.path}"
+        if exc.status_code == 404:
+            message = f"no endpoint {where}; endpoints: {', '.join(ENDPOINTS)}"
+        elif exc.status_code == 405:
+            message = f"{where} is not allowed; {request.url.path} takes {(exc.headers or {}).get('Allow', '?')}"
+        else:
+            message = str(exc.detail)
+        return error_response(exc.status_code, message, exc.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, exc: RequestValidationError):
+        return error_response(400, "; ".join(str(e.get("msg")) for e in exc.errors()))
+
+    @app.exception_handler(ClientDisconnect)
+    async def client_left(request: Request, exc: ClientDisconnect):
+        return Response(status_code=499)  # left while sending the body: nobody reads this
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, exc: Exception):
+        return error_response(500, f"internal error: {type(exc).__name__}: {exc}")

@@ -1,0 +1,120 @@
+"""`GET /metrics`: Prometheus text from one server's own `CollectorRegistry`.
+
+`ServerMetrics` is the `EngineObserver` of the server's `EngineLoop`: every call comes from the
+engine thread, so per-request timing needs no lock; prometheus_client's metrics lock themselves
+for the scrape, which runs on the HTTP side. Names and meanings: docs/serving.md.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+_TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5)
+
+
+@dataclass
+class _Timing:
+    submitted: float  # monotonic time of EngineLoop.submit
+    last_token: float | None = None  # of the last delta with tokens; None before the first
+
+
+class ServerMetrics:
+    def __init__(self, llm):
+        self.registry = r = CollectorRegistry(auto_describe=True)
+        self.running = Gauge("infhip_requests_running", "Requests holding KV pages (scheduled)", registry=r)
+        self.waiting = Gauge("infhip_requests_waiting", "Requests queued, new or preempted", registry=r)
+        self.ttft = Histogram("infhip_time_to_first_token_seconds",
+                              "From the hand-in to the engine (body read, prompt tokenized) to the first token",
+                              buckets=_TTFT_BUCKETS, registry=r)
+        self.itl = Histogram("infhip_inter_token_latency_seconds",
+                             "Time between tokens of a request (a delta of k tokens counts k times its gap / k)",
+                             buckets=_ITL_BUCKETS, registry=r)
+        self.prompt_tokens = Counter("infhip_prompt_tokens", "Prompt tokens of accepted requests", registry=r)
+        self.generation_tokens = Counter("infhip_generation_tokens", "Tokens generated", registry=r)
+        self.finished = Counter("infhip_requests_finished", "Requests that ended, by finish reason",
+                                ["finish_reason"], registry=r)
+        self.aborts = Counter("infhip_request_aborts", "Requests aborted because their client left",
+                              registry=r)
+        self.errors = Counter("infhip_request_errors",
+                              "Requests failed by the engine: alone (scope=request) or with a whole step (scope=engine)",
+                              ["scope"], registry=r)
+        self.preemptions = Counter("infhip_preemptions", "Sequences preempted (KV dropped, recomputed later)",
+                                   registry=r)
+        self.kv_used = Gauge("infhip_kv_pages_used", "KV cache pages in use", ["group", "memory"], registry=r)
+        self.kv_free = Gauge("infhip_kv_pages_free", "KV cache pages free", ["group", "memory"], registry=r)
+        self._preemptions_seen = 0
+        self._timing: dict[int, _Timing] = {}  # seq_id -> timing of a live request
+        plan = llm.engine.config.plan
+        self._dense_threshold = plan.infinitehip.dense_threshold if plan.infinitehip is not None else None
+        if self._dense_threshold is not None:
+            self.sparse_requests = Counter(
+                "infhip_infinitehip_sparse_requests",
+                "Finished requests whose context reached InfiniteHiP's dense_threshold (decoded sparse)", registry=r)
+        self._token_drop = plan.token_drop is not None
+        if self._token_drop:
+            self.drop_requests = Counter("infhip_token_drop_requests",
+                                         "Finished requests whose prefill dropped tokens (UniPrefill)", registry=r)
+            self.dropped_kv = Counter("infhip_token_drop_skipped_kv",
+                                      "Token-layer KV entries not written because the token was dropped "
+                                      "(sum over layers of Sequence.dropped, at finish)", registry=r)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+    # -- EngineObserver (engine thread) ---------------------------------------------------------
+    def accepted(self, req, submitted: float) -> None:
+        self._timing[req.seq.seq_id] = _Timing(submitted)
+        self.prompt_tokens.inc(req.seq.num_prompt_tokens)
+
+    def delta(self, req, delta) -> None:
+        n = len(delta.token_ids)
+        timing = self._timing.get(req.seq.seq_id)
+        if n and timing is not None:
+            now = time.monotonic()
+            if timing.last_token is None:
+                self.ttft.observe(now - timing.submitted)
+            else:
+                for _ in range(n):
+                    self.itl.observe((now - timing.last_token) / n)
+            timing.last_token = now
+        self.generation_tokens.inc(n)
+        if delta.finish_reason == "error":
+            self.errors.labels(scope="request").inc()
+
+    def gone(self, req, aborted: bool) -> None:
+        self._timing.pop(req.seq.seq_id, None)
+        seq = req.seq
+        if aborted:
+            self.aborts.inc()
+        self.finished.labels(finish_reason=seq.finish_reason or "abort").inc()
+        if self._dense_threshold is not None and seq.num_tokens >= self._dense_threshold:
+            self.sparse_requests.inc()
+        if self._token_drop and seq.dropped and any(seq.dropped):
+            self.drop_requests.inc()
+            self.dropped_kv.inc(sum(seq.dropped))
+
+    def step_failed(self, num_requests: int) -> None:
+        self.errors.labels(scope="engine").inc(num_requests)
+        self._timing.clear()
+
+    def sample(self, llm) -> None:
+        """Gauges after a loop turn: queue lengths, KV pages per group (GPU and host pools)."""
+        sched, kv = llm.scheduler, llm.runner.kv
+        self.running.set(sched.num_running)
+        self.waiting.set(sched.num_waiting)
+        self.preemptions.inc(sched.num_preemptions - self._preemptions_seen)
+        self._preemptions_seen = sched.num_preemptions
+        for group, spec in kv.groups.items():
+            free = kv.num_free_pages(group)
+            self.kv_free.labels(group=group, memory="gpu").set(free)
+            self.kv_used.labels(group=group, memory="gpu").set(spec.num_pages - 1 - free)  # page 0 is the null page
+            if spec.offload is not None:
+                host_free = kv.num_free_host_pages(group)
+                self.kv_free.labels(group=group, memory="host").set(host_free)
+                self.kv_used.labels(group=group, memory="host").set(spec.offload.host_pages - host_free)
