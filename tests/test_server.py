@@ -238,26 +238,11 @@ def test_client_leaving_frees_its_request(server, slow_steps, monkeypatch, strea
 
 
 def inject_fault(llm, monkeypatch, target: list[int], message: str) -> None:
-    """Make the engine fail the request whose prompt is `target` alone: through the isolation
-    contract's `llm.fault_hook` where the LLM has it, else by doing what that contract does
-    (finish it with reason "error" and set req.error) after a step."""
-    if hasattr(llm, "fault_hook"):
-        def hook(seq):
-            if seq.prompt_token_ids == target:
-                raise RuntimeError(message)
-        monkeypatch.setattr(llm, "fault_hook", hook)
-        return
-    step = llm.step
-
-    def failing_step():
-        touched = step()
-        for req in list(llm._requests.values()):
-            if req.seq.prompt_token_ids == target and not req.seq.is_finished:
-                llm.scheduler.finish(req.seq, "abort")
-                req.seq.finish_reason, req.error = "error", message
-                touched.append(req)
-        return touched
-    monkeypatch.setattr(llm, "step", failing_step)
+    """Make the engine fail the request whose prompt is `target` alone (LLM.fault_hook)."""
+    def hook(seq):
+        if seq.prompt_token_ids == target:
+            raise RuntimeError(message)
+    monkeypatch.setattr(llm, "fault_hook", hook)
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -285,8 +270,7 @@ def test_request_failing_in_the_engine_fails_alone(server, reference, monkeypatc
                 assert status == 500
                 error = error_of(data)
             assert error["code"] == 500 and "the request failed in the engine" in error["message"]
-            if hasattr(server.loop.llm, "fault_hook"):
-                assert "injected fault" in error["message"]
+            assert "injected fault" in error["message"]
         else:
             tokens = ([t for e in sse_events(data) for t in e["choices"][0]["token_ids"]] if stream
                       else json.loads(data)["choices"][0]["token_ids"])
