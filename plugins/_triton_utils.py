@@ -76,3 +76,11 @@ def device_num_sms(device: torch.device) -> int:
 def dot_precision(dtype: torch.dtype) -> str:
     """tl.dot input precision: exact fp32 for fp32 inputs, default tensor cores otherwise."""
     return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def interpreted(t: torch.Tensor) -> bool:
+    """True when a launch on ``t`` runs in Triton's CPU interpreter (a CPU tensor). CUDA tensors,
+    and the meta tensors plugins/aot.py enumerates launches with (they stand for the GPU target),
+    are compiled: launchers choose interpreter-only workarounds (float32 dot operands) from this,
+    not from ``not t.is_cuda``, so that an enumerated launch specializes as the GPU's does."""
+    return t.device.type == "cpu"

@@ -86,3 +86,10 @@ def gated_act(gate_up: torch.Tensor, kind: str) -> torch.Tensor:
         return gated_act_triton(gate_up, kind)
     return gated_act_ref(gate_up, kind)
 
+
+
+def aot_launches(space) -> None:
+    """The one launch the runtime makes (plugins/aot.py): the MLP's act(gate) * up on the fused
+    gate_up projection output [T, 2 I] (contiguous; the token count is only the grid)."""
+    m = space.model
+    gated_act(space.fake(1, 2 * m.intermediate_size, dtype=space.act_dtype), m.hidden_act)

@@ -140,7 +140,8 @@ class Recorder:
 
         name = kernel_name(fn)
         if name not in self._binders:
-            jit = fn if isinstance(fn, JITFunction) else JITFunction(fn.fn)
+            # an InterpretedFunction keeps its @triton.jit arguments (do_not_specialize...) in .kwargs
+            jit = fn if isinstance(fn, JITFunction) else JITFunction(fn.fn, **getattr(fn, "kwargs", {}))
             if self._backend is None:
                 self._backend = make_backend(self.target.gpu_target())
             self._binders[name] = (jit, create_function_from_signature(jit.signature, jit.params, self._backend))

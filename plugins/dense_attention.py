@@ -41,7 +41,7 @@ import triton
 import triton.language as tl
 from torch.nn.attention.bias import causal_lower_right
 
-from ._triton_utils import device_num_sms, dot_precision, next_pow2, use_triton
+from ._triton_utils import device_num_sms, dot_precision, interpreted, next_pow2, use_triton
 from .kv_quant import check_kv_scales, dequantize_tile, read_pages
 
 _LOG2E = 1.4426950408889634
@@ -58,7 +58,12 @@ _DECODE_MIN_BLOCKS_PER_SPLIT = 1
 
 # ============================================================================ decode (Triton)
 
-@triton.jit
+# Not specialized, so that one binary serves every step (plugins/aot.py): max_pages and
+# stride_bt, the block-table width, which eager steps size to their longest sequence (1 for
+# contexts within one page); they only bound a mask and offset one row pointer, and the page
+# indices are gathered (no vector load to align). context_lens_ptr's alignment, read one int per
+# program, which is a row of a [layers, B] tensor in drop-history steps (forward_context.LayerKV).
+@triton.jit(do_not_specialize=["max_pages", "stride_bt"], do_not_specialize_on_alignment=["context_lens_ptr"])
 def _decode_split_kernel(
     # inputs
     q_ptr,  # [B, Hq, D]
@@ -256,7 +261,10 @@ def paged_decode_attention_triton(q, k_cache, v_cache, block_tables, context_len
         max_pages, Hq, Hq // Hkv, D, window, float(scale) * _LOG2E,
         PAGE_SIZE=page_size, BLOCK_N=BLOCK_N, BLOCK_G=max(16, next_pow2(Hq // Hkv)),
         BLOCK_D=BLOCK_D, NUM_SPLITS=num_splits,
-        DOT_PRECISION=dot_precision(q.dtype if q.is_cuda else torch.float32), DOT_F32=not q.is_cuda,
+        # the interpreter (CPU) multiplies in float32; compiled (CUDA, or meta while enumerating
+        # launches for the GPU target) in q's dtype. float32 queries need no upcast anywhere.
+        DOT_PRECISION=dot_precision(torch.float32 if interpreted(q) else q.dtype),
+        DOT_F32=interpreted(q) and q.dtype != torch.float32,
         KV_SCALED=scaled, num_warps=_DECODE_NUM_WARPS, num_stages=_DECODE_NUM_STAGES,
     )
     if num_splits > 1:
@@ -391,6 +399,45 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scal
                                              scale, window, out, max_len=max_len, k_scale=k_scale, v_scale=v_scale)
     return paged_decode_attention_ref(q, k_cache, v_cache, block_tables, context_lens, scale, window, out,
                                       k_scale=k_scale, v_scale=v_scale)
+
+
+def aot_launches(space) -> None:
+    """Every decode launch the runtime makes (plugins/aot.py; prefill is torch SDPA): decode rows
+    of eager steps (runtime/models/common.py, InfiniteHiP steps' dense rows, token drop's dense
+    rows) and of CUDA graphs, for every decode batch B the engine allows and every bound on the
+    context lengths that sizes the split count — the short-context buckets some context of the
+    engine can fall in, and the table width (always for the graphs captured at start-up; for
+    eager steps when contexts can pass the last bucket or InfiniteHiP steps use it:
+    ModelRunner.decode_len_bound) — with each layer's window (sliding layers cap the keys).
+    NUM_SPLITS = choose_num_splits(B, Hkv, blocks of the bound, 132 SMs) is the only
+    step-dependent constexpr; q is a slice of the step's q (qkv view or q-norm output), out of
+    ``empty_like(q)``."""
+    import math
+
+    from infhip.runtime.cuda_graphs import DECODE_LEN_BUCKETS
+
+    from ._aot_shapes import attention_qkv, kv_cache
+
+    m, b = space.model, space.build
+    k_cache, v_cache, k_scale, v_scale = kv_cache(space)
+    table_tokens = math.ceil(b.max_seq_len / b.page_size) * b.page_size
+    # a bucket is used when some context (<= max_seq_len) lies above the previous bucket
+    buckets = [x for x, prev in zip(DECODE_LEN_BUCKETS, (0,) + DECODE_LEN_BUCKETS) if b.max_seq_len > prev]
+    eager_table = b.max_seq_len > DECODE_LEN_BUCKETS[-1] or space.plan.infinitehip is not None
+    eager_bounds = set(buckets) | ({table_tokens} if eager_table else set())
+    graph_sizes = {s for s in b.cuda_graph_batch_sizes if s <= b.max_batch_size}
+    windows = sorted({lp.window or 0 for lp in space.plan.layers})
+    for B in range(1, b.max_batch_size + 1):
+        bounds = eager_bounds | (set(buckets) | {table_tokens} if B in graph_sizes else set())
+        for T in ((1, 2) if B == 1 else (B,)):  # decode rows first in the step's T rows
+            q = attention_qkv(space, T)[0]
+            out = torch.empty_like(q)
+            tables = space.fake(B, math.ceil(b.max_seq_len / b.page_size), dtype=torch.int32)
+            lens = space.fake(B, dtype=torch.int32)
+            for window in windows:
+                for bound in sorted(bounds):
+                    paged_decode_attention(q[:B], k_cache, v_cache, tables, lens, m.attention_scale, window,
+                                           out=out[:B], max_len=bound, k_scale=k_scale, v_scale=v_scale)
 
 
 # ============================================================================ test reference

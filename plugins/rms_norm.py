@@ -115,3 +115,26 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     if use_triton(x):
         return rms_norm_triton(x, weight, eps, residual)
     return rms_norm_ref(x, weight, eps, residual)
+
+
+def aot_launches(space) -> None:
+    """Every launch the runtime makes (plugins/aot.py, builder/kernels.py): the hidden-size norms
+    of the decoder layers and the final norm, with and without the fused residual add (the first
+    layer's input norm, Gemma-3's post-attention / post-feedforward norms and a layer after a
+    token-drop anchor take none), and with q/k norm the per-head norms of q [T, Hq, D] and
+    k [T, Hkv, D], whose inputs are ``.contiguous()`` of the qkv slices (for T == 1 the slices
+    themselves, see _aot_shapes.TOKEN_CLASSES). The token count is only the grid."""
+    from ._aot_shapes import TOKEN_CLASSES, qkv_views
+
+    m = space.model
+    eps = m.rms_norm_eps
+    w_hidden = space.fake(m.hidden_size, dtype=torch.float32)
+    w_head = space.fake(m.head_dim, dtype=torch.float32)
+    for T in TOKEN_CLASSES:
+        x = space.fake(T, m.hidden_size, dtype=space.act_dtype)
+        rms_norm(x, w_hidden, eps)
+        rms_norm(x, w_hidden, eps, space.fake(T, m.hidden_size, dtype=space.act_dtype))
+        if m.qk_norm:
+            q, k, _ = qkv_views(space, T)
+            rms_norm(q.contiguous(), w_head, eps)
+            rms_norm(k.contiguous(), w_head, eps)

@@ -99,7 +99,11 @@ def _write_kv_row(k1, k2, v_row_ptr, slot, k_cache_ptr, v_cache_ptr, k_scale_ptr
                KV_SCALED)
 
 
-@triton.jit
+# positions and slot_mapping are read one int per program, so their alignment cannot matter for
+# speed, and it varies at run time: a CUDA graph reads them as rows of one [rows, max_bs] int64
+# block, a drop-history step as rows of a [layers, T] tensor (runtime/cuda_graphs.py,
+# forward_context.LayerKV); not specializing on it keeps one binary for all (plugins/aot.py).
+@triton.jit(do_not_specialize_on_alignment=["positions_ptr", "slot_mapping_ptr"])
 def _rope_kv_kernel(
     # inputs
     q_ptr,  # [T, Hq, D] (rotated in place; any row/head stride)
@@ -275,3 +279,31 @@ def rope_and_write_kv(q, k, v, positions, inv_freq, attention_scaling: float,
     else:
         apply_rope_ref_(q, k, positions, inv_freq, attention_scaling)
         write_kv_ref(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+
+
+def aot_launches(space) -> None:
+    """Every launch the runtime makes (plugins/aot.py): rope + KV write of every attention layer
+    (runtime/models/common.py, and token drop's sliding layers between anchors) on q, k, v as
+    Attention.forward makes them (qkv slices, or the q/k norms' outputs: _aot_shapes); with token
+    drop in the plan, its anchors' separate rotation of all rows and KV writes, of all rows and of
+    the kept rows (fresh [n, Hkv, D] gathers) (runtime/token_drop.py). Positions and slots are
+    int64; the token count is only the grid; page size, head counts and the KV dtype (fp8:
+    quantized rows with scales) come from the plan."""
+    from ._aot_shapes import TOKEN_CLASSES, attention_qkv, kv_cache
+
+    m = space.model
+    k_cache, v_cache, k_scale, v_scale = kv_cache(space)
+    scales = dict(k_scale=k_scale, v_scale=v_scale)
+    inv_freq = space.fake(m.head_dim // 2, dtype=torch.float32)
+    scaling = {spec.attention_scaling for spec in m.rope.values()}.pop()  # a float: not specialized
+    for T in TOKEN_CLASSES:
+        q, k, v = attention_qkv(space, T)
+        positions = space.fake(T, dtype=torch.int64)
+        slots = space.fake(T, dtype=torch.int64)
+        rope_and_write_kv(q, k, v, positions, inv_freq, scaling, k_cache, v_cache, slots, **scales)
+        if space.plan.token_drop is not None:
+            apply_rope_(q, k, positions, inv_freq, scaling)
+            write_kv(k, v, k_cache, v_cache, slots, **scales)
+            kept_k = space.fake(T, m.num_kv_heads, m.head_dim, dtype=k.dtype)
+            kept_v = space.fake(T, m.num_kv_heads, m.head_dim, dtype=v.dtype)
+            write_kv(kept_k, kept_v, k_cache, v_cache, slots, **scales)

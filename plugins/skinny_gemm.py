@@ -45,7 +45,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from ._triton_utils import dot_precision
+from ._triton_utils import dot_precision, interpreted
 
 MAX_M = 16  # the x tile of the dot path is [16, BLOCK_K] (tl.dot needs >= 16 rows)
 MIN_GAIN = 0.03  # a config must beat F.linear by this fraction to be chosen
@@ -175,7 +175,10 @@ def skinny_gemm_triton(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | No
         M, N, K, x.stride(0),
         BLOCK_M=MAX_M if config.dot else 1, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         USE_DOT=config.dot, EVEN_K=K % config.block_k == 0, HAS_BIAS=bias is not None,
-        DOT_PRECISION=dot_precision(x.dtype if x.is_cuda else torch.float32), DOT_F32=not x.is_cuda,
+        # the interpreter (CPU) multiplies in float32; compiled (CUDA, or meta while enumerating
+        # launches for the GPU target) in x's dtype. float32 inputs need no upcast anywhere.
+        DOT_PRECISION=dot_precision(torch.float32 if interpreted(x) else x.dtype),
+        DOT_F32=interpreted(x) and x.dtype != torch.float32,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return y
@@ -322,3 +325,26 @@ def choose(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> Skinn
             return None
         decision = _decisions[key] = _decide(x, w, bias)
     return decision.config
+
+
+def aot_launches(space) -> None:
+    """Every launch `skinny_linear` makes under the default rule, ``table_config`` (plugins/aot.py):
+    the decoder's qkv (with its bias where the model has one), o, gate_up and down projections for
+    1..min(16, max_num_batched_tokens) rows, and the LM head (tied or not) for up to
+    min(16, max_batch_size) sampled rows; bf16 / fp16 engines only (float32 takes F.linear). M is
+    not specialized, so the rows matter only through the rule's choice (M == 1 or not). x is
+    contiguous at every call site. INFHIP_SKINNY_GEMM=auto / force (tuning modes) launch other
+    configs, which are not enumerated: they compile on first use."""
+    m, b, dtype = space.model, space.build, space.act_dtype
+    layers = [(m.q_size + 2 * m.kv_size, m.hidden_size, m.attention_bias, b.max_num_batched_tokens),
+              (m.hidden_size, m.q_size, False, b.max_num_batched_tokens),
+              (2 * m.intermediate_size, m.hidden_size, False, b.max_num_batched_tokens),
+              (m.hidden_size, m.intermediate_size, False, b.max_num_batched_tokens),
+              (m.vocab_size, m.hidden_size, False, b.max_batch_size)]
+    for N, K, has_bias, max_rows in layers:
+        w = space.fake(N, K, dtype=dtype)
+        bias = space.fake(N, dtype=dtype) if has_bias else None
+        for M in range(1, min(MAX_M, max_rows) + 1):
+            config = table_config(M, N, K, dtype)
+            if config is not None:
+                skinny_gemm_triton(space.fake(M, K, dtype=dtype), w, bias, config)

@@ -185,8 +185,11 @@ class TokenDropStep:
         """Decode rows and non-dropping prefill chunks: the dense engine's kernels."""
         nd = ctx.num_decodes
         if nd:
+            # sized by the step's length bound, as Attention.forward does: the split count then
+            # depends on plan buckets, not on the table width (so its kernels are enumerable)
             paged_decode_attention(q[:nd], attn.k_cache, attn.v_cache, meta.block_tables[:nd],
-                                   ctx.context_lens[:nd], attn.scale, attn.window, out=out[:nd], **attn.kv_scales)
+                                   ctx.context_lens[:nd], attn.scale, attn.window, out=out[:nd],
+                                   max_len=ctx.decode_len_bound, **attn.kv_scales)
         dropping = {d.b for d in self.drops}
         sub = _fc.ForwardContext(positions=ctx.positions, context_lens=ctx.context_lens, cu_seqlens_q=cu_t,
                                  num_decodes=nd, groups=ctx.groups, cu_seqlens_q_list=cu,

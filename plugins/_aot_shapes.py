@@ -1,0 +1,53 @@
+"""Tensors shaped as the runtime hands them to the dense-family plugins, for their ``aot_launches``.
+
+Only what Triton specializes on matters for a variant (plugins/aot.py): dtypes, constexprs,
+integers == 1 or divisible by 16, pointers 16-byte aligned or not. The helpers below rebuild the
+runtime's tensors, views included, on the meta device (runtime/models/common.py: q, k and v are
+slices of the fused qkv projection output, or the fresh outputs of the q/k norms), so strides and
+start offsets come out exactly as on the GPU.
+
+Token counts: no dense-family kernel takes the token count as an argument (it is a grid
+dimension), but it still shapes the views: with T == 1 a slice of qkv is already "contiguous"
+(``.contiguous()`` returns the view itself, at its offset into qkv) and its row stride is
+recomputed by ``view``; for T >= 2 it is the qkv row width. TOKEN_CLASSES holds one T of each
+class.
+"""
+
+from __future__ import annotations
+
+import torch
+
+TOKEN_CLASSES = (1, 2)
+
+
+def qkv_views(space, T: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q [T, Hq, D], k and v [T, Hkv, D]: the views Attention.forward slices from qkv [T, (Hq + 2 Hkv) D]."""
+    m = space.model
+    qkv = space.fake(T, m.q_size + 2 * m.kv_size, dtype=space.act_dtype)
+    q = qkv[:, :m.q_size].view(T, m.num_heads, m.head_dim)
+    k = qkv[:, m.q_size:m.q_size + m.kv_size].view(T, m.num_kv_heads, m.head_dim)
+    v = qkv[:, m.q_size + m.kv_size:].view(T, m.num_kv_heads, m.head_dim)
+    return q, k, v
+
+
+def attention_qkv(space, T: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q, k, v as RoPE and attention receive them: with q/k norm (Qwen3, Gemma-3) q and k are the
+    norms' fresh contiguous outputs, v stays a view of qkv."""
+    q, k, v = qkv_views(space, T)
+    if space.model.qk_norm:
+        q = space.fake(*q.shape, dtype=q.dtype)
+        k = space.fake(*k.shape, dtype=k.dtype)
+    return q, k, v
+
+
+def kv_cache(space, num_pages: int = 4):
+    """(k_cache, v_cache, k_scale, v_scale) of one layer: [num_pages, page_size, Hkv, D] in the KV
+    dtype, and for fp8 caches their float32 scales [num_pages, page_size, Hkv] (else None). The
+    page count changes no stride."""
+    m, page = space.model, space.build.page_size
+    k_cache = space.fake(num_pages, page, m.num_kv_heads, m.head_dim, dtype=space.kv_dtype)
+    v_cache = space.fake(num_pages, page, m.num_kv_heads, m.head_dim, dtype=space.kv_dtype)
+    if space.build.kv_dtype != "fp8":
+        return k_cache, v_cache, None, None
+    scale = (num_pages, page, m.num_kv_heads)
+    return k_cache, v_cache, space.fake(*scale, dtype=torch.float32), space.fake(*scale, dtype=torch.float32)
