@@ -467,9 +467,15 @@ def sparse_decode_attention(q, k_cache, v_cache, block_tables, context_lens, sel
 def decode_num_splits(batch: int, num_kv_heads: int, sel_width: int, n_sink: int, n_stream: int, num_sms: int,
                       block_n: int | None = None) -> int:
     """Split-K of sparse decode: ~2 waves of SMs over batch x kv heads, at most one split per key
-    tile of the longest key set (sink + selected + stream); a shape-only choice."""
+    tile of the longest key set (sink + selected + stream); a shape-only choice.
+
+    The batch counts by its power-of-two bucket: a CUDA graph replays a decode batch padded to a
+    captured size (powers of two by default, runtime/cuda_graphs.py), so eager steps now split
+    as the graph of their bucket does, and an engine compiles one split count per bucket (5 for
+    16 rows instead of 9: plugins/aot.py). The grid stays within the same two-wave target
+    (e.g. 3 rows of 8 kv heads: 9 splits, 216 programs, instead of 11, 264)."""
     tiles = triton.cdiv(n_sink + sel_width + n_stream, block_n or 64)
-    return choose_num_splits(batch, num_kv_heads, tiles, num_sms)
+    return choose_num_splits(next_pow2(batch), num_kv_heads, tiles, num_sms)
 
 
 def sparse_prefill_attention(q, k_cache, v_cache, block_tables, q_start, q_lens, ends, selected, *,
