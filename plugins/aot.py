@@ -140,8 +140,11 @@ class Recorder:
 
         name = kernel_name(fn)
         if name not in self._binders:
-            # an InterpretedFunction keeps its @triton.jit arguments (do_not_specialize...) in .kwargs
-            jit = fn if isinstance(fn, JITFunction) else JITFunction(fn.fn, **getattr(fn, "kwargs", {}))
+            # an InterpretedFunction keeps @triton.jit's options in .kwargs: the same binder as
+            # the compiled kernel's needs its do_not_specialize lists
+            opts = {k: v for k, v in getattr(fn, "kwargs", {}).items()
+                    if k in ("do_not_specialize", "do_not_specialize_on_alignment")}
+            jit = fn if isinstance(fn, JITFunction) else JITFunction(fn.fn, **opts)
             if self._backend is None:
                 self._backend = make_backend(self.target.gpu_target())
             self._binders[name] = (jit, create_function_from_signature(jit.signature, jit.params, self._backend))

@@ -153,8 +153,9 @@ def page_offset(page, stride_page, host_delta, OFFLOAD: tl.constexpr):
     return page.to(tl.int64) * stride_page
 
 
-@triton.jit
-def _copy_pages_kernel(ptr, src_ptr, dst_ptr, host_delta, stride_page, page_elems, BLOCK: tl.constexpr):
+# host_delta not specialized (plugins/aot.py): int64 always, any value (address arithmetic only)
+@triton.jit(do_not_specialize=["host_delta"])
+def _copy_pages_kernel(ptr, src_ptr, dst_ptr, host_delta: tl.int64, stride_page, page_elems, BLOCK: tl.constexpr):
     """Program (i, j): elements [j * BLOCK, (j + 1) * BLOCK) of page src[i] -> page dst[i]
     (block-table entries of either pool)."""
     i = tl.program_id(0)
@@ -232,6 +233,22 @@ def merged_kv(k_cache, v_cache, k_scale, v_scale, block_tables, offload: HostKV 
     ks = None if k_scale is None else merged_pool(k_scale, offload.k_scale, block_tables)[0]
     vs = None if v_scale is None or v_cache is None else merged_pool(v_scale, offload.v_scale, block_tables)[0]
     return k, v, ks, vs, tables
+
+
+def aot_launches(space) -> None:
+    """copy_pages' variants (plugins/aot.py): every InfiniteHiP engine may be loaded with
+    ``kv_offload_bytes`` (runtime/model_runner.py moves pages to the host twin, and
+    runtime/offload_cache.py copies hot host pages back): K and V pages in the cache dtype and,
+    for fp8 caches, their float32 scale pages. The page counts only size the grid."""
+    from .infinitehip._aot import sparse_space
+
+    ss = sparse_space(space)
+    if ss is None:
+        return
+    k_cache, v_cache, k_scale, v_scale = ss.caches()
+    src = space.fake(1, dtype=torch.int32)
+    copy_pages(k_cache, v_cache, k_scale, v_scale, src, space.fake(1, dtype=torch.int32),
+               ss.host(True, k_cache, k_scale))
 
 
 __all__ = ["HostKV", "host_page", "offload_deltas", "page_offset", "copy_pages", "cached_tables", "merged_pool",

@@ -6,6 +6,12 @@ Each scenario runs tiny engines through the runtime on CPU with every launch rec
 integer and alignment specializations, launch options — is one that builder/kernels.py
 enumerates for that engine's plan. A variant missing here is a kernel an engine would compile
 while serving (or refuse to run under ``jit="forbid"``).
+
+Past the trained window (``rope_off_in_trained_window`` off: every sparse step is past it for
+the tiny model) the scenarios reach dynamic RoPE in pruning and attention, raw-keys prefill (a
+step of >= 8 query blocks) and re-rotating prefill (fewer), the key bank and, for decode rows
+that own no bank row (``key_bank_slots=2``), rotating decode; with KV offloading (pages moved
+one at a time) host pages, the value bank, staged prefill and the page copies.
 """
 
 from __future__ import annotations
@@ -16,26 +22,41 @@ from infhip import LLM, SamplingParams
 from infhip.builder.build import build_engine
 from infhip.builder.kernels import enumerate_variants
 from infhip.config import EngineConfig
+from infhip.runtime import model_runner
 from infhip.plugins.aot import Target, record
 from tests._tiny import write_tiny_hf_checkpoint
 
 # Stages small enough for contexts of ~100 tokens to go sparse (as tests/test_infinitehip_runtime.py).
-TINY = dict(n_sink=4, n_stream=8, stages=[(8, 4, 32), (8, 2, 16), (8, 1, 8)], special_layers=[0],
+# Stage 1's chunks of 16: the candidate capacity is at least 1024 (64 chunks, 2 tiles of the
+# SelectRep kernel, 1 under dynamic RoPE), so the interpreter walks few empty tiles.
+TINY = dict(n_sink=4, n_stream=8, stages=[(8, 16, 32), (8, 2, 16), (8, 1, 8)], special_layers=[0],
             special_final_k=16, dense_threshold=30)
+PAST = dict(TINY, rope_off_in_trained_window=False, key_bank_slots=2)  # dynamic RoPE; 2 bank rows
 PROMPTS = [[(7 * i + 3 * j) % 290 + 3 for j in range(n)] for i, n in enumerate((90, 41, 120, 5))]
+LONG = [(5 * j) % 290 + 3 for j in range(150)]
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 KW = dict(dtype="float32", device="cpu", max_seq_len=200, max_batch_size=4, progress=False)
 MiB = 1 << 20
 
-# name -> (checkpoint arch, build options, LLM options)
+# name -> (checkpoint arch, build options, LLM options[, run options: prompts, step token
+# budget (64), one-page offload batches])
 SCENARIOS = {
     "dense": ("llama", {}, {}),
     "dense-fp8": ("llama", dict(kv_dtype="fp8"), {}),
     "3k": ("llama", dict(preset="3k", infinitehip_overrides=TINY), {}),
     "3k-flash-fp8": ("llama", dict(preset="3k-flash", infinitehip_overrides=TINY, kv_dtype="fp8"), {}),
     "3k-offload": ("llama", dict(preset="3k", infinitehip_overrides=TINY), dict(kv_offload_bytes=4 * MiB)),
-    "token-drop": ("llama", dict(token_drop=dict(p=0.9, min_prompt_len=32, n=8, block_size=8, anchor_tokens=8)), {}),
+    "token-drop": ("llama", dict(token_drop=dict(p=0.9, min_prompt_len=32, n=8, block_size=8, num_sink=8)), {}),
     "gemma3-3k": ("gemma3", dict(preset="3k", infinitehip_overrides=TINY), {}),
+    "gemma3-token-drop": ("gemma3", dict(token_drop=dict(p=0.9, min_prompt_len=32, n=8, block_size=8, num_sink=8,
+                                                         spare_anchors=0)),
+                          {}, dict(prompts=PROMPTS[:2])),
+    "3k-past-window": ("llama", dict(preset="3k", infinitehip_overrides=PAST), {}),
+    # a 150-token prompt in 48-token chunks: its pages move after its second chunk, and its third
+    # and fourth prefill from staged copies
+    "3k-past-window-offload-fp8": ("llama", dict(preset="3k", infinitehip_overrides=PAST, kv_dtype="fp8"),
+                                   dict(kv_offload_bytes=4 * MiB, kv_offload_cache_tokens=None),
+                                   dict(prompts=[LONG, PROMPTS[1], PROMPTS[3]], budget=48, small_batches=True)),
 }
 
 
@@ -48,14 +69,16 @@ def checkpoints(tmp_path_factory):
 
 
 @pytest.mark.parametrize("name", sorted(SCENARIOS))
-def test_enumeration_covers_launches(checkpoints, tmp_path, name):
-    arch, build_kw, llm_kw = SCENARIOS[name]
+def test_enumeration_covers_launches(checkpoints, tmp_path, monkeypatch, name):
+    arch, build_kw, llm_kw, run = (*SCENARIOS[name], {})[:4]
+    if run.get("small_batches"):  # move pages one at a time (tiny contexts)
+        monkeypatch.setattr(model_runner, "OFFLOAD_BATCH_TOKENS", 16)
     engine = build_engine(checkpoint=checkpoints / arch, output_dir=tmp_path / name, **KW, **build_kw)
     target = Target()
     enumerated = set(enumerate_variants(EngineConfig.load(engine), target))
     with record(target, launch=True) as rec:
-        llm = LLM(engine, max_num_batched_tokens=64, **llm_kw)
-        outs = llm.generate(prompt_token_ids=PROMPTS, sampling_params=GREEDY)
+        llm = LLM(engine, max_num_batched_tokens=run.get("budget", 64), **llm_kw)
+        outs = llm.generate(prompt_token_ids=run.get("prompts", PROMPTS), sampling_params=GREEDY)
     assert all(len(o.token_ids) == GREEDY.max_tokens for o in outs)
     assert rec.variants, "no Triton launch recorded: the scenario did not reach the kernels"
     missing = sorted(v.describe() for v in rec.variants - enumerated)

@@ -41,7 +41,11 @@ from .rope_styles import check_rotatable, load_halves, rotate_by_ref, rotate_hal
 from .sparse_attention import selected_bounds
 
 
-@triton.jit
+# Not specialized (plugins/aot.py): the block-table row stride (the step's longest page list), the
+# scratch row (min(max_num_seqs, key_bank_slots), a load option) and the host deltas (int64
+# always: a host twin is far from the GPU pool); address arithmetic and one compare only.
+@triton.jit(do_not_specialize=["stride_bt", "skip_row", "k_host_delta", "ks_host_delta", "v_host_delta",
+                               "vs_host_delta"])
 def _write_bank_kernel(
     k_cache_ptr,  # [num_pages, page_size, Hkv, D]
     k_scale_ptr,  # KV_SCALED: [num_pages, page_size, Hkv] float32 row scales
@@ -55,9 +59,9 @@ def _write_bank_kernel(
     stride_bank_slot, stride_bank_entry, stride_bank_head,
     head_dim, n_sink, skip_row,
     stride_sp, stride_ss, stride_sh,  # KV_SCALED: the scale tensor's strides
-    k_host_delta, ks_host_delta,  # OFFLOAD: elements from k_cache / k_scale to their host twins
+    k_host_delta: tl.int64, ks_host_delta: tl.int64,  # OFFLOAD: elements from k_cache / k_scale to their host twins
     v_cache_ptr, v_scale_ptr, value_bank_ptr,  # VALUES: the value rows, their scales, the value bank
-    v_host_delta, vs_host_delta,  # VALUES and OFFLOAD: elements from v_cache / v_scale to their host twins
+    v_host_delta: tl.int64, vs_host_delta: tl.int64,  # VALUES and OFFLOAD: elements from v_cache / v_scale to their host twins
     PAGE_SIZE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, SEL_BLOCK: tl.constexpr,
     ROPE_GROUP: tl.constexpr, KV_SCALED: tl.constexpr,
     OFFLOAD: tl.constexpr,  # table entries < 0 name host pages (kv_offload.py)
@@ -185,6 +189,31 @@ def write_key_bank_ref(k_cache, block_tables, ends, selected, bank, bank_rows, *
         if value_bank is not None:
             value_bank[int(bank_rows[b]), idx] = read_rows(v_cache, v_scale, block_tables[b, tok // page].long(),
                                                            tok % page, value_bank.dtype)
+
+
+def aot_launches(space) -> None:
+    """The bank writer's variants (plugins/aot.py): for engines whose layers keep a key bank
+    (runtime.sparse_attention.uses_key_bank), per layer kind (the last stage's k and chunk size),
+    without and with a host twin; with one the runtime keeps a value bank beside the keys
+    (VALUES). Written at every refresh of the last stage, dynamic RoPE or not; the row count
+    only sizes the grid."""
+    from ._aot import sparse_space
+
+    ss = sparse_space(space)
+    if ss is None or not ss.bank:
+        return
+    _, Hkv, D = ss.dims
+    fake, act = ss.space.fake, ss.space.act_dtype
+    k_cache, v_cache, k_scale, v_scale = ss.caches()
+    for kind in ss.kinds:
+        last = kind.stages[-1]
+        for offload in ss.offload:
+            B = 1
+            bank = fake(2, last.k, Hkv, D, dtype=act)
+            write_key_bank(k_cache, ss.tables(B), ss.i32(B), fake(B, last.k, dtype=torch.int32), bank, ss.i64(B),
+                           n_sink=ss.cfg.n_sink, inv_freq=ss.inv_freq(), rope_group=last.chunk_size, skip_row=1,
+                           k_scale=k_scale, offload=ss.host(offload, k_cache, k_scale), v_cache=v_cache,
+                           v_scale=v_scale, value_bank=fake(2, last.k, Hkv, D, dtype=act) if offload else None)
 
 
 __all__ = ["write_key_bank", "write_key_bank_ref"]

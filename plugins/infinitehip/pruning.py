@@ -49,6 +49,7 @@ import triton
 import triton.language as tl
 
 from .._triton_utils import dot_precision, next_pow2, triton_on
+from ..aot import recording_target
 from ..kv_offload import HostKV, offload_deltas, page_offset
 from ..kv_quant import check_kv_scales, dequantize_tile
 from .blocks import PAD, stream_starts
@@ -196,7 +197,13 @@ def _tournament_tile(q_left, q_right, q_pos, row_valid, first_chunk, n_cand, can
     return best, first
 
 
-@triton.jit
+# Ints that vary with the request are not specialized (one binary for every value, plugins/aot.py):
+# the block-table row stride (the step's longest page list), the stage-1 chunk count (the
+# candidate capacity, which doubles with the context) and the host deltas (int64 always: a host
+# twin is far from the GPU pool, a staging twin may be near it). Their only uses are address
+# arithmetic of gathered rows and the per-tile score stores; model dims and plan-fixed ints stay
+# specialized.
+@triton.jit(do_not_specialize=["stride_bt", "max_chunks", "k_host_delta", "ks_host_delta"])
 def _select_rep_kernel(
     # inputs
     q_ptr,  # [T, Hq, D] packed queries, rotated at their positions
@@ -217,7 +224,7 @@ def _select_rep_kernel(
     stride_qt, stride_qh,
     stride_cp, stride_cs, stride_ch,
     stride_sp, stride_ss, stride_sh,  # KV_SCALED: the scale tensor's strides
-    k_host_delta, ks_host_delta,  # OFFLOAD: elements from k_cache / k_scale to their host twins
+    k_host_delta: tl.int64, ks_host_delta: tl.int64,  # OFFLOAD: elements from k_cache / k_scale to their host twins
     stride_rt, stride_rh,
     stride_bt, stride_cand,
     max_chunks, num_kv_heads, group_size, head_dim,
@@ -355,22 +362,8 @@ def select_rep_scores(q, k_cache, block_tables, q_start, q_lens, ends, candidate
         cand = candidates
     max_chunks = triton.cdiv(max_candidates, chunk_size)
     G = Hq // Hkv
-    BLOCK_Q = max(16, next_pow2(triton.cdiv(block_q, query_stride) * G))
-    # Measured on the H200 (docs/benchmarks.md): 32 chunks per tile (decode stage 1 at 1M keys:
-    # 211 vs 285 µs with 16; decode stages 2 / 3 under dynamic RoPE: 32 vs 54 µs and 23 vs
-    # 39 µs, 2026-11-30f); with dynamic RoPE decode's stage 1 does best with 64 (94 vs 113 µs).
-    BLOCK_C = block_c or (64 if candidates is None and BLOCK_Q < 128 and style != NONE else _BLOCK_C)
-    # Score tiles as [chunks, queries] for stage 1 with mid-sized query tiles: H200, 1M keys, a
-    # 32K prefill chunk at stride 4 (64-row tiles): 14.8 vs 25.4 ms (raw keys), 31.4 vs 51.3 ms
-    # (re-rotated); slower for 256-row tiles (stride 1: 137 vs 113 ms) and for the gathered
-    # candidates of later stages (stage 2: 7.9 vs 5.7 ms, stage 3: 16.6 vs 14.2 ms), 2026-11-30f.
-    # 32- and 128-row tiles are not measured; decode (16 rows) keeps the default.
-    if keys_as_rows is None:
-        keys_as_rows = candidates is None and 32 <= BLOCK_Q <= 128
-    n_tiles = triton.cdiv(max_chunks, BLOCK_C)
-    # Several tiles per program only when the grid is huge (prefill): the query tile is then
-    # loaded and rotated once per TILES tiles; decode grids stay one tile per program.
-    TILES = tiles or min(16, next_pow2(max(1, NB * Hkv * n_tiles // 16384)))
+    BLOCK_Q, BLOCK_C, TILES, keys_as_rows, n_tiles = _tiling(NB, Hkv, G, block_q, query_stride, max_chunks, implicit,
+                                                             style, block_c, tiles, keys_as_rows)
     raw = raw_keys if style != NONE else None
     if raw is not None:
         assert raw.keys.dtype == q.dtype and raw.keys.shape[1:] == (Hkv, D) and raw.keys.stride(2) == 1
@@ -382,6 +375,7 @@ def select_rep_scores(q, k_cache, block_tables, q_start, q_lens, ends, candidate
     part = torch.empty((NB, Hkv, max_chunks), dtype=torch.float32, device=q.device)
     reps = torch.empty((NB, Hkv, max_chunks), dtype=torch.int32, device=q.device) if store_reps else part
     dk, _, dks, _ = offload_deltas(k_cache, None, k_scale, None, offload)
+    gpu = q.is_cuda or recording_target() is not None  # recording for a GPU target: its choices
     _select_rep_kernel[(NB, triton.cdiv(n_tiles, TILES), Hkv)](
         q, k_cache, k_scale if scaled else k_cache,
         raw.keys if raw is not None else k_cache, raw.block_base if raw is not None else ends,
@@ -398,8 +392,8 @@ def select_rep_scores(q, k_cache, block_tables, q_start, q_lens, ends, candidate
         BLOCK_D=max(16, next_pow2(D)), CAND_IMPLICIT=implicit, STORE_REPS=store_reps,
         ROPE_STYLE=style, RAW_KEYS=raw is not None,
         KEY_ROTATION=0 if style == NONE or (raw is not None and style == RELATIVE) else 2 if raw is not None else 1,
-        DOT_F32=not q.is_cuda or q.dtype == torch.float32,
-        DOT_PRECISION=dot_precision(q.dtype if q.is_cuda else torch.float32), KEYS_AS_ROWS=keys_as_rows,
+        DOT_F32=not gpu or q.dtype == torch.float32,
+        DOT_PRECISION=dot_precision(q.dtype if gpu else torch.float32), KEYS_AS_ROWS=keys_as_rows,
         KV_SCALED=scaled and raw is None,  # raw keys come dequantized
         OFFLOAD=offload is not None and raw is None,  # raw keys are read without page tables
         # H200, 1M keys: 256-row query tiles (stride 1) 8 warps (stage 1 112 vs 163 ms, stage 3
@@ -410,6 +404,29 @@ def select_rep_scores(q, k_cache, block_tables, q_start, q_lens, ends, candidate
         best = part.amax(dim=2, keepdim=True)
         part = torch.where(best > float("-inf"), part - best, part)
     return part.amax(dim=1), (reps if store_reps else None)
+
+
+def _tiling(NB: int, Hkv: int, G: int, block_q: int, query_stride: int, max_chunks: int, implicit: bool,
+            style: int, block_c: int | None = None, tiles: int | None = None, keys_as_rows: bool | None = None):
+    """select_rep_scores' launch shape: (BLOCK_Q, BLOCK_C, TILES, keys_as_rows, n_tiles) for NB
+    query blocks of Hkv heads with max_chunks chunks (overrides: tuning)."""
+    BLOCK_Q = max(16, next_pow2(triton.cdiv(block_q, query_stride) * G))
+    # Measured on the H200 (docs/benchmarks.md): 32 chunks per tile (decode stage 1 at 1M keys:
+    # 211 vs 285 µs with 16; decode stages 2 / 3 under dynamic RoPE: 32 vs 54 µs and 23 vs
+    # 39 µs, 2026-11-30f); with dynamic RoPE decode's stage 1 does best with 64 (94 vs 113 µs).
+    BLOCK_C = block_c or (64 if implicit and BLOCK_Q < 128 and style != NONE else _BLOCK_C)
+    # Score tiles as [chunks, queries] for stage 1 with mid-sized query tiles: H200, 1M keys, a
+    # 32K prefill chunk at stride 4 (64-row tiles): 14.8 vs 25.4 ms (raw keys), 31.4 vs 51.3 ms
+    # (re-rotated); slower for 256-row tiles (stride 1: 137 vs 113 ms) and for the gathered
+    # candidates of later stages (stage 2: 7.9 vs 5.7 ms, stage 3: 16.6 vs 14.2 ms), 2026-11-30f.
+    # 32- and 128-row tiles are not measured; decode (16 rows) keeps the default.
+    if keys_as_rows is None:
+        keys_as_rows = implicit and 32 <= BLOCK_Q <= 128
+    n_tiles = triton.cdiv(max_chunks, BLOCK_C)
+    # Several tiles per program only when the grid is huge (prefill): the query tile is then
+    # loaded and rotated once per TILES tiles; decode grids stay one tile per program.
+    TILES = tiles or min(16, next_pow2(max(1, NB * Hkv * n_tiles // 16384)))
+    return BLOCK_Q, BLOCK_C, TILES, keys_as_rows, n_tiles
 
 
 _MAX_FUSED_CHUNKS = 16384  # rows up to this many chunks take the fused top-k kernel
@@ -575,3 +592,65 @@ def pruning_stage(q, k_cache, block_tables, q_start, q_lens, ends, candidates=No
                                   raw_keys=raw_keys, k_scale=k_scale, offload=offload, **tuning)
     return topk_chunks(scores, candidates, cand_lens, chunk_size=chunk_size, k=k, n_sink=n_sink,
                        ends=ends, n_stream=n_stream)
+
+
+def aot_launches(space) -> None:
+    """Every SelectRep and top-k variant the runtime can launch for the engine of ``space``
+    (plugins/aot.py; shape classes from _aot.py): per layer kind (stages, pruning RoPE style),
+    RoPE mode (static "none" / the layer's dynamic style), with and without a host twin,
+
+    * decode (InfiniteHipLayer._decode): one query per block of the step's whole q, 1 to
+      max_batch_size rows, stage 1 walking the mode's candidate capacities, later stages the
+      previous stage's cached survivors;
+    * prefill (_prefill): query blocks of block_q at each stage's query stride, 1 to
+      max_num_batched_tokens / block_q (+ partial) blocks, from the paged cache and, under
+      dynamic RoPE, from un-rotated raw keys.
+
+    The row / block counts matter only through TILES (one program per TILES tiles) and the
+    capacity through TILES and the top-k row width: one launch per distinct _tiling result."""
+    from ._aot import sparse_space
+
+    ss = sparse_space(space)
+    if ss is None:
+        return
+    cfg = ss.cfg
+    _, Hkv, _ = ss.dims
+    G = ss.dims[0] // Hkv
+    k_cache, _, k_scale, _ = ss.caches()
+    kw = dict(n_sink=cfg.n_sink, n_stream=cfg.n_stream, inv_freq=ss.inv_freq(), k_scale=k_scale,
+              head_normalized=cfg.chunk_score == "head_normalized")
+    for kind in ss.kinds:
+        for mode in ss.modes:
+            rope = kind.pruning_rope if mode.dynamic else "none"
+            for offload in ss.offload:
+                host = ss.host(offload, k_cache, k_scale)
+                # decode: block_q 1, every query (stride 1)
+                _aot_stages(ss, kind, mode, rope, G, Hkv, k_cache, host, None, kw, block_q=1,
+                            strides=(1,) * len(kind.stages), max_blocks=ss.max_decode_rows)
+                # prefill, from the cache and (dynamic styles) from raw keys
+                raws = (False, True) if rope != "none" else (False,)
+                for raw in raws:
+                    _aot_stages(ss, kind, mode, rope, G, Hkv, k_cache, host, raw, kw, block_q=cfg.block_q,
+                                strides=cfg.query_strides, max_blocks=ss.max_prefill_blocks)
+
+
+def _aot_stages(ss, kind, mode, rope, G, Hkv, k_cache, host, raw, kw, *, block_q, strides, max_blocks) -> None:
+    from ._aot import representatives
+
+    style = rope_style_id(rope)
+    D = ss.dims[2]
+    for i, (stage, stride) in enumerate(zip(kind.stages, strides)):
+        implicit = i == 0
+        prev_k = kind.stages[i - 1].k if i else None
+        for capacity in (mode.capacities if implicit else (prev_k,)):
+            max_chunks = triton.cdiv(capacity, stage.chunk_size)
+            tiles = lambda nb: _tiling(nb, Hkv, G, block_q, stride, max_chunks, implicit, style)[2]  # noqa: E731
+            for nb in representatives(1, max_blocks, tiles):
+                raw_keys = (RawKeys(ss.space.fake(nb, Hkv, D, dtype=ss.space.act_dtype), ss.i64(nb))
+                            if raw else None)
+                candidates = None if implicit else ss.space.fake(nb, prev_k, dtype=torch.int32)
+                pruning_stage(ss.step_q(nb), k_cache, ss.tables(nb), ss.i32(nb), ss.i32(nb), ss.i32(nb),
+                              candidates, None if implicit else ss.i32(nb), chunk_size=stage.chunk_size,
+                              k=stage.k, block_q=block_q, query_stride=stride,
+                              max_candidates=capacity if implicit else None, rope_style=rope, raw_keys=raw_keys,
+                              offload=host, **kw)

@@ -42,7 +42,10 @@ class RawKeys:
     block_base: torch.Tensor
 
 
-@triton.jit
+# Not specialized (plugins/aot.py): the sequence's length, the host deltas (int64 always) and the
+# alignment of its page-table row (a row of the step's [S, width] tables: 16-byte aligned or not
+# with the row index and width); the table is read by gathered page index, not vectorized.
+@triton.jit(do_not_specialize=["length", "k_host_delta", "ks_host_delta"], do_not_specialize_on_alignment=["table_ptr"])
 def _unrotate_kernel(
     k_cache_ptr,  # [num_pages, page_size, Hkv, D]
     k_scale_ptr,  # KV_SCALED: [num_pages, page_size, Hkv] float32 row scales
@@ -52,7 +55,7 @@ def _unrotate_kernel(
     length, head_dim,
     stride_cp, stride_cs, stride_ch, stride_ot, stride_oh,
     stride_sp, stride_ss, stride_sh,  # KV_SCALED: the scale tensor's strides
-    k_host_delta, ks_host_delta,  # OFFLOAD: elements from k_cache / k_scale to their host twins
+    k_host_delta: tl.int64, ks_host_delta: tl.int64,  # OFFLOAD: elements from k_cache / k_scale to their host twins
     PAGE_SIZE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, KV_SCALED: tl.constexpr,
     OFFLOAD: tl.constexpr,  # table entries < 0 name host pages (kv_offload.py)
 ):
@@ -119,6 +122,22 @@ def unrotate_keys(k_cache: torch.Tensor, seq_tables: torch.Tensor, seq_lens: lis
             PAGE_SIZE=page_size, BLOCK_T=BLOCK_T, BLOCK_D=max(16, next_pow2(D)), KV_SCALED=scaled,
             OFFLOAD=offload is not None)
     return raw
+
+
+def aot_launches(space) -> None:
+    """The un-rotation pass's variants (plugins/aot.py): prefill steps under dynamic RoPE prune
+    from raw keys (runtime/sparse_attention.py, RAW_KEYS_MIN_BLOCKS or offloading) in layers
+    whose pruning style is dynamic; without and with a host twin. One launch per sequence, its
+    length unspecialized."""
+    from ._aot import sparse_space
+
+    ss = sparse_space(space)
+    if ss is None or not any(m.dynamic for m in ss.modes) or all(k.pruning_rope == "none" for k in ss.kinds):
+        return
+    k_cache, _, k_scale, _ = ss.caches()
+    for offload in ss.offload:
+        unrotate_keys(k_cache, ss.tables(1), [ss.space.build.page_size], ss.inv_freq(), ss.i64(1), k_scale=k_scale,
+                      dtype=ss.space.act_dtype, offload=ss.host(offload, k_cache, k_scale))
 
 
 __all__ = ["RawKeys", "unrotate_keys"]

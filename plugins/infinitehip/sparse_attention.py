@@ -54,6 +54,7 @@ import triton
 import triton.language as tl
 
 from .._triton_utils import device_num_sms, dot_precision, next_pow2, triton_on
+from ..aot import recording_target
 from ..kv_offload import HostKV, merged_kv, offload_deltas, page_offset
 from ..kv_quant import check_kv_scales, dequantize_tile, read_rows
 from ..dense_attention import _decode_merge_kernel, choose_num_splits, dense_attention_ref
@@ -115,7 +116,10 @@ def _tile_tokens(tile, n0, mid_end, s, n_keys, sel_row, table_row, stride_cp, st
     return tok, k_row, v_row, ks_row, vs_row
 
 
-@triton.jit
+# Not specialized (plugins/aot.py): the block-table row stride (the step's longest page list) and
+# the host deltas (int64 always: a host twin is far from the GPU pool, a staging twin may be near
+# it); both only offset gathered rows.
+@triton.jit(do_not_specialize=["stride_bt", "k_host_delta", "v_host_delta", "ks_host_delta", "vs_host_delta"])
 def _sparse_attn_kernel(
     # inputs
     q_ptr,  # [T, Hq, D] packed queries
@@ -137,7 +141,8 @@ def _sparse_attn_kernel(
     stride_qt, stride_qh,
     stride_cp, stride_cs, stride_ch,
     stride_sp, stride_ss, stride_sh,  # KV_SCALED: the scale tensors' strides
-    k_host_delta, v_host_delta, ks_host_delta, vs_host_delta,  # OFFLOAD: kv_offload.offload_deltas
+    k_host_delta: tl.int64, v_host_delta: tl.int64,  # OFFLOAD: kv_offload.offload_deltas
+    ks_host_delta: tl.int64, vs_host_delta: tl.int64,
     stride_bt, stride_sel, sel_width,
     stride_bank_slot, stride_bank_entry, stride_bank_head,
     stride_ot, stride_oh,
@@ -397,6 +402,7 @@ def block_sparse_attention(q, k_cache, v_cache, block_tables, q_start, q_lens, e
     if num_warps is None:
         num_warps = 16 if not decode and style == NONE and block_q * G >= 256 else 8 if block_q * G >= 128 else 4
     deltas = offload_deltas(k_cache, v_cache, k_scale if scaled else None, v_scale if scaled else None, offload)
+    gpu = q.is_cuda or recording_target() is not None  # recording for a GPU target: its choices
     if num_splits > 1:
         part_out = torch.empty((T, Hq, num_splits, D), dtype=torch.float32, device=q.device)
         part_lse = torch.empty((T, Hq, num_splits), dtype=torch.float32, device=q.device)  # all written
@@ -420,8 +426,8 @@ def block_sparse_attention(q, k_cache, v_cache, block_tables, q_start, q_lens, e
         BLOCK_D=BLOCK_D, NUM_SPLITS=num_splits, SEL_BLOCK=min(1024, next_pow2(selected.shape[1])),
         DECODE=decode, ROPE_STYLE=style, ROPE_GROUP=min(rope_group, BLOCK_N), BANK=bank is not None, PREFETCH=prefetch,
         VALUE_BANK=value_bank is not None,
-        DOT_F32=not q.is_cuda or q.dtype == torch.float32,
-        DOT_PRECISION=dot_precision(q.dtype if q.is_cuda else torch.float32), KV_SCALED=scaled,
+        DOT_F32=not gpu or q.dtype == torch.float32,
+        DOT_PRECISION=dot_precision(q.dtype if gpu else torch.float32), KV_SCALED=scaled,
         OFFLOAD=offload is not None, num_warps=num_warps,
         **({"num_stages": num_stages} if num_stages else {}),
     )
@@ -448,14 +454,28 @@ def sparse_decode_attention(q, k_cache, v_cache, block_tables, context_lens, sel
     offload: host twin of the caches; table entries < 0 name its pages (kv_offload.py)."""
     B = q.shape[0]
     if num_splits is None:
-        tiles = triton.cdiv(n_sink + selected.shape[1] + n_stream, block_n or 64)
-        num_splits = choose_num_splits(B, k_cache.shape[2], tiles, device_num_sms(q.device))
+        num_splits = decode_num_splits(B, k_cache.shape[2], selected.shape[1], n_sink, n_stream,
+                                       device_num_sms(q.device), block_n)
     return block_sparse_attention(q, k_cache, v_cache, block_tables, None, None, context_lens, selected,
                             block_q=1, n_sink=n_sink, n_stream=n_stream, scale=scale,
                             rope_style=rope_style, inv_freq=inv_freq, num_splits=num_splits,
                             rope_group=rope_group, bank=bank, bank_rows=bank_rows, block_n=block_n,
                             prefetch=prefetch, num_stages=num_stages, out=out, k_scale=k_scale,
                             v_scale=v_scale, offload=offload, value_bank=value_bank)
+
+
+def decode_num_splits(batch: int, num_kv_heads: int, sel_width: int, n_sink: int, n_stream: int, num_sms: int,
+                      block_n: int | None = None) -> int:
+    """Split-K of sparse decode: ~2 waves of SMs over batch x kv heads, at most one split per key
+    tile of the longest key set (sink + selected + stream); a shape-only choice.
+
+    The batch counts by its power-of-two bucket: a CUDA graph replays a decode batch padded to a
+    captured size (powers of two by default, runtime/cuda_graphs.py), so eager steps now split
+    as the graph of their bucket does, and an engine compiles one split count per bucket (5 for
+    16 rows instead of 9: plugins/aot.py). The grid stays within the same two-wave target
+    (e.g. 3 rows of 8 kv heads: 9 splits, 216 programs, instead of 11, 264)."""
+    tiles = triton.cdiv(n_sink + sel_width + n_stream, block_n or 64)
+    return choose_num_splits(next_pow2(batch), num_kv_heads, tiles, num_sms)
 
 
 def sparse_prefill_attention(q, k_cache, v_cache, block_tables, q_start, q_lens, ends, selected, *,
@@ -509,3 +529,50 @@ def sparse_attention_ref(q, k_cache, v_cache, block_tables, q_start, q_lens, end
             q_rows = rotate_by_ref(q_rows, torch.searchsorted(toks, q_pos) - q_pos, inv_freq.cpu())
         out[q0:q0 + q_len] = dense_attention_ref(q_rows, k, v, q_pos, toks, scale)
     return out.to(q.device)
+
+
+def aot_launches(space) -> None:
+    """Every block-sparse attention variant (and split merge) the runtime can launch for the
+    engine of ``space`` (plugins/aot.py; shape classes from _aot.py), per layer kind (the last
+    stage's k and chunk size), RoPE mode and host twin (without / with):
+
+    * decode (InfiniteHipLayer._decode): q[rows] of 1 to max_batch_size rows, the split count
+      chosen from the row count (one launch per distinct split count); under dynamic RoPE with a
+      key bank, from the bank (and its value bank when offloading) and, where a row may own no
+      bank row (max_batch_size > key_bank_slots) or there is no bank, rotating;
+    * prefill (_prefill): query blocks of block_q over the step's whole q, one split."""
+    from ._aot import representatives, sparse_space
+
+    ss = sparse_space(space)
+    if ss is None:
+        return
+    cfg, fake = ss.cfg, ss.space.fake
+    Hq, Hkv, D = ss.dims
+    act = ss.space.act_dtype
+    k_cache, v_cache, k_scale, v_scale = ss.caches()
+    kw = dict(n_sink=cfg.n_sink, n_stream=cfg.n_stream, scale=ss.space.model.attention_scale,
+              inv_freq=ss.inv_freq(), k_scale=k_scale, v_scale=v_scale)
+    for kind in ss.kinds:
+        last = kind.stages[-1]
+        for mode in ss.modes:
+            style = cfg.attention_rope if mode.dynamic else "none"
+            banks = [False]
+            if mode.dynamic and ss.bank:
+                banks = [True] if ss.bank_for_all else [True, False]
+            for offload in ss.offload:
+                host = ss.host(offload, k_cache, k_scale)
+                for use_bank in banks:
+                    splits = lambda b: decode_num_splits(b, Hkv, last.k, cfg.n_sink, cfg.n_stream,  # noqa: E731
+                                                         ss.space.target.num_sms)
+                    for B in representatives(1, ss.max_decode_rows, splits):
+                        bank = fake(2, last.k, Hkv, D, dtype=act) if use_bank else None
+                        sparse_decode_attention(
+                            ss.rows_q(B), k_cache, v_cache, ss.tables(B), ss.i32(B),
+                            fake(B, last.k, dtype=torch.int32), rope_style=style, rope_group=last.chunk_size,
+                            bank=bank, bank_rows=ss.i64(B) if use_bank else None, offload=host,
+                            value_bank=fake(2, last.k, Hkv, D, dtype=act) if use_bank and offload else None, **kw)
+                NB = 1  # any block count: the grid only
+                sparse_prefill_attention(
+                    ss.step_q(NB), k_cache, v_cache, ss.tables(NB), ss.i32(NB), ss.i32(NB), ss.i32(NB),
+                    fake(NB, last.k, dtype=torch.int32), block_q=cfg.block_q, rope_style=style,
+                    rope_group=last.chunk_size, out=fake(NB, Hq, D, dtype=act), offload=host, **kw)

@@ -29,6 +29,7 @@ import triton.language as tl
 from torch.nn.attention.bias import causal_lower_right
 
 from .._triton_utils import dot_precision, next_pow2, use_triton
+from ..aot import recording_target
 
 _MAX_RUN = 1024  # query rows per masked SDPA call (bounds the explicit masks)
 _LOG2E = 1.4426950408889634
@@ -189,6 +190,7 @@ def kept_attention_triton(q: torch.Tensor, q_pos: torch.Tensor, k: torch.Tensor,
     tiles = _tiles(q_pos, k_pos, window, block_m).to(q.device)
     qp = q_pos.to(device=q.device, dtype=torch.int32)
     kp = k_pos.to(device=q.device, dtype=torch.int32)
+    gpu = q.is_cuda or recording_target() is not None  # recording for a GPU target: its choices
     _kept_attention_kernel[(tiles.shape[0], Hq)](
         q, k, v, qp, kp, tiles,
         out,
@@ -196,7 +198,7 @@ def kept_attention_triton(q: torch.Tensor, q_pos: torch.Tensor, k: torch.Tensor,
         out.stride(0), out.stride(1),
         Hq // Hkv, D, int(window or 0), float(scale) * _LOG2E,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=max(16, next_pow2(D)), WINDOWED=bool(window),
-        DOT_PRECISION=dot_precision(q.dtype if q.is_cuda else torch.float32), DOT_F32=not q.is_cuda,
+        DOT_PRECISION=dot_precision(q.dtype if gpu else torch.float32), DOT_F32=not gpu,
         num_warps=4, num_stages=2,
     )
     return out
@@ -222,3 +224,26 @@ def kept_attention(q: torch.Tensor, q_pos: torch.Tensor, k: torch.Tensor, v: tor
 
 
 __all__ = ["kept_attention", "kept_attention_ref", "kept_attention_triton", "query_runs"]
+
+
+def aot_launches(space) -> None:
+    """kept_attention's variants (plugins/aot.py): with a token-drop plan, the sliding-window
+    layers between two anchors attend with it (runtime/token_drop.py _compact) — none on models
+    without sliding layers. The queries are the layer's q (contiguous after a q norm, else a view
+    of the fused qkv projection), the keys and values the layer's own rows (views of the same
+    projection) or, past a chunk's first, those rows concatenated after the cache's (contiguous)."""
+    td, m = space.plan.token_drop, space.model
+    if td is None:
+        return
+    windows = sorted({m.window_of(i) for i in range(m.num_layers)} - {None})
+    Hq, Hkv, D = m.num_heads, m.num_kv_heads, m.head_dim
+    dt, n = space.act_dtype, 2
+    qkv = space.fake(n, (Hq + 2 * Hkv) * D, dtype=dt)
+    q = space.fake(n, Hq, D, dtype=dt) if m.qk_norm else qkv[:, :Hq * D].view(n, Hq, D)
+    k_view = space.fake(n, Hkv, D, dtype=dt) if m.qk_norm else qkv[:, Hq * D:(Hq + Hkv) * D].view(n, Hkv, D)
+    v_view = qkv[:, (Hq + Hkv) * D:].view(n, Hkv, D)
+    cat = space.fake(n, Hkv, D, dtype=dt)
+    pos = torch.arange(n)
+    for window in windows:
+        for k, v in ((k_view, v_view), (cat, cat)):
+            kept_attention(q, pos, k, v, pos, m.attention_scale, window)

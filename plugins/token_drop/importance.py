@@ -33,6 +33,7 @@ import triton
 import triton.language as tl
 
 from .._triton_utils import device_num_sms, dot_precision, next_pow2, use_triton
+from ..aot import recording_target
 
 _LOG2E = 1.4426950408889634
 _KEYS_PER_TILE = 64  # pass-2 tile width target (whole blocks); pass-1 key tile
@@ -242,7 +243,8 @@ def block_importance_triton(q: torch.Tensor, k: torch.Tensor, cu_seqlens: torch.
     if num_splits is None:
         num_splits = choose_num_splits(B, Hq, num_row_tiles, triton.cdiv(max_len, BLOCK_N),
                                        device_num_sms(q.device))
-    precision = dot_precision(q.dtype if q.is_cuda else torch.float32)
+    gpu = q.is_cuda or recording_target() is not None  # recording for a GPU target: its choices
+    precision = dot_precision(q.dtype if gpu else torch.float32)
     m_part = torch.empty((B, Hq, obs_window, num_splits), dtype=torch.float32, device=q.device)
     l_part = torch.empty_like(m_part) if num_splits > 1 else m_part
     _row_stats_kernel[(B, Hq * num_row_tiles, num_splits)](
@@ -251,7 +253,7 @@ def block_importance_triton(q: torch.Tensor, k: torch.Tensor, cu_seqlens: torch.
         q.stride(0), q.stride(1), k.stride(0), k.stride(1),
         Hq, Hq // Hkv, D, obs_window, float(scale) * _LOG2E,
         BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, NUM_SPLITS=num_splits,
-        DOT_PRECISION=precision, DOT_F32=not q.is_cuda, num_warps=4,
+        DOT_PRECISION=precision, DOT_F32=not gpu, num_warps=4,
     )
     if num_splits == 1:
         lse = m_part[..., 0]
@@ -268,7 +270,7 @@ def block_importance_triton(q: torch.Tensor, k: torch.Tensor, cu_seqlens: torch.
         q.stride(0), q.stride(1), k.stride(0), k.stride(1),
         Hq, Hkv, Hq // Hkv, D, obs_window, block_size, blocks_per_tile, float(scale) * _LOG2E,
         BLOCK_M=BLOCK_M, BLOCK_N=max(16, next_pow2(keys_per_tile)), BLOCK_B=next_pow2(blocks_per_tile),
-        BLOCK_D=BLOCK_D, DOT_PRECISION=precision, DOT_F32=not q.is_cuda, num_warps=4,
+        BLOCK_D=BLOCK_D, DOT_PRECISION=precision, DOT_F32=not gpu, num_warps=4,
     )
     return scores, cu_blocks
 
@@ -326,3 +328,47 @@ def block_importance(q: torch.Tensor, k: torch.Tensor, cu_seqlens: torch.Tensor,
                                        q_window=q_window)
     return block_importance_ref(q, k, cu_seqlens, scale, obs_window, block_size, cu_seqlens_list,
                                 q_window=q_window)
+
+
+def drop_bounds(space) -> tuple[int, int, int]:
+    """(kept tail, most dropping chunks of a step, fewest tokens of a dropping chunk) of the
+    engine's token-drop plan (runtime/token_drop.py: keep_tail, plan_drops): a dropping chunk
+    has at least G droppable tokens besides the kept tail, and the step's chunks share
+    max_num_batched_tokens."""
+    td, model, build = space.plan.token_drop, space.model, space.build
+    windows = [model.window_of(i) for i in range(model.num_layers)]
+    tail = max([td.obs_window] + [w for w in windows if w is not None])
+    min_chunk = tail + td.block_size
+    return tail, max(1, min(build.max_batch_size, build.max_num_batched_tokens // min_chunk)), min_chunk
+
+
+def aot_launches(space) -> None:
+    """block_importance's variants (plugins/aot.py) for an engine with a token-drop plan: at each
+    anchor the window queries of the step's dropping chunks (1 to drop_bounds' most) score every
+    key their layer holds (a key list of at least one dropping chunk's tokens, up to
+    max_seq_len). Pass 1's split count depends on the chunk count and the longest key list: one
+    launch per distinct count; everything else is fixed by the model and the plan."""
+    td = space.plan.token_drop
+    if td is None:
+        return
+    from ..infinitehip._aot import representatives
+
+    m = space.model
+    _, max_chunks, min_keys = drop_bounds(space)
+    n, G = td.obs_window, td.block_size
+    block_m = min(64, max(16, next_pow2(n)))  # min(n, longest list) = n: a list holds >= tail + G > n keys
+    row_tiles = triton.cdiv(n, block_m)
+    seen = set()
+    max_tiles = triton.cdiv(space.build.max_seq_len, _KEYS_PER_TILE)
+    for b in range(1, max_chunks + 1):
+        splits = lambda t: choose_num_splits(b, m.num_heads, row_tiles, t, space.target.num_sms)  # noqa: E731
+        for tiles in representatives(triton.cdiv(min_keys, _KEYS_PER_TILE), max_tiles, splits):
+            if splits(tiles) in seen:
+                continue
+            seen.add(splits(tiles))
+            L = max(min_keys, tiles * _KEYS_PER_TILE)  # each of the b key lists this long
+            cu = [i * L for i in range(b + 1)]
+            q = space.fake(b * n, m.num_heads, m.head_dim, dtype=space.act_dtype)  # the packed windows
+            k = space.fake(b * L, m.num_kv_heads, m.head_dim, dtype=space.act_dtype)
+            block_importance(q, k, space.fake(b + 1, dtype=torch.int32), m.attention_scale, n, G,
+                             cu_seqlens_list=cu, q_window=True)

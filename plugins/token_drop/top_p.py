@@ -51,7 +51,9 @@ class TokenSelection:
     block_keep: torch.Tensor  # [num_blocks_total] bool
 
 
-@triton.jit
+# max_blocks (the step's longest chunk in blocks) is not specialized (plugins/aot.py): one binary
+# per BLOCK for every chunk length; it only bounds masks and strides the key rows.
+@triton.jit(do_not_specialize=["max_blocks"])
 def _pack_keys_kernel(
     # inputs
     scores_ptr,  # [num_blocks_total] float32
@@ -81,7 +83,7 @@ def _decode_score(key):
     return tl.where(key == _INT64_MAX, 0.0, x)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["max_blocks"])
 def _select_kernel(
     # inputs
     keys_ptr,  # [B, max_blocks] int64, sorted ascending per row
@@ -263,3 +265,28 @@ def force_retention(scores: torch.Tensor, cu_blocks: torch.Tensor, cu_seqlens: t
     fn = select_triton if use_triton(scores) else select_ref
     return fn(scores, cu_blocks, cu_seqlens, num_tokens=num_tokens, max_seqlen=max_seqlen,
               block_size=block_size, num_sink=num_sink, obs_window=obs_window, keep_fraction=rho)
+
+
+def aot_launches(space) -> None:
+    """The block selection's variants (plugins/aot.py) for an engine with a token-drop plan
+    (runtime/token_drop.py _select): top-p with the plan's p (p >= 1: keep all) or, with
+    ``retention``, forced retention. A selection "sequence" is a dropping chunk G-aligned in its
+    key list: tail + G to max_num_batched_tokens + G - 1 tokens; the scan and expansion widths
+    follow the longest one (one launch per distinct pair of widths)."""
+    td = space.plan.token_drop
+    if td is None:
+        return
+    from ..infinitehip._aot import representatives
+    from .importance import drop_bounds
+
+    tail, _, min_chunk = drop_bounds(space)
+    G = td.block_size
+    widths = lambda n: (min(_SCAN_BLOCK, next_pow2(triton.cdiv(n, G))), min(_EXPAND_BLOCK, next_pow2(n)))  # noqa: E731
+    for n in representatives(min_chunk, space.build.max_num_batched_tokens + G - 1, widths):
+        nb = triton.cdiv(n, G)
+        args = (space.fake(nb, dtype=torch.float32), space.fake(2, dtype=torch.int32), space.fake(2, dtype=torch.int32))
+        kw = dict(num_tokens=n, max_seqlen=n, block_size=G, num_sink=0, obs_window=tail)
+        if td.retention is not None:
+            force_retention(*args, td.retention, **kw)
+        else:
+            top_p_select(*args, td.p, **kw)

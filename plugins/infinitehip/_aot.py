@@ -1,0 +1,188 @@
+"""The InfiniteHiP launch space of one engine, for the plugins' ``aot_launches`` (plugins/aot.py).
+
+runtime/sparse_attention.py decides per step what the sparse kernels see; this module restates
+those decisions as the *classes* of launches an engine's plan and build limits allow, so that
+pruning.py, sparse_attention.py, key_bank.py, raw_keys.py and kv_offload.py enumerate exactly
+what serving launches, on fake (meta) tensors shaped as the runtime shapes them:
+
+* layer kinds: the distinct (stages, pruning RoPE style) of the InfiniteHiP layers (the special
+  layers keep ``special_final_k`` and their own style);
+* RoPE modes: a step is *static* (stored rotations: "none" everywhere) or *dynamic* (the layer's
+  pruning style, ``attention_rope`` in attention). Dynamic steps exist when
+  ``rope_off_in_trained_window`` is off or ``max_seq_len`` exceeds the trained window; static
+  ones when some sparse context fits the window with ``rope_off_in_trained_window`` on;
+* stage-1 candidate capacities (runtime.sparse_attention.candidate_capacity: powers of two
+  >= 1024) per mode: a dynamic step's longest sparse context is past the window (with
+  ``rope_off_in_trained_window``), a static step's inside it;
+* batch shapes: sparse decode rows 1..max_batch_size (CUDA graphs pad to a captured size, which
+  is in that range too), prefill query blocks 1..max_num_batched_tokens / block_q (+ one partial
+  block per chunk and one solo block per chunk with ``solo_last_query``);
+* KV offloading (``kv_offload_bytes``, a load option of every InfiniteHiP engine): with and
+  without a host twin; the key bank (``uses_key_bank``) and its value bank when offloading;
+* dtypes: activations ``space.act_dtype``; the cache ``space.kv_dtype`` with float32 row scales
+  when fp8.
+
+Limits taken from the build (``max_batch_size``, ``max_num_batched_tokens``, ``max_seq_len``):
+loading an engine with larger ``max_num_seqs`` / ``max_num_batched_tokens`` than it was built for,
+or with runtime knobs (``query_strides``, ``key_bank``, ``rope_off_in_trained_window``, ...)
+other than the stored plan's, can launch variants that were not compiled ahead of time (they
+then JIT-compile as before).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from infhip.config import InfiniteHipConfig, PruningStage
+
+MIN_CAPACITY = 1024  # runtime.sparse_attention.candidate_capacity: a power of two >= 1024
+
+
+def capacity_of(end: int, n_sink: int, n_stream: int) -> int:
+    """runtime.sparse_attention.candidate_capacity (imported there from the runtime would pull
+    the runtime into the plugins; this is the same formula, checked equal by the tests)."""
+    middle = max(0, max(min(n_sink, end), end - n_stream) - n_sink)
+    return 1 << max(10, (middle - 1).bit_length())
+
+
+def representatives(lo: int, hi: int, key: Callable[[int], object]) -> list[int]:
+    """The first v in [lo, hi] of each distinct ``key(v)``, for a key constant on intervals (a
+    monotone choice such as a tile or split count): one launch per class of a run-time quantity
+    whose only effect on the variant is ``key``. Bisection: O(classes x log(hi - lo)) keys.
+
+        >>> representatives(1, 100, lambda n: min(n // 10, 3))
+        [1, 10, 20, 30]
+    """
+    out, v = [], lo
+    while v <= hi:
+        k = key(v)
+        out.append(v)
+        a, b = v, hi + 1  # key(a) == k; the next class starts in (a, b]
+        while b - a > 1:
+            m = (a + b) // 2
+            a, b = (m, b) if key(m) == k else (a, m)
+        v = b
+    return out
+
+
+@dataclass(frozen=True)
+class LayerKind:
+    stages: tuple[PruningStage, ...]
+    pruning_rope: str  # the layer's style under dynamic RoPE
+
+
+@dataclass(frozen=True)
+class Mode:
+    """One RoPE mode of a step: ``dynamic`` and the stage-1 capacities it can see."""
+
+    dynamic: bool
+    capacities: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class SparseSpace:
+    space: object  # plugins.aot.LaunchSpace
+    cfg: InfiniteHipConfig
+    kinds: tuple[LayerKind, ...]
+    modes: tuple[Mode, ...]
+    bank: bool  # the layers keep a rotated key bank (runtime.sparse_attention.uses_key_bank)
+    bank_for_all: bool  # every decode row can own a bank row (max_batch_size <= key_bank_slots)
+    offload: tuple[bool, ...]  # without / with a host twin
+    max_decode_rows: int
+    max_prefill_blocks: int
+
+    # -- fake tensors shaped as the runtime passes them ---------------------------------------
+    @property
+    def dims(self) -> tuple[int, int, int]:
+        m = self.space.model
+        return m.num_heads, m.num_kv_heads, m.head_dim
+
+    def step_q(self, tokens: int) -> torch.Tensor:
+        """A step's q [T, Hq, D] as the attention module hands it over: a view of the fused qkv
+        projection [T, (Hq + 2 Hkv) D] (rows strided), or contiguous after a q norm."""
+        Hq, Hkv, D = self.dims
+        dt = self.space.act_dtype
+        if self.space.model.qk_norm:
+            return self.space.fake(tokens, Hq, D, dtype=dt)
+        return self.space.fake(tokens, (Hq + 2 * Hkv) * D, dtype=dt)[:, :Hq * D].view(tokens, Hq, D)
+
+    def rows_q(self, rows: int) -> torch.Tensor:
+        """q[rows] (a gather: contiguous)."""
+        Hq, _, D = self.dims
+        return self.space.fake(rows, Hq, D, dtype=self.space.act_dtype)
+
+    def caches(self, num_pages: int = 4):
+        """(k_cache, v_cache, k_scale, v_scale) of a layer: [P, page, Hkv, D] in the KV dtype and,
+        for fp8, float32 row scales [P, page, Hkv] (else None)."""
+        _, Hkv, D = self.dims
+        page = self.space.build.page_size
+        k = self.space.fake(num_pages, page, Hkv, D, dtype=self.space.kv_dtype)
+        v = self.space.fake(num_pages, page, Hkv, D, dtype=self.space.kv_dtype)
+        if self.space.build.kv_dtype != "fp8":
+            return k, v, None, None
+        return (k, v, self.space.fake(num_pages, page, Hkv, dtype=torch.float32),
+                self.space.fake(num_pages, page, Hkv, dtype=torch.float32))
+
+    def host(self, offload: bool, k_cache, k_scale):
+        """The layer's host twin (plugins/kv_offload.HostKV) or None."""
+        if not offload:
+            return None
+        from ..kv_offload import HostKV
+        k = self.space.fake(*k_cache.shape, dtype=k_cache.dtype)
+        v = self.space.fake(*k_cache.shape, dtype=k_cache.dtype)
+        if k_scale is None:
+            return HostKV(k, v)
+        return HostKV(k, v, self.space.fake(*k_scale.shape, dtype=torch.float32),
+                      self.space.fake(*k_scale.shape, dtype=torch.float32))
+
+    def tables(self, rows: int) -> torch.Tensor:
+        """Block tables [rows, width] int32; the width (the step's longest page list) varies, the
+        kernels take its stride unspecialized."""
+        return self.space.fake(rows, 3, dtype=torch.int32)
+
+    def i32(self, n: int) -> torch.Tensor:
+        return self.space.fake(n, dtype=torch.int32)
+
+    def i64(self, n: int) -> torch.Tensor:
+        return self.space.fake(n, dtype=torch.int64)
+
+    def inv_freq(self) -> torch.Tensor:
+        return self.space.fake(self.dims[2] // 2, dtype=torch.float32)
+
+
+def sparse_space(space) -> SparseSpace | None:
+    """The InfiniteHiP launch space of ``space`` (plugins.aot.LaunchSpace), None for an engine
+    without InfiniteHiP layers or whose sparse threshold no context reaches."""
+    cfg: InfiniteHipConfig | None = space.plan.infinitehip
+    if cfg is None:
+        return None
+    build, model = space.build, space.model
+    max_len, window = build.max_seq_len, model.max_position_embeddings
+    if cfg.dense_threshold > max_len:
+        return None  # no context goes sparse
+    layers = [lp.index for lp in space.plan.layers if lp.plugin == "infinitehip"]
+    kinds = tuple(dict.fromkeys(LayerKind(cfg.stages_of(i), cfg.pruning_rope_of(i)) for i in layers))
+    cap = lambda end: capacity_of(end, cfg.n_sink, cfg.n_stream)  # noqa: E731
+    buckets = lambda lo, hi: tuple(c for c in (1 << b for b in range(10, 63)) if cap(lo) <= c <= cap(hi))  # noqa: E731
+    modes = []
+    # SparsePlanner.plan: dynamic = not rope_off_in_trained_window or max(sparse ends) > window
+    if cfg.rope_off_in_trained_window and cfg.dense_threshold <= min(window, max_len):
+        modes.append(Mode(False, buckets(cfg.dense_threshold, min(window, max_len))))
+    if not cfg.rope_off_in_trained_window:
+        modes.append(Mode(True, buckets(cfg.dense_threshold, max_len)))
+    elif max_len > window:
+        modes.append(Mode(True, buckets(max(window + 1, cfg.dense_threshold), max_len)))
+    # runtime.sparse_attention.uses_key_bank
+    dynamic_possible = not cfg.rope_off_in_trained_window or max_len > window
+    bank = cfg.key_bank and cfg.attention_rope == "streaming" and dynamic_possible
+    bq = cfg.block_q
+    # plan_query_blocks: per chunk ceil(q_len / block_q) blocks (+1 solo block); the chunks of a
+    # step share max_num_batched_tokens, at most max_batch_size chunks
+    extra = build.max_batch_size * (2 if cfg.solo_last_query else 1)
+    return SparseSpace(space=space, cfg=cfg, kinds=kinds, modes=tuple(modes), bank=bank,
+                       bank_for_all=build.max_batch_size <= cfg.key_bank_slots, offload=(False, True),
+                       max_decode_rows=build.max_batch_size,
+                       max_prefill_blocks=build.max_num_batched_tokens // bq + extra)
