@@ -15,8 +15,8 @@ version); otherwise they are built on first use into Triton's cache dir (``TRITO
 (plugins/_triton_utils.py arranges that when the plugins are imported).
 
 JIT policy (``LLM(jit=...)`` or ``INFHIP_JIT``): before any compile Triton calls our hook with the
-variant it is about to compile (plugins/aot.py's KernelVariant). A variant the loaded engines do
-not hold is
+variant it is about to compile (plugins/aot.py's KernelVariant). Inside an engine's load and
+steps (:func:`serving`), a variant the engine does not hold is
   - ``"forbid"``: refused — :class:`JitForbidden` names the kernel and its specialization;
   - ``"warn"`` (default): compiled, logged once per kernel;
   - ``"allow"``: compiled silently (also lets an engine run on a GPU other than its target).
@@ -24,6 +24,7 @@ not hold is
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -136,9 +137,19 @@ def _release(store: KernelStore) -> None:
             _stores.remove(store)
 
 
-def _strictest() -> str | None:
-    modes = {s.mode for s in _stores}
-    return next((m for m in JIT_MODES if m in modes), None)
+_serving = threading.local()  # .store: the engine whose step (or load) this thread is running
+
+
+@contextlib.contextmanager
+def serving(store: KernelStore | None):
+    """Launches in this block are the engine's: the store's JIT policy applies to them. (Kernels
+    a test or a benchmark launches directly, outside any engine, compile as Triton always does.)"""
+    outer = getattr(_serving, "store", None)
+    _serving.store = store
+    try:
+        yield
+    finally:
+        _serving.store = outer
 
 
 # -- Triton integration ------------------------------------------------------------------------
@@ -165,16 +176,15 @@ def _install() -> None:
 
 def _check_variant(fn_info, compile_args: dict) -> None:
     """Triton is about to compile (it missed its in-process cache): is the variant an engine's?"""
-    mode = _strictest()
-    if mode is None:
+    store = getattr(_serving, "store", None)
+    if store is None or store.mode == "allow":
         return
     options = types.SimpleNamespace(**compile_args)
     variant = KernelVariant.from_packed(fn_info.jit_function, compile_args["signature"],
                                         compile_args["constants"], compile_args["configs"][0], options)
-    with _lock:
-        known = any(variant.key in s.variants for s in _stores)
-    if known or mode == "allow":
+    if variant.key in store.variants:
         return
+    mode = store.mode
     if mode == "forbid":
         raise JitForbidden(f"kernel not in the engine (jit='forbid' refuses to compile while serving): "
                            f"{variant.describe()}; rebuild the engine with this plan, or load with jit='warn'")

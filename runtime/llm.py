@@ -46,6 +46,7 @@ import torch
 from infhip.builder.presets import apply_runtime_overrides
 from infhip.runtime.detokenizer import Detokenizer
 from infhip.runtime.engine import load_engine
+from infhip.runtime.kernel_store import serving
 from infhip.runtime.model_runner import ModelRunner
 from infhip.runtime.outputs import RequestOutput, StreamDelta
 from infhip.runtime.sampler import Sampler, make_generator
@@ -146,10 +147,11 @@ class LLM:
         budget = max_num_batched_tokens or build.max_num_batched_tokens
         if budget < self.max_num_seqs:
             raise ValueError(f"max_num_batched_tokens ({budget}) must be >= max_num_seqs ({self.max_num_seqs})")
-        self.runner = ModelRunner(self.engine, self.max_num_seqs, budget, kv_cache_memory_bytes,
-                                  enforce_eager=enforce_eager, max_decode_steps=num_decode_steps,
-                                  kv_offload_bytes=kv_offload_bytes,
-                                  kv_offload_cache_tokens=kv_offload_cache_tokens)
+        with serving(self.engine.kernels):  # graph capture launches every decode kernel once
+            self.runner = ModelRunner(self.engine, self.max_num_seqs, budget, kv_cache_memory_bytes,
+                                      enforce_eager=enforce_eager, max_decode_steps=num_decode_steps,
+                                      kv_offload_bytes=kv_offload_bytes,
+                                      kv_offload_cache_tokens=kv_offload_cache_tokens)
         self.scheduler = Scheduler(self.runner.kv, self.max_num_seqs, budget, build.max_seq_len)
         self.load_report = self._load_report(t0, t_engine)
         self.sampler = Sampler()
@@ -241,11 +243,12 @@ class LLM:
         if not out.chunks:
             return list(touched.values())
         try:  # the batched part: a fault here is every scheduled request's
-            num_steps = self._num_decode_steps(out)
-            if num_steps > 1:
-                tokens = self._decode_steps(out, num_steps)
-            else:
-                logits = self.runner.execute(out)
+            with serving(self.engine.kernels):  # the engine's JIT policy (runtime/kernel_store.py)
+                num_steps = self._num_decode_steps(out)
+                if num_steps > 1:
+                    tokens = self._decode_steps(out, num_steps)
+                else:
+                    logits = self.runner.execute(out)
         except Exception as e:  # noqa: BLE001 - these requests fail, the engine goes on
             _log.error("a step of %d request(s) failed; failing them all", len(out.chunks), exc_info=e)
             for ch in out.chunks:

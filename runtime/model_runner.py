@@ -382,10 +382,13 @@ class ModelRunner:
         """Tokens a block-table row can address (max_seq_len rounded up to whole pages)."""
         return self.max_pages_per_seq * self.page_size
 
-    @staticmethod
-    def _len_bucket(p: StepPlan) -> int | None:
-        """The short-context bucket of a step's decode rows (None: sparse rows, or too long)."""
-        return None if p.has_sparse or not p.num_decodes else len_bucket(max(p.ctx_lens[:p.num_decodes]))
+    def _len_bucket(self, p: StepPlan) -> int | None:
+        """The short-context bucket of a step's decode rows (None: sparse rows, too long, or a
+        bucket no shorter than the block-table width: the start-up graphs are that bound)."""
+        if p.has_sparse or not p.num_decodes:
+            return None
+        bucket = len_bucket(max(p.ctx_lens[:p.num_decodes]))
+        return bucket if bucket is not None and bucket < self.table_tokens else None
 
     def _layer_kv(self, p: StepPlan) -> LayerKV:
         """Per-layer context lengths and compact slots of the global layers (drop histories):
@@ -409,12 +412,11 @@ class ModelRunner:
             return False
         return not p.has_sparse or p.sparse.graph_key is not None
 
-    @staticmethod
-    def _graph_key(p: StepPlan) -> GraphKey | None:
+    def _graph_key(self, p: StepPlan) -> GraphKey | None:
         """None: the start-up dense graph; else (sparse key, drop histories, length bucket)."""
         sparse = p.sparse.graph_key if p.has_sparse else None
         layer_kv = p.layer_dropped is not None
-        bound = ModelRunner._len_bucket(p)
+        bound = self._len_bucket(p)
         return None if sparse is None and not layer_kv and bound is None else (sparse, layer_kv, bound)
 
     @torch.inference_mode()

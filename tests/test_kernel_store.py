@@ -67,25 +67,27 @@ def test_store_serves_its_variant_and_forbids_others(engine, built):
     owner = Owner()
     store = open_store(engine, "sm_90", "forbid", owner, num_sms=132)
     assert store.num_files >= 2 and store.num_bytes > 0
-    kernel_store._check_variant(*_hook_args(built[2]))  # the engine's own variant: no error
     _, other = _record_norm(512, residual=True)
-    with pytest.raises(JitForbidden, match="_rms_norm_kernel.*BLOCK_N=512.*rebuild"):
-        kernel_store._check_variant(*_hook_args(other))
+    with kernel_store.serving(store):
+        kernel_store._check_variant(*_hook_args(built[2]))  # the engine's own variant: no error
+        with pytest.raises(JitForbidden, match="_rms_norm_kernel.*BLOCK_N=512.*rebuild"):
+            kernel_store._check_variant(*_hook_args(other))
+    kernel_store._check_variant(*_hook_args(other))  # outside the engine's steps: Triton's usual JIT
     # Triton's cache lookup of the engine's hash comes from the engine folder
     folder = next(p for p in (engine / "kernels").iterdir() if p.is_dir())
     group = EngineKernelCache(folder.name).get_group("_rms_norm_kernel.json")
     assert group and all(str(folder) in path for path in group.values())
     assert any(name.endswith(".cubin") for name in group)
-    del owner  # the store goes with its engine: nothing is forbidden any more
-    kernel_store._check_variant(*_hook_args(other))
+    del owner  # the store goes with its engine: Triton no longer looks there
+    assert EngineKernelCache(folder.name)._engine_dir is None
 
 
 def test_warn_mode_logs_once(engine, caplog):
     owner = Owner()
-    open_store(engine, "sm_90", "warn", owner, num_sms=132)
+    store = open_store(engine, "sm_90", "warn", owner, num_sms=132)
     _, other = _record_norm(1024, residual=True)
     kernel_store._warned.discard("infhip.plugins.rms_norm:_rms_norm_kernel")
-    with caplog.at_level(logging.WARNING, logger="infhip.kernels"):
+    with caplog.at_level(logging.WARNING, logger="infhip.kernels"), kernel_store.serving(store):
         kernel_store._check_variant(*_hook_args(other))
         kernel_store._check_variant(*_hook_args(other))
     assert [r.message for r in caplog.records].count(caplog.records[0].message) == 1

@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# One device call: the GPU test suite under jit="forbid" with an empty, unwritable Triton cache
+# (issue 20), then the HTTP serving load on an 8B random-weight engine beside LLM.generate
+# (issue 19). Needs .whl/ carried (fastapi, uvicorn, pydantic: not on the GPU image).
+set -o pipefail
+OUT=${OUT:-/tmp/infhip-out}; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
+python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . 2>&1 | tail -3
+INFHIP_JIT=forbid TRITON_CACHE_DIR=/proc/infhip-no-triton-cache timeout ${GPU_TESTS_S:-300} \
+  python3 -m pytest -q -m gpu tests -p no:cacheprovider --ignore=tests/test_server.py --ignore=tests/test_server_load.py 2>&1 | tail -25 | tee "$OUT/gpu_tests_strict.log"
+python3 -m infhip.builder.cli --model llama-3.1-8b --random-weights --device cuda --output /tmp/l8b-serve \
+  --max-seq-len 4096 --max-batch-size 64 --quiet --force 2>&1 | tail -2
+python3 benchmarks/bench_serving.py --engine /tmp/l8b-serve --device cuda --clients 32,128 --prompt-tokens 1024 \
+  --max-tokens 128 --prompt-token-ids --out "$OUT/bench_serving.json" 2>&1 | tail -20 | tee "$OUT/bench_serving.log"
