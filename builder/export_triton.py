@@ -1,7 +1,7 @@
 """``infhip-export-triton``: an engine -> a Triton Inference Server model repository entry.
 
     infhip-export-triton --engine engines/smollm2-135m --repo triton_repo
-    tritonserver --model-repository triton_repo        # see docs/serving.md (CPU: nvidia-pytriton)
+    tritonserver --model-repository triton_repo        # see docs/serving_triton.md (CPU: nvidia-pytriton)
     curl localhost:8000/v2/models/smollm2-135m/generate -d '{"text_input": "Hi", "max_tokens": 8}'
 
     >>> from infhip.builder.export_triton import export_triton_repo
