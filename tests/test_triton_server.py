@@ -125,12 +125,14 @@ def scrape_until(server, condition, timeout_s: float = 30, what: str = "conditio
 
 def settled(server) -> dict:
     """A scrape once earlier requests' records have reached Triton: the engine idle and the
-    values unchanged over two flush periods."""
+    model's values unchanged over two flush periods (Triton's own, CPU use, move anyway)."""
+    def ours(values):
+        return {k: v for k, v in values.items() if k[0].startswith("infhip_")}
     last = scrape(server)
     for _ in range(100):
         time.sleep(0.5)
         values = scrape(server)
-        if values == last and idle(values):
+        if ours(values) == ours(last) and idle(values):
             return values
         last = values
     pytest.fail("the metrics did not settle")
@@ -255,7 +257,7 @@ def _text_input(text: str):
 
 
 class GrpcClient:
-    """One client with its own gRPC stream; `ask` sends one request and collects its responses."""
+    """One client with its own gRPC stream: `send` a request, `collect` its responses."""
 
     def __init__(self, server):
         import tritonclient.grpc as grpcclient
@@ -301,7 +303,8 @@ def _ask(server, prompt: str, max_tokens: int, stream: bool) -> dict:
 
 def test_load_streaming_clients(server):
     """48 concurrent gRPC clients (3 per engine slot): 40 ask one of 10 (prompt, max_tokens)
-    specs, streaming or not; 8 send a non-streaming request of 100 tokens and cancel it."""
+    specs, streaming or not; 8 send a non-streaming request of 400 tokens and cancel it
+    after 0.5 s (running or still queued)."""
     before = settled(server)
     alone = {spec: _ask(server, *spec, stream=False) for spec in SPECS}
     results: dict[int, dict] = {}
@@ -313,7 +316,7 @@ def test_load_streaming_clients(server):
             c = GrpcClient(server)
             barrier.wait(timeout=60)
             if i < 8:
-                c.send([_text_input(WORDS[i])], max_tokens=100, stream=False, **GREEDY)
+                c.send([_text_input(WORDS[i])], max_tokens=400, stream=False, **GREEDY)
                 time.sleep(0.5)
                 c.close(cancel=True)
                 return
@@ -346,7 +349,7 @@ def test_load_streaming_clients(server):
     assert delta(after, "infhip_requests_finished_total", finish_reason="abort") == 8
     assert delta(after, "infhip_requests_finished_total") == 58 and delta(after, "infhip_request_errors_total") == 0
     produced = sum(len(r["ids"]) for r in [*results.values(), *alone.values()])
-    assert produced <= delta(after, "infhip_generation_tokens_total") < produced + 8 * 100
+    assert produced <= delta(after, "infhip_generation_tokens_total") < produced + 8 * 400
     assert delta(after, "infhip_time_to_first_token_seconds_count") >= 50
     assert delta(after, "infhip_inter_token_latency_seconds_count") >= produced - 50
     assert delta(after, "infhip_prompt_tokens_total") > 0
