@@ -443,3 +443,18 @@ def test_example_stops_everything_on_sigterm(engine, tmp_path):
     assert not _alive(server_pid) and not any(_alive(pid) for pid in stubs)
     assert not Path(backends.group(1)).exists()
     assert _listening(http_port) == []
+
+
+def test_failed_start_leaves_nothing(tmp_path, monkeypatch):
+    """A server that cannot start (here: a config.pbtxt Triton cannot parse) raises, and its
+    temporary backend folder is removed all the same."""
+    from infhip.builder import triton_launch
+    made = []
+    mkdtemp = triton_launch.tempfile.mkdtemp
+    monkeypatch.setattr(triton_launch.tempfile, "mkdtemp", lambda **kw: made.append(mkdtemp(**kw)) or made[-1])
+    (tmp_path / "repo" / "broken" / "1").mkdir(parents=True)
+    (tmp_path / "repo" / "broken" / "config.pbtxt").write_text("backend: {")
+    with open(tmp_path / "server.log", "wb") as log, pytest.raises(RuntimeError, match="exited with status"):
+        with triton_launch.running_server(tmp_path / "repo", "127.0.0.1", *_free_ports(3), log=log):
+            pass
+    assert len(made) == 1 and not Path(made[0]).exists()
