@@ -52,7 +52,7 @@ def pytriton_dist() -> Path:
     """The ``tritonserver`` folder inside the installed pytriton package."""
     spec = importlib.util.find_spec("pytriton")  # not imported: only its files are needed
     if spec is None or not spec.submodule_search_locations:
-        raise TritonNotFound("nvidia-pytriton is not installed; pip install --no-deps nvidia-pytriton==0.7.0 "
+        raise TritonNotFound("nvidia-pytriton is not installed; pip install -e \".[triton-server]\" "
                              "(or use a Triton Inference Server container)")
     dist = Path(spec.submodule_search_locations[0]) / "tritonserver"
     if not (dist / "bin" / "tritonserver").is_file():

@@ -42,16 +42,16 @@ def _skip_reason() -> str | None:
     except TritonNotFound as e:
         return str(e)
     if not numpy_ok():
-        return "the Python-backend stub of pytriton 0.7.0 crashes on string tensors with numpy >= 2"
+        return ("the Python-backend stub of pytriton 0.7.0 crashes on string tensors with numpy >= 2 "
+                "(the triton-server extra pins numpy < 2)")
     try:
         import tritonclient.grpc  # noqa: F401
     except ImportError:
-        return "tritonclient[grpc] is not installed"
+        return "tritonclient[grpc] is not installed (pip install -e \".[triton-server]\")"
     return None
 
 
-pytestmark = pytest.mark.skipif(_skip_reason() is not None,
-                                reason=f"{_skip_reason()} (pip install -e \".[triton-server]\")")
+pytestmark = pytest.mark.skipif(_skip_reason() is not None, reason=str(_skip_reason()))
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 ROOT = Path(__file__).resolve().parent.parent
@@ -152,7 +152,7 @@ def engine(tmp_path_factory):
     root = tmp_path_factory.mktemp("triton_server")
     write_tiny_hf_checkpoint(root / "hf", "llama", tokenizer=True)
     return build_engine(checkpoint=root / "hf", output_dir=root / "engine", dtype="float32", device="cpu",
-                        max_seq_len=512, max_batch_size=16, progress=False)
+                        max_seq_len=4096, max_batch_size=16, progress=False)
 
 
 @pytest.fixture(scope="module")
@@ -303,7 +303,7 @@ def _ask(server, prompt: str, max_tokens: int, stream: bool) -> dict:
 
 def test_load_streaming_clients(server):
     """48 concurrent gRPC clients (3 per engine slot): 40 ask one of 10 (prompt, max_tokens)
-    specs, streaming or not; 8 send a non-streaming request of 400 tokens and cancel it
+    specs, streaming or not; 8 send a non-streaming request of 3000 tokens and cancel it
     after 0.5 s (running or still queued)."""
     before = settled(server)
     alone = {spec: _ask(server, *spec, stream=False) for spec in SPECS}
@@ -316,7 +316,7 @@ def test_load_streaming_clients(server):
             c = GrpcClient(server)
             barrier.wait(timeout=60)
             if i < 8:
-                c.send([_text_input(WORDS[i])], max_tokens=400, stream=False, **GREEDY)
+                c.send([_text_input(WORDS[i])], max_tokens=3000, stream=False, **GREEDY)
                 time.sleep(0.5)
                 c.close(cancel=True)
                 return
@@ -349,7 +349,7 @@ def test_load_streaming_clients(server):
     assert delta(after, "infhip_requests_finished_total", finish_reason="abort") == 8
     assert delta(after, "infhip_requests_finished_total") == 58 and delta(after, "infhip_request_errors_total") == 0
     produced = sum(len(r["ids"]) for r in [*results.values(), *alone.values()])
-    assert produced <= delta(after, "infhip_generation_tokens_total") < produced + 8 * 400
+    assert produced <= delta(after, "infhip_generation_tokens_total") < produced + 8 * 3000
     assert delta(after, "infhip_time_to_first_token_seconds_count") >= 50
     assert delta(after, "infhip_inter_token_latency_seconds_count") >= produced - 50
     assert delta(after, "infhip_prompt_tokens_total") > 0
@@ -364,7 +364,7 @@ def _open_generate(server, path: str, body: dict) -> http.client.HTTPConnection:
 
 def test_http_stream_client_leaving_is_aborted(server):
     before = metric(settled(server), "infhip_request_aborts_total")
-    conn = _open_generate(server, "generate_stream", {"text_input": "hi", "max_tokens": 400, "stream": True,
+    conn = _open_generate(server, "generate_stream", {"text_input": "hi", "max_tokens": 3000, "stream": True,
                                                       **GREEDY})
     resp = conn.getresponse()
     assert resp.status == 200 and resp.readline().startswith(b"data: ")
@@ -376,21 +376,21 @@ def test_http_stream_client_leaving_is_aborted(server):
 
 def test_http_generate_client_leaving_is_not_seen(server):
     """Triton 2.51's HTTP frontend stops reading a connection while its request runs, so a
-    non-streaming /generate whose client left is not cancelled: it runs to its end (use gRPC,
-    which cancels, or generate_stream). Pinned because docs/serving_triton.md says so."""
+    non-streaming /generate whose client left is not cancelled: it goes on generating (use
+    gRPC, which cancels, or generate_stream). Pinned because docs/serving_triton.md says so.
+    The request (3000 tokens, seconds) is left to finish while the next test runs."""
     before = settled(server)
-    aborts = metric(before, "infhip_request_aborts_total")
-    length = metric(before, "infhip_requests_finished_total", finish_reason="length")
     tokens = metric(before, "infhip_generation_tokens_total")
-    conn = _open_generate(server, "generate", {"text_input": "hi", "max_tokens": 400, **GREEDY})
-    scrape_until(server, lambda m: metric(m, "infhip_generation_tokens_total") > tokens, what="its first tokens")
+    conn = _open_generate(server, "generate", {"text_input": "hi", "max_tokens": 3000, **GREEDY})
+    left = scrape_until(server, lambda m: metric(m, "infhip_generation_tokens_total") > tokens,
+                        what="its first tokens")
     conn.sock.shutdown(socket.SHUT_RDWR)
     conn.close()
-    time.sleep(1)
-    assert metric(scrape(server), "infhip_requests_running") == 1  # still generating for nobody
-    m = scrape_until(server, lambda m: metric(m, "infhip_requests_finished_total", finish_reason="length")
-                     == length + 1, timeout_s=120, what="the request's end")
-    assert metric(m, "infhip_request_aborts_total") == aborts
+    time.sleep(1.5)
+    later = scrape(server)
+    assert metric(later, "infhip_requests_running") == 1  # still generating for nobody
+    assert metric(later, "infhip_generation_tokens_total") > metric(left, "infhip_generation_tokens_total")
+    assert metric(later, "infhip_request_aborts_total") == metric(before, "infhip_request_aborts_total")
 
 
 # -- the example launcher -----------------------------------------------------------------------
