@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import http.client
 import json
-import os
 import queue
 import re
 import signal
