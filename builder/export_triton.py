@@ -1,7 +1,7 @@
 """``infhip-export-triton``: an engine -> a Triton Inference Server model repository entry.
 
     infhip-export-triton --engine engines/smollm2-135m --repo triton_repo
-    tritonserver --model-repository triton_repo        # see docs/serving.md (CPU: nvidia-pytriton)
+    tritonserver --model-repository triton_repo        # see docs/serving_triton.md (CPU: nvidia-pytriton)
     curl localhost:8000/v2/models/smollm2-135m/generate -d '{"text_input": "Hi", "max_tokens": 8}'
 
     >>> from infhip.builder.export_triton import export_triton_repo
@@ -57,11 +57,18 @@ def _tensors(kind: str, specs, optional: bool) -> str:
     return f"{kind} [\n" + "".join(lines) + "]\n"
 
 
+def _parameters_comment(specs) -> str:
+    """The request parameters the model reads, as comment lines (config.pbtxt cannot declare them)."""
+    return ("# Request parameters (the generate endpoint makes every JSON field that is not an input one;\n"
+            "# gRPC and /infer clients set them in the request's parameters); any other is an error:\n"
+            + "".join(f"#   {name} ({kind}): {what}\n" for name, kind, what in specs))
+
+
 def render_config(model_name: str, params: dict[str, str], decoupled: bool) -> str:
     """config.pbtxt of the model (protobuf text format of Triton's ModelConfig). Every input is
     optional: the model checks that exactly one of text_input / input_ids is given."""
     from infhip import __version__
-    from infhip.builder.triton_model import INPUTS, OUTPUTS
+    from infhip.builder.triton_model import INPUTS, OUTPUTS, PARAMETERS
 
     head = (f"# An infhip engine served by Triton's Python backend (1/model.py); written by "
             f"infhip-export-triton {__version__}.\n"
@@ -72,7 +79,8 @@ def render_config(model_name: str, params: dict[str, str], decoupled: bool) -> s
             f"model_transaction_policy {{ decoupled: {'true' if decoupled else 'false'} }}\n"
             "# One instance: it owns the engine (and the GPU memory of its KV cache).\n"
             "instance_group [ { count: 1 kind: KIND_MODEL } ]\n")
-    body = _tensors("input", INPUTS, optional=True) + _tensors("output", OUTPUTS, optional=False)
+    body = (_tensors("input", INPUTS, optional=True) + _parameters_comment(PARAMETERS)
+            + _tensors("output", OUTPUTS, optional=False))
     tail = "".join(f"parameters {{ key: \"{k}\" value: {{ string_value: {_pbtxt_string(v)} }} }}\n"
                    for k, v in params.items())
     return head + body + tail

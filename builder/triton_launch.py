@@ -15,19 +15,32 @@ The stub deserializes string tensors with numpy; with numpy 2.4.6 in the environ
 input crashed it (``unpack_from requires a buffer of at least ...``), with numpy 1.26.4 it works:
 `numpy_ok` says whether this environment qualifies.
 
-    >>> from infhip.builder.triton_launch import server_command     # doctest: +SKIP
-    >>> argv, env = server_command("triton_repo", "/tmp/triton_backends", http_port=8000)
-    >>> subprocess.Popen(argv, env=env)
+tritonserver listens on all interfaces unless told otherwise; `server_command` binds HTTP,
+gRPC and metrics to ``host`` (loopback by default). `running_server` owns one server: the
+backend folder is a temporary one removed at the end (also on error), tritonserver runs in a
+process group of its own, and stopping it (`stop_server`) waits for it to unload the model,
+then kills whatever is left of that group, so no Python-backend stub outlives it.
+
+    >>> from infhip.builder.triton_launch import running_server     # doctest: +SKIP
+    >>> with running_server("triton_repo", http_port=8000) as server:
+    ...     print(server.url)                                     # http://127.0.0.1:8000
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import sysconfig
+import tempfile
+import time
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 
@@ -39,7 +52,7 @@ def pytriton_dist() -> Path:
     """The ``tritonserver`` folder inside the installed pytriton package."""
     spec = importlib.util.find_spec("pytriton")  # not imported: only its files are needed
     if spec is None or not spec.submodule_search_locations:
-        raise TritonNotFound("nvidia-pytriton is not installed; pip install --no-deps nvidia-pytriton==0.7.0 "
+        raise TritonNotFound("nvidia-pytriton is not installed; pip install -e \".[triton-server]\" "
                              "(or use a Triton Inference Server container)")
     dist = Path(spec.submodule_search_locations[0]) / "tritonserver"
     if not (dist / "bin" / "tritonserver").is_file():
@@ -70,8 +83,10 @@ def prepare_backends(backend_dir: str | os.PathLike) -> Path:
 
 
 def server_command(repo_dir: str | os.PathLike, backend_dir: str | os.PathLike, http_port: int = 8000,
-                   grpc_port: int = 8001, metrics_port: int = 8002) -> tuple[list[str], dict[str, str]]:
-    """(argv, env) that run the bundled tritonserver over repo_dir, backends prepared in backend_dir."""
+                   grpc_port: int = 8001, metrics_port: int = 8002,
+                   host: str = "127.0.0.1") -> tuple[list[str], dict[str, str]]:
+    """(argv, env) that run the bundled tritonserver over repo_dir, backends prepared in
+    backend_dir, its HTTP, gRPC and metrics endpoints bound to host."""
     dist = pytriton_dist()
     backends = prepare_backends(backend_dir)
     libs = [dist.parent.parent / "nvidia_pytriton.libs"]
@@ -81,15 +96,94 @@ def server_command(repo_dir: str | os.PathLike, backend_dir: str | os.PathLike, 
     env["LD_LIBRARY_PATH"] = os.pathsep.join([str(p) for p in libs] + [env.get("LD_LIBRARY_PATH", "")]).rstrip(os.pathsep)
     env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
     argv = [str(dist / "bin" / "tritonserver"), "--model-repository", str(Path(repo_dir).resolve()),
-            "--backend-directory", str(backends.resolve()), "--http-port", str(http_port),
-            "--grpc-port", str(grpc_port), "--metrics-port", str(metrics_port), "--exit-timeout-secs", "5"]
+            "--backend-directory", str(backends.resolve()),
+            "--http-address", host, "--http-port", str(http_port),
+            "--grpc-address", host, "--grpc-port", str(grpc_port),
+            "--metrics-address", host, "--metrics-port", str(metrics_port), "--exit-timeout-secs", "15"]
     return argv, env
 
 
-def stop_server(proc: subprocess.Popen, grace_s: float = 30) -> None:
-    """Terminate a tritonserver started from server_command, killing it if it outlives grace_s."""
-    proc.terminate()
+@dataclass
+class TritonServer:
+    """A tritonserver started by `running_server`, and where it listens."""
+
+    proc: subprocess.Popen
+    host: str
+    http_port: int
+    grpc_port: int
+    metrics_port: int
+
+    @property
+    def url(self) -> str:
+        """Base URL of the HTTP endpoint (``/v2/...``)."""
+        return f"http://{_url_host(self.host)}:{self.http_port}"
+
+    @property
+    def grpc_url(self) -> str:
+        """host:port of the gRPC endpoint (what tritonclient.grpc takes)."""
+        return f"{_url_host(self.host)}:{self.grpc_port}"
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://{_url_host(self.host)}:{self.metrics_port}/metrics"
+
+
+def _url_host(host: str) -> str:
+    return f"[{host}]" if ":" in host else host  # an IPv6 address
+
+
+@contextlib.contextmanager
+def running_server(repo_dir: str | os.PathLike, host: str = "127.0.0.1", http_port: int = 8000,
+                   grpc_port: int = 8001, metrics_port: int = 8002, log=None,
+                   ready_timeout_s: float = 300) -> Iterator[TritonServer]:
+    """Start the bundled tritonserver over repo_dir and yield it once its models are ready; on
+    leaving, stop it (`stop_server`) and remove its temporary backend folder.
+
+    log: a file for the server's output (default: this process's stdout and stderr).
+    Raises RuntimeError if it exits or is not ready within ready_timeout_s.
+    """
+    backend_dir = tempfile.mkdtemp(prefix="infhip-triton-backends-")
     try:
-        proc.wait(grace_s)
-    except subprocess.TimeoutExpired:
-        proc.kill()
+        argv, env = server_command(repo_dir, backend_dir, http_port, grpc_port, metrics_port, host)
+        # A session of its own: a terminal's Ctrl-C reaches only the launcher, which stops the
+        # server in order; and its process group holds the stub, for the sweep after it exits.
+        proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT if log is not None else None,
+                                start_new_session=True)
+        try:
+            server = TritonServer(proc, host, http_port, grpc_port, metrics_port)
+            _wait_ready(server, ready_timeout_s)
+            yield server
+        finally:
+            stop_server(proc)
+    finally:
+        shutil.rmtree(backend_dir, ignore_errors=True)
+
+
+def _wait_ready(server: TritonServer, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if server.proc.poll() is not None:
+            raise RuntimeError(f"tritonserver exited with status {server.proc.returncode} before it was ready")
+        try:
+            with urllib.request.urlopen(f"{server.url}/v2/health/ready", timeout=2):
+                return
+        except OSError:  # not listening yet, or 400 while the model loads
+            time.sleep(0.25)
+    raise RuntimeError(f"tritonserver was not ready after {timeout_s:.0f} s")
+
+
+def stop_server(proc: subprocess.Popen, grace_s: float = 30) -> None:
+    """Stop a tritonserver started by `running_server`: SIGTERM, which unloads the models and
+    ends their stubs; after grace_s, SIGKILL. Then kill whatever is left in its process group
+    (a stub whose server died first), so nothing outlives it."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            pass
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)  # its own group (start_new_session): the server and its stubs
+    except ProcessLookupError:
+        pass  # the group is empty: all of it exited
+    proc.wait()

@@ -3,21 +3,35 @@
 `infhip-export-triton` copies this file verbatim into a model repository as
 ``<repo>/<model>/1/model.py``; Triton's Python-backend stub runs it, reading the engine's path
 from ``config.pbtxt`` (``parameters.engine_dir``). The same file is the single source of the
-model's inputs and outputs (`INPUTS`, `OUTPUTS`), from which the exporter writes config.pbtxt.
+model's interface (`INPUTS`, `PARAMETERS`, `OUTPUTS`), from which the exporter writes config.pbtxt.
 
-Shape of a request (Triton's "generate" conventions, as the TensorRT-LLM and vLLM backends use
-them, so ``POST /v2/models/<model>/generate[_stream]`` with ``{"text_input": ..., "max_tokens": ...}``
-works): the prompt is ``text_input`` (one string) or ``input_ids`` (token ids); the other inputs
-are the `SamplingParams` fields plus ``stream``. Every response carries ``text_output``, the
-new ``output_ids`` and ``finish_reason`` ("" until the last one).
+Shape of a request (Triton's "generate" conventions, so ``POST /v2/models/<model>/generate[_stream]``
+with ``{"text_input": ..., "max_tokens": ...}`` works):
+
+- the prompt and the list-valued fields are input tensors: ``text_input`` (one string) or
+  ``input_ids`` (token ids), ``stop``, ``stop_token_ids``;
+- the scalar fields (``max_tokens``, ``temperature``, ... and ``stream``) are request
+  parameters. The generate endpoint turns every JSON field that is not an input into a request
+  parameter without looking at its type, so the model checks every type itself and answers a
+  wrong one with a 400 naming the field (as tensors, Triton's JSON parser would answer a
+  string ``max_tokens`` with a 500). gRPC and ``/infer`` clients pass them as the request's
+  ``parameters``. An unknown parameter (a misspelt field) is an error naming it and listing the
+  accepted ones, never silently ignored; Triton itself rejects an undeclared input tensor.
+
+Every response carries ``text_output``, the new ``output_ids`` and ``finish_reason`` ("" until
+the last one).
 
 One engine thread (`infhip.runtime.server.EngineLoop`, the same one `infhip-serve` runs) owns the
 `LLM` and steps all live requests together (continuous batching). In decoupled mode (the
 default) `execute` hands each request to a small responder thread and returns at once; the
 responder sends the deltas (``stream`` true) or one whole answer through the request's response
 sender, the last response flagged ``TRITONSERVER_RESPONSE_COMPLETE_FINAL``. A request Triton
-cancels (client gone, timeout) is aborted in the engine, freeing its KV pages. Bad input gets an
-error response saying what is wrong; it never reaches the engine.
+cancels (``request.is_cancelled()``: a gRPC client cancelling, an HTTP stream whose client left)
+is aborted in the engine, freeing its KV pages. Error codes: bad input INVALID_ARG (HTTP 400),
+cancelled CANCELLED, model unloading UNAVAILABLE (503), the engine failing INTERNAL (500).
+
+Metrics: `_Metrics` reports infhip-serve's ``/metrics`` families through Triton's custom-metrics
+API, on Triton's metrics port.
 
 ``triton_python_backend_utils`` exists only inside Triton's stub (or a test's fake), so it is
 imported in `TritonPythonModel.initialize`, not at import time.
@@ -31,24 +45,29 @@ import queue
 import site
 import threading
 import time
+from collections import Counter
 
 import numpy as np
 
 pb_utils = None  # triton_python_backend_utils, bound by TritonPythonModel.initialize
 
-# (name, Triton data type, dims, what it is). Scalars have dims [1]; [-1] is a list.
+# Input tensors: (name, Triton data type, dims, what it is). [1] is one value, [-1] a list.
 INPUTS: tuple[tuple[str, str, list[int], str], ...] = (
     ("text_input", "TYPE_STRING", [1], "the prompt text (or give input_ids)"),
     ("input_ids", "TYPE_INT32", [-1], "the prompt as token ids (instead of text_input)"),
-    ("max_tokens", "TYPE_INT32", [1], "tokens to generate at most (16)"),
-    ("temperature", "TYPE_FP32", [1], "0 = greedy (1.0)"),
-    ("top_p", "TYPE_FP32", [1], "nucleus sampling mass in (0, 1] (1.0)"),
-    ("top_k", "TYPE_INT32", [1], "keep the k most likely tokens; 0 = off"),
     ("stop", "TYPE_STRING", [-1], "strings that end generation (not included)"),
     ("stop_token_ids", "TYPE_INT32", [-1], "token ids that end generation, besides EOS"),
-    ("ignore_eos", "TYPE_BOOL", [1], "keep generating past EOS"),
-    ("seed", "TYPE_INT64", [1], "per-request sampling seed"),
-    ("stream", "TYPE_BOOL", [1], "one response per delta instead of one whole answer (false)"),
+)
+# Request parameters: (name, JSON type, what it is). All but stream are SamplingParams fields,
+# which checks their types and values.
+PARAMETERS: tuple[tuple[str, str, str], ...] = (
+    ("max_tokens", "int", "tokens to generate at most (16)"),
+    ("temperature", "number", "0 = greedy (1.0)"),
+    ("top_p", "number", "nucleus sampling mass in (0, 1] (1.0)"),
+    ("top_k", "int", "keep the k most likely tokens; 0 = off"),
+    ("ignore_eos", "bool", "keep generating past EOS (false)"),
+    ("seed", "int", "per-request sampling seed"),
+    ("stream", "bool", "one response per delta instead of one whole answer (false)"),
 )
 OUTPUTS: tuple[tuple[str, str, list[int], str], ...] = (
     ("text_output", "TYPE_STRING", [1], "the new text (the whole completion when not streaming)"),
@@ -56,13 +75,12 @@ OUTPUTS: tuple[tuple[str, str, list[int], str], ...] = (
     ("finish_reason", "TYPE_STRING", [1], "stop | length | abort on the last response, else empty"),
 )
 
-# Triton input -> (SamplingParams field, python type of one element, is a list)
-_SAMPLING = {
-    "max_tokens": (int, False), "temperature": (float, False), "top_p": (float, False),
-    "top_k": (int, False), "stop": (str, True), "stop_token_ids": (int, True),
-    "ignore_eos": (bool, False), "seed": (int, False),
-}
+_ACCEPTED = sorted([name for name, *_ in INPUTS] + [name for name, *_ in PARAMETERS])
 _POLL_S = 0.1  # how often a responder looks for cancellation while it waits for the engine
+_FLUSH_S = 0.25  # how often the metrics reach Triton (each metric update is a call to the server)
+# The buckets of infhip-serve's histograms (seconds).
+_TTFT_BUCKETS = [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300]
+_ITL_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5]
 
 
 class BadInput(ValueError):
@@ -78,11 +96,22 @@ class _Stop(Exception):
         self.code = code
 
 
+class _Failed(Exception):
+    """The engine failed the request: alone (scope "request": its last delta carries an error)
+    or with the whole step (scope "engine": every live request got the exception)."""
+
+    def __init__(self, message: str, scope: str):
+        super().__init__(message)
+        self.scope = scope
+
+
 _EMPTY = object()  # no message from the engine within _POLL_S
 
 
-def _values(request, name: str, kind: type, is_list: bool):
-    """The input `name` of request as python value(s) of `kind`, or None when not given."""
+# -- a request's inputs -------------------------------------------------------------------------
+def _tensor_values(request, name: str, kind: type, is_list: bool):
+    """The input tensor `name` of request as python value(s) of `kind`, or None when not given.
+    Triton has already checked its data type against config.pbtxt."""
     tensor = pb_utils.get_input_tensor_by_name(request, name)
     if tensor is None:
         return None
@@ -101,26 +130,40 @@ def _values(request, name: str, kind: type, is_list: bool):
     return items[0]
 
 
+def _parameters(request) -> dict:
+    """The request's parameters ({name: JSON value}) without Triton's reserved ``triton_*``
+    ones; BadInput names any this model does not know."""
+    given = {k: v for k, v in json.loads(request.parameters() or "{}").items() if not k.startswith("triton_")}
+    known = {name for name, *_ in PARAMETERS}
+    unknown = sorted(set(given) - known)
+    if unknown:
+        raise BadInput(f"unknown input(s) {', '.join(unknown)}; accepted: {', '.join(_ACCEPTED)}")
+    return given
+
+
 def parse_request(request, sampling_params_cls):
     """(prompt text, prompt token ids, SamplingParams, stream) of a Triton request; BadInput
-    says what is wrong (exactly one of text_input / input_ids, values SamplingParams accepts)."""
-    text = _values(request, "text_input", str, False)
-    ids = _values(request, "input_ids", int, True)
+    says what is wrong (an unknown field, exactly one of text_input / input_ids, a value of the
+    wrong type or out of range)."""
+    fields = _parameters(request)
+    stream = fields.pop("stream", False)
+    if not isinstance(stream, bool):
+        raise BadInput(f"stream must be true or false, got {json.dumps(stream)}")
+    text = _tensor_values(request, "text_input", str, False)
+    ids = _tensor_values(request, "input_ids", int, True)
     if (text is None) == (ids is None):
         raise BadInput("give exactly one of text_input (the prompt text) or input_ids (its token ids)")
     if ids is not None and not ids:
         raise BadInput("input_ids is empty; give at least one token id")
-    fields = {}
-    for name, (kind, is_list) in _SAMPLING.items():
-        value = _values(request, name, kind, is_list)
-        if value is not None:
-            fields[name] = value
-    stream = _values(request, "stream", bool, False)
+    for name, kind in (("stop", str), ("stop_token_ids", int)):
+        values = _tensor_values(request, name, kind, True)
+        if values is not None:
+            fields[name] = values
     try:
         params = sampling_params_cls(**fields)
     except (TypeError, ValueError) as e:
         raise BadInput(str(e)) from None
-    return text, ids, params, bool(stream)
+    return text, ids, params, stream
 
 
 def _import_infhip(site_dirs: str):
@@ -143,6 +186,139 @@ def _import_infhip(site_dirs: str):
     return LLM, SamplingParams, EngineLoop
 
 
+# -- metrics ------------------------------------------------------------------------------------
+class _Clock:
+    """One request's token timing, kept by its responder thread."""
+
+    def __init__(self):
+        self.submitted = time.monotonic()
+        self.last_token: float | None = None  # when the last delta with tokens came; None before the first
+
+
+class _Pending:
+    """What the responders recorded since the last flush."""
+
+    def __init__(self):
+        self.prompt_tokens = self.generation_tokens = self.aborts = 0
+        self.ttft: list[float] = []
+        self.itl: list[float] = []
+        self.finished: Counter = Counter()  # finish_reason -> requests
+        self.errors: Counter = Counter()  # scope -> requests
+
+
+class _Metrics:
+    """infhip-serve's /metrics through Triton's custom metrics (``pb_utils.MetricFamily``):
+    the same family names, meanings and histogram buckets, each metric labelled with the
+    Triton model and version. Responder threads record under a lock; one thread hands the
+    records to Triton every _FLUSH_S and samples the engine's queue and KV gauges (every Triton
+    metric call is a round trip to the server process, kept off the responders' path)."""
+
+    def __init__(self, llm, labels: dict[str, str]):
+        self._llm, self._labels = llm, labels
+        self._families: dict[str, object] = {}
+        self._metrics: dict[tuple, object] = {}  # (family, label values) -> Metric
+        self._lock = threading.Lock()
+        self._pending = _Pending()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="infhip-triton-metrics", daemon=True)
+        self._thread.start()
+
+    # -- recording (responder threads) ---------------------------------------------------------
+    def accepted(self, prompt_tokens: int) -> None:
+        with self._lock:
+            self._pending.prompt_tokens += prompt_tokens
+
+    def tokens(self, clock: _Clock, n: int) -> None:
+        """A delta of n tokens: the first token's latency, or n gaps of (time since the last
+        delta) / n."""
+        if not n:
+            return
+        now = time.monotonic()
+        with self._lock:
+            self._pending.generation_tokens += n
+            if clock.last_token is None:
+                self._pending.ttft.append(now - clock.submitted)
+            else:
+                self._pending.itl += [(now - clock.last_token) / n] * n
+        clock.last_token = now
+
+    def finished(self, reason: str, aborted: bool = False, error_scope: str | None = None) -> None:
+        """An accepted request ended: finish_reason stop | length | abort | error; aborted when
+        its client left; error_scope when the engine failed it."""
+        with self._lock:
+            self._pending.finished[reason] += 1
+            self._pending.aborts += aborted
+            if error_scope is not None:
+                self._pending.errors[error_scope] += 1
+
+    def close(self) -> None:
+        """Flush what is left, then drop the metrics (each before its family, as Triton asks)."""
+        self._stop.set()
+        self._thread.join()
+        self._metrics.clear()
+        self._families.clear()
+
+    # -- reporting (the metrics thread) ----------------------------------------------------------
+    def _metric(self, family: str, kind: str, what: str, buckets: list[float] | None = None, **labels):
+        key = (family, tuple(sorted(labels.items())))
+        if key not in self._metrics:
+            if family not in self._families:
+                F = pb_utils.MetricFamily
+                self._families[family] = F(name=family, description=what, kind=getattr(F, kind))
+            self._metrics[key] = self._families[family].Metric(labels={**self._labels, **labels}, buckets=buckets)
+        return self._metrics[key]
+
+    def _counter(self, family: str, what: str, value: int, **labels) -> None:
+        metric = self._metric(family, "COUNTER", what, **labels)  # created at 0 even before its first event
+        if value:
+            metric.increment(value)
+
+    def _flush(self) -> None:
+        with self._lock:
+            p, self._pending = self._pending, _Pending()
+        self._counter("infhip_prompt_tokens_total", "Prompt tokens of accepted requests", p.prompt_tokens)
+        self._counter("infhip_generation_tokens_total", "Tokens generated", p.generation_tokens)
+        self._counter("infhip_request_aborts_total", "Requests aborted because their client left", p.aborts)
+        for reason, n in p.finished.items():
+            self._counter("infhip_requests_finished_total", "Requests that ended, by finish reason", n,
+                          finish_reason=reason)
+        for scope, n in p.errors.items():
+            self._counter("infhip_request_errors_total", "Requests failed by the engine: alone (scope=request) "
+                          "or with a whole step (scope=engine)", n, scope=scope)
+        ttft = self._metric("infhip_time_to_first_token_seconds", "HISTOGRAM",
+                            "From the hand-in to the engine to the first token", _TTFT_BUCKETS)
+        for v in p.ttft:
+            ttft.observe(v)
+        itl = self._metric("infhip_inter_token_latency_seconds", "HISTOGRAM",
+                           "Time between tokens of a request (a delta of k tokens counts k times its gap / k)",
+                           _ITL_BUCKETS)
+        for v in p.itl:
+            itl.observe(v)
+        self._sample_engine()
+
+    def _sample_engine(self) -> None:
+        """Gauges read from the engine thread's objects without a lock: list lengths, which
+        may be one step old."""
+        sched, kv = self._llm.scheduler, self._llm.runner.kv
+        self._metric("infhip_requests_running", "GAUGE", "Requests holding KV pages (scheduled)").set(sched.num_running)
+        self._metric("infhip_requests_waiting", "GAUGE", "Requests queued, new or preempted").set(sched.num_waiting)
+        for group, spec in kv.groups.items():
+            pools = [("gpu", spec.num_pages - 1, kv.num_free_pages(group))]  # page 0 is the null page
+            if spec.offload is not None:
+                pools.append(("host", spec.offload.host_pages, kv.num_free_host_pages(group)))
+            for memory, total, free in pools:
+                self._metric("infhip_kv_pages_used", "GAUGE", "KV cache pages in use",
+                             group=group, memory=memory).set(total - free)
+                self._metric("infhip_kv_pages_free", "GAUGE", "KV cache pages free",
+                             group=group, memory=memory).set(free)
+
+    def _run(self) -> None:
+        while not self._stop.wait(_FLUSH_S):
+            self._flush()
+        self._flush()
+
+
+# -- the model ----------------------------------------------------------------------------------
 class TritonPythonModel:
     """Triton's Python-backend entry points: initialize, execute, finalize."""
 
@@ -161,7 +337,9 @@ class TritonPythonModel:
             kwargs["device"] = params["device"]
         if params.get("max_num_seqs"):
             kwargs["max_num_seqs"] = int(params["max_num_seqs"])
-        self.loop = EngineLoop(LLM(params["engine_dir"], **kwargs)).start()
+        llm = LLM(params["engine_dir"], **kwargs)
+        self.loop = EngineLoop(llm).start()
+        self.metrics = _Metrics(llm, {"model": args["model_name"], "version": args["model_version"]})
         self._closing = threading.Event()
         self._final = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 
@@ -189,9 +367,10 @@ class TritonPythonModel:
         return responses
 
     def finalize(self) -> None:
-        """Stop the engine thread; requests still running get an error response."""
+        """Stop the engine thread; requests still running get an UNAVAILABLE error."""
         self._closing.set()
         self.loop.close()
+        self.metrics.close()
 
     # -- one request ------------------------------------------------------------------------------
     def _sender(self, request):
@@ -210,39 +389,59 @@ class TritonPythonModel:
             text, ids, params, stream = parse_request(request, self._sampling_params)
             if stream and not can_stream:
                 raise BadInput("stream=true needs the decoupled model (export without --no-decoupled)")
+            clock = _Clock()
             outbox = self.loop.submit(text, ids, params)
             watch = _Watch(request, outbox)
-            first = self._next(watch)
-            if isinstance(first, Exception):  # the engine refused it (prompt too long, bad token id)
-                outbox = None
-                raise BadInput(str(first)) if isinstance(first, ValueError) else first
-            pieces, tokens, reason = [], [], None
-            while (delta := self._next(watch)) is not None:
-                if isinstance(delta, Exception):
-                    outbox = None
-                    raise RuntimeError(f"the engine failed: {delta}")
-                if stream:
-                    send(_response(delta.text, delta.token_ids, delta.finish_reason), delta.finish_reason is not None)
-                    if delta.finish_reason is not None:
-                        return
-                else:
-                    pieces.append(delta.text)
-                    tokens += delta.token_ids
-                    reason = delta.finish_reason or reason
-            send(_response("".join(pieces), tokens, reason), True)
-        except _Stop as e:
-            self._fail(send, str(e), e.code)
+            accepted = self._next(watch)
+            if isinstance(accepted, Exception):  # the engine refused it (prompt too long, bad token id)
+                raise BadInput(str(accepted)) if isinstance(accepted, ValueError) else accepted
+            self.metrics.accepted(accepted.prompt_tokens)
+            self.metrics.finished(self._answer(watch, clock, send, stream))
+            return
         except BadInput as e:
-            self._fail(send, str(e))
+            self._fail(send, str(e), "INVALID_ARG")
+        except _Stop as e:
+            self.metrics.finished("abort", aborted=e.code == "CANCELLED")
+            self._fail(send, str(e), e.code)
+        except _Failed as e:
+            self.metrics.finished("error", error_scope=e.scope)
+            self._fail(send, str(e), "INTERNAL")
         except Exception as e:  # noqa: BLE001 - the client learns why; Triton keeps serving
-            if outbox is not None:
-                self.loop.cancel(outbox)
-            self._fail(send, f"{type(e).__name__}: {e}")
+            self._fail(send, f"{type(e).__name__}: {e}", "INTERNAL")
+        if outbox is not None:  # not answered in full: the engine must forget it (a no-op if it did)
+            self.loop.cancel(outbox)
+
+    def _answer(self, watch: "_Watch", clock: _Clock, send, stream: bool) -> str:
+        """Send the request's deltas (stream) or its whole completion; return its finish reason."""
+        pieces, tokens = [], []
+        for delta in self._deltas(watch, clock):
+            if stream:
+                send(_response(delta.text, delta.token_ids, delta.finish_reason), delta.finish_reason is not None)
+            else:
+                pieces.append(delta.text)
+                tokens += delta.token_ids
+            if delta.finish_reason is not None:
+                if not stream:
+                    send(_response("".join(pieces), tokens, delta.finish_reason), True)
+                return delta.finish_reason
+        raise RuntimeError("the engine ended the request without a finish reason")
+
+    def _deltas(self, watch: "_Watch", clock: _Clock):
+        """The request's StreamDeltas up to its last (finish_reason set); _Failed when the
+        engine failed it."""
+        while (delta := self._next(watch)) is not None:
+            if isinstance(delta, Exception):  # a step failed: every live request gets the exception
+                raise _Failed(f"the engine failed: {delta}", "engine")
+            self.metrics.tokens(clock, len(delta.token_ids))
+            error = getattr(delta, "error", None)  # a failure of this request alone
+            if error:
+                raise _Failed(f"the engine failed this request: {error}", "request")
+            yield delta
 
     def _next(self, watch: "_Watch"):
-        """The next message the engine thread put for this request; _Stop (after aborting the
-        request in the engine) when Triton cancelled it or the model is unloading, which is
-        looked at every _POLL_S, whether messages flow or not."""
+        """The next message the engine thread put for this request; _Stop when Triton cancelled
+        it or the model is unloading, which is looked at every _POLL_S, whether messages flow
+        or not."""
         while True:
             try:
                 item = watch.outbox.get(timeout=_POLL_S)
@@ -253,15 +452,13 @@ class TritonPythonModel:
                 watch.checked_at = now
                 if self._closing.is_set():
                     raise _Stop("the model is being unloaded; retry once it is loaded again", "UNAVAILABLE")
-                if _is_cancelled(watch.request):
-                    self.loop.cancel(watch.outbox)
+                if watch.request.is_cancelled():  # Triton >= 23.10
                     raise _Stop("the request was cancelled", "CANCELLED")
             if item is not _EMPTY:
                 return item
 
-    def _fail(self, send, message: str, code_name: str | None = None) -> None:
-        code = getattr(pb_utils.TritonError, code_name, None) if code_name else None
-        error = pb_utils.TritonError(message, code) if code is not None else pb_utils.TritonError(message)
+    def _fail(self, send, message: str, code_name: str) -> None:
+        error = pb_utils.TritonError(message, getattr(pb_utils.TritonError, code_name))
         try:
             send(pb_utils.InferenceResponse(output_tensors=[], error=error), True)
         except Exception:  # noqa: BLE001 - the client is gone; nobody is left to tell
@@ -274,11 +471,6 @@ class _Watch:
     def __init__(self, request, outbox: queue.Queue):
         self.request, self.outbox = request, outbox
         self.checked_at = time.monotonic()
-
-
-def _is_cancelled(request) -> bool:
-    is_cancelled = getattr(request, "is_cancelled", None)  # Triton >= 23.10
-    return bool(is_cancelled()) if is_cancelled is not None else False
 
 
 def _response(text: str, token_ids: list[int], finish_reason: str | None):

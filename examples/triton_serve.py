@@ -1,10 +1,13 @@
 """Serve an engine from a Triton Inference Server model repository and ask it once.
 
 Exports the engine (`infhip-export-triton`), starts the tritonserver that `nvidia-pytriton`
-bundles (CPU is enough for a small engine), then asks ``/v2/models/<m>/generate`` and
-``/generate_stream`` and prints the answers. With --keep it keeps serving until Ctrl-C.
+bundles (CPU is enough for a small engine) on --host (loopback by default), then asks
+``/v2/models/<m>/generate`` and ``/generate_stream`` and prints the answers. With --keep it
+keeps serving until SIGINT (Ctrl-C) or SIGTERM. Either signal, at any point, stops tritonserver
+(which unloads the model and ends its Python-backend stub), waits for it, removes the
+temporary backend folder and exits with status 128 + the signal's number.
 
-    pip install --no-deps nvidia-pytriton==0.7.0        # in an environment with numpy < 2 (docs/serving.md)
+    pip install -e ".[triton-server]"        # nvidia-pytriton, numpy < 2, tritonclient (docs/serving_triton.md)
     python examples/triton_serve.py --engine engines/smollm2-135m --repo /tmp/triton_repo --prompt "The capital of France is"
 
 In a Triton container, skip the launcher: ``tritonserver --model-repository /tmp/triton_repo``.
@@ -14,15 +17,30 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
+import signal
 import sys
-import time
-import urllib.error
 import urllib.request
-from pathlib import Path
 
 from infhip.builder.export_triton import export_triton_repo
-from infhip.builder.triton_launch import numpy_ok, server_command, stop_server
+from infhip.builder.triton_launch import numpy_ok, running_server
+
+
+class Terminated(Exception):
+    """SIGINT or SIGTERM arrived: leave the server's `with` block, which stops it."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def _on_signal(signum: int, frame) -> None:
+    _ignore_signals()  # one is enough; a second must not cut the shutdown short
+    raise Terminated(signum)
+
+
+def _ignore_signals() -> None:
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
 
 
 def post(url: str, body: dict) -> bytes:
@@ -31,17 +49,16 @@ def post(url: str, body: dict) -> bytes:
         return resp.read()
 
 
-def wait_ready(base: str, proc: subprocess.Popen, timeout: float = 300) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"tritonserver exited with status {proc.returncode}; see its log above")
-        try:
-            with urllib.request.urlopen(f"{base}/v2/health/ready", timeout=2):
-                return
-        except (urllib.error.URLError, OSError):
-            time.sleep(0.5)
-    raise SystemExit(f"tritonserver was not ready after {timeout:.0f} s")
+def ask(base: str, name: str, prompt: str, max_tokens: int) -> None:
+    """One whole answer, then the same request streamed."""
+    body = {"text_input": prompt, "max_tokens": max_tokens, "temperature": 0}
+    print(f"\nPOST {base}/v2/models/{name}/generate {json.dumps(body)}")
+    print(post(f"{base}/v2/models/{name}/generate", body).decode())
+    body["stream"] = True
+    print(f"\nPOST {base}/v2/models/{name}/generate_stream {json.dumps(body)}")
+    for event in post(f"{base}/v2/models/{name}/generate_stream", body).split(b"\n\n"):
+        if event.startswith(b"data: "):
+            print(event.decode())
 
 
 def main() -> int:
@@ -49,6 +66,8 @@ def main() -> int:
     p.add_argument("--engine", required=True, help="engine directory written by infhip-build")
     p.add_argument("--repo", default="triton_repo", help="model repository to write (replaced if it holds the model)")
     p.add_argument("--model-name", default=None, help="default: the engine folder's name")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address tritonserver binds (HTTP, gRPC, metrics); 0.0.0.0 serves every interface")
     p.add_argument("--port", type=int, default=8000, help="HTTP port (gRPC and metrics: the next two)")
     p.add_argument("--prompt", default="The capital of France is")
     p.add_argument("--max-tokens", type=int, default=16)
@@ -56,31 +75,27 @@ def main() -> int:
     args = p.parse_args()
     if not numpy_ok():
         print("warning: numpy >= 2 here; the bundled Python-backend stub crashes on string inputs with it "
-              "(docs/serving.md)", file=sys.stderr)
+              "(docs/serving_triton.md)", file=sys.stderr)
 
-    model_dir = export_triton_repo(args.engine, args.repo, model_name=args.model_name, force=True)
-    name = model_dir.name
-    argv, env = server_command(args.repo, Path(args.repo).resolve().parent / ".triton_backends",
-                               args.port, args.port + 1, args.port + 2)
-    print("$", " ".join(argv), flush=True)
-    proc = subprocess.Popen(argv, env=env)
-    base = f"http://127.0.0.1:{args.port}"
+    name = export_triton_repo(args.engine, args.repo, model_name=args.model_name, force=True).name
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, _on_signal)
     try:
-        wait_ready(base, proc)
-        body = {"text_input": args.prompt, "max_tokens": args.max_tokens, "temperature": 0}
-        print(f"\nPOST {base}/v2/models/{name}/generate {json.dumps(body)}")
-        print(post(f"{base}/v2/models/{name}/generate", body).decode())
-        print(f"\nPOST {base}/v2/models/{name}/generate_stream {json.dumps({**body, 'stream': True})}")
-        for line in post(f"{base}/v2/models/{name}/generate_stream", {**body, "stream": True}).split(b"\n\n"):
-            if line.startswith(b"data: "):
-                print(line.decode())
-        if args.keep:
-            print(f"\nserving {name} on {base} (Ctrl-C stops)", flush=True)
-            proc.wait()
-    except KeyboardInterrupt:
-        pass
-    finally:
-        stop_server(proc)
+        with running_server(args.repo, args.host, args.port, args.port + 1, args.port + 2) as server:
+            try:
+                print(f"tritonserver (pid {server.proc.pid}): HTTP {server.url}, gRPC {server.grpc_url}, "
+                      f"metrics {server.metrics_url}", flush=True)
+                ask(server.url, name, args.prompt, args.max_tokens)
+                if args.keep:
+                    print(f"\nserving {name} on {server.url} (Ctrl-C stops)", flush=True)
+                    status = server.proc.wait()  # returns only if tritonserver ends by itself
+                    print(f"tritonserver exited with status {status}", file=sys.stderr)
+                    return 1
+            finally:
+                _ignore_signals()  # from here on the server is being stopped
+    except Terminated as t:
+        print(f"{t}: tritonserver stopped", file=sys.stderr)
+        return 128 + t.signum
     return 0
 
 

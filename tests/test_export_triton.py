@@ -1,21 +1,19 @@
 """infhip-export-triton: the config.pbtxt it writes (parsed back), atomic replacement and one-line
 errors, and the exported model.py run in-process against a fake `triton_python_backend_utils`
-driving a real tiny engine: answers equal LLM.generate (alone, streamed, three at once), bad
-input and cancellation give error responses. With nvidia-pytriton installed (and numpy < 2),
-the same repository also runs in the real tritonserver."""
+driving a real tiny engine: answers equal LLM.generate (alone, streamed, three at once); unknown
+fields, wrong types and bad values get INVALID_ARG responses; cancellation, unloading and a
+request the engine fails alone get error responses; the custom metrics count what happened.
+The real tritonserver runs the same model in tests/test_triton_server.py."""
 
 from __future__ import annotations
 
 import importlib.util
 import json
 import re
-import socket
-import subprocess
 import sys
 import threading
 import time
 import types
-import urllib.request
 
 import numpy as np
 import pytest
@@ -23,7 +21,7 @@ import pytest
 from infhip import LLM, SamplingParams
 from infhip.builder.errors import BuildError
 from infhip.builder.export_triton import export_triton_repo, main
-from infhip.builder.triton_model import INPUTS, OUTPUTS
+from infhip.builder.triton_model import INPUTS, OUTPUTS, PARAMETERS
 from tests._tiny import build_tiny_api_engine
 
 GREEDY = dict(max_tokens=10, temperature=0.0, ignore_eos=True)
@@ -113,12 +111,12 @@ def test_config_pbtxt(engine, tmp_path):
     assert cfg["model_transaction_policy"] == [{"decoupled": [True]}]
     assert cfg["instance_group"] == [{"count": [1], "kind": ["KIND_MODEL"]}]
     inputs = {t["name"][0]: (t["data_type"][0], t["dims"], t["optional"][0]) for t in cfg["input"]}
-    assert inputs["text_input"] == ("TYPE_STRING", [1], True)
-    assert inputs["max_tokens"][0] == "TYPE_INT32" and inputs["temperature"][0] == "TYPE_FP32"
-    assert inputs["top_p"][0] == "TYPE_FP32" and inputs["top_k"][0] == "TYPE_INT32"
-    assert inputs["stream"][0] == inputs["ignore_eos"][0] == "TYPE_BOOL" and inputs["seed"][0] == "TYPE_INT64"
-    assert inputs["input_ids"][1] == inputs["stop"][1] == [-1]
-    assert set(inputs) == {name for name, *_ in INPUTS}
+    assert inputs == {"text_input": ("TYPE_STRING", [1], True), "input_ids": ("TYPE_INT32", [-1], True),
+                      "stop": ("TYPE_STRING", [-1], True), "stop_token_ids": ("TYPE_INT32", [-1], True)}
+    # the scalar fields are request parameters, which config.pbtxt lists in comments
+    text = (out / "config.pbtxt").read_text()
+    assert [re.search(rf"^#   {name} \((\w+)\)", text, re.M).group(1) for name, *_ in PARAMETERS] == \
+        ["int", "number", "number", "int", "bool", "int", "bool"]
     outputs = {t["name"][0]: (t["data_type"][0], t["dims"]) for t in cfg["output"]}
     assert outputs == {name: (dtype, dims) for name, dtype, dims, _ in OUTPUTS}
     assert outputs["text_output"] == ("TYPE_STRING", [1]) and outputs["finish_reason"][0] == "TYPE_STRING"
@@ -224,7 +222,7 @@ def fake_pb_utils() -> types.ModuleType:
             return self._array
 
     class TritonError(Exception):
-        UNKNOWN, INTERNAL, UNAVAILABLE, CANCELLED = 0, 1, 5, 8
+        UNKNOWN, INTERNAL, NOT_FOUND, INVALID_ARG, UNAVAILABLE, CANCELLED = 0, 1, 2, 3, 5, 8
 
         def __init__(self, message, code=1):
             super().__init__(message)
@@ -249,7 +247,42 @@ def fake_pb_utils() -> types.ModuleType:
         def error(self):
             return self._error
 
+    class MetricFamily:
+        COUNTER, GAUGE, HISTOGRAM = "counter", "gauge", "histogram"
+        families: dict = {}  # name -> family, of every model loaded in the test
+
+        def __init__(self, name, description, kind):
+            assert name not in self.families or self.families[name].kind == kind
+            self.name, self.kind, self.metrics = name, kind, []
+            self.families[name] = self
+
+        def Metric(self, labels=None, buckets=None):  # noqa: N802 - Triton's name
+            assert (buckets is not None) == (self.kind == self.HISTOGRAM)
+            metric = Metric(self.kind, dict(labels or {}))
+            self.metrics.append(metric)
+            return metric
+
+    class Metric:
+        def __init__(self, kind, labels):
+            self.kind, self.labels, self.observed, self._value = kind, labels, [], 0.0
+
+        def increment(self, v):
+            assert self.kind == "counter" and v >= 0
+            self._value += v
+
+        def set(self, v):
+            assert self.kind == "gauge"
+            self._value = v
+
+        def observe(self, v):
+            assert self.kind == "histogram"
+            self.observed.append(v)
+
+        def value(self):
+            return self._value
+
     pb.Tensor, pb.TritonError, pb.InferenceResponse = Tensor, TritonError, InferenceResponse
+    pb.MetricFamily = MetricFamily
     pb.get_input_tensor_by_name = lambda request, name: request.inputs.get(name)
     pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL = FINAL
     return pb
@@ -271,20 +304,26 @@ class FakeSender:
 
 
 class FakeRequest:
-    """A Triton request: inputs as numpy arrays of the config's types."""
+    """A Triton request: the config's inputs as numpy arrays of their types, everything else a
+    request parameter (a JSON value), as the generate endpoint makes them."""
 
     _TYPES = {name: dtype for name, dtype, *_ in INPUTS}
-    _NUMPY = {"TYPE_INT32": np.int32, "TYPE_INT64": np.int64, "TYPE_FP32": np.float32, "TYPE_BOOL": np.bool_}
 
-    def __init__(self, on_send=None, **inputs):
-        self.inputs = {}
-        for name, v in inputs.items():
-            dtype, values = self._TYPES[name], v if isinstance(v, list) else [v]
-            array = (np.array([s.encode() for s in values], dtype=np.object_) if dtype == "TYPE_STRING"
-                     else np.array(values, dtype=self._NUMPY[dtype]))
+    def __init__(self, on_send=None, **fields):
+        self.inputs, self._parameters = {}, {}
+        for name, v in fields.items():
+            if name not in self._TYPES:
+                self._parameters[name] = v
+                continue
+            values = v if isinstance(v, list) else [v]
+            array = (np.array([s.encode() for s in values], dtype=np.object_) if self._TYPES[name] == "TYPE_STRING"
+                     else np.array(values, dtype=np.int32))
             self.inputs[name] = fake_pb_tensor(name, array)
         self.sender = FakeSender(on_send)
         self.cancelled = False
+
+    def parameters(self):
+        return json.dumps(self._parameters)
 
     def get_response_sender(self):
         return self.sender
@@ -307,6 +346,23 @@ def outputs(response) -> dict:
 def wait(request, timeout=60.0):
     assert request.sender.done.wait(timeout), "no final response"
     return request.sender.sent
+
+
+def until(condition, timeout_s=10.0):
+    """Wait for condition() (the model hands its metrics over every 0.25 s)."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "not reached in time"
+        time.sleep(0.02)
+
+
+def fake_metric(pb, name, model="tiny", **labels) -> float:
+    """A counter's or gauge's value, or a histogram's number of observations, summed over the
+    metrics of model whose labels include labels."""
+    family = pb.MetricFamily.families.get(name)
+    want = {"model": model, **labels}.items()
+    return sum(len(m.observed) if m.kind == "histogram" else m.value() for m in (family.metrics if family else [])
+               if want <= m.labels.items())
 
 
 @pytest.fixture(scope="module")
@@ -376,29 +432,38 @@ def test_concurrent_requests(model, reference):
 
 
 def test_sampling_inputs_reach_the_engine(model, reference):
-    f32 = lambda x: float(np.float32(x))  # noqa: E731 - what a TYPE_FP32 input carries
-    params = SamplingParams(max_tokens=8, temperature=f32(0.8), top_p=f32(0.9), top_k=20, seed=7, stop=["zz"],
+    params = SamplingParams(max_tokens=8, temperature=0.8, top_p=0.9, top_k=20, seed=7, stop=["zz"],
                             stop_token_ids=[3])
     want = reference.generate(["hello"], params)[0]
+    # Triton's reserved parameters (here one tritonclient sets) are not the model's business
     req = FakeRequest(text_input="hello", max_tokens=8, temperature=0.8, top_p=0.9, top_k=20, seed=7,
-                      stop=["zz"], stop_token_ids=[3])
+                      stop=["zz"], stop_token_ids=[3], triton_enable_empty_final_response=True)
     model.execute([req])
     got = outputs(wait(req)[0][0])
     assert got["ids"] == want.token_ids and got["reason"] == want.finish_reason
 
 
 @pytest.mark.parametrize("inputs, message", [
+    (dict(text_input="hi", max_token=4), "unknown input(s) max_token; accepted: ignore_eos, input_ids, "
+                                         "max_tokens, seed, stop, stop_token_ids, stream, temperature, "
+                                         "text_input, top_k, top_p"),
+    (dict(text_input="hi", temprature=0, beam_width=2), "unknown input(s) beam_width, temprature;"),
+    (dict(text_input="hi", max_tokens="4"), "max_tokens must be an int >= 1, got '4'"),
+    (dict(text_input="hi", temperature="hot"), "temperature must be a finite number"),
+    (dict(text_input="hi", ignore_eos=1), "ignore_eos must be a bool, got 1"),
+    (dict(text_input="hi", stream="yes"), 'stream must be true or false, got "yes"'),
     (dict(text_input="hi", top_p=1.5), "top_p must be in (0, 1]"),
     (dict(max_tokens=4), "exactly one of text_input"),
     (dict(text_input="hi", input_ids=[5, 6]), "exactly one of text_input"),
     (dict(input_ids=[5, 999999]), "prompt token ids must be in [0, 300)"),
     (dict(text_input="hi", max_tokens=0), "max_tokens must be an int >= 1"),
 ])
-def test_bad_request_gets_error_response(model, inputs, message):
+def test_bad_request_gets_invalid_arg(model, pb, inputs, message):
     req = FakeRequest(**inputs)
     model.execute([req])
     [(resp, flags)] = wait(req)
     assert flags == FINAL and resp.has_error() and message in resp.error().message()
+    assert resp.error().code() == pb.TritonError.INVALID_ARG  # HTTP 400, not 500
     assert not model.loop.llm._requests  # it never stayed in the engine
 
 
@@ -412,7 +477,8 @@ def slow_steps(model, seconds):
     return step
 
 
-def test_cancelled_request_is_aborted(model):
+def test_cancelled_request_is_aborted(model, pb):
+    aborts = fake_metric(pb, "infhip_request_aborts_total")
     step = slow_steps(model, 0.02)  # 100 tokens take > 2 s; the cancel check runs every 0.1 s
     try:
         def cancel_after_first(sender):
@@ -423,14 +489,66 @@ def test_cancelled_request_is_aborted(model):
         sent = wait(req)
         resp, flags = sent[-1]
         assert flags == FINAL and resp.has_error() and "cancelled" in resp.error().message()
-        assert resp.error().code() == sys.modules["triton_python_backend_utils"].TritonError.CANCELLED
+        assert resp.error().code() == pb.TritonError.CANCELLED
         assert 1 <= sum(len(outputs(r)["ids"]) for r, _ in sent[:-1]) < 100
         deadline = time.monotonic() + 10
         while model.loop.llm._requests and time.monotonic() < deadline:
             time.sleep(0.01)
         assert not model.loop.llm._requests  # aborted in the engine: its KV pages are free
+        until(lambda: fake_metric(pb, "infhip_request_aborts_total") == aborts + 1)
     finally:
         model.loop.llm.step = step
+
+
+def test_request_failed_alone(model, pb, reference):
+    """A request the engine fails alone (its last delta carries `error`) gets an INTERNAL error;
+    the others go on."""
+    errors = fake_metric(pb, "infhip_request_errors_total", scope="request")
+    delta = model.loop.llm._delta
+
+    def failing_delta(req):
+        d = delta(req)
+        if d is not None and req.prompt == "fail me" and d.token_ids:
+            d.finish_reason, d.error = "error", "out of pages"
+        return d
+    model.loop.llm._delta = failing_delta
+    try:
+        want = reference.generate(["hello world"], SamplingParams(**GREEDY))[0]
+        bad, good = FakeRequest(text_input="fail me", **GREEDY), FakeRequest(text_input="hello world", **GREEDY)
+        model.execute([bad, good])
+        [(resp, flags)] = wait(bad)
+        assert flags == FINAL and resp.has_error() and resp.error().code() == pb.TritonError.INTERNAL
+        assert "the engine failed this request: out of pages" in resp.error().message()
+        assert outputs(wait(good)[0][0])["ids"] == want.token_ids
+    finally:
+        model.loop.llm._delta = delta
+    until(lambda: not model.loop.llm._requests)  # the failed one is forgotten too
+    until(lambda: fake_metric(pb, "infhip_request_errors_total", scope="request") == errors + 1)
+
+
+def test_metrics_count_what_happened(model, pb, reference):
+    prompts, max_tokens = ["hello world", "The quick brown fox"], [6, 9]
+    want = reference.generate(prompts, [SamplingParams(**{**GREEDY, "max_tokens": n}) for n in max_tokens])
+    names = ["infhip_prompt_tokens_total", "infhip_generation_tokens_total", "infhip_time_to_first_token_seconds",
+             "infhip_inter_token_latency_seconds"]
+    before = {n: fake_metric(pb, n) for n in names}
+    length = fake_metric(pb, "infhip_requests_finished_total", finish_reason="length")
+    reqs = [FakeRequest(text_input=p, stream=i == 0, **{**GREEDY, "max_tokens": n})
+            for i, (p, n) in enumerate(zip(prompts, max_tokens))]
+    model.execute(reqs)
+    for req in reqs:
+        wait(req)
+    expected = {"infhip_prompt_tokens_total": sum(len(w.prompt_token_ids) for w in want),
+                "infhip_generation_tokens_total": sum(max_tokens),
+                "infhip_time_to_first_token_seconds": 2,  # one observation per request
+                "infhip_inter_token_latency_seconds": sum(max_tokens) - 2}  # one per later token
+    until(lambda: {n: fake_metric(pb, n) - before[n] for n in names} == expected)
+    assert fake_metric(pb, "infhip_requests_finished_total", finish_reason="length") == length + 2
+    until(lambda: fake_metric(pb, "infhip_requests_running") == fake_metric(pb, "infhip_kv_pages_used") == 0)
+    kv = model.loop.llm.runner.kv
+    assert fake_metric(pb, "infhip_kv_pages_free", group="global", memory="gpu") == kv.groups["global"].num_pages - 1
+    [family] = [pb.MetricFamily.families["infhip_requests_waiting"]]
+    assert {"model": "tiny", "version": "1"} in [m.labels for m in family.metrics]
 
 
 def test_not_decoupled_and_finalize(pb, engine, reference, tmp_path):
@@ -453,67 +571,3 @@ def test_not_decoupled_and_finalize(pb, engine, reference, tmp_path):
     m.finalize()  # a request still running learns that the model went away
     [(resp, flags)] = wait(req, timeout=10)
     assert flags == FINAL and resp.has_error() and "unloaded" in resp.error().message()
-
-
-# -- the real Triton Inference Server (nvidia-pytriton's bundled tritonserver, CPU) -----------
-def _real_triton_reason() -> str | None:
-    from infhip.builder.triton_launch import TritonNotFound, numpy_ok, pytriton_dist
-    try:
-        pytriton_dist()
-    except TritonNotFound as e:
-        return str(e)
-    return None if numpy_ok() else "the Python-backend stub of pytriton 0.7.0 crashes on string tensors with numpy >= 2"
-
-
-def _free_ports(n):
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
-
-
-def _post(url, body):
-    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=60) as resp:
-        return resp.read()
-
-
-@pytest.mark.skipif(_real_triton_reason() is not None, reason=str(_real_triton_reason()))
-def test_real_tritonserver_round_trip(engine, reference, tmp_path):
-    from infhip.builder.triton_launch import server_command, stop_server
-
-    export_triton_repo(engine, tmp_path / "repo", model_name="tiny")
-    http, grpc, metrics = _free_ports(3)
-    argv, env = server_command(tmp_path / "repo", tmp_path / "backends", http, grpc, metrics)
-    with open(tmp_path / "server.log", "wb") as log:
-        proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT)
-    base = f"http://127.0.0.1:{http}"
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, (tmp_path / "server.log").read_text()[-3000:]
-            try:
-                with urllib.request.urlopen(f"{base}/v2/health/ready", timeout=2) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                pass
-            assert time.monotonic() < deadline, "tritonserver not ready in 120 s"
-            time.sleep(0.5)
-        want = reference.generate(["hello world"], SamplingParams(**GREEDY))[0]
-        out = json.loads(_post(f"{base}/v2/models/tiny/generate", {"text_input": "hello world", **GREEDY}))
-        assert out["text_output"] == want.text and out["output_ids"] == want.token_ids
-        assert out["finish_reason"] == "length"
-        data = _post(f"{base}/v2/models/tiny/generate_stream", {"text_input": "hello world", "stream": True, **GREEDY})
-        events = [json.loads(line[len(b"data: "):]) for line in data.split(b"\n\n") if line.startswith(b"data: ")]
-        assert len(events) > 1 and "".join(e["text_output"] for e in events) == want.text
-        ids = [t for e in events for t in (e["output_ids"] if isinstance(e["output_ids"], list) else [e["output_ids"]])]
-        assert ids == want.token_ids and events[-1]["finish_reason"] == "length"
-        with pytest.raises(urllib.error.HTTPError) as bad:
-            _post(f"{base}/v2/models/tiny/generate", {"text_input": "hi", "top_p": 1.5})
-        assert "top_p must be in (0, 1]" in bad.value.read().decode()
-    finally:
-        stop_server(proc)
