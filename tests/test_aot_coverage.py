@@ -34,7 +34,7 @@ SCENARIOS = {
     "3k": ("llama", dict(preset="3k", infinitehip_overrides=TINY), {}),
     "3k-flash-fp8": ("llama", dict(preset="3k-flash", infinitehip_overrides=TINY, kv_dtype="fp8"), {}),
     "3k-offload": ("llama", dict(preset="3k", infinitehip_overrides=TINY), dict(kv_offload_bytes=4 * MiB)),
-    "token-drop": ("llama", dict(token_drop=dict(p=0.9, min_prompt_len=32, n=8, block_size=8, anchor_tokens=8)), {}),
+    "token-drop": ("llama", dict(token_drop=dict(p=0.9, min_prompt_len=32, n=8, block_size=8, num_sink=8)), {}),
     "gemma3-3k": ("gemma3", dict(preset="3k", infinitehip_overrides=TINY), {}),
 }
 
