@@ -61,7 +61,7 @@ _DECODE_MIN_BLOCKS_PER_SPLIT = 1
 # Not specialized, so that one binary serves every step (plugins/aot.py): max_pages and
 # stride_bt, the block-table width, which eager steps size to their longest sequence (1 for
 # contexts within one page); they only bound a mask and offset one row pointer, and the page
-# indices are gathered (no vector load to align). context_lens_ptr's alignment, read one int per
+# indices are gathered (pages of >= 2 tokens: repeated entries, no vector load to align). context_lens_ptr's alignment, read one int per
 # program, which is a row of a [layers, B] tensor in drop-history steps (forward_context.LayerKV).
 @triton.jit(do_not_specialize=["max_pages", "stride_bt"], do_not_specialize_on_alignment=["context_lens_ptr"])
 def _decode_split_kernel(
