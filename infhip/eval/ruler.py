@@ -46,11 +46,13 @@ import functools
 import hashlib
 import importlib.util
 import json
+import os
 import random
 import re
 import string
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -415,8 +417,10 @@ def render(tokenizer, body: str, prefix: str, template: str) -> tuple[str, list[
 
 def fit_size(num_tokens: Callable[[int], int], budget: int, lo: int, hi: int, hint: int) -> int:
     """Largest n in [lo, hi] with num_tokens(n) <= budget, for a num_tokens that grows about
-    linearly in n: secant steps from the bracket (bisection when one stalls). EvalError when
-    even `lo` does not fit."""
+    linearly in n (plus a wobble of a few tokens): Newton steps with the slope through (lo,
+    num_tokens(lo)), each followed, at the answer, by the neighbour that proves it the largest;
+    bisection once 8 sizes were tried (or a step leaves the bracket). EvalError when even `lo`
+    does not fit."""
     seen: dict[int, int] = {}
 
     def f(n: int) -> int:
@@ -428,21 +432,17 @@ def fit_size(num_tokens: Callable[[int], int], budget: int, lo: int, hi: int, hi
         raise EvalError(f"the smallest prompt of this task has {f(lo)} tokens, more than the {budget} "
                         "that the length leaves; use a longer length")
     good, bad = lo, hi + 1  # f(good) <= budget < f(bad); bad = hi + 1 (past the data) is never evaluated
-    n, stalled = min(max(hint, lo + 1), hi), False
+    n = min(max(hint, lo + 1), hi)
     while bad - good > 1:
-        n = n if good < n < bad and not stalled else (good + bad) // 2
-        width = bad - good
-        if f(n) <= budget:
+        if not good < n < bad or len(seen) > 8:
+            n = (good + bad) // 2 if bad in seen else min(2 * good, hi)
+        value = f(n)
+        if value <= budget:
             good = n
         else:
             bad = n
-        if bad in seen:  # a real bracket: secant through its ends, bisection after a step that did not halve it
-            stalled = bad - good > width // 2
-            slope = (f(bad) - f(good)) / (bad - good)
-            n = good + max(1, int((budget - f(good)) / slope))
-        else:  # still below the budget: extrapolate from lo, 2 % past the estimate to get a bracket
-            slope = (f(good) - f(lo)) / (good - lo) if good > lo else 0.0
-            n = good + max(1, int(1.02 * (budget - f(good)) / slope) + 1) if slope > 0 else 2 * good
+        slope = (value - f(lo)) / (n - lo)
+        n = max(int(n + (budget - value) / slope) if slope > 0 else 2 * n, good + 1)
     return good
 
 
@@ -459,60 +459,75 @@ class RulerPrompt:
     metric: str
 
 
-def ruler_prompt(tokenizer, task: str, length: int, sample: int, seed: int = 0, template: str = "base",
-                 hint: int | None = None, vt_icl: str = "") -> RulerPrompt:
-    """One prompt: the task's largest haystack with prompt + tokens to generate <= length."""
+def prompt_builder(tokenizer, task: str, length: int, sample: int, seed: int = 0, template: str = "base",
+                   vt_icl: str = "") -> Callable[[int], tuple[str, list[int], list[str]]]:
+    """n -> (prompt text, token ids, references) of one task's sample at haystack size n."""
     if task not in TASKS:
         raise EvalError(f"unknown RULER task {task!r}; choose from {', '.join(TASKS)}")
     kind_name, args = TASKS[task]
-    kind, gen = KINDS[kind_name], GENERATORS[kind_name]
-    ctx = Ctx(args, seed, length, sample, vt_icl)
+    gen, ctx = GENERATORS[kind_name], Ctx(args, seed, length, sample, vt_icl)
 
-    def build(n: int):
+    def build(n: int) -> tuple[str, list[int], list[str]]:
         body, prefix, answers = gen(random.Random(f"ruler-{task}-{seed}-{length}-{sample}"), n, ctx)
-        return render(tokenizer, body, prefix, template), answers
+        return (*render(tokenizer, body, prefix, template), answers)
 
-    lo, hi = size_range(task, ctx)
+    return build
+
+
+def ruler_prompt(tokenizer, task: str, length: int, sample: int, seed: int = 0, template: str = "base",
+                 hint: int | None = None, vt_icl: str = "") -> RulerPrompt:
+    """One prompt: the task's largest haystack with prompt + tokens to generate <= length."""
+    build = prompt_builder(tokenizer, task, length, sample, seed, template, vt_icl)
+    kind = KINDS[TASKS[task][0]]
+    lo, hi = size_range(task, Ctx(TASKS[task][1], seed, length, sample))
     budget = length - kind.tokens_to_generate
     if hint is None:  # tokens per unit of haystack, measured on a small haystack
         small = min(max(lo + 1, 64), hi)
-        at_lo = len(build(lo)[0][1])
-        per = (len(build(small)[0][1]) - at_lo) / max(1, small - lo)
+        at_lo = len(build(lo)[1])
+        per = (len(build(small)[1]) - at_lo) / max(1, small - lo)
         hint = lo + int((budget - at_lo) / per) if per > 0 else lo
     try:
-        n = fit_size(lambda m: len(build(m)[0][1]), budget, lo, hi, hint)
+        n = fit_size(lambda m: len(build(m)[1]), budget, lo, hi, hint)
     except EvalError as e:
         raise EvalError(f"RULER {task} at length {length}: {e}") from None
-    (text, ids), answers = build(n)
+    text, ids, answers = build(n)
     return RulerPrompt(task, length, sample, n, text, ids, answers, kind.tokens_to_generate, kind.metric)
 
 
 def vt_icl_for(tokenizer, seed: int, template: str) -> str:
-    """The one-shot VT example of a run, fitted to RULER's 500 tokens (with its 30 to generate)."""
+    """The one-shot VT example of a run, fitted to RULER's 500 tokens (with its 30 to generate);
+    the smallest example where a coarse tokenizer cannot fit one in 500."""
     num_hops = TASKS["vt"][1]["num_hops"]
+    lo = num_hops + 2  # noise lines: more than the chain's 5 assignments
 
     def text(n: int) -> str:
         return vt_icl_example(random.Random(f"ruler-vt-icl-{seed}"), n, num_hops)
 
     budget = VT_ICL_LENGTH - KINDS["variable_tracking"].tokens_to_generate
-    n = fit_size(lambda m: len(render(tokenizer, text(m), "", template)[1]), budget, num_hops + 2, 10 ** 4, 16)
+    try:
+        n = fit_size(lambda m: len(render(tokenizer, text(m), "", template)[1]), budget, lo, 10 ** 4, 16)
+    except EvalError:
+        n = lo
     return text(n)
 
 
 def ruler_prompts(tokenizer, tasks: list[str], lengths: list[int], samples: int, seed: int = 0,
                   template: str = "base") -> list[RulerPrompt]:
-    """Every (length, task, sample) prompt; a task's sample s+1 starts its search from sample s's
-    size."""
+    """Every (length, task, sample) prompt, in that order. A task's sample s+1 starts its size
+    search from sample s's size; the (length, task) series run in threads (the tokenizer releases
+    the GIL: a 128K prompt costs ~4 tokenizations of ~0.2 s)."""
     vt_icl = vt_icl_for(tokenizer, seed, template) if "vt" in tasks else ""
-    out = []
-    for length in lengths:
-        for task in tasks:
-            hint = None
-            for s in range(samples):
-                p = ruler_prompt(tokenizer, task, length, s, seed, template, hint, vt_icl)
-                hint = p.size
-                out.append(p)
-    return out
+
+    def series(length: int, task: str) -> list[RulerPrompt]:
+        out, hint = [], None
+        for s in range(samples):
+            out.append(ruler_prompt(tokenizer, task, length, s, seed, template, hint, vt_icl))
+            hint = out[-1].size
+        return out
+
+    jobs = [(length, task) for length in lengths for task in tasks]
+    with ThreadPoolExecutor(max_workers=min(len(jobs), os.cpu_count() or 1)) as pool:
+        return [p for ps in pool.map(lambda job: series(*job), jobs) for p in ps]
 
 
 # ------------------------------------------------------------------------------ scoring
@@ -564,6 +579,11 @@ class RulerResult(EvalResult):
             means = [[sum(v[n]) / len(v[n]) for v in rows.values() if n in v] for n in lengths]
             lines.append(f"| {engine} | **mean** | " + " | ".join(
                 f"**{sum(m) / len(m):.1f}**" if m else "" for m in means) + " |")
+            kept = [[r.extra["retention"] for r in self.records
+                     if r.engine == engine and r.length == n and "retention" in r.extra] for n in lengths]
+            if any(kept):  # UniPrefill: the measured retention, mean over the prompts
+                lines.append(f"| {engine} | retention ρ | " + " | ".join(
+                    f"{sum(k) / len(k):.3f}" if k else "" for k in kept) + " |")
         return "\n".join(lines)
 
 
@@ -596,11 +616,12 @@ def run_ruler(engines: list[str], cfg: RulerConfig, device: str | None = None, l
                 outs = llm.generate(prompt_token_ids=[p.ids for p in batch], sampling_params=[
                     SamplingParams(max_tokens=p.max_new_tokens, temperature=0.0) for p in batch])
                 for p, out in zip(batch, outs):
+                    extra = {"answers": p.answers, "prediction": out.text, "prompt_tokens": len(p.ids),
+                             "haystack_size": p.size, "prompt_sha256": _sha(p.text)}
+                    if llm.runner.token_drop is not None:
+                        extra["retention"] = _retention(llm, out.request_id)
                     records.append(Record("ruler", name, length, score_prediction(out.text, p.answers, p.metric),
-                                          metric="ruler", sample=p.sample, variant=task,
-                                          extra={"answers": p.answers, "prediction": out.text,
-                                                 "prompt_tokens": len(p.ids), "haystack_size": p.size,
-                                                 "prompt_sha256": _sha(p.text)}))
+                                          metric="ruler", sample=p.sample, variant=task, extra=extra))
                 mean = sum(r.score for r in records[-len(batch):]) / len(batch)
                 log(f"ruler {name} {length} {task}: {mean:.1f} ({len(batch)} prompts, "
                     f"{time.perf_counter() - t0:.1f} s)")
@@ -609,6 +630,13 @@ def run_ruler(engines: list[str], cfg: RulerConfig, device: str | None = None, l
     return RulerResult("ruler", {
         "lengths": cfg.lengths, "tasks": cfg.tasks, "samples": cfg.samples, "seed": cfg.seed,
         "template": cfg.template, "engines": engines, "engine_info": infos, "prompts": texts}, records)
+
+
+def _retention(llm, seq_id: int) -> float:
+    """UniPrefill's measured retention of a finished prompt: the mean over anchor layers of the
+    share of its tokens each kept (ModelRunner.retention; 1.0 when it dropped nothing)."""
+    per_anchor = llm.runner.retention.get(seq_id, {})
+    return sum(kept / total for kept, total in per_anchor.values()) / len(per_anchor) if per_anchor else 1.0
 
 
 def _sha(text: str) -> str:
