@@ -102,6 +102,7 @@ qwen)  # Qwen2.5-Coder-0.5B-Instruct (24 layers, 32K trained window), one call o
   # JSON). Raw JSON + markdown go to $W and come back as one $OUT/qwen_raw.tar.gz (the machine
   # returns at most 8 files); the summary table is printed last and written to $OUT/qwen_summary.md.
   W=/tmp/qwen-results; mkdir -p $W engines; DEADLINE=${DEADLINE:-500}
+  trap 'tar -czf $OUT/qwen_raw.tar.gz -C $W .' EXIT  # whatever was written comes back, even after an error
   tar -xzf .stage/qwen-pylib.tar.gz -C .stage  # -> .stage/pylib-qwen: gguf, wonderwords, RULER data
   export PYTHONPATH=$PWD/.stage/pylib-qwen:$PYTHONPATH INFHIP_CACHE=$PWD/.stage/cache
   python3 -m infhip.eval.stage join-file .stage/qwen05 .stage/cache/qwen2.5-coder-0.5b-instruct.gguf
@@ -111,7 +112,7 @@ qwen)  # Qwen2.5-Coder-0.5B-Instruct (24 layers, 32K trained window), one call o
         --output engines/q05-$p --force --quiet > $W/build_$p.log 2>&1 &
   done
   wait
-  tail -n 1 $W/build_*.log
+  tail -n 2 $W/build_*.log  # "engine written to ... in N s", or the error
   python3 benchmarks/replan_engine.py engines/q05-3k engines/q05-dense --sparse none
   echo "engines ready at ${SECONDS}s"
   step() {  # step NAME CMD...: run CMD with the time left before the deadline; its log in $W/NAME.log
@@ -148,7 +149,6 @@ qwen)  # Qwen2.5-Coder-0.5B-Instruct (24 layers, 32K trained window), one call o
       --json $W/recall_3k.json --markdown $W/recall_3k.md
   echo "evals done at ${SECONDS}s"
   nvidia-smi --query-gpu=name,driver_version --format=csv,noheader > $W/gpu.txt
-  tar -czf $OUT/qwen_raw.tar.gz -C $W .
   python3 benchmarks/qwen_summary.py $W | tee $OUT/qwen_summary.md
   ;;
 *) echo "usage: bash benchmarks/gpu_quality.sh smol|gemma|smol-chunk-score|smol-query-stride|smol-stage3-stride|smol-solo-last|smol-layer-bisect|qwen" >&2; exit 2 ;;
