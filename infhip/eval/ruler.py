@@ -13,8 +13,8 @@ calls it for the same files). Neither package is imported.
 Per task (`TASKS`, RULER's synthetic.yaml): a generator builds the prompt body for a haystack
 size `n` (essay words, repeated sentences, noise lines, list words, coded words or documents);
 `fit_size` finds the largest `n` whose prompt plus the task's tokens to generate fits the length
-(RULER grows `n` in fixed steps until it overflows; a safeguarded secant search finds the same
-largest fitting size to one unit, in a handful of tokenizations). The prompt is RULER's task
+(RULER grows `n` in fixed steps until it overflows; `fit_size` finds the largest fitting size
+to one unit, in a handful of tokenizations). The prompt is RULER's task
 template with its answer prefix, raw ("base", RULER's default) or inside the tokenizer's chat
 template ("chat": the answer prefix then opens the assistant's turn, as RULER's chat templates
 do). Scores are RULER's, in 0..100: `string_match_all` (the share of the references found in
