@@ -137,8 +137,8 @@ qwen)  # Qwen2.5-Coder-0.5B-Instruct (24 layers, 32K trained window), one call o
       --json $W/ruler_ih.json --markdown $W/ruler_ih.md
   step passkey_ih infhip-eval passkey $IH --haystack pg --lengths 32k,64k,128k --depths $DEPTHS --samples 1 \
       --json $W/passkey_ih.json --markdown $W/passkey_ih.md
-  for p in 0.99 0.98; do
-    step ruler_td$p infhip-eval ruler --engine engines/q05-dense $G --token-drop p=$p --template chat --tasks $ALL \
+  for p in 0.99 0.98; do  # min_len 4096: the default 8192 would leave the "8K" prompts (8192 - generated) whole
+    step ruler_td$p infhip-eval ruler --engine engines/q05-dense $G --token-drop p=$p,min_len=4096 --template chat --tasks $ALL \
         --lengths 8k,16k,32k --samples 2 --json $W/ruler_td$p.json --markdown $W/ruler_td$p.md
   done
   step ppl_ih infhip-eval ppl $IH --haystack pg --lengths 32k,64k,128k --chunk 256 --samples 1 \
