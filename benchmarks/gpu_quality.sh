@@ -113,7 +113,7 @@ qwen)  # Qwen2.5-Coder-0.5B-Instruct (24 layers, 32K trained window), one call o
   done
   wait
   tail -n 2 $W/build_*.log  # "engine written to ... in N s", or the error
-  python3 benchmarks/replan_engine.py engines/q05-3k engines/q05-dense --sparse none
+  rm -rf engines/q05-dense && python3 benchmarks/replan_engine.py engines/q05-3k engines/q05-dense --sparse none
   echo "engines ready at ${SECONDS}s"
   step() {  # step NAME CMD...: run CMD with the time left before the deadline; its log in $W/NAME.log
     local left=$((DEADLINE - SECONDS)) rc=0
