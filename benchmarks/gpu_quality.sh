@@ -99,10 +99,13 @@ gemma)
   ;;
 qwen)  # Qwen2.5-Coder-0.5B-Instruct (24 layers, 32K trained window), one call of < 9 min. Steps run
   # in priority order; each gets the time left before the deadline (a cut step loses only its own
-  # JSON). Raw JSON + markdown go to $W and come back as one $OUT/qwen_raw.tar.gz (the machine
-  # returns at most 8 files); the summary table is printed last and written to $OUT/qwen_summary.md.
+  # JSON). Raw JSON + markdown go to $W and come back as $OUT/ruler_*.json.gz + $OUT/qwen_raw.tar.gz
+  # (6 files); the summary table is printed last and written to $OUT/qwen_summary.md.
   W=/tmp/qwen-results; mkdir -p $W engines; DEADLINE=${DEADLINE:-500}
-  trap 'tar -czf $OUT/qwen_raw.tar.gz -C $W .' EXIT  # whatever was written comes back, even after an error
+  # Whatever was written comes back, even after an error: each RULER JSON (the prompts' text makes
+  # them MBs) gzipped on its own, the rest in one tarball (at most 8 files of 16 MiB come back).
+  trap 'for f in $W/ruler_*.json; do [ -f "$f" ] && gzip -c "$f" > $OUT/$(basename $f).gz; done
+        tar -czf $OUT/qwen_raw.tar.gz --exclude="ruler_*.json" -C $W .' EXIT
   tar -xzf .stage/qwen-pylib.tar.gz -C .stage  # -> .stage/pylib-qwen: gguf, wonderwords, RULER data
   export PYTHONPATH=$PWD/.stage/pylib-qwen:$PYTHONPATH INFHIP_CACHE=$PWD/.stage/cache
   python3 -m infhip.eval.stage join-file .stage/qwen05 .stage/cache/qwen2.5-coder-0.5b-instruct.gguf
