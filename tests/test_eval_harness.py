@@ -1,7 +1,8 @@
 """infhip-eval machinery on tiny random engines (CPU, seconds): teacher-forced log-probs equal
 transformers' full-forward ones (whole and chunked prefill, a batch of items, sliding layers),
 ppl/agree/passkey/niah through the Python API and the CLI (JSON, markdown, plot), recall on
-explicit sparse parameters, and the clean refusal of recall on a dense plan."""
+explicit sparse parameters, the clean refusal of recall on a dense plan, and RULER's retention records
+under token drop."""
 
 from __future__ import annotations
 
@@ -198,3 +199,19 @@ def test_token_drop_flag(tiny, tmp_path):
     assert ppl("--token-drop", "rho=0.3,n=8,G=8,A=8,min_len=0,spare=0") != pytest.approx(base, rel=1e-3)
     assert cli.main(["ppl", "--engine", str(engine), "--lengths", "64", "--token-drop", "q=1"]) == 2
     assert cli.main(["ppl", "--engine", str(engine), "--lengths", "64", "--token-drop", "spare=-1"]) == 2
+
+
+def test_ruler_with_token_drop_records_retention(tiny, tmp_path):
+    """RULER under --token-drop: each record carries UniPrefill's measured retention (forced to
+    30 % here, so below 1) and the table gets a retention row (random weights: scores ~0)."""
+    import importlib.util
+    if importlib.util.find_spec("wonderwords") is None:
+        pytest.skip("RULER's keys need wonderwords's word lists: pip install wonderwords")
+    _, _, engine, _ = tiny
+    out, md = tmp_path / "r.json", tmp_path / "r.md"
+    assert cli.main(["ruler", "--engine", str(engine), "--tasks", "niah_single_1", "--lengths", "560",
+                     "--samples", "1", "--token-drop", "rho=0.3,n=8,G=8,A=8,min_len=0,spare=0",
+                     "--json", str(out), "--markdown", str(md)]) == 0
+    records = json.loads(out.read_text())["records"]
+    assert len(records) == 1 and 0.0 < records[0]["extra"]["retention"] < 1.0
+    assert "| retention ρ |" in md.read_text()

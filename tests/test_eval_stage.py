@@ -1,4 +1,4 @@
-"""Engine staging for the GPU machine: split into <= 60 MiB parts with SHA-256 manifest, status,
+"""Engine and file staging for the GPU machine: split into <= 60 MiB parts with SHA-256 manifest, status,
 join back byte for byte; a missing or corrupted part is refused with a clear error."""
 
 from __future__ import annotations
@@ -8,7 +8,8 @@ import os
 
 import pytest
 
-from infhip.eval.stage import MANIFEST, StageError, join_engine, main, split_engine, stage_status
+from infhip.eval.stage import (MANIFEST, StageError, join_engine, join_file, main, split_engine, split_file,
+                               stage_status)
 
 
 @pytest.fixture
@@ -47,3 +48,19 @@ def test_missing_or_corrupt_part_is_refused(engine, tmp_path, capsys):
     assert not (tmp_path / "joined").exists()
     with pytest.raises(StageError, match="at most|must be in"):
         split_engine(engine, tmp_path / ".stage", part_mib=64)
+
+
+def test_single_file_roundtrip_and_refusal(tmp_path):
+    """A GGUF goes the same way as an engine's weights: split-file / join-file, byte for byte, and
+    a damaged part leaves nothing at the output."""
+    src = tmp_path / "model.gguf"
+    src.write_bytes(os.urandom(2_200_000))
+    stage = split_file(src, "m", tmp_path / ".stage", part_mib=1)
+    assert sorted(p.name for p in (stage / "parts").iterdir()) == ["model.gguf.000", "model.gguf.001", "model.gguf.002"]
+    assert main(["join-file", str(stage), str(tmp_path / "out" / "model.gguf")]) == 0
+    assert (tmp_path / "out" / "model.gguf").read_bytes() == src.read_bytes()
+    part = stage / "parts" / "model.gguf.002"
+    part.write_bytes(part.read_bytes()[:-1])
+    with pytest.raises(StageError, match="model.gguf.002"):
+        join_file(stage, tmp_path / "again.gguf")
+    assert not (tmp_path / "again.gguf").exists() and not list(tmp_path.glob(".again*"))

@@ -3,12 +3,13 @@
     infhip-eval passkey --engine engines/smollm2-135m --lengths 1k,2k,4k --depths 0.1,0.5,0.9 \
         --samples 5 --json results/passkey.json --plot results/passkey.png
     infhip-eval niah    --engine E --lengths 4k --variants single,multikey,multivalue,multiquery --haystack kjv
-    infhip-eval ppl     --engine E --lengths 1k,2k,4k --chunk 256 --samples 4
+    infhip-eval ppl     --engine E --lengths 1k,2k,4k --chunk 256 --samples 4 --haystack pg
+    infhip-eval ruler   --engine E --tasks niah_single_1,niah_multikey_1,vt,cwe,fwe,qa_1 --lengths 8k,16k --samples 4
     infhip-eval agree   --engine SPARSE --reference DENSE --lengths 8k --chunk 128
     infhip-eval recall  --engine SPARSE --lengths 8k
 
 Prints a markdown table; --json writes every record, --markdown the table, --plot a PNG.
-Exit status: 0 done, 2 bad input (message on stderr), 3 the task does not apply to the engine
+Exit status: 0 done, 2 bad input or a missing data package (message on stderr), 3 the task does not apply to the engine
 (e.g. recall on an engine whose plan has no sparse layers).
 """
 
@@ -18,8 +19,9 @@ import argparse
 import sys
 
 from infhip.eval.common import EvalError, parse_floats, parse_lengths
+from infhip.eval.text import SOURCES, TextUnavailable
 
-TASKS = ("passkey", "niah", "ppl", "agree", "recall")
+TASKS = ("passkey", "niah", "ppl", "agree", "recall", "ruler")
 EXIT_BAD_INPUT, EXIT_NOT_APPLICABLE = 2, 3
 
 
@@ -35,8 +37,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--samples", type=int, default=None,
                    help="samples per (length, depth) (passkey/niah 1, ppl/agree 4, recall 1)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--haystack", choices=("noise", "kjv"), default=None,
-                   help="passkey: noise (default); niah: kjv (default)")
+    p.add_argument("--haystack", choices=SOURCES, default=None,
+                   help="passkey: noise (default); niah: kjv (default); ppl: the text, kjv (default); "
+                        "pg = Paul Graham's essays as RULER ships them")
+    p.add_argument("--tasks", default=None, help="ruler: comma-separated RULER tasks (default: all 13)")
+    p.add_argument("--template", choices=("base", "chat"), default="base",
+                   help="ruler: the prompt raw (base, RULER's default) or in the tokenizer's chat template")
     p.add_argument("--variants", default="single,multikey,multivalue,multiquery", help="niah variants")
     p.add_argument("--chunk", type=int, default=None,
                    help="ppl/agree: scored tail tokens (ppl 256, agree 128); recall: measured queries (64)")
@@ -80,14 +86,19 @@ def run(args: argparse.Namespace):
         return run_niah(args.engine, cfg, args.device, log=_log, **_llm_kwargs(args))
     if args.task == "ppl":
         from infhip.eval.ppl import PplConfig, run_ppl
-        return run_ppl(args.engine, PplConfig(lengths, args.chunk or 256, args.samples or 4, args.seed),
-                       args.device, log=_log, **_llm_kwargs(args))
+        return run_ppl(args.engine, PplConfig(lengths, args.chunk or 256, args.samples or 4, args.seed,
+                                              args.haystack or "kjv"), args.device, log=_log, **_llm_kwargs(args))
     if args.task == "agree":
         from infhip.eval.agree import AgreeConfig, run_agree
         if not args.reference:
             raise EvalError("agree needs --reference DIR (the engine to compare against, usually the dense one)")
         cfg = AgreeConfig(lengths, args.chunk or 128, args.samples or 4, args.seed)
         return run_agree(args.engine, args.reference, cfg, args.device, log=_log, **_llm_kwargs(args))
+    if args.task == "ruler":
+        from infhip.eval.ruler import TASKS as RULER_TASKS, RulerConfig, run_ruler
+        tasks = [t.strip() for t in args.tasks.split(",") if t.strip()] if args.tasks else list(RULER_TASKS)
+        cfg = RulerConfig(lengths, tasks, args.samples or 1, args.seed, args.template)
+        return run_ruler(args.engine, cfg, args.device, log=_log, **_llm_kwargs(args))
     from infhip.eval.recall import RecallConfig, run_recall
     return run_recall(args.engine, RecallConfig(lengths, args.chunk or 64, args.samples or 1, args.seed),
                       args.device, log=_log, **_llm_kwargs(args))
@@ -143,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     except NoSparseLayers as e:
         print(f"infhip-eval: {e}", file=sys.stderr)
         return EXIT_NOT_APPLICABLE
-    except (EvalError, ValueError, FileNotFoundError) as e:
+    except (EvalError, ValueError, FileNotFoundError, TextUnavailable) as e:
         print(f"infhip-eval: error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
     table = result.markdown()

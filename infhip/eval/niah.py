@@ -8,7 +8,7 @@ Needles read "One of the special magic numbers for {key} is: {value}." with a tw
     multivalue  4 needles of one key with different values (first at the depth); asked for all
     multiquery  4 needles of different keys (first at the depth); asked for all 4 values
 
-Haystack: KJV text (default) or the repeated noise sentences. Everything is a deterministic
+Haystack: KJV text (default), PG essays or the repeated noise sentences. Everything is a deterministic
 function of (variant, seed, length, depth, sample). Score: single/multikey 1 when the first
 number of the answer is the value; multivalue/multiquery the fraction of values in the answer.
 
@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from infhip.eval.common import EvalError, check_fits, engine_info, engine_name, load_llm
 from infhip.eval.prompts import assemble
 from infhip.eval.results import EvalResult, Record
+from infhip.eval.text import SOURCES
 
 VARIANTS = ("single", "multikey", "multivalue", "multiquery")
 INTRO = ("Some special magic numbers are hidden within the following text. Make sure to memorize them. "
@@ -107,8 +108,8 @@ class NiahConfig:
         bad = [v for v in self.variants if v not in VARIANTS]
         if bad or not self.variants:
             raise EvalError(f"unknown niah variants {bad}; choose from {', '.join(VARIANTS)}")
-        if self.samples < 1 or self.haystack not in ("kjv", "noise"):
-            raise EvalError("samples must be >= 1 and haystack 'kjv' or 'noise'")
+        if self.samples < 1 or self.haystack not in SOURCES:
+            raise EvalError(f"samples must be >= 1 and haystack one of {', '.join(SOURCES)}")
 
 
 def run_niah(engines: list[str], cfg: NiahConfig, device: str | None = None, log=print,

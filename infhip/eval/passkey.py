@@ -5,7 +5,7 @@
     >>> print(res.markdown())  # doctest: +SKIP
 
 The prompt (`passkey_prompt_ids`) is the classic one (Mohtashami & Jaggi 2023): an instruction,
-the noise sentences (or KJV text) cut to exactly the requested token count, the needle
+the noise sentences (or KJV text, or PG essays) cut to exactly the requested token count, the needle
 "The pass key is N. Remember it. N is the pass key." and "What is the pass key? The pass key is".
 Greedy decoding of 8 tokens; correct when the first integer in the answer equals N.
 """
@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from infhip.eval.common import check_fits, engine_info, engine_name, load_llm
 from infhip.eval.prompts import assemble
 from infhip.eval.results import EvalResult, Record
+from infhip.eval.text import SOURCES
 
 INTRO = ("There is an important piece of information hidden inside a lot of irrelevant text. "
          "Find it and memorize it. I will quiz you about it.\n\n")
@@ -33,13 +34,13 @@ class PasskeyConfig:
     depths: list[float] = field(default_factory=lambda: [0.1, 0.5, 0.9])
     samples: int = 1
     seed: int = 0
-    haystack: str = "noise"  # "noise" | "kjv"
+    haystack: str = "noise"  # "noise" | "kjv" | "pg" (text.SOURCES)
 
     def __post_init__(self) -> None:
         if self.samples < 1:
             raise ValueError(f"samples must be >= 1, got {self.samples}")
-        if self.haystack not in ("noise", "kjv"):
-            raise ValueError(f"haystack must be 'noise' or 'kjv', got {self.haystack!r}")
+        if self.haystack not in SOURCES:
+            raise ValueError(f"haystack must be one of {', '.join(SOURCES)}, got {self.haystack!r}")
         if any(not 0.0 <= d <= 1.0 for d in self.depths):
             raise ValueError(f"depths must be in [0, 1], got {self.depths}")
 

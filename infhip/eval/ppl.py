@@ -1,4 +1,4 @@
-"""Perplexity of KJV text at given context lengths: the loss of the last `chunk` tokens of a
+"""Perplexity of real text (KJV, or PG essays with text="pg") at given context lengths: the loss of the last `chunk` tokens of a
 `length`-token window given everything before them.
 
     >>> from infhip.eval.ppl import PplConfig, run_ppl                              # doctest: +SKIP
@@ -19,7 +19,7 @@ from infhip.eval.common import EvalError, check_fits, engine_info, engine_name, 
 from infhip.eval.forcing import target_log_probs
 from infhip.eval.prompts import special_prefix
 from infhip.eval.results import EvalResult, Record
-from infhip.eval.text import token_window
+from infhip.eval.text import SOURCES, token_window
 
 
 @dataclass
@@ -28,20 +28,24 @@ class PplConfig:
     chunk: int = 256
     samples: int = 4
     seed: int = 0
+    text: str = "kjv"  # text.SOURCES
 
     def __post_init__(self) -> None:
+        if self.text not in SOURCES:
+            raise ValueError(f"text must be one of {', '.join(SOURCES)}, got {self.text!r}")
         if self.chunk < 1 or self.samples < 1:
             raise ValueError(f"chunk and samples must be >= 1, got {self.chunk}, {self.samples}")
         if any(n <= self.chunk for n in self.lengths):
             raise ValueError(f"every length must exceed chunk ({self.chunk}), got {self.lengths}")
 
 
-def ppl_items(tokenizer, length: int, chunk: int, samples: int, seed: int) -> list[tuple[list[int], list[int]]]:
-    """(context, target) per sample: `length` tokens in all (special prefix included)."""
+def ppl_items(tokenizer, length: int, chunk: int, samples: int, seed: int,
+              text: str = "kjv") -> list[tuple[list[int], list[int]]]:
+    """(context, target) per sample: `length` tokens of `text` in all (special prefix included)."""
     prefix = special_prefix(tokenizer)
     items = []
     for s in range(samples):
-        ids = prefix + token_window(tokenizer, length - len(prefix), "kjv", seed=seed * 1000 + s)
+        ids = prefix + token_window(tokenizer, length - len(prefix), text, seed=seed * 1000 + s)
         items.append((ids[:-chunk], ids[-chunk:]))
     return items
 
@@ -54,7 +58,7 @@ def run_ppl(engines: list[str], cfg: PplConfig, device: str | None = None, log=p
         infos[name] = engine_info(llm)
         for length in cfg.lengths:
             check_fits(llm, length)
-            items = ppl_items(llm.tokenizer, length, cfg.chunk, cfg.samples, cfg.seed)
+            items = ppl_items(llm.tokenizer, length, cfg.chunk, cfg.samples, cfg.seed, cfg.text)
             t0 = time.perf_counter()
             log_probs = target_log_probs(llm, items)
             for s, lp in enumerate(log_probs):
@@ -67,4 +71,4 @@ def run_ppl(engines: list[str], cfg: PplConfig, device: str | None = None, log=p
     if not records:
         raise EvalError("no engines given")
     return EvalResult("ppl", {"lengths": cfg.lengths, "chunk": cfg.chunk, "samples": cfg.samples,
-                              "seed": cfg.seed, "engines": engines, "engine_info": infos}, records)
+                              "seed": cfg.seed, "text": cfg.text, "engines": engines, "engine_info": infos}, records)

