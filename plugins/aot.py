@@ -126,9 +126,14 @@ def resolve_kernel(name: str):
 # -- recording ---------------------------------------------------------------------------------
 
 class Recorder:
+    """The variants launched while record() is active, with what triton.compile needs for each."""
+
+    @property
+    def variants(self) -> set[KernelVariant]:
+        return set(self.packed)
+
     def __init__(self, target: Target, launch: bool):
         self.target, self.launch = target, launch
-        self.variants: set[KernelVariant] = set()
         self.packed: dict[KernelVariant, tuple] = {}  # variant -> (fn, signature, constexprs, attrs, options)
         self._binders: dict[str, tuple] = {}
         self._backend = None
@@ -153,9 +158,7 @@ class Recorder:
         parsed, signature, constexprs, attrs = jit._pack_args(self._backend, options, bound, specialization,
                                                               self._backend.parse_options(options))
         variant = KernelVariant.from_packed(jit, signature, constexprs, attrs, parsed)
-        if variant not in self.variants:
-            self.variants.add(variant)
-            self.packed[variant] = (jit, signature, constexprs, attrs, parsed)
+        self.packed.setdefault(variant, (jit, signature, constexprs, attrs, parsed))
         return variant
 
 
