@@ -29,7 +29,8 @@ from infhip.plugins.aot import KernelVariant, LaunchSpace, Target, compile_varia
 INDEX_FORMAT = 1
 # Every plugin module with Triton kernels; each defines aot_launches(space).
 PLUGIN_MODULES = (
-    "rms_norm", "activation", "rope", "skinny_gemm", "dense_attention", "kv_quant", "kv_offload",
+    "rms_norm", "activation", "rope", "skinny_gemm", "fp8_skinny_gemm", "fp8_linear", "dense_attention",
+    "kv_quant", "kv_offload",
     "infinitehip.pruning", "infinitehip.sparse_attention", "infinitehip.key_bank", "infinitehip.raw_keys",
     "token_drop.importance", "token_drop.top_p", "token_drop.attention", "token_drop.gather",
 )
