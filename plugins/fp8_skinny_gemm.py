@@ -98,8 +98,8 @@ def _fp8_skinny_kernel(
     n_mask = n < N
     y = y * tl.load(scale_ptr + n, mask=n_mask, other=0.0)[None, :]  # per-channel scale, once
     if HAS_BIAS:
-        b = tl.load(bias_ptr + n, mask=n_mask & (split == 0), other=0.0).to(tl.float32)  # split 0 adds it
-        y += b[None, :]
+        b = tl.load(bias_ptr + n, mask=n_mask, other=0.0).to(tl.float32)
+        y += tl.where(split == 0, b, 0.0)[None, :]  # split 0 adds it
     out = y_ptr + split.to(tl.int64) * M * N + m[:, None] * N + n[None, :]
     tl.store(out, y.to(y_ptr.dtype.element_ty), mask=m_mask & n_mask[None, :])
 
