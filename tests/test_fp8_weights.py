@@ -161,3 +161,32 @@ def test_gpu_without_fp8_warns_once_and_runs_the_reference(monkeypatch, caplog):
         engine_mod._check_fp8_device(config, torch.device("cuda"))
         engine_mod._check_fp8_device(config, torch.device("cpu"))
     assert len(caplog.records) == 1 and "sm_80" in caplog.text and "dequantizing" in caplog.text
+
+
+def _same_tokens_as_twin(src, tmp_path, prompts, max_tokens, build, load):
+    ref = build_engine(checkpoint=src, output_dir=tmp_path / "f32", **KW, **build)
+    fp8 = build_engine(checkpoint=src, output_dir=tmp_path / "fp8", weight_dtype="fp8", **KW, **build)
+    twin = dequantized_twin(fp8, ref, tmp_path / "twin")
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    gen = [[o.token_ids for o in LLM(e, max_num_batched_tokens=48, **load).generate(
+        prompt_token_ids=prompts, sampling_params=params)] for e in (fp8, twin)]
+    assert gen[0] == gen[1]
+
+
+def test_fp8_weights_compose_with_fp8_kv_and_token_drop(ckpts, tmp_path):
+    """An fp8 KV cache and token drop (in 48-token prefill chunks) change nothing about the
+    weights: greedy tokens equal the dequantized twin's."""
+    from tests.test_aot_coverage import LONG
+
+    build = dict(kv_dtype="fp8", token_drop=dict(p=0.9, min_prompt_len=32, n=8, block_size=8, num_sink=8))
+    _same_tokens_as_twin(ckpts["llama"][0], tmp_path, [LONG[:100], LONG[:41]], 12, build, {})
+
+
+@pytest.mark.slow  # ~30 s: the sparse path's kernels run in Triton's interpreter
+def test_fp8_weights_compose_with_sparse_preset_and_offload(ckpts, tmp_path):
+    """The 3k preset (tiny stages: a 45-token prompt goes sparse) with an fp8 KV cache offloaded
+    to host memory: greedy tokens equal the dequantized twin's."""
+    from tests.test_aot_coverage import LONG, TINY
+
+    build = dict(preset="3k", infinitehip_overrides=TINY, kv_dtype="fp8")
+    _same_tokens_as_twin(ckpts["llama"][0], tmp_path, [LONG[:45]], 3, build, dict(kv_offload_bytes=4 << 20))
