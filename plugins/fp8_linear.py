@@ -99,13 +99,15 @@ def _quantize_act_kernel(
     for k0 in range(0, K, BLOCK_K):  # pass 1: the row's amax
         x = tl.load(x_ptr + row * stride_xm + k0 + ks, mask=k0 + ks < K, other=0.0).to(tl.float32)
         amax = tl.maximum(amax, tl.abs(x))
-    s = tl.maximum(tl.max(amax, axis=0), 1e-30) / 448.0
+    # IEEE divisions (div_rn; `/` compiles to an approximate one): the same bits as quantize_rows
+    amax = tl.maximum(tl.max(amax, axis=0), 1e-30) + tl.zeros((BLOCK_K,), dtype=tl.float32)
+    s = tl.math.div_rn(amax, tl.full((BLOCK_K,), 448.0, tl.float32))  # [BLOCK_K], every entry the scale
     for k0 in range(0, K, BLOCK_K):  # pass 2: the row again (from L1/L2), scaled and rounded
         mask = k0 + ks < K
         x = tl.load(x_ptr + row * stride_xm + k0 + ks, mask=mask, other=0.0).to(tl.float32)
-        y = tl.minimum(tl.maximum(x / s, -448.0), 448.0)
+        y = tl.minimum(tl.maximum(tl.math.div_rn(x, s), -448.0), 448.0)
         tl.store(q_ptr + row * K + k0 + ks, _round_to_e4m3(y).to(q_ptr.dtype.element_ty), mask=mask)
-    tl.store(s_ptr + row, s)
+    tl.store(s_ptr + row + ks, s, mask=ks == 0)
 
 
 def quantize_act_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
