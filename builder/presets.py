@@ -35,12 +35,6 @@ N_SINK, N_STREAM, BLOCK_Q = 256, 1024, 64
 # formula, InfiniteHipConfig's default) within one prompt of 81, and costs 1/4 of the work
 # (docs/quality.md, docs/benchmarks.md). A runtime knob: query_strides=[1,1,1] restores it.
 QUERY_STRIDES = (4, 4, 1)
-# The query whose output is sampled (a prompt's last) can score its own mask instead of sharing
-# its 64-query block's (InfiniteHipConfig.solo_last_query): on SmolLM2 and Gemma-3 8K passkey
-# prompts the layers that read the needle then keep all of it instead of 0.08-0.50, but on the
-# H200 SmolLM2's passkey + NIAH accuracy did not move (23 vs 22 right of 81; docs/quality.md), so
-# the presets keep the paper's block scoring. A runtime knob.
-SOLO_LAST_QUERY = False
 # Past the trained window a refresh of the last stage rotates its keys once into a per-request
 # bank that the cached decode steps read (plugins/infinitehip/key_bank.py): Llama-3.1-8B shapes at
 # 1M keys, 3k-flash 27.2 -> 21.0 µs/layer (34.9x -> 45.3x SDPA), 3k 38.9 -> 32.9 µs
@@ -65,7 +59,7 @@ PRESETS = ("dense",) + tuple(_INFINITEHIP)
 # Knobs a runtime may change per engine load without rebuilding (they change speed/accuracy,
 # never the meaning of the weights or of the stored plan's shapes).
 RUNTIME_KNOBS = ("refresh_intervals", "dense_threshold", "rope_off_in_trained_window", "stagger_refresh",
-                 "chunk_score", "query_strides", "key_bank", "key_bank_slots", "solo_last_query")
+                 "chunk_score", "query_strides", "key_bank", "key_bank_slots")
 
 
 def parse_knobs(spec: str) -> dict[str, Any]:
@@ -106,7 +100,7 @@ def infinitehip_config(preset: str, overrides: dict[str, Any] | None = None,
     stages, refresh = _INFINITEHIP[preset]
     cap = trained_window + 1 if trained_window else 1 << 62  # contexts <= the window stay dense
     base = InfiniteHipConfig(n_sink=N_SINK, n_stream=N_STREAM, stages=stages, refresh_intervals=refresh,
-                             query_strides=QUERY_STRIDES, solo_last_query=SOLO_LAST_QUERY, key_bank=KEY_BANK,
+                             query_strides=QUERY_STRIDES, key_bank=KEY_BANK,
                              special_layers=(0, 1, 2), special_final_k=4096,
                              dense_threshold=min(cap, N_SINK + N_STREAM + stages[0].k))
     overrides = dict(overrides or {})

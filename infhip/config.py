@@ -160,6 +160,10 @@ class PruningStage:
 
 
 CHUNK_SCORES = ("max", "head_normalized")
+# Knobs that engines built earlier may still name; loading ignores them. solo_last_query (the
+# sampled prefill query scored its own mask): measured no gain on the H200 (SmolLM2 passkey +
+# NIAH 23 vs 22 right of 81), always off in the presets — removed.
+REMOVED_INFINITEHIP_KNOBS = frozenset({"solo_last_query"})
 
 
 @dataclass(frozen=True)
@@ -181,10 +185,6 @@ class InfiniteHipConfig:
     "max" scores a chunk by the max over heads and queries of q.k_rep (the paper);
     "head_normalized" first subtracts, per kv head, that head's best chunk score, so a head with
     small logits (e.g. a retrieval head) still keeps its best chunks (docs/quality.md).
-    ``solo_last_query``: in a prefill chunk whose last token is sampled (a prompt's last chunk),
-    that query forms a query block of its own, so its mask is scored by it alone — as every
-    decode step's is — instead of by the max over its block's 64 queries, which lets queries that
-    look elsewhere crowd out what the sampled one reads (docs/quality.md, needle coverage).
     ``key_bank`` (streaming attention RoPE): each refresh of the last stage rotates its keys to
     their rank once into a per-request bank that the cached decode steps read, instead of
     rotating every key at every step (plugins/infinitehip/key_bank.py; memory: (bank slots + 1)
@@ -212,7 +212,6 @@ class InfiniteHipConfig:
     chunk_score: str = "max"  # "max" (paper) | "head_normalized"
     key_bank: bool = False  # rotated key bank for cached decode steps (presets: on)
     key_bank_slots: int = 8  # requests that can read the bank at once (rows: min(max_num_seqs, this) + 1)
-    solo_last_query: bool = False  # the sampled prefill query gets its own block (presets: off)
 
     def __post_init__(self) -> None:
         _check(self.n_sink >= 0 and self.n_stream > 0, "n_sink must be >= 0 and n_stream > 0")
@@ -246,7 +245,7 @@ class InfiniteHipConfig:
         _check(self.chunk_score in CHUNK_SCORES, f"chunk_score must be one of {CHUNK_SCORES}")
         _check(isinstance(self.key_bank_slots, int) and not isinstance(self.key_bank_slots, bool)
                and self.key_bank_slots >= 1, f"key_bank_slots must be an integer >= 1, got {self.key_bank_slots!r}")
-        for name in ("rope_off_in_trained_window", "stagger_refresh", "key_bank", "solo_last_query"):
+        for name in ("rope_off_in_trained_window", "stagger_refresh", "key_bank"):
             value = getattr(self, name)
             _check(isinstance(value, bool), f"{name} must be true or false, got {value!r}")
 
@@ -278,7 +277,7 @@ class InfiniteHipConfig:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "InfiniteHipConfig":
-        d = dict(d)
+        d = {k: v for k, v in d.items() if k not in REMOVED_INFINITEHIP_KNOBS}  # older engines
         d["stages"] = tuple(PruningStage(**s) for s in d["stages"])
         for key in ("refresh_intervals", "special_layers", "query_strides"):
             if key in d:  # query_strides: absent from engines built before it existed (= all 1)

@@ -19,10 +19,7 @@ threshold: every later step of it reads its keys through the sparse kernels, whi
 host entries), its pages between the first ``head_tokens`` (sink) and the last ``tail_tokens``
 (stream) move to host pages (:meth:`KVCacheManager.offload`); the table names a host page by an
 entry < 0 (host page -1 - entry), and the GPU page returns to the free list. So the GPU holds
-about head + tail + one chunk per sequence however long it grows, the host the rest. Pages kept
-out of the free list for GPU copies of hot host pages (runtime/offload_cache.py) are
-:meth:`KVCacheManager.reserve`'d; host pages freed since the last look are
-:meth:`KVCacheManager.pop_freed_host_pages` (their GPU copies go stale then).
+about head + tail + one chunk per sequence however long it grows, the host the rest.
 """
 
 from __future__ import annotations
@@ -146,7 +143,6 @@ class KVCacheManager:
         self._host = {name: PageAllocator(spec.offload.host_pages + 1)
                       for name, spec in self.groups.items() if spec.offload is not None}
         self._tables: dict[str, dict[int, _Table]] = {name: {} for name in self.groups}
-        self._freed_host: dict[str, list[int]] = {name: [] for name in self._host}  # host page indices
 
     # ---- sizing -------------------------------------------------------------------------
     @staticmethod
@@ -248,7 +244,6 @@ class KVCacheManager:
                 for page in t.pages[t.lo:]:
                     if page < 0:
                         self._host[g].free(-page)
-                        self._freed_host[g].append(-1 - page)
                     else:
                         self._alloc[g].free(page)
 
@@ -298,24 +293,6 @@ class KVCacheManager:
         return slots
 
     # ---- offloading (plugins/kv_offload.py) ---------------------------------------------
-    def reserve(self, group: str, num_pages: int) -> list[int]:
-        """Take ``num_pages`` GPU pages of ``group`` out of circulation for good (no sequence ever
-        gets them): the slots of runtime/offload_cache.py's copies of host pages."""
-        self._spec(group)
-        if num_pages > self._alloc[group].num_free:
-            raise OutOfPages(f"cannot reserve {num_pages} pages of group {group!r}: "
-                             f"{self._alloc[group].num_free} free")
-        return [self._alloc[group].allocate() for _ in range(num_pages)]
-
-    def pop_freed_host_pages(self, group: str) -> list[int]:
-        """Host page indices (kv_offload.host_page of the entries) freed since the last call:
-        their contents are gone, and any GPU copy of them with them."""
-        self._spec(group)
-        if group not in self._freed_host:  # no host pool
-            return []
-        freed, self._freed_host[group] = self._freed_host[group], []
-        return freed
-
     def num_free_host_pages(self, group: str) -> int:
         self._spec(group)
         return self._host[group].num_free if group in self._host else 0

@@ -95,12 +95,6 @@ class LLM:
             with InfiniteHiP: once a request passes the dense threshold, its pages between the
             sink and the stream move to the host and the sparse kernels read them in place, so
             the GPU holds about sink + stream + one chunk per request (plugins/kv_offload.py).
-        kv_offload_cache_tokens: with kv_offload_bytes, GPU room (tokens per layer) for copies
-            of the host pages decode's pruning refreshes read most: the pages of stage 1's
-            survivors, kept by LRU (runtime/offload_cache.py). None: one request's survivors
-            (the first stage's k). Default 0 (off): on random weights, whose masks change at
-            every refresh, it made 1M-token decode slower (docs/benchmarks.md); it pays only
-            where masks stay put between stage-1 refreshes.
         enforce_eager: never use CUDA graphs.
         num_decode_steps: when a step is all decodes and nobody waits, run this many decode steps
             back to back on the device (each feeds on the last one's tokens) before the host looks
@@ -124,7 +118,7 @@ class LLM:
                  max_num_batched_tokens: int | None = None, kv_cache_memory_bytes: int | None = None,
                  enforce_eager: bool = False, num_decode_steps: int | None = None,
                  infinitehip_overrides: dict | None = None, token_drop: bool | dict | None = None,
-                 kv_offload_bytes: int = 0, kv_offload_cache_tokens: int | None = 0, jit: str | None = None):
+                 kv_offload_bytes: int = 0, jit: str | None = None):
         t0 = time.perf_counter()
         self.engine = load_engine(engine_dir, device, jit)
         t_engine = time.perf_counter()
@@ -150,8 +144,7 @@ class LLM:
         with serving(self.engine.kernels):  # graph capture launches every decode kernel once
             self.runner = ModelRunner(self.engine, self.max_num_seqs, budget, kv_cache_memory_bytes,
                                       enforce_eager=enforce_eager, max_decode_steps=num_decode_steps,
-                                      kv_offload_bytes=kv_offload_bytes,
-                                      kv_offload_cache_tokens=kv_offload_cache_tokens)
+                                      kv_offload_bytes=kv_offload_bytes)
         self.scheduler = Scheduler(self.runner.kv, self.max_num_seqs, budget, build.max_seq_len)
         self.load_report = self._load_report(t0, t_engine)
         self.sampler = Sampler()

@@ -24,7 +24,6 @@ from infhip.plugins.kv_offload import HostKV, copy_pages
 from infhip.runtime.kv_cache import KVCacheManager, KVGroupSpec, OffloadSpec
 from infhip.runtime.scheduler import SchedulerOutput
 from infhip.runtime.mask_cache import MaskCache
-from infhip.runtime.offload_cache import OffloadPageCache
 from infhip.runtime.offload_staging import PrefillStaging, plan_staging
 from infhip.runtime.sparse_attention import InfiniteHipLayer, SparsePlanner, SparseStepHost, uses_key_bank
 from infhip.runtime.token_drop import DropChunk, TokenDropStep, keep_tail, plan_drops
@@ -64,12 +63,8 @@ class StepPlan:
 class ModelRunner:
     def __init__(self, engine: LoadedEngine, max_num_seqs: int, max_num_batched_tokens: int,
                  kv_cache_memory_bytes: int | None = None, gpu_memory_utilization: float = 0.9,
-                 enforce_eager: bool = False, max_decode_steps: int = 1, kv_offload_bytes: int = 0,
-                 kv_offload_cache_tokens: int | None = 0):
-        """kv_offload_bytes: host memory for offloaded KV pages (0: none; _offload_spec).
-        kv_offload_cache_tokens: with offloading, GPU pages for copies of that many tokens of
-        hot host pages per layer (runtime/offload_cache.py; None: one request's stage-1
-        survivors; 0, the default: none)."""
+                 enforce_eager: bool = False, max_decode_steps: int = 1, kv_offload_bytes: int = 0):
+        """kv_offload_bytes: host memory for offloaded KV pages (0: none; _offload_spec)."""
         self.engine, self.model, self.device = engine, engine.model, engine.device
         cfg, build = engine.config.model, engine.config.build
         self.page_size = build.page_size
@@ -84,10 +79,6 @@ class ModelRunner:
         page_bytes = 2 * self.page_size * cfg.num_kv_heads * row_bytes
 
         offload = self._offload_spec(kv_offload_bytes, page_bytes, layer_groups.count("global"))
-        if kv_offload_cache_tokens and not offload:
-            raise ValueError(f"kv_offload_cache_tokens={kv_offload_cache_tokens} keeps GPU copies of offloaded pages: "
-                             "it needs kv_offload_bytes > 0")
-        cache_pages = self._offload_cache_pages(kv_offload_cache_tokens) if offload else 0
         # staged prefill (runtime/offload_staging.py): two buffers of one sequence's host pages
         staging_pages = min(offload.host_pages, self.max_pages_per_seq) if offload else 0
         budget = kv_cache_memory_bytes or self._default_kv_budget(
@@ -100,8 +91,7 @@ class ModelRunner:
             group_offload = offload if group == "global" else None
             per_seq = KVCacheManager.pages_for(windows[group], self.page_size, self.max_seq_len,
                                                max_num_batched_tokens, group_offload)
-            extra = cache_pages if group_offload else 0  # copies of hot host pages (offload_cache.py)
-            wanted = max_num_seqs * per_seq + 1 + extra  # + the null page
+            wanted = max_num_seqs * per_seq + 1  # + the null page
             affordable = budget // (page_bytes * num_layers)
             num_pages = min(wanted, affordable)
             if num_pages < per_seq + 1:
@@ -109,8 +99,6 @@ class ModelRunner:
                     f"KV cache budget of {budget / GiB:.2f} GiB holds {affordable} pages of the "
                     f"{group} layers, one sequence of {self.max_seq_len} tokens needs {per_seq + 1}; "
                     "pass a larger kv_cache_memory_bytes or rebuild with a smaller --max-seq-len")
-            if extra:  # the copies give way to requests' pages when the budget is short
-                cache_pages = max(0, min(extra, num_pages - per_seq - 1))
             budget -= num_pages * page_bytes * num_layers
             specs[group] = KVGroupSpec(num_pages=num_pages, window=windows[group], offload=group_offload)
         self.kv = KVCacheManager(self.page_size, specs, self.max_pages_per_seq)
@@ -123,8 +111,6 @@ class ModelRunner:
                 attn.host_kv = HostKV.like(attn.k_cache, offload.host_pages)
         self.offload_layers = [a for a in attn_layers if a.host_kv is not None]
         self.staging = PrefillStaging(self.offload_layers, staging_pages, self.device) if offload else None
-        self.page_cache = None  # needs the layers' InfiniteHiP run side: set_infinitehip makes it
-        self._cache_pool_pages = self.kv.reserve("global", cache_pages) if cache_pages else []
         self.groups = sorted(specs)
 
         self.max_num_seqs = max_num_seqs
@@ -190,21 +176,9 @@ class ModelRunner:
                                            self.device, group=self.sparse_planner.layer_group[k],
                                            bank_layout=kv_layout if bank else None,
                                            value_bank=bank and offload is not None)
-        if self._cache_pool_pages and self.page_cache is None:
-            self.page_cache = OffloadPageCache(self.offload_layers, self._cache_pool_pages, self.page_size,
-                                               self.device)
         if self.graphs is not None:
             self.graphs.lazy_graphs.clear()
             self.graphs.capture(self.graph_keys())
-
-    def _offload_cache_pages(self, tokens: int | None) -> int:
-        """GPU pool pages for copies of hot host pages: ``tokens`` per layer (None: the stage-1
-        survivors of one request, the pages stages 2 and 3 and the bank writer read)."""
-        if tokens is None:
-            tokens = self.engine.config.plan.infinitehip.stages[0].k
-        if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0:
-            raise ValueError(f"kv_offload_cache_tokens must be an int >= 0, got {tokens!r}")
-        return math.ceil(tokens / self.page_size)
 
     def _offload_spec(self, nbytes: int, page_bytes: int, num_global_layers: int) -> OffloadSpec | None:
         """The host pool of the full-attention ("global") layers for ``nbytes`` of host memory.
@@ -327,11 +301,11 @@ class ModelRunner:
         return StepPlan(input_ids=input_ids, positions=positions, cu=cu, ctx_lens=ctx_lens,
                         logits_rows=logits_rows, slots=slots, tables=tables, num_decodes=num_decodes,
                         sparse=self._plan_sparse([ch.seq for ch in out.chunks], ctx_lens, num_decodes,
-                                                 [ch.needs_logits for ch in out.chunks], dense=bool(drops)),
+                                                 dense=bool(drops)),
                         drops=drops or None, layer_dropped=layer_dropped)
 
     def _plan_sparse(self, seqs: list, ctx_lens: list[int], num_decodes: int,
-                     needs_logits: list[bool] | None = None, dense: bool = False) -> SparseStepHost | None:
+                     dense: bool = False) -> SparseStepHost | None:
         """The step's InfiniteHiP plan; dense=True (a step that drops tokens runs no sparse
         attention): none, and the requests' cached masks are invalidated."""
         if self.sparse_planner is None:
@@ -339,7 +313,7 @@ class ModelRunner:
         if dense:
             self.sparse_planner.skip(seqs)
             return None
-        return self.sparse_planner.plan(seqs, ctx_lens, num_decodes, needs_logits)
+        return self.sparse_planner.plan(seqs, ctx_lens, num_decodes)
 
     def _tensor(self, values, dtype) -> torch.Tensor:
         t = torch.tensor(values, dtype=dtype)
@@ -423,8 +397,6 @@ class ModelRunner:
     def execute(self, out: SchedulerOutput) -> torch.Tensor:
         """Run one step; returns fp32 logits [num chunks with needs_logits, vocab] in chunk order."""
         p = self.prepare(out)
-        if self.page_cache is not None:
-            self.page_cache.apply(self.kv)
         if self._uses_graph(p, len(out.chunks)):
             bs = self.graphs.load([p])
             # a decode chunk always samples
@@ -435,8 +407,6 @@ class ModelRunner:
             if ctx.token_drop is not None:
                 self._record_retention(out, ctx.token_drop)
             logits = self.model.compute_logits(hidden[self._tensor(p.logits_rows, torch.int64)])
-        if self.page_cache is not None:
-            self.page_cache.collect([p.sparse], [ch.seq for ch in out.chunks])
         self._offload((ch.seq, ch.end) for ch in out.chunks)
         return logits
 
@@ -479,8 +449,6 @@ class ModelRunner:
             plans.append(dataclasses.replace(plans[0], positions=[s + j for s in starts], ctx_lens=ctx_lens,
                                              slots=slots, sparse=self._plan_sparse(seqs, ctx_lens, len(seqs))))
         n, tokens = len(out.chunks), []
-        if self.page_cache is not None:
-            self.page_cache.apply(self.kv)
         if all(self._uses_graph(p, n) for p in plans):
             bs = self.graphs.load(plans)
             for j in range(num_steps):
@@ -491,7 +459,5 @@ class ModelRunner:
                 input_ids = tokens[-1] if tokens else self._tensor(p.input_ids, torch.int64)
                 with forward_context(self._context(p)):
                     tokens.append(sample(self.model.compute_logits(self.model(input_ids))))
-        if self.page_cache is not None:
-            self.page_cache.collect([p.sparse for p in plans], seqs)
         self._offload((seq, ctx) for seq, ctx in zip(seqs, plans[-1].ctx_lens))
         return tokens

@@ -30,7 +30,6 @@ import torch
 
 from infhip.config import InfiniteHipConfig
 from infhip.plugins._triton_utils import triton_on
-from infhip.plugins.kv_offload import cached_tables
 from infhip.plugins.infinitehip import (plan_query_blocks, pruning_stage, sparse_decode_attention,
                                         sparse_prefill_attention, unrotate_keys, write_key_bank)
 from infhip.runtime.mask_cache import MaskCache, MaskSlots, layer_offsets, refresh_from
@@ -48,7 +47,6 @@ class SparseStepHost:
     decode_slots: list[int]  # its mask-cache slot
     decode_first_stage: list[tuple[int, ...]]  # per layer group: first stage it recomputes (S: none)
     prefill_seqs: list[int]  # batch index of each sparse prefill chunk
-    prefill_solo_last: list[bool]  # per sparse prefill chunk: its last query gets its own block
     dense_decode_lens: list[int]  # [num_decodes] context lengths, 0 for the sparse rows
     dense_prefill_runs: list[tuple[int, int]]  # batch ranges [lo, hi) of dense prefill chunks
     dynamic_rope: bool
@@ -138,10 +136,7 @@ class SparsePlanner:
         self.trained_window_rope_off = cfg.rope_off_in_trained_window
         self.max_seq_len = max_seq_len
 
-    def plan(self, seqs: list, ctx_lens: list[int], num_decodes: int,
-             needs_logits: list[bool] | None = None) -> SparseStepHost:
-        """needs_logits[b]: chunk b's last token is sampled (with cfg.solo_last_query, a sparse
-        prefill chunk's last query then forms its own block)."""
+    def plan(self, seqs: list, ctx_lens: list[int], num_decodes: int) -> SparseStepHost:
         cfg, n = self.cfg, len(self.cfg.stages)
         rows, ends, slots, firsts, prefill, dense_lens, runs = [], [], [], [], [], [], []
         for b, (seq, end) in enumerate(zip(seqs, ctx_lens)):
@@ -173,9 +168,8 @@ class SparsePlanner:
         graphable = rows and len(rows) == len(seqs) and all(f == firsts[0] for f in firsts) and bank_ok
         if graphable and self.graph_capacity is not None:
             capacity = max(capacity, self.graph_capacity)
-        solo = [bool(cfg.solo_last_query and needs_logits is not None and needs_logits[b]) for b in prefill]
         return SparseStepHost(decode_rows=rows, decode_ends=ends, decode_slots=slots,
-                              decode_first_stage=firsts, prefill_seqs=prefill, prefill_solo_last=solo,
+                              decode_first_stage=firsts, prefill_seqs=prefill,
                               dense_decode_lens=dense_lens,
                               dense_prefill_runs=runs, dynamic_rope=dynamic, bank_ok=bank_ok, refresh=refresh,
                               capacity=capacity, graph_key=(refresh, capacity, dynamic, bank_ok) if graphable else None)
@@ -207,8 +201,7 @@ class SparsePlanner:
         """Tensors of a host plan; ``tensor(values, dtype)`` puts a list on the device."""
         cfg = self.cfg
         q_lens = [cu[b + 1] - cu[b] for b in h.prefill_seqs]
-        starts, lens, ends, seq_of = plan_query_blocks(q_lens, [ctx_lens[b] for b in h.prefill_seqs], cfg.block_q,
-                                                       solo_last=h.prefill_solo_last)
+        starts, lens, ends, seq_of = plan_query_blocks(q_lens, [ctx_lens[b] for b in h.prefill_seqs], cfg.block_q)
         seq_of = seq_of.tolist()  # index into h.prefill_seqs of each block
         # plan_query_blocks numbers rows from 0 over the chunks it is given; shift each block to
         # its chunk's first row in the step's packed q.
@@ -302,9 +295,6 @@ class InfiniteHipLayer:
         prune_kw = self._prune_kw()
         rope = self.pruning_rope if step.dynamic_rope else "none"
         bank = cache.bank is not None and step.dynamic_rope and step.bank_ok  # else rotate: same tokens
-        if offload is not None and offload.gpu_pages is not None and (any(step.refresh[self.group]) or not bank):
-            # host pages with a GPU copy (runtime/offload_cache.py) are read from it
-            block_tables = cached_tables(block_tables, offload.gpu_pages)
         for i, stage in enumerate(self.stages):
             if not step.refresh[self.group][i]:
                 continue

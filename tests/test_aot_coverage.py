@@ -54,7 +54,7 @@ SCENARIOS = {
     # a 150-token prompt in 48-token chunks: its pages move after its second chunk, and its third
     # and fourth prefill from staged copies
     "3k-past-window-offload-fp8": ("llama", dict(preset="3k", infinitehip_overrides=PAST, kv_dtype="fp8"),
-                                   dict(kv_offload_bytes=4 * MiB, kv_offload_cache_tokens=None),
+                                   dict(kv_offload_bytes=4 * MiB),
                                    dict(prompts=[LONG, PROMPTS[1], PROMPTS[3]], budget=48, small_batches=True)),
 }
 

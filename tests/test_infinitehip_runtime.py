@@ -7,6 +7,9 @@ the Triton launchers under the interpreter."""
 
 from __future__ import annotations
 
+import json
+import shutil
+
 import pytest
 
 import infhip.runtime.sparse_attention as sa
@@ -276,26 +279,14 @@ def test_key_bank_memory_is_reserved(engines):
     assert all(layer.self_attn.sparse.cache.bank is None for layer in inside.model.layers if layer.self_attn.sparse)
 
 
-def test_solo_last_query_gets_its_own_block(engines, dense_tokens, monkeypatch):
-    """solo_last_query (a runtime knob): the prefill chunk whose last token is sampled
-    gives that query a block of one (its mask scored by it alone); other chunks keep whole
-    blocks. Covering sets still equal dense, and real pruning generates."""
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    last_lens = []
-    real = sa.sparse_prefill_attention
-
-    def spy(q, k_cache, v_cache, tables, q_start, q_lens, ends, *a, **k):
-        last_lens.append(int(q_lens[-1]))  # the chunk's final block (one sparse chunk per step here)
-        return real(q, k_cache, v_cache, tables, q_start, q_lens, ends, *a, **k)
-    monkeypatch.setattr(sa, "sparse_prefill_attention", spy)
-    prompts = [PROMPTS[2]]  # 120 tokens: two chunks of the 64-token budget, the first one sparse too
-    expected = generate(engines["dense"], None, prompts)
-    assert generate(engines["cover"], dict(LOW, solo_last_query=True), prompts) == expected
-    assert last_lens[-1] == 1 and any(n > 1 for n in last_lens[:-1])
-    last_lens.clear()
-    generate(engines["cover"], dict(LOW, solo_last_query=False), prompts)
-    assert last_lens and all(n > 1 for n in last_lens), "off: no block of one"
-    stored = EngineConfig.load(engines["3k"]).plan.infinitehip
-    assert stored.key_bank and not stored.solo_last_query, "the presets' defaults (builder/presets.py)"
-    out = generate(engines["3k"], dict(LOW, solo_last_query=True), prompts)
-    assert [len(t) for t in out] == [GREEDY.max_tokens]
+def test_engine_naming_a_removed_knob_loads(engines, tmp_path):
+    """Engines built before solo_last_query was removed name it in config.json: they load (the
+    key is ignored) and keep the rest of their plan."""
+    old = tmp_path / "old-3k"
+    shutil.copytree(engines["3k"], old)
+    cfg = json.loads((old / "config.json").read_text())
+    cfg["plan"]["infinitehip"]["solo_last_query"] = False
+    (old / "config.json").write_text(json.dumps(cfg))
+    loaded = EngineConfig.load(old).plan.infinitehip
+    assert loaded == EngineConfig.load(engines["3k"]).plan.infinitehip
+    assert not hasattr(loaded, "solo_last_query")

@@ -16,7 +16,7 @@ what serving launches, on fake (meta) tensors shaped as the runtime shapes them:
   ``rope_off_in_trained_window``), a static step's inside it;
 * batch shapes: sparse decode rows 1..max_batch_size (CUDA graphs pad to a captured size, which
   is in that range too), prefill query blocks 1..max_num_batched_tokens / block_q (+ one partial
-  block per chunk and one solo block per chunk with ``solo_last_query``);
+  block per chunk);
 * KV offloading (``kv_offload_bytes``, a load option of every InfiniteHiP engine): with and
   without a host twin; the key bank (``uses_key_bank``) and its value bank when offloading;
 * dtypes: activations ``space.act_dtype``; the cache ``space.kv_dtype`` with float32 row scales
@@ -179,9 +179,9 @@ def sparse_space(space) -> SparseSpace | None:
     dynamic_possible = not cfg.rope_off_in_trained_window or max_len > window
     bank = cfg.key_bank and cfg.attention_rope == "streaming" and dynamic_possible
     bq = cfg.block_q
-    # plan_query_blocks: per chunk ceil(q_len / block_q) blocks (+1 solo block); the chunks of a
-    # step share max_num_batched_tokens, at most max_batch_size chunks
-    extra = build.max_batch_size * (2 if cfg.solo_last_query else 1)
+    # plan_query_blocks: per chunk ceil(q_len / block_q) blocks; the chunks of a step share
+    # max_num_batched_tokens, at most max_batch_size chunks (one partial block each)
+    extra = build.max_batch_size
     return SparseSpace(space=space, cfg=cfg, kinds=kinds, modes=tuple(modes), bank=bank,
                        bank_for_all=build.max_batch_size <= cfg.key_bank_slots, offload=(False, True),
                        max_decode_rows=build.max_batch_size,
