@@ -116,10 +116,10 @@ def kv_bytes(llm) -> tuple[int, int]:
     gpu = host = 0
     for layer in llm.engine.model.layers:
         a = layer.self_attn
-        for t in (a.k_cache, a.v_cache, a.k_scale, a.v_scale):
+        for t in (a.kv.k, a.kv.v, a.kv.k_scale, a.kv.v_scale):
             gpu += 0 if t is None else t.numel() * t.element_size()
-        if a.host_kv is not None:
-            for t in (a.host_kv.k, a.host_kv.v, a.host_kv.k_scale, a.host_kv.v_scale):
+        if a.kv.host is not None:
+            for t in (a.kv.host.k, a.kv.host.v, a.kv.host.k_scale, a.kv.host.v_scale):
                 host += 0 if t is None else t.numel() * t.element_size()
     return gpu, host
 
@@ -178,8 +178,8 @@ def main() -> None:
             gpu_b, host_b = kv_bytes(llm)
             if per_token is None:  # bytes of one token's K/V (+ scales) over all layers
                 a = llm.engine.model.layers[0].self_attn
-                per_token = len(llm.engine.model.layers) * 2 * (a.k_cache[0, 0].numel() * a.k_cache.element_size()
-                                                                + (4 * a.k_cache.shape[2] if a.k_scale is not None else 0))
+                per_token = len(llm.engine.model.layers) * 2 * (a.kv.k[0, 0].numel() * a.kv.k.element_size()
+                                                                + (4 * a.kv.k.shape[2] if a.kv.k_scale is not None else 0))
             seq = grown_request(llm, n) if mode != "resident" else grown_request(llm, n, chunk=n)
             print(f"{n} {mode}: GPU KV {gpu_b / GiB:.1f} GiB, host KV {host_b / GiB:.1f} GiB, "
                   f"set-up {time.perf_counter() - t0:.0f} s", flush=True)

@@ -40,7 +40,7 @@ def final_mask(attn, q, table, length, params, head_normalized: bool, kv_head: i
     head, which the engine does not have: it shares one mask across all heads)."""
     q_start, q_lens, ends, _ = plan_query_blocks([CHUNK], [length], params["stages"][0][0])
     tables = torch.tensor([table], dtype=torch.int32).expand(len(ends), -1).contiguous()
-    k_cache = attn.k_cache
+    k_cache = attn.kv.k
     if kv_head is not None:
         group = q.shape[1] // k_cache.shape[2]
         q = q[:, kv_head * group:(kv_head + 1) * group].contiguous()
@@ -56,9 +56,9 @@ def final_mask(attn, q, table, length, params, head_normalized: bool, kv_head: i
 
 def dense_mass(attn, q_last, table, length, positions) -> torch.Tensor:
     """float [Hq]: softmax mass of the last query on `positions`, per q head."""
-    page = attn.k_cache.shape[1]
+    page = attn.kv.k.shape[1]
     rows = torch.tensor(table).repeat_interleave(page)[:length]
-    keys = attn.k_cache[rows, torch.arange(length) % page].float()  # [length, Hkv, D]
+    keys = attn.kv.k[rows, torch.arange(length) % page].float()  # [length, Hkv, D]
     keys = keys.repeat_interleave(q_last.shape[0] // keys.shape[1], 1)  # [length, Hq, D]
     probs = (torch.einsum("hd,lhd->hl", q_last.float(), keys) * attn.scale).softmax(-1)
     return probs[:, positions].sum(-1)
@@ -95,7 +95,7 @@ def main() -> None:
             kept = [final_mask(attn, q, table, args.length, params[i], hn, query_stride=args.query_stride)[
                 needle].float().mean().item() for hn in (False, True)]
             mass = dense_mass(attn, q[-1], table, args.length, needle)
-            reader = int(mass.argmax()) // (q.shape[1] // attn.k_cache.shape[2])  # its kv head
+            reader = int(mass.argmax()) // (q.shape[1] // attn.kv.k.shape[2])  # its kv head
             own = final_mask(attn, q, table, args.length, params[i], False, kv_head=reader,
                              query_stride=args.query_stride)[needle].float().mean().item()
             print(f"| {i} | {kept[0]:.2f} | {kept[1]:.2f} | {own:.2f} | {mass.max():.3f} | {mass.mean():.3f} |",

@@ -16,16 +16,17 @@ from dataclasses import dataclass
 
 import torch
 
+from infhip.plugins.kv_offload import copy_pages
+from infhip.runtime.attention.infinitehip import (InfiniteHipBackend, InfiniteHipLayer, SparsePlanner,
+                                                  SparseStepHost, uses_key_bank)
+from infhip.runtime.attention.paged_kv import PagedKV
 from infhip.runtime.cuda_graphs import DECODE_LEN_BUCKETS, DecodeGraphs, GraphKey, len_bucket
-from infhip.plugins.kv_quant import is_fp8, new_kv_scales
 from infhip.runtime.engine import DTYPES, KV_DTYPES, LoadedEngine
 from infhip.runtime.forward_context import ForwardContext, KVGroupMetadata, LayerKV, compact_slots, forward_context
-from infhip.plugins.kv_offload import HostKV, copy_pages
 from infhip.runtime.kv_cache import KVCacheManager, KVGroupSpec, OffloadSpec
-from infhip.runtime.scheduler import SchedulerOutput
 from infhip.runtime.mask_cache import MaskCache
 from infhip.runtime.offload_staging import PrefillStaging, plan_staging
-from infhip.runtime.sparse_attention import InfiniteHipLayer, SparsePlanner, SparseStepHost, uses_key_bank
+from infhip.runtime.scheduler import SchedulerOutput
 from infhip.runtime.token_drop import DropChunk, TokenDropStep, keep_tail, plan_drops
 
 GiB = 1 << 30
@@ -75,8 +76,7 @@ class ModelRunner:
         layer_groups = [a.kv_group for a in attn_layers]
         windows = {a.kv_group: a.window for a in attn_layers}
         # K and V pages (+ an fp8 cache's float32 scale per token and kv head, plugins/kv_quant.py)
-        row_bytes = cfg.head_dim * kv_dtype.itemsize + (4 if is_fp8(kv_dtype) else 0)
-        page_bytes = 2 * self.page_size * cfg.num_kv_heads * row_bytes
+        page_bytes = self.page_size * PagedKV.bytes_per_token(cfg.num_kv_heads, cfg.head_dim, kv_dtype)
 
         offload = self._offload_spec(kv_offload_bytes, page_bytes, layer_groups.count("global"))
         # staged prefill (runtime/offload_staging.py): two buffers of one sequence's host pages
@@ -102,14 +102,11 @@ class ModelRunner:
             budget -= num_pages * page_bytes * num_layers
             specs[group] = KVGroupSpec(num_pages=num_pages, window=windows[group], offload=group_offload)
         self.kv = KVCacheManager(self.page_size, specs, self.max_pages_per_seq)
-        for attn in attn_layers:
-            shape = (specs[attn.kv_group].num_pages, self.page_size, cfg.num_kv_heads, cfg.head_dim)
-            attn.k_cache = torch.zeros(shape, dtype=kv_dtype, device=self.device)
-            attn.v_cache = torch.zeros(shape, dtype=kv_dtype, device=self.device)
-            attn.k_scale, attn.v_scale = new_kv_scales(attn.k_cache), new_kv_scales(attn.v_cache)  # None unless fp8
-            if specs[attn.kv_group].offload is not None:  # its host twin (plugins/kv_offload.py)
-                attn.host_kv = HostKV.like(attn.k_cache, offload.host_pages)
-        self.offload_layers = [a for a in attn_layers if a.host_kv is not None]
+        for attn in attn_layers:  # + a host twin where the group offloads (plugins/kv_offload.py)
+            spec = specs[attn.kv_group]
+            attn.kv = PagedKV.allocate(spec.num_pages, self.page_size, cfg.num_kv_heads, cfg.head_dim, kv_dtype,
+                                       self.device, host_pages=offload.host_pages if spec.offload is not None else 0)
+        self.offload_layers = [a for a in attn_layers if a.kv.host is not None]
         self.staging = PrefillStaging(self.offload_layers, staging_pages, self.device) if offload else None
         self.groups = sorted(specs)
 
@@ -134,19 +131,20 @@ class ModelRunner:
             self.graphs.capture(self.graph_keys())
 
     def graph_keys(self) -> list[GraphKey]:
-        """Every decode-graph key this runner's plan can replay besides the start-up dense graphs:
-        short-context length buckets, drop histories (token drop), and the InfiniteHiP keys
-        (refresh patterns x dynamic RoPE). All are captured at load, none on the request path."""
+        """Every decode-graph key this runner's plan can replay: the dense graph sized for
+        max_seq_len, short-context length buckets, drop histories (token drop), and the
+        InfiniteHiP keys (refresh patterns x dynamic RoPE). All are captured at load, none on the
+        request path."""
         buckets = [b for b in DECODE_LEN_BUCKETS if b < self.table_tokens]
         drops = self.token_drop is not None and self.graphs is not None and self.graphs.supports_layer_kv
-        keys = [(None, False, b) for b in buckets]
+        keys = [GraphKey()] + [GraphKey(len_bucket=b) for b in buckets]
         if drops:
-            keys += [(None, True, b) for b in buckets + [None]]
+            keys += [GraphKey(layer_kv=True, len_bucket=b) for b in buckets + [None]]
         if self.sparse_planner is not None:
             for sparse in self.sparse_planner.graph_keys():
-                keys.append((sparse, False, None))
-                if drops and not sparse[2]:  # requests drop tokens only inside the trained window
-                    keys.append((sparse, True, None))
+                keys.append(GraphKey(sparse=sparse))
+                if drops and not sparse.dynamic_rope:  # requests drop tokens only inside the trained window
+                    keys.append(GraphKey(sparse=sparse, layer_kv=True))
         return keys
 
     def set_infinitehip(self, ih) -> None:
@@ -168,16 +166,18 @@ class ModelRunner:
         self.sparse_planner = SparsePlanner(ih, self.max_num_seqs, self.engine.config.model.max_position_embeddings,
                                             len(sparse), raw_keys_max_tokens=self.max_seq_len,
                                             offloading=offload is not None, max_seq_len=self.max_seq_len)
+        backend = InfiniteHipBackend(self.sparse_planner)
         bank = uses_key_bank(ih, self.max_seq_len, self.engine.config.model.max_position_embeddings)
         for k, (attn, lp) in enumerate(sparse):
             # the bank holds rotated keys in the queries' (the weights') dtype, whatever the cache's
-            kv_layout = (attn.k_cache.shape[2], attn.k_cache.shape[3], DTYPES[self.engine.config.build.dtype])
+            kv_layout = (attn.kv.k.shape[2], attn.kv.k.shape[3], DTYPES[self.engine.config.build.dtype])
             attn.sparse = InfiniteHipLayer(ih, lp.index, self.max_num_seqs, attn.scale, attn.rope[0].inv_freq,
                                            self.device, group=self.sparse_planner.layer_group[k],
                                            bank_layout=kv_layout if bank else None,
                                            value_bank=bank and offload is not None)
+            attn.backend = backend
         if self.graphs is not None:
-            self.graphs.lazy_graphs.clear()
+            self.graphs.drop(lambda key: key.sparse is None)
             self.graphs.capture(self.graph_keys())
 
     def _offload_spec(self, nbytes: int, page_bytes: int, num_global_layers: int) -> OffloadSpec | None:
@@ -224,7 +224,7 @@ class ModelRunner:
             return
         src_t, dst_t = self._tensor(src, torch.int32), self._tensor(dst, torch.int32)
         for attn in self.offload_layers:
-            copy_pages(attn.k_cache, attn.v_cache, attn.k_scale, attn.v_scale, src_t, dst_t, attn.host_kv)
+            copy_pages(attn.kv.k, attn.kv.v, attn.kv.k_scale, attn.kv.v_scale, src_t, dst_t, attn.kv.host)
 
     def set_token_drop(self, cfg) -> None:
         """Turn token drop on (a TokenDropConfig) or off (None) from the next step on. With
@@ -386,12 +386,9 @@ class ModelRunner:
             return False
         return not p.has_sparse or p.sparse.graph_key is not None
 
-    def _graph_key(self, p: StepPlan) -> GraphKey | None:
-        """None: the start-up dense graph; else (sparse key, drop histories, length bucket)."""
-        sparse = p.sparse.graph_key if p.has_sparse else None
-        layer_kv = p.layer_dropped is not None
-        bound = self._len_bucket(p)
-        return None if sparse is None and not layer_kv and bound is None else (sparse, layer_kv, bound)
+    def _graph_key(self, p: StepPlan) -> GraphKey:
+        return GraphKey(sparse=p.sparse.graph_key if p.has_sparse else None, layer_kv=p.layer_dropped is not None,
+                        len_bucket=self._len_bucket(p))
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> torch.Tensor:

@@ -12,7 +12,7 @@ import shutil
 
 import pytest
 
-import infhip.runtime.sparse_attention as sa
+import infhip.runtime.attention.infinitehip as sa
 from infhip import LLM, SamplingParams
 from infhip.builder.build import build_engine
 from infhip.config import EngineConfig

@@ -78,7 +78,7 @@ def test_offloaded_decode_reads_the_value_bank(engines, small_batches, monkeypat
     """Dynamic RoPE on (the key bank's case): with offloading, last-stage refreshes also copy the
     selected values into a value bank and decode reads both banks; the tokens equal the
     resident run's (interpreted kernels: the banks are a kernel path)."""
-    import infhip.runtime.sparse_attention as sa
+    import infhip.runtime.attention.infinitehip as sa
 
     seen = []
     real = sa.sparse_decode_attention

@@ -53,7 +53,7 @@ def test_staging_buffers_hold_one_sequence(engines):
     from infhip import LLM
 
     runner = LLM(engines["3k"], kv_offload_bytes=4 * MiB).runner
-    staging, host = runner.staging, runner.offload_layers[0].host_kv
+    staging, host = runner.staging, runner.offload_layers[0].kv.host
     assert staging.capacity == min(host.num_pages, runner.max_pages_per_seq)
     assert len(staging.buffers) == 2 and staging.buffers[0].k.shape[1:] == host.k.shape[1:]
     assert staging.buffers[0].k.dtype == host.k.dtype and staging.buffers[0].k_scale is None

@@ -14,7 +14,7 @@ import pytest
 from infhip import LLM, SamplingParams
 from infhip.builder.build import build_engine
 from infhip.builder.presets import infinitehip_config
-from infhip.runtime.sparse_attention import SparsePlanner
+from infhip.runtime.attention.infinitehip import SparsePlanner
 from tests._tiny import write_tiny_hf_checkpoint
 from tests.test_infinitehip_runtime import COVER, TINY
 from tests.test_infinitehip_runtime import calls  # noqa: F401 (fixture: sparse attention launch counts)

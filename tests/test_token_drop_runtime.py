@@ -208,7 +208,7 @@ def test_drop_over_fp8_cache_tracks_the_float32_one(engine, tmp_path):
         _, lg, sid = run_greedy(llm, ids, 1)
         logits.append(lg[0])
         kept.append({layer: torch.cat(chunks).tolist() for layer, chunks in llm.runner.kept_positions[sid].items()})
-    assert llm.runner.model.layers[0].self_attn.k_cache.dtype == torch.float8_e4m3fn
+    assert llm.runner.model.layers[0].self_attn.kv.k.dtype == torch.float8_e4m3fn
     assert kept[1].keys() == kept[0].keys() and all(len(v) < 0.6 * len(ids) for v in kept[1].values())
     for layer, want in kept[0].items():  # the same drop, up to a few tokens at the boundary
         got = set(kept[1][layer])

@@ -100,7 +100,7 @@ def capture_queries(model, layers: list[int], num_queries: int):
 
 def layer_recall(attn, q: torch.Tensor, table: list[int], length: int, params: dict[str, Any]) -> torch.Tensor:
     """float64 [Hq] recall of one layer: q [C, Hq, D] the newest C queries of a `length`-token
-    sequence whose keys sit in attn.k_cache at page-table row `table`."""
+    sequence whose keys sit in attn.kv.k at page-table row `table`."""
     from infhip.plugins.infinitehip import (attention_recall, per_query_key_mask, plan_query_blocks,
                                             pruning_stage)
 
@@ -114,14 +114,14 @@ def layer_recall(attn, q: torch.Tensor, table: list[int], length: int, params: d
     strides = params.get("query_strides") or [1] * len(stages)
     sel = num = None
     for (b_q, l_c, k), stride in zip(stages, strides):
-        sel, num = pruning_stage(q, attn.k_cache, tables, q_start, q_lens, ends, sel, num, chunk_size=l_c, k=k,
+        sel, num = pruning_stage(q, attn.kv.k, tables, q_start, q_lens, ends, sel, num, chunk_size=l_c, k=k,
                                  block_q=b_q, n_sink=n_sink, n_stream=n_stream, rope_style=rope_style,
                                  inv_freq=inv_freq, head_normalized=params.get("head_normalized", False),
-                                 query_stride=stride, k_scale=attn.k_scale)
+                                 query_stride=stride, k_scale=attn.kv.k_scale)
     keep = per_query_key_mask(sel, q_lens, ends, n_sink, n_stream, length)
-    page = attn.k_cache.shape[1]
+    page = attn.kv.k.shape[1]
     rows = torch.tensor(table, device=dev).repeat_interleave(page)[:length]
-    keys = read_rows(attn.k_cache, attn.k_scale, rows, torch.arange(length, device=dev) % page, q.dtype)  # [length, Hkv, D]
+    keys = read_rows(attn.kv.k, attn.kv.k_scale, rows, torch.arange(length, device=dev) % page, q.dtype)  # [length, Hkv, D]
     per_head, _ = attention_recall(q, keys, keep, scale=attn.scale)
     return per_head
 

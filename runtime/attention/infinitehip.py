@@ -1,4 +1,4 @@
-"""InfiniteHiP in the runtime: the per-step plan (host) and the per-layer run (kernels only).
+"""The InfiniteHiP attention backend: the per-step plan (host) and the per-layer run (kernels only).
 
 plan (once per step, :class:`SparsePlanner`): a sequence whose context after the step is at
 least ``dense_threshold`` goes sparse, the others stay dense. Sparse decode rows get their
@@ -32,10 +32,22 @@ from infhip.config import InfiniteHipConfig
 from infhip.plugins._triton_utils import triton_on
 from infhip.plugins.infinitehip import (plan_query_blocks, pruning_stage, sparse_decode_attention,
                                         sparse_prefill_attention, unrotate_keys, write_key_bank)
+from infhip.runtime.attention.dense import DENSE
 from infhip.runtime.mask_cache import MaskCache, MaskSlots, layer_offsets, refresh_from
 
 if TYPE_CHECKING:
+    from infhip.runtime.attention.paged_kv import PagedKV
     from infhip.runtime.offload_staging import StagedStep
+
+
+@dataclass(frozen=True)
+class SparseGraphKey:
+    """What makes two pure sparse-decode steps replay the same CUDA graph (with the batch size)."""
+
+    refresh: tuple[tuple[bool, ...], ...]  # per layer group, per stage: recomputed this step
+    capacity: int  # stage-1 candidate capacity (the planner's graph_capacity)
+    dynamic_rope: bool  # some context is past the trained window
+    bank_ok: bool  # every row owns a key-bank row
 
 
 @dataclass
@@ -53,7 +65,7 @@ class SparseStepHost:
     bank_ok: bool  # every sparse decode row owns a key-bank row (slot < cfg.key_bank_slots)
     refresh: tuple[tuple[bool, ...], ...]  # per layer group, per stage: does any row recompute it
     capacity: int  # stage-1 candidate capacity (>= every row's middle; a power of two)
-    graph_key: tuple | None  # (refresh, capacity, dynamic_rope, bank_ok) when a CUDA graph can replay the step
+    graph_key: SparseGraphKey | None  # set when a CUDA graph can replay the step
 
 
 @dataclass
@@ -172,9 +184,10 @@ class SparsePlanner:
                               decode_first_stage=firsts, prefill_seqs=prefill,
                               dense_decode_lens=dense_lens,
                               dense_prefill_runs=runs, dynamic_rope=dynamic, bank_ok=bank_ok, refresh=refresh,
-                              capacity=capacity, graph_key=(refresh, capacity, dynamic, bank_ok) if graphable else None)
+                              capacity=capacity,
+                              graph_key=SparseGraphKey(refresh, capacity, dynamic, bank_ok) if graphable else None)
 
-    def graph_keys(self) -> list[tuple]:
+    def graph_keys(self) -> list[SparseGraphKey]:
         """Every graph_key a decode step of this planner can have (runtime/cuda_graphs.py
         captures them all at load): the refresh patterns of one cycle of the clock, plus a
         newcomer's full first step, with dynamic RoPE off (sparse inside the trained window) and
@@ -189,7 +202,7 @@ class SparsePlanner:
             dynamic.append(False)
         if not self.trained_window_rope_off or self.max_seq_len is None or self.max_seq_len > self.trained_window:
             dynamic.append(True)
-        return [(refresh, self.graph_capacity, d, True) for d in dynamic for refresh in sorted(patterns)]
+        return [SparseGraphKey(refresh, self.graph_capacity, d, True) for d in dynamic for refresh in sorted(patterns)]
 
     def skip(self, seqs: list) -> None:
         """A step that runs no sparse attention (e.g. it drops tokens): every request's cached
@@ -260,17 +273,15 @@ class InfiniteHipLayer:
         self.cache = MaskCache(self.stages, max_slots, device, bank=bank_layout, bank_slots=cfg.key_bank_slots,
                                value_bank=value_bank)
 
-    def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-            block_tables: torch.Tensor, step: SparseStep, out: torch.Tensor,
-            dropped: torch.Tensor | None = None, k_scale: torch.Tensor | None = None,
-            v_scale: torch.Tensor | None = None, offload=None) -> None:
+    def run(self, q: torch.Tensor, kv: PagedKV, block_tables: torch.Tensor, step: SparseStep, out: torch.Tensor,
+            dropped: torch.Tensor | None = None) -> None:
         """Write the sparse rows of out [T, Hq, D]; q [T, Hq, D] is already rotated and this
-        step's K/V are in the cache. dropped: int32 [B] tokens this layer does not hold of each
+        step's K/V are in the layer's cache ``kv`` (fp8 scales and host twin included, table
+        entries < 0 name host pages). dropped: int32 [B] tokens this layer does not hold of each
         sequence (UniPrefill drop histories, compacted KV), None = all held: the key ranges end
-        that much earlier in the layer's cache. k_scale / v_scale: an fp8 cache's scales
-        (plugins/kv_quant.py), None otherwise. offload: the caches' host twin (table entries < 0
-        name its pages, plugins/kv_offload.py), None without offloading."""
-        extra = (k_scale, v_scale, offload)
+        that much earlier in the layer's cache."""
+        k_cache, v_cache, k_scale, v_scale = kv.k, kv.v, kv.k_scale, kv.v_scale
+        extra = (k_scale, v_scale, kv.host)
         if step.decode_rows.numel():
             ends = step.decode_ends if dropped is None else step.decode_ends - dropped[step.decode_rows]
             self._decode(q, k_cache, v_cache, block_tables, step, out, ends, *extra)
@@ -344,3 +355,50 @@ class InfiniteHipLayer:
                                  scale=self.scale, out=out, rope_group=self.stages[-1].chunk_size,
                                  rope_style=self.cfg.attention_rope if step.dynamic_rope else "none",
                                  k_scale=k_scale, v_scale=v_scale, offload=offload, **kw)
+
+
+class InfiniteHipBackend:
+    """The backend of "infinitehip" layers: rows whose context reaches ``dense_threshold`` run
+    the layer's pruning stages and block-sparse kernels (InfiniteHipLayer, the layer's
+    ``sparse`` state), the step's other rows the dense backend's calls. Host side: ``planner``
+    (one per runner) plans each step; its ``graph_keys()`` are the sparse graph keys captured at
+    load and ``graph_step`` the static metadata a graph of one key reads."""
+
+    name = "infinitehip"
+
+    def __init__(self, planner: SparsePlanner):
+        self.planner = planner
+
+    def run(self, layer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx) -> torch.Tensor:
+        sparse = ctx.sparse
+        if sparse is None:  # no row of the step reaches dense_threshold
+            return DENSE.run(layer, q, k, v, ctx)
+        meta = ctx.groups[layer.kv_group]
+        DENSE.rope_and_write(layer, q, k, v, ctx.positions, meta.slot_mapping)
+        out = torch.empty_like(q)
+        nd = ctx.num_decodes
+        if nd and sparse.num_dense_decodes:  # sparse decode rows have context 0 here: read nothing
+            DENSE.decode(layer, q[:nd], out[:nd], meta.block_tables[:nd], sparse.dense_decode_lens,
+                         ctx.decode_len_bound)
+        for lo, hi in sparse.dense_prefill_runs:
+            DENSE.prefill_run(layer, q, k, v, out, ctx, lo, hi)
+        layer.sparse.run(q, layer.kv, meta.block_tables, sparse, out, ctx.dropped)
+        return out
+
+    @staticmethod
+    def graph_step(key: SparseGraphKey, context_lens: torch.Tensor, mask_slots: torch.Tensor,
+                   buffers: dict[str, torch.Tensor]) -> SparseStep:
+        """The SparseStep a CUDA graph of ``key`` reads: every row of the batch is a sparse decode
+        row (row b = batch index b) recomputing the stages the key names. context_lens [bs]
+        int32 and mask_slots [bs] int64 are views of the graph's static input buffers; buffers
+        holds arange64 / arange32 / ones32 of length >= bs and empty none64 / none32."""
+        bs = context_lens.shape[0]
+        rows, none64, none32 = buffers["arange64"][:bs], buffers["none64"], buffers["none32"]
+        return SparseStep(
+            decode_rows=rows, decode_q_start=buffers["arange32"][:bs], decode_q_lens=buffers["ones32"][:bs],
+            decode_ends=context_lens, decode_slots=mask_slots,
+            stage_rows=[[rows if r else none64 for r in group] for group in key.refresh], refresh=key.refresh,
+            max_middle=key.capacity, prefill_q_start=none32, prefill_q_lens=none32, prefill_ends=none32,
+            prefill_seqs=none64, prefill_seq_rows=none64, prefill_seq_ends=[], prefill_block_seq=none64,
+            raw_keys=False, dense_decode_lens=none32, num_dense_decodes=0, dense_prefill_runs=[],
+            dynamic_rope=key.dynamic_rope, bank_ok=key.bank_ok)
