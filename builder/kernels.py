@@ -25,14 +25,15 @@ import time
 from pathlib import Path
 
 from infhip.plugins.aot import KernelVariant, LaunchSpace, Target, compile_variant, folder_files, record
+from infhip.runtime.attention import DenseBackend, InfiniteHipBackend
+from infhip.runtime.models.common import PLUGIN_MODULES as MODEL_PLUGIN_MODULES
+from infhip.runtime.token_drop import TokenDropStep
 
 INDEX_FORMAT = 1
-# Every plugin module with Triton kernels; each defines aot_launches(space).
-PLUGIN_MODULES = (
-    "rms_norm", "activation", "rope", "skinny_gemm", "dense_attention", "kv_quant", "kv_offload",
-    "infinitehip.pruning", "infinitehip.sparse_attention", "infinitehip.key_bank", "infinitehip.raw_keys",
-    "token_drop.importance", "token_drop.top_p", "token_drop.attention", "token_drop.gather",
-)
+# Every plugin module with Triton kernels (each defines aot_launches(space), which enumerates
+# what the engine's plan lets it launch): the model blocks' and every attention backend's.
+PLUGIN_MODULES = (MODEL_PLUGIN_MODULES + DenseBackend.plugin_modules + InfiniteHipBackend.plugin_modules
+                  + TokenDropStep.plugin_modules)
 
 
 def enumerate_variants(config, target: Target) -> dict[KernelVariant, tuple]:

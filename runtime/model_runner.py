@@ -112,6 +112,7 @@ class ModelRunner:
 
         self.max_num_seqs = max_num_seqs
         self.sparse_planner = None
+        self.infinitehip: InfiniteHipBackend | None = None  # the "infinitehip" layers' backend
         self.graphs = None
         self.set_infinitehip(engine.config.plan.infinitehip)
 
@@ -140,8 +141,8 @@ class ModelRunner:
         keys = [GraphKey()] + [GraphKey(len_bucket=b) for b in buckets]
         if drops:
             keys += [GraphKey(layer_kv=True, len_bucket=b) for b in buckets + [None]]
-        if self.sparse_planner is not None:
-            for sparse in self.sparse_planner.graph_keys():
+        if self.infinitehip is not None:
+            for sparse in self.infinitehip.graph_keys():
                 keys.append(GraphKey(sparse=sparse))
                 if drops and not sparse.dynamic_rope:  # requests drop tokens only inside the trained window
                     keys.append(GraphKey(sparse=sparse, layer_kv=True))
@@ -166,7 +167,7 @@ class ModelRunner:
         self.sparse_planner = SparsePlanner(ih, self.max_num_seqs, self.engine.config.model.max_position_embeddings,
                                             len(sparse), raw_keys_max_tokens=self.max_seq_len,
                                             offloading=offload is not None, max_seq_len=self.max_seq_len)
-        backend = InfiniteHipBackend(self.sparse_planner)
+        self.infinitehip = InfiniteHipBackend(self.sparse_planner)
         bank = uses_key_bank(ih, self.max_seq_len, self.engine.config.model.max_position_embeddings)
         for k, (attn, lp) in enumerate(sparse):
             # the bank holds rotated keys in the queries' (the weights') dtype, whatever the cache's
@@ -175,7 +176,7 @@ class ModelRunner:
                                            self.device, group=self.sparse_planner.layer_group[k],
                                            bank_layout=kv_layout if bank else None,
                                            value_bank=bank and offload is not None)
-            attn.backend = backend
+            attn.backend = self.infinitehip
         if self.graphs is not None:
             self.graphs.drop(lambda key: key.sparse is None)
             self.graphs.capture(self.graph_keys())
@@ -313,7 +314,7 @@ class ModelRunner:
         if dense:
             self.sparse_planner.skip(seqs)
             return None
-        return self.sparse_planner.plan(seqs, ctx_lens, num_decodes)
+        return self.infinitehip.plan(seqs, ctx_lens, num_decodes)
 
     def _tensor(self, values, dtype) -> torch.Tensor:
         t = torch.tensor(values, dtype=dtype)
@@ -326,7 +327,7 @@ class ModelRunner:
 
     # -- run ------------------------------------------------------------------------------------
     def _context(self, p: StepPlan) -> ForwardContext:
-        sparse = self.sparse_planner.to_device(p.sparse, p.cu, p.ctx_lens, self._tensor) if p.has_sparse else None
+        sparse = self.infinitehip.to_device(p.sparse, p.cu, p.ctx_lens, self._tensor) if p.has_sparse else None
         if sparse is not None and self.staging is not None and self.staging.enabled and p.sparse.prefill_seqs:
             stage = plan_staging(p.tables["global"], p.sparse.prefill_seqs, self.staging.capacity)
             if stage is not None:

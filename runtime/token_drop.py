@@ -136,6 +136,9 @@ class TokenDropStep:
     # per anchor: (layer, {b: (kept, total, kept positions (host))})
     records: list[tuple[int, dict[int, tuple[int, int, torch.Tensor]]]] = field(default_factory=list)
 
+    name = "token_drop"
+    plugin_modules = ("token_drop.importance", "token_drop.top_p", "token_drop.attention", "token_drop.gather")
+
     def __post_init__(self) -> None:
         self.spared = frozenset(sorted(self.anchors)[:self.cfg.spare_anchors])  # anchors that keep all
 

@@ -24,6 +24,7 @@ from infhip.plugins.rope import rope_and_write_kv
 
 class DenseBackend:
     name = "dense"
+    plugin_modules = ("rope", "dense_attention", "kv_quant")
 
     def run(self, layer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx) -> torch.Tensor:
         """q [T, Hq, D], k/v [T, Hkv, D] of the step's rows (decodes first) -> out [T, Hq, D]."""

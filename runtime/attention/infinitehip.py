@@ -365,9 +365,22 @@ class InfiniteHipBackend:
     load and ``graph_step`` the static metadata a graph of one key reads."""
 
     name = "infinitehip"
+    plugin_modules = ("infinitehip.pruning", "infinitehip.sparse_attention", "infinitehip.key_bank",
+                      "infinitehip.raw_keys", "kv_offload")
 
     def __init__(self, planner: SparsePlanner):
         self.planner = planner
+
+    def plan(self, seqs: list, ctx_lens: list[int], num_decodes: int) -> SparseStepHost:
+        """Host decisions of one step (SparsePlanner.plan); to_device turns them into SparseStep."""
+        return self.planner.plan(seqs, ctx_lens, num_decodes)
+
+    def to_device(self, h: SparseStepHost, cu: list[int], ctx_lens: list[int], tensor) -> SparseStep:
+        return self.planner.to_device(h, cu, ctx_lens, tensor)
+
+    def graph_keys(self) -> list[SparseGraphKey]:
+        """Every key a pure sparse-decode step can have (captured at load, runtime/cuda_graphs.py)."""
+        return self.planner.graph_keys()
 
     def run(self, layer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx) -> torch.Tensor:
         sparse = ctx.sparse

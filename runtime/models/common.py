@@ -19,6 +19,10 @@ from infhip.runtime.attention.dense import DENSE
 from infhip.runtime.attention.paged_kv import PagedKV
 from infhip.runtime.forward_context import get_forward_context
 
+# The plugins the blocks below launch besides attention (runtime/attention/ lists its own):
+# builder/kernels.py compiles what their aot_launches enumerate.
+PLUGIN_MODULES = ("rms_norm", "activation", "skinny_gemm")
+
 
 class SkinnyLinear(nn.Linear):
     """nn.Linear (same `weight`/`bias` names and state-dict keys) whose forward goes through
