@@ -25,22 +25,28 @@ import time
 from pathlib import Path
 
 from infhip.plugins.aot import KernelVariant, LaunchSpace, Target, compile_variant, folder_files, record
-from infhip.runtime.attention import DenseBackend, InfiniteHipBackend
-from infhip.runtime.models.common import PLUGIN_MODULES as MODEL_PLUGIN_MODULES
-from infhip.runtime.token_drop import TokenDropStep
 
 INDEX_FORMAT = 1
-# Every plugin module with Triton kernels (each defines aot_launches(space), which enumerates
-# what the engine's plan lets it launch): the model blocks' and every attention backend's.
-PLUGIN_MODULES = (MODEL_PLUGIN_MODULES + DenseBackend.plugin_modules + InfiniteHipBackend.plugin_modules
-                  + TokenDropStep.plugin_modules)
+
+
+def plugin_modules() -> tuple[str, ...]:
+    """Every plugin module with Triton kernels (each defines aot_launches(space), which enumerates
+    what the engine's plan lets it launch): the model blocks' and every attention backend's.
+    Imported here, not at module level: compile workers import this module before they drop
+    TRITON_INTERPRET, and importing the kernels first would make them interpreted functions."""
+    from infhip.runtime.attention import DenseBackend, InfiniteHipBackend
+    from infhip.runtime.models.common import PLUGIN_MODULES
+    from infhip.runtime.token_drop import TokenDropStep
+
+    return (PLUGIN_MODULES + DenseBackend.plugin_modules + InfiniteHipBackend.plugin_modules
+            + TokenDropStep.plugin_modules)
 
 
 def enumerate_variants(config, target: Target) -> dict[KernelVariant, tuple]:
     """variant -> what triton.compile needs, for every launch the engine's plan allows."""
     space = LaunchSpace(config, target)
     with record(target, launch=False) as rec:
-        for name in PLUGIN_MODULES:
+        for name in plugin_modules():
             launches = getattr(importlib.import_module(f"infhip.plugins.{name}"), "aot_launches", None)
             if launches is not None:
                 launches(space)

@@ -77,11 +77,11 @@ def sparse_layer_params(llm, length: int | None = None) -> dict[int, dict[str, A
 def capture_queries(model, layers: list[int], num_queries: int):
     """Collect, per listed layer, the rotated queries of the last `num_queries` rows of every step
     (the last step of a prefill holds the tail). Yields {layer: list of [T, Hq, D] tensors}."""
-    from infhip.runtime.models import common
+    from infhip.runtime.attention import dense
 
     store: dict[int, list[torch.Tensor]] = {i: [] for i in layers}
     current: list[int | None] = [None]
-    original = common.rope_and_write_kv
+    original = dense.rope_and_write_kv  # every backend rotates through DenseBackend.rope_and_write
 
     def wrapped(q, k, v, *args, **kwargs):
         original(q, k, v, *args, **kwargs)
@@ -90,11 +90,11 @@ def capture_queries(model, layers: list[int], num_queries: int):
 
     hooks = [model.layers[i].self_attn.register_forward_pre_hook(
         lambda mod, inp, i=i: current.__setitem__(0, i)) for i in range(len(model.layers))]
-    common.rope_and_write_kv = wrapped
+    dense.rope_and_write_kv = wrapped
     try:
         yield store
     finally:
-        common.rope_and_write_kv = original
+        dense.rope_and_write_kv = original
         for h in hooks:
             h.remove()
 
@@ -140,7 +140,7 @@ def measure_recall(llm, ids: list[int], chunk: int, params: dict[int, dict[str, 
         out = {}
         for i in layers:
             attn = llm.runner.model.layers[i].self_attn
-            if not store[i]:  # the runtime's attention no longer goes through common.rope_and_write_kv
+            if not store[i]:  # the runtime's attention no longer goes through dense.rope_and_write_kv
                 raise RuntimeError(f"no queries captured at layer {i}: update recall.capture_queries to "
                                    "the runtime's attention module")
             q = torch.cat(store[i])[-chunk:]
