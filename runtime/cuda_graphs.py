@@ -238,7 +238,8 @@ class DecodeGraphs:
             self.tables[g][:n].copy_(self.host_tables[i, :n], non_blocking=True)
         return bs
 
-    def replay(self, step: int, bs: int, n: int, input_ids: torch.Tensor | None, key: GraphKey) -> torch.Tensor:
+    def replay(self, step: int, bs: int, n: int, input_ids: torch.Tensor | None = None,
+               key: GraphKey = GraphKey()) -> torch.Tensor:
         """Replay staged step `step` (input_ids: the previous step's sampled tokens [n], on the
         device, for step > 0) with the graph of (bs, key); returns logits [n, vocab] (a view of
         the shared buffer: valid until the next replay)."""
