@@ -22,7 +22,7 @@ from infhip import LLM, SamplingParams
 from infhip.builder.build import build_engine
 from infhip.builder.kernels import enumerate_variants
 from infhip.config import EngineConfig
-from infhip.runtime import model_runner
+import infhip.runtime.offload.policy as offload_policy
 from infhip.plugins.aot import Target, record
 from tests._tiny import write_tiny_hf_checkpoint
 
@@ -71,7 +71,7 @@ def checkpoints(tmp_path_factory):
 def test_enumeration_covers_launches(checkpoints, tmp_path, monkeypatch, name):
     arch, build_kw, llm_kw, run = (*SCENARIOS[name], {})[:4]
     if run.get("small_batches"):  # move pages one at a time (tiny contexts)
-        monkeypatch.setattr(model_runner, "OFFLOAD_BATCH_TOKENS", 16)
+        monkeypatch.setattr(offload_policy, "OFFLOAD_BATCH_TOKENS", 16)
     engine = build_engine(checkpoint=checkpoints / arch, output_dir=tmp_path / name, **KW, **build_kw)
     target = Target()
     enumerated = set(enumerate_variants(EngineConfig.load(engine), target))
