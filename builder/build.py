@@ -37,7 +37,7 @@ from infhip.builder.convert import convert_weights, random_weights, unused_tenso
 from infhip.builder.errors import BuildError
 from infhip.builder.hf_config import model_config_from_hf
 from infhip.builder.presets import PRESETS, make_plan
-from infhip.builder.token_drop_spec import token_drop_config
+from infhip.knob_specs import token_drop_config
 from infhip.builder.registry import ModelSource, resolve_model
 from infhip.builder.tokenizer import save_tokenizer
 
@@ -225,7 +225,7 @@ def build_engine(
     ``preset`` is one of builder/presets.py's PRESETS; ``infinitehip_overrides`` changes any
     InfiniteHiP knob of it (e.g. tiny stages for tests). ``token_drop`` (None/False = off, True,
     a ``--token-drop`` spec string, a dict or a TokenDropConfig) enables UniPrefill token
-    dropping in prefill (builder/token_drop_spec.py)."""
+    dropping in prefill (infhip/knob_specs.py)."""
     given = [x for x in (source, checkpoint, model) if x is not None]
     if len(given) != 1 or output_dir is None:
         raise TypeError("build_engine needs output_dir and exactly one of source, checkpoint=, model=")

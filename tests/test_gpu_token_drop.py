@@ -10,6 +10,7 @@ import torch
 
 from infhip import LLM
 from infhip.builder.build import build_engine
+from infhip.eval.common import set_forced_retention
 from infhip.plugins.dense_attention import dense_attention_ref
 from infhip.plugins.token_drop.attention import kept_attention_triton
 from tests._td_reference import reference_logits
@@ -41,7 +42,7 @@ def test_engine_on_gpu_equals_masked_reference(arch, tmp_path):
     engine = build_engine(checkpoint=tmp_path / "hf", output_dir=tmp_path / "e", dtype="float32",
                           device="cuda", max_seq_len=256, max_batch_size=4, progress=False)
     ids = prompt(2, 200)
-    llm = LLM(engine, max_num_batched_tokens=100, token_drop=dict(rho=0.3, **TINY), enforce_eager=True)
+    llm = set_forced_retention(LLM(engine, max_num_batched_tokens=100, token_drop=TINY, enforce_eager=True), 0.3)
     llm.runner.record_kept_positions = True
     tokens, logits, sid = run_greedy(llm, ids, 5)
     kept = {layer: torch.cat(c) for layer, c in llm.runner.kept_positions[sid].items()}
@@ -60,8 +61,7 @@ def test_drop_history_decode_through_cuda_graphs_equals_eager(arch, tmp_path):
     engine = build_engine(checkpoint=tmp_path / "hf", output_dir=tmp_path / "e", dtype="float32",
                           device="cuda", max_seq_len=256, max_batch_size=4, progress=False)
     prompts = [prompt(s, n) for s, n in ((2, 200), (3, 150), (4, 170))]
-    graphed, eager, keys = graphed_and_eager(engine, prompts, max_num_batched_tokens=100,
-                                             token_drop=dict(rho=0.3, **TINY))
+    graphed, eager, keys = graphed_and_eager(engine, prompts, 0.3, max_num_batched_tokens=100, token_drop=TINY)
     assert any(layer_kv and sparse is None for sparse, layer_kv, _ in keys)
     assert graphed == eager
 
@@ -76,21 +76,20 @@ def test_token_drop_with_infinitehip_graphs_equal_eager(tmp_path):
                           max_seq_len=256, max_batch_size=4, preset="3k",
                           infinitehip_overrides=dict(IHIP_TINY, dense_threshold=30), progress=False)
     prompts = [prompt(s, n) for s, n in ((5, 150), (6, 97), (7, 181))]
-    graphed, eager, keys = graphed_and_eager(engine, prompts, max_num_batched_tokens=64,
-                                             token_drop=dict(rho=0.4, **TINY))
+    graphed, eager, keys = graphed_and_eager(engine, prompts, 0.4, max_num_batched_tokens=64, token_drop=TINY)
     assert any(layer_kv and sparse is not None for sparse, layer_kv, _ in keys)
     assert graphed == eager
 
 
-def graphed_and_eager(engine, prompts, **llm_kwargs):
-    """Greedy tokens (40 each) through the CUDA graphs and eagerly, and the lazy graph keys the
-    graphed run captured; both runs must have dropped tokens."""
+def graphed_and_eager(engine, prompts, retention, **llm_kwargs):
+    """Greedy tokens (40 each) through the CUDA graphs and eagerly (a forced retention), and the
+    lazy graph keys the graphed run captured; both runs must have dropped tokens."""
     from infhip import SamplingParams
 
     sp = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
     outs, keys = {}, []
     for eager in (False, True):
-        llm = LLM(engine, enforce_eager=eager, **llm_kwargs)
+        llm = set_forced_retention(LLM(engine, enforce_eager=eager, **llm_kwargs), retention)
         outs[eager] = [o.token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=sp)]
         assert llm.runner.retention
         if not eager:

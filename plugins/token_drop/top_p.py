@@ -269,10 +269,11 @@ def force_retention(scores: torch.Tensor, cu_blocks: torch.Tensor, cu_seqlens: t
 
 def aot_launches(space) -> None:
     """The block selection's variants (plugins/aot.py) for an engine with a token-drop plan
-    (runtime/token_drop.py _select): top-p with the plan's p (p >= 1: keep all) or, with
-    ``retention``, forced retention. A selection "sequence" is a dropping chunk G-aligned in its
-    key list: tail + G to max_num_batched_tokens + G - 1 tokens; the scan and expansion widths
-    follow the longest one (one launch per distinct pair of widths)."""
+    (runtime/token_drop.py _select): top-p with the plan's p (p >= 1: keep all; a benchmark's
+    forced retention, ModelRunner.forced_retention, compiles on its first use). A selection
+    "sequence" is a dropping chunk G-aligned in its key list: tail + G to
+    max_num_batched_tokens + G - 1 tokens; the scan and expansion widths follow the longest one
+    (one launch per distinct pair of widths)."""
     td = space.plan.token_drop
     if td is None:
         return
@@ -286,7 +287,4 @@ def aot_launches(space) -> None:
         nb = triton.cdiv(n, G)
         args = (space.fake(nb, dtype=torch.float32), space.fake(2, dtype=torch.int32), space.fake(2, dtype=torch.int32))
         kw = dict(num_tokens=n, max_seqlen=n, block_size=G, num_sink=0, obs_window=tail)
-        if td.retention is not None:
-            force_retention(*args, td.retention, **kw)
-        else:
-            top_p_select(*args, td.p, **kw)
+        top_p_select(*args, td.p, **kw)
