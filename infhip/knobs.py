@@ -52,12 +52,14 @@ def knob(default: Any, doc: str, *, runtime: bool = False, measured: str = "") -
     """A knob field. Its metadata is the one description of the knob (docs/knobs.md is generated
     from it: ``python -m infhip.knobs_doc``): ``doc`` its meaning in one line; ``runtime`` whether
     a load may change it (``LLM(..., infinitehip_overrides=...)``, ``--infinitehip-overrides``)
-    or only a rebuild; ``measured`` where the docs justify its value ("docs/FILE.md § section: what")."""
+    or only a rebuild; ``measured`` the measurement behind its value, with markdown links
+    relative to docs/ ("not measured" when none chose it)."""
     return field(default=default, metadata={"doc": doc, "runtime": runtime, "measured": measured})
 
 
-_QUALITY, _BENCH = "docs/quality.md § InfiniteHiP `3k` vs dense on SmolLM2-135M", \
-    "docs/benchmarks.md § InfiniteHiP plugins vs SDPA"
+_ONE_LAYER = "[one layer](benchmarks.md#decode-infinitehip-one-layer-vs-sdpa)"
+_WHOLE_MODEL = "[whole model](benchmarks.md#decode-infinitehip-whole-model-vs-the-dense-engine)"
+_PAPER = "not measured (paper)"
 
 
 @dataclass(frozen=True)
@@ -84,59 +86,62 @@ class InfiniteHipConfig:
     request owns no bank row (runtime/mask_cache.py) rotates keys instead: the same tokens, slower.
     """
 
-    n_sink: int = knob(256, "tokens at the start of the context that every query attends (attention sinks)",
-                       measured="the paper's value (not re-measured)")
-    n_stream: int = knob(1024, "newest tokens that every query attends (the stream)",
-                         measured="the paper's value (not re-measured)")
+    n_sink: int = knob(256, "first tokens every query attends (attention sinks)", measured=_PAPER)
+    n_stream: int = knob(1024, "newest tokens every query attends", measured=_PAPER)
     stages: tuple[PruningStage, ...] = knob(
         (PruningStage(64, 256, 32768), PruningStage(64, 32, 8192), PruningStage(64, 8, 2048)),
-        "pruning stages (block_q, chunk_size, k): score chunks of chunk_size keys per block of block_q "
-        "queries, keep k keys", measured="the paper's 3K configuration; " + _QUALITY + ": passkey / NIAH vs dense")
+        "pruning stages: query block, chunk size, keys kept", measured=_ONE_LAYER + "; retrieval vs dense: "
+        "[quality](quality.md#smollm2-135m-3k-vs-dense-4k32k-h200)")
     refresh_intervals: tuple[int, ...] = knob(
-        (16, 8, 4), "decode steps between two recomputations of each stage (mask caching); each a "
-        "multiple of the next", runtime=True,
-        measured=_BENCH + ": decode per step type, amortized over the refresh cycle")
+        (16, 8, 4), "decode steps between recomputations of stage i (each a multiple of the next)", runtime=True,
+        measured=f"{_ONE_LAYER}, {_WHOLE_MODEL}")
     query_strides: tuple[int, ...] = knob(
-        (4, 4, 1), "prefill: each stage scores a block's chunks with every s-th query (1 = the paper's "
-        "formula; 4, 4, 1 = its public code)", runtime=True,
-        measured="docs/quality.md § InfiniteHiP `3k` vs dense (query strides): same passkey / NIAH / "
-        "perplexity as 1,1,1 within one prompt of 81 on SmolLM2; docs/benchmarks.md: 1/4 of the stages' work")
+        (4, 4, 1), "prefill: stage i scores a block's chunks with every s-th query (1 = the paper's formula; "
+        "4, 4, 1 = the paper's public code)", runtime=True,
+        measured="1M prefill: 1,1,1 6.0×, 4,4,1 20.2×, 4,4,4 25.6× SDPA "
+        "([benchmarks](benchmarks.md#prefill-infinitehip-one-layer-vs-sdpa)). SmolLM2 retrieval: 24 / 23 / 21 of "
+        "81 prompts for 1,1,1 / 4,4,1 / 4,4,4, perplexity equal; NIAH 51 (4,4,1) vs 49 (4,4,4) of 90 "
+        "([quality](quality.md#query-strides-and-stage-3-at-stride-4))")
     special_layers: tuple[int, ...] = knob(
-        (0, 1, 2), "layers (0-based) that keep special_final_k keys in the last stage and prune with "
-        "special_pruning_rope", measured="the paper's value (layers 1-3)")
-    special_final_k: int = knob(4096, "last-stage k of the special layers", measured="the paper's value")
-    # dense_threshold: n_sink + n_stream + stages[0].k (stage 1 keeps everything below it); the
-    # builder caps it at the model's trained window + 1 (builder/presets.py)
+        (0, 1, 2), "0-based layers that keep `special_final_k` and prune with `special_pruning_rope`",
+        measured="not measured (paper's layers 1–3); `infhip-eval recall` lists candidates "
+        "([quality](quality.md#attention-recall-of-the-final-masks))")
+    special_final_k: int = knob(4096, "last-stage keys kept in the special layers", measured=_PAPER)
+    # n_sink + n_stream + stages[0].k; the builder caps it at the trained window + 1 (builder/presets.py)
     dense_threshold: int = knob(
-        256 + 1024 + 32768, "contexts below it run dense attention (the builder: min(trained window + 1, "
-        "n_sink + n_stream + stages[0].k))", runtime=True,
-        measured="below n_sink + n_stream + stages[0].k stage 1 keeps every key: dense is exact there")
-    pruning_rope: str = knob("relative", "RoPE style of pruning past the trained window (none | relative | "
-                             "chunk_indexed)", measured="the paper's dynamic RoPE")
-    special_pruning_rope: str = knob("chunk_indexed", "pruning RoPE style of the special layers",
-                                     measured="the paper's dynamic RoPE")
-    attention_rope: str = knob("streaming", "RoPE style of the sparse attention past the trained window "
-                               "(none | streaming)", measured="the paper's dynamic RoPE")
+        256 + 1024 + 32768, "a request runs dense attention until its context reaches this (as built: "
+        "min(n_sink + n_stream + stage-1 k, trained window + 1))", runtime=True,
+        measured="derived: below it stage 1 keeps every candidate; past the trained window dense attention "
+        "fails (SmolLM2, [quality](quality.md#smollm2-135m-3k-vs-dense-4k32k-h200))")
+    pruning_rope: str = knob("relative", "RoPE style of the pruning stages past the window (`none`, "
+                             "`relative`, `chunk_indexed`)", measured=_PAPER)
+    special_pruning_rope: str = knob("chunk_indexed", "the same for the special layers", measured=_PAPER)
+    attention_rope: str = knob("streaming", "RoPE style of the block-sparse attention (`none`, `streaming`)",
+                               measured=_PAPER)
     rope_off_in_trained_window: bool = knob(
-        True, "dynamic RoPE only once a context exceeds the model's trained window (inside it keys keep "
-        "their stored rotation)", runtime=True,
-        measured="docs/quality.md § InfiniteHiP `3k` vs dense: the model's own positions inside its window")
+        True, "dynamic RoPE only once a context passes the trained window", runtime=True,
+        measured="the dynamic-RoPE cost it avoids inside the window, 1M keys: cached-step attention 23.5 µs "
+        "rotating vs 12.6 µs unrotated, decode stage 1 212 vs 58 µs ([journal](journal/benchmarks-history.md), "
+        "\"Fourth measurement\"); its quality effect is not measured")
     stagger_refresh: bool = knob(
-        True, "offset each layer's refresh phase so that no decode step recomputes every layer's stages "
-        "(runtime/mask_cache.py)", runtime=True,
-        measured=_BENCH + ": P99/median of a 32-layer step 1.00 staggered (3k) vs refresh spikes synchronized")
+        True, "shift each layer's refresh phase so no step pays every refresh", runtime=True,
+        measured="whole model P99/median: 1.01–1.09 staggered vs 1.82 (128K) and 2.76 (512K) synchronized "
+        f"({_WHOLE_MODEL})")
     chunk_score: str = knob(
-        "max", "how pruning scores a chunk: max over heads and queries (the paper) | head_normalized",
-        runtime=True, measured="docs/quality.md § InfiniteHiP `3k` vs dense: head_normalized better or equal "
-        "in every passkey / NIAH cell (default under decision: a Qwen2.5 GPU measurement)")
+        "max", "`max`: the paper's max over heads and queries; `head_normalized`: per kv head minus that "
+        "head's best chunk score first", runtime=True,
+        measured="`head_normalized` better or equal in every SmolLM2 passkey/NIAH cell on the H200 (e.g. NIAH "
+        "32K 0.444 → 0.667), recall unchanged; the default stays the paper's "
+        "([quality](quality.md#chunk_score-max-vs-head_normalized-smollm2-h200))")
     key_bank: bool = knob(
-        True, "past the trained window, a last-stage refresh rotates its keys once into a bank that the "
+        True, "past the window, a last-stage refresh rotates its keys once into a per-request bank that "
         "cached decode steps read", runtime=True,
-        measured=_BENCH + ": 3k-flash decode at 1M keys 27.2 -> 21.0 µs/layer (34.9x -> 45.3x SDPA)")
+        measured="1M keys, one layer: `3k-flash` 47.0× SDPA with, 35.3× without; whole model 512K: 166.4 vs "
+        f"155.6 tok/s ({_WHOLE_MODEL}). Memory: 4 MiB per row and layer for Llama-8B, about 1.2 GiB for "
+        "8 + 1 rows, reserved only when max_seq_len passes the window")
     key_bank_slots: int = knob(
-        8, "decoding requests that own a key-bank row (rows: min(max_num_seqs, this) + 1)", runtime=True,
-        measured="memory bound, not measured: past the trained window few requests fit the KV cache "
-        "(one 128K-token Llama-8B request holds 16 GiB)")
+        8, "decoding requests that own a bank row (rows: min(max_num_seqs, this) + 1); a step with a row "
+        "that owns none rotates keys instead (same tokens, slower)", runtime=True, measured="not measured")
 
     def __post_init__(self) -> None:
         _check(self.n_sink >= 0 and self.n_stream > 0, "n_sink must be >= 0 and n_stream > 0")
@@ -226,7 +231,6 @@ def check_runtime_knobs(names) -> None:
            f"{', '.join(bad)} needs a rebuild (infhip-build --preset ... --infinitehip-overrides ...)")
 
 
-_TOKEN_DROP_MEASURED = "docs/quality.md § UniPrefill token drop vs dense; docs/benchmarks.md § UniPrefill token drop"
 # Short names the token-drop knobs once had besides their field names: naming one is an error
 # that gives the field name (old command lines get a helpful message).
 RENAMED_TOKEN_DROP_KNOBS = {"n": "obs_window", "G": "block_size", "g": "block_size", "A": "num_sink",
@@ -259,18 +263,23 @@ class TokenDropConfig:
     Every knob may be changed per load (``LLM(..., token_drop={...})``).
     """
 
-    p: float = knob(0.99, "keep the smallest set of blocks holding this share of the anchor's attention mass",
-                    runtime=True, measured=_TOKEN_DROP_MEASURED + ": perplexity / passkey per p")
-    obs_window: int = knob(128, "last queries of a pass that score the blocks (always kept)", runtime=True,
-                           measured="the paper's value")
-    block_size: int = knob(64, "tokens per scored block", runtime=True, measured="the paper's value")
-    num_sink: int = knob(128, "first tokens of a prompt always kept", runtime=True, measured="the paper's value")
-    min_prompt_len: int = knob(8192, "prompts shorter than this are never dropped", runtime=True,
-                               measured="docs/benchmarks.md § UniPrefill token drop: the machinery's overhead "
-                               "(every block kept) on Llama-8B 21 % at 8K, 4.8 % at 32K, 2.6 % at 128K")
-    spare_anchors: int = knob(1, "the first that many anchors keep every token (0 = the paper)", runtime=True,
-                              measured=_TOKEN_DROP_MEASURED + ": Gemma-3-270M p = 0.99 perplexity x10.8 -> "
-                              "-0.03 % at 4K; 128K TTFT Llama-8B 5.6x -> 5.0x dense")
+    p: float = knob(0.99, "the smallest set of token blocks holding this share of the attention mass is kept",
+                    runtime=True, measured="Gemma-3-270M 4K, spare_anchors 1: p = 0.99 −0.03 %, p = 0.98 +0.19 % "
+                    "perplexity ([quality](quality.md#uniprefill-token-drop-issue-4))")
+    obs_window: int = knob(128, "last queries of the chunk that score the blocks", runtime=True, measured=_PAPER)
+    block_size: int = knob(64, "tokens per scored block", runtime=True, measured=_PAPER)
+    num_sink: int = knob(128, "first tokens always kept", runtime=True, measured=_PAPER)
+    min_prompt_len: int = knob(
+        8192, "shorter prompts never drop", runtime=True,
+        measured="overhead with every block kept, Llama-8B: 21 % at 8K, 4.8 % at 32K, 2.6 % at 128K "
+        "([benchmarks](benchmarks.md#token-drop-uniprefill-ttft-vs-dense))")
+    spare_anchors: int = knob(
+        1, "the first N full-attention layers keep every token (not in the paper; 0 = the paper); engines "
+        "built before it: 0", runtime=True,
+        measured="Gemma-3-270M p = 0.99: perplexity ×10.8 → −0.03 % at 4K; SmolLM2 ×6.8 → +30 % "
+        "([quality](quality.md#uniprefill-token-drop-issue-4)). Cost at 128K, 30 % of the blocks kept: Llama-8B "
+        "5.64× → 5.02×, Gemma-3-12B 3.47× → 2.58× dense TTFT "
+        "([benchmarks](benchmarks.md#token-drop-uniprefill-ttft-vs-dense))")
 
     def __post_init__(self) -> None:
         _check(0.0 < self.p <= 1.0, f"token_drop p must be in (0, 1], got {self.p}")

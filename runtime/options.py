@@ -24,42 +24,46 @@ JIT_POLICIES = ("forbid", "warn", "allow")
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 
 
-def _option(default: Any, doc: str, kind: str, metavar: str | None = None) -> Any:
-    """A field of LoadOptions; ``kind`` says how its flag reads a value (int, size, flag, ...)."""
-    return field(default=default, metadata={"doc": doc, "kind": kind, "metavar": metavar})
+def _option(default: Any, doc: str, kind: str, metavar: str | None = None, measured: str = "—") -> Any:
+    """A field of LoadOptions; ``kind`` says how its flag reads a value (int, size, flag, ...);
+    ``measured``: the measurement behind its default (docs/knobs.md, links relative to docs/)."""
+    return field(default=default, metadata={"doc": doc, "kind": kind, "metavar": metavar, "measured": measured})
 
 
 @dataclass(frozen=True)
 class LoadOptions:
     """How to load and serve an engine (the engine itself fixes the model and its plan)."""
 
-    device: str | None = _option(None, "cpu / cuda (default: the engine's build target)", "str", "DEVICE")
-    max_num_seqs: int | None = _option(None, "most sequences in one step (default: the engine's max_batch_size)",
+    device: str | None = _option(None, "`cpu` / `cuda` (default: the engine's target)", "str", "DEVICE")
+    max_num_seqs: int | None = _option(None, "most sequences in one step (default: the engine's max batch size)",
                                        "int", "N")
     max_num_batched_tokens: int | None = _option(
-        None, "token budget of one step, i.e. the prefill chunk (default: the engine's)", "int", "N")
+        None, "token budget of one step, i.e. the prefill chunk (default: the engine's)", "int", "N",
+        "see the build flag")
     kv_cache_memory_bytes: int | None = _option(
-        None, "KV cache size (default: 90% of free GPU memory, 2 GiB on CPU)", "size", "SIZE")
+        None, "KV cache size (default on GPU: free memory - 10 % of total - other buffers (activations, key "
+        "bank, raw-keys scratch, staging) - 1 GiB; CPU: 2 GiB)", "size", "SIZE")
     kv_offload_bytes: int = _option(
-        0, "pinned host memory for offloaded KV pages (InfiniteHiP engines; 0: none): past the dense "
-        "threshold a request's pages between sink and stream move to the host, read in place "
-        "(plugins/kv_offload.py)", "size", "SIZE")
+        0, "pinned host memory for the KV pages between sink and stream of a request once its context passes "
+        "max(`dense_threshold`, trained window + 1) (with `rope_off_in_trained_window`; else `dense_threshold`). "
+        "InfiniteHiP engines whose full-attention layers all run it, no token drop; 0: off", "size", "SIZE",
+        "1M: decode 0.77×, prefill 0.95× of resident ([benchmarks](benchmarks.md#kv-offload-pinned-host-memory))")
     enforce_eager: bool = _option(False, "never use CUDA graphs", "flag")
     num_decode_steps: int | None = _option(
-        None, "decode steps run back to back on the device when a step is all decodes and nobody "
-        "waits (up to N - 1 tokens past a stop are computed and dropped; default 8 on GPU, 1 on CPU)",
-        "int", "N")
+        None, "decode steps run back to back on the device before the host reads tokens, when a step is all "
+        "decodes and nobody waits (up to N - 1 tokens past a stop are computed and dropped; default 8 on GPU, "
+        "1 on CPU)", "int", "N", "dense batch 1: 217.8 / 218.9 / 222.0 tok/s at 8 / 16 / 32 "
+        "([benchmarks](benchmarks.md#decode-dense-engine-vs-transformers))")
     infinitehip_overrides: dict | None = _option(
-        None, "InfiniteHiP knobs changed for this load, those marked load in docs/knobs.md "
-        "(e.g. chunk_score=head_normalized,refresh_intervals=[32,16,8])", "knobs", "KEY=VALUE,...")
+        None, "the InfiniteHiP knobs marked *load* in docs/knobs.md, changed for this load (e.g. "
+        "`chunk_score=head_normalized,refresh_intervals=[32,16,8]`)", "knobs", "KEY=VALUE,...")
     token_drop: bool | dict | None = _option(
-        None, "UniPrefill token drop: off, on (as built, or the defaults), or knobs laid over the "
-        "engine's (e.g. p=0.98,min_prompt_len=4096; docs/knobs.md); default: as built", "token_drop",
-        "off|on|KEY=VALUE,...")
+        None, "UniPrefill token drop: off, on (as built, or the defaults), or token-drop knobs laid over the "
+        "engine's (e.g. `p=0.98,min_prompt_len=4096`); default: as built", "token_drop", "off|on|KEY=VALUE,...")
     jit: str | None = _option(
-        None, "a kernel the engine holds no binary for: forbid (raise), warn (compile, log once), allow "
-        "(compile silently; also runs on a GPU other than the target); default $INFHIP_JIT, else warn",
-        "choice", "|".join(JIT_POLICIES))
+        None, "a kernel the engine has no binary for: `forbid` raises, `warn` compiles and logs, `allow` compiles "
+        "silently (and runs on a GPU other than the target); default `$INFHIP_JIT`, else `warn`", "choice",
+        "|".join(JIT_POLICIES), "[design/aot.md](design/aot.md)")
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "num_decode_steps", "kv_cache_memory_bytes"):
@@ -126,7 +130,8 @@ def add_load_options(parser: argparse.ArgumentParser) -> None:
     converts and validates them, so a bad value is a ValueError the command reports (exit 2)."""
     group = parser.add_argument_group("load options (LLM(...) keywords of the same names)")
     for f in dataclasses.fields(LoadOptions):
-        kind, doc, metavar = f.metadata["kind"], f.metadata["doc"], f.metadata["metavar"]
+        kind, metavar = f.metadata["kind"], f.metadata["metavar"]
+        doc = f.metadata["doc"].replace("`", "").replace("%", "%%")  # argparse formats help with %
         if kind == "flag":
             group.add_argument(flag_of(f.name), action="store_true", help=doc)
         elif kind == "choice":

@@ -166,6 +166,11 @@ def test_recall_on_an_infinitehip_engine(tmp_path):
     assert {r["layer"] for r in recs} == sparse and len(recs) == len(sparse) * 6  # 6 query heads
     assert all(0.0 < r["score"] < 1.0 for r in recs)  # 52 of 200 keys kept: partial mass
     assert all(r["extra"]["engine_runs_dense"] for r in recs)  # 200 < dense_threshold, and it says so
+    # --haystack picks the windows' text (the GPU image has no KJV package: the qwen run uses pg)
+    assert cli.main(["recall", "--engine", str(engine), "--lengths", "200", "--chunk", "8", "--haystack", "noise",
+                     "--json", str(tmp_path / "n.json")]) == 0
+    noise = json.loads((tmp_path / "n.json").read_text())["records"]
+    assert len(noise) == len(recs) and [r["score"] for r in noise] != [r["score"] for r in recs]
 
 
 def test_infinitehip_overrides_flag_parses():

@@ -1,7 +1,10 @@
 """GPU checks of UniPrefill token drop: the kept-query attention kernel at Llama-3.1-8B head
 shapes (bf16) against the float64 reference, and a tiny float32 engine on the GPU (Triton
 importance, selection and kept attention) against the plain-torch masked reference, decode
-included. Skipped without a GPU."""
+included. Skipped without a GPU. The engines are built with the token-drop plan the test loads them
+with, so they hold its kernels (strict runs: INFHIP_JIT=forbid refuses a variant the engine lacks;
+turning token drop on only at load worked before only when an earlier test, launching outside an
+engine's steps, had left the variant in Triton's in-process cache)."""
 
 from __future__ import annotations
 
@@ -40,7 +43,8 @@ def test_engine_on_gpu_equals_masked_reference(arch, tmp_path):
     extra = dict(num_hidden_layers=6, layer_types=GEMMA_TYPES) if arch == "gemma3" else {}
     write_tiny_hf_checkpoint(tmp_path / "hf", arch, **extra)
     engine = build_engine(checkpoint=tmp_path / "hf", output_dir=tmp_path / "e", dtype="float32",
-                          device="cuda", max_seq_len=256, max_batch_size=4, progress=False)
+                          device="cuda", max_seq_len=256, max_batch_size=4, token_drop=TINY,
+                          progress=False)
     ids = prompt(2, 200)
     llm = set_forced_retention(LLM(engine, max_num_batched_tokens=100, token_drop=TINY, enforce_eager=True), 0.3)
     llm.runner.record_kept_positions = True
@@ -59,7 +63,8 @@ def test_drop_history_decode_through_cuda_graphs_equals_eager(arch, tmp_path):
     extra = dict(num_hidden_layers=6, layer_types=GEMMA_TYPES) if arch == "gemma3" else {}
     write_tiny_hf_checkpoint(tmp_path / "hf", arch, **extra)
     engine = build_engine(checkpoint=tmp_path / "hf", output_dir=tmp_path / "e", dtype="float32",
-                          device="cuda", max_seq_len=256, max_batch_size=4, progress=False)
+                          device="cuda", max_seq_len=256, max_batch_size=4, token_drop=TINY,
+                          progress=False)
     prompts = [prompt(s, n) for s, n in ((2, 200), (3, 150), (4, 170))]
     graphed, eager, keys = graphed_and_eager(engine, prompts, 0.3, max_num_batched_tokens=100, token_drop=TINY)
     assert any(layer_kv and sparse is None for sparse, layer_kv, _ in keys)
@@ -74,7 +79,8 @@ def test_token_drop_with_infinitehip_graphs_equal_eager(tmp_path):
     write_tiny_hf_checkpoint(tmp_path / "hf", "llama")
     engine = build_engine(checkpoint=tmp_path / "hf", output_dir=tmp_path / "e", dtype="float32", device="cuda",
                           max_seq_len=256, max_batch_size=4, preset="3k",
-                          infinitehip_overrides=dict(IHIP_TINY, dense_threshold=30), progress=False)
+                          infinitehip_overrides=dict(IHIP_TINY, dense_threshold=30),
+                          token_drop=TINY, progress=False)
     prompts = [prompt(s, n) for s, n in ((5, 150), (6, 97), (7, 181))]
     graphed, eager, keys = graphed_and_eager(engine, prompts, 0.4, max_num_batched_tokens=64, token_drop=TINY)
     assert any(layer_kv and sparse is not None for sparse, layer_kv, _ in keys)

@@ -146,10 +146,20 @@ def test_parse_size():
             parse_size(bad)
 
 
-def test_knobs_doc_is_up_to_date():
+def test_knobs_doc_is_up_to_date_and_its_links_resolve():
+    import re
+
     from infhip.knobs_doc import markdown
     text = markdown()
     assert (ROOT / "docs" / "knobs.md").read_text() == text, \
         "docs/knobs.md is out of date: python -m infhip.knobs_doc > docs/knobs.md"
-    for path in sorted(set(__import__("re").findall(r"\]\(([\w./-]+\.md)\)", text))):
-        assert (ROOT / "docs" / path).is_file(), f"docs/knobs.md links a missing {path}"
+
+    def slug(heading: str) -> str:  # GitHub's anchors
+        return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+    for path, anchor in sorted(set(re.findall(r"\]\(([\w./-]+\.md)(?:#([\w-]+))?\)", text))):
+        target = ROOT / "docs" / path
+        assert target.is_file(), f"docs/knobs.md links a missing {path}"
+        headings = [line.lstrip("#") for line in (text if path == "knobs.md" else target.read_text()).splitlines()
+                    if line.startswith("#")]
+        assert not anchor or anchor in {slug(h) for h in headings}, f"docs/knobs.md links {path}#{anchor}: no such heading"

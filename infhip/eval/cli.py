@@ -40,7 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="samples per (length, depth) (passkey/niah 1, ppl/agree 4, recall 1)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--haystack", choices=SOURCES, default=None,
-                   help="passkey: noise (default); niah: kjv (default); ppl: the text, kjv (default); "
+                   help="passkey: noise (default); niah: kjv (default); ppl and recall: the text, kjv (default); "
                         "pg = Paul Graham's essays as RULER ships them")
     p.add_argument("--tasks", default=None, help="ruler: comma-separated RULER tasks (default: all 13)")
     p.add_argument("--template", choices=("base", "chat"), default="base",
@@ -92,7 +92,8 @@ def run(args: argparse.Namespace):
         cfg = RulerConfig(lengths, tasks, args.samples or 1, args.seed, args.template)
         return run_ruler(args.engine, cfg, args.device, log=_log, **_llm_kwargs(args))
     from infhip.eval.recall import RecallConfig, run_recall
-    return run_recall(args.engine, RecallConfig(lengths, args.chunk or 64, args.samples or 1, args.seed),
+    return run_recall(args.engine, RecallConfig(lengths, args.chunk or 64, args.samples or 1, args.seed,
+                                                args.haystack or "kjv"),
                       args.device, log=_log, **_llm_kwargs(args))
 
 

@@ -44,6 +44,7 @@ class RecallConfig:
     chunk: int = 64  # measured queries: the last `chunk` tokens of each window
     samples: int = 1
     seed: int = 0
+    text: str = "kjv"  # the windows' source (infhip.eval.text.SOURCES: kjv, pg, ...)
 
 
 def sparse_layer_params(llm, length: int | None = None) -> dict[int, dict[str, Any]]:
@@ -168,7 +169,7 @@ def run_recall(engines: list[str], cfg: RecallConfig, device: str | None = None,
                 log(f"recall {name} {length}: below the engine's dense_threshold, it runs dense there; "
                     "measuring the masks it would use above it")
             t0 = time.perf_counter()
-            for s, (ctx, tgt) in enumerate(ppl_items(llm.tokenizer, length, 1, cfg.samples, cfg.seed)):
+            for s, (ctx, tgt) in enumerate(ppl_items(llm.tokenizer, length, 1, cfg.samples, cfg.seed, cfg.text)):
                 for layer, per_head in measure_recall(llm, ctx + tgt, cfg.chunk, layer_params).items():
                     records += [Record("recall", name, length, float(r), metric="recall", sample=s,
                                        layer=layer, head=h, extra={"engine_runs_dense": dense})
