@@ -134,7 +134,7 @@ def main() -> None:
     import triton
 
     from infhip import LLM
-    from infhip.builder.presets import apply_runtime_overrides
+    from infhip.config import apply_runtime_overrides
 
     res: dict = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
                  "transformers": transformers.__version__, "kv_dtype": args.kv_dtype, "contexts": {}}

@@ -93,7 +93,7 @@ def prefill_ms(llm, n: int, chunk: int = 32768) -> float:
 
 
 def measure(llm, configs: list[str], plan, with_dense: bool) -> dict:
-    from infhip.builder.presets import apply_runtime_overrides
+    from infhip.config import apply_runtime_overrides
 
     rows = {}
     todo = ([("dense", dict(dense_threshold=1 << 40))] if with_dense else []) + [(c, config_knobs(c)) for c in configs]

@@ -19,6 +19,7 @@ import argparse
 import torch
 
 from infhip.eval.common import load_llm
+from infhip.runtime.options import parse_size
 from infhip.eval.forcing import teacher_force
 from infhip.eval.passkey import passkey_prompt_ids, passkey_value
 from infhip.eval.recall import capture_queries, sparse_layer_params
@@ -69,13 +70,13 @@ def main() -> None:
     ap.add_argument("--engine", required=True, help="an InfiniteHiP engine (e.g. --preset 3k)")
     ap.add_argument("--length", type=int, default=8192)
     ap.add_argument("--depth", type=float, default=0.5)
-    ap.add_argument("--kv-cache-gib", type=float, default=None, help="KV budget (long-window engines: Gemma)")
+    ap.add_argument("--kv-cache-memory-bytes", default=None, help="KV budget, e.g. 16GiB (long-window engines: Gemma)")
     ap.add_argument("--query-stride", type=int, default=1,
                     help="score every stage with every s-th query of the block (64: the last query only)")
     args = ap.parse_args()
     # dense prefill (the masks are computed here, not by the engine): fast on the CPU
     llm = load_llm(args.engine, "cpu", infinitehip_overrides={"dense_threshold": 10**9}, max_num_seqs=1,
-                   kv_cache_memory_bytes=int(args.kv_cache_gib * (1 << 30)) if args.kv_cache_gib else None)
+                   kv_cache_memory_bytes=parse_size(args.kv_cache_memory_bytes) if args.kv_cache_memory_bytes else None)
     passkey = passkey_value(0, args.length, args.depth, 0)
     ids = passkey_prompt_ids(llm.tokenizer, args.length, args.depth, passkey)
     needle = needle_positions(llm.tokenizer, ids, passkey)

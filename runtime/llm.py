@@ -43,11 +43,12 @@ from pathlib import Path
 
 import torch
 
-from infhip.builder.presets import apply_runtime_overrides
+from infhip.config import TokenDropConfig, apply_runtime_overrides
 from infhip.runtime.detokenizer import Detokenizer
 from infhip.runtime.engine import load_engine
 from infhip.runtime.kernel_store import serving
 from infhip.runtime.model_runner import ModelRunner
+from infhip.runtime.options import LoadOptions
 from infhip.runtime.outputs import RequestOutput, StreamDelta
 from infhip.runtime.sampler import Sampler, make_generator
 from infhip.runtime.sampling_params import SamplingParams
@@ -86,64 +87,33 @@ class LLM:
 
     Args:
         engine_dir: a directory written by `infhip-build`.
-        device: "cpu" / "cuda"; default from the engine's build target.
-        max_num_seqs: most sequences in one step (default: the engine's max_batch_size).
-        max_num_batched_tokens: token budget of one step (chunked prefill), default from the engine.
-        kv_cache_memory_bytes: KV cache size; default 90% of free GPU memory, or 2 GiB on CPU.
-        kv_offload_bytes: pinned host memory for offloaded KV pages (default 0: none). Engines
-            with InfiniteHiP: once a request passes the dense threshold, its pages between the
-            sink and the stream move to the host and the sparse kernels read them in place, so
-            the GPU holds about sink + stream + one chunk per request (plugins/kv_offload.py).
-        enforce_eager: never use CUDA graphs.
-        num_decode_steps: when a step is all decodes and nobody waits, run this many decode steps
-            back to back on the device (each feeds on the last one's tokens) before the host looks
-            at the tokens: the host's per-step work then overlaps the GPU's. Stops are applied
-            afterwards, so up to num_decode_steps - 1 tokens past a stop are computed and
-            discarded. Default 8 on GPU, 1 on CPU.
-        infinitehip_overrides: safe InfiniteHiP knobs to change for this load, e.g.
-            ``{"dense_threshold": 2048, "refresh_intervals": (32, 16, 8)}`` (builder/presets.py
-            RUNTIME_KNOBS); only for engines built with an InfiniteHiP preset.
-        jit: a kernel the engine holds no binary for, about to compile while serving:
-            "forbid" raises (runtime/kernel_store.JitForbidden), "warn" compiles and logs it once,
-            "allow" compiles silently and also runs the engine on a GPU other than its target.
-            Default: $INFHIP_JIT, else "warn".
-        token_drop: UniPrefill token dropping for this load: False turns it off, True or a dict
-            of knobs (``{"p": 0.98, "min_prompt_len": 4096}``; short keys p, n, G, A, min_len,
-            rho also accepted) turns it on, knobs not given coming from the engine's plan (or
-            the defaults). None (default): as built (``infhip-build --token-drop``).
+        options: a :class:`~infhip.runtime.options.LoadOptions`; or its fields as keywords
+            (``LLM(engine, max_num_seqs=4, token_drop=False)``), laid over ``options`` when both
+            are given. Every option, its meaning and default: runtime/options.py (the flags of
+            infhip-run / infhip-serve have the same names). ``infinitehip_overrides`` and
+            ``token_drop`` change the engine's plan for this load (docs/knobs.md).
     """
 
-    def __init__(self, engine_dir: str | Path, device: str | None = None, max_num_seqs: int | None = None,
-                 max_num_batched_tokens: int | None = None, kv_cache_memory_bytes: int | None = None,
-                 enforce_eager: bool = False, num_decode_steps: int | None = None,
-                 infinitehip_overrides: dict | None = None, token_drop: bool | dict | None = None,
-                 kv_offload_bytes: int = 0, jit: str | None = None):
+    def __init__(self, engine_dir: str | Path, options: LoadOptions | None = None, **kwargs):
         t0 = time.perf_counter()
-        self.engine = load_engine(engine_dir, device, jit)
+        self.options = opts = LoadOptions.of(options, **kwargs)
+        self.engine = load_engine(engine_dir, opts.device, opts.jit)
         t_engine = time.perf_counter()
-        if infinitehip_overrides:
-            config = self.engine.config
-            self.engine.config = dataclasses.replace(
-                config, plan=apply_runtime_overrides(config.plan, infinitehip_overrides))
-        if token_drop is not None:
-            config = self.engine.config
-            self.engine.config = dataclasses.replace(
-                config, plan=dataclasses.replace(config.plan, token_drop=_token_drop_override(
-                    config.plan.token_drop, token_drop)))
-        if num_decode_steps is None:
-            num_decode_steps = 8 if self.engine.device.type == "cuda" else 1
-        if num_decode_steps < 1:
-            raise ValueError(f"num_decode_steps must be >= 1, got {num_decode_steps}")
-        self.num_decode_steps = num_decode_steps
+        config = self.engine.config
+        plan = apply_runtime_overrides(config.plan, opts.infinitehip_overrides)
+        if opts.token_drop is not None:
+            plan = dataclasses.replace(plan, token_drop=_token_drop_override(plan.token_drop, opts.token_drop))
+        self.engine.config = dataclasses.replace(config, plan=plan)
+        self.num_decode_steps = opts.num_decode_steps or (8 if self.engine.device.type == "cuda" else 1)
         build = self.engine.config.build
-        self.max_num_seqs = max_num_seqs or build.max_batch_size
-        budget = max_num_batched_tokens or build.max_num_batched_tokens
+        self.max_num_seqs = opts.max_num_seqs or build.max_batch_size
+        budget = opts.max_num_batched_tokens or build.max_num_batched_tokens
         if budget < self.max_num_seqs:
             raise ValueError(f"max_num_batched_tokens ({budget}) must be >= max_num_seqs ({self.max_num_seqs})")
         with serving(self.engine.kernels):  # graph capture launches every decode kernel once
-            self.runner = ModelRunner(self.engine, self.max_num_seqs, budget, kv_cache_memory_bytes,
-                                      enforce_eager=enforce_eager, max_decode_steps=num_decode_steps,
-                                      kv_offload_bytes=kv_offload_bytes)
+            self.runner = ModelRunner(self.engine, self.max_num_seqs, budget, opts.kv_cache_memory_bytes,
+                                      enforce_eager=opts.enforce_eager, max_decode_steps=self.num_decode_steps,
+                                      kv_offload_bytes=opts.kv_offload_bytes)
         self.scheduler = Scheduler(self.runner.kv, self.max_num_seqs, budget, build.max_seq_len)
         self.load_report = self._load_report(t0, t_engine)
         self.sampler = Sampler()
@@ -445,11 +415,6 @@ def _int_list(x) -> list[int] | None:
 
 def _token_drop_override(built, value):
     """The token-drop config of a load: `value` (bool or dict of knobs) over the engine's `built`."""
-    from infhip.builder.token_drop_spec import long_names
-    from infhip.config import TokenDropConfig
-
     if isinstance(value, bool):
         return (built or TokenDropConfig()) if value else None
-    if isinstance(value, dict):
-        return (built or TokenDropConfig()).replace(**long_names(value))
-    raise TypeError(f"token_drop must be None, a bool or a dict of knobs, got {type(value).__name__}")
+    return (built or TokenDropConfig()).replace(**value)  # a dict (LoadOptions checked the type)

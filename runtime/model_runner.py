@@ -99,6 +99,9 @@ class ModelRunner:
         self.anchors = frozenset(lp.index for lp in engine.config.plan.layers if lp.window is None)
         self.global_layers = sorted(self.anchors)  # the layers that hold compacted KV after a drop
         self.set_token_drop(engine.config.plan.token_drop)
+        # Benchmarks only (infhip.eval.common.set_forced_retention): keep this share of the blocks
+        # at every anchor instead of top-p; None = top-p (TokenDropConfig.p).
+        self.forced_retention: float | None = None
         self.drop_stats = DropStats()  # drop histories of the requests, retention per anchor
 
         if self.device.type == "cuda" and not enforce_eager:
@@ -230,7 +233,8 @@ class ModelRunner:
                     for g in self.groups},
             cu_seqlens_q_list=p.cu, context_lens_list=p.ctx_lens,
             sparse=sparse,
-            token_drop=TokenDropStep(self.token_drop, p.drops, self.anchors, self.drop_tail) if p.drops else None,
+            token_drop=TokenDropStep(self.token_drop, p.drops, self.anchors, self.drop_tail,
+                                     self.forced_retention) if p.drops else None,
             layer_kv=self._layer_kv(p) if p.layer_dropped is not None else None,
             decode_len_bound=self.decode_len_bound(p) if p.num_decodes else None)
 

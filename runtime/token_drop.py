@@ -123,6 +123,7 @@ class TokenDropStep:
     drops: list[DropChunk]
     anchors: frozenset[int]
     tail: int
+    forced_retention: float | None = None  # benchmarks: a fixed share of blocks kept instead of top-p
     layer: int = -1
     idx: torch.Tensor | None = None  # [M] int64 kept rows; None = the full batch flows
     saved: torch.Tensor | None = None  # [T, hidden] stream at the last anchor's input
@@ -295,8 +296,8 @@ class TokenDropStep:
                 torch.tensor(cu_ext, dtype=torch.int32, device=dev))
         kw = dict(num_tokens=cu_ext[-1], max_seqlen=max(b - a for a, b in zip(cu_ext, cu_ext[1:])),
                   block_size=G, num_sink=0, obs_window=self.tail)
-        if cfg.retention is not None:
-            sel = force_retention(*args, cfg.retention, **kw)
+        if self.forced_retention is not None:
+            sel = force_retention(*args, self.forced_retention, **kw)
         else:
             sel = top_p_select(*args, cfg.p, **kw)
         drop_rows_t = torch.cat(drop_rows)

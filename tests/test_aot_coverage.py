@@ -48,9 +48,9 @@ SCENARIOS = {
     # through torch._scaled_mm's activation quantization (emulated off the GPU)
     "dense-fp8-weights": ("llama", dict(weight_dtype="fp8", quantize_lm_head=True), {}),
     "3k": ("llama", dict(preset="3k", infinitehip_overrides=TINY), {}),
-    "token-drop": ("llama", dict(token_drop=dict(p=0.9, min_prompt_len=32, n=8, block_size=8, num_sink=8)), {}),
+    "token-drop": ("llama", dict(token_drop=dict(p=0.9, min_prompt_len=32, obs_window=8, block_size=8, num_sink=8)), {}),
     "gemma3-3k": ("gemma3", dict(preset="3k", infinitehip_overrides=TINY), {}),
-    "gemma3-token-drop": ("gemma3", dict(token_drop=dict(p=0.9, min_prompt_len=32, n=8, block_size=8, num_sink=8,
+    "gemma3-token-drop": ("gemma3", dict(token_drop=dict(p=0.9, min_prompt_len=32, obs_window=8, block_size=8, num_sink=8,
                                                          spare_anchors=0)),
                           {}, dict(prompts=PROMPTS[:2])),
     "3k-past-window": ("llama", dict(preset="3k", infinitehip_overrides=PAST), {}),

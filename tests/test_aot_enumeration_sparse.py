@@ -19,8 +19,8 @@ from infhip.builder.hf_config import model_config_from_hf
 from infhip.builder.kernels import enumerate_variants, plugin_modules
 from infhip.builder.presets import make_plan
 from infhip.builder.registry import bundled_config
-from infhip.builder.token_drop_spec import parse_token_drop
 from infhip.config import BuildConfig, EngineConfig
+from infhip.knob_specs import parse_token_drop
 from infhip.plugins.aot import LaunchSpace, Target, record
 
 SPARSE_MODULES = ("kv_offload", "infinitehip.pruning", "infinitehip.sparse_attention", "infinitehip.key_bank",

@@ -124,12 +124,16 @@ def test_a_prompt_larger_than_the_host_pool_is_refused(engines, small_batches):
 
 
 def test_cli_flags_pass_the_host_pool_and_refuse_bad_values(engines, capsys):
-    """infhip-run --kv-offload-gib: a clear error on a dense engine and on a negative size."""
+    """infhip-run --kv-offload-bytes: a clear error on a dense engine and on a negative size; the
+    old --kv-offload-gib names the new flag."""
     from infhip.runtime import cli, server
 
-    assert cli.main(["--engine", str(engines["dense"]), "--prompt", "hi", "--kv-offload-gib", "0.01"]) == 2
+    assert cli.main(["--engine", str(engines["dense"]), "--prompt", "hi", "--kv-offload-bytes", "0.01GiB"]) == 2
     assert "InfiniteHiP" in capsys.readouterr().err
-    assert cli.main(["--engine", str(engines["3k"]), "--prompt", "hi", "--kv-offload-gib", "-1"]) == 2
+    assert cli.main(["--engine", str(engines["3k"]), "--prompt", "hi", "--kv-offload-bytes", "-1"]) == 2
     assert ">= 0" in capsys.readouterr().err
-    assert server.main(["--engine", str(engines["dense"]), "--kv-offload-gib", "0.01"]) == 2
+    assert server.main(["--engine", str(engines["dense"]), "--kv-offload-bytes", "10MiB"]) == 2
     assert "InfiniteHiP" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["--engine", str(engines["3k"]), "--prompt", "hi", "--kv-offload-gib", "1"])
+    assert exit_.value.code == 2 and "--kv-offload-bytes" in capsys.readouterr().err

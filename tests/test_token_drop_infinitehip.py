@@ -14,6 +14,7 @@ import pytest
 from infhip import LLM, SamplingParams
 from infhip.builder.build import build_engine
 from infhip.builder.presets import infinitehip_config
+from infhip.eval.common import set_forced_retention
 from infhip.runtime.attention.sparse_plan import SparsePlanner
 from tests._tiny import write_tiny_hf_checkpoint
 from tests.test_infinitehip_runtime import COVER, TINY
@@ -22,7 +23,7 @@ from tests.test_infinitehip_runtime_schedule import seq
 from tests.test_token_drop_runtime import TINY as TD_TINY
 from tests.test_token_drop_runtime import prompt
 
-DROP = dict(rho=0.4, **TD_TINY)
+DROP, RHO = TD_TINY, 0.4  # a forced retention of 40 % (set_forced_retention)
 LOW = {"dense_threshold": 30}
 PROMPTS = [prompt(11, 150), prompt(12, 97), prompt(13, 181)]
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
@@ -41,7 +42,8 @@ def engines(tmp_path_factory):
 
 
 def run(engine, overrides=None, budget=64, prompts=PROMPTS, params=GREEDY):
-    llm = LLM(engine, max_num_batched_tokens=budget, infinitehip_overrides=overrides, token_drop=DROP)
+    llm = set_forced_retention(LLM(engine, max_num_batched_tokens=budget, infinitehip_overrides=overrides,
+                                   token_drop=DROP), RHO)
     out = [o.token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=params)]
     return out, llm
 
