@@ -251,7 +251,8 @@ class KVCacheManager(PrefixCaching):
         for g, tables in self._tables.items():
             t = tables.pop(seq_id, None)
             if t is not None:
-                for page in t.pages[t.lo:]:
+                # last page first: the LRU then evicts a prefix from its end, keeping its start usable
+                for page in reversed(t.pages[t.lo:]):
                     if page < 0:
                         self._host[g].free(-page)
                     else:
