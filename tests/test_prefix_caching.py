@@ -17,6 +17,7 @@ from infhip.builder.build import build_engine
 from infhip.runtime.kv_cache import NULL_PAGE, KVCacheManager, KVGroupSpec, OutOfPages
 from infhip.runtime.llm import prefix_caching_exact
 from infhip.runtime.prefix_cache import PagePool
+from infhip.runtime.sequence import Sequence
 from tests._serving import post, request, running_server
 from tests._tiny import write_tiny_hf_checkpoint
 
@@ -152,10 +153,11 @@ def gemma(tmp_path_factory):
 
 
 def _workload() -> list[list[int]]:
-    """Questions over two documents: page-aligned and not, one the whole document, repeats."""
+    """Questions over two documents: page-aligned and not, one the whole document, repeats, one
+    that leaves the document at the last token of a page."""
     doc_a, doc_b = ids(1, 40), ids(2, 50)
     return [doc_a + ids(3, 9), doc_b + ids(4, 3), doc_a + ids(5, 20), doc_a[:32], doc_a + ids(3, 9),
-            doc_b + ids(6, 30), doc_a[:17] + ids(7, 5)]
+            doc_b + ids(6, 30), doc_a[:17] + ids(7, 5), doc_a[:31] + ids(9, 10)]  # the last: page 1 differs in its last token
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma"])
@@ -175,12 +177,29 @@ def test_greedy_equal_to_no_cache(arch, request):
     for p, w in zip(prompts, want):
         out = on.generate(prompt_token_ids=[p], sampling_params=GREEDY)[0]
         assert out.token_ids == w.token_ids and out.num_cached_tokens == 16 * ((len(p) - 1) // 16)
+    assert on.generate(prompt_token_ids=[prompts[0][:31] + ids(11, 4)], sampling_params=GREEDY)[0].num_cached_tokens == 16
+    for p in prompts:  # the logits themselves, not only their argmax (a tiny random model is forgiving)
+        assert torch.allclose(last_logits(on, p), last_logits(off, p), rtol=1e-5, atol=1e-5)
     follow = prompts[0] + want[0].token_ids + ids(8, 20)  # a second turn: reuses pages written by decode
     out, ref = (llm.generate(prompt_token_ids=[follow], sampling_params=GREEDY)[0] for llm in (on, off))
     assert out.token_ids == ref.token_ids and out.num_cached_tokens == 48
     stats = on.stats()
     assert stats.prefix_cache_hits > 0 and stats.prefix_cache_queries > stats.prefix_cache_hits
     assert all(n == 0 for n in stats.kv_pages_used.values())
+
+
+def last_logits(llm: LLM, prompt: list[int]) -> torch.Tensor:
+    """The logits of the prompt's last token, through scheduler and runner (as
+    tests/test_runtime_vs_hf.py does)."""
+    seq = Sequence(seq_id=10_000, prompt_token_ids=prompt, params=SamplingParams(max_tokens=1))
+    llm.scheduler.add(seq)
+    while True:
+        out = llm.scheduler.schedule()
+        logits = llm.runner.execute(out)
+        if out.chunks[0].needs_logits:
+            llm.scheduler.finish(seq, "abort")
+            return logits[0]
+        llm.scheduler.update(out, {}, ())
 
 
 def _poison_free_pages(llm) -> None:
