@@ -136,15 +136,20 @@ def test_sliding_window_rule_random():
 
 
 # ---- engines ----------------------------------------------------------------------------------
-def _engine(root, arch: str):
+def _engine(root, arch: str, kv_dtype: str | None = None):
     write_tiny_hf_checkpoint(root / "hf", arch)
     return build_engine(checkpoint=root / "hf", output_dir=root / "engine", dtype="float32", device="cpu",
-                        max_seq_len=128, max_batch_size=3, progress=False)
+                        max_seq_len=128, max_batch_size=3, kv_dtype=kv_dtype, progress=False)
 
 
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory):
     return _engine(tmp_path_factory.mktemp("pc_llama"), "llama")
+
+
+@pytest.fixture(scope="module")
+def llama_fp8(tmp_path_factory):  # dense prefill reads fp8 keys back from the cache: reuse is exact too
+    return _engine(tmp_path_factory.mktemp("pc_llama_fp8"), "llama", kv_dtype="fp8")
 
 
 @pytest.fixture(scope="module")
@@ -160,7 +165,7 @@ def _workload() -> list[list[int]]:
             doc_b + ids(6, 30), doc_a[:17] + ids(7, 5), doc_a[:31] + ids(9, 10)]  # the last: page 1 differs in its last token
 
 
-@pytest.mark.parametrize("arch", ["llama", "gemma"])
+@pytest.mark.parametrize("arch", ["llama", "gemma", "llama_fp8"])
 def test_greedy_equal_to_no_cache(arch, request):
     """Across requests (one after another, and a follow-up that extends an answer) and within one
     batch (chunked prefill admits later requests after the earlier ones filled pages)."""
