@@ -97,6 +97,9 @@ def main(argv=None) -> int:
     p.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: the engine's target")
     p.add_argument("--kv-offload-gib", type=float, default=0.0,
                    help="pinned host memory for offloaded KV pages (InfiniteHiP engines; default 0: none)")
+    p.add_argument("--no-prefix-caching", action="store_true",
+                   help="do not reuse cached KV pages of shared prompt prefixes (on by default where exact: "
+                        "dense plans; docs/design/prefix_caching.md)")
     p.add_argument("--max-body-bytes", type=int, default=HttpLimits.max_body_bytes,
                    help=f"largest request body; larger ones get 413 (default {HttpLimits.max_body_bytes})")
     p.add_argument("--body-timeout", type=float, default=HttpLimits.body_timeout_s,
@@ -117,7 +120,8 @@ def main(argv=None) -> int:
         for name in ("max_body_bytes", "backlog"):
             if getattr(args, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-        llm = LLM(args.engine, device=args.device, kv_offload_bytes=int(args.kv_offload_gib * (1 << 30)))
+        llm = LLM(args.engine, device=args.device, kv_offload_bytes=int(args.kv_offload_gib * (1 << 30)),
+                  prefix_caching=not args.no_prefix_caching)
         server = make_server(llm, args.host, args.port, model_name=Path(args.engine).name,
                              limits=HttpLimits(args.max_body_bytes, args.body_timeout),
                              keep_alive_s=args.keep_alive_timeout, backlog=args.backlog)
