@@ -280,7 +280,8 @@ class Scheduler:
                                  f"tokens, chunk starts at {chunk.start}: update() called twice?")
             seq.num_computed_tokens = chunk.end
             if self.kv.prefix_caching and chunk.end // self.kv.page_size > chunk.start // self.kv.page_size:
-                self.kv.register(seq.seq_id, seq.all_token_ids, chunk.end)  # pages just filled
+                tokens = seq.all_token_ids if seq.output_token_ids else seq.prompt_token_ids  # no copy
+                self.kv.register(seq.seq_id, tokens, chunk.end)  # the pages this chunk filled
             if not chunk.needs_logits:
                 continue
             if seq.seq_id not in sampled:
