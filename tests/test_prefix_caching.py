@@ -333,3 +333,19 @@ def test_http_usage_reports_cached_tokens(llama):
         hits = [line for line in metrics.splitlines() if line.startswith("infhip_prefix_cache_hits_total")]
         assert hits and float(hits[0].split()[-1]) >= 96
         assert 'infhip_kv_pages_cached{group="global"}' in metrics
+
+
+def test_preempted_request_reuses_its_own_pages(llama):
+    """A preempted request comes back to its own cached pages (prompt and answer so far: pages
+    written by decode steps included) and still gives the tokens of an uncached run."""
+    small = dict(max_num_batched_tokens=32, kv_cache_memory_bytes=9 * 3 * 4096, max_num_seqs=3)
+    on, off = LLM(llama, **small), LLM(llama, prefix_caching=False, **small)
+    prompts = [ids(100 + i, 40) for i in range(2)]
+    sp = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
+    got = on.generate(prompt_token_ids=prompts, sampling_params=sp)
+    want = off.generate(prompt_token_ids=prompts, sampling_params=sp)
+    assert [o.token_ids for o in got] == [w.token_ids for w in want]
+    assert on.scheduler.num_preemptions > 0 and off.scheduler.num_preemptions > 0
+    # it came back to what the running one left of its pages (freed last page first, so its start)
+    assert on.stats().prefix_cache_hits > 0 and on.stats().prefix_cache_queries > 80
+    assert [o.num_cached_tokens for o in got] == [0, 0]  # the first admission's
