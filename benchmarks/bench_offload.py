@@ -16,7 +16,7 @@ Per context, in one process:
 
 3. with --prefill-chunk (default 32768): the wall time of one step that prefills the last chunk
    of an n-token request (3k-flash), resident, and offloaded with the chunk's host pages staged
-   to the GPU a layer ahead (runtime/offload_staging.py) and read in place.
+   to the GPU a layer ahead (runtime/offload/staging.py) and read in place.
 
 Reports median step time, P99, fused tok/s, GPU KV bytes (the pool, and the request's pages in
 it), and ratios against the resident run of the same config and against dense, all timed in
@@ -68,7 +68,7 @@ def grown_request(llm, n: int, chunk: int = 32768, computed: int | None = None):
     for start in range(0, computed, chunk):
         end = min(computed, start + chunk)
         sched.kv.append(seq.seq_id, start, end)
-        llm.runner._offload([(seq, end)])
+        llm.runner.page_mover.move([(seq, end)])
     seq.status = SequenceStatus.RUNNING
     sched.running.append(seq)
     seq.num_computed_tokens = computed

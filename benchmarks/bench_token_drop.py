@@ -135,9 +135,9 @@ def run_model(args, model: str, res: dict) -> None:
         row = {"length": length, "prompt_tokens": n}
         for name, td in configs:
             llm.runner.set_token_drop(td)
-            llm.runner.retention.clear()
+            llm.runner.drop_stats.retention.clear()
             row[name] = ttft_s(llm, ids, reps)
-            kept = [v for per in llm.runner.retention.values() for v in per.values()]
+            kept = [v for per in llm.runner.drop_stats.retention.values() for v in per.values()]
             if kept:
                 row[f"{name} kept"] = sum(k for k, _ in kept) / max(1, sum(t for _, t in kept))
             print(f"  {model} {n:>7} tokens {name:>8}: TTFT {row[name] * 1e3:9.1f} ms"

@@ -31,7 +31,7 @@ from typing import Any, Callable
 import torch
 
 from infhip import __version__
-from infhip.config import DTYPES, KV_DTYPES, BuildConfig, EngineConfig, EngineFormatError, is_engine_dir
+from infhip.config import DTYPES, KV_DTYPES, WEIGHT_DTYPES, BuildConfig, EngineConfig, EngineFormatError, is_engine_dir
 from infhip.builder.checkpoint import GGUFCheckpoint, HFDirCheckpoint
 from infhip.builder.convert import convert_weights, random_weights, unused_tensors, weight_specs
 from infhip.builder.errors import BuildError
@@ -213,6 +213,8 @@ def build_engine(
     infinitehip_overrides: dict[str, Any] | None = None,
     token_drop: Any = None,
     target: str | None = None,
+    weight_dtype: str = "bf16",
+    quantize_lm_head: bool = False,
 ) -> Path:
     """Build an engine from ``source`` (a checkpoint path, a model alias or a cached HF repo id;
     or say which with ``checkpoint=PATH`` / ``model=NAME``, as the CLI does) into ``output_dir``
@@ -225,7 +227,9 @@ def build_engine(
     ``preset`` is one of builder/presets.py's PRESETS; ``infinitehip_overrides`` changes any
     InfiniteHiP knob of it (e.g. tiny stages for tests). ``token_drop`` (None/False = off, True,
     a ``--token-drop`` spec string, a dict or a TokenDropConfig) enables UniPrefill token
-    dropping in prefill (builder/token_drop_spec.py)."""
+    dropping in prefill (builder/token_drop_spec.py). ``weight_dtype="fp8"`` stores the linear
+    layers' weights in float8_e4m3fn with per-output-channel scales (plugins/fp8_linear.py), the
+    LM head too with ``quantize_lm_head``; "bf16" (default) keeps them in ``dtype``."""
     given = [x for x in (source, checkpoint, model) if x is not None]
     if len(given) != 1 or output_dir is None:
         raise TypeError("build_engine needs output_dir and exactly one of source, checkpoint=, model=")
@@ -240,7 +244,8 @@ def build_engine(
 
     if preset not in PRESETS:
         raise BuildError(f"unknown preset {preset!r}; available: {', '.join(PRESETS)}")
-    for flag, value, allowed in (("--dtype", dtype, DTYPES), ("--kv-dtype", kv_dtype or dtype, KV_DTYPES)):
+    for flag, value, allowed in (("--dtype", dtype, DTYPES), ("--kv-dtype", kv_dtype or dtype, KV_DTYPES),
+                                 ("--weight-dtype", weight_dtype, WEIGHT_DTYPES)):
         if value not in allowed:
             raise BuildError(f"{flag} must be one of {', '.join(allowed)}, got {value!r}")
     for flag, value in (("--max-seq-len", max_seq_len), ("--max-batch-size", max_batch_size),
@@ -280,7 +285,7 @@ def build_engine(
                 max_num_batched_tokens=max_num_batched_tokens or max(8192 if target == "cpu" else 32768, max_batch_size),
                 cuda_graph_batch_sizes=_graph_batch_sizes(max_batch_size), target=target,
                 created_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
-                random_weights=random_weights)
+                random_weights=random_weights, weight_dtype=weight_dtype, quantize_lm_head=quantize_lm_head)
         except ValueError as e:
             raise BuildError(str(e)) from e
         try:
@@ -327,17 +332,20 @@ def _write_engine(tmp: Path, engine: EngineConfig, ckpt, src: ModelSource, inv_f
     model, build = engine.model, engine.build
     desc = "random weights" if build.random_weights else "converting"
     wrap = lambda specs: tqdm(specs, desc=desc, unit="tensor", disable=not progress)  # noqa: E731
+    fp8 = frozenset(engine.fp8_linears())
     if build.random_weights:
-        stream = random_weights(model, build.dtype, device=device, seed=seed, wrap=wrap)
+        stream = random_weights(model, build.dtype, device=device, seed=seed, wrap=wrap, fp8=fp8)
     else:
-        stream = convert_weights(ckpt, model, build.dtype, wrap=wrap)
+        stream = convert_weights(ckpt, model, build.dtype, wrap=wrap, fp8=fp8)
     tensors = dict(stream)
     if not build.random_weights:
         unused = unused_tensors(ckpt, weight_specs(model))
         if unused:
             warnings.append(f"ignored {len(unused)} checkpoint tensor(s) not used by the decoder: "
                             + ", ".join(unused[:5]) + (" ..." if len(unused) > 5 else ""))
-    num_parameters = sum(v.numel() for v in tensors.values())
+    # the model's parameters: not the fp8 scales, nor a quantized tied LM head's own copy
+    num_parameters = sum(v.numel() for k, v in tensors.items() if not k.endswith(".weight_scale")
+                         and not (k == "lm_head.weight" and model.tie_word_embeddings))
     for layer_type, inv_freq in inv_freqs.items():
         tensors[f"rope.{layer_type}.inv_freq"] = inv_freq
     t_now = time.perf_counter()
@@ -383,6 +391,7 @@ def _write_engine(tmp: Path, engine: EngineConfig, ckpt, src: ModelSource, inv_f
         "architecture": model.architecture,
         "preset": engine.plan.preset,
         "dtype": build.dtype,
+        "weight_dtype": build.weight_dtype,
         "target": build.target,
         "num_parameters": num_parameters,
         "sizes_bytes": {"rank0.safetensors": (tmp / "rank0.safetensors").stat().st_size,

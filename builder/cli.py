@@ -5,6 +5,7 @@
     infhip-build --model llama-3.1-8b --random-weights --device cuda --output engines/l8b-random
     infhip-build --model llama-3.1-8b --preset 3k --output engines/l8b-3k
     infhip-build --model smollm2-135m --token-drop p=0.98,G=32 --output engines/smollm2-td
+    infhip-build --model llama-3.1-8b --weight-dtype fp8 --output engines/l8b-fp8
 
 User errors (missing/corrupt checkpoint, unknown architecture or alias, bad flag values) print one
 line on stderr and exit with status 1 (argparse's own usage errors: 2); no traceback.
@@ -16,7 +17,7 @@ import argparse
 import json
 import sys
 
-from infhip.config import DTYPES, KV_DTYPES
+from infhip.config import DTYPES, KV_DTYPES, WEIGHT_DTYPES
 
 
 def _positive_int(text: str) -> int:
@@ -58,6 +59,13 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-dtype", choices=KV_DTYPES,
                    help="KV-cache dtype: --dtype (the default) or fp8 (e4m3 with a scale per token and kv "
                         "head: half the memory of bf16, so twice the tokens)")
+    p.add_argument("--weight-dtype", default="bf16", choices=WEIGHT_DTYPES,
+                   help="linear-layer weights: bf16 (default: in --dtype) or fp8 (e4m3 with a float32 scale "
+                        "per output channel: half the bytes; FP8 tensor cores on sm_89+, a dequantizing "
+                        "path elsewhere); embeddings and norms stay in --dtype")
+    p.add_argument("--quantize-lm-head", action="store_true",
+                   help="with --weight-dtype fp8: the LM head in fp8 too (a tied one gets an fp8 copy; "
+                        "the embeddings stay in --dtype)")
     p.add_argument("--max-seq-len", type=_positive_int,
                    help="longest sequence served (default: the model's window, at most 131072)")
     p.add_argument("--max-batch-size", type=_positive_int, default=16, help="most concurrent sequences (16)")
@@ -101,7 +109,8 @@ def main(argv: list[str] | None = None) -> int:
             max_seq_len=args.max_seq_len, max_batch_size=args.max_batch_size, page_size=args.page_size,
             max_num_batched_tokens=args.max_num_batched_tokens, device=args.device,
             random_weights=args.random_weights, seed=args.seed, force=args.force, progress=not args.quiet,
-            token_drop=token_drop, infinitehip_overrides=infinitehip, target=args.target)
+            token_drop=token_drop, infinitehip_overrides=infinitehip, target=args.target,
+            weight_dtype=args.weight_dtype, quantize_lm_head=args.quantize_lm_head)
     except BuildError as e:
         print(f"infhip-build: error: {e}", file=sys.stderr)
         return 1
@@ -114,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     report = json.loads((out / "build_report.json").read_text())
     size_mb = report["sizes_bytes"]["total"] / 2**20
     print(f"engine written to {out}: {report['architecture']}, {report['num_parameters']:,} parameters, "
-          f"{report['dtype']}, target {report['target']}, {report['kernels']['count']} kernels, "
+          f"{report['dtype']}{', fp8 weights' if report.get('weight_dtype') == 'fp8' else ''}, target {report['target']}, {report['kernels']['count']} kernels, "
           f"{size_mb:.1f} MiB in {report['timings_s']['total']:.1f} s")
     for w in report["warnings"]:
         print(f"warning: {w}", file=sys.stderr)

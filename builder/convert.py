@@ -5,7 +5,10 @@ and how (``copy``, ``cat`` along rows, ``norm``). Fusions: q/k/v -> ``qkv_proj``
 biases alike) and gate/up -> ``gate_up_proj`` (gate rows first), so the runtime runs one GEMM
 where HF runs three (two). Norm weights are stored float32 with Gemma's ``1 + w`` folded in (the
 runtime's RMSNorm multiplies by the stored weight, for every architecture); everything else is
-cast to the build dtype.
+cast to the build dtype — except, in an fp8 engine, the weights of the linear layers named by
+``EngineConfig.fp8_linears()``: those are quantized from the checkpoint's own precision to
+float8_e4m3fn with a float32 ``<name>.weight_scale`` per output channel (plugins/fp8_linear.py),
+and a tied LM head that is quantized gets an fp8 ``lm_head.weight`` of its own.
 
     >>> from infhip.builder.hf_config import model_config_from_hf
     >>> import json; from infhip.builder.registry import bundled_config
@@ -103,9 +106,28 @@ def check_complete(ckpt: Checkpoint, specs: list[WeightSpec]) -> None:
                          "the checkpoint is incomplete or does not match its config.json")
 
 
+def _matrix(name: str, t: torch.Tensor, target: torch.dtype, fp8: frozenset[str]) -> Iterator[tuple[str, torch.Tensor]]:
+    """One matrix or bias in the build dtype, or an fp8 linear weight and its scales."""
+    module = name.removesuffix(".weight")
+    if module != name and module in fp8:
+        from infhip.plugins.fp8_linear import quantize_weight
+        q, scale = quantize_weight(t)
+        yield name, q.cpu()
+        yield module + ".weight_scale", scale.cpu()
+    else:
+        yield name, t.to(target).cpu().contiguous()
+
+
+def _tied_head(m: ModelConfig, name: str, fp8: frozenset[str]) -> bool:
+    """Is ``name`` the embedding that a quantized tied LM head is made from?"""
+    return name == "embed_tokens.weight" and m.tie_word_embeddings and "lm_head" in fp8
+
+
 def convert_weights(ckpt: Checkpoint, m: ModelConfig, dtype: str,
-                    wrap: Callable[[list], list] = lambda x: x) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (our name, CPU tensor) one at a time; ``wrap`` may add a progress bar over the specs."""
+                    wrap: Callable[[list], list] = lambda x: x,
+                    fp8: frozenset[str] = frozenset()) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (our name, CPU tensor) one at a time; ``wrap`` may add a progress bar over the specs;
+    ``fp8``: module paths whose weights are quantized (EngineConfig.fp8_linears())."""
     specs = weight_specs(m)
     check_complete(ckpt, specs)
     target, offset = TORCH_DTYPES[dtype], norm_offset(m)
@@ -120,22 +142,27 @@ def convert_weights(ckpt: Checkpoint, m: ModelConfig, dtype: str,
             raise BuildError(f"{ckpt.description}: {' + '.join(spec.sources)} give shape {tuple(t.shape)}, "
                              f"config implies {spec.shape}; the checkpoint does not match its config.json")
         if spec.kind == "norm":
-            t = t.to(torch.float32) + offset
-        else:
-            t = t.to(target)
-        yield spec.name, t.contiguous()
+            yield spec.name, (t.to(torch.float32) + offset).contiguous()
+            continue
+        yield from _matrix(spec.name, t, target, fp8)
+        if _tied_head(m, spec.name, fp8):
+            yield from _matrix("lm_head.weight", t, target, fp8)
 
 
 def random_weights(m: ModelConfig, dtype: str, device: str = "cpu", seed: int = 0,
-                   wrap: Callable[[list], list] = lambda x: x) -> Iterator[tuple[str, torch.Tensor]]:
+                   wrap: Callable[[list], list] = lambda x: x,
+                   fp8: frozenset[str] = frozenset()) -> Iterator[tuple[str, torch.Tensor]]:
     """Same names and shapes as ``convert_weights`` without a checkpoint: matrices and biases
     ~ N(0, 0.02) generated directly in the build dtype on ``device`` (cuda makes an 8B bf16 engine
-    quick), norms 1.0 (i.e. already folded: Gemma's 1 + 0). Deterministic for a seed and device."""
+    quick; fp8 weights are quantized there too), norms 1.0 (i.e. already folded: Gemma's 1 + 0).
+    Deterministic for a seed and device; an fp8 engine's weights are the bf16 engine's, quantized."""
     target = TORCH_DTYPES[dtype]
     gen = torch.Generator(device=device).manual_seed(seed)
     for spec in wrap(weight_specs(m)):
         if spec.kind == "norm":
-            t = torch.ones(spec.shape, dtype=torch.float32)
-        else:
-            t = torch.empty(spec.shape, dtype=target, device=device).normal_(0.0, 0.02, generator=gen).cpu()
-        yield spec.name, t
+            yield spec.name, torch.ones(spec.shape, dtype=torch.float32)
+            continue
+        t = torch.empty(spec.shape, dtype=target, device=device).normal_(0.0, 0.02, generator=gen)
+        yield from _matrix(spec.name, t, target, fp8)
+        if _tied_head(m, spec.name, fp8):
+            yield from _matrix("lm_head.weight", t, target, fp8)

@@ -25,7 +25,10 @@ WEIGHT NAMES (``L`` = layer index; norm weights are float32 with any ``1 + w`` o
     layers.L.mlp.gate_up_proj.weight         [2 * intermediate, hidden]  (gate rows first, then up)
     layers.L.mlp.down_proj.weight            [hidden, intermediate]
     norm.weight                              [hidden]
-    lm_head.weight                           [vocab, hidden]  (absent when ``tie_word_embeddings``)
+    lm_head.weight                           [vocab, hidden]  (absent when ``tie_word_embeddings``,
+                                             unless an fp8 engine quantizes the LM head: then an fp8 copy)
+    <linear>.weight_scale                    [out_features] float32, beside every fp8 ``<linear>.weight``
+                                             (fp8 engines: EngineConfig.fp8_linears())
     rope.<layer_type>.inv_freq               [head_dim // 2] float32, from transformers' RoPE init
 """
 
@@ -49,6 +52,11 @@ DTYPES = ("bfloat16", "float16", "float32")
 # KV cache dtypes: the weights' dtype, or fp8 (float8_e4m3fn rows with a float32 scale per token
 # and kv head, plugins/kv_quant.py; half the bytes of bf16)
 KV_DTYPES = DTYPES + ("fp8",)
+# Linear-layer weight formats (``infhip-build --weight-dtype``): "bf16" keeps them in the build
+# dtype (``--dtype``; unquantized, named for the common case), "fp8" stores the qkv/o/gate_up/down
+# (and with ``quantize_lm_head`` the LM head) weights as float8_e4m3fn with one float32 scale per
+# output channel (plugins/fp8_linear.py); embeddings and norms stay in the build dtype / float32.
+WEIGHT_DTYPES = ("bf16", "fp8")
 ACTIVATIONS = ("silu", "gelu_tanh")
 
 
@@ -400,6 +408,8 @@ class BuildConfig:
     target: str = "cpu"  # "cpu" or "sm_<major><minor>"
     created_at: str = ""
     random_weights: bool = False
+    weight_dtype: str = "bf16"  # WEIGHT_DTYPES; absent from engines built before fp8 weights: "bf16"
+    quantize_lm_head: bool = False  # fp8 engines: the LM head in fp8 too
 
     def __post_init__(self) -> None:
         _check(self.dtype in DTYPES, f"dtype {self.dtype!r} not in {DTYPES}")
@@ -416,6 +426,12 @@ class BuildConfig:
                "max_num_batched_tokens must be at least max_batch_size")
         _check(self.target == "cpu" or self.target.startswith("sm_"),
                f"target must be 'cpu' or 'sm_XY', got {self.target!r}")
+        _check(self.weight_dtype in WEIGHT_DTYPES,
+               f"weight_dtype {self.weight_dtype!r} not in {WEIGHT_DTYPES}")
+        _check(isinstance(self.quantize_lm_head, bool), f"quantize_lm_head must be true or false, "
+               f"got {self.quantize_lm_head!r}")
+        _check(not self.quantize_lm_head or self.weight_dtype == "fp8",
+               "quantize_lm_head needs weight_dtype fp8 (--quantize-lm-head goes with --weight-dtype fp8)")
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "BuildConfig":
@@ -431,6 +447,16 @@ class EngineConfig:
     build: BuildConfig
     format_version: int = FORMAT_VERSION
     infhip_version: str = ""
+
+    def fp8_linears(self) -> tuple[str, ...]:
+        """Module paths of the linear layers stored in fp8 (their ``.weight`` float8_e4m3fn, a
+        float32 ``.weight_scale`` beside it); () for a bf16 engine. The one list the builder
+        quantizes and the runtime swaps modules by (runtime/models/common.py)."""
+        if self.build.weight_dtype != "fp8":
+            return ()
+        names = tuple(f"layers.{i}.{m}" for i in range(self.model.num_layers) for m in
+                      ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj"))
+        return names + (("lm_head",) if self.build.quantize_lm_head else ())
 
     def to_dict(self) -> dict[str, Any]:
         return {

@@ -15,6 +15,8 @@ class.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 TOKEN_CLASSES = (1, 2)
@@ -51,3 +53,30 @@ def kv_cache(space, num_pages: int = 4):
         return k_cache, v_cache, None, None
     scale = (num_pages, page, m.num_kv_heads)
     return k_cache, v_cache, space.fake(*scale, dtype=torch.float32), space.fake(*scale, dtype=torch.float32)
+
+
+@dataclass(frozen=True)
+class LinearLayer:
+    """One linear layer as the runtime calls it: weight [n, k], a bias or not, at most max_rows
+    rows per call, stored in fp8 or in the build dtype."""
+
+    name: str  # module path suffix ("qkv_proj", ...) or "lm_head"
+    n: int
+    k: int
+    bias: bool
+    max_rows: int
+    fp8: bool
+
+
+def linear_layers(space) -> list[LinearLayer]:
+    """The decoder's qkv, o, gate_up and down projections (up to one step's token budget of rows)
+    and the LM head (tied or not; up to max_batch_size sampled rows), each marked fp8 when the
+    engine stores it so (EngineConfig.fp8_linears)."""
+    m, b = space.model, space.build
+    fp8 = {name.rsplit(".", 1)[-1] for name in space.config.fp8_linears()}
+    decoder = [("qkv_proj", m.q_size + 2 * m.kv_size, m.hidden_size, m.attention_bias),
+               ("o_proj", m.hidden_size, m.q_size, False),
+               ("gate_up_proj", 2 * m.intermediate_size, m.hidden_size, False),
+               ("down_proj", m.hidden_size, m.intermediate_size, False)]
+    layers = [LinearLayer(name, n, k, bias, b.max_num_batched_tokens, name in fp8) for name, n, k, bias in decoder]
+    return layers + [LinearLayer("lm_head", m.vocab_size, m.hidden_size, False, b.max_batch_size, "lm_head" in fp8)]

@@ -331,20 +331,20 @@ def aot_launches(space) -> None:
     """Every launch `skinny_linear` makes under the default rule, ``table_config`` (plugins/aot.py):
     the decoder's qkv (with its bias where the model has one), o, gate_up and down projections for
     1..min(16, max_num_batched_tokens) rows, and the LM head (tied or not) for up to
-    min(16, max_batch_size) sampled rows; bf16 / fp16 engines only (float32 takes F.linear). M is
-    not specialized, so the rows matter only through the rule's choice (M == 1 or not). x is
-    contiguous at every call site. INFHIP_SKINNY_GEMM=auto / force (tuning modes) launch other
-    configs, which are not enumerated: they compile on first use."""
-    m, b, dtype = space.model, space.build, space.act_dtype
-    layers = [(m.q_size + 2 * m.kv_size, m.hidden_size, m.attention_bias, b.max_num_batched_tokens),
-              (m.hidden_size, m.q_size, False, b.max_num_batched_tokens),
-              (2 * m.intermediate_size, m.hidden_size, False, b.max_num_batched_tokens),
-              (m.hidden_size, m.intermediate_size, False, b.max_num_batched_tokens),
-              (m.vocab_size, m.hidden_size, False, b.max_batch_size)]
-    for N, K, has_bias, max_rows in layers:
-        w = space.fake(N, K, dtype=dtype)
-        bias = space.fake(N, dtype=dtype) if has_bias else None
-        for M in range(1, min(MAX_M, max_rows) + 1):
-            config = table_config(M, N, K, dtype)
+    min(16, max_batch_size) sampled rows (plugins/_aot_shapes.linear_layers); bf16 / fp16 engines
+    only (float32 takes F.linear), and only the layers not stored in fp8 (those run
+    plugins/fp8_linear.py). M is not specialized, so the rows matter only through the rule's
+    choice (M == 1 or not). x is contiguous at every call site. INFHIP_SKINNY_GEMM=auto / force
+    (tuning modes) launch other configs, which are not enumerated: they compile on first use."""
+    from ._aot_shapes import linear_layers
+
+    dtype = space.act_dtype
+    for layer in linear_layers(space):
+        if layer.fp8:
+            continue
+        w = space.fake(layer.n, layer.k, dtype=dtype)
+        bias = space.fake(layer.n, dtype=dtype) if layer.bias else None
+        for M in range(1, min(MAX_M, layer.max_rows) + 1):
+            config = table_config(M, layer.n, layer.k, dtype)
             if config is not None:
-                skinny_gemm_triton(space.fake(M, K, dtype=dtype), w, bias, config)
+                skinny_gemm_triton(space.fake(M, layer.k, dtype=dtype), w, bias, config)

@@ -37,7 +37,8 @@ from dataclasses import dataclass
 
 import torch
 
-from infhip.runtime.attention.infinitehip import InfiniteHipBackend, SparseGraphKey
+from infhip.runtime.attention.infinitehip import InfiniteHipBackend
+from infhip.runtime.attention.sparse_plan import SparseGraphKey
 from infhip.runtime.forward_context import ForwardContext, KVGroupMetadata, LayerKV, compact_slots, forward_context
 
 log = logging.getLogger("infhip.graphs")
@@ -80,8 +81,8 @@ class DecodeGraphs:
         self.host_steps_np = self.host_steps.numpy()
         self.steps = torch.zeros_like(self.host_steps, device=dev)
         self.rows = torch.zeros((num_rows, max_bs), dtype=torch.int64, device=dev)
-        sparse = runner.sparse_planner is not None
-        self.scratch_slot = runner.sparse_planner.slots.scratch if sparse else 0
+        sparse = runner.infinitehip is not None
+        self.scratch_slot = runner.infinitehip.planner.slots.scratch if sparse else 0
         self._pad_rows(self.rows)  # rows never used write nothing (also while capturing)
         self.input_ids, self.positions = self.rows[0], self.rows[1]
         self.slots = {g: self.rows[4 + i] for i, g in enumerate(self.groups)}

@@ -3,6 +3,7 @@ straight from the safetensors file onto the target device (no pickle, no second 
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -12,6 +13,9 @@ from safetensors.torch import load_file
 from infhip.config import EngineConfig, EngineFormatError
 from infhip.runtime.kernel_store import KernelStore, jit_mode, open_store
 from infhip.runtime.models import MODEL_CLASSES
+from infhip.runtime.models.common import use_fp8_linears
+
+logger = logging.getLogger("infhip.engine")
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 KV_DTYPES = {**DTYPES, "fp8": torch.float8_e4m3fn}  # infhip.config.KV_DTYPES; fp8: plugins/kv_quant.py
@@ -46,6 +50,19 @@ def resolve_device(config: EngineConfig, device: str | torch.device | None, jit:
     return device
 
 
+def _check_fp8_device(config: EngineConfig, device: torch.device) -> None:
+    """An fp8-weight engine on a GPU without fp8 tensor cores (below sm_89) runs, on the
+    dequantizing reference path (each call widens its weight to bf16 first: correct, and slower
+    than a bf16 engine); say so once per load."""
+    from infhip.plugins.fp8_linear import FP8_MIN_CAPABILITY, device_has_fp8
+
+    if config.build.weight_dtype == "fp8" and device.type == "cuda" and not device_has_fp8(device):
+        logger.warning("engine has fp8 weights but this GPU (%s) has no fp8 tensor cores (sm_%d+): its "
+                       "linear layers run the dequantizing reference path, slower than a bf16 engine; "
+                       "rebuild with --weight-dtype bf16 for speed on this GPU", gpu_target(device),
+                       FP8_MIN_CAPABILITY)
+
+
 @dataclass
 class LoadedEngine:
     config: EngineConfig
@@ -75,6 +92,8 @@ def load_engine(engine_dir: str | Path, device: str | torch.device | None = None
     if not weights_path.is_file():
         raise EngineFormatError(f"{weights_path} is missing; rebuild the engine")
     model = MODEL_CLASSES[config.model.architecture](config.model, config.plan.layers)
+    use_fp8_linears(model, config.fp8_linears())  # fp8 engines: those layers' weights are fp8
+    _check_fp8_device(config, device)
     try:
         state = load_file(str(weights_path), device=str(device))
     except Exception as e:  # safetensors raises several types for damaged files

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from infhip.runtime.attention.infinitehip import SparseStep
+    from infhip.runtime.attention.sparse_plan import SparseStep
     from infhip.runtime.token_drop import TokenDropStep
 
 

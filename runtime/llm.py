@@ -51,7 +51,6 @@ from infhip.runtime.model_runner import ModelRunner
 from infhip.runtime.outputs import RequestOutput, StreamDelta
 from infhip.runtime.sampler import Sampler, make_generator
 from infhip.runtime.sampling_params import SamplingParams
-from infhip.runtime.kv_cache import OutOfPages
 from infhip.runtime.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
 from infhip.runtime.sequence import Sequence, SequenceStatus
 
@@ -356,12 +355,7 @@ class LLM:
         if (k <= 1 or out.num_decodes != len(out.chunks) or out.preempted or self.scheduler.num_waiting
                 or any(ch.start + k > self.runner.max_seq_len for ch in out.chunks)):
             return 1
-        try:  # pages for all k positions up front; a sequence that got them keeps them
-            for ch in out.chunks:
-                self.runner.kv.append(ch.seq.seq_id, ch.start, ch.start + k)
-        except OutOfPages:
-            return 1
-        return k
+        return k if self.scheduler.reserve_decode_steps(out, k) else 1
 
     def _decode_steps(self, out: SchedulerOutput, num_steps: int) -> list[list[int]]:
         """tokens[j][b]: the token of out's chunk b at decode step j (sampled on the device, in

@@ -16,23 +16,18 @@ from dataclasses import dataclass
 
 import torch
 
-from infhip.plugins.kv_offload import copy_pages
-from infhip.runtime.attention.infinitehip import (InfiniteHipBackend, InfiniteHipLayer, SparsePlanner,
-                                                  SparseStepHost, uses_key_bank)
+from infhip.runtime import kv_budget
+from infhip.runtime.attention.infinitehip import InfiniteHipBackend
+from infhip.runtime.attention.sparse_plan import SparseStepHost
 from infhip.runtime.attention.paged_kv import PagedKV
 from infhip.runtime.cuda_graphs import DECODE_LEN_BUCKETS, DecodeGraphs, GraphKey, len_bucket
-from infhip.runtime.engine import DTYPES, KV_DTYPES, LoadedEngine
+from infhip.runtime.engine import KV_DTYPES, LoadedEngine
 from infhip.runtime.forward_context import ForwardContext, KVGroupMetadata, LayerKV, compact_slots, forward_context
-from infhip.runtime.kv_cache import KVCacheManager, KVGroupSpec, OffloadSpec
-from infhip.runtime.mask_cache import MaskCache
-from infhip.runtime.offload_staging import PrefillStaging, plan_staging
+from infhip.runtime.kv_cache import KVCacheManager
+from infhip.runtime.offload.policy import PageMover, offload_spec
+from infhip.runtime.offload.staging import PrefillStaging, plan_staging
 from infhip.runtime.scheduler import SchedulerOutput
-from infhip.runtime.token_drop import DropChunk, TokenDropStep, keep_tail, plan_drops
-
-GiB = 1 << 30
-# KV offloading moves a request's pages once at least this many tokens' pages are eligible: fewer
-# copy launches and page-table re-uploads, at the cost of that many more tokens on the GPU.
-OFFLOAD_BATCH_TOKENS = 256
+from infhip.runtime.token_drop import DropChunk, DropStats, TokenDropStep, keep_tail, plan_drops
 
 
 @dataclass
@@ -65,7 +60,7 @@ class ModelRunner:
     def __init__(self, engine: LoadedEngine, max_num_seqs: int, max_num_batched_tokens: int,
                  kv_cache_memory_bytes: int | None = None, gpu_memory_utilization: float = 0.9,
                  enforce_eager: bool = False, max_decode_steps: int = 1, kv_offload_bytes: int = 0):
-        """kv_offload_bytes: host memory for offloaded KV pages (0: none; _offload_spec)."""
+        """kv_offload_bytes: host memory for offloaded KV pages (0: none; runtime/offload/policy.py)."""
         self.engine, self.model, self.device = engine, engine.model, engine.device
         cfg, build = engine.config.model, engine.config.build
         self.page_size = build.page_size
@@ -74,33 +69,17 @@ class ModelRunner:
         kv_dtype = KV_DTYPES[build.kv_dtype]
         attn_layers = [layer.self_attn for layer in self.model.layers]
         layer_groups = [a.kv_group for a in attn_layers]
-        windows = {a.kv_group: a.window for a in attn_layers}
         # K and V pages (+ an fp8 cache's float32 scale per token and kv head, plugins/kv_quant.py)
         page_bytes = self.page_size * PagedKV.bytes_per_token(cfg.num_kv_heads, cfg.head_dim, kv_dtype)
-
-        offload = self._offload_spec(kv_offload_bytes, page_bytes, layer_groups.count("global"))
-        # staged prefill (runtime/offload_staging.py): two buffers of one sequence's host pages
+        offload = offload_spec(engine.config, kv_offload_bytes, page_bytes, layer_groups.count("global"))
+        # staged prefill (runtime/offload/staging.py): two buffers of one sequence's host pages
         staging_pages = min(offload.host_pages, self.max_pages_per_seq) if offload else 0
-        budget = kv_cache_memory_bytes or self._default_kv_budget(
-            max_num_seqs, max_num_batched_tokens, gpu_memory_utilization, offload is not None,
-            PrefillStaging.bytes_for(staging_pages, page_bytes))
-        specs: dict[str, KVGroupSpec] = {}
-        # Sliding groups get exactly what max_num_seqs windows need; the global group the rest.
-        for group in sorted(set(layer_groups), key=lambda g: g != "sliding"):
-            num_layers = layer_groups.count(group)
-            group_offload = offload if group == "global" else None
-            per_seq = KVCacheManager.pages_for(windows[group], self.page_size, self.max_seq_len,
-                                               max_num_batched_tokens, group_offload)
-            wanted = max_num_seqs * per_seq + 1  # + the null page
-            affordable = budget // (page_bytes * num_layers)
-            num_pages = min(wanted, affordable)
-            if num_pages < per_seq + 1:
-                raise MemoryError(
-                    f"KV cache budget of {budget / GiB:.2f} GiB holds {affordable} pages of the "
-                    f"{group} layers, one sequence of {self.max_seq_len} tokens needs {per_seq + 1}; "
-                    "pass a larger kv_cache_memory_bytes or rebuild with a smaller --max-seq-len")
-            budget -= num_pages * page_bytes * num_layers
-            specs[group] = KVGroupSpec(num_pages=num_pages, window=windows[group], offload=group_offload)
+        budget = kv_cache_memory_bytes or kv_budget.default_budget(
+            engine.config, self.device, max_num_seqs, max_num_batched_tokens, gpu_memory_utilization,
+            offload is not None, PrefillStaging.bytes_for(staging_pages, page_bytes))
+        specs = kv_budget.size_groups(layer_groups, {a.kv_group: a.window for a in attn_layers}, page_bytes,
+                                      self.page_size, self.max_seq_len, max_num_seqs, max_num_batched_tokens,
+                                      budget, offload)
         self.kv = KVCacheManager(self.page_size, specs, self.max_pages_per_seq)
         for attn in attn_layers:  # + a host twin where the group offloads (plugins/kv_offload.py)
             spec = specs[attn.kv_group]
@@ -108,10 +87,10 @@ class ModelRunner:
                                        self.device, host_pages=offload.host_pages if spec.offload is not None else 0)
         self.offload_layers = [a for a in attn_layers if a.kv.host is not None]
         self.staging = PrefillStaging(self.offload_layers, staging_pages, self.device) if offload else None
+        self.page_mover = PageMover(self.kv, self.offload_layers, self._tensor)
         self.groups = sorted(specs)
 
         self.max_num_seqs = max_num_seqs
-        self.sparse_planner = None
         self.infinitehip: InfiniteHipBackend | None = None  # the "infinitehip" layers' backend
         self.graphs = None
         self.set_infinitehip(engine.config.plan.infinitehip)
@@ -120,11 +99,7 @@ class ModelRunner:
         self.anchors = frozenset(lp.index for lp in engine.config.plan.layers if lp.window is None)
         self.global_layers = sorted(self.anchors)  # the layers that hold compacted KV after a drop
         self.set_token_drop(engine.config.plan.token_drop)
-        # seq_id -> {anchor layer: [kept, total]} over the chunks of its latest prefill
-        self.retention: dict[int, dict[int, list[int]]] = {}
-        # Tests: also keep seq_id -> {anchor layer: [kept positions per chunk]} (host tensors).
-        self.record_kept_positions = False
-        self.kept_positions: dict[int, dict[int, list[torch.Tensor]]] = {}
+        self.drop_stats = DropStats()  # drop histories of the requests, retention per anchor
 
         if self.device.type == "cuda" and not enforce_eager:
             sizes = [b for b in build.cuda_graph_batch_sizes if b <= max_num_seqs]
@@ -159,73 +134,12 @@ class ModelRunner:
                 raise ValueError("this engine has no InfiniteHiP layers; build it with --preset")
             return
         offload = self.kv.groups["global"].offload if "global" in self.kv.groups else None
-        if offload is not None and ih.dense_threshold > offload.min_context:
-            raise ValueError(f"dense_threshold {ih.dense_threshold} is above {offload.min_context}, where this "
-                             "runner starts offloading KV pages: dense kernels would meet host pages")
-        attn_layers = [layer.self_attn for layer in self.model.layers]
-        sparse = [(attn, lp) for attn, lp in zip(attn_layers, plan.layers) if lp.plugin == "infinitehip"]
-        self.sparse_planner = SparsePlanner(ih, self.max_num_seqs, self.engine.config.model.max_position_embeddings,
-                                            len(sparse), raw_keys_max_tokens=self.max_seq_len,
-                                            offloading=offload is not None, max_seq_len=self.max_seq_len)
-        self.infinitehip = InfiniteHipBackend(self.sparse_planner)
-        bank = uses_key_bank(ih, self.max_seq_len, self.engine.config.model.max_position_embeddings)
-        for k, (attn, lp) in enumerate(sparse):
-            # the bank holds rotated keys in the queries' (the weights') dtype, whatever the cache's
-            kv_layout = (attn.kv.k.shape[2], attn.kv.k.shape[3], DTYPES[self.engine.config.build.dtype])
-            attn.sparse = InfiniteHipLayer(ih, lp.index, self.max_num_seqs, attn.scale, attn.rope[0].inv_freq,
-                                           self.device, group=self.sparse_planner.layer_group[k],
-                                           bank_layout=kv_layout if bank else None,
-                                           value_bank=bank and offload is not None)
-            attn.backend = self.infinitehip
+        layers = [layer.self_attn for layer in self.model.layers]
+        self.infinitehip = InfiniteHipBackend.attach(self.engine.config, ih, layers, self.max_num_seqs, self.device,
+                                                     offload)
         if self.graphs is not None:
             self.graphs.drop(lambda key: key.sparse is None)
             self.graphs.capture(self.graph_keys())
-
-    def _offload_spec(self, nbytes: int, page_bytes: int, num_global_layers: int) -> OffloadSpec | None:
-        """The host pool of the full-attention ("global") layers for ``nbytes`` of host memory.
-        Pages move once a request's context reaches the InfiniteHiP threshold (every later step
-        of it runs the sparse kernels, which read host pages in place), keeping the sink and
-        stream tokens' pages on the GPU — and, when RoPE stays off inside the trained window,
-        only past that window: there prefill prunes from the raw-keys scratch (each offloaded
-        key crosses PCIe once per chunk), while inside it every query block's stages would read
-        the host pages again (a 32K chunk at 128K keys: 23 -> 398 ms per layer, measured).
-        Requires every full-attention layer to be an InfiniteHiP layer (dense kernels do not
-        follow host entries) and no token drop."""
-        if not nbytes:
-            return None
-        plan = self.engine.config.plan
-        ih = plan.infinitehip
-        if ih is None or any(lp.plugin != "infinitehip" for lp in plan.layers if lp.attention == "global"):
-            raise ValueError("KV offloading needs an engine whose full-attention layers all run InfiniteHiP "
-                             "(build it with --preset 3k | 3k-fast | 3k-flash | 5k)")
-        if plan.token_drop is not None:
-            raise ValueError("KV offloading and token drop cannot be combined yet (token drop's gathers "
-                             "read pages directly); load with token_drop=False")
-        host_pages = nbytes // (page_bytes * num_global_layers)
-        if host_pages < 1:
-            raise ValueError(f"kv_offload_bytes={nbytes} holds no page of the {num_global_layers} "
-                             f"full-attention layers ({page_bytes * num_global_layers} bytes per page)")
-        window = self.engine.config.model.max_position_embeddings
-        min_context = max(ih.dense_threshold, window + 1) if ih.rope_off_in_trained_window else ih.dense_threshold
-        return OffloadSpec(host_pages=host_pages, head_tokens=ih.n_sink, tail_tokens=ih.n_stream,
-                           min_context=min_context, batch_pages=max(1, OFFLOAD_BATCH_TOKENS // self.page_size))
-
-    def _offload(self, seqs_and_contexts) -> None:
-        """After a step (its kernels already queued): move the pages that the step's requests no
-        longer keep on the GPU to the host pools; the copies run on the same stream, ahead of any
-        later kernel that could reuse the freed GPU pages."""
-        if not self.offload_layers:
-            return
-        src, dst = [], []
-        for seq, context in seqs_and_contexts:
-            s, d = self.kv.offload(seq.seq_id, "global", context)
-            src += s
-            dst += d
-        if not src:
-            return
-        src_t, dst_t = self._tensor(src, torch.int32), self._tensor(dst, torch.int32)
-        for attn in self.offload_layers:
-            copy_pages(attn.kv.k, attn.kv.v, attn.kv.k_scale, attn.kv.v_scale, src_t, dst_t, attn.kv.host)
 
     def set_token_drop(self, cfg) -> None:
         """Turn token drop on (a TokenDropConfig) or off (None) from the next step on. With
@@ -243,32 +157,6 @@ class ModelRunner:
                                  if self.engine.config.plan.infinitehip is not None else None)
         windows = [layer.self_attn.window for layer in self.model.layers]
         self.drop_tail = keep_tail(cfg, windows) if cfg is not None else 0
-
-    def _default_kv_budget(self, max_num_seqs: int, max_num_batched_tokens: int, utilization: float,
-                           value_banks: bool = False, staging_bytes: int = 0) -> int:
-        if self.device.type != "cuda":
-            return 2 * GiB
-        free, total = torch.cuda.mem_get_info(self.device)
-        reserved = self.non_kv_bytes(max_num_seqs, max_num_batched_tokens, value_banks) + staging_bytes
-        return max(0, int(free - (1 - utilization) * total) - reserved - GiB)
-
-    def non_kv_bytes(self, max_num_seqs: int, max_num_batched_tokens: int, value_banks: bool = False) -> int:
-        """Device memory the default KV budget leaves to other buffers: activations of the
-        largest step (a few [T, hidden] / [T, 2I] tensors and fp32 logits) and, with InfiniteHiP,
-        one sequence's raw-keys scratch and the layers' key banks (cfg.key_bank), twice that with
-        value banks (offloading)."""
-        cfg = self.engine.config.model
-        act = max_num_batched_tokens * (8 * cfg.hidden_size + 6 * cfg.intermediate_size) * 4
-        # raw-keys scratch and key banks hold keys in the weights' dtype (also for an fp8 cache)
-        ih, itemsize = self.engine.config.plan.infinitehip, DTYPES[self.engine.config.build.dtype].itemsize
-        if ih is not None:
-            act += self.max_seq_len * cfg.num_kv_heads * cfg.head_dim * itemsize
-            if uses_key_bank(ih, self.max_seq_len, cfg.max_position_embeddings):
-                act += (1 + value_banks) * sum(
-                    MaskCache.bank_bytes(ih.stages_of(lp.index)[-1].k, min(max_num_seqs, ih.key_bank_slots),
-                                         cfg.num_kv_heads, cfg.head_dim, itemsize)
-                    for lp in self.engine.config.plan.layers if lp.plugin == "infinitehip")
-        return act
 
     # -- plan: host-side, once per step -------------------------------------------------------
     def prepare(self, out: SchedulerOutput) -> StepPlan:
@@ -311,10 +199,10 @@ class ModelRunner:
                      dense: bool = False) -> SparseStepHost | None:
         """The step's InfiniteHiP plan; dense=True (a step that drops tokens runs no sparse
         attention): none, and the requests' cached masks are invalidated."""
-        if self.sparse_planner is None:
+        if self.infinitehip is None:
             return None
         if dense:
-            self.sparse_planner.skip(seqs)
+            self.infinitehip.planner.skip(seqs)
             return None
         return self.infinitehip.plan(seqs, ctx_lens, num_decodes)
 
@@ -405,33 +293,10 @@ class ModelRunner:
             with forward_context(self._context(p)) as ctx:
                 hidden = self.model(self._tensor(p.input_ids, torch.int64))
             if ctx.token_drop is not None:
-                self._record_retention(out, ctx.token_drop)
+                self.drop_stats.record([ch.seq for ch in out.chunks], ctx.token_drop, len(self.model.layers))
             logits = self.model.compute_logits(hidden[self._tensor(p.logits_rows, torch.int64)])
-        self._offload((ch.seq, ch.end) for ch in out.chunks)
+        self.page_mover.move((ch.seq, ch.end) for ch in out.chunks)
         return logits
-
-    def _record_retention(self, out: SchedulerOutput, td: TokenDropStep) -> None:
-        """Drop histories (tokens each anchor did not write), and kept / total tokens per anchor of
-        each dropping sequence summed over its chunks."""
-        for d in td.drops:
-            seq = out.chunks[d.b].seq
-            if seq.dropped is None:
-                seq.dropped = [0] * len(self.model.layers)
-            for layer, rec in td.records:
-                seq.dropped[layer] += rec[d.b][1] - rec[d.b][0]
-            if not any(seq.dropped):  # kept everything: no history, shared metadata and graphs
-                seq.dropped = None
-            per_layer = self.retention.pop(seq.seq_id, {}) if d.start else {}
-            self.retention[seq.seq_id] = per_layer  # newest last
-            while len(self.retention) > 256:  # bounded: the latest sequences only
-                self.retention.pop(next(iter(self.retention)))
-            for layer, rec in td.records:
-                kept, total, positions = rec[d.b]
-                acc = per_layer.setdefault(layer, [0, 0])
-                acc[0] += kept
-                acc[1] += total
-                if self.record_kept_positions:
-                    self.kept_positions.setdefault(seq.seq_id, {}).setdefault(layer, []).append(positions)
 
     @torch.inference_mode()
     def execute_decode_steps(self, out: SchedulerOutput, num_steps: int, sample) -> list[torch.Tensor]:
@@ -459,5 +324,5 @@ class ModelRunner:
                 input_ids = tokens[-1] if tokens else self._tensor(p.input_ids, torch.int64)
                 with forward_context(self._context(p)):
                     tokens.append(sample(self.model.compute_logits(self.model(input_ids))))
-        self._offload((seq, ctx) for seq, ctx in zip(seqs, plans[-1].ctx_lens))
+        self.page_mover.move((seq, ctx) for seq, ctx in zip(seqs, plans[-1].ctx_lens))
         return tokens

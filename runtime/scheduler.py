@@ -21,7 +21,7 @@ import bisect
 from collections import deque
 from dataclasses import dataclass, field
 
-from infhip.runtime.kv_cache import KVCacheManager
+from infhip.runtime.kv_cache import KVCacheManager, OutOfPages
 from infhip.runtime.sequence import FINISH_REASONS, Sequence, SequenceStatus, check_stop_token
 
 
@@ -264,6 +264,18 @@ class Scheduler:
             step.add(ScheduledChunk(seq, cached, end - cached), decode=False)
 
         return SchedulerOutput(chunks=step.decodes + step.prefills, preempted=step.preempted)
+
+    def reserve_decode_steps(self, out: SchedulerOutput, num_steps: int) -> bool:
+        """Pages for ``num_steps`` positions of every chunk of the pure-decode step ``out``, so
+        that many decode steps can run back to back on the device; False if the cache cannot
+        hold them (run one step then). A sequence that got its pages keeps them: its next steps
+        need them anyway."""
+        try:
+            for ch in out.chunks:
+                self.kv.append(ch.seq.seq_id, ch.start, ch.start + num_steps)
+        except OutOfPages:
+            return False
+        return True
 
     def update(self, out: SchedulerOutput, sampled: dict[int, int],
                eos_token_ids: tuple[int, ...] = ()) -> list[Sequence]:

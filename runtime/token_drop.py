@@ -326,4 +326,39 @@ class TokenDropStep:
         return out
 
 
-__all__ = ["DropChunk", "TokenDropStep", "keep_tail", "plan_drops"]
+class DropStats:
+    """What the drops of the steps so far leave behind, recorded after each dropping step:
+    each dropping sequence's drop history (``Sequence.dropped``: tokens each layer did not
+    write, read by the next steps' per-layer KV) and, per sequence, kept / total tokens per
+    anchor summed over the chunks of its latest prefill (``retention``, the latest 256
+    sequences). Tests set ``record_kept_positions`` to also keep the kept positions per chunk."""
+
+    def __init__(self) -> None:
+        self.retention: dict[int, dict[int, list[int]]] = {}  # seq_id -> {anchor: [kept, total]}
+        self.record_kept_positions = False
+        self.kept_positions: dict[int, dict[int, list[torch.Tensor]]] = {}  # seq_id -> {anchor: [positions]}
+
+    def record(self, seqs: list, td: TokenDropStep, num_layers: int) -> None:
+        """seqs: the step's sequences in batch order; td: the step's drop state."""
+        for d in td.drops:
+            seq = seqs[d.b]
+            if seq.dropped is None:
+                seq.dropped = [0] * num_layers
+            for layer, rec in td.records:
+                seq.dropped[layer] += rec[d.b][1] - rec[d.b][0]
+            if not any(seq.dropped):  # kept everything: no history, shared metadata and graphs
+                seq.dropped = None
+            per_layer = self.retention.pop(seq.seq_id, {}) if d.start else {}
+            self.retention[seq.seq_id] = per_layer  # newest last
+            while len(self.retention) > 256:  # bounded: the latest sequences only
+                self.retention.pop(next(iter(self.retention)))
+            for layer, rec in td.records:
+                kept, total, positions = rec[d.b]
+                acc = per_layer.setdefault(layer, [0, 0])
+                acc[0] += kept
+                acc[1] += total
+                if self.record_kept_positions:
+                    self.kept_positions.setdefault(seq.seq_id, {}).setdefault(layer, []).append(positions)
+
+
+__all__ = ["DropChunk", "DropStats", "TokenDropStep", "keep_tail", "plan_drops"]

@@ -48,11 +48,11 @@ def count_moves(llm) -> list[int]:
 
 
 def poison_host_during_staged_prefill(monkeypatch) -> list[int]:
-    """From now on, while a layer's staged prefill runs (runtime/offload_staging.py, between its
+    """From now on, while a layer's staged prefill runs (runtime/offload/staging.py, between its
     acquire and release), that layer's host pool is NaN, restored after: a kernel that read a
     host page instead of the staged copy would poison the output. Returns the layers acquired
     (a live list)."""
-    from infhip.runtime.offload_staging import StagedStep
+    from infhip.runtime.offload.staging import StagedStep
 
     saved: dict[int, torch.Tensor] = {}
     calls: list[int] = []

@@ -22,7 +22,7 @@ from infhip import LLM, SamplingParams
 from infhip.builder.build import build_engine
 from infhip.builder.kernels import enumerate_variants
 from infhip.config import EngineConfig
-from infhip.runtime import model_runner
+import infhip.runtime.offload.policy as offload_policy
 from infhip.plugins.aot import Target, record
 from tests._tiny import write_tiny_hf_checkpoint
 
@@ -44,6 +44,9 @@ MiB = 1 << 20
 SCENARIOS = {
     "dense": ("llama", {}, {}),
     "dense-fp8": ("llama", dict(kv_dtype="fp8"), {}),
+    # fp8 weights, the LM head too: decode rows through the fp8 skinny kernel, prefill chunks
+    # through torch._scaled_mm's activation quantization (emulated off the GPU)
+    "dense-fp8-weights": ("llama", dict(weight_dtype="fp8", quantize_lm_head=True), {}),
     "3k": ("llama", dict(preset="3k", infinitehip_overrides=TINY), {}),
     "token-drop": ("llama", dict(token_drop=dict(p=0.9, min_prompt_len=32, n=8, block_size=8, num_sink=8)), {}),
     "gemma3-3k": ("gemma3", dict(preset="3k", infinitehip_overrides=TINY), {}),
@@ -71,7 +74,7 @@ def checkpoints(tmp_path_factory):
 def test_enumeration_covers_launches(checkpoints, tmp_path, monkeypatch, name):
     arch, build_kw, llm_kw, run = (*SCENARIOS[name], {})[:4]
     if run.get("small_batches"):  # move pages one at a time (tiny contexts)
-        monkeypatch.setattr(model_runner, "OFFLOAD_BATCH_TOKENS", 16)
+        monkeypatch.setattr(offload_policy, "OFFLOAD_BATCH_TOKENS", 16)
     engine = build_engine(checkpoint=checkpoints / arch, output_dir=tmp_path / name, **KW, **build_kw)
     target = Target()
     enumerated = set(enumerate_variants(EngineConfig.load(engine), target))
@@ -80,5 +83,7 @@ def test_enumeration_covers_launches(checkpoints, tmp_path, monkeypatch, name):
         outs = llm.generate(prompt_token_ids=run.get("prompts", PROMPTS), sampling_params=GREEDY)
     assert all(len(o.token_ids) == GREEDY.max_tokens for o in outs)
     assert rec.variants, "no Triton launch recorded: the scenario did not reach the kernels"
+    if build_kw.get("weight_dtype") == "fp8":
+        assert {"_fp8_skinny_kernel", "_quantize_act_kernel"} <= {v.name for v in rec.variants}
     missing = sorted(v.describe() for v in rec.variants - enumerated)
     assert not missing, f"{len(missing)} launched variant(s) not enumerated for {name}:\n" + "\n".join(missing)

@@ -31,20 +31,23 @@ from infhip.plugins.aot import Target
 
 CONFIGS = Path(__file__).resolve().parents[1] / "builder" / "model_configs"
 # The plugins whose aot_launches this suite holds to a count (the dense family).
-DENSE_FAMILY = ("rms_norm", "activation", "rope", "skinny_gemm", "dense_attention", "kv_quant")
+DENSE_FAMILY = ("rms_norm", "activation", "rope", "skinny_gemm", "fp8_skinny_gemm", "fp8_linear", "dense_attention",
+                "kv_quant")
 # Modules whose aot_launches are written on another branch (aot-sparse): until it lands, a module
 # of these that has no aot_launches yet is an expected failure; once it has one, it is checked.
 PENDING = frozenset(m for m in plugin_modules() if m not in DENSE_FAMILY)
 
 
 def engine_config(model: str, kv_dtype: str = "bfloat16", preset: str = "dense", token_drop: bool = False,
-                  max_batch_size: int = 16, max_seq_len: int = 131072) -> EngineConfig:
+                  max_batch_size: int = 16, max_seq_len: int = 131072, weight_dtype: str = "bf16",
+                  quantize_lm_head: bool = False, target: str = "sm_90") -> EngineConfig:
     """The EngineConfig infhip-build writes for ``model`` on an H200 by default (bf16 weights)."""
     mcfg, _ = model_config_from_hf(json.loads((CONFIGS / f"{model}.json").read_text()))
     build = BuildConfig(dtype="bfloat16", kv_dtype=kv_dtype, max_seq_len=min(mcfg.max_position_embeddings, max_seq_len)
                         if preset == "dense" else max_seq_len,
                         max_batch_size=max_batch_size, max_num_batched_tokens=32768,
-                        cuda_graph_batch_sizes=_graph_batch_sizes(max_batch_size), target="sm_90")
+                        cuda_graph_batch_sizes=_graph_batch_sizes(max_batch_size), target=target,
+                        weight_dtype=weight_dtype, quantize_lm_head=quantize_lm_head)
     plan = make_plan(mcfg, preset)
     if token_drop:
         plan = dataclasses.replace(plan, token_drop=TokenDropConfig())
@@ -61,6 +64,9 @@ PLANS = {
     "llama8b-3k-flash-fp8kv": dict(model="llama-3.1-8b", preset="3k-flash", kv_dtype="fp8", max_seq_len=1048576),
     "llama8b-token-drop": dict(model="llama-3.1-8b", token_drop=True),
     "gemma3-12b-3k-token-drop": dict(model="gemma-3-12b", preset="3k", token_drop=True),
+    # fp8 weights (plugins/fp8_skinny_gemm.py, plugins/fp8_linear.py)
+    "llama8b-fp8w": dict(model="llama-3.1-8b", weight_dtype="fp8", kv_dtype="fp8"),
+    "gemma3-12b-fp8w-lm-head": dict(model="gemma-3-12b", weight_dtype="fp8", quantize_lm_head=True),
 }
 
 
@@ -108,6 +114,39 @@ def test_dense_family_bounded_and_deterministic(enumerated, name):
         if v.name == "_decode_split_kernel":
             assert "max_pages" not in dict(v.constants) and "max_pages" not in dict(v.attrs)
             assert "tt.divisibility" not in dict(v.attrs).get("context_lens_ptr", "")
+
+
+@pytest.mark.parametrize("name", ["llama8b-fp8w", "gemma3-12b-fp8w-lm-head"])
+def test_fp8_weight_kernels_bounded_and_replace_bf16_ones(enumerated, name):
+    """An fp8-weight engine enumerates the fp8 skinny kernel (decode rows) and the activation
+    quantization of torch._scaled_mm (prefill rows) per fp8 layer width, and no bf16 skinny GEMM
+    for the layers it stores in fp8 (the LM head keeps one unless quantized)."""
+    variants = enumerated[name]
+    again = set(enumerate_variants(engine_config(**PLANS[name]), Target()))
+    assert sorted(v.key for v in again) == sorted(v.key for v in variants), "enumeration is not deterministic"
+    counts = collections.Counter(v.name for v in variants if _module_of(v) in ("fp8_skinny_gemm", "fp8_linear",
+                                                                            "skinny_gemm"))
+    print(f"\n{name}: {dict(sorted(counts.items()))}")
+    assert counts["_fp8_skinny_kernel"] >= 1 and counts["_quantize_act_kernel"] >= 1
+    assert sum(counts.values()) <= 24, f"{counts}: the fp8 enumeration is not bounded"
+    lm_head = PLANS[name].get("quantize_lm_head", False)
+    assert (counts["_skinny_gemm_kernel"] == 0) == lm_head
+    for v in variants:
+        c = dict(v.constants)
+        if v.name == "_fp8_skinny_kernel":  # compiled for the GPU: bf16 dots, no interpreter upcast
+            assert c["DOT_F32"] == "False" and c["DOT_PRECISION"] == "'tf32'"
+            assert "M" not in c and "M" not in dict(v.attrs)  # one binary for every row count
+        if v.name == "_skinny_gemm_kernel":  # only the LM head's shape (N = vocab) is left in bf16
+            assert dict(v.signature)["w_ptr"] == "*bf16"
+
+
+def test_fp8_weight_kernels_need_an_fp8_target():
+    """Below sm_89 an fp8 engine runs the dequantizing reference: nothing fp8 is compiled (Triton
+    has no fp8e4nv there), and no bf16 skinny GEMM for the fp8 layers either."""
+    config = engine_config("llama-3.1-8b", weight_dtype="fp8", target="sm_80")
+    names = {v.name for v in enumerate_variants(config, Target("sm_80", 108))}
+    assert not names & {"_fp8_skinny_kernel", "_quantize_act_kernel"}
+    assert "_rms_norm_kernel" in names
 
 
 def _launched_kernels() -> dict[str, list[str]]:

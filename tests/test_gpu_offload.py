@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import infhip.runtime.model_runner as model_runner
+import infhip.runtime.offload.policy as offload_policy
 from infhip.plugins.kv_offload import HostKV
 
 pytestmark = pytest.mark.gpu
@@ -25,7 +25,7 @@ def test_offloaded_decode_in_cuda_graphs_equals_resident(tmp_path, monkeypatch, 
     """A tiny engine, every context past dense_threshold: with offloading (pages moved one at a
     time, so the tables change during decode) the graphs produce the resident run's tokens; the
     prefill chunks after the first read the offloaded pages staged by the side stream
-    (runtime/offload_staging.py) or in place."""
+    (runtime/offload/staging.py) or in place."""
     from infhip import LLM, SamplingParams
     from infhip.builder.build import build_engine
 
@@ -33,7 +33,7 @@ def test_offloaded_decode_in_cuda_graphs_equals_resident(tmp_path, monkeypatch, 
     from ._offload import count_moves
     from ._tiny import write_tiny_hf_checkpoint
 
-    monkeypatch.setattr(model_runner, "OFFLOAD_BATCH_TOKENS", 16)
+    monkeypatch.setattr(offload_policy, "OFFLOAD_BATCH_TOKENS", 16)
     write_tiny_hf_checkpoint(tmp_path / "hf", "llama")
     engine = build_engine(checkpoint=tmp_path / "hf", output_dir=tmp_path / "e", dtype="float32", device="cuda",
                           max_seq_len=400, max_batch_size=4, preset="3k", kv_dtype=kv_dtype,

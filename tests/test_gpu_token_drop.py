@@ -46,9 +46,9 @@ def test_engine_on_gpu_equals_masked_reference(arch, tmp_path):
                           progress=False)
     ids = prompt(2, 200)
     llm = LLM(engine, max_num_batched_tokens=100, token_drop=dict(rho=0.3, **TINY), enforce_eager=True)
-    llm.runner.record_kept_positions = True
+    llm.runner.drop_stats.record_kept_positions = True
     tokens, logits, sid = run_greedy(llm, ids, 5)
-    kept = {layer: torch.cat(c) for layer, c in llm.runner.kept_positions[sid].items()}
+    kept = {layer: torch.cat(c) for layer, c in llm.runner.drop_stats.kept_positions[sid].items()}
     layers = llm.engine.config.plan.layers
     ref = reference_logits(llm.runner.model, ids + tokens[:-1], len(ids), kept, layers)[len(ids) - 1:]
     assert (logits.double() - ref).abs().max().item() < 1e-3
@@ -98,7 +98,7 @@ def graphed_and_eager(engine, prompts, **llm_kwargs):
     for eager in (False, True):
         llm = LLM(engine, enforce_eager=eager, **llm_kwargs)
         outs[eager] = [o.token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=sp)]
-        assert llm.runner.retention
+        assert llm.runner.drop_stats.retention
         if not eager:
             keys = [key for _, key in llm.runner.graphs.graphs]
     return outs[False], outs[True], keys

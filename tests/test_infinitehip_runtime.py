@@ -13,6 +13,8 @@ import shutil
 import pytest
 
 import infhip.runtime.attention.infinitehip as sa
+import infhip.runtime.attention.sparse_plan as sparse_plan
+from infhip.runtime import kv_budget
 from infhip import LLM, SamplingParams
 from infhip.builder.build import build_engine
 from infhip.config import EngineConfig
@@ -141,7 +143,7 @@ def test_raw_keys_in_prefill_under_interpreter(engines, monkeypatch):
     monkeypatch.setattr(sa, "unrotate_keys", lambda *a, **k: made.append(1) or real(*a, **k))
     with_raw = generate(engines["3k"], knobs, prompts, params)
     assert made
-    monkeypatch.setattr(sa, "RAW_KEYS_MIN_BLOCKS", 10**9)
+    monkeypatch.setattr(sparse_plan, "RAW_KEYS_MIN_BLOCKS", 10**9)
     made.clear()
     assert generate(engines["3k"], knobs, prompts, params) == with_raw and not made
 
@@ -264,18 +266,18 @@ def test_key_bank_memory_is_reserved(engines):
     cfg, ih = on.engine.config.model, plan.infinitehip
     final_ks = [ih.stages_of(lp.index)[-1].k for lp in plan.layers if lp.plugin == "infinitehip"]
     expected = sum((3 + 1) * k * cfg.num_kv_heads * cfg.head_dim * 4 for k in final_ks)  # float32 KV
-    assert on.non_kv_bytes(3, 64) - off.non_kv_bytes(3, 64) == expected > 0
+    assert kv_budget.reserved_bytes(on.engine.config, 3, 64) - kv_budget.reserved_bytes(off.engine.config, 3, 64) == expected > 0
     banks = [layer.self_attn.sparse.cache.bank for layer in on.model.layers if layer.self_attn.sparse]
     assert sum(b.numel() * b.element_size() for b in banks) == expected
     # key_bank_slots below max_num_seqs bounds it: (slots + 1) rows
     few = LLM(engines["3k"], max_num_seqs=3, infinitehip_overrides=dict(past_window, key_bank_slots=1)).runner
-    assert few.non_kv_bytes(3, 64) - off.non_kv_bytes(3, 64) == expected // 2
+    assert kv_budget.reserved_bytes(few.engine.config, 3, 64) - kv_budget.reserved_bytes(off.engine.config, 3, 64) == expected // 2
     banks = [layer.self_attn.sparse.cache.bank for layer in few.model.layers if layer.self_attn.sparse]
     assert sum(b.numel() * b.element_size() for b in banks) == expected // 2
 
     inside = LLM(engines["3k"], max_num_seqs=3, infinitehip_overrides={"key_bank": True}).runner
     assert inside.max_seq_len <= cfg.max_position_embeddings  # the test engine fits its window
-    assert inside.non_kv_bytes(3, 64) == off.non_kv_bytes(3, 64)
+    assert kv_budget.reserved_bytes(inside.engine.config, 3, 64) == kv_budget.reserved_bytes(off.engine.config, 3, 64)
     assert all(layer.self_attn.sparse.cache.bank is None for layer in inside.model.layers if layer.self_attn.sparse)
 
 

@@ -11,7 +11,7 @@ from infhip.builder.presets import infinitehip_config
 from infhip.runtime.mask_cache import MaskSlots, refresh_from, refresh_schedule
 from infhip.runtime.sampling_params import SamplingParams
 from infhip.runtime.sequence import Sequence, SequenceStatus
-from infhip.runtime.attention.infinitehip import SparseGraphKey, SparsePlanner
+from infhip.runtime.attention.sparse_plan import SparseGraphKey, SparsePlanner
 
 
 def stage_steps(intervals, num_steps, clock=0):

@@ -2,13 +2,13 @@
 their middle pages to the host pool after each step, and generate exactly the tokens they
 generate with every page on the GPU — through the torch references and through the Triton
 kernels under the interpreter, over float32 and fp8 caches. Prefill chunks read the offloaded
-pages from staged GPU copies (runtime/offload_staging.py; tests/test_offload_staging.py)."""
+pages from staged GPU copies (runtime/offload/staging.py; tests/test_offload_staging.py)."""
 
 from __future__ import annotations
 
 import pytest
 
-import infhip.runtime.model_runner as model_runner
+import infhip.runtime.offload.policy as offload_policy
 from infhip import LLM, SamplingParams
 from infhip.builder.build import build_engine
 from tests._tiny import write_tiny_hf_checkpoint
@@ -35,7 +35,7 @@ def engines(tmp_path_factory):
 
 
 # The tiny model's window (256) holds every context here: RoPE on in it, so pages move from the
-# threshold on (with it off they would move only past the window, ModelRunner._offload_spec).
+# threshold on (with it off they would move only past the window, runtime/offload/policy.py offload_spec).
 PAST = dict(LOW, rope_off_in_trained_window=False)
 
 
@@ -53,7 +53,7 @@ def run(engine, offload_bytes, budget=48, overrides=PAST, prompts=PROMPTS, param
 @pytest.fixture
 def small_batches(monkeypatch):
     """Move pages one at a time (tiny contexts: 16-token pages, a few of them eligible)."""
-    monkeypatch.setattr(model_runner, "OFFLOAD_BATCH_TOKENS", 16)
+    monkeypatch.setattr(offload_policy, "OFFLOAD_BATCH_TOKENS", 16)
 
 
 # fp8 kernels over host pages are covered by the plugin tests: one interpreted run is enough here
@@ -105,7 +105,7 @@ def test_offloading_starts_past_the_window_when_rope_is_off_inside_it(engines):
     assert inside.kv.groups["global"].offload.min_context == window + 1
     past = LLM(engines["3k"], infinitehip_overrides=PAST, kv_offload_bytes=4 * MiB).runner
     assert past.kv.groups["global"].offload.min_context == PAST["dense_threshold"]
-    assert past.sparse_planner.offloading and not LLM(engines["3k"]).runner.sparse_planner.offloading
+    assert past.infinitehip.planner.offloading and not LLM(engines["3k"]).runner.infinitehip.planner.offloading
 
 
 def test_offloading_is_refused_where_dense_kernels_would_read_host_pages(engines):

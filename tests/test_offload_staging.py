@@ -1,4 +1,4 @@
-"""Staged prefill over an offloaded cache (runtime/offload_staging.py): the plan (which host
+"""Staged prefill over an offloaded cache (runtime/offload/staging.py): the plan (which host
 pages go to which staging slot, in how many copies), the buffers, and the in-place fallback.
 That staged prefill reads only the staged copies and generates the resident run's tokens is
 tests/test_kv_offload_runtime.py's main test (the host pools are NaN while prefill kernels run:
@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from infhip.runtime.offload_staging import plan_staging
+from infhip.runtime.offload.staging import plan_staging
 
 from .test_infinitehip_runtime import PROMPTS
 from .test_kv_offload_runtime import GREEDY, MiB, PAST, engines, run, small_batches  # noqa: F401 (fixtures)

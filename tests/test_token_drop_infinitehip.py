@@ -14,7 +14,7 @@ import pytest
 from infhip import LLM, SamplingParams
 from infhip.builder.build import build_engine
 from infhip.builder.presets import infinitehip_config
-from infhip.runtime.attention.infinitehip import SparsePlanner
+from infhip.runtime.attention.sparse_plan import SparsePlanner
 from tests._tiny import write_tiny_hf_checkpoint
 from tests.test_infinitehip_runtime import COVER, TINY
 from tests.test_infinitehip_runtime import calls  # noqa: F401 (fixture: sparse attention launch counts)
@@ -49,17 +49,17 @@ def run(engine, overrides=None, budget=64, prompts=PROMPTS, params=GREEDY):
 @pytest.mark.parametrize("budget", [64, 512])  # chunked prefill mixing drops and decodes; one pass each
 def test_covering_sparse_over_compacted_kv_equals_dense(engines, calls, budget):
     dense, dense_llm = run(engines["dense"], budget=budget)
-    assert dense_llm.runner.retention  # tokens were dropped
+    assert dense_llm.runner.drop_stats.retention  # tokens were dropped
     composed, llm = run(engines["cover"], LOW, budget=budget)
     assert calls["decode"] > 0
     assert composed == dense
-    assert llm.runner.retention == dense_llm.runner.retention  # the same drops
+    assert llm.runner.drop_stats.retention == dense_llm.runner.drop_stats.retention  # the same drops
 
 
 def test_pruning_presets_run_after_drops(engines, calls):
     out, llm = run(engines["3k"], LOW)
     assert all(len(t) == GREEDY.max_tokens for t in out)
-    assert llm.runner.retention and calls["decode"] > 0
+    assert llm.runner.drop_stats.retention and calls["decode"] > 0
 
 
 def test_requests_that_may_pass_the_trained_window_do_not_drop(engines):
@@ -67,9 +67,9 @@ def test_requests_that_may_pass_the_trained_window_do_not_drop(engines):
     compacted cache is not exact): no drop; 200 + 10 drops."""
     ids = prompt(14, 200)
     _, llm = run(engines["3k"], LOW, prompts=[ids], params=SamplingParams(max_tokens=80, ignore_eos=True))
-    assert not llm.runner.retention
+    assert not llm.runner.drop_stats.retention
     _, llm = run(engines["3k"], LOW, prompts=[ids], params=SamplingParams(max_tokens=10, ignore_eos=True))
-    assert llm.runner.retention
+    assert llm.runner.drop_stats.retention
 
 
 def test_a_step_without_sparse_attention_invalidates_cached_masks():

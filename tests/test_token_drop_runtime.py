@@ -50,7 +50,7 @@ def prompt(seed: int, n: int) -> list[int]:
 def run_greedy(llm: LLM, ids: list[int], steps: int) -> tuple[list[int], torch.Tensor]:
     """Prefill + `steps` greedy decodes through scheduler and runner; (tokens, logits [steps, V])
     where logits[j] produced tokens[j]."""
-    seq = Sequence(seq_id=10_000 + len(llm.runner.retention), prompt_token_ids=list(ids),
+    seq = Sequence(seq_id=10_000 + len(llm.runner.drop_stats.retention), prompt_token_ids=list(ids),
                    params=SamplingParams(max_tokens=steps, ignore_eos=True))
     llm.scheduler.add(seq)
     tokens, logits = [], []
@@ -76,7 +76,7 @@ def test_p_one_reproduces_dense(engine, budget):
     tok_t, log_t, sid = run_greedy(td, ids, 6)
     assert tok_t == tok_d
     assert (log_t - log_d).abs().max() < 1e-4
-    per_layer = td.runner.retention[sid]
+    per_layer = td.runner.drop_stats.retention[sid]
     assert per_layer and all(kept == total for kept, total in per_layer.values())  # drop path ran
 
 
@@ -84,9 +84,9 @@ def test_p_one_reproduces_dense(engine, budget):
 def test_decode_after_drop_equals_masked_reference(engine, budget):
     ids = prompt(2, 200)
     llm = LLM(engine, max_num_batched_tokens=budget, token_drop=dict(rho=0.3, **TINY))
-    llm.runner.record_kept_positions = True
+    llm.runner.drop_stats.record_kept_positions = True
     tokens, logits, sid = run_greedy(llm, ids, 5)
-    kept = {layer: torch.cat(chunks) for layer, chunks in llm.runner.kept_positions[sid].items()}
+    kept = {layer: torch.cat(chunks) for layer, chunks in llm.runner.drop_stats.kept_positions[sid].items()}
     layers = llm.engine.config.plan.layers
     assert set(kept) == {lp.index for lp in layers if lp.window is None}
     assert all(len(v) < 0.6 * len(ids) for v in kept.values())  # really dropped
@@ -107,9 +107,9 @@ def test_top_p_selection_equals_reference(engine, p, spare):
     every token (TokenDropConfig.spare_anchors) and record nothing."""
     ids = prompt(6, 203)
     llm = LLM(engine, token_drop=dict(TINY, p=p, spare=spare))
-    llm.runner.record_kept_positions = True
+    llm.runner.drop_stats.record_kept_positions = True
     tokens, logits, sid = run_greedy(llm, ids, 4)
-    kept = {layer: torch.cat(chunks) for layer, chunks in llm.runner.kept_positions[sid].items()}
+    kept = {layer: torch.cat(chunks) for layer, chunks in llm.runner.drop_stats.kept_positions[sid].items()}
     layers = llm.engine.config.plan.layers
     cfg = llm.runner.token_drop
     chosen: dict[int, torch.Tensor] = {}
@@ -131,7 +131,7 @@ def test_batch_equals_each_alone(engine):
     sp = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     llm = LLM(engine, token_drop=knobs, max_num_batched_tokens=256)
     batch = [o.token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=sp)]
-    batch_ret = [dict(v) for v in llm.runner.retention.values()]
+    batch_ret = [dict(v) for v in llm.runner.drop_stats.retention.values()]
     assert len(batch_ret) == 2  # the short prompt never dropped
     alone = []
     for p in prompts:
@@ -204,10 +204,10 @@ def test_drop_over_fp8_cache_tracks_the_float32_one(engine, tmp_path):
     logits, kept = [], []
     for e in (engine, fp8):
         llm = LLM(e, max_num_batched_tokens=100, token_drop=dict(rho=0.3, **TINY))
-        llm.runner.record_kept_positions = True
+        llm.runner.drop_stats.record_kept_positions = True
         _, lg, sid = run_greedy(llm, ids, 1)
         logits.append(lg[0])
-        kept.append({layer: torch.cat(chunks).tolist() for layer, chunks in llm.runner.kept_positions[sid].items()})
+        kept.append({layer: torch.cat(chunks).tolist() for layer, chunks in llm.runner.drop_stats.kept_positions[sid].items()})
     assert llm.runner.model.layers[0].self_attn.kv.k.dtype == torch.float8_e4m3fn
     assert kept[1].keys() == kept[0].keys() and all(len(v) < 0.6 * len(ids) for v in kept[1].values())
     for layer, want in kept[0].items():  # the same drop, up to a few tokens at the boundary

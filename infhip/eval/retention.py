@@ -1,6 +1,6 @@
 """UniPrefill retention per anchor layer on real text: the share of a prompt's tokens each
 full-attention layer keeps (runtime/token_drop.py records it per sequence in
-``ModelRunner.retention``: anchor layer -> [kept, total] summed over the prompt's chunks).
+``ModelRunner.drop_stats.retention``: anchor layer -> [kept, total] summed over the prompt's chunks).
 
     python -m infhip.eval.retention --engine engines/smollm2-135m-td99 --lengths 4k --samples 2
 
@@ -28,10 +28,10 @@ def anchor_retention(llm, prompts: list[list[int]]) -> list[dict[int, float]]:
         raise EvalError("engine has no token drop (build with --token-drop, or load with token_drop=True)")
     out = []
     for ids in prompts:
-        before = set(llm.runner.retention)
+        before = set(llm.runner.drop_stats.retention)
         llm.generate(prompt_token_ids=[ids], sampling_params=SamplingParams(max_tokens=1, temperature=0.0))
-        new = [sid for sid in llm.runner.retention if sid not in before]
-        per_layer = llm.runner.retention[new[-1]] if new else {}
+        new = [sid for sid in llm.runner.drop_stats.retention if sid not in before]
+        per_layer = llm.runner.drop_stats.retention[new[-1]] if new else {}
         out.append({layer: kept / total for layer, (kept, total) in sorted(per_layer.items())})
     return out
 

@@ -29,7 +29,8 @@ from typing import Protocol
 import torch
 
 from infhip.runtime.attention.dense import DENSE, DenseBackend
-from infhip.runtime.attention.infinitehip import InfiniteHipBackend, SparseGraphKey
+from infhip.runtime.attention.infinitehip import InfiniteHipBackend
+from infhip.runtime.attention.sparse_plan import SparseGraphKey
 from infhip.runtime.attention.paged_kv import PagedKV
 
 

@@ -13,6 +13,7 @@ from torch import nn
 
 from infhip.config import LayerPlan, ModelConfig
 from infhip.plugins.activation import gated_act
+from infhip.plugins.fp8_linear import fp8_linear
 from infhip.plugins.rms_norm import rms_norm
 from infhip.plugins.skinny_gemm import skinny_linear
 from infhip.runtime.attention.dense import DENSE
@@ -21,7 +22,7 @@ from infhip.runtime.forward_context import get_forward_context
 
 # The plugins the blocks below launch besides attention (runtime/attention/ lists its own):
 # builder/kernels.py compiles what their aot_launches enumerate.
-PLUGIN_MODULES = ("rms_norm", "activation", "skinny_gemm")
+PLUGIN_MODULES = ("rms_norm", "activation", "skinny_gemm", "fp8_skinny_gemm", "fp8_linear")
 
 
 class SkinnyLinear(nn.Linear):
@@ -35,6 +36,45 @@ class SkinnyLinear(nn.Linear):
 
 def linear(in_features: int, out_features: int, bias: bool = False) -> nn.Linear:
     return SkinnyLinear(in_features, out_features, bias=bias, device="meta")
+
+
+class Fp8Linear(nn.Module):
+    """A linear layer of an fp8 engine: ``weight`` [out, in] float8_e4m3fn, ``weight_scale`` [out]
+    float32 (row n of the real weight is weight[n] * weight_scale[n]), ``bias`` [out] in the
+    build dtype or None; forward through `fp8_linear` (plugins/fp8_linear.py: the skinny fp8
+    kernel, torch._scaled_mm or the dequantizing reference, by device and rows)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        def param(*shape, dtype=torch.float32):  # on meta: the engine's tensors are assigned at load
+            return nn.Parameter(torch.empty(*shape, dtype=dtype, device="meta"), requires_grad=False)
+
+        self.weight = param(out_features, in_features, dtype=torch.float8_e4m3fn)
+        self.weight_scale = param(out_features)
+        self.bias = param(out_features) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return fp8_linear(x, self.weight, self.weight_scale, self.bias)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+def use_fp8_linears(model: nn.Module, names: tuple[str, ...]) -> None:
+    """Replace the modules at ``names`` (EngineConfig.fp8_linears()) by Fp8Linear of the same
+    shape, before the weights are assigned: the module paths, hence the weight names, stay. A
+    tied model gets an ``lm_head`` of its own when the LM head is quantized (the embeddings stay
+    in the build dtype)."""
+    for name in names:
+        parent, _, attr = name.rpartition(".")
+        owner = model.get_submodule(parent)
+        old = getattr(owner, attr, None)
+        if old is None:  # a tied LM head: hidden -> vocab
+            shape = (model.cfg.hidden_size, model.cfg.vocab_size, False)
+        else:
+            shape = (old.in_features, old.out_features, old.bias is not None)
+        setattr(owner, attr, Fp8Linear(*shape))
 
 
 class RMSNorm(nn.Module):
@@ -160,8 +200,9 @@ class CausalLM(nn.Module):
         return self.norm(hidden) if residual is None else self.norm(hidden, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.embed_tokens.weight if self.cfg.tie_word_embeddings else self.lm_head.weight
-        logits = skinny_linear(hidden, weight).float()  # the LM head is the skinny GEMM's best case
+        head = getattr(self, "lm_head", None)  # absent when tied, unless quantized (use_fp8_linears)
+        # the LM head is the skinny GEMM's best case
+        logits = (head(hidden) if head is not None else skinny_linear(hidden, self.embed_tokens.weight)).float()
         cap = self.cfg.final_logit_softcapping
         if cap:
             logits = torch.tanh(logits / cap) * cap
