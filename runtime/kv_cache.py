@@ -26,6 +26,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from infhip.runtime.prefix_cache import PagePool, PrefixCaching
+
 NULL_PAGE = 0
 
 
@@ -123,9 +125,13 @@ class _Table:
     pages: list[int] = field(default_factory=list)
     lo: int = 0
     host_hi: int = 0  # offloading: logical pages [head, host_hi) are on the host (entries < 0)
+    num_hashed: int = 0  # prefix caching: logical pages [0, num_hashed) were offered to the cache
 
 
-class KVCacheManager:
+class KVCacheManager(PrefixCaching):
+    """Page tables of every sequence in every group. Pages are reference counted and full pages
+    may be shared through the prefix cache (runtime/prefix_cache.py; off unless enabled)."""
+
     def __init__(self, page_size: int, groups: dict[str, KVGroupSpec], max_pages_per_seq: int):
         if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 1:
             raise ValueError(f"KVCacheManager.page_size must be an int >= 1, got {page_size!r}")
@@ -138,11 +144,12 @@ class KVCacheManager:
         self.page_size = page_size
         self.groups = dict(groups)
         self.max_pages_per_seq = max_pages_per_seq
-        self._alloc = {name: PageAllocator(spec.num_pages) for name, spec in self.groups.items()}
+        self._alloc = {name: PagePool(PageAllocator(spec.num_pages)) for name, spec in self.groups.items()}
         # Host pools: host page h is entry -(h + 1), so allocator page p (1..host_pages) is entry -p.
         self._host = {name: PageAllocator(spec.offload.host_pages + 1)
                       for name, spec in self.groups.items() if spec.offload is not None}
         self._tables: dict[str, dict[int, _Table]] = {name: {} for name in self.groups}
+        self._init_prefix_cache()
 
     # ---- sizing -------------------------------------------------------------------------
     @staticmethod
@@ -205,7 +212,9 @@ class KVCacheManager:
                 raise ValueError(
                     f"sequence {seq_id} group {name!r}: positions from {keep_from * self.page_size} "
                     f"were already released (a sequence only moves forward; free it and recompute)")
-            num_release = max(0, min(keep_from, len(t.pages)) - t.lo)
+            # pages released and free again (a page shared with another sequence stays held)
+            pool = self._alloc[name]
+            num_release = sum(pool.refs(p) == 1 for p in t.pages[t.lo:min(keep_from, len(t.pages))])
             num_new = max(0, last + 1 - max(len(t.pages), keep_from))
             plan[name] = (keep_from, num_release, num_new)
         return plan
@@ -238,10 +247,12 @@ class KVCacheManager:
 
     def free(self, seq_id: int) -> None:
         """Release every page of ``seq_id`` (no-op for an unknown id)."""
+        self._chains.pop(seq_id, None)
         for g, tables in self._tables.items():
             t = tables.pop(seq_id, None)
             if t is not None:
-                for page in t.pages[t.lo:]:
+                # last page first: the LRU then evicts a prefix from its end, keeping its start usable
+                for page in reversed(t.pages[t.lo:]):
                     if page < 0:
                         self._host[g].free(-page)
                     else:

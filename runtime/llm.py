@@ -80,6 +80,12 @@ class EngineStats:
     kv_pages_free: dict[str, int]
     host_pages_used: dict[str, int]  # groups with a host pool (kv_offload_bytes) only
     host_pages_free: dict[str, int]
+    # Prefix caching (zero when off): cached pages held by no request (counted in kv_pages_free),
+    # and since start: prompt tokens looked up at admission, of them found cached, pages evicted.
+    kv_pages_cached: dict[str, int] = dataclasses.field(default_factory=dict)
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    prefix_cache_evictions: int = 0
 
 
 class LLM:
@@ -115,6 +121,11 @@ class LLM:
                                       enforce_eager=opts.enforce_eager, max_decode_steps=self.num_decode_steps,
                                       kv_offload_bytes=opts.kv_offload_bytes)
         self.scheduler = Scheduler(self.runner.kv, self.max_num_seqs, budget, build.max_seq_len)
+        plan = self.engine.config.plan
+        if opts.prefix_caching and prefix_caching_exact(plan, opts.kv_offload_bytes):
+            self.runner.kv.enable_prefix_caching(repr((plan, build.kv_dtype, build.dtype)))
+        elif opts.prefix_caching:
+            _log.info("prefix caching is off: not exact for this plan (InfiniteHiP, token drop or KV offloading)")
         self.load_report = self._load_report(t0, t_engine)
         self.sampler = Sampler()
         self.tokenizer = self.engine.tokenizer
@@ -126,6 +137,11 @@ class LLM:
         self.fault_hook: Callable[[Sequence], None] | None = None
 
     # -- load -----------------------------------------------------------------------------------
+    @property
+    def prefix_caching(self) -> bool:
+        """Whether prefix caching is on (the `prefix_caching` argument and an exact plan)."""
+        return self.runner.kv.prefix_caching
+
     @property
     def num_running(self) -> int:
         return self.scheduler.num_running
@@ -144,7 +160,10 @@ class LLM:
             num_running=self.num_running, num_waiting=self.num_waiting,
             kv_pages_used={g: spec.num_pages - 1 - free[g] for g, spec in kv.groups.items()},
             kv_pages_free=free,
-            host_pages_used={g: n - host_free[g] for g, n in host.items()}, host_pages_free=host_free)
+            host_pages_used={g: n - host_free[g] for g, n in host.items()}, host_pages_free=host_free,
+            kv_pages_cached={g: kv.num_cached_pages(g) for g in kv.groups},
+            prefix_cache_queries=kv.prefix_cache_queries, prefix_cache_hits=kv.prefix_cache_hits,
+            prefix_cache_evictions=kv.prefix_cache_evictions)
 
     def _load_report(self, t0: float, t_engine: float) -> dict:
         """Where LLM() spent its time: reading weights, verifying the engine's compiled kernels,
@@ -326,7 +345,8 @@ class LLM:
         return RequestOutput(request_id=req.seq.seq_id, prompt=req.prompt,
                              prompt_token_ids=req.seq.prompt_token_ids,
                              token_ids=list(req.seq.output_token_ids), text=req.detok.text,
-                             finish_reason=req.seq.finish_reason, error=req.error)
+                             finish_reason=req.seq.finish_reason, error=req.error,
+                             num_cached_tokens=req.seq.num_cached_tokens or 0)
 
     @staticmethod
     def _normalise(prompts, prompt_token_ids, sampling_params):
@@ -386,7 +406,7 @@ class LLM:
         req.emitted_tokens = len(req.seq.output_token_ids)
         text = req.detok.delta(final=req.seq.is_finished)
         if new_tokens or text or req.seq.is_finished:
-            return StreamDelta(new_tokens, text, req.seq.finish_reason, req.error)
+            return StreamDelta(new_tokens, text, req.seq.finish_reason, req.error, req.seq.num_cached_tokens or 0)
         return None
 
     def _abort(self, req: _Request) -> None:
@@ -395,6 +415,14 @@ class LLM:
             self.scheduler.finish(req.seq, "abort")
         self._requests.pop(req.seq.seq_id, None)
 
+
+
+def prefix_caching_exact(plan, kv_offload_bytes: int = 0) -> bool:
+    """Whether reusing cached KV pages gives the same result as recomputing them under ``plan``:
+    dense plans only. InfiniteHiP keeps per-request state beyond K/V (mask caches, raw-key
+    scratch, key banks), token drop compacts a sequence's pages by its own suffix, offloading
+    moves pages to host memory; none of them is reused yet."""
+    return plan.infinitehip is None and plan.token_drop is None and not kv_offload_bytes
 
 
 def _int_list(x) -> list[int] | None:

@@ -151,6 +151,8 @@ class ModelRunner:
         if cfg is not None and getattr(self, "offload_layers", None):
             raise ValueError("token drop cannot be turned on while KV pages are offloaded")
         newly_on = cfg is not None and getattr(self, "token_drop", None) is None
+        if cfg is not None and self.kv.prefix_caching:  # reuse is not exact with token drop
+            self.kv.disable_prefix_caching()  # (docs/design/prefix_caching.md)
         self.token_drop = cfg
         if newly_on and getattr(self, "graphs", None) is not None:
             self.graphs.capture(self.graph_keys())

@@ -60,6 +60,11 @@ class LoadOptions:
     token_drop: bool | dict | None = _option(
         None, "UniPrefill token drop: off, on (as built, or the defaults), or token-drop knobs laid over the "
         "engine's (e.g. `p=0.98,min_prompt_len=4096`); default: as built", "token_drop", "off|on|KEY=VALUE,...")
+    prefix_caching: bool = _option(
+        True, "reuse the KV pages of a prompt prefix an earlier request computed (whole pages), where reuse is "
+        "exact: dense plans (fp8 KV and Gemma-3's sliding layers too); off by itself with InfiniteHiP layers, token "
+        "drop or KV offloading; `--no-prefix-caching` turns it off", "bool", None,
+        "exactness tests only ([design/prefix_caching.md](design/prefix_caching.md))")
     jit: str | None = _option(
         None, "a kernel the engine has no binary for: `forbid` raises, `warn` compiles and logs, `allow` compiles "
         "silently (and runs on a GPU other than the target); default `$INFHIP_JIT`, else `warn`", "choice",
@@ -72,8 +77,9 @@ class LoadOptions:
                 raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
         if not _is_int(self.kv_offload_bytes) or self.kv_offload_bytes < 0:
             raise ValueError(f"kv_offload_bytes must be an integer >= 0, got {self.kv_offload_bytes!r}")
-        if not isinstance(self.enforce_eager, bool):
-            raise ValueError(f"enforce_eager must be true or false, got {self.enforce_eager!r}")
+        for name in ("enforce_eager", "prefix_caching"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if self.device is not None and not isinstance(self.device, str):
             raise ValueError(f"device must be a string (cpu, cuda), got {self.device!r}")
         if self.jit is not None and self.jit not in JIT_POLICIES:
@@ -134,6 +140,8 @@ def add_load_options(parser: argparse.ArgumentParser) -> None:
         doc = f.metadata["doc"].replace("`", "").replace("%", "%%")  # argparse formats help with %
         if kind == "flag":
             group.add_argument(flag_of(f.name), action="store_true", help=doc)
+        elif kind == "bool":  # on by default: --name / --no-name
+            group.add_argument(flag_of(f.name), action=argparse.BooleanOptionalAction, default=None, help=doc)
         elif kind == "choice":
             group.add_argument(flag_of(f.name), choices=JIT_POLICIES, default=None, help=doc)
         else:
@@ -148,7 +156,7 @@ def load_options(args: argparse.Namespace) -> LoadOptions:
     values: dict[str, Any] = {}
     for f in dataclasses.fields(LoadOptions):
         raw, kind = getattr(args, f.name), f.metadata["kind"]
-        if raw is None or raw is False:
+        if raw is None or (raw is False and kind != "bool"):
             continue
         try:
             if kind == "int":
