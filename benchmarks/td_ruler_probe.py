@@ -1,7 +1,7 @@
 """UniPrefill on one RULER prompt: gold-answer log-prob, needle coverage per anchor (CPU diagnostic).
 
     python benchmarks/td_ruler_probe.py --engine engines/q05-dense --task niah_single_2 --length 4096 \
-        [--samples 0,1] [--td p=0.99,min_len=0] [--td p=0.99,min_len=0,spare=2 ...] [--reference]
+        [--samples 0,1] [--td p=0.99,min_prompt_len=0] [--td p=0.99,min_prompt_len=0,spare_anchors=2 ...] [--reference]
         [--skip-dense] [--layers]
 
 For each sample, dense and then each --td spec (engine knobs laid over the engine's, as
@@ -39,13 +39,13 @@ def main() -> None:
     ap.add_argument("--length", type=int, default=4096)
     ap.add_argument("--samples", default="0")
     ap.add_argument("--template", default="chat")
-    ap.add_argument("--td", action="append", default=[], help="token-drop knobs, e.g. p=0.99,min_len=0 (repeat)")
+    ap.add_argument("--td", action="append", default=[], help="token-drop knobs, e.g. p=0.99,min_prompt_len=0 (repeat)")
     ap.add_argument("--reference", action="store_true")
     ap.add_argument("--skip-dense", action="store_true", help="no dense pass (its figures from an earlier run)")
     ap.add_argument("--layers", action="store_true", help="print per-anchor retention / coverage")
     args = ap.parse_args()
     from infhip import LLM, SamplingParams
-    from infhip.builder.token_drop_spec import parse_token_drop_knobs
+    from infhip.knob_specs import parse_token_drop_knobs
     from infhip.eval.ruler import ruler_prompt
     from infhip.runtime.sequence import Sequence
 
@@ -56,7 +56,7 @@ def main() -> None:
 
     def forced(llm, ids, gold):
         """Prefill ids, then force gold: (sum log p(gold), greedy would give gold, seq_id)."""
-        seq = Sequence(seq_id=20_000 + len(llm.runner.retention) + int(time.time() * 1000) % 10_000,
+        seq = Sequence(seq_id=20_000 + len(llm.runner.drop_stats.retention) + int(time.time() * 1000) % 10_000,
                        prompt_token_ids=list(ids), params=SamplingParams(max_tokens=len(gold), ignore_eos=True))
         llm.scheduler.add(seq)
         lps, hits, j = [], [], 0
@@ -86,7 +86,7 @@ def main() -> None:
     tds = []
     for spec in args.td:
         llm = LLM(args.engine, token_drop=parse_token_drop_knobs(spec))
-        llm.runner.record_kept_positions = True
+        llm.runner.drop_stats.record_kept_positions = True
         tds.append((spec, llm))
     for s in [int(x) for x in args.samples.split(",")]:
         p = ruler_prompt(tok, args.task, args.length, s, template=args.template)
@@ -108,7 +108,7 @@ def main() -> None:
             t0 = time.time()
             captured.clear()
             lp, hit, sid = forced(llm, ids, gold)
-            kept = {layer: torch.cat(c) for layer, c in llm.runner.kept_positions[sid].items()}
+            kept = {layer: torch.cat(c) for layer, c in llm.runner.drop_stats.kept_positions[sid].items()}
             n = len(ids)
             ret = sum(len(v) for v in kept.values()) / max(1, len(kept)) / n
             miss = [layer for layer, v in sorted(kept.items()) if needle and not set(needle) <= set(v.tolist())]
