@@ -62,7 +62,7 @@ def fill_random(attn, pages_per_chunk: int = 4096) -> None:
     them quantized with their per-row scales, a chunk of pages at a time."""
     from infhip.plugins.kv_quant import quantize_rows
 
-    for cache, scale in ((attn.k_cache, attn.k_scale), (attn.v_cache, attn.v_scale)):
+    for cache, scale in ((attn.kv.k, attn.kv.k_scale), (attn.kv.v, attn.kv.v_scale)):
         if scale is None:
             cache.normal_()
             continue
@@ -134,7 +134,7 @@ def main() -> None:
     import triton
 
     from infhip import LLM
-    from infhip.builder.presets import apply_runtime_overrides
+    from infhip.config import apply_runtime_overrides
 
     res: dict = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
                  "transformers": transformers.__version__, "kv_dtype": args.kv_dtype, "contexts": {}}
@@ -163,7 +163,7 @@ def main() -> None:
             med = statistics.median(times)
             rows[name] = {"median_ms": med, "p99_ms": p99(times), "max_ms": max(times), "mean_ms": statistics.mean(times),
                           "p99_over_median": p99(times) / med, "fused8_tok_s": tok_s, "warmup_s": warm_s,
-                          "sparse_graphs": len(runner.graphs.lazy_graphs), "step_ms": times}
+                          "sparse_graphs": sum(key.sparse is not None for _, key in runner.graphs.graphs), "step_ms": times}
             print(f"{n:>8} {name:<14} median {med:7.2f} ms  P99 {p99(times):7.2f}  max {max(times):7.2f}  "
                   f"fused {tok_s:7.1f} tok/s  (warm-up {warm_s:.1f} s, {rows[name]['sparse_graphs']} sparse graphs)",
                   flush=True)

@@ -196,10 +196,12 @@ def main() -> None:
     # Where decode time goes at batch 1: the captured graph alone vs a whole engine step.
     # The graph these short-context steps replayed: the 512-token length bucket's (captured on
     # first use, runtime/cuda_graphs.py), and the start-up graph sized for max_seq_len beside it.
+    from infhip.runtime.cuda_graphs import GraphKey
+
     graphs = llm.runner.graphs
-    graph = graphs.lazy_graphs.get((1, (None, False, 512)), graphs.graphs[1])
+    graph = graphs.graphs.get((1, GraphKey(len_bucket=512)), graphs.graphs[(1, GraphKey())])
     res["decode_b1_graph_ms"] = sync_time(graph.replay, reps=200) * 1e3
-    res["decode_b1_startup_graph_ms"] = sync_time(graphs.graphs[1].replay, reps=200) * 1e3
+    res["decode_b1_startup_graph_ms"] = sync_time(graphs.graphs[(1, GraphKey())].replay, reps=200) * 1e3
     print(f"decode b=1: start-up graph (splits for max_seq_len) {res['decode_b1_startup_graph_ms']:.3f} ms",
           flush=True)
     print(f"decode b=1: graph replay {res['decode_b1_graph_ms']:.3f} ms/token, "

@@ -16,7 +16,7 @@ Per context, in one process:
 
 3. with --prefill-chunk (default 32768): the wall time of one step that prefills the last chunk
    of an n-token request (3k-flash), resident, and offloaded with the chunk's host pages staged
-   to the GPU a layer ahead (runtime/offload_staging.py) and read in place.
+   to the GPU a layer ahead (runtime/offload/staging.py) and read in place.
 
 Reports median step time, P99, fused tok/s, GPU KV bytes (the pool, and the request's pages in
 it), and ratios against the resident run of the same config and against dense, all timed in
@@ -68,7 +68,7 @@ def grown_request(llm, n: int, chunk: int = 32768, computed: int | None = None):
     for start in range(0, computed, chunk):
         end = min(computed, start + chunk)
         sched.kv.append(seq.seq_id, start, end)
-        llm.runner._offload([(seq, end)])
+        llm.runner.page_mover.move([(seq, end)])
     seq.status = SequenceStatus.RUNNING
     sched.running.append(seq)
     seq.num_computed_tokens = computed
@@ -93,8 +93,7 @@ def prefill_ms(llm, n: int, chunk: int = 32768) -> float:
 
 
 def measure(llm, configs: list[str], plan, with_dense: bool) -> dict:
-    from infhip.builder.presets import apply_runtime_overrides
-    from infhip.runtime.offload_cache import CacheStats
+    from infhip.config import apply_runtime_overrides
 
     rows = {}
     todo = ([("dense", dict(dense_threshold=1 << 40))] if with_dense else []) + [(c, config_knobs(c)) for c in configs]
@@ -103,22 +102,12 @@ def measure(llm, configs: list[str], plan, with_dense: bool) -> dict:
         llm.runner.set_infinitehip(ih)
         cycle = ih.refresh_intervals[0] if name != "dense" else 8
         step_times_ms(llm, cycle + 8)  # warm-up: every refresh pattern's graph
-        cache = llm.runner.page_cache
-        if cache is not None:
-            cache.stats = CacheStats()
         times = step_times_ms(llm, max(64, 2 * cycle))  # whole cycles: the mean is the amortized step
-        host_ms = 1e3 * cache.stats.host_s / len(times) if cache is not None else 0.0  # page cache, per step
         med = statistics.median(times)
         rows[name] = {"median_ms": med, "mean_ms": statistics.fmean(times), "p99_ms": p99(times),
                       "fused8_tok_s": fused_tok_s(llm, 96), "step_ms": times}
         print(f"  {name:<13} median {med:7.2f} ms  mean {rows[name]['mean_ms']:7.2f}  P99 {p99(times):7.2f}  "
               f"fused {rows[name]['fused8_tok_s']:7.1f} tok/s", flush=True)
-        if cache is not None:
-            rows[name]["page_cache"] = dict(vars(cache.stats), hit_ratio=cache.stats.hit_ratio,
-                                            pages_per_layer=cache.capacity, host_ms_per_step=host_ms)
-            print(f"  {'':<13} page cache: {cache.capacity} pages per layer, hit ratio {cache.stats.hit_ratio:.3f}, "
-                  f"{cache.stats.copied} copied, {cache.stats.evicted} evicted, host "
-                  f"{host_ms:.2f} ms/step", flush=True)
     return rows
 
 
@@ -127,10 +116,10 @@ def kv_bytes(llm) -> tuple[int, int]:
     gpu = host = 0
     for layer in llm.engine.model.layers:
         a = layer.self_attn
-        for t in (a.k_cache, a.v_cache, a.k_scale, a.v_scale):
+        for t in (a.kv.k, a.kv.v, a.kv.k_scale, a.kv.v_scale):
             gpu += 0 if t is None else t.numel() * t.element_size()
-        if a.host_kv is not None:
-            for t in (a.host_kv.k, a.host_kv.v, a.host_kv.k_scale, a.host_kv.v_scale):
+        if a.kv.host is not None:
+            for t in (a.kv.host.k, a.kv.host.v, a.kv.host.k_scale, a.kv.host.v_scale):
                 host += 0 if t is None else t.numel() * t.element_size()
     return gpu, host
 
@@ -149,9 +138,6 @@ def main() -> None:
                    help="also time one prefill step of this many tokens at each context (0: skip)")
     p.add_argument("--in-place-max", type=int, default=1 << 40,
                    help="contexts above this time no in-place offloaded prefill (it takes minutes to set up)")
-    p.add_argument("--page-cache", action=argparse.BooleanOptionalAction, default=True,
-                   help="also run offloaded with GPU copies of hot host pages (runtime/offload_cache.py; "
-                        "mode 'cached'); 'offloaded' runs without them")
     p.add_argument("--resident-max", type=int, default=None,
                    help="contexts above this get no resident run (it would not fit the GPU); their "
                         "ratios are against the resident run of the largest context at or below it")
@@ -176,25 +162,24 @@ def main() -> None:
     for n in contexts:
         out = res["contexts"][str(n)] = {}
         too_big = args.resident_max is not None and n > args.resident_max
-        offloaded = ["offloaded"] + (["cached"] if args.page_cache else [])
+        offloaded = ["offloaded"]
         for mode in offloaded if too_big else ["resident"] + offloaded:
             t0 = time.perf_counter()
             if mode == "resident":
                 llm = LLM(resident_engine, max_num_seqs=1, kv_cache_memory_bytes=None)
             elif per_token is None:
                 raise SystemExit("the first context needs a resident run (it sizes the host pool)")
-            else:  # "offloaded": every refresh reads the host; "cached": GPU copies of hot host pages
+            else:  # "offloaded": the sparse kernels read host pages in place
                 llm = LLM(engine, max_num_seqs=1, kv_cache_memory_bytes=int(args.gpu_kv_gib * GiB),
-                          kv_offload_bytes=int(1.03 * n * per_token),
-                          kv_offload_cache_tokens=None if mode == "cached" else 0)  # None: stage 1's k
+                          kv_offload_bytes=int(1.03 * n * per_token))
             for layer in llm.engine.model.layers:
                 fill_random(layer.self_attn)
             plan = llm.engine.config.plan
             gpu_b, host_b = kv_bytes(llm)
             if per_token is None:  # bytes of one token's K/V (+ scales) over all layers
                 a = llm.engine.model.layers[0].self_attn
-                per_token = len(llm.engine.model.layers) * 2 * (a.k_cache[0, 0].numel() * a.k_cache.element_size()
-                                                                + (4 * a.k_cache.shape[2] if a.k_scale is not None else 0))
+                per_token = len(llm.engine.model.layers) * 2 * (a.kv.k[0, 0].numel() * a.kv.k.element_size()
+                                                                + (4 * a.kv.k.shape[2] if a.kv.k_scale is not None else 0))
             seq = grown_request(llm, n) if mode != "resident" else grown_request(llm, n, chunk=n)
             print(f"{n} {mode}: GPU KV {gpu_b / GiB:.1f} GiB, host KV {host_b / GiB:.1f} GiB, "
                   f"set-up {time.perf_counter() - t0:.0f} s", flush=True)
@@ -207,7 +192,7 @@ def main() -> None:
                          "request_gpu_kv_gib": request_gib, "rows": rows, "prefill_ms": {}}
             if args.prefill_chunk:  # one chunk at context n, 3k-flash (the engine's preset)
                 llm.runner.set_infinitehip(plan.infinitehip)
-                variants = ({"resident": True} if mode == "resident" else {} if mode == "cached" else
+                variants = ({"resident": True} if mode == "resident" else
                             {"staged": True, "in place": False} if n <= args.in_place_max else {"staged": True})
                 for name, staged in variants.items():
                     if llm.runner.staging is not None:

@@ -2,12 +2,13 @@
 
     python benchmarks/bench_token_drop.py --out $OUT                      # ~4 min on an H200
     python benchmarks/bench_token_drop.py --out /tmp/x --dry-run          # the plan, no GPU
-    python benchmarks/bench_token_drop.py --out $OUT --rhos 1,0.3 --spare 0,1   # cost of spare_anchors=1
+    python benchmarks/bench_token_drop.py --out $OUT --retention 1,0.3 --spare-anchors 0,1   # cost of spare_anchors=1
 
 For each model shape (llama-3.1-8b, gemma-3-12b; random weights: no checkpoint travels) one
 engine is built on the GPU from the bundled config and loaded once; the dense engine and token
-drop with a forced retention rho (``TokenDropConfig(retention=rho, min_prompt_len=0)``, switched
-on the same runner between runs, so both share weights and KV cache) prefill the same random
+drop with a forced retention rho (``TokenDropConfig(min_prompt_len=0)`` and
+``set_forced_retention(llm, rho)``, switched on the same runner between runs, so both share
+weights and KV cache) prefill the same random
 prompt. Random weights give no meaningful attention, so the share of blocks kept is forced
 (top-p ratios are measured on real models: docs/quality.md); rho = 1 keeps every block and
 measures the overhead of the machinery (importance, selection, gathers, kept-query attention).
@@ -41,10 +42,10 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--work", type=Path, default=Path("/tmp/infhip-bench-td"), help="engines are built here")
     p.add_argument("--models", default=",".join(MODELS))
     p.add_argument("--lengths", default="8k,32k,128k")
-    p.add_argument("--rhos", default="1,0.5,0.3,0.1", help="forced retention ratios")
+    p.add_argument("--retention", default="1,0.5,0.3,0.1", help="forced retention ratios rho")
     p.add_argument("--llama-layers", type=int, default=None, help="default: all 32")
     p.add_argument("--gemma-layers", type=int, default=None, help="default: all 48 (24 halves the time)")
-    p.add_argument("--spare", default="0", help="spare_anchors values to time each rho with (e.g. 0,1: the "
+    p.add_argument("--spare-anchors", default="0", help="spare_anchors values to time each rho with (e.g. 0,1: the "
                    "first anchor keeps every token, the quality remedy of docs/quality.md)")
     p.add_argument("--reps", type=int, default=2, help="best of this many runs below 128K")
     p.add_argument("--dry-run", action="store_true", help="print the plan and exit (no GPU needed)")
@@ -58,12 +59,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     if bad:
         raise SystemExit(f"bench_token_drop: unknown model(s) {bad}; choose from {MODELS}")
     args.lengths = [parse_len(x) for x in args.lengths.split(",") if x.strip()]
-    args.rhos = [float(x) for x in args.rhos.split(",") if x.strip()]
-    if any(not 0.0 <= r <= 1.0 for r in args.rhos):
-        raise SystemExit(f"bench_token_drop: every rho must be in [0, 1], got {args.rhos}")
-    args.spare = [int(x) for x in args.spare.split(",") if x.strip()]
-    if not args.spare or any(n < 0 for n in args.spare):
-        raise SystemExit(f"bench_token_drop: --spare takes anchor counts >= 0, got {args.spare}")
+    args.retention = [float(x) for x in args.retention.split(",") if x.strip()]
+    if any(not 0.0 <= r <= 1.0 for r in args.retention):
+        raise SystemExit(f"bench_token_drop: every retention must be in [0, 1], got {args.retention}")
+    args.spare_anchors = [int(x) for x in args.spare_anchors.split(",") if x.strip()]
+    if not args.spare_anchors or any(n < 0 for n in args.spare_anchors):
+        raise SystemExit(f"bench_token_drop: --spare-anchors takes anchor counts >= 0, got {args.spare_anchors}")
     return args
 
 
@@ -108,6 +109,7 @@ def run_model(args, model: str, res: dict) -> None:
 
     from infhip import LLM
     from infhip.config import TokenDropConfig
+    from infhip.eval.common import set_forced_retention
 
     t0 = time.perf_counter()
     max_len = max(args.lengths)
@@ -122,22 +124,24 @@ def run_model(args, model: str, res: dict) -> None:
     print(f"{model}: {num_layers} layers ({len(info['anchors'])} anchors), built+loaded in "
           f"{info['setup_s']:.0f} s{' — TRUNCATED' if info['truncated'] else ''}", flush=True)
     vocab = cfg.model.vocab_size
-    configs = [("dense", None)] + [(name, TokenDropConfig(retention=r, min_prompt_len=0, spare_anchors=n))
-                                   for name, r, n in drop_configs(args)]
+    configs = [("dense", None, None)] + [(name, TokenDropConfig(min_prompt_len=0, spare_anchors=n), r)
+                                         for name, r, n in drop_configs(args)]
     warm = [(i * 7919) % (vocab - 10) + 10 for i in range(4096)]
-    for _, td in configs:  # compile the Triton kernels of every path once
+    for _, td, rho in configs:  # compile the Triton kernels of every path once
         llm.runner.set_token_drop(td)
+        set_forced_retention(llm, rho)
         ttft_s(llm, warm, 1)
     for length in args.lengths:
         n = min(length, cfg.build.max_seq_len - 8)
         ids = torch.randint(10, vocab, (n,), generator=torch.Generator().manual_seed(length)).tolist()
         reps = 1 if n > 65536 else args.reps
         row = {"length": length, "prompt_tokens": n}
-        for name, td in configs:
+        for name, td, rho in configs:
             llm.runner.set_token_drop(td)
-            llm.runner.retention.clear()
+            set_forced_retention(llm, rho)
+            llm.runner.drop_stats.retention.clear()
             row[name] = ttft_s(llm, ids, reps)
-            kept = [v for per in llm.runner.retention.values() for v in per.values()]
+            kept = [v for per in llm.runner.drop_stats.retention.values() for v in per.values()]
             if kept:
                 row[f"{name} kept"] = sum(k for k, _ in kept) / max(1, sum(t for _, t in kept))
             print(f"  {model} {n:>7} tokens {name:>8}: TTFT {row[name] * 1e3:9.1f} ms"
@@ -148,8 +152,9 @@ def run_model(args, model: str, res: dict) -> None:
 
 
 def drop_configs(args) -> list[tuple[str, float, int]]:
-    """(name, rho, spare_anchors) of every token-drop run."""
-    return [(f"rho={r:g}" + (f" spare={n}" if n else ""), r, n) for n in args.spare for r in args.rhos]
+    """(name, retention, spare_anchors) of every token-drop run."""
+    return [(f"rho={r:g}" + (f" spare_anchors={n}" if n else ""), r, n) for n in args.spare_anchors
+            for r in args.retention]
 
 
 def table(res: dict, names: list[str]) -> str:
@@ -175,7 +180,7 @@ def main(argv=None) -> None:
     import triton
     args.out.mkdir(parents=True, exist_ok=True)
     res = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-           "lengths": args.lengths, "rhos": args.rhos, "spare_anchors": args.spare}
+           "lengths": args.lengths, "retention": args.retention, "spare_anchors": args.spare_anchors}
     t = time.perf_counter()
     for model in args.models:
         run_model(args, model, res)

@@ -19,6 +19,7 @@ import argparse
 import torch
 
 from infhip.eval.common import load_llm
+from infhip.runtime.options import parse_size
 from infhip.eval.forcing import teacher_force
 from infhip.eval.passkey import passkey_prompt_ids, passkey_value
 from infhip.eval.recall import capture_queries, sparse_layer_params
@@ -40,7 +41,7 @@ def final_mask(attn, q, table, length, params, head_normalized: bool, kv_head: i
     head, which the engine does not have: it shares one mask across all heads)."""
     q_start, q_lens, ends, _ = plan_query_blocks([CHUNK], [length], params["stages"][0][0])
     tables = torch.tensor([table], dtype=torch.int32).expand(len(ends), -1).contiguous()
-    k_cache = attn.k_cache
+    k_cache = attn.kv.k
     if kv_head is not None:
         group = q.shape[1] // k_cache.shape[2]
         q = q[:, kv_head * group:(kv_head + 1) * group].contiguous()
@@ -56,9 +57,9 @@ def final_mask(attn, q, table, length, params, head_normalized: bool, kv_head: i
 
 def dense_mass(attn, q_last, table, length, positions) -> torch.Tensor:
     """float [Hq]: softmax mass of the last query on `positions`, per q head."""
-    page = attn.k_cache.shape[1]
+    page = attn.kv.k.shape[1]
     rows = torch.tensor(table).repeat_interleave(page)[:length]
-    keys = attn.k_cache[rows, torch.arange(length) % page].float()  # [length, Hkv, D]
+    keys = attn.kv.k[rows, torch.arange(length) % page].float()  # [length, Hkv, D]
     keys = keys.repeat_interleave(q_last.shape[0] // keys.shape[1], 1)  # [length, Hq, D]
     probs = (torch.einsum("hd,lhd->hl", q_last.float(), keys) * attn.scale).softmax(-1)
     return probs[:, positions].sum(-1)
@@ -69,13 +70,13 @@ def main() -> None:
     ap.add_argument("--engine", required=True, help="an InfiniteHiP engine (e.g. --preset 3k)")
     ap.add_argument("--length", type=int, default=8192)
     ap.add_argument("--depth", type=float, default=0.5)
-    ap.add_argument("--kv-cache-gib", type=float, default=None, help="KV budget (long-window engines: Gemma)")
+    ap.add_argument("--kv-cache-memory-bytes", default=None, help="KV budget, e.g. 16GiB (long-window engines: Gemma)")
     ap.add_argument("--query-stride", type=int, default=1,
                     help="score every stage with every s-th query of the block (64: the last query only)")
     args = ap.parse_args()
     # dense prefill (the masks are computed here, not by the engine): fast on the CPU
     llm = load_llm(args.engine, "cpu", infinitehip_overrides={"dense_threshold": 10**9}, max_num_seqs=1,
-                   kv_cache_memory_bytes=int(args.kv_cache_gib * (1 << 30)) if args.kv_cache_gib else None)
+                   kv_cache_memory_bytes=parse_size(args.kv_cache_memory_bytes) if args.kv_cache_memory_bytes else None)
     passkey = passkey_value(0, args.length, args.depth, 0)
     ids = passkey_prompt_ids(llm.tokenizer, args.length, args.depth, passkey)
     needle = needle_positions(llm.tokenizer, ids, passkey)
@@ -95,7 +96,7 @@ def main() -> None:
             kept = [final_mask(attn, q, table, args.length, params[i], hn, query_stride=args.query_stride)[
                 needle].float().mean().item() for hn in (False, True)]
             mass = dense_mass(attn, q[-1], table, args.length, needle)
-            reader = int(mass.argmax()) // (q.shape[1] // attn.k_cache.shape[2])  # its kv head
+            reader = int(mass.argmax()) // (q.shape[1] // attn.kv.k.shape[2])  # its kv head
             own = final_mask(attn, q, table, args.length, params[i], False, kv_head=reader,
                              query_stride=args.query_stride)[needle].float().mean().item()
             print(f"| {i} | {kept[0]:.2f} | {kept[1]:.2f} | {own:.2f} | {mass.max():.3f} | {mass.mean():.3f} |",

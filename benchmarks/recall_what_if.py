@@ -1,7 +1,7 @@
 """Attention recall of InfiniteHiP masks under what-if pruning stages (CPU, a real model's keys).
 
     python benchmarks/recall_what_if.py --engine engines/gemma-3-270m-3k --length 16384 \
-        --layers 5,11,17 --stages "64,256,32768;64,32,8192;64,8,4096" --kv-cache-gib 6
+        --layers 5,11,17 --stages "64,256,32768;64,32,8192;64,8,4096" --kv-cache-memory-bytes 6GiB
     python benchmarks/recall_what_if.py --engine engines/smollm2-135m-3k --length 8000 \
         --layers all --special 0,1,2 --q-head-normalised
 
@@ -49,7 +49,7 @@ def main() -> None:
     ap.add_argument("--n-sink", type=int, default=256)
     ap.add_argument("--n-stream", type=int, default=1024)
     ap.add_argument("--chunk", type=int, default=256)
-    ap.add_argument("--kv-cache-gib", type=float, default=None)
+    ap.add_argument("--kv-cache-memory-bytes", default=None, help="KV budget, e.g. 6GiB")
     ap.add_argument("--q-head-normalised", action="store_true")
     args = ap.parse_args()
 
@@ -58,8 +58,9 @@ def main() -> None:
     if args.q_head_normalised:
         pruning_ref._sigma_tables = sigma_tables_q_head_normalised
     kw = {"max_num_seqs": 1}
-    if args.kv_cache_gib:
-        kw["kv_cache_memory_bytes"] = int(args.kv_cache_gib * (1 << 30))
+    if args.kv_cache_memory_bytes:
+        from infhip.runtime.options import parse_size
+        kw["kv_cache_memory_bytes"] = parse_size(args.kv_cache_memory_bytes)
     if args.layers == "all":
         from infhip.eval.common import load_llm
         layers = range(len(load_llm(args.engine, **kw).runner.model.layers))

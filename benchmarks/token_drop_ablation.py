@@ -62,10 +62,10 @@ def main() -> None:
     from tests.test_token_drop_runtime import run_greedy
 
     llm = LLM(args.engine, token_drop=dict(p=args.p, min_prompt_len=0))
-    llm.runner.record_kept_positions = True
+    llm.runner.drop_stats.record_kept_positions = True
     ctx, tgt = ppl_items(llm.tokenizer, args.length, args.chunk, args.sample + 1, 0)[args.sample]
     _, _, sid = run_greedy(llm, ctx, 1)
-    kept = {layer: torch.cat(c) for layer, c in llm.runner.kept_positions[sid].items()}
+    kept = {layer: torch.cat(c) for layer, c in llm.runner.drop_stats.kept_positions[sid].items()}
     n_ctx, G = len(ctx), llm.runner.token_drop.block_size
     print(f"{len(ctx)} context + {len(tgt)} scored tokens, {-(-n_ctx // G)} blocks of {G}; mean retention "
           f"over anchors: {sum(len(v) for v in kept.values()) / len(kept) / n_ctx:.3f}")

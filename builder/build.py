@@ -37,7 +37,7 @@ from infhip.builder.convert import convert_weights, random_weights, unused_tenso
 from infhip.builder.errors import BuildError
 from infhip.builder.hf_config import model_config_from_hf
 from infhip.builder.presets import PRESETS, make_plan
-from infhip.builder.token_drop_spec import token_drop_config
+from infhip.knob_specs import token_drop_config
 from infhip.builder.registry import ModelSource, resolve_model
 from infhip.builder.tokenizer import save_tokenizer
 
@@ -227,7 +227,7 @@ def build_engine(
     ``preset`` is one of builder/presets.py's PRESETS; ``infinitehip_overrides`` changes any
     InfiniteHiP knob of it (e.g. tiny stages for tests). ``token_drop`` (None/False = off, True,
     a ``--token-drop`` spec string, a dict or a TokenDropConfig) enables UniPrefill token
-    dropping in prefill (builder/token_drop_spec.py). ``weight_dtype="fp8"`` stores the linear
+    dropping in prefill (infhip/knob_specs.py). ``weight_dtype="fp8"`` stores the linear
     layers' weights in float8_e4m3fn with per-output-channel scales (plugins/fp8_linear.py), the
     LM head too with ``quantize_lm_head``; "bf16" (default) keeps them in ``dtype``."""
     given = [x for x in (source, checkpoint, model) if x is not None]

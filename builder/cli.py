@@ -4,7 +4,7 @@
     infhip-build --checkpoint ~/models/Llama-3.2-1B --output engines/llama-1b --max-seq-len 32768
     infhip-build --model llama-3.1-8b --random-weights --device cuda --output engines/l8b-random
     infhip-build --model llama-3.1-8b --preset 3k --output engines/l8b-3k
-    infhip-build --model smollm2-135m --token-drop p=0.98,G=32 --output engines/smollm2-td
+    infhip-build --model smollm2-135m --token-drop p=0.98,block_size=32 --output engines/smollm2-td
     infhip-build --model llama-3.1-8b --weight-dtype fp8 --output engines/l8b-fp8
 
 User errors (missing/corrupt checkpoint, unknown architecture or alias, bad flag values) print one
@@ -33,6 +33,7 @@ def _positive_int(text: str) -> int:
 def make_parser() -> argparse.ArgumentParser:
     from infhip.builder.presets import PRESETS
     from infhip.builder.registry import ALIASES
+    from infhip.knob_specs import add_renamed_flag
 
     p = argparse.ArgumentParser(
         prog="infhip-build",
@@ -46,15 +47,15 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--preset", default="dense", choices=PRESETS,
                    help="execution preset: dense (default) or InfiniteHiP 3k | 3k-fast | 3k-flash | 5k "
                         "on the full-attention layers (knobs in config.json, plan.infinitehip)")
-    p.add_argument("--infinitehip", default=None, metavar="KEY=VALUE[,KEY=VALUE]",
+    p.add_argument("--infinitehip-overrides", default=None, metavar="KEY=VALUE[,KEY=VALUE]",
                    help="change knobs of the InfiniteHiP preset, e.g. special_layers=[0,1,2,3,4,5,6,7,8] "
                         "(those layers keep special_final_k in the last stage) or "
-                        "stages=[[64,64,32768],[64,32,16384],[64,16,4096]]; every knob is listed under "
-                        "plan.infinitehip in an engine's config.json")
+                        "stages=[[64,64,32768],[64,32,16384],[64,16,4096]]; every knob: docs/knobs.md")
+    add_renamed_flag(p, "--infinitehip", "use --infinitehip-overrides KEY=VALUE,...")
     p.add_argument("--token-drop", nargs="?", const="", default=None, metavar="SPEC",
                    help="UniPrefill token dropping in prefill at the full-attention layers: bare for "
-                        "the defaults (p=0.99,n=128,G=64,A=128,min_len=8192), or key=value,... "
-                        "with keys p, n, G, A, min_len, rho, spare (e.g. p=0.98,G=32); composes with --preset")
+                        "the defaults, or key=value,... with the knobs' names (p, obs_window, block_size, "
+                        "num_sink, min_prompt_len, spare_anchors; e.g. p=0.98,block_size=32); composes with --preset")
     p.add_argument("--dtype", default="bfloat16", choices=DTYPES, help="weight dtype (default bfloat16)")
     p.add_argument("--kv-dtype", choices=KV_DTYPES,
                    help="KV-cache dtype: --dtype (the default) or fp8 (e4m3 with a scale per token and kv "
@@ -90,15 +91,14 @@ def main(argv: list[str] | None = None) -> int:
     args = make_parser().parse_args(argv)
     from infhip.builder.build import build_engine
     from infhip.builder.errors import BuildError
-    from infhip.builder.presets import parse_knobs
-    from infhip.builder.token_drop_spec import parse_token_drop
+    from infhip.knob_specs import parse_knobs, parse_token_drop
 
     token_drop, infinitehip = None, None
     try:
         if args.token_drop is not None:
             token_drop = parse_token_drop(args.token_drop)
-        if args.infinitehip is not None:
-            infinitehip = parse_knobs(args.infinitehip)
+        if args.infinitehip_overrides is not None:
+            infinitehip = parse_knobs(args.infinitehip_overrides)
     except ValueError as e:
         print(f"infhip-build: error: {e}", file=sys.stderr)
         return 1

@@ -27,20 +27,26 @@ from pathlib import Path
 from infhip.plugins.aot import KernelVariant, LaunchSpace, Target, compile_variant, folder_files, record
 
 INDEX_FORMAT = 1
-# Every plugin module with Triton kernels; each defines aot_launches(space).
-PLUGIN_MODULES = (
-    "rms_norm", "activation", "rope", "skinny_gemm", "fp8_skinny_gemm", "fp8_linear", "dense_attention",
-    "kv_quant", "kv_offload",
-    "infinitehip.pruning", "infinitehip.sparse_attention", "infinitehip.key_bank", "infinitehip.raw_keys",
-    "token_drop.importance", "token_drop.top_p", "token_drop.attention", "token_drop.gather",
-)
+
+
+def plugin_modules() -> tuple[str, ...]:
+    """Every plugin module with Triton kernels (each defines aot_launches(space), which enumerates
+    what the engine's plan lets it launch): the model blocks' and every attention backend's.
+    Imported here, not at module level: compile workers import this module before they drop
+    TRITON_INTERPRET, and importing the kernels first would make them interpreted functions."""
+    from infhip.runtime.attention import DenseBackend, InfiniteHipBackend
+    from infhip.runtime.models.common import PLUGIN_MODULES
+    from infhip.runtime.token_drop import TokenDropStep
+
+    return (PLUGIN_MODULES + DenseBackend.plugin_modules + InfiniteHipBackend.plugin_modules
+            + TokenDropStep.plugin_modules)
 
 
 def enumerate_variants(config, target: Target) -> dict[KernelVariant, tuple]:
     """variant -> what triton.compile needs, for every launch the engine's plan allows."""
     space = LaunchSpace(config, target)
     with record(target, launch=False) as rec:
-        for name in PLUGIN_MODULES:
+        for name in plugin_modules():
             launches = getattr(importlib.import_module(f"infhip.plugins.{name}"), "aot_launches", None)
             if launches is not None:
                 launches(space)

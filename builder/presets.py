@@ -1,18 +1,19 @@
 """Execution presets (SPEC §4, §6): one name for the whole per-layer plan of an engine.
 
     dense      every layer dense (the default)
-    3k         InfiniteHiP on full-attention layers: stages (64, 256, 32K) -> (64, 32, 8K) ->
-               (64, 8, 2048), final k 4096 in layers 1-3 (1-based), refresh every (16, 8, 4) steps,
-               prefill query strides (4, 4, 1), past the trained window a rotated key bank for the
-               cached decode steps
+    3k         InfiniteHiP on full-attention layers with the knobs' defaults
+               (infhip/knobs.py InfiniteHipConfig: stages (64, 256, 32K) -> (64, 32, 8K) ->
+               (64, 8, 2048), final k 4096 in layers 1-3 (1-based), refresh every (16, 8, 4)
+               steps, prefill query strides (4, 4, 1), past the trained window a rotated key bank
+               for the cached decode steps)
     3k-fast    3k with refresh (32, 16, 8)
     3k-flash   3k with refresh (96, 24, 8)
-    5k         chunks 64 / 32 / 16, k 32K / 16K / 4096, refresh (16, 8, 4)
+    5k         3k with chunks 64 / 32 / 16, k 32K / 16K / 4096
 
 Sliding-window layers always stay dense (their window already bounds the work). The knobs are
 an :class:`~infhip.config.InfiniteHipConfig` stored in ``config.json`` under
 ``plan.infinitehip``; ``overrides`` changes any of them at build time (tests use tiny ones), and
-the runtime may change the safe ones (:data:`RUNTIME_KNOBS`) per ``LLM(...)``.
+a load may change those marked ``runtime`` (:data:`~infhip.knobs.RUNTIME_KNOBS`, docs/knobs.md).
 
     >>> from infhip.builder.presets import infinitehip_config
     >>> infinitehip_config("3k-fast").refresh_intervals
@@ -24,97 +25,44 @@ the runtime may change the safe ones (:data:`RUNTIME_KNOBS`) per ``LLM(...)``.
 from __future__ import annotations
 
 import dataclasses
-import json
 from typing import Any
 
-from infhip.config import InfiniteHipConfig, ModelConfig, Plan, PruningStage
+from infhip.config import (  # noqa: F401 - RUNTIME_KNOBS, apply_runtime_overrides: re-exported
+    RUNTIME_KNOBS, InfiniteHipConfig, ModelConfig, Plan, apply_runtime_overrides)
+from infhip.knob_specs import parse_knobs  # noqa: F401 - re-exported
 
-N_SINK, N_STREAM, BLOCK_Q = 256, 1024, 64
-# Prefill scores stages 1-2 with every 4th query of a block (the paper's public code): on
-# SmolLM2 it kept the same passkey / NIAH / perplexity as all queries (1, 1, 1; the paper's
-# formula, InfiniteHipConfig's default) within one prompt of 81, and costs 1/4 of the work
-# (docs/quality.md, docs/benchmarks.md). A runtime knob: query_strides=[1,1,1] restores it.
-QUERY_STRIDES = (4, 4, 1)
-# The query whose output is sampled (a prompt's last) can score its own mask instead of sharing
-# its 64-query block's (InfiniteHipConfig.solo_last_query): on SmolLM2 and Gemma-3 8K passkey
-# prompts the layers that read the needle then keep all of it instead of 0.08-0.50, but on the
-# H200 SmolLM2's passkey + NIAH accuracy did not move (23 vs 22 right of 81; docs/quality.md), so
-# the presets keep the paper's block scoring. A runtime knob.
-SOLO_LAST_QUERY = False
-# Past the trained window a refresh of the last stage rotates its keys once into a per-request
-# bank that the cached decode steps read (plugins/infinitehip/key_bank.py): Llama-3.1-8B shapes at
-# 1M keys, 3k-flash 27.2 -> 21.0 µs/layer (34.9x -> 45.3x SDPA), 3k 38.9 -> 32.9 µs
-# (docs/benchmarks.md). Memory: (min(max_num_seqs, key_bank_slots = 8) + 1) x final k x Hkv x D
-# per layer (4 MiB per row and layer for Llama-8B: about 1.2 GiB for 8 + 1 rows), reserved only when max_seq_len
-# exceeds the trained window.
-KEY_BANK = True
-
-_STAGES_3K = (PruningStage(BLOCK_Q, 256, 32768), PruningStage(BLOCK_Q, 32, 8192), PruningStage(BLOCK_Q, 8, 2048))
-_STAGES_5K = (PruningStage(BLOCK_Q, 64, 32768), PruningStage(BLOCK_Q, 32, 16384), PruningStage(BLOCK_Q, 16, 4096))
-
-# preset -> (stages, refresh intervals per stage)
-_INFINITEHIP = {
-    "3k": (_STAGES_3K, (16, 8, 4)),
-    "3k-fast": (_STAGES_3K, (32, 16, 8)),
-    "3k-flash": (_STAGES_3K, (96, 24, 8)),
-    "5k": (_STAGES_5K, (16, 8, 4)),
+# Each InfiniteHiP preset as its differences from InfiniteHipConfig() (= 3k). Refresh intervals:
+# docs/benchmarks.md (decode amortized over the refresh cycle; 3k-flash, the fastest, keeps
+# passkey / NIAH on SmolLM2: docs/quality.md).
+PRESET_CHANGES: dict[str, dict[str, Any]] = {
+    "3k": {},
+    "3k-fast": {"refresh_intervals": (32, 16, 8)},
+    "3k-flash": {"refresh_intervals": (96, 24, 8)},
+    "5k": {"stages": ((64, 64, 32768), (64, 32, 16384), (64, 16, 4096))},
 }
 
-PRESETS = ("dense",) + tuple(_INFINITEHIP)
-
-# Knobs a runtime may change per engine load without rebuilding (they change speed/accuracy,
-# never the meaning of the weights or of the stored plan's shapes).
-RUNTIME_KNOBS = ("refresh_intervals", "dense_threshold", "rope_off_in_trained_window", "stagger_refresh",
-                 "chunk_score", "query_strides", "key_bank", "key_bank_slots", "solo_last_query")
-
-
-def parse_knobs(spec: str) -> dict[str, Any]:
-    """'a=1,b=x,c=[32,16,8]' -> {'a': 1, 'b': 'x', 'c': [32, 16, 8]}: InfiniteHiP knobs as given on
-    a command line (values as JSON where they parse, else strings; commas inside brackets do not
-    split). ValueError names the part that is not KEY=VALUE."""
-    out, depth, start, parts = {}, 0, 0, []
-    for i, ch in enumerate(spec + ","):
-        depth += ch == "["
-        depth -= ch == "]"
-        if ch == "," and depth == 0:
-            parts.append(spec[start:i])
-            start = i + 1
-    for part in filter(None, (x.strip() for x in parts)):
-        key, sep, value = part.partition("=")
-        if not sep or not key.strip():
-            raise ValueError(f"InfiniteHiP knobs are KEY=VALUE pairs separated by commas, got {part!r}")
-        try:
-            out[key.strip()] = json.loads(value)
-        except json.JSONDecodeError:
-            out[key.strip()] = value.strip()
-    return out
+PRESETS = ("dense",) + tuple(PRESET_CHANGES)
 
 
 def infinitehip_config(preset: str, overrides: dict[str, Any] | None = None,
                        trained_window: int | None = None) -> InfiniteHipConfig:
     """The knobs of an InfiniteHiP preset, with ``overrides`` applied (validated).
 
-    ``dense_threshold`` defaults to n_sink + n_stream + stage-1 k: below that context stage 1
-    keeps every candidate, so pruning only narrows the later stages and dense attention over
-    that few keys (≤ 34K) is both exact and fast enough — but never above ``trained_window`` + 1
-    (a request goes sparse once its context reaches the threshold): a context that fills the
-    trained window exactly stays dense, and the first token past it goes sparse, where dense
-    attention would see positions the model was not trained on and fail (SmolLM2's 8K); that is
-    what InfiniteHiP's dynamic RoPE is for."""
-    if preset not in _INFINITEHIP:
-        raise ValueError(f"{preset!r} is not an InfiniteHiP preset; those are: {', '.join(_INFINITEHIP)}")
-    stages, refresh = _INFINITEHIP[preset]
-    cap = trained_window + 1 if trained_window else 1 << 62  # contexts <= the window stay dense
-    base = InfiniteHipConfig(n_sink=N_SINK, n_stream=N_STREAM, stages=stages, refresh_intervals=refresh,
-                             query_strides=QUERY_STRIDES, solo_last_query=SOLO_LAST_QUERY, key_bank=KEY_BANK,
-                             special_layers=(0, 1, 2), special_final_k=4096,
-                             dense_threshold=min(cap, N_SINK + N_STREAM + stages[0].k))
+    ``dense_threshold`` (unless overridden) is n_sink + n_stream + stage-1 k of the result: below
+    that context stage 1 keeps every candidate, so pruning only narrows the later stages and
+    dense attention over that few keys (≤ 34K) is both exact and fast enough — but never above
+    ``trained_window`` + 1 (a request goes sparse once its context reaches the threshold): a
+    context that fills the trained window exactly stays dense, and the first token past it goes
+    sparse, where dense attention would see positions the model was not trained on and fail
+    (SmolLM2's 8K); that is what InfiniteHiP's dynamic RoPE is for."""
+    if preset not in PRESET_CHANGES:
+        raise ValueError(f"{preset!r} is not an InfiniteHiP preset; those are: {', '.join(PRESET_CHANGES)}")
     overrides = dict(overrides or {})
-    if overrides and "dense_threshold" not in overrides and any(
-            k in overrides for k in ("n_sink", "n_stream", "stages")):  # keep the rule, not the number
-        probe = base.replace(**overrides)
-        overrides["dense_threshold"] = min(cap, probe.n_sink + probe.n_stream + probe.stages[0].k)
-    return base.replace(**overrides) if overrides else base
+    cfg = InfiniteHipConfig().replace(**{**PRESET_CHANGES[preset], **overrides})
+    if "dense_threshold" in overrides:
+        return cfg
+    cap = trained_window + 1 if trained_window else 1 << 62  # contexts <= the window stay dense
+    return cfg.replace(dense_threshold=min(cap, cfg.n_sink + cfg.n_stream + cfg.stages[0].k))
 
 
 def make_plan(model: ModelConfig, preset: str = "dense", overrides: dict[str, Any] | None = None) -> Plan:
@@ -138,18 +86,5 @@ def make_plan(model: ModelConfig, preset: str = "dense", overrides: dict[str, An
     return Plan(preset=preset, layers=layers, infinitehip=cfg)
 
 
-def apply_runtime_overrides(plan: Plan, overrides: dict[str, Any] | None) -> Plan:
-    """``plan`` with safe InfiniteHiP knobs changed (``LLM(..., infinitehip_overrides=...)``)."""
-    if not overrides:
-        return plan
-    if plan.infinitehip is None:
-        raise ValueError("infinitehip_overrides given, but this engine has no InfiniteHiP layers "
-                         f"(preset {plan.preset!r}); rebuild with --preset 3k (or another)")
-    bad = sorted(set(overrides) - set(RUNTIME_KNOBS))
-    if bad:
-        raise ValueError(f"infinitehip_overrides may change {', '.join(RUNTIME_KNOBS)} only; "
-                         f"{', '.join(bad)} needs a rebuild (infhip-build --preset ...)")
-    return dataclasses.replace(plan, infinitehip=plan.infinitehip.replace(**overrides))
-
-
-__all__ = ["PRESETS", "RUNTIME_KNOBS", "apply_runtime_overrides", "infinitehip_config", "make_plan", "parse_knobs"]
+__all__ = ["PRESETS", "PRESET_CHANGES", "RUNTIME_KNOBS", "apply_runtime_overrides", "infinitehip_config",
+           "make_plan", "parse_knobs"]

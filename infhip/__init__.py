@@ -7,7 +7,7 @@
 
 __version__ = "0.1.0"
 
-__all__ = ["LLM", "SamplingParams", "__version__"]
+__all__ = ["LLM", "LoadOptions", "SamplingParams", "__version__"]
 
 
 def __getattr__(name: str):
@@ -15,6 +15,9 @@ def __getattr__(name: str):
     if name == "LLM":
         from infhip.runtime.llm import LLM
         return LLM
+    if name == "LoadOptions":
+        from infhip.runtime.options import LoadOptions
+        return LoadOptions
     if name == "SamplingParams":
         from infhip.runtime.sampling_params import SamplingParams
         return SamplingParams

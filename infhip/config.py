@@ -3,6 +3,7 @@
 One place for the contract between `infhip.builder` and `infhip.runtime`. Everything here is
 plain data (dataclasses validated in ``__post_init__``) serialised to ``config.json``; values
 computed at load time (number of KV pages, CUDA-graph pools) live in runtime objects instead.
+The knobs of a plan (InfiniteHiP, token drop) are in infhip/knobs.py, with their descriptions.
 
 Engine directory (SPEC §3)::
 
@@ -40,6 +41,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from infhip.knobs import (  # noqa: F401 - the knobs are part of the engine format: re-exported
+    ATTENTION_ROPE_STYLES, CHUNK_SCORES, PRUNING_ROPE_STYLES, REMOVED_INFINITEHIP_KNOBS, RUNTIME_KNOBS,
+    InfiniteHipConfig, PruningStage, TokenDropConfig, _check, check_runtime_knobs)
+
 FORMAT_VERSION = 1
 # config.json's "format": what tells an engine from other folders with a config.json (a Hugging
 # Face checkpoint), e.g. before `infhip-build --force` replaces one. Engines written before the
@@ -62,11 +67,6 @@ ACTIVATIONS = ("silu", "gelu_tanh")
 
 class EngineFormatError(ValueError):
     """An engine directory that this runtime cannot load (wrong version, target, or damaged)."""
-
-
-def _check(cond: bool, msg: str) -> None:
-    if not cond:
-        raise ValueError(msg)
 
 
 @dataclass(frozen=True)
@@ -146,207 +146,6 @@ class ModelConfig:
         return cls(**d)
 
 
-PRUNING_ROPE_STYLES = ("none", "relative", "chunk_indexed")
-ATTENTION_ROPE_STYLES = ("none", "streaming")
-
-
-@dataclass(frozen=True)
-class PruningStage:
-    """One InfiniteHiP pruning stage (SPEC §4): query blocks of ``block_q`` queries, candidate
-    chunks of ``chunk_size`` keys (a power of two), keep ``k`` keys (k / chunk_size chunks)."""
-
-    block_q: int
-    chunk_size: int
-    k: int
-
-    def __post_init__(self) -> None:
-        _check(self.block_q > 0, f"block_q must be positive, got {self.block_q}")
-        _check(self.chunk_size > 0 and self.chunk_size & (self.chunk_size - 1) == 0,
-               f"chunk_size must be a power of two, got {self.chunk_size}")
-        _check(self.k > 0 and self.k % self.chunk_size == 0,
-               f"k ({self.k}) must be a positive multiple of chunk_size ({self.chunk_size})")
-
-
-CHUNK_SCORES = ("max", "head_normalized")
-
-
-@dataclass(frozen=True)
-class InfiniteHipConfig:
-    """Knobs of every "infinitehip" layer of an engine (paper 000; presets: builder/presets.py).
-
-    A request whose context (after the step) is below ``dense_threshold`` runs dense attention;
-    at or above it, each query block goes through ``stages`` then block-sparse attention over
-    sink [0, n_sink) + the last stage's survivors + the newest ``n_stream`` tokens. Layers in
-    ``special_layers`` (0-based) keep ``special_final_k`` keys in the last stage and prune with
-    ``special_pruning_rope``. In decode, stage i is recomputed every ``refresh_intervals[i]``
-    steps of a request (mask caching); each interval must be a multiple of the next, so a stage's
-    refresh always comes with the later stages'. In prefill, stage i scores a query block's
-    chunks with every ``query_strides[i]``-th of its queries only (1 = the paper's formula, all
-    of them; the paper's public implementation uses 4, 4, 1): ~1/s of the stage's work, the mask
-    still shared by the whole block (plugins/infinitehip/pruning.py). With
-    ``rope_off_in_trained_window`` the dynamic RoPE styles apply only once a context exceeds the
-    model's trained window. ``chunk_score``:
-    "max" scores a chunk by the max over heads and queries of q.k_rep (the paper);
-    "head_normalized" first subtracts, per kv head, that head's best chunk score, so a head with
-    small logits (e.g. a retrieval head) still keeps its best chunks (docs/quality.md).
-    ``solo_last_query``: in a prefill chunk whose last token is sampled (a prompt's last chunk),
-    that query forms a query block of its own, so its mask is scored by it alone — as every
-    decode step's is — instead of by the max over its block's 64 queries, which lets queries that
-    look elsewhere crowd out what the sampled one reads (docs/quality.md, needle coverage).
-    ``key_bank`` (streaming attention RoPE): each refresh of the last stage rotates its keys to
-    their rank once into a per-request bank that the cached decode steps read, instead of
-    rotating every key at every step (plugins/infinitehip/key_bank.py; memory: (bank slots + 1)
-    x layers x final k x kv heads x head_dim in the KV dtype). ``key_bank_slots``: how many
-    decoding requests own a bank row (those holding the lowest mask-cache slots,
-    runtime/mask_cache.py); a decode step with a row that owns none attends by rotating keys
-    instead: the same tokens, slower. Past the trained window few requests fit the KV cache at
-    once (one 128K-token Llama-8B request holds 16 GiB), so a few rows cover them.
-    """
-
-    n_sink: int = 256
-    n_stream: int = 1024
-    stages: tuple[PruningStage, ...] = (PruningStage(64, 256, 32768), PruningStage(64, 32, 8192),
-                                        PruningStage(64, 8, 2048))
-    refresh_intervals: tuple[int, ...] = (16, 8, 4)
-    query_strides: tuple[int, ...] = (1, 1, 1)
-    special_layers: tuple[int, ...] = (0, 1, 2)
-    special_final_k: int = 4096
-    dense_threshold: int = 34048  # n_sink + n_stream + stages[0].k: below it stage 1 keeps everything
-    pruning_rope: str = "relative"
-    special_pruning_rope: str = "chunk_indexed"
-    attention_rope: str = "streaming"
-    rope_off_in_trained_window: bool = True
-    stagger_refresh: bool = True  # offset each layer's refresh phase (runtime/mask_cache.py)
-    chunk_score: str = "max"  # "max" (paper) | "head_normalized"
-    key_bank: bool = False  # rotated key bank for cached decode steps (presets: on)
-    key_bank_slots: int = 8  # requests that can read the bank at once (rows: min(max_num_seqs, this) + 1)
-    solo_last_query: bool = False  # the sampled prefill query gets its own block (presets: off)
-
-    def __post_init__(self) -> None:
-        _check(self.n_sink >= 0 and self.n_stream > 0, "n_sink must be >= 0 and n_stream > 0")
-        _check(len(self.stages) > 0, "at least one pruning stage")
-        _check(len(self.refresh_intervals) == len(self.stages),
-               f"{len(self.refresh_intervals)} refresh intervals for {len(self.stages)} stages")
-        _check(all(n > 0 for n in self.refresh_intervals), "refresh intervals must be positive")
-        _check(len(self.query_strides) == len(self.stages),
-               f"{len(self.query_strides)} query strides for {len(self.stages)} stages")
-        _check(all(1 <= s <= self.stages[0].block_q for s in self.query_strides),
-               f"query strides must be in [1, block_q={self.stages[0].block_q}], got {self.query_strides}")
-        for a, b in zip(self.refresh_intervals, self.refresh_intervals[1:]):
-            _check(a % b == 0, f"refresh interval {a} is not a multiple of the next stage's {b}: a "
-                   "stage's refresh must imply the later stages' refresh")
-        _check(len({s.block_q for s in self.stages}) == 1, "all stages share one block_q")
-        _check(self.n_stream >= self.stages[0].block_q, "n_stream must be >= block_q (a query sees itself)")
-        for a, b in zip(self.stages, self.stages[1:]):
-            _check(b.k <= a.k, f"stage k must not grow: {a.k} then {b.k}")
-        last = self.stages[-1]
-        prev_k = self.stages[-2].k if len(self.stages) > 1 else None
-        _check(self.special_final_k % last.chunk_size == 0 and self.special_final_k > 0,
-               f"special_final_k {self.special_final_k} must be a positive multiple of {last.chunk_size}")
-        _check(prev_k is None or self.special_final_k <= prev_k,
-               f"special_final_k {self.special_final_k} exceeds the previous stage's k {prev_k}")
-        _check(all(i >= 0 for i in self.special_layers), "special_layers are 0-based layer indices")
-        _check(self.dense_threshold >= 1, "dense_threshold must be >= 1")
-        _check(self.pruning_rope in PRUNING_ROPE_STYLES and self.special_pruning_rope in PRUNING_ROPE_STYLES,
-               f"pruning RoPE styles must be in {PRUNING_ROPE_STYLES}")
-        _check(self.attention_rope in ATTENTION_ROPE_STYLES,
-               f"attention_rope must be in {ATTENTION_ROPE_STYLES}")
-        _check(self.chunk_score in CHUNK_SCORES, f"chunk_score must be one of {CHUNK_SCORES}")
-        _check(isinstance(self.key_bank_slots, int) and not isinstance(self.key_bank_slots, bool)
-               and self.key_bank_slots >= 1, f"key_bank_slots must be an integer >= 1, got {self.key_bank_slots!r}")
-        for name in ("rope_off_in_trained_window", "stagger_refresh", "key_bank", "solo_last_query"):
-            value = getattr(self, name)
-            _check(isinstance(value, bool), f"{name} must be true or false, got {value!r}")
-
-    @property
-    def block_q(self) -> int:
-        return self.stages[0].block_q
-
-    def stages_of(self, layer: int) -> tuple[PruningStage, ...]:
-        """The stages of one layer: the special layers keep special_final_k in the last one."""
-        if layer not in self.special_layers:
-            return self.stages
-        last = self.stages[-1]
-        return self.stages[:-1] + (PruningStage(last.block_q, last.chunk_size, self.special_final_k),)
-
-    def pruning_rope_of(self, layer: int) -> str:
-        return self.special_pruning_rope if layer in self.special_layers else self.pruning_rope
-
-    def replace(self, **overrides: Any) -> "InfiniteHipConfig":
-        """A validated copy with some knobs changed (lists accepted for tuple fields)."""
-        unknown = set(overrides) - {f.name for f in dataclasses.fields(self)}
-        _check(not unknown, f"unknown InfiniteHiP knob(s): {', '.join(sorted(unknown))}")
-        fixed = {k: tuple(v) if isinstance(v, list) else v for k, v in overrides.items()}
-        if "stages" in fixed:
-            fixed["stages"] = tuple(s if isinstance(s, PruningStage) else PruningStage(*s)
-                                    for s in fixed["stages"])
-            if "query_strides" not in fixed and len(fixed["stages"]) != len(self.query_strides):
-                fixed["query_strides"] = (1,) * len(fixed["stages"])  # other stage count: exact
-        return dataclasses.replace(self, **fixed)
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "InfiniteHipConfig":
-        d = dict(d)
-        d["stages"] = tuple(PruningStage(**s) for s in d["stages"])
-        for key in ("refresh_intervals", "special_layers", "query_strides"):
-            if key in d:  # query_strides: absent from engines built before it existed (= all 1)
-                d[key] = tuple(d[key])
-        return cls(**d)
-
-
-@dataclass(frozen=True)
-class TokenDropConfig:
-    """UniPrefill token dropping in prefill (paper 004; runtime/token_drop.py).
-
-    At every full-attention layer (the *anchors*) of a prefill pass, the last ``obs_window``
-    queries score blocks of ``block_size`` tokens; the smallest set of blocks holding fraction
-    ``p`` of the attention mass is kept, plus the first ``num_sink`` tokens and the pass's last
-    ``obs_window`` tokens (more on models with sliding layers: see runtime/token_drop.py). Only
-    kept tokens run the rest of the layers until the next anchor. A prompt shorter than
-    ``min_prompt_len`` is never dropped: below ~8K tokens prefill is short already, the estimate
-    costs a few percent (paper: -5% at 4K on hybrids), and any drop can only lose quality.
-    ``retention`` (benchmarks only) replaces top-p by a fixed share of blocks kept.
-    ``spare_anchors`` (not in the paper; default 1, 0 = every anchor drops as the paper does):
-    the first that many anchors keep every token (they still estimate importance for the next).
-    The first anchor's attention is the flattest, and the tokens it drops skip the most layers
-    before they re-enter: on Gemma-3-270M sparing it takes p = 0.99 from x10.8 to -0.03 %
-    perplexity at 4K (+0.07 % at 8K, no passkey loss); on SmolLM2 from x6.8 to +30 % (two spared:
-    +9.9 %). It costs little at 128K on the H200 (rho = 0.3: Llama-8B 5.6x -> 5.0x, Gemma-3-12B
-    3.5x -> 2.6x faster than dense; docs/benchmarks.md, docs/quality.md).
-    """
-
-    p: float = 0.99
-    obs_window: int = 128
-    block_size: int = 64
-    num_sink: int = 128
-    min_prompt_len: int = 8192
-    retention: float | None = None
-    spare_anchors: int = 1
-
-    def __post_init__(self) -> None:
-        _check(0.0 < self.p <= 1.0, f"token_drop p must be in (0, 1], got {self.p}")
-        for name in ("obs_window", "block_size"):
-            v = getattr(self, name)
-            _check(isinstance(v, int) and v >= 1, f"token_drop {name} must be an int >= 1, got {v!r}")
-        for name in ("num_sink", "min_prompt_len", "spare_anchors"):
-            v = getattr(self, name)
-            _check(isinstance(v, int) and v >= 0, f"token_drop {name} must be an int >= 0, got {v!r}")
-        _check(self.retention is None or 0.0 <= self.retention <= 1.0,
-               f"token_drop retention must be in [0, 1] or None, got {self.retention}")
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "TokenDropConfig":
-        # engines written before spare_anchors existed dropped at every anchor: keep them so
-        d = {"spare_anchors": 0, **d}
-        return cls(**d)
-
-    def replace(self, **overrides: Any) -> "TokenDropConfig":
-        unknown = set(overrides) - {f.name for f in dataclasses.fields(self)}
-        _check(not unknown, f"unknown token_drop knob(s): {', '.join(sorted(unknown))}; "
-               f"known: {', '.join(f.name for f in dataclasses.fields(self))}")
-        return dataclasses.replace(self, **overrides)
-
-
 ATTENTION_PLUGINS = ("dense", "infinitehip")
 
 
@@ -395,6 +194,18 @@ class Plan:
         return cls(preset=d["preset"], layers=tuple(LayerPlan(**x) for x in d["layers"]),
                    infinitehip=InfiniteHipConfig.from_dict(ih) if ih is not None else None,
                    token_drop=TokenDropConfig.from_dict(td) if td is not None else None)
+
+
+def apply_runtime_overrides(plan: Plan, overrides: dict[str, Any] | None) -> Plan:
+    """``plan`` with InfiniteHiP knobs that a load may change changed (RUNTIME_KNOBS;
+    ``LLM(..., infinitehip_overrides=...)``), validated."""
+    if not overrides:
+        return plan
+    if plan.infinitehip is None:
+        raise ValueError("infinitehip_overrides given, but this engine has no InfiniteHiP layers "
+                         f"(preset {plan.preset!r}); rebuild with --preset 3k (or another)")
+    check_runtime_knobs(overrides)
+    return dataclasses.replace(plan, infinitehip=plan.infinitehip.replace(**overrides))
 
 
 @dataclass(frozen=True)

@@ -278,7 +278,7 @@ def paged_decode_attention_triton(q, k_cache, v_cache, block_tables, context_len
 
 # ============================================================================ torch paths
 
-def _gather_kv(k_cache, v_cache, table_row, start: int, end: int, *, k_scale=None, v_scale=None,
+def gather_kv(k_cache, v_cache, table_row, start: int, end: int, *, k_scale=None, v_scale=None,
                dtype: torch.dtype | None = None):
     """Keys/values of positions [start, end) of one sequence: 2 x [end - start, Hkv, D] in dtype
     (None: the cache's own dtype; required for an fp8 cache, whose rows come back dequantized
@@ -356,7 +356,7 @@ def paged_prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, con
             out[q0:q1] = o[0].transpose(0, 1)
             continue
         kv_start = max(0, ctx - q_len - window + 1) if windowed else 0
-        k, v = _gather_kv(k_cache, v_cache, block_tables[b], kv_start, ctx, k_scale=k_scale, v_scale=v_scale,
+        k, v = gather_kv(k_cache, v_cache, block_tables[b], kv_start, ctx, k_scale=k_scale, v_scale=v_scale,
                           dtype=q.dtype)
         if windowed:
             out[q0:q1] = _windowed_sdpa(q[q0:q1], k, v, ctx - q_len, kv_start, window, scale)
@@ -380,7 +380,7 @@ def paged_decode_attention_ref(q, k_cache, v_cache, block_tables, context_lens, 
         if ctx == 0:  # padded batch slot
             out[b] = 0
             continue
-        k, v = _gather_kv(k_cache, v_cache, block_tables[b], max(0, ctx - window) if window else 0, ctx,
+        k, v = gather_kv(k_cache, v_cache, block_tables[b], max(0, ctx - window) if window else 0, ctx,
                           k_scale=k_scale, v_scale=v_scale, dtype=q.dtype)
         o = F.scaled_dot_product_attention(q[b][None, :, None, :], _heads_first(k), _heads_first(v),
                                            scale=scale, enable_gqa=True)

@@ -23,12 +23,6 @@ strides within a page). Launchers take ``offload: HostKV | None`` and pass the d
 select (``OFFLOAD`` constexpr False). The torch references read a merged copy instead
 (:func:`merged_pool`: the host pages appended after the GPU pages, the tables renumbered).
 
-GPU copies of hot host pages (the paper's GPU page table in front of the host pool): a twin may
-carry ``gpu_pages``, int32 [num_host_pages] on the GPU, the pool page holding a copy of each host
-page (-1: none). :func:`cached_tables` rewrites a layer's block tables through it before its
-kernels run, so they read those pages from the GPU and need no change; every other reader still
-finds the (unchanged) host page. Which pages get copies is runtime/offload_cache.py's LRU.
-
 Which pages move, and when, is the runtime's business (runtime/kv_cache.py KVCacheManager.offload,
 runtime/model_runner.py ModelRunner._offload, which calls copy_pages); this module is
 the address arithmetic and the pool itself. Paper 000, "KV Cache Offloading Architecture".
@@ -81,9 +75,6 @@ class HostKV:
     v: torch.Tensor
     k_scale: torch.Tensor | None = None  # [num_host_pages, page_size, Hkv] float32 (fp8 caches)
     v_scale: torch.Tensor | None = None
-    # int32 [num_host_pages] on the cache's device: GPU pool page holding a copy of each host page,
-    # -1 for none (runtime/offload_cache.py keeps it; cached_tables reads it); None: no copies
-    gpu_pages: torch.Tensor | None = None
 
     @classmethod
     def like(cls, k_cache: torch.Tensor, num_pages: int) -> "HostKV":
@@ -194,21 +185,6 @@ def copy_pages(k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: torch.Tens
             cache, src, dst, delta, cache.stride(0), page_elems, BLOCK=BLOCK)
 
 
-def cached_tables(block_tables: torch.Tensor, gpu_pages: torch.Tensor | None) -> torch.Tensor:
-    """Block tables whose host entries with a GPU copy name that copy instead: entry e < 0 becomes
-    gpu_pages[-1 - e] where that is >= 0 (HostKV.gpu_pages); everything else is unchanged. The
-    copies hold the same rows, so kernels read the same values from the GPU, in place of PCIe.
-    A few elementwise ops over [B, pages] int32 (CUDA-graph capturable: no host sync).
-
-        >>> cached_tables(torch.tensor([[3, -1, -2, -3]]), torch.tensor([-1, 7, -1]))
-        tensor([[ 3, -1,  7, -3]])
-    """
-    if gpu_pages is None:
-        return block_tables
-    copy = gpu_pages[(-1 - block_tables).clamp_(min=0)]
-    return torch.where((block_tables < 0) & (copy >= 0), copy, block_tables)
-
-
 # ------------------------------------------------------------------------------------ torch
 
 def merged_pool(cache: torch.Tensor, host: torch.Tensor | None,
@@ -237,8 +213,7 @@ def merged_kv(k_cache, v_cache, k_scale, v_scale, block_tables, offload: HostKV 
 
 def aot_launches(space) -> None:
     """copy_pages' variants (plugins/aot.py): every InfiniteHiP engine may be loaded with
-    ``kv_offload_bytes`` (runtime/model_runner.py moves pages to the host twin, and
-    runtime/offload_cache.py copies hot host pages back): K and V pages in the cache dtype and,
+    ``kv_offload_bytes`` (runtime/model_runner.py moves pages to the host twin): K and V pages in the cache dtype and,
     for fp8 caches, their float32 scale pages. The page counts only size the grid."""
     from .infinitehip._aot import sparse_space
 
@@ -251,5 +226,5 @@ def aot_launches(space) -> None:
                ss.host(True, k_cache, k_scale))
 
 
-__all__ = ["HostKV", "host_page", "offload_deltas", "page_offset", "copy_pages", "cached_tables", "merged_pool",
+__all__ = ["HostKV", "host_page", "offload_deltas", "page_offset", "copy_pages", "merged_pool",
            "merged_kv"]

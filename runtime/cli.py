@@ -2,6 +2,10 @@
 
     infhip-run --engine engines/smollm2-135m --prompt "The capital of France is" --max-tokens 16
     infhip-run --engine engines/smollm2-135m --prompt-file long.txt --max-tokens 32 --temperature 0
+    infhip-run --engine engines/l8b-3k --prompt-file long.txt --kv-offload-bytes 64GiB --token-drop off
+
+The load options (--max-num-seqs, --kv-cache-memory-bytes, --infinitehip-overrides, ...) are
+LLM's (runtime/options.py LoadOptions), with the same names.
 """
 
 from __future__ import annotations
@@ -11,8 +15,10 @@ import sys
 import time
 from pathlib import Path
 
+from infhip.runtime.options import add_load_options, load_options
 
-def parse_args(argv=None) -> argparse.Namespace:
+
+def make_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="infhip-run", description=__doc__.split("\n\n")[0])
     p.add_argument("--engine", required=True, help="engine directory written by infhip-build")
     src = p.add_mutually_exclusive_group(required=True)
@@ -25,12 +31,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     p.add_argument("--ignore-eos", action="store_true")
-    p.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: the engine's target")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
     p.add_argument("--stats", action="store_true", help="print timing to stderr at the end")
-    p.add_argument("--kv-offload-gib", type=float, default=0.0,
-                   help="pinned host memory for offloaded KV pages (InfiniteHiP engines; default 0: none)")
-    return p.parse_args(argv)
+    add_load_options(p)  # LLM's options, same names (runtime/options.py)
+    return p
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    return make_parser().parse_args(argv)
 
 
 def main(argv=None) -> int:
@@ -45,9 +53,7 @@ def main(argv=None) -> int:
         prompt = args.prompt if args.prompt is not None else args.prompt_file.read_text()
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                                 top_k=args.top_k, seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos)
-        if args.kv_offload_gib < 0:
-            raise ValueError(f"--kv-offload-gib must be >= 0, got {args.kv_offload_gib}")
-        llm = LLM(args.engine, device=args.device, kv_offload_bytes=int(args.kv_offload_gib * (1 << 30)))
+        llm = LLM(args.engine, load_options(args))
         if args.chat:
             if llm.tokenizer is None or not getattr(llm.tokenizer, "chat_template", None):
                 raise ValueError("--chat needs an engine whose tokenizer has a chat template")

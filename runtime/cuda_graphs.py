@@ -1,14 +1,14 @@
 """CUDA graphs for decode steps of a fixed list of batch sizes.
 
-Buffers are allocated once at the largest size; the dense graphs are captured largest first into
-one memory pool at start-up (SPEC §8.6). A decode step of B sequences replays the smallest
+Buffers are allocated once at the largest size; graphs are captured largest first into one
+memory pool at load (SPEC §8.6). A decode step of B sequences replays the smallest
 captured size >= B; rows B.. are padding: slot -1 (the cache write skips it), context length 0
 (attention reads nothing), token 0 and the scratch mask-cache slot.
 
 Every graph is captured at load (``capture``, keys from ModelRunner.graph_keys), none on the
 request path; a key nobody listed is still captured when first needed, with a warning, and
-counted in ``report["on_request"]``. A key is (sparse key or None, drop histories or not,
-length bucket or None); the dense start-up graphs are (None, False, None):
+counted in ``report["on_request"]``. A key is a GraphKey (sparse key, drop histories, length
+bucket); GraphKey() is the dense graph sized for max_seq_len:
 
 - InfiniteHiP decode steps (contexts past ``dense_threshold``, every row sparse and refreshing
   alike) replay the graph of their SparseStepHost.graph_key: which pruning stages each layer
@@ -33,16 +33,28 @@ from __future__ import annotations
 import bisect
 import logging
 import time
+from dataclasses import dataclass
 
 import torch
 
+from infhip.runtime.attention.infinitehip import InfiniteHipBackend
+from infhip.runtime.attention.sparse_plan import SparseGraphKey
 from infhip.runtime.forward_context import ForwardContext, KVGroupMetadata, LayerKV, compact_slots, forward_context
-from infhip.runtime.sparse_attention import SparseStep
 
 log = logging.getLogger("infhip.graphs")
 
 _MASK_SLOT_ROW = 3  # the row of `rows` that holds each decode row's mask-cache slot
-GraphKey = tuple  # (SparseStepHost.graph_key | None, has drop histories: bool, length bucket | None)
+
+
+@dataclass(frozen=True)
+class GraphKey:
+    """Which graph a pure decode step of a batch size replays. GraphKey(): the dense graph sized
+    for the block-table width (every context up to max_seq_len)."""
+
+    sparse: SparseGraphKey | None = None  # InfiniteHiP rows (all sparse, one refresh pattern)
+    layer_kv: bool = False  # some request has a drop history (per-layer KV lengths in the graph)
+    len_bucket: int | None = None  # dense rows all <= this bucket (fewer decode splits)
+
 DECODE_LEN_BUCKETS = (512, 2048, 8192)  # context-length bounds of the short-context dense graphs
 
 
@@ -69,8 +81,8 @@ class DecodeGraphs:
         self.host_steps_np = self.host_steps.numpy()
         self.steps = torch.zeros_like(self.host_steps, device=dev)
         self.rows = torch.zeros((num_rows, max_bs), dtype=torch.int64, device=dev)
-        sparse = runner.sparse_planner is not None
-        self.scratch_slot = runner.sparse_planner.slots.scratch if sparse else 0
+        sparse = runner.infinitehip is not None
+        self.scratch_slot = runner.infinitehip.planner.slots.scratch if sparse else 0
         self._pad_rows(self.rows)  # rows never used write nothing (also while capturing)
         self.input_ids, self.positions = self.rows[0], self.rows[1]
         self.slots = {g: self.rows[4 + i] for i, g in enumerate(self.groups)}
@@ -84,24 +96,22 @@ class DecodeGraphs:
                        for g in self.groups}
         # per group and row: (the page list last staged there, how many of its entries)
         self._staged = [[(None, 0)] * max_bs for _ in self.groups]
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.logits: dict[int, torch.Tensor] = {}
+        # every graph, per (batch size, key); all write their logits into one [max_bs, vocab] buffer
+        self.graphs: dict[tuple[int, GraphKey], torch.cuda.CUDAGraph] = {}
+        self.logits: torch.Tensor | None = None
         self.pool = None
-        # InfiniteHiP and drop-history graphs per (batch size, key), captured on first use
-        self.lazy_graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
-        self.lazy_logits: torch.Tensor | None = None  # [max_bs, vocab], shared by the lazy graphs
         self.arange = torch.arange(max_bs, dtype=torch.int64, device=dev)
         num_global = len(self.global_layers)
         self.layer_slots = torch.full((num_global, max_bs), -1, dtype=torch.int64, device=dev)
         self.layer_ctx = torch.zeros((num_global, max_bs), dtype=torch.int32, device=dev)
-        if sparse:
-            self.arange32 = torch.arange(max_bs, dtype=torch.int32, device=dev)
-            self.ones32 = torch.ones(max_bs, dtype=torch.int32, device=dev)
-            self.none64 = torch.zeros(0, dtype=torch.int64, device=dev)
-            self.none32 = torch.zeros(0, dtype=torch.int32, device=dev)
+        # constant index buffers the InfiniteHiP graphs' SparseStep views (InfiniteHipBackend.graph_step)
+        self.sparse_buffers = {"arange64": self.arange,
+                               "arange32": torch.arange(max_bs, dtype=torch.int32, device=dev),
+                               "ones32": torch.ones(max_bs, dtype=torch.int32, device=dev),
+                               "none64": torch.zeros(0, dtype=torch.int64, device=dev),
+                               "none32": torch.zeros(0, dtype=torch.int32, device=dev)} if sparse else {}
         # captured at load (graphs, seconds, pool bytes) and on the request path (should stay 0)
         self.report = {"graphs": 0, "seconds": 0.0, "pool_bytes": 0, "on_request": 0}
-        self._capture_all()
 
     def _pad_rows(self, rows) -> None:
         """Padding values of a [num_rows, n] block: token 0 at position 0, no context, the scratch
@@ -111,52 +121,21 @@ class DecodeGraphs:
         rows[4:self.drop_row] = -1
         rows[self.drop_row:] = 0
 
-    def _context(self, bs: int, key: GraphKey | None = None) -> ForwardContext:
+    def _context(self, bs: int, key: GraphKey) -> ForwardContext:
+        """The forward context a graph of (bs, key) captures: views of the static buffers."""
+        sparse = None
+        if key.sparse is not None:
+            sparse = InfiniteHipBackend.graph_step(key.sparse, self.context_lens[:bs], self.rows[_MASK_SLOT_ROW, :bs],
+                                                   self.sparse_buffers)
         return ForwardContext(
             positions=self.positions[:bs], context_lens=self.context_lens[:bs],
             cu_seqlens_q=self.cu_seqlens_q[:bs + 1], num_decodes=bs,
             groups={g: KVGroupMetadata(self.slots[g][:bs], self.tables[g][:bs]) for g in self.slots},
-            cu_seqlens_q_list=list(range(bs + 1)), context_lens_list=[0] * bs,
-            sparse=self._sparse_step(bs, key[0]) if key is not None and key[0] is not None else None,
+            cu_seqlens_q_list=list(range(bs + 1)), context_lens_list=[0] * bs, sparse=sparse,
             layer_kv=LayerKV(rows={l: i for i, l in enumerate(self.global_layers)},
                              slot_mapping=self.layer_slots[:, :bs], context_lens=self.layer_ctx[:, :bs],
-                             context_lens_list=[[0] * bs] * len(self.global_layers))
-            if key is not None and key[1] else None,
-            decode_len_bound=(key[2] if key is not None else None) or self.runner.table_tokens)
-
-    def _sparse_step(self, bs: int, key: tuple) -> SparseStep:
-        """The SparseStep of a graph: every row is a sparse decode row (row b = batch index b) and
-        recomputes the stages the key's refresh pattern names; lengths and mask slots are views
-        of the static buffers."""
-        refresh, capacity, dynamic_rope, bank_ok = key
-        rows, none64, none32 = self.arange[:bs], self.none64, self.none32
-        return SparseStep(
-            decode_rows=rows, decode_q_start=self.arange32[:bs], decode_q_lens=self.ones32[:bs],
-            decode_ends=self.context_lens[:bs], decode_slots=self.rows[_MASK_SLOT_ROW, :bs],
-            stage_rows=[[rows if r else none64 for r in group] for group in refresh], refresh=refresh,
-            max_middle=capacity, prefill_q_start=none32, prefill_q_lens=none32, prefill_ends=none32,
-            prefill_seqs=none64, prefill_seq_rows=none64, prefill_seq_ends=[], prefill_block_seq=none64,
-            raw_keys=False,
-            dense_decode_lens=none32, num_dense_decodes=0, dense_prefill_runs=[],
-            dynamic_rope=dynamic_rope, bank_ok=bank_ok)
-
-    @torch.inference_mode()
-    def _capture_all(self) -> None:
-        t0 = time.perf_counter()
-        for bs in reversed(self.sizes):
-            ctx = self._context(bs)
-            with forward_context(ctx):
-                self._forward(bs)  # warm-up: compiles the Triton kernels outside the capture
-                torch.cuda.synchronize()
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=self.pool):
-                    self.logits[bs] = self._forward(bs)
-            if self.pool is None:
-                self.pool = graph.pool()
-            self.graphs[bs] = graph
-        torch.cuda.synchronize()
-        self.report["graphs"] += len(self.sizes)
-        self.report["seconds"] += time.perf_counter() - t0
+                             context_lens_list=[[0] * bs] * len(self.global_layers)) if key.layer_kv else None,
+            decode_len_bound=key.len_bucket or self.runner.table_tokens)
 
     def _forward(self, bs: int, layer_kv: bool = False) -> torch.Tensor:
         self.context_lens[:bs].copy_(self.rows[2, :bs])
@@ -170,37 +149,41 @@ class DecodeGraphs:
         return model.compute_logits(model(self.input_ids[:bs]))
 
     def capture(self, keys: list[GraphKey]) -> None:
-        """Capture (at load) the graph of every (batch size, key) not captured yet; adds to
-        ``report`` (count, seconds, pool bytes)."""
+        """Capture (at load) the graph of every (batch size, key) not captured yet, largest batch
+        first into one memory pool; adds to ``report`` (count, seconds, pool bytes)."""
         t0 = time.perf_counter()
-        todo = [(bs, key) for key in keys for bs in reversed(self.sizes) if (bs, key) not in self.lazy_graphs]
+        todo = [(bs, key) for key in keys for bs in reversed(self.sizes) if (bs, key) not in self.graphs]
         warmed = set()
         for bs, key in todo:
             # one warm-up per batch size and kind of step (its kernels load outside any capture)
-            kind = (bs, key[0] is not None and key[0][2], key[1], key[2])
-            self._capture_lazy(bs, key, warm_up=kind not in warmed)
+            kind = (bs, key.sparse is not None and key.sparse.dynamic_rope, key.layer_kv, key.len_bucket)
+            self._capture(bs, key, warm_up=kind not in warmed)
             warmed.add(kind)
         torch.cuda.synchronize()
         self.report["graphs"] += len(todo)
         self.report["seconds"] += time.perf_counter() - t0
         self.report["pool_bytes"] = _pool_bytes(self.pool)
 
+    def drop(self, keep) -> None:
+        """Forget the graphs whose key fails ``keep(key)`` (their memory stays in the pool)."""
+        self.graphs = {k: g for k, g in self.graphs.items() if keep(k[1])}
+
     @torch.inference_mode()
-    def _capture_lazy(self, bs: int, key: GraphKey, warm_up: bool = True) -> torch.cuda.CUDAGraph:
+    def _capture(self, bs: int, key: GraphKey, warm_up: bool = True) -> torch.cuda.CUDAGraph:
         """Capture the graph (bs, key) with padding inputs (the warm-up writes no KV and only the
         scratch mask slot); the caller stages the real inputs afterwards."""
         self._pad_rows(self.rows)
-        layer_kv = key[1]
         with forward_context(self._context(bs, key)):
-            logits = self._forward(bs, layer_kv) if warm_up or self.lazy_logits is None else None
-            if self.lazy_logits is None:
-                self.lazy_logits = torch.empty((self.sizes[-1], logits.shape[1]), dtype=logits.dtype,
-                                               device=logits.device)
+            logits = self._forward(bs, key.layer_kv) if warm_up or self.logits is None else None
+            if self.logits is None:
+                self.logits = torch.empty((self.sizes[-1], logits.shape[1]), dtype=logits.dtype, device=logits.device)
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool):
-                self.lazy_logits[:bs].copy_(self._forward(bs, layer_kv))
-        self.lazy_graphs[(bs, key)] = graph
+                self.logits[:bs].copy_(self._forward(bs, key.layer_kv))
+        if self.pool is None:
+            self.pool = graph.pool()
+        self.graphs[(bs, key)] = graph
         return graph
 
     def _capture_on_request(self, bs: int, key: GraphKey) -> torch.cuda.CUDAGraph:
@@ -208,7 +191,7 @@ class DecodeGraphs:
         log.warning("capturing a decode graph on the request path (batch %d, key %s): "
                     "ModelRunner.graph_keys did not list it", bs, key)
         self.report["on_request"] += 1
-        return self._capture_lazy(bs, key)
+        return self._capture(bs, key)
 
     def fits(self, num_seqs: int) -> bool:
         return num_seqs <= self.sizes[-1]
@@ -257,15 +240,12 @@ class DecodeGraphs:
         return bs
 
     def replay(self, step: int, bs: int, n: int, input_ids: torch.Tensor | None = None,
-               key: GraphKey | None = None) -> torch.Tensor:
+               key: GraphKey = GraphKey()) -> torch.Tensor:
         """Replay staged step `step` (input_ids: the previous step's sampled tokens [n], on the
-        device, for step > 0; key: None for the dense graph, else the step's GraphKey); returns
-        logits [n, vocab]."""
-        if key is None:
-            graph, logits = self.graphs[bs], self.logits[bs]
-        else:
-            graph = self.lazy_graphs.get((bs, key)) or self._capture_on_request(bs, key)
-            logits = self.lazy_logits
+        device, for step > 0) with the graph of (bs, key); returns logits [n, vocab] (a view of
+        the shared buffer: valid until the next replay)."""
+        graph = self.graphs.get((bs, key)) or self._capture_on_request(bs, key)
+        logits = self.logits
         self.rows[:, :bs].copy_(self.steps[step, :, :bs])
         if input_ids is not None:
             self.input_ids[:n].copy_(input_ids)

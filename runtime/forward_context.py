@@ -2,7 +2,10 @@
 
 `forward` of a model block takes tensors only (SPEC §8.2); what an attention layer needs to know
 about the step — where to write K/V, which pages to read, how long each sequence is — is planned
-once per step on the host (`ModelRunner.prepare`) and read here by each layer.
+once per step on the host (`ModelRunner.prepare`, or `DecodeGraphs` for a graph's static
+buffers) and read here by each layer. The context also picks each layer's attention backend
+(runtime/attention/): the layer's own (dense or InfiniteHiP) or, in a step that drops tokens,
+token drop's (runtime/token_drop.py) for the layers it handles.
 
 Token layout of a step (packed, variable length): the rows of the B_dec decode sequences come
 first (one query row each), then the prefill chunks of the other sequences, back to back.
@@ -18,7 +21,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from infhip.runtime.sparse_attention import SparseStep
+    from infhip.runtime.attention.sparse_plan import SparseStep
     from infhip.runtime.token_drop import TokenDropStep
 
 
@@ -51,6 +54,27 @@ class ForwardContext:
     # A bound on the decode rows' context lengths that sizes the decode kernel's split count
     # (ModelRunner.decode_len_bound: eager steps and graphs use the same). None: the table width.
     decode_len_bound: int | None = None
+    # In a layer's view (for_layer) of a step with drop histories: int32 [B] tokens that layer
+    # lacks of each sequence (its key ranges end that much earlier); None: it holds them all.
+    dropped: torch.Tensor | None = None
+
+    def for_layer(self, layer: int, group: str) -> "ForwardContext":
+        """The context as layer `layer` of KV group `group` sees it: its own context lengths and
+        slots when it holds a compacted KV (LayerKV, after token drop), else this context."""
+        lk = self.layer_kv
+        if lk is None or layer not in lk.rows:
+            return self
+        r = lk.rows[layer]
+        groups = dict(self.groups)
+        groups[group] = KVGroupMetadata(lk.slot_mapping[r], self.groups[group].block_tables)
+        return dataclasses.replace(self, context_lens=lk.context_lens[r], context_lens_list=lk.context_lens_list[r],
+                                   groups=groups, dropped=self.context_lens - lk.context_lens[r])
+
+    def backend_for(self, attn):
+        """The backend that runs layer `attn` this step: token drop's at the layers a dropping
+        step hands it, else the layer's own (runtime/attention/)."""
+        td = self.token_drop
+        return td if td is not None and td.handles_layer(attn.layer_index) else attn.backend
 
 
 @dataclass
@@ -75,19 +99,6 @@ def compact_slots(positions: torch.Tensor, seq_of_row: torch.Tensor, dropped: to
     return pages * page_size + compact % page_size
 
 
-def layer_view(ctx: ForwardContext, layer: int, group: str) -> ForwardContext:
-    """The context as layer `layer` sees it: its own context lengths and slots when it holds a
-    compacted KV (LayerKV), else `ctx` itself."""
-    lk = ctx.layer_kv
-    if lk is None or layer not in lk.rows:
-        return ctx
-    r = lk.rows[layer]
-    groups = dict(ctx.groups)
-    groups[group] = KVGroupMetadata(lk.slot_mapping[r], ctx.groups[group].block_tables)
-    return dataclasses.replace(ctx, context_lens=lk.context_lens[r], context_lens_list=lk.context_lens_list[r],
-                               groups=groups)
-
-
 _CONTEXT: ForwardContext | None = None
 
 
@@ -95,11 +106,6 @@ def get_forward_context() -> ForwardContext:
     if _CONTEXT is None:
         raise RuntimeError("attention layer called outside of a forward context (ModelRunner sets it)")
     return _CONTEXT
-
-
-def current_token_drop() -> TokenDropStep | None:
-    """The step's token-drop state, or None (also outside any forward context)."""
-    return _CONTEXT.token_drop if _CONTEXT is not None else None
 
 
 @contextlib.contextmanager

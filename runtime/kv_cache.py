@@ -19,15 +19,14 @@ threshold: every later step of it reads its keys through the sparse kernels, whi
 host entries), its pages between the first ``head_tokens`` (sink) and the last ``tail_tokens``
 (stream) move to host pages (:meth:`KVCacheManager.offload`); the table names a host page by an
 entry < 0 (host page -1 - entry), and the GPU page returns to the free list. So the GPU holds
-about head + tail + one chunk per sequence however long it grows, the host the rest. Pages kept
-out of the free list for GPU copies of hot host pages (runtime/offload_cache.py) are
-:meth:`KVCacheManager.reserve`'d; host pages freed since the last look are
-:meth:`KVCacheManager.pop_freed_host_pages` (their GPU copies go stale then).
+about head + tail + one chunk per sequence however long it grows, the host the rest.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+from infhip.runtime.prefix_cache import PagePool, PrefixCaching
 
 NULL_PAGE = 0
 
@@ -126,9 +125,13 @@ class _Table:
     pages: list[int] = field(default_factory=list)
     lo: int = 0
     host_hi: int = 0  # offloading: logical pages [head, host_hi) are on the host (entries < 0)
+    num_hashed: int = 0  # prefix caching: logical pages [0, num_hashed) were offered to the cache
 
 
-class KVCacheManager:
+class KVCacheManager(PrefixCaching):
+    """Page tables of every sequence in every group. Pages are reference counted and full pages
+    may be shared through the prefix cache (runtime/prefix_cache.py; off unless enabled)."""
+
     def __init__(self, page_size: int, groups: dict[str, KVGroupSpec], max_pages_per_seq: int):
         if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 1:
             raise ValueError(f"KVCacheManager.page_size must be an int >= 1, got {page_size!r}")
@@ -141,12 +144,12 @@ class KVCacheManager:
         self.page_size = page_size
         self.groups = dict(groups)
         self.max_pages_per_seq = max_pages_per_seq
-        self._alloc = {name: PageAllocator(spec.num_pages) for name, spec in self.groups.items()}
+        self._alloc = {name: PagePool(PageAllocator(spec.num_pages)) for name, spec in self.groups.items()}
         # Host pools: host page h is entry -(h + 1), so allocator page p (1..host_pages) is entry -p.
         self._host = {name: PageAllocator(spec.offload.host_pages + 1)
                       for name, spec in self.groups.items() if spec.offload is not None}
         self._tables: dict[str, dict[int, _Table]] = {name: {} for name in self.groups}
-        self._freed_host: dict[str, list[int]] = {name: [] for name in self._host}  # host page indices
+        self._init_prefix_cache()
 
     # ---- sizing -------------------------------------------------------------------------
     @staticmethod
@@ -209,7 +212,9 @@ class KVCacheManager:
                 raise ValueError(
                     f"sequence {seq_id} group {name!r}: positions from {keep_from * self.page_size} "
                     f"were already released (a sequence only moves forward; free it and recompute)")
-            num_release = max(0, min(keep_from, len(t.pages)) - t.lo)
+            # pages released and free again (a page shared with another sequence stays held)
+            pool = self._alloc[name]
+            num_release = sum(pool.refs(p) == 1 for p in t.pages[t.lo:min(keep_from, len(t.pages))])
             num_new = max(0, last + 1 - max(len(t.pages), keep_from))
             plan[name] = (keep_from, num_release, num_new)
         return plan
@@ -242,13 +247,14 @@ class KVCacheManager:
 
     def free(self, seq_id: int) -> None:
         """Release every page of ``seq_id`` (no-op for an unknown id)."""
+        self._chains.pop(seq_id, None)
         for g, tables in self._tables.items():
             t = tables.pop(seq_id, None)
             if t is not None:
-                for page in t.pages[t.lo:]:
+                # last page first: the LRU then evicts a prefix from its end, keeping its start usable
+                for page in reversed(t.pages[t.lo:]):
                     if page < 0:
                         self._host[g].free(-page)
-                        self._freed_host[g].append(-1 - page)
                     else:
                         self._alloc[g].free(page)
 
@@ -298,24 +304,6 @@ class KVCacheManager:
         return slots
 
     # ---- offloading (plugins/kv_offload.py) ---------------------------------------------
-    def reserve(self, group: str, num_pages: int) -> list[int]:
-        """Take ``num_pages`` GPU pages of ``group`` out of circulation for good (no sequence ever
-        gets them): the slots of runtime/offload_cache.py's copies of host pages."""
-        self._spec(group)
-        if num_pages > self._alloc[group].num_free:
-            raise OutOfPages(f"cannot reserve {num_pages} pages of group {group!r}: "
-                             f"{self._alloc[group].num_free} free")
-        return [self._alloc[group].allocate() for _ in range(num_pages)]
-
-    def pop_freed_host_pages(self, group: str) -> list[int]:
-        """Host page indices (kv_offload.host_page of the entries) freed since the last call:
-        their contents are gone, and any GPU copy of them with them."""
-        self._spec(group)
-        if group not in self._freed_host:  # no host pool
-            return []
-        freed, self._freed_host[group] = self._freed_host[group], []
-        return freed
-
     def num_free_host_pages(self, group: str) -> int:
         self._spec(group)
         return self._host[group].num_free if group in self._host else 0

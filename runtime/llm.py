@@ -43,15 +43,15 @@ from pathlib import Path
 
 import torch
 
-from infhip.builder.presets import apply_runtime_overrides
+from infhip.config import TokenDropConfig, apply_runtime_overrides
 from infhip.runtime.detokenizer import Detokenizer
 from infhip.runtime.engine import load_engine
 from infhip.runtime.kernel_store import serving
 from infhip.runtime.model_runner import ModelRunner
+from infhip.runtime.options import LoadOptions
 from infhip.runtime.outputs import RequestOutput, StreamDelta
 from infhip.runtime.sampler import Sampler, make_generator
 from infhip.runtime.sampling_params import SamplingParams
-from infhip.runtime.kv_cache import OutOfPages
 from infhip.runtime.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
 from infhip.runtime.sequence import Sequence, SequenceStatus
 
@@ -80,6 +80,12 @@ class EngineStats:
     kv_pages_free: dict[str, int]
     host_pages_used: dict[str, int]  # groups with a host pool (kv_offload_bytes) only
     host_pages_free: dict[str, int]
+    # Prefix caching (zero when off): cached pages held by no request (counted in kv_pages_free),
+    # and since start: prompt tokens looked up at admission, of them found cached, pages evicted.
+    kv_pages_cached: dict[str, int] = dataclasses.field(default_factory=dict)
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    prefix_cache_evictions: int = 0
 
 
 class LLM:
@@ -87,72 +93,39 @@ class LLM:
 
     Args:
         engine_dir: a directory written by `infhip-build`.
-        device: "cpu" / "cuda"; default from the engine's build target.
-        max_num_seqs: most sequences in one step (default: the engine's max_batch_size).
-        max_num_batched_tokens: token budget of one step (chunked prefill), default from the engine.
-        kv_cache_memory_bytes: KV cache size; default 90% of free GPU memory, or 2 GiB on CPU.
-        kv_offload_bytes: pinned host memory for offloaded KV pages (default 0: none). Engines
-            with InfiniteHiP: once a request passes the dense threshold, its pages between the
-            sink and the stream move to the host and the sparse kernels read them in place, so
-            the GPU holds about sink + stream + one chunk per request (plugins/kv_offload.py).
-        kv_offload_cache_tokens: with kv_offload_bytes, GPU room (tokens per layer) for copies
-            of the host pages decode's pruning refreshes read most: the pages of stage 1's
-            survivors, kept by LRU (runtime/offload_cache.py). None: one request's survivors
-            (the first stage's k). Default 0 (off): on random weights, whose masks change at
-            every refresh, it made 1M-token decode slower (docs/benchmarks.md); it pays only
-            where masks stay put between stage-1 refreshes.
-        enforce_eager: never use CUDA graphs.
-        num_decode_steps: when a step is all decodes and nobody waits, run this many decode steps
-            back to back on the device (each feeds on the last one's tokens) before the host looks
-            at the tokens: the host's per-step work then overlaps the GPU's. Stops are applied
-            afterwards, so up to num_decode_steps - 1 tokens past a stop are computed and
-            discarded. Default 8 on GPU, 1 on CPU.
-        infinitehip_overrides: safe InfiniteHiP knobs to change for this load, e.g.
-            ``{"dense_threshold": 2048, "refresh_intervals": (32, 16, 8)}`` (builder/presets.py
-            RUNTIME_KNOBS); only for engines built with an InfiniteHiP preset.
-        jit: a kernel the engine holds no binary for, about to compile while serving:
-            "forbid" raises (runtime/kernel_store.JitForbidden), "warn" compiles and logs it once,
-            "allow" compiles silently and also runs the engine on a GPU other than its target.
-            Default: $INFHIP_JIT, else "warn".
-        token_drop: UniPrefill token dropping for this load: False turns it off, True or a dict
-            of knobs (``{"p": 0.98, "min_prompt_len": 4096}``; short keys p, n, G, A, min_len,
-            rho also accepted) turns it on, knobs not given coming from the engine's plan (or
-            the defaults). None (default): as built (``infhip-build --token-drop``).
+        options: a :class:`~infhip.runtime.options.LoadOptions`; or its fields as keywords
+            (``LLM(engine, max_num_seqs=4, token_drop=False)``), laid over ``options`` when both
+            are given. Every option, its meaning and default: runtime/options.py (the flags of
+            infhip-run / infhip-serve have the same names). ``infinitehip_overrides`` and
+            ``token_drop`` change the engine's plan for this load (docs/knobs.md).
     """
 
-    def __init__(self, engine_dir: str | Path, device: str | None = None, max_num_seqs: int | None = None,
-                 max_num_batched_tokens: int | None = None, kv_cache_memory_bytes: int | None = None,
-                 enforce_eager: bool = False, num_decode_steps: int | None = None,
-                 infinitehip_overrides: dict | None = None, token_drop: bool | dict | None = None,
-                 kv_offload_bytes: int = 0, kv_offload_cache_tokens: int | None = 0, jit: str | None = None):
+    def __init__(self, engine_dir: str | Path, options: LoadOptions | None = None, **kwargs):
         t0 = time.perf_counter()
-        self.engine = load_engine(engine_dir, device, jit)
+        self.options = opts = LoadOptions.of(options, **kwargs)
+        self.engine = load_engine(engine_dir, opts.device, opts.jit)
         t_engine = time.perf_counter()
-        if infinitehip_overrides:
-            config = self.engine.config
-            self.engine.config = dataclasses.replace(
-                config, plan=apply_runtime_overrides(config.plan, infinitehip_overrides))
-        if token_drop is not None:
-            config = self.engine.config
-            self.engine.config = dataclasses.replace(
-                config, plan=dataclasses.replace(config.plan, token_drop=_token_drop_override(
-                    config.plan.token_drop, token_drop)))
-        if num_decode_steps is None:
-            num_decode_steps = 8 if self.engine.device.type == "cuda" else 1
-        if num_decode_steps < 1:
-            raise ValueError(f"num_decode_steps must be >= 1, got {num_decode_steps}")
-        self.num_decode_steps = num_decode_steps
+        config = self.engine.config
+        plan = apply_runtime_overrides(config.plan, opts.infinitehip_overrides)
+        if opts.token_drop is not None:
+            plan = dataclasses.replace(plan, token_drop=_token_drop_override(plan.token_drop, opts.token_drop))
+        self.engine.config = dataclasses.replace(config, plan=plan)
+        self.num_decode_steps = opts.num_decode_steps or (8 if self.engine.device.type == "cuda" else 1)
         build = self.engine.config.build
-        self.max_num_seqs = max_num_seqs or build.max_batch_size
-        budget = max_num_batched_tokens or build.max_num_batched_tokens
+        self.max_num_seqs = opts.max_num_seqs or build.max_batch_size
+        budget = opts.max_num_batched_tokens or build.max_num_batched_tokens
         if budget < self.max_num_seqs:
             raise ValueError(f"max_num_batched_tokens ({budget}) must be >= max_num_seqs ({self.max_num_seqs})")
         with serving(self.engine.kernels):  # graph capture launches every decode kernel once
-            self.runner = ModelRunner(self.engine, self.max_num_seqs, budget, kv_cache_memory_bytes,
-                                      enforce_eager=enforce_eager, max_decode_steps=num_decode_steps,
-                                      kv_offload_bytes=kv_offload_bytes,
-                                      kv_offload_cache_tokens=kv_offload_cache_tokens)
+            self.runner = ModelRunner(self.engine, self.max_num_seqs, budget, opts.kv_cache_memory_bytes,
+                                      enforce_eager=opts.enforce_eager, max_decode_steps=self.num_decode_steps,
+                                      kv_offload_bytes=opts.kv_offload_bytes)
         self.scheduler = Scheduler(self.runner.kv, self.max_num_seqs, budget, build.max_seq_len)
+        plan = self.engine.config.plan
+        if opts.prefix_caching and prefix_caching_exact(plan, opts.kv_offload_bytes):
+            self.runner.kv.enable_prefix_caching(repr((plan, build.kv_dtype, build.dtype)))
+        elif opts.prefix_caching:
+            _log.info("prefix caching is off: not exact for this plan (InfiniteHiP, token drop or KV offloading)")
         self.load_report = self._load_report(t0, t_engine)
         self.sampler = Sampler()
         self.tokenizer = self.engine.tokenizer
@@ -164,6 +137,11 @@ class LLM:
         self.fault_hook: Callable[[Sequence], None] | None = None
 
     # -- load -----------------------------------------------------------------------------------
+    @property
+    def prefix_caching(self) -> bool:
+        """Whether prefix caching is on (the `prefix_caching` argument and an exact plan)."""
+        return self.runner.kv.prefix_caching
+
     @property
     def num_running(self) -> int:
         return self.scheduler.num_running
@@ -182,7 +160,10 @@ class LLM:
             num_running=self.num_running, num_waiting=self.num_waiting,
             kv_pages_used={g: spec.num_pages - 1 - free[g] for g, spec in kv.groups.items()},
             kv_pages_free=free,
-            host_pages_used={g: n - host_free[g] for g, n in host.items()}, host_pages_free=host_free)
+            host_pages_used={g: n - host_free[g] for g, n in host.items()}, host_pages_free=host_free,
+            kv_pages_cached={g: kv.num_cached_pages(g) for g in kv.groups},
+            prefix_cache_queries=kv.prefix_cache_queries, prefix_cache_hits=kv.prefix_cache_hits,
+            prefix_cache_evictions=kv.prefix_cache_evictions)
 
     def _load_report(self, t0: float, t_engine: float) -> dict:
         """Where LLM() spent its time: reading weights, verifying the engine's compiled kernels,
@@ -337,12 +318,7 @@ class LLM:
         if (k <= 1 or out.num_decodes != len(out.chunks) or out.preempted or self.scheduler.num_waiting
                 or any(ch.start + k > self.runner.max_seq_len for ch in out.chunks)):
             return 1
-        try:  # pages for all k positions up front; a sequence that got them keeps them
-            for ch in out.chunks:
-                self.runner.kv.append(ch.seq.seq_id, ch.start, ch.start + k)
-        except OutOfPages:
-            return 1
-        return k
+        return k if self.scheduler.reserve_decode_steps(out, k) else 1
 
     def _decode_steps(self, out: SchedulerOutput, num_steps: int) -> list[list[int]]:
         """tokens[j][b]: the token of out's chunk b at decode step j (sampled on the device, in
@@ -369,7 +345,8 @@ class LLM:
         return RequestOutput(request_id=req.seq.seq_id, prompt=req.prompt,
                              prompt_token_ids=req.seq.prompt_token_ids,
                              token_ids=list(req.seq.output_token_ids), text=req.detok.text,
-                             finish_reason=req.seq.finish_reason, error=req.error)
+                             finish_reason=req.seq.finish_reason, error=req.error,
+                             num_cached_tokens=req.seq.num_cached_tokens or 0)
 
     @staticmethod
     def _normalise(prompts, prompt_token_ids, sampling_params):
@@ -429,7 +406,7 @@ class LLM:
         req.emitted_tokens = len(req.seq.output_token_ids)
         text = req.detok.delta(final=req.seq.is_finished)
         if new_tokens or text or req.seq.is_finished:
-            return StreamDelta(new_tokens, text, req.seq.finish_reason, req.error)
+            return StreamDelta(new_tokens, text, req.seq.finish_reason, req.error, req.seq.num_cached_tokens or 0)
         return None
 
     def _abort(self, req: _Request) -> None:
@@ -438,6 +415,14 @@ class LLM:
             self.scheduler.finish(req.seq, "abort")
         self._requests.pop(req.seq.seq_id, None)
 
+
+
+def prefix_caching_exact(plan, kv_offload_bytes: int = 0) -> bool:
+    """Whether reusing cached KV pages gives the same result as recomputing them under ``plan``:
+    dense plans only. InfiniteHiP keeps per-request state beyond K/V (mask caches, raw-key
+    scratch, key banks), token drop compacts a sequence's pages by its own suffix, offloading
+    moves pages to host memory; none of them is reused yet."""
+    return plan.infinitehip is None and plan.token_drop is None and not kv_offload_bytes
 
 
 def _int_list(x) -> list[int] | None:
@@ -458,11 +443,6 @@ def _int_list(x) -> list[int] | None:
 
 def _token_drop_override(built, value):
     """The token-drop config of a load: `value` (bool or dict of knobs) over the engine's `built`."""
-    from infhip.builder.token_drop_spec import long_names
-    from infhip.config import TokenDropConfig
-
     if isinstance(value, bool):
         return (built or TokenDropConfig()) if value else None
-    if isinstance(value, dict):
-        return (built or TokenDropConfig()).replace(**long_names(value))
-    raise TypeError(f"token_drop must be None, a bool or a dict of knobs, got {type(value).__name__}")
+    return (built or TokenDropConfig()).replace(**value)  # a dict (LoadOptions checked the type)

@@ -16,23 +16,18 @@ from dataclasses import dataclass
 
 import torch
 
+from infhip.runtime import kv_budget
+from infhip.runtime.attention.infinitehip import InfiniteHipBackend
+from infhip.runtime.attention.sparse_plan import SparseStepHost
+from infhip.runtime.attention.paged_kv import PagedKV
 from infhip.runtime.cuda_graphs import DECODE_LEN_BUCKETS, DecodeGraphs, GraphKey, len_bucket
-from infhip.plugins.kv_quant import is_fp8, new_kv_scales
-from infhip.runtime.engine import DTYPES, KV_DTYPES, LoadedEngine
+from infhip.runtime.engine import KV_DTYPES, LoadedEngine
 from infhip.runtime.forward_context import ForwardContext, KVGroupMetadata, LayerKV, compact_slots, forward_context
-from infhip.plugins.kv_offload import HostKV, copy_pages
-from infhip.runtime.kv_cache import KVCacheManager, KVGroupSpec, OffloadSpec
+from infhip.runtime.kv_cache import KVCacheManager
+from infhip.runtime.offload.policy import PageMover, offload_spec
+from infhip.runtime.offload.staging import PrefillStaging, plan_staging
 from infhip.runtime.scheduler import SchedulerOutput
-from infhip.runtime.mask_cache import MaskCache
-from infhip.runtime.offload_cache import OffloadPageCache
-from infhip.runtime.offload_staging import PrefillStaging, plan_staging
-from infhip.runtime.sparse_attention import InfiniteHipLayer, SparsePlanner, SparseStepHost, uses_key_bank
-from infhip.runtime.token_drop import DropChunk, TokenDropStep, keep_tail, plan_drops
-
-GiB = 1 << 30
-# KV offloading moves a request's pages once at least this many tokens' pages are eligible: fewer
-# copy launches and page-table re-uploads, at the cost of that many more tokens on the GPU.
-OFFLOAD_BATCH_TOKENS = 256
+from infhip.runtime.token_drop import DropChunk, DropStats, TokenDropStep, keep_tail, plan_drops
 
 
 @dataclass
@@ -64,12 +59,8 @@ class StepPlan:
 class ModelRunner:
     def __init__(self, engine: LoadedEngine, max_num_seqs: int, max_num_batched_tokens: int,
                  kv_cache_memory_bytes: int | None = None, gpu_memory_utilization: float = 0.9,
-                 enforce_eager: bool = False, max_decode_steps: int = 1, kv_offload_bytes: int = 0,
-                 kv_offload_cache_tokens: int | None = 0):
-        """kv_offload_bytes: host memory for offloaded KV pages (0: none; _offload_spec).
-        kv_offload_cache_tokens: with offloading, GPU pages for copies of that many tokens of
-        hot host pages per layer (runtime/offload_cache.py; None: one request's stage-1
-        survivors; 0, the default: none)."""
+                 enforce_eager: bool = False, max_decode_steps: int = 1, kv_offload_bytes: int = 0):
+        """kv_offload_bytes: host memory for offloaded KV pages (0: none; runtime/offload/policy.py)."""
         self.engine, self.model, self.device = engine, engine.model, engine.device
         cfg, build = engine.config.model, engine.config.build
         self.page_size = build.page_size
@@ -78,57 +69,29 @@ class ModelRunner:
         kv_dtype = KV_DTYPES[build.kv_dtype]
         attn_layers = [layer.self_attn for layer in self.model.layers]
         layer_groups = [a.kv_group for a in attn_layers]
-        windows = {a.kv_group: a.window for a in attn_layers}
         # K and V pages (+ an fp8 cache's float32 scale per token and kv head, plugins/kv_quant.py)
-        row_bytes = cfg.head_dim * kv_dtype.itemsize + (4 if is_fp8(kv_dtype) else 0)
-        page_bytes = 2 * self.page_size * cfg.num_kv_heads * row_bytes
-
-        offload = self._offload_spec(kv_offload_bytes, page_bytes, layer_groups.count("global"))
-        if kv_offload_cache_tokens and not offload:
-            raise ValueError(f"kv_offload_cache_tokens={kv_offload_cache_tokens} keeps GPU copies of offloaded pages: "
-                             "it needs kv_offload_bytes > 0")
-        cache_pages = self._offload_cache_pages(kv_offload_cache_tokens) if offload else 0
-        # staged prefill (runtime/offload_staging.py): two buffers of one sequence's host pages
+        page_bytes = self.page_size * PagedKV.bytes_per_token(cfg.num_kv_heads, cfg.head_dim, kv_dtype)
+        offload = offload_spec(engine.config, kv_offload_bytes, page_bytes, layer_groups.count("global"))
+        # staged prefill (runtime/offload/staging.py): two buffers of one sequence's host pages
         staging_pages = min(offload.host_pages, self.max_pages_per_seq) if offload else 0
-        budget = kv_cache_memory_bytes or self._default_kv_budget(
-            max_num_seqs, max_num_batched_tokens, gpu_memory_utilization, offload is not None,
-            PrefillStaging.bytes_for(staging_pages, page_bytes))
-        specs: dict[str, KVGroupSpec] = {}
-        # Sliding groups get exactly what max_num_seqs windows need; the global group the rest.
-        for group in sorted(set(layer_groups), key=lambda g: g != "sliding"):
-            num_layers = layer_groups.count(group)
-            group_offload = offload if group == "global" else None
-            per_seq = KVCacheManager.pages_for(windows[group], self.page_size, self.max_seq_len,
-                                               max_num_batched_tokens, group_offload)
-            extra = cache_pages if group_offload else 0  # copies of hot host pages (offload_cache.py)
-            wanted = max_num_seqs * per_seq + 1 + extra  # + the null page
-            affordable = budget // (page_bytes * num_layers)
-            num_pages = min(wanted, affordable)
-            if num_pages < per_seq + 1:
-                raise MemoryError(
-                    f"KV cache budget of {budget / GiB:.2f} GiB holds {affordable} pages of the "
-                    f"{group} layers, one sequence of {self.max_seq_len} tokens needs {per_seq + 1}; "
-                    "pass a larger kv_cache_memory_bytes or rebuild with a smaller --max-seq-len")
-            if extra:  # the copies give way to requests' pages when the budget is short
-                cache_pages = max(0, min(extra, num_pages - per_seq - 1))
-            budget -= num_pages * page_bytes * num_layers
-            specs[group] = KVGroupSpec(num_pages=num_pages, window=windows[group], offload=group_offload)
+        budget = kv_cache_memory_bytes or kv_budget.default_budget(
+            engine.config, self.device, max_num_seqs, max_num_batched_tokens, gpu_memory_utilization,
+            offload is not None, PrefillStaging.bytes_for(staging_pages, page_bytes))
+        specs = kv_budget.size_groups(layer_groups, {a.kv_group: a.window for a in attn_layers}, page_bytes,
+                                      self.page_size, self.max_seq_len, max_num_seqs, max_num_batched_tokens,
+                                      budget, offload)
         self.kv = KVCacheManager(self.page_size, specs, self.max_pages_per_seq)
-        for attn in attn_layers:
-            shape = (specs[attn.kv_group].num_pages, self.page_size, cfg.num_kv_heads, cfg.head_dim)
-            attn.k_cache = torch.zeros(shape, dtype=kv_dtype, device=self.device)
-            attn.v_cache = torch.zeros(shape, dtype=kv_dtype, device=self.device)
-            attn.k_scale, attn.v_scale = new_kv_scales(attn.k_cache), new_kv_scales(attn.v_cache)  # None unless fp8
-            if specs[attn.kv_group].offload is not None:  # its host twin (plugins/kv_offload.py)
-                attn.host_kv = HostKV.like(attn.k_cache, offload.host_pages)
-        self.offload_layers = [a for a in attn_layers if a.host_kv is not None]
+        for attn in attn_layers:  # + a host twin where the group offloads (plugins/kv_offload.py)
+            spec = specs[attn.kv_group]
+            attn.kv = PagedKV.allocate(spec.num_pages, self.page_size, cfg.num_kv_heads, cfg.head_dim, kv_dtype,
+                                       self.device, host_pages=offload.host_pages if spec.offload is not None else 0)
+        self.offload_layers = [a for a in attn_layers if a.kv.host is not None]
         self.staging = PrefillStaging(self.offload_layers, staging_pages, self.device) if offload else None
-        self.page_cache = None  # needs the layers' InfiniteHiP run side: set_infinitehip makes it
-        self._cache_pool_pages = self.kv.reserve("global", cache_pages) if cache_pages else []
+        self.page_mover = PageMover(self.kv, self.offload_layers, self._tensor)
         self.groups = sorted(specs)
 
         self.max_num_seqs = max_num_seqs
-        self.sparse_planner = None
+        self.infinitehip: InfiniteHipBackend | None = None  # the "infinitehip" layers' backend
         self.graphs = None
         self.set_infinitehip(engine.config.plan.infinitehip)
 
@@ -136,11 +99,10 @@ class ModelRunner:
         self.anchors = frozenset(lp.index for lp in engine.config.plan.layers if lp.window is None)
         self.global_layers = sorted(self.anchors)  # the layers that hold compacted KV after a drop
         self.set_token_drop(engine.config.plan.token_drop)
-        # seq_id -> {anchor layer: [kept, total]} over the chunks of its latest prefill
-        self.retention: dict[int, dict[int, list[int]]] = {}
-        # Tests: also keep seq_id -> {anchor layer: [kept positions per chunk]} (host tensors).
-        self.record_kept_positions = False
-        self.kept_positions: dict[int, dict[int, list[torch.Tensor]]] = {}
+        # Benchmarks only (infhip.eval.common.set_forced_retention): keep this share of the blocks
+        # at every anchor instead of top-p; None = top-p (TokenDropConfig.p).
+        self.forced_retention: float | None = None
+        self.drop_stats = DropStats()  # drop histories of the requests, retention per anchor
 
         if self.device.type == "cuda" and not enforce_eager:
             sizes = [b for b in build.cuda_graph_batch_sizes if b <= max_num_seqs]
@@ -148,19 +110,20 @@ class ModelRunner:
             self.graphs.capture(self.graph_keys())
 
     def graph_keys(self) -> list[GraphKey]:
-        """Every decode-graph key this runner's plan can replay besides the start-up dense graphs:
-        short-context length buckets, drop histories (token drop), and the InfiniteHiP keys
-        (refresh patterns x dynamic RoPE). All are captured at load, none on the request path."""
+        """Every decode-graph key this runner's plan can replay: the dense graph sized for
+        max_seq_len, short-context length buckets, drop histories (token drop), and the
+        InfiniteHiP keys (refresh patterns x dynamic RoPE). All are captured at load, none on the
+        request path."""
         buckets = [b for b in DECODE_LEN_BUCKETS if b < self.table_tokens]
         drops = self.token_drop is not None and self.graphs is not None and self.graphs.supports_layer_kv
-        keys = [(None, False, b) for b in buckets]
+        keys = [GraphKey()] + [GraphKey(len_bucket=b) for b in buckets]
         if drops:
-            keys += [(None, True, b) for b in buckets + [None]]
-        if self.sparse_planner is not None:
-            for sparse in self.sparse_planner.graph_keys():
-                keys.append((sparse, False, None))
-                if drops and not sparse[2]:  # requests drop tokens only inside the trained window
-                    keys.append((sparse, True, None))
+            keys += [GraphKey(layer_kv=True, len_bucket=b) for b in buckets + [None]]
+        if self.infinitehip is not None:
+            for sparse in self.infinitehip.graph_keys():
+                keys.append(GraphKey(sparse=sparse))
+                if drops and not sparse.dynamic_rope:  # requests drop tokens only inside the trained window
+                    keys.append(GraphKey(sparse=sparse, layer_kv=True))
         return keys
 
     def set_infinitehip(self, ih) -> None:
@@ -174,83 +137,12 @@ class ModelRunner:
                 raise ValueError("this engine has no InfiniteHiP layers; build it with --preset")
             return
         offload = self.kv.groups["global"].offload if "global" in self.kv.groups else None
-        if offload is not None and ih.dense_threshold > offload.min_context:
-            raise ValueError(f"dense_threshold {ih.dense_threshold} is above {offload.min_context}, where this "
-                             "runner starts offloading KV pages: dense kernels would meet host pages")
-        attn_layers = [layer.self_attn for layer in self.model.layers]
-        sparse = [(attn, lp) for attn, lp in zip(attn_layers, plan.layers) if lp.plugin == "infinitehip"]
-        self.sparse_planner = SparsePlanner(ih, self.max_num_seqs, self.engine.config.model.max_position_embeddings,
-                                            len(sparse), raw_keys_max_tokens=self.max_seq_len,
-                                            offloading=offload is not None, max_seq_len=self.max_seq_len)
-        bank = uses_key_bank(ih, self.max_seq_len, self.engine.config.model.max_position_embeddings)
-        for k, (attn, lp) in enumerate(sparse):
-            # the bank holds rotated keys in the queries' (the weights') dtype, whatever the cache's
-            kv_layout = (attn.k_cache.shape[2], attn.k_cache.shape[3], DTYPES[self.engine.config.build.dtype])
-            attn.sparse = InfiniteHipLayer(ih, lp.index, self.max_num_seqs, attn.scale, attn.rope[0].inv_freq,
-                                           self.device, group=self.sparse_planner.layer_group[k],
-                                           bank_layout=kv_layout if bank else None,
-                                           value_bank=bank and offload is not None)
-        if self._cache_pool_pages and self.page_cache is None:
-            self.page_cache = OffloadPageCache(self.offload_layers, self._cache_pool_pages, self.page_size,
-                                               self.device)
+        layers = [layer.self_attn for layer in self.model.layers]
+        self.infinitehip = InfiniteHipBackend.attach(self.engine.config, ih, layers, self.max_num_seqs, self.device,
+                                                     offload)
         if self.graphs is not None:
-            self.graphs.lazy_graphs.clear()
+            self.graphs.drop(lambda key: key.sparse is None)
             self.graphs.capture(self.graph_keys())
-
-    def _offload_cache_pages(self, tokens: int | None) -> int:
-        """GPU pool pages for copies of hot host pages: ``tokens`` per layer (None: the stage-1
-        survivors of one request, the pages stages 2 and 3 and the bank writer read)."""
-        if tokens is None:
-            tokens = self.engine.config.plan.infinitehip.stages[0].k
-        if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0:
-            raise ValueError(f"kv_offload_cache_tokens must be an int >= 0, got {tokens!r}")
-        return math.ceil(tokens / self.page_size)
-
-    def _offload_spec(self, nbytes: int, page_bytes: int, num_global_layers: int) -> OffloadSpec | None:
-        """The host pool of the full-attention ("global") layers for ``nbytes`` of host memory.
-        Pages move once a request's context reaches the InfiniteHiP threshold (every later step
-        of it runs the sparse kernels, which read host pages in place), keeping the sink and
-        stream tokens' pages on the GPU — and, when RoPE stays off inside the trained window,
-        only past that window: there prefill prunes from the raw-keys scratch (each offloaded
-        key crosses PCIe once per chunk), while inside it every query block's stages would read
-        the host pages again (a 32K chunk at 128K keys: 23 -> 398 ms per layer, measured).
-        Requires every full-attention layer to be an InfiniteHiP layer (dense kernels do not
-        follow host entries) and no token drop."""
-        if not nbytes:
-            return None
-        plan = self.engine.config.plan
-        ih = plan.infinitehip
-        if ih is None or any(lp.plugin != "infinitehip" for lp in plan.layers if lp.attention == "global"):
-            raise ValueError("KV offloading needs an engine whose full-attention layers all run InfiniteHiP "
-                             "(build it with --preset 3k | 3k-fast | 3k-flash | 5k)")
-        if plan.token_drop is not None:
-            raise ValueError("KV offloading and token drop cannot be combined yet (token drop's gathers "
-                             "read pages directly); load with token_drop=False")
-        host_pages = nbytes // (page_bytes * num_global_layers)
-        if host_pages < 1:
-            raise ValueError(f"kv_offload_bytes={nbytes} holds no page of the {num_global_layers} "
-                             f"full-attention layers ({page_bytes * num_global_layers} bytes per page)")
-        window = self.engine.config.model.max_position_embeddings
-        min_context = max(ih.dense_threshold, window + 1) if ih.rope_off_in_trained_window else ih.dense_threshold
-        return OffloadSpec(host_pages=host_pages, head_tokens=ih.n_sink, tail_tokens=ih.n_stream,
-                           min_context=min_context, batch_pages=max(1, OFFLOAD_BATCH_TOKENS // self.page_size))
-
-    def _offload(self, seqs_and_contexts) -> None:
-        """After a step (its kernels already queued): move the pages that the step's requests no
-        longer keep on the GPU to the host pools; the copies run on the same stream, ahead of any
-        later kernel that could reuse the freed GPU pages."""
-        if not self.offload_layers:
-            return
-        src, dst = [], []
-        for seq, context in seqs_and_contexts:
-            s, d = self.kv.offload(seq.seq_id, "global", context)
-            src += s
-            dst += d
-        if not src:
-            return
-        src_t, dst_t = self._tensor(src, torch.int32), self._tensor(dst, torch.int32)
-        for attn in self.offload_layers:
-            copy_pages(attn.k_cache, attn.v_cache, attn.k_scale, attn.v_scale, src_t, dst_t, attn.host_kv)
 
     def set_token_drop(self, cfg) -> None:
         """Turn token drop on (a TokenDropConfig) or off (None) from the next step on. With
@@ -259,6 +151,8 @@ class ModelRunner:
         if cfg is not None and getattr(self, "offload_layers", None):
             raise ValueError("token drop cannot be turned on while KV pages are offloaded")
         newly_on = cfg is not None and getattr(self, "token_drop", None) is None
+        if cfg is not None and self.kv.prefix_caching:  # reuse is not exact with token drop
+            self.kv.disable_prefix_caching()  # (docs/design/prefix_caching.md)
         self.token_drop = cfg
         if newly_on and getattr(self, "graphs", None) is not None:
             self.graphs.capture(self.graph_keys())
@@ -266,32 +160,6 @@ class ModelRunner:
                                  if self.engine.config.plan.infinitehip is not None else None)
         windows = [layer.self_attn.window for layer in self.model.layers]
         self.drop_tail = keep_tail(cfg, windows) if cfg is not None else 0
-
-    def _default_kv_budget(self, max_num_seqs: int, max_num_batched_tokens: int, utilization: float,
-                           value_banks: bool = False, staging_bytes: int = 0) -> int:
-        if self.device.type != "cuda":
-            return 2 * GiB
-        free, total = torch.cuda.mem_get_info(self.device)
-        reserved = self.non_kv_bytes(max_num_seqs, max_num_batched_tokens, value_banks) + staging_bytes
-        return max(0, int(free - (1 - utilization) * total) - reserved - GiB)
-
-    def non_kv_bytes(self, max_num_seqs: int, max_num_batched_tokens: int, value_banks: bool = False) -> int:
-        """Device memory the default KV budget leaves to other buffers: activations of the
-        largest step (a few [T, hidden] / [T, 2I] tensors and fp32 logits) and, with InfiniteHiP,
-        one sequence's raw-keys scratch and the layers' key banks (cfg.key_bank), twice that with
-        value banks (offloading)."""
-        cfg = self.engine.config.model
-        act = max_num_batched_tokens * (8 * cfg.hidden_size + 6 * cfg.intermediate_size) * 4
-        # raw-keys scratch and key banks hold keys in the weights' dtype (also for an fp8 cache)
-        ih, itemsize = self.engine.config.plan.infinitehip, DTYPES[self.engine.config.build.dtype].itemsize
-        if ih is not None:
-            act += self.max_seq_len * cfg.num_kv_heads * cfg.head_dim * itemsize
-            if uses_key_bank(ih, self.max_seq_len, cfg.max_position_embeddings):
-                act += (1 + value_banks) * sum(
-                    MaskCache.bank_bytes(ih.stages_of(lp.index)[-1].k, min(max_num_seqs, ih.key_bank_slots),
-                                         cfg.num_kv_heads, cfg.head_dim, itemsize)
-                    for lp in self.engine.config.plan.layers if lp.plugin == "infinitehip")
-        return act
 
     # -- plan: host-side, once per step -------------------------------------------------------
     def prepare(self, out: SchedulerOutput) -> StepPlan:
@@ -327,19 +195,19 @@ class ModelRunner:
         return StepPlan(input_ids=input_ids, positions=positions, cu=cu, ctx_lens=ctx_lens,
                         logits_rows=logits_rows, slots=slots, tables=tables, num_decodes=num_decodes,
                         sparse=self._plan_sparse([ch.seq for ch in out.chunks], ctx_lens, num_decodes,
-                                                 [ch.needs_logits for ch in out.chunks], dense=bool(drops)),
+                                                 dense=bool(drops)),
                         drops=drops or None, layer_dropped=layer_dropped)
 
     def _plan_sparse(self, seqs: list, ctx_lens: list[int], num_decodes: int,
-                     needs_logits: list[bool] | None = None, dense: bool = False) -> SparseStepHost | None:
+                     dense: bool = False) -> SparseStepHost | None:
         """The step's InfiniteHiP plan; dense=True (a step that drops tokens runs no sparse
         attention): none, and the requests' cached masks are invalidated."""
-        if self.sparse_planner is None:
+        if self.infinitehip is None:
             return None
         if dense:
-            self.sparse_planner.skip(seqs)
+            self.infinitehip.planner.skip(seqs)
             return None
-        return self.sparse_planner.plan(seqs, ctx_lens, num_decodes, needs_logits)
+        return self.infinitehip.plan(seqs, ctx_lens, num_decodes)
 
     def _tensor(self, values, dtype) -> torch.Tensor:
         t = torch.tensor(values, dtype=dtype)
@@ -352,7 +220,7 @@ class ModelRunner:
 
     # -- run ------------------------------------------------------------------------------------
     def _context(self, p: StepPlan) -> ForwardContext:
-        sparse = self.sparse_planner.to_device(p.sparse, p.cu, p.ctx_lens, self._tensor) if p.has_sparse else None
+        sparse = self.infinitehip.to_device(p.sparse, p.cu, p.ctx_lens, self._tensor) if p.has_sparse else None
         if sparse is not None and self.staging is not None and self.staging.enabled and p.sparse.prefill_seqs:
             stage = plan_staging(p.tables["global"], p.sparse.prefill_seqs, self.staging.capacity)
             if stage is not None:
@@ -367,7 +235,8 @@ class ModelRunner:
                     for g in self.groups},
             cu_seqlens_q_list=p.cu, context_lens_list=p.ctx_lens,
             sparse=sparse,
-            token_drop=TokenDropStep(self.token_drop, p.drops, self.anchors, self.drop_tail) if p.drops else None,
+            token_drop=TokenDropStep(self.token_drop, p.drops, self.anchors, self.drop_tail,
+                                     self.forced_retention) if p.drops else None,
             layer_kv=self._layer_kv(p) if p.layer_dropped is not None else None,
             decode_len_bound=self.decode_len_bound(p) if p.num_decodes else None)
 
@@ -412,19 +281,14 @@ class ModelRunner:
             return False
         return not p.has_sparse or p.sparse.graph_key is not None
 
-    def _graph_key(self, p: StepPlan) -> GraphKey | None:
-        """None: the start-up dense graph; else (sparse key, drop histories, length bucket)."""
-        sparse = p.sparse.graph_key if p.has_sparse else None
-        layer_kv = p.layer_dropped is not None
-        bound = self._len_bucket(p)
-        return None if sparse is None and not layer_kv and bound is None else (sparse, layer_kv, bound)
+    def _graph_key(self, p: StepPlan) -> GraphKey:
+        return GraphKey(sparse=p.sparse.graph_key if p.has_sparse else None, layer_kv=p.layer_dropped is not None,
+                        len_bucket=self._len_bucket(p))
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> torch.Tensor:
         """Run one step; returns fp32 logits [num chunks with needs_logits, vocab] in chunk order."""
         p = self.prepare(out)
-        if self.page_cache is not None:
-            self.page_cache.apply(self.kv)
         if self._uses_graph(p, len(out.chunks)):
             bs = self.graphs.load([p])
             # a decode chunk always samples
@@ -433,35 +297,10 @@ class ModelRunner:
             with forward_context(self._context(p)) as ctx:
                 hidden = self.model(self._tensor(p.input_ids, torch.int64))
             if ctx.token_drop is not None:
-                self._record_retention(out, ctx.token_drop)
+                self.drop_stats.record([ch.seq for ch in out.chunks], ctx.token_drop, len(self.model.layers))
             logits = self.model.compute_logits(hidden[self._tensor(p.logits_rows, torch.int64)])
-        if self.page_cache is not None:
-            self.page_cache.collect([p.sparse], [ch.seq for ch in out.chunks])
-        self._offload((ch.seq, ch.end) for ch in out.chunks)
+        self.page_mover.move((ch.seq, ch.end) for ch in out.chunks)
         return logits
-
-    def _record_retention(self, out: SchedulerOutput, td: TokenDropStep) -> None:
-        """Drop histories (tokens each anchor did not write), and kept / total tokens per anchor of
-        each dropping sequence summed over its chunks."""
-        for d in td.drops:
-            seq = out.chunks[d.b].seq
-            if seq.dropped is None:
-                seq.dropped = [0] * len(self.model.layers)
-            for layer, rec in td.records:
-                seq.dropped[layer] += rec[d.b][1] - rec[d.b][0]
-            if not any(seq.dropped):  # kept everything: no history, shared metadata and graphs
-                seq.dropped = None
-            per_layer = self.retention.pop(seq.seq_id, {}) if d.start else {}
-            self.retention[seq.seq_id] = per_layer  # newest last
-            while len(self.retention) > 256:  # bounded: the latest sequences only
-                self.retention.pop(next(iter(self.retention)))
-            for layer, rec in td.records:
-                kept, total, positions = rec[d.b]
-                acc = per_layer.setdefault(layer, [0, 0])
-                acc[0] += kept
-                acc[1] += total
-                if self.record_kept_positions:
-                    self.kept_positions.setdefault(seq.seq_id, {}).setdefault(layer, []).append(positions)
 
     @torch.inference_mode()
     def execute_decode_steps(self, out: SchedulerOutput, num_steps: int, sample) -> list[torch.Tensor]:
@@ -479,8 +318,6 @@ class ModelRunner:
             plans.append(dataclasses.replace(plans[0], positions=[s + j for s in starts], ctx_lens=ctx_lens,
                                              slots=slots, sparse=self._plan_sparse(seqs, ctx_lens, len(seqs))))
         n, tokens = len(out.chunks), []
-        if self.page_cache is not None:
-            self.page_cache.apply(self.kv)
         if all(self._uses_graph(p, n) for p in plans):
             bs = self.graphs.load(plans)
             for j in range(num_steps):
@@ -491,7 +328,5 @@ class ModelRunner:
                 input_ids = tokens[-1] if tokens else self._tensor(p.input_ids, torch.int64)
                 with forward_context(self._context(p)):
                     tokens.append(sample(self.model.compute_logits(self.model(input_ids))))
-        if self.page_cache is not None:
-            self.page_cache.collect([p.sparse for p in plans], seqs)
-        self._offload((seq, ctx) for seq, ctx in zip(seqs, plans[-1].ctx_lens))
+        self.page_mover.move((seq, ctx) for seq, ctx in zip(seqs, plans[-1].ctx_lens))
         return tokens

@@ -16,6 +16,7 @@ class RequestOutput:
     text: str
     finish_reason: str  # "stop" | "length" | "abort" | "error"
     error: str | None = None  # with finish_reason "error": what failed (the other requests went on)
+    num_cached_tokens: int = 0  # prompt tokens reused from the prefix cache (not recomputed)
 
 
 @dataclass
@@ -27,3 +28,4 @@ class StreamDelta:
     text: str
     finish_reason: str | None = None  # set on the last delta
     error: str | None = None  # on the last delta, with finish_reason "error": what failed
+    num_cached_tokens: int = 0  # prompt tokens reused from the prefix cache (0 before admission)

@@ -7,7 +7,10 @@ Every step requests join and leave. ``schedule()`` gives, within a token budget
      (pages freed, back to the FRONT of the waiting queue, recomputed from scratch later);
   2. prefill chunks to partially prefilled RUNNING sequences, then to WAITING ones (FIFO),
      each ``min(uncomputed, remaining budget)`` tokens. A waiting sequence that does not fit
-     stays at the head of the queue: nobody skips past it.
+     stays at the head of the queue: nobody skips past it. With prefix caching a waiting
+     sequence starts with the cached pages of its longest reusable prefix
+     (``KVCacheManager.share``) and its first chunk starts there; ``update()`` offers every page
+     that a chunk fills to the cache (``KVCacheManager.register``).
 The executor runs the chunks, samples one token per chunk with ``needs_logits`` and hands them
 to ``update()``, which advances the sequences and retires the finished ones.
 """
@@ -18,7 +21,7 @@ import bisect
 from collections import deque
 from dataclasses import dataclass, field
 
-from infhip.runtime.kv_cache import KVCacheManager
+from infhip.runtime.kv_cache import KVCacheManager, OutOfPages
 from infhip.runtime.sequence import FINISH_REASONS, Sequence, SequenceStatus, check_stop_token
 
 
@@ -244,16 +247,35 @@ class Scheduler:
         while (self.waiting and not step.preempted and step.budget > 0
                and len(self.running) < self.max_num_seqs):
             seq = self.waiting[0]
-            end = min(seq.num_uncomputed_tokens, step.budget)
-            if not self.kv.can_append(seq.seq_id, 0, end):
+            # prefix caching: start with the cached pages of the longest reusable prefix
+            cached = self.kv.share(seq.seq_id, seq.all_token_ids) if self.kv.prefix_caching else 0
+            end = cached + min(seq.num_tokens - cached, step.budget)
+            if not self.kv.can_append(seq.seq_id, cached, end):
+                self.kv.free(seq.seq_id)  # the shared pages go back to the cache
                 break
             self.waiting.popleft()
-            self.kv.append(seq.seq_id, 0, end)
+            self.kv.append(seq.seq_id, cached, end)
+            self.kv.record_admission(seq.num_tokens, cached)
+            if seq.num_cached_tokens is None:  # first admission (a preempted one comes back)
+                seq.num_cached_tokens = cached
+            seq.num_computed_tokens = cached
             seq.status = SequenceStatus.RUNNING
             bisect.insort(self.running, seq, key=lambda s: s.arrival)
-            step.add(ScheduledChunk(seq, 0, end), decode=False)
+            step.add(ScheduledChunk(seq, cached, end - cached), decode=False)
 
         return SchedulerOutput(chunks=step.decodes + step.prefills, preempted=step.preempted)
+
+    def reserve_decode_steps(self, out: SchedulerOutput, num_steps: int) -> bool:
+        """Pages for ``num_steps`` positions of every chunk of the pure-decode step ``out``, so
+        that many decode steps can run back to back on the device; False if the cache cannot
+        hold them (run one step then). A sequence that got its pages keeps them: its next steps
+        need them anyway."""
+        try:
+            for ch in out.chunks:
+                self.kv.append(ch.seq.seq_id, ch.start, ch.start + num_steps)
+        except OutOfPages:
+            return False
+        return True
 
     def update(self, out: SchedulerOutput, sampled: dict[int, int],
                eos_token_ids: tuple[int, ...] = ()) -> list[Sequence]:
@@ -269,6 +291,9 @@ class Scheduler:
                 raise ValueError(f"sequence {seq.seq_id} has {seq.num_computed_tokens} computed "
                                  f"tokens, chunk starts at {chunk.start}: update() called twice?")
             seq.num_computed_tokens = chunk.end
+            if self.kv.prefix_caching and chunk.end // self.kv.page_size > chunk.start // self.kv.page_size:
+                tokens = seq.all_token_ids if seq.output_token_ids else seq.prompt_token_ids  # no copy
+                self.kv.register(seq.seq_id, tokens, chunk.end)  # the pages this chunk filled
             if not chunk.needs_logits:
                 continue
             if seq.seq_id not in sampled:

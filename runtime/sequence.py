@@ -39,6 +39,8 @@ class Sequence:
     # UniPrefill drop history (runtime/token_drop.py): per layer, how many of the computed tokens
     # that layer holds no KV for. None: every layer holds all of them. Reset by a prefill from 0.
     dropped: list[int] | None = None
+    # Prefix caching: prompt tokens found in the cache at the first admission (None: not admitted yet).
+    num_cached_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.seq_id, bool) or not isinstance(self.seq_id, int):

@@ -87,16 +87,14 @@ def make_server(llm, host: str = "127.0.0.1", port: int = 8000, model_name: str 
     return HttpServer(llm, host, port, model_name, **kwargs)
 
 
-def main(argv=None) -> int:
+def make_parser():
+    from infhip.runtime.options import add_load_options
     from infhip.runtime.serving.app import HttpLimits
 
     p = argparse.ArgumentParser(prog="infhip-serve", description=__doc__.split("\n\n")[0])
     p.add_argument("--engine", required=True, help="engine directory written by infhip-build")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (127.0.0.1; 0.0.0.0 = every interface)")
     p.add_argument("--port", type=int, default=8000, help="port (8000; 0 = any free one)")
-    p.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: the engine's target")
-    p.add_argument("--kv-offload-gib", type=float, default=0.0,
-                   help="pinned host memory for offloaded KV pages (InfiniteHiP engines; default 0: none)")
     p.add_argument("--max-body-bytes", type=int, default=HttpLimits.max_body_bytes,
                    help=f"largest request body; larger ones get 413 (default {HttpLimits.max_body_bytes})")
     p.add_argument("--body-timeout", type=float, default=HttpLimits.body_timeout_s,
@@ -105,19 +103,27 @@ def main(argv=None) -> int:
                    help="seconds an idle keep-alive connection stays open (default 5)")
     p.add_argument("--backlog", type=int, default=DEFAULT_BACKLOG,
                    help=f"connections the kernel queues before accepting (default {DEFAULT_BACKLOG})")
-    args = p.parse_args(argv)
+    add_load_options(p)  # LLM's options, same names (runtime/options.py)
+    return p
+
+
+def main(argv=None) -> int:
+    from infhip.runtime.options import load_options
+    from infhip.runtime.serving.app import HttpLimits
+
+    args = make_parser().parse_args(argv)
     from pathlib import Path
 
     from infhip.config import EngineFormatError
     from infhip.runtime.llm import LLM
     try:
-        for name in ("kv_offload_gib", "body_timeout", "keep_alive_timeout"):
+        for name in ("body_timeout", "keep_alive_timeout"):
             if getattr(args, name) < 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
         for name in ("max_body_bytes", "backlog"):
             if getattr(args, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-        llm = LLM(args.engine, device=args.device, kv_offload_bytes=int(args.kv_offload_gib * (1 << 30)))
+        llm = LLM(args.engine, load_options(args))
         server = make_server(llm, args.host, args.port, model_name=Path(args.engine).name,
                              limits=HttpLimits(args.max_body_bytes, args.body_timeout),
                              keep_alive_s=args.keep_alive_timeout, backlog=args.backlog)

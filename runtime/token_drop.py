@@ -34,7 +34,7 @@ KV, per layer:
   its own length. `Sequence.dropped` is the drop history (per layer), and steps with such a
   sequence carry per-layer context lengths and slots of the full-attention layers in the
   forward context (`forward_context.LayerKV`, computed in one vectorised pass); layers read
-  them through `layer_view`. Steps without a drop history use the shared metadata unchanged;
+  them through `ForwardContext.for_layer`. Steps without a drop history use the shared metadata unchanged;
   decode steps with one replay the per-layer-KV CUDA graphs (runtime/cuda_graphs.py: lengths
   and slots computed inside the graph from the dropped counts).
 * A sliding-window layer (Gemma-3) writes K/V only for the rows flowing through it, at the
@@ -72,11 +72,11 @@ import torch
 import triton
 
 from infhip.config import TokenDropConfig
-from infhip.plugins.dense_attention import _gather_kv, paged_decode_attention, paged_prefill_attention
-from infhip.plugins.rope import apply_rope_, rope_and_write_kv, write_kv
+from infhip.plugins.dense_attention import gather_kv
+from infhip.plugins.rope import apply_rope_, write_kv
 from infhip.plugins.token_drop import block_importance, force_retention, top_p_select
 from infhip.plugins.token_drop.attention import kept_attention
-from infhip.runtime import forward_context as _fc
+from infhip.runtime.attention.dense import DENSE
 
 
 @dataclass(frozen=True)
@@ -123,6 +123,7 @@ class TokenDropStep:
     drops: list[DropChunk]
     anchors: frozenset[int]
     tail: int
+    forced_retention: float | None = None  # benchmarks: a fixed share of blocks kept instead of top-p
     layer: int = -1
     idx: torch.Tensor | None = None  # [M] int64 kept rows; None = the full batch flows
     saved: torch.Tensor | None = None  # [T, hidden] stream at the last anchor's input
@@ -135,6 +136,9 @@ class TokenDropStep:
     drop_rows: torch.Tensor | None = None  # [T] bool, rows of the dropping chunks
     # per anchor: (layer, {b: (kept, total, kept positions (host))})
     records: list[tuple[int, dict[int, tuple[int, int, torch.Tensor]]]] = field(default_factory=list)
+
+    name = "token_drop"
+    plugin_modules = ("token_drop.importance", "token_drop.top_p", "token_drop.attention", "token_drop.gather")
 
     def __post_init__(self) -> None:
         self.spared = frozenset(sorted(self.anchors)[:self.cfg.spare_anchors])  # anchors that keep all
@@ -164,36 +168,33 @@ class TokenDropStep:
         self.saved, self.idx, self.pending = residual, self.pending, None
         return residual.index_select(0, self.idx)
 
-    # -- attention ----------------------------------------------------------------------------
-    def handles_layer(self) -> bool:
-        """Anchors and layers after a drop take this path; layers before the first anchor
+    # -- attention: the backend of the layers it handles (ForwardContext.backend_for) ------------
+    def handles_layer(self, layer: int) -> bool:
+        """Anchors and layers after a drop take this backend; layers before the first anchor
         (Gemma-3's first five) and spared anchors (cfg.spare_anchors, reached with the full
-        batch) run the dense engine's own path."""
-        if self.idx is None and self.layer in self.spared:
+        batch) keep their own."""
+        assert layer == self.layer, "the model loop enters each layer first (enter_layer)"
+        if self.idx is None and layer in self.spared:
             return False
-        return self.layer in self.anchors or self.idx is not None
+        return layer in self.anchors or self.idx is not None
 
-    def attention(self, attn, q, k, v, ctx) -> torch.Tensor:
+    def run(self, attn, q, k, v, ctx) -> torch.Tensor:
         """Attention of one layer in a dropping step (ctx: the layer's view of the forward
-        context, see forward_context.layer_view): writes K/V, returns [rows out, Hq, D]."""
+        context, ForwardContext.for_layer): writes K/V, returns [rows out, Hq, D]."""
         if self.layer in self.anchors:
             return self._anchor(attn, q, k, v, ctx)
         assert attn.window is not None, "only sliding-window layers sit between anchors"
         return self._compact(attn, q, k, v, ctx)
 
     def _dense_rows(self, attn, q, k, v, out, ctx, meta, cu: list[int], cu_t: torch.Tensor) -> None:
-        """Decode rows and non-dropping prefill chunks: the dense engine's kernels."""
+        """Decode rows and non-dropping prefill chunks (rows cu[b]:cu[b+1] of q): the dense
+        backend's calls."""
         nd = ctx.num_decodes
         if nd:
-            # sized by the step's length bound, as Attention.forward does: the split count then
+            # sized by the step's length bound, as the dense backend does: the split count then
             # depends on plan buckets, not on the table width (so its kernels are enumerable)
-            paged_decode_attention(q[:nd], attn.k_cache, attn.v_cache, meta.block_tables[:nd],
-                                   ctx.context_lens[:nd], attn.scale, attn.window, out=out[:nd],
-                                   max_len=ctx.decode_len_bound, **attn.kv_scales)
+            DENSE.decode(attn, q[:nd], out[:nd], meta.block_tables[:nd], ctx.context_lens[:nd], ctx.decode_len_bound)
         dropping = {d.b for d in self.drops}
-        sub = _fc.ForwardContext(positions=ctx.positions, context_lens=ctx.context_lens, cu_seqlens_q=cu_t,
-                                 num_decodes=nd, groups=ctx.groups, cu_seqlens_q_list=cu,
-                                 context_lens_list=ctx.context_lens_list)
         b, num_seqs = nd, len(ctx.context_lens_list)
         while b < num_seqs:  # runs of consecutive non-dropping prefill chunks
             if b in dropping:
@@ -202,7 +203,10 @@ class TokenDropStep:
             hi = b
             while hi < num_seqs and hi not in dropping:
                 hi += 1
-            attn._dense_prefill(q, k, v, out, sub, meta, b, hi)
+            first, last = cu[b], cu[hi]
+            out[first:last] = DENSE.prefill(
+                attn, q[first:last], k[first:last], v[first:last], meta.block_tables[b:hi], cu_t[b:hi + 1] - first,
+                ctx.context_lens[b:hi], [c - first for c in cu[b:hi + 1]], ctx.context_lens_list[b:hi])
             b = hi
 
     def _anchor(self, attn, q, k, v, ctx) -> torch.Tensor:
@@ -215,7 +219,7 @@ class TokenDropStep:
             for d in self.drops:
                 self.drop_rows[cu[d.b]:cu[d.b + 1]] = True
             self.drop_rows = self.drop_rows.to(dev)
-        write_kv(k, v, attn.k_cache, attn.v_cache, torch.where(self.drop_rows, -1, meta.slot_mapping), **attn.kv_scales)
+        write_kv(k, v, attn.kv.k, attn.kv.v, torch.where(self.drop_rows, -1, meta.slot_mapping), **attn.kv.scales)
         out = torch.empty_like(q)
         self._dense_rows(attn, q, k, v, out, ctx, meta, cu, ctx.cu_seqlens_q)
 
@@ -225,8 +229,8 @@ class TokenDropStep:
         for d, n_prev in zip(self.drops, prev):
             chunk = k[cu[d.b]:cu[d.b + 1]]
             if n_prev:
-                ck, _ = _gather_kv(attn.k_cache, attn.v_cache, meta.block_tables[d.b], 0, n_prev,
-                                   dtype=q.dtype, **attn.kv_scales)
+                ck, _ = gather_kv(attn.kv.k, attn.kv.v, meta.block_tables[d.b], 0, n_prev, dtype=q.dtype,
+                                  **attn.kv.scales)
                 chunk = torch.cat([ck, chunk])
             keys.append(chunk)
         keep = self._select(attn, q, keys, prev, ctx)
@@ -238,14 +242,12 @@ class TokenDropStep:
             rows = (local + cu[d.b]).to(dev)
             qk, kk, vk = q.index_select(0, rows), k.index_select(0, rows), v.index_select(0, rows)
             # kept token i goes to compact slot n_prev + i: the slot of chunk row i in this layer's view
-            write_kv(kk, vk, attn.k_cache, attn.v_cache, meta.slot_mapping[cu[d.b]:cu[d.b] + num_kept],
-                     **attn.kv_scales)
+            write_kv(kk, vk, attn.kv.k, attn.kv.v, meta.slot_mapping[cu[d.b]:cu[d.b] + num_kept], **attn.kv.scales)
             ctx_len = n_prev + num_kept
-            out.index_copy_(0, rows, paged_prefill_attention(
-                qk, attn.k_cache, attn.v_cache, meta.block_tables[d.b:d.b + 1],
+            out.index_copy_(0, rows, DENSE.prefill(
+                attn, qk, kk, vk, meta.block_tables[d.b:d.b + 1],
                 torch.tensor([0, num_kept], dtype=torch.int32, device=dev),
-                torch.tensor([ctx_len], dtype=torch.int32, device=dev), attn.scale, None,
-                k_new=kk, v_new=vk, cu_seqlens_q_list=[0, num_kept], context_lens_list=[ctx_len], **attn.kv_scales))
+                torch.tensor([ctx_len], dtype=torch.int32, device=dev), [0, num_kept], [ctx_len]))
             self.kept_pos[d.b] = local + d.start
             record[d.b] = (num_kept, d.end - d.start, self.kept_pos[d.b])
         self.records.append((self.layer, record))
@@ -294,8 +296,8 @@ class TokenDropStep:
                 torch.tensor(cu_ext, dtype=torch.int32, device=dev))
         kw = dict(num_tokens=cu_ext[-1], max_seqlen=max(b - a for a, b in zip(cu_ext, cu_ext[1:])),
                   block_size=G, num_sink=0, obs_window=self.tail)
-        if cfg.retention is not None:
-            sel = force_retention(*args, cfg.retention, **kw)
+        if self.forced_retention is not None:
+            sel = force_retention(*args, self.forced_retention, **kw)
         else:
             sel = top_p_select(*args, cfg.p, **kw)
         drop_rows_t = torch.cat(drop_rows)
@@ -306,9 +308,8 @@ class TokenDropStep:
 
     def _compact(self, attn, q, k, v, ctx) -> torch.Tensor:
         """A sliding layer between anchors: the compact rows only."""
-        meta, rope, W = ctx.groups[attn.kv_group], attn.rope[0], attn.window
-        rope_and_write_kv(q, k, v, self.positions, rope.inv_freq, rope.attention_scaling,
-                          attn.k_cache, attn.v_cache, self.slots[attn.kv_group], **attn.kv_scales)
+        meta, W = ctx.groups[attn.kv_group], attn.window
+        DENSE.rope_and_write(attn, q, k, v, self.positions, self.slots[attn.kv_group])
         out = torch.empty_like(q)
         self._dense_rows(attn, q, k, v, out, ctx, meta, self.cu, self.cu_t)
         for d in self.drops:
@@ -318,19 +319,47 @@ class TokenDropStep:
             kk, vv = k[r0:r1], v[r0:r1]
             k_pos = q_pos
             if kv0 < d.start:
-                ck, cv = _gather_kv(attn.k_cache, attn.v_cache, meta.block_tables[d.b], kv0, d.start,
-                                    dtype=q.dtype, **attn.kv_scales)
+                ck, cv = gather_kv(attn.kv.k, attn.kv.v, meta.block_tables[d.b], kv0, d.start, dtype=q.dtype,
+                                   **attn.kv.scales)
                 kk, vv = torch.cat([ck, kk]), torch.cat([cv, vv])
                 k_pos = torch.cat([torch.arange(kv0, d.start), q_pos])
             out[r0:r1] = kept_attention(q[r0:r1], q_pos, kk, vv, k_pos, attn.scale, W)
         return out
 
 
-def after_attention(residual: torch.Tensor) -> torch.Tensor:
-    """Called by every decoder layer between its attention and the rest: the kept rows of the
-    residual stream when this layer is an anchor that just dropped, else `residual` itself."""
-    td = _fc.current_token_drop()
-    return residual if td is None else td.after_attention(residual)
+class DropStats:
+    """What the drops of the steps so far leave behind, recorded after each dropping step:
+    each dropping sequence's drop history (``Sequence.dropped``: tokens each layer did not
+    write, read by the next steps' per-layer KV) and, per sequence, kept / total tokens per
+    anchor summed over the chunks of its latest prefill (``retention``, the latest 256
+    sequences). Tests set ``record_kept_positions`` to also keep the kept positions per chunk."""
+
+    def __init__(self) -> None:
+        self.retention: dict[int, dict[int, list[int]]] = {}  # seq_id -> {anchor: [kept, total]}
+        self.record_kept_positions = False
+        self.kept_positions: dict[int, dict[int, list[torch.Tensor]]] = {}  # seq_id -> {anchor: [positions]}
+
+    def record(self, seqs: list, td: TokenDropStep, num_layers: int) -> None:
+        """seqs: the step's sequences in batch order; td: the step's drop state."""
+        for d in td.drops:
+            seq = seqs[d.b]
+            if seq.dropped is None:
+                seq.dropped = [0] * num_layers
+            for layer, rec in td.records:
+                seq.dropped[layer] += rec[d.b][1] - rec[d.b][0]
+            if not any(seq.dropped):  # kept everything: no history, shared metadata and graphs
+                seq.dropped = None
+            per_layer = self.retention.pop(seq.seq_id, {}) if d.start else {}
+            self.retention[seq.seq_id] = per_layer  # newest last
+            while len(self.retention) > 256:  # bounded: the latest sequences only
+                self.retention.pop(next(iter(self.retention)))
+            for layer, rec in td.records:
+                kept, total, positions = rec[d.b]
+                acc = per_layer.setdefault(layer, [0, 0])
+                acc[0] += kept
+                acc[1] += total
+                if self.record_kept_positions:
+                    self.kept_positions.setdefault(seq.seq_id, {}).setdefault(layer, []).append(positions)
 
 
-__all__ = ["DropChunk", "TokenDropStep", "after_attention", "keep_tail", "plan_drops"]
+__all__ = ["DropChunk", "DropStats", "TokenDropStep", "keep_tail", "plan_drops"]

@@ -48,11 +48,11 @@ def count_moves(llm) -> list[int]:
 
 
 def poison_host_during_staged_prefill(monkeypatch) -> list[int]:
-    """From now on, while a layer's staged prefill runs (runtime/offload_staging.py, between its
+    """From now on, while a layer's staged prefill runs (runtime/offload/staging.py, between its
     acquire and release), that layer's host pool is NaN, restored after: a kernel that read a
     host page instead of the staged copy would poison the output. Returns the layers acquired
     (a live list)."""
-    from infhip.runtime.offload_staging import StagedStep
+    from infhip.runtime.offload.staging import StagedStep
 
     saved: dict[int, torch.Tensor] = {}
     calls: list[int] = []
@@ -78,41 +78,3 @@ def poison_host_during_staged_prefill(monkeypatch) -> list[int]:
     monkeypatch.setattr(StagedStep, "acquire", acquire)
     monkeypatch.setattr(StagedStep, "release", release)
     return calls
-
-
-def poison_copied_host_pages_during_decode(monkeypatch) -> list[int]:
-    """From now on, while a step's kernels run (between OffloadPageCache.apply and .collect), every
-    host page that has a GPU copy is NaN (restored after): a read of such a page that does not go
-    through the copy poisons the output. On a GPU, syncs keep the poison away from the copies
-    that apply queues and inside the step. Returns the number poisoned per step (a live list)."""
-    from infhip.runtime.offload_cache import OffloadPageCache
-
-    poisoned: list[int] = []
-    saved: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
-    real_apply, real_collect = OffloadPageCache.apply, OffloadPageCache.collect
-
-    def apply(self, kv):
-        real_apply(self, kv)
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()  # the copies apply queued have read their host pages
-        n = 0
-        for a, lru in zip(self.layers, self.lru):
-            pages = torch.from_numpy(np.flatnonzero(lru.slot_of >= 0))
-            n += pages.numel()
-            for t in (a.host_kv.k, a.host_kv.v, a.host_kv.k_scale, a.host_kv.v_scale):
-                if t is not None and pages.numel():
-                    saved.append((t, pages, t[pages].clone()))
-                    t[pages] = float("nan")
-        poisoned.append(n)
-
-    def collect(self, host_plans, seqs):
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()  # the step's kernels have read what they read
-        while saved:
-            t, pages, rows = saved.pop()
-            t[pages] = rows
-        real_collect(self, host_plans, seqs)
-
-    monkeypatch.setattr(OffloadPageCache, "apply", apply)
-    monkeypatch.setattr(OffloadPageCache, "collect", collect)
-    return poisoned

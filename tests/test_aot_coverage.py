@@ -22,7 +22,7 @@ from infhip import LLM, SamplingParams
 from infhip.builder.build import build_engine
 from infhip.builder.kernels import enumerate_variants
 from infhip.config import EngineConfig
-from infhip.runtime import model_runner
+import infhip.runtime.offload.policy as offload_policy
 from infhip.plugins.aot import Target, record
 from tests._tiny import write_tiny_hf_checkpoint
 
@@ -48,16 +48,16 @@ SCENARIOS = {
     # through torch._scaled_mm's activation quantization (emulated off the GPU)
     "dense-fp8-weights": ("llama", dict(weight_dtype="fp8", quantize_lm_head=True), {}),
     "3k": ("llama", dict(preset="3k", infinitehip_overrides=TINY), {}),
-    "token-drop": ("llama", dict(token_drop=dict(p=0.9, min_prompt_len=32, n=8, block_size=8, num_sink=8)), {}),
+    "token-drop": ("llama", dict(token_drop=dict(p=0.9, min_prompt_len=32, obs_window=8, block_size=8, num_sink=8)), {}),
     "gemma3-3k": ("gemma3", dict(preset="3k", infinitehip_overrides=TINY), {}),
-    "gemma3-token-drop": ("gemma3", dict(token_drop=dict(p=0.9, min_prompt_len=32, n=8, block_size=8, num_sink=8,
+    "gemma3-token-drop": ("gemma3", dict(token_drop=dict(p=0.9, min_prompt_len=32, obs_window=8, block_size=8, num_sink=8,
                                                          spare_anchors=0)),
                           {}, dict(prompts=PROMPTS[:2])),
     "3k-past-window": ("llama", dict(preset="3k", infinitehip_overrides=PAST), {}),
     # a 150-token prompt in 48-token chunks: its pages move after its second chunk, and its third
     # and fourth prefill from staged copies
     "3k-past-window-offload-fp8": ("llama", dict(preset="3k", infinitehip_overrides=PAST, kv_dtype="fp8"),
-                                   dict(kv_offload_bytes=4 * MiB, kv_offload_cache_tokens=None),
+                                   dict(kv_offload_bytes=4 * MiB),
                                    dict(prompts=[LONG, PROMPTS[1], PROMPTS[3]], budget=48, small_batches=True)),
 }
 
@@ -74,7 +74,7 @@ def checkpoints(tmp_path_factory):
 def test_enumeration_covers_launches(checkpoints, tmp_path, monkeypatch, name):
     arch, build_kw, llm_kw, run = (*SCENARIOS[name], {})[:4]
     if run.get("small_batches"):  # move pages one at a time (tiny contexts)
-        monkeypatch.setattr(model_runner, "OFFLOAD_BATCH_TOKENS", 16)
+        monkeypatch.setattr(offload_policy, "OFFLOAD_BATCH_TOKENS", 16)
     engine = build_engine(checkpoint=checkpoints / arch, output_dir=tmp_path / name, **KW, **build_kw)
     target = Target()
     enumerated = set(enumerate_variants(EngineConfig.load(engine), target))

@@ -24,7 +24,7 @@ import pytest
 
 from infhip.builder.build import _graph_batch_sizes
 from infhip.builder.hf_config import model_config_from_hf
-from infhip.builder.kernels import PLUGIN_MODULES, enumerate_variants
+from infhip.builder.kernels import enumerate_variants, plugin_modules
 from infhip.builder.presets import make_plan
 from infhip.config import BuildConfig, EngineConfig, TokenDropConfig
 from infhip.plugins.aot import Target
@@ -35,7 +35,7 @@ DENSE_FAMILY = ("rms_norm", "activation", "rope", "skinny_gemm", "fp8_skinny_gem
                 "kv_quant")
 # Modules whose aot_launches are written on another branch (aot-sparse): until it lands, a module
 # of these that has no aot_launches yet is an expected failure; once it has one, it is checked.
-PENDING = frozenset(m for m in PLUGIN_MODULES if m not in DENSE_FAMILY)
+PENDING = frozenset(m for m in plugin_modules() if m not in DENSE_FAMILY)
 
 
 def engine_config(model: str, kv_dtype: str = "bfloat16", preset: str = "dense", token_drop: bool = False,
@@ -156,7 +156,7 @@ def _launched_kernels() -> dict[str, list[str]]:
     from triton.runtime.interpreter import InterpretedFunction
     from triton.runtime.jit import JITFunction
 
-    modules = {m: importlib.import_module(f"infhip.plugins.{m}") for m in PLUGIN_MODULES}
+    modules = {m: importlib.import_module(f"infhip.plugins.{m}") for m in plugin_modules()}
     sources = "\n".join(inspect.getsource(mod) for mod in modules.values())
     out = {}
     for m, mod in modules.items():
@@ -167,7 +167,7 @@ def _launched_kernels() -> dict[str, list[str]]:
     return out
 
 
-@pytest.mark.parametrize("module", PLUGIN_MODULES)
+@pytest.mark.parametrize("module", plugin_modules())
 def test_every_launched_kernel_is_enumerated(enumerated, module):
     launched = _launched_kernels()[module]
     mod = importlib.import_module(f"infhip.plugins.{module}")

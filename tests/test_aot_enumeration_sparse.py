@@ -16,11 +16,11 @@ import json
 import pytest
 
 from infhip.builder.hf_config import model_config_from_hf
-from infhip.builder.kernels import PLUGIN_MODULES, enumerate_variants
+from infhip.builder.kernels import enumerate_variants, plugin_modules
 from infhip.builder.presets import make_plan
 from infhip.builder.registry import bundled_config
-from infhip.builder.token_drop_spec import parse_token_drop
 from infhip.config import BuildConfig, EngineConfig
+from infhip.knob_specs import parse_token_drop
 from infhip.plugins.aot import LaunchSpace, Target, record
 
 SPARSE_MODULES = ("kv_offload", "infinitehip.pruning", "infinitehip.sparse_attention", "infinitehip.key_bank",
@@ -69,7 +69,7 @@ def sparse_variants(config: EngineConfig) -> set:
 
 
 def test_modules_are_enumerated_by_the_builder():
-    assert set(SPARSE_MODULES) <= set(PLUGIN_MODULES)
+    assert set(SPARSE_MODULES) <= set(plugin_modules())
 
 
 @pytest.mark.parametrize("preset", ["3k", "3k-flash", "5k"])

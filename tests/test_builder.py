@@ -118,8 +118,8 @@ def test_cli_fp8_kv_cache(tiny, tmp_path, capsys):
     build = EngineConfig.load(out).build
     assert (build.dtype, build.kv_dtype) == ("float32", "fp8")
     attn = LLM(out).runner.model.layers[0].self_attn
-    assert attn.k_cache.dtype == attn.v_cache.dtype == torch.float8_e4m3fn
-    assert attn.k_scale.dtype == torch.float32 and attn.k_scale.shape == attn.k_cache.shape[:3]
+    assert attn.kv.k.dtype == attn.kv.v.dtype == torch.float8_e4m3fn
+    assert attn.kv.k_scale.dtype == torch.float32 and attn.kv.k_scale.shape == attn.kv.k.shape[:3]
     rc, err = run_cli(capsys, "--checkpoint", src, "--output", tmp_path / "x", "--kv-dtype", "int8")
     assert rc == 2 and "invalid choice" in err
 

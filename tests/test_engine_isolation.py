@@ -7,6 +7,8 @@ no request is left and every KV page is free."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from infhip import LLM, SamplingParams
@@ -247,4 +249,6 @@ def test_stats_count_requests_and_pages(engine):
     assert all(busy.kv_pages_used[g] == 3 and busy.kv_pages_used[g] + busy.kv_pages_free[g] == total[g]
                for g in total)  # 41 tokens in pages of 16
     run(llm, reqs)
-    assert llm.stats() == idle
+    after = llm.stats()  # idle again; the prefix cache keeps the full pages (counted as free)
+    assert after.prefix_cache_queries == 40 + len(PROMPTS[0]) and sum(after.kv_pages_cached.values()) > 0
+    assert dataclasses.replace(after, kv_pages_cached=idle.kv_pages_cached, prefix_cache_queries=0) == idle

@@ -119,7 +119,7 @@ def test_bad_input_exits_2(tiny, tmp_path, capsys):
     assert cli.main(["agree", "--engine", str(engine), "--lengths", "64"]) == 2  # no --reference
     assert cli.main(["ppl", "--engine", str(engine), "--max-num-seqs", "0"]) == 2
     assert cli.main(["ppl", "--engine", str(engine), "--max-num-batched-tokens", "0"]) == 2
-    assert cli.main(["ppl", "--engine", str(engine), "--lengths", "64", "--chunk", "16", "--kv-cache-gib", "1e-5"]) == 2
+    assert cli.main(["ppl", "--engine", str(engine), "--lengths", "64", "--chunk", "16", "--kv-cache-memory-bytes", "10000"]) == 2
     err = capsys.readouterr().err
     assert "max_seq_len" in err and "--reference" in err and "KV cache budget" in err
 
@@ -166,16 +166,26 @@ def test_recall_on_an_infinitehip_engine(tmp_path):
     assert {r["layer"] for r in recs} == sparse and len(recs) == len(sparse) * 6  # 6 query heads
     assert all(0.0 < r["score"] < 1.0 for r in recs)  # 52 of 200 keys kept: partial mass
     assert all(r["extra"]["engine_runs_dense"] for r in recs)  # 200 < dense_threshold, and it says so
+    # --haystack picks the windows' text (the GPU image has no KJV package: the qwen run uses pg)
+    assert cli.main(["recall", "--engine", str(engine), "--lengths", "200", "--chunk", "8", "--haystack", "noise",
+                     "--json", str(tmp_path / "n.json")]) == 0
+    noise = json.loads((tmp_path / "n.json").read_text())["records"]
+    assert len(noise) == len(recs) and [r["score"] for r in noise] != [r["score"] for r in recs]
 
 
 def test_infinitehip_overrides_flag_parses():
-    from infhip.eval.cli import parse_overrides
+    from infhip.eval.cli import _llm_kwargs, build_parser
     from infhip.eval.common import EvalError
-    assert parse_overrides(None) is None
-    assert parse_overrides("chunk_score=head_normalized, dense_threshold=4096,refresh_intervals=[32,16,8]") == {
+
+    def kwargs(*flags):
+        return _llm_kwargs(build_parser().parse_args(["ppl", "--engine", "e", *flags]))
+
+    assert kwargs()["infinitehip_overrides"] is None
+    assert kwargs("--infinitehip-overrides", "chunk_score=head_normalized, dense_threshold=4096,"
+                  "refresh_intervals=[32,16,8]")["infinitehip_overrides"] == {
         "chunk_score": "head_normalized", "dense_threshold": 4096, "refresh_intervals": [32, 16, 8]}
     with pytest.raises(EvalError, match="KEY=VALUE"):
-        parse_overrides("chunk_score")
+        kwargs("--infinitehip-overrides", "chunk_score")
 
 
 def test_token_drop_flag(tiny, tmp_path):
@@ -194,11 +204,12 @@ def test_token_drop_flag(tiny, tmp_path):
 
     base = ppl()
     assert ppl("--token-drop", "off") == base
-    assert ppl("--token-drop", "p=1,min_len=0") == pytest.approx(base, rel=1e-9)
+    assert ppl("--token-drop", "p=1,min_prompt_len=0") == pytest.approx(base, rel=1e-9)
     assert ppl("--max-num-batched-tokens", "64", chunk=64) == pytest.approx(base, rel=1e-4)  # chunked: exact
-    assert ppl("--token-drop", "rho=0.3,n=8,G=8,A=8,min_len=0,spare=0") != pytest.approx(base, rel=1e-3)
+    assert ppl("--token-drop", "obs_window=8,block_size=8,num_sink=8,min_prompt_len=0,spare_anchors=0",
+               "--retention", "0.3") != pytest.approx(base, rel=1e-3)
     assert cli.main(["ppl", "--engine", str(engine), "--lengths", "64", "--token-drop", "q=1"]) == 2
-    assert cli.main(["ppl", "--engine", str(engine), "--lengths", "64", "--token-drop", "spare=-1"]) == 2
+    assert cli.main(["ppl", "--engine", str(engine), "--lengths", "64", "--token-drop", "spare_anchors=-1"]) == 2
 
 
 def test_ruler_with_token_drop_records_retention(tiny, tmp_path):
@@ -210,8 +221,8 @@ def test_ruler_with_token_drop_records_retention(tiny, tmp_path):
     _, _, engine, _ = tiny
     out, md = tmp_path / "r.json", tmp_path / "r.md"
     assert cli.main(["ruler", "--engine", str(engine), "--tasks", "niah_single_1", "--lengths", "560",
-                     "--samples", "1", "--token-drop", "rho=0.3,n=8,G=8,A=8,min_len=0,spare=0",
-                     "--json", str(out), "--markdown", str(md)]) == 0
+                     "--samples", "1", "--token-drop", "obs_window=8,block_size=8,num_sink=8,min_prompt_len=0,"
+                     "spare_anchors=0", "--retention", "0.3", "--json", str(out), "--markdown", str(md)]) == 0
     records = json.loads(out.read_text())["records"]
     assert len(records) == 1 and 0.0 < records[0]["extra"]["retention"] < 1.0
     assert "| retention ρ |" in md.read_text()

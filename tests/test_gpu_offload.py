@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import infhip.runtime.model_runner as model_runner
+import infhip.runtime.offload.policy as offload_policy
 from infhip.plugins.kv_offload import HostKV
 
 pytestmark = pytest.mark.gpu
@@ -25,16 +25,15 @@ def test_offloaded_decode_in_cuda_graphs_equals_resident(tmp_path, monkeypatch, 
     """A tiny engine, every context past dense_threshold: with offloading (pages moved one at a
     time, so the tables change during decode) the graphs produce the resident run's tokens; the
     prefill chunks after the first read the offloaded pages staged by the side stream
-    (runtime/offload_staging.py) or in place; decode reads the GPU copies of hot host pages
-    (runtime/offload_cache.py: the host originals are NaN while it runs)."""
+    (runtime/offload/staging.py) or in place."""
     from infhip import LLM, SamplingParams
     from infhip.builder.build import build_engine
 
     from .test_infinitehip_runtime import PROMPTS, TINY
-    from ._offload import count_moves, poison_copied_host_pages_during_decode
+    from ._offload import count_moves
     from ._tiny import write_tiny_hf_checkpoint
 
-    monkeypatch.setattr(model_runner, "OFFLOAD_BATCH_TOKENS", 16)
+    monkeypatch.setattr(offload_policy, "OFFLOAD_BATCH_TOKENS", 16)
     write_tiny_hf_checkpoint(tmp_path / "hf", "llama")
     engine = build_engine(checkpoint=tmp_path / "hf", output_dir=tmp_path / "e", dtype="float32", device="cuda",
                           max_seq_len=400, max_batch_size=4, preset="3k", kv_dtype=kv_dtype,
@@ -44,12 +43,10 @@ def test_offloaded_decode_in_cuda_graphs_equals_resident(tmp_path, monkeypatch, 
     kw = dict(kv_cache_memory_bytes=1 << 26, max_num_batched_tokens=64)
     resident = LLM(engine, **kw)
     expected = [o.token_ids for o in resident.generate(prompt_token_ids=PROMPTS, sampling_params=sp)]
-    offloaded = LLM(engine, kv_offload_bytes=1 << 26, kv_offload_cache_tokens=1024, **kw)
+    offloaded = LLM(engine, kv_offload_bytes=1 << 26, **kw)
     offloaded.runner.staging.enabled = staged
     moved = count_moves(offloaded)
-    poisoned = poison_copied_host_pages_during_decode(monkeypatch)  # decode reads their GPU copies
     got = [o.token_ids for o in offloaded.generate(prompt_token_ids=PROMPTS, sampling_params=sp)]
-    assert len(moved) >= 20 and len(offloaded.runner.graphs.lazy_graphs) >= 2
+    assert len(moved) >= 20 and sum(key.sparse is not None for _, key in offloaded.runner.graphs.graphs) >= 2
     assert (offloaded.runner.staging.pages_staged > 0) == staged
-    assert offloaded.runner.page_cache.stats.hits > 0 and sum(poisoned) > 0
     assert got == expected

@@ -1,7 +1,10 @@
 """GPU checks of UniPrefill token drop: the kept-query attention kernel at Llama-3.1-8B head
 shapes (bf16) against the float64 reference, and a tiny float32 engine on the GPU (Triton
 importance, selection and kept attention) against the plain-torch masked reference, decode
-included. Skipped without a GPU."""
+included. Skipped without a GPU. The engines are built with the token-drop plan the test loads them
+with, so they hold its kernels (strict runs: INFHIP_JIT=forbid refuses a variant the engine lacks;
+turning token drop on only at load worked before only when an earlier test, launching outside an
+engine's steps, had left the variant in Triton's in-process cache)."""
 
 from __future__ import annotations
 
@@ -10,6 +13,7 @@ import torch
 
 from infhip import LLM
 from infhip.builder.build import build_engine
+from infhip.eval.common import set_forced_retention
 from infhip.plugins.dense_attention import dense_attention_ref
 from infhip.plugins.token_drop.attention import kept_attention_triton
 from tests._td_reference import reference_logits
@@ -39,12 +43,13 @@ def test_engine_on_gpu_equals_masked_reference(arch, tmp_path):
     extra = dict(num_hidden_layers=6, layer_types=GEMMA_TYPES) if arch == "gemma3" else {}
     write_tiny_hf_checkpoint(tmp_path / "hf", arch, **extra)
     engine = build_engine(checkpoint=tmp_path / "hf", output_dir=tmp_path / "e", dtype="float32",
-                          device="cuda", max_seq_len=256, max_batch_size=4, progress=False)
+                          device="cuda", max_seq_len=256, max_batch_size=4, token_drop=TINY,
+                          progress=False)
     ids = prompt(2, 200)
-    llm = LLM(engine, max_num_batched_tokens=100, token_drop=dict(rho=0.3, **TINY), enforce_eager=True)
-    llm.runner.record_kept_positions = True
+    llm = set_forced_retention(LLM(engine, max_num_batched_tokens=100, token_drop=TINY, enforce_eager=True), 0.3)
+    llm.runner.drop_stats.record_kept_positions = True
     tokens, logits, sid = run_greedy(llm, ids, 5)
-    kept = {layer: torch.cat(c) for layer, c in llm.runner.kept_positions[sid].items()}
+    kept = {layer: torch.cat(c) for layer, c in llm.runner.drop_stats.kept_positions[sid].items()}
     layers = llm.engine.config.plan.layers
     ref = reference_logits(llm.runner.model, ids + tokens[:-1], len(ids), kept, layers)[len(ids) - 1:]
     assert (logits.double() - ref).abs().max().item() < 1e-3
@@ -58,11 +63,11 @@ def test_drop_history_decode_through_cuda_graphs_equals_eager(arch, tmp_path):
     extra = dict(num_hidden_layers=6, layer_types=GEMMA_TYPES) if arch == "gemma3" else {}
     write_tiny_hf_checkpoint(tmp_path / "hf", arch, **extra)
     engine = build_engine(checkpoint=tmp_path / "hf", output_dir=tmp_path / "e", dtype="float32",
-                          device="cuda", max_seq_len=256, max_batch_size=4, progress=False)
+                          device="cuda", max_seq_len=256, max_batch_size=4, token_drop=TINY,
+                          progress=False)
     prompts = [prompt(s, n) for s, n in ((2, 200), (3, 150), (4, 170))]
-    graphed, eager, keys = graphed_and_eager(engine, prompts, max_num_batched_tokens=100,
-                                             token_drop=dict(rho=0.3, **TINY))
-    assert any(layer_kv and sparse is None for sparse, layer_kv, _ in keys)
+    graphed, eager, keys = graphed_and_eager(engine, prompts, 0.3, max_num_batched_tokens=100, token_drop=TINY)
+    assert any(k.layer_kv and k.sparse is None for k in keys)
     assert graphed == eager
 
 
@@ -74,25 +79,25 @@ def test_token_drop_with_infinitehip_graphs_equal_eager(tmp_path):
     write_tiny_hf_checkpoint(tmp_path / "hf", "llama")
     engine = build_engine(checkpoint=tmp_path / "hf", output_dir=tmp_path / "e", dtype="float32", device="cuda",
                           max_seq_len=256, max_batch_size=4, preset="3k",
-                          infinitehip_overrides=dict(IHIP_TINY, dense_threshold=30), progress=False)
+                          infinitehip_overrides=dict(IHIP_TINY, dense_threshold=30),
+                          token_drop=TINY, progress=False)
     prompts = [prompt(s, n) for s, n in ((5, 150), (6, 97), (7, 181))]
-    graphed, eager, keys = graphed_and_eager(engine, prompts, max_num_batched_tokens=64,
-                                             token_drop=dict(rho=0.4, **TINY))
-    assert any(layer_kv and sparse is not None for sparse, layer_kv, _ in keys)
+    graphed, eager, keys = graphed_and_eager(engine, prompts, 0.4, max_num_batched_tokens=64, token_drop=TINY)
+    assert any(k.layer_kv and k.sparse is not None for k in keys)
     assert graphed == eager
 
 
-def graphed_and_eager(engine, prompts, **llm_kwargs):
-    """Greedy tokens (40 each) through the CUDA graphs and eagerly, and the lazy graph keys the
-    graphed run captured; both runs must have dropped tokens."""
+def graphed_and_eager(engine, prompts, retention, **llm_kwargs):
+    """Greedy tokens (40 each) through the CUDA graphs and eagerly (a forced retention), and the
+    lazy graph keys the graphed run captured; both runs must have dropped tokens."""
     from infhip import SamplingParams
 
     sp = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
     outs, keys = {}, []
     for eager in (False, True):
-        llm = LLM(engine, enforce_eager=eager, **llm_kwargs)
+        llm = set_forced_retention(LLM(engine, enforce_eager=eager, **llm_kwargs), retention)
         outs[eager] = [o.token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=sp)]
-        assert llm.runner.retention
+        assert llm.runner.drop_stats.retention
         if not eager:
-            keys = [key for _, key in llm.runner.graphs.lazy_graphs]
+            keys = [key for _, key in llm.runner.graphs.graphs]
     return outs[False], outs[True], keys

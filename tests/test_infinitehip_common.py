@@ -111,20 +111,6 @@ def test_plan_query_blocks_layout():
     assert seq.tolist() == [0, 0, 2, 2, 2]
 
 
-def test_plan_query_blocks_solo_last_query():
-    """solo_last: the sequence's last query gets a block of its own; the blocks before keep
-    their alignment and every query is in exactly one block (a 1-query or empty sequence and a
-    sequence without the flag are unchanged)."""
-    q_start, q_lens, ends, seq = plan_query_blocks([8, 1, 9, 0, 6], [12, 7, 9, 4, 6], block_q=4,
-                                                   solo_last=[True, True, False, True, True])
-    assert q_start.tolist() == [0, 4, 7, 8, 9, 13, 17, 18, 22, 23]
-    assert q_lens.tolist() == [4, 3, 1, 1, 4, 4, 1, 4, 1, 1]
-    assert ends.tolist() == [8, 11, 12, 7, 4, 8, 9, 4, 5, 6]
-    assert seq.tolist() == [0, 0, 0, 1, 2, 2, 2, 4, 4, 4]
-    covered = sorted(r for s, n in zip(q_start.tolist(), q_lens.tolist()) for r in range(s, s + n))
-    assert covered == list(range(8 + 1 + 9 + 6))
-
-
 def test_key_sets_sink_middle_stream():
     ends = torch.tensor([40, 9, 3], dtype=torch.int32)
     n_sink, n_stream = 4, 8

@@ -7,9 +7,14 @@ the Triton launchers under the interpreter."""
 
 from __future__ import annotations
 
+import json
+import shutil
+
 import pytest
 
-import infhip.runtime.sparse_attention as sa
+import infhip.runtime.attention.infinitehip as sa
+import infhip.runtime.attention.sparse_plan as sparse_plan
+from infhip.runtime import kv_budget
 from infhip import LLM, SamplingParams
 from infhip.builder.build import build_engine
 from infhip.config import EngineConfig
@@ -138,7 +143,7 @@ def test_raw_keys_in_prefill_under_interpreter(engines, monkeypatch):
     monkeypatch.setattr(sa, "unrotate_keys", lambda *a, **k: made.append(1) or real(*a, **k))
     with_raw = generate(engines["3k"], knobs, prompts, params)
     assert made
-    monkeypatch.setattr(sa, "RAW_KEYS_MIN_BLOCKS", 10**9)
+    monkeypatch.setattr(sparse_plan, "RAW_KEYS_MIN_BLOCKS", 10**9)
     made.clear()
     assert generate(engines["3k"], knobs, prompts, params) == with_raw and not made
 
@@ -261,41 +266,29 @@ def test_key_bank_memory_is_reserved(engines):
     cfg, ih = on.engine.config.model, plan.infinitehip
     final_ks = [ih.stages_of(lp.index)[-1].k for lp in plan.layers if lp.plugin == "infinitehip"]
     expected = sum((3 + 1) * k * cfg.num_kv_heads * cfg.head_dim * 4 for k in final_ks)  # float32 KV
-    assert on.non_kv_bytes(3, 64) - off.non_kv_bytes(3, 64) == expected > 0
+    assert kv_budget.reserved_bytes(on.engine.config, 3, 64) - kv_budget.reserved_bytes(off.engine.config, 3, 64) == expected > 0
     banks = [layer.self_attn.sparse.cache.bank for layer in on.model.layers if layer.self_attn.sparse]
     assert sum(b.numel() * b.element_size() for b in banks) == expected
     # key_bank_slots below max_num_seqs bounds it: (slots + 1) rows
     few = LLM(engines["3k"], max_num_seqs=3, infinitehip_overrides=dict(past_window, key_bank_slots=1)).runner
-    assert few.non_kv_bytes(3, 64) - off.non_kv_bytes(3, 64) == expected // 2
+    assert kv_budget.reserved_bytes(few.engine.config, 3, 64) - kv_budget.reserved_bytes(off.engine.config, 3, 64) == expected // 2
     banks = [layer.self_attn.sparse.cache.bank for layer in few.model.layers if layer.self_attn.sparse]
     assert sum(b.numel() * b.element_size() for b in banks) == expected // 2
 
     inside = LLM(engines["3k"], max_num_seqs=3, infinitehip_overrides={"key_bank": True}).runner
     assert inside.max_seq_len <= cfg.max_position_embeddings  # the test engine fits its window
-    assert inside.non_kv_bytes(3, 64) == off.non_kv_bytes(3, 64)
+    assert kv_budget.reserved_bytes(inside.engine.config, 3, 64) == kv_budget.reserved_bytes(off.engine.config, 3, 64)
     assert all(layer.self_attn.sparse.cache.bank is None for layer in inside.model.layers if layer.self_attn.sparse)
 
 
-def test_solo_last_query_gets_its_own_block(engines, dense_tokens, monkeypatch):
-    """solo_last_query (a runtime knob): the prefill chunk whose last token is sampled
-    gives that query a block of one (its mask scored by it alone); other chunks keep whole
-    blocks. Covering sets still equal dense, and real pruning generates."""
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    last_lens = []
-    real = sa.sparse_prefill_attention
-
-    def spy(q, k_cache, v_cache, tables, q_start, q_lens, ends, *a, **k):
-        last_lens.append(int(q_lens[-1]))  # the chunk's final block (one sparse chunk per step here)
-        return real(q, k_cache, v_cache, tables, q_start, q_lens, ends, *a, **k)
-    monkeypatch.setattr(sa, "sparse_prefill_attention", spy)
-    prompts = [PROMPTS[2]]  # 120 tokens: two chunks of the 64-token budget, the first one sparse too
-    expected = generate(engines["dense"], None, prompts)
-    assert generate(engines["cover"], dict(LOW, solo_last_query=True), prompts) == expected
-    assert last_lens[-1] == 1 and any(n > 1 for n in last_lens[:-1])
-    last_lens.clear()
-    generate(engines["cover"], dict(LOW, solo_last_query=False), prompts)
-    assert last_lens and all(n > 1 for n in last_lens), "off: no block of one"
-    stored = EngineConfig.load(engines["3k"]).plan.infinitehip
-    assert stored.key_bank and not stored.solo_last_query, "the presets' defaults (builder/presets.py)"
-    out = generate(engines["3k"], dict(LOW, solo_last_query=True), prompts)
-    assert [len(t) for t in out] == [GREEDY.max_tokens]
+def test_engine_naming_a_removed_knob_loads(engines, tmp_path):
+    """Engines built before solo_last_query was removed name it in config.json: they load (the
+    key is ignored) and keep the rest of their plan."""
+    old = tmp_path / "old-3k"
+    shutil.copytree(engines["3k"], old)
+    cfg = json.loads((old / "config.json").read_text())
+    cfg["plan"]["infinitehip"]["solo_last_query"] = False
+    (old / "config.json").write_text(json.dumps(cfg))
+    loaded = EngineConfig.load(old).plan.infinitehip
+    assert loaded == EngineConfig.load(engines["3k"]).plan.infinitehip
+    assert not hasattr(loaded, "solo_last_query")

@@ -11,7 +11,7 @@ from infhip.builder.presets import infinitehip_config
 from infhip.runtime.mask_cache import MaskSlots, refresh_from, refresh_schedule
 from infhip.runtime.sampling_params import SamplingParams
 from infhip.runtime.sequence import Sequence, SequenceStatus
-from infhip.runtime.sparse_attention import SparsePlanner
+from infhip.runtime.attention.sparse_plan import SparseGraphKey, SparsePlanner
 
 
 def stage_steps(intervals, num_steps, clock=0):
@@ -146,18 +146,18 @@ def test_graph_keys_of_decode_batches():
     planner = SparsePlanner(cfg, max_slots=4, trained_window=100, num_sparse_layers=4)
     a, b, c = seq(0, 60), seq(1, 60), seq(2, 20)
     full = tuple((True, True, True) for _ in range(4))
-    assert planner.plan([a], [60], 1).graph_key == (full, 1024, False, True)  # a alone: its full first step
+    assert planner.plan([a], [60], 1).graph_key == SparseGraphKey(full, 1024, False, True)  # a alone: its full first step
     h = planner.plan([a, b], [61, 60], 2)  # b's first step recomputes all, a's does not
     assert h.decode_first_stage[1] == (0, 0, 0, 0) and h.decode_first_stage[0] != h.decode_first_stage[1]
     assert h.graph_key is None
     keys = [planner.plan([a, b], [62 + j, 61 + j], 2).graph_key for j in range(2 * 16)]
     assert all(k is not None for k in keys) and keys[:16] == keys[16:]  # one cycle of the clock
-    refresh, capacity, dynamic, bank_ok = keys[0]
-    assert capacity == 1024 and not dynamic and bank_ok and len(refresh) == 4
+    key = keys[0]
+    assert key.capacity == 1024 and not key.dynamic_rope and key.bank_ok and len(key.refresh) == 4
     assert planner.plan([a, c], [100, 21], 2).graph_key is None  # c stays dense
     assert planner.plan([a, c], [101, 21], 1).graph_key is None  # c is a prefill chunk
     h = planner.plan([a], [1200], 1)  # past the trained window, capacity doubles past 1024
-    assert h.graph_key == (h.refresh, 2048, True, True)
+    assert h.graph_key == SparseGraphKey(h.refresh, 2048, True, True)
     few = SparsePlanner(cfg.replace(key_bank_slots=1), max_slots=4, trained_window=100, num_sparse_layers=4)
     assert few.plan([a], [60], 1).bank_ok  # a holds slot 0, which owns the bank row
     h = few.plan([a, b], [61, 60], 2)
@@ -174,7 +174,7 @@ def test_graph_keys_listed_at_load_cover_every_decode_step(preset, patterns):
                                           special_final_k=16, dense_threshold=50))
     planner = SparsePlanner(cfg, max_slots=4, trained_window=100, num_sparse_layers=32, max_seq_len=5000)
     listed = planner.graph_keys()
-    assert len(listed) == 2 * patterns and len({k[1] for k in listed}) == 1
+    assert len(listed) == 2 * patterns and len({k.capacity for k in listed}) == 1
     a, b, c = seq(0, 60), seq(1, 60), seq(2, 60)
     seen = set()
     for j in range(400):
@@ -182,5 +182,5 @@ def test_graph_keys_listed_at_load_cover_every_decode_step(preset, patterns):
         h = planner.plan([s for s, _ in batch], [n for _, n in batch], len(batch))
         if h.graph_key is not None:
             seen.add(h.graph_key)
-    assert seen and seen <= set(listed), sorted(set(seen) - set(listed))[:2]
-    assert {k[2] for k in seen} == {False, True}  # inside and past the trained window
+    assert seen and seen <= set(listed), list(set(seen) - set(listed))[:2]
+    assert {k.dynamic_rope for k in seen} == {False, True}  # inside and past the trained window

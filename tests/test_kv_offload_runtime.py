@@ -2,13 +2,13 @@
 their middle pages to the host pool after each step, and generate exactly the tokens they
 generate with every page on the GPU — through the torch references and through the Triton
 kernels under the interpreter, over float32 and fp8 caches. Prefill chunks read the offloaded
-pages from staged GPU copies (runtime/offload_staging.py; tests/test_offload_staging.py)."""
+pages from staged GPU copies (runtime/offload/staging.py; tests/test_offload_staging.py)."""
 
 from __future__ import annotations
 
 import pytest
 
-import infhip.runtime.model_runner as model_runner
+import infhip.runtime.offload.policy as offload_policy
 from infhip import LLM, SamplingParams
 from infhip.builder.build import build_engine
 from tests._tiny import write_tiny_hf_checkpoint
@@ -35,7 +35,7 @@ def engines(tmp_path_factory):
 
 
 # The tiny model's window (256) holds every context here: RoPE on in it, so pages move from the
-# threshold on (with it off they would move only past the window, ModelRunner._offload_spec).
+# threshold on (with it off they would move only past the window, runtime/offload/policy.py offload_spec).
 PAST = dict(LOW, rope_off_in_trained_window=False)
 
 
@@ -53,7 +53,7 @@ def run(engine, offload_bytes, budget=48, overrides=PAST, prompts=PROMPTS, param
 @pytest.fixture
 def small_batches(monkeypatch):
     """Move pages one at a time (tiny contexts: 16-token pages, a few of them eligible)."""
-    monkeypatch.setattr(model_runner, "OFFLOAD_BATCH_TOKENS", 16)
+    monkeypatch.setattr(offload_policy, "OFFLOAD_BATCH_TOKENS", 16)
 
 
 # fp8 kernels over host pages are covered by the plugin tests: one interpreted run is enough here
@@ -78,7 +78,7 @@ def test_offloaded_decode_reads_the_value_bank(engines, small_batches, monkeypat
     """Dynamic RoPE on (the key bank's case): with offloading, last-stage refreshes also copy the
     selected values into a value bank and decode reads both banks; the tokens equal the
     resident run's (interpreted kernels: the banks are a kernel path)."""
-    import infhip.runtime.sparse_attention as sa
+    import infhip.runtime.attention.infinitehip as sa
 
     seen = []
     real = sa.sparse_decode_attention
@@ -105,7 +105,7 @@ def test_offloading_starts_past_the_window_when_rope_is_off_inside_it(engines):
     assert inside.kv.groups["global"].offload.min_context == window + 1
     past = LLM(engines["3k"], infinitehip_overrides=PAST, kv_offload_bytes=4 * MiB).runner
     assert past.kv.groups["global"].offload.min_context == PAST["dense_threshold"]
-    assert past.sparse_planner.offloading and not LLM(engines["3k"]).runner.sparse_planner.offloading
+    assert past.infinitehip.planner.offloading and not LLM(engines["3k"]).runner.infinitehip.planner.offloading
 
 
 def test_offloading_is_refused_where_dense_kernels_would_read_host_pages(engines):
@@ -124,12 +124,16 @@ def test_a_prompt_larger_than_the_host_pool_is_refused(engines, small_batches):
 
 
 def test_cli_flags_pass_the_host_pool_and_refuse_bad_values(engines, capsys):
-    """infhip-run --kv-offload-gib: a clear error on a dense engine and on a negative size."""
+    """infhip-run --kv-offload-bytes: a clear error on a dense engine and on a negative size; the
+    old --kv-offload-gib names the new flag."""
     from infhip.runtime import cli, server
 
-    assert cli.main(["--engine", str(engines["dense"]), "--prompt", "hi", "--kv-offload-gib", "0.01"]) == 2
+    assert cli.main(["--engine", str(engines["dense"]), "--prompt", "hi", "--kv-offload-bytes", "0.01GiB"]) == 2
     assert "InfiniteHiP" in capsys.readouterr().err
-    assert cli.main(["--engine", str(engines["3k"]), "--prompt", "hi", "--kv-offload-gib", "-1"]) == 2
+    assert cli.main(["--engine", str(engines["3k"]), "--prompt", "hi", "--kv-offload-bytes", "-1"]) == 2
     assert ">= 0" in capsys.readouterr().err
-    assert server.main(["--engine", str(engines["dense"]), "--kv-offload-gib", "0.01"]) == 2
+    assert server.main(["--engine", str(engines["dense"]), "--kv-offload-bytes", "10MiB"]) == 2
     assert "InfiniteHiP" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["--engine", str(engines["3k"]), "--prompt", "hi", "--kv-offload-gib", "1"])
+    assert exit_.value.code == 2 and "--kv-offload-bytes" in capsys.readouterr().err

@@ -1,4 +1,4 @@
-"""Staged prefill over an offloaded cache (runtime/offload_staging.py): the plan (which host
+"""Staged prefill over an offloaded cache (runtime/offload/staging.py): the plan (which host
 pages go to which staging slot, in how many copies), the buffers, and the in-place fallback.
 That staged prefill reads only the staged copies and generates the resident run's tokens is
 tests/test_kv_offload_runtime.py's main test (the host pools are NaN while prefill kernels run:
@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from infhip.runtime.offload_staging import plan_staging
+from infhip.runtime.offload.staging import plan_staging
 
 from .test_infinitehip_runtime import PROMPTS
 from .test_kv_offload_runtime import GREEDY, MiB, PAST, engines, run, small_batches  # noqa: F401 (fixtures)
@@ -53,7 +53,7 @@ def test_staging_buffers_hold_one_sequence(engines):
     from infhip import LLM
 
     runner = LLM(engines["3k"], kv_offload_bytes=4 * MiB).runner
-    staging, host = runner.staging, runner.offload_layers[0].host_kv
+    staging, host = runner.staging, runner.offload_layers[0].kv.host
     assert staging.capacity == min(host.num_pages, runner.max_pages_per_seq)
     assert len(staging.buffers) == 2 and staging.buffers[0].k.shape[1:] == host.k.shape[1:]
     assert staging.buffers[0].k.dtype == host.k.dtype and staging.buffers[0].k_scale is None

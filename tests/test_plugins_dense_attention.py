@@ -12,7 +12,7 @@ import torch
 from infhip.plugins import dense_attention
 from infhip.plugins.kv_quant import FP8_DTYPE, dequantize_rows, quantize_rows
 from infhip.plugins.dense_attention import (
-    _gather_kv, choose_num_splits, dense_attention_ref, paged_decode_attention, paged_decode_attention_ref,
+    gather_kv, choose_num_splits, dense_attention_ref, paged_decode_attention, paged_decode_attention_ref,
     paged_decode_attention_triton, paged_prefill_attention,
 )
 
@@ -292,19 +292,19 @@ def test_decode_fp8_cache_validates_scales():
 
 
 def test_gather_kv_fp8_dequantizes():
-    """_gather_kv (also used by runtime/token_drop.py): without scales it returns the cache's own
+    """gather_kv (also used by runtime/token_drop.py): without scales it returns the cache's own
     rows as before; with them, rows dequantized to the requested dtype."""
     contexts = [37]
     kv = PagedKV(contexts, 2, 16, 4, torch.float32, seed=7)
     fp8 = QuantizedKV(kv)
-    k, v = _gather_kv(kv.k_cache, kv.v_cache, kv.block_tables[0], 3, 30)
+    k, v = gather_kv(kv.k_cache, kv.v_cache, kv.block_tables[0], 3, 30)
     assert k.dtype == torch.float32 and torch.equal(k, kv.keys[0][3:30]) and torch.equal(v, kv.values[0][3:30])
     for dtype in (torch.float32, torch.bfloat16):
-        k, v = _gather_kv(fp8.k_cache, fp8.v_cache, fp8.block_tables[0], 3, 30, dtype=dtype, **fp8.scales)
+        k, v = gather_kv(fp8.k_cache, fp8.v_cache, fp8.block_tables[0], 3, 30, dtype=dtype, **fp8.scales)
         assert k.dtype == dtype and k.shape == (27, 2, 16)
         assert torch.equal(k, fp8.keys[0][3:30].to(dtype)) and torch.equal(v, fp8.values[0][3:30].to(dtype))
     with pytest.raises(AssertionError, match="dtype"):
-        _gather_kv(fp8.k_cache, fp8.v_cache, fp8.block_tables[0], 0, 5, **fp8.scales)
+        gather_kv(fp8.k_cache, fp8.v_cache, fp8.block_tables[0], 0, 5, **fp8.scales)
 
 
 FP8_PREFILL_CASES = [

@@ -142,13 +142,13 @@ def test_make_plan_refuses_overrides_for_dense(hf):
 
 
 def test_cli_infinitehip_knobs(hf, tmp_path, capsys):
-    """infhip-build --infinitehip changes preset knobs at build time (the layers that keep the
+    """infhip-build --infinitehip-overrides changes preset knobs at build time (the layers that keep the
     larger final budget, the stages); bad specs, unknown knobs, invalid values and layers past
     the model fail with one line naming the problem, and write nothing."""
     out = tmp_path / "special"
     stages = "[[16,32,256],[16,8,64],[16,4,32]]"
     assert build_cli.main(["--checkpoint", str(hf / "llama"), "--output", str(out), "--device", "cpu", "--quiet",
-                           "--preset", "3k", "--infinitehip", f"special_layers=[0,1],stages={stages},special_final_k=48"
+                           "--preset", "3k", "--infinitehip-overrides", f"special_layers=[0,1],stages={stages},special_final_k=48"
                            ]) == 0
     ih = EngineConfig.load(out).plan.infinitehip
     assert ih.special_layers == (0, 1) and ih.special_final_k == 48
@@ -159,12 +159,12 @@ def test_cli_infinitehip_knobs(hf, tmp_path, capsys):
                          ("special_final_k=5001", "special_final_k"), ("special_layers=[0,99]", "past the model")):
         bad = tmp_path / spec.split("=")[0]
         rc = build_cli.main(["--checkpoint", str(hf / "llama"), "--output", str(bad), "--device", "cpu", "--quiet",
-                             "--preset", "3k", "--infinitehip", spec])
+                             "--preset", "3k", "--infinitehip-overrides", spec])
         err = capsys.readouterr().err
         assert rc == 1 and err.startswith("infhip-build: error:") and needle in err and "Traceback" not in err, err
         assert not bad.exists()
     rc = build_cli.main(["--checkpoint", str(hf / "llama"), "--output", str(tmp_path / "d"), "--device", "cpu",
-                         "--quiet", "--infinitehip", "n_sink=4"])
+                         "--quiet", "--infinitehip-overrides", "n_sink=4"])
     assert rc == 1 and "dense preset" in capsys.readouterr().err
 
 

@@ -65,7 +65,8 @@ def test_completion_equals_generate(server, reference):
     assert choice["token_ids"] == want.token_ids and choice["text"] == want.text
     assert choice["finish_reason"] == "length" and out["object"] == "text_completion"
     assert out["usage"] == {"prompt_tokens": len(want.prompt_token_ids), "completion_tokens": 10,
-                            "total_tokens": len(want.prompt_token_ids) + 10}
+                            "total_tokens": len(want.prompt_token_ids) + 10,
+                            "prompt_tokens_details": {"cached_tokens": out["usage"]["prompt_tokens_details"]["cached_tokens"]}}
     ids = want.prompt_token_ids  # a prompt given as token ids gives the same completion
     assert json.loads(post(server, {"prompt": ids, **GREEDY})[1])["choices"][0]["token_ids"] == want.token_ids
 

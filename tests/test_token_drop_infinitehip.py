@@ -14,7 +14,8 @@ import pytest
 from infhip import LLM, SamplingParams
 from infhip.builder.build import build_engine
 from infhip.builder.presets import infinitehip_config
-from infhip.runtime.sparse_attention import SparsePlanner
+from infhip.eval.common import set_forced_retention
+from infhip.runtime.attention.sparse_plan import SparsePlanner
 from tests._tiny import write_tiny_hf_checkpoint
 from tests.test_infinitehip_runtime import COVER, TINY
 from tests.test_infinitehip_runtime import calls  # noqa: F401 (fixture: sparse attention launch counts)
@@ -22,7 +23,7 @@ from tests.test_infinitehip_runtime_schedule import seq
 from tests.test_token_drop_runtime import TINY as TD_TINY
 from tests.test_token_drop_runtime import prompt
 
-DROP = dict(rho=0.4, **TD_TINY)
+DROP, RHO = TD_TINY, 0.4  # a forced retention of 40 % (set_forced_retention)
 LOW = {"dense_threshold": 30}
 PROMPTS = [prompt(11, 150), prompt(12, 97), prompt(13, 181)]
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
@@ -41,7 +42,8 @@ def engines(tmp_path_factory):
 
 
 def run(engine, overrides=None, budget=64, prompts=PROMPTS, params=GREEDY):
-    llm = LLM(engine, max_num_batched_tokens=budget, infinitehip_overrides=overrides, token_drop=DROP)
+    llm = set_forced_retention(LLM(engine, max_num_batched_tokens=budget, infinitehip_overrides=overrides,
+                                   token_drop=DROP), RHO)
     out = [o.token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=params)]
     return out, llm
 
@@ -49,17 +51,17 @@ def run(engine, overrides=None, budget=64, prompts=PROMPTS, params=GREEDY):
 @pytest.mark.parametrize("budget", [64, 512])  # chunked prefill mixing drops and decodes; one pass each
 def test_covering_sparse_over_compacted_kv_equals_dense(engines, calls, budget):
     dense, dense_llm = run(engines["dense"], budget=budget)
-    assert dense_llm.runner.retention  # tokens were dropped
+    assert dense_llm.runner.drop_stats.retention  # tokens were dropped
     composed, llm = run(engines["cover"], LOW, budget=budget)
     assert calls["decode"] > 0
     assert composed == dense
-    assert llm.runner.retention == dense_llm.runner.retention  # the same drops
+    assert llm.runner.drop_stats.retention == dense_llm.runner.drop_stats.retention  # the same drops
 
 
 def test_pruning_presets_run_after_drops(engines, calls):
     out, llm = run(engines["3k"], LOW)
     assert all(len(t) == GREEDY.max_tokens for t in out)
-    assert llm.runner.retention and calls["decode"] > 0
+    assert llm.runner.drop_stats.retention and calls["decode"] > 0
 
 
 def test_requests_that_may_pass_the_trained_window_do_not_drop(engines):
@@ -67,9 +69,9 @@ def test_requests_that_may_pass_the_trained_window_do_not_drop(engines):
     compacted cache is not exact): no drop; 200 + 10 drops."""
     ids = prompt(14, 200)
     _, llm = run(engines["3k"], LOW, prompts=[ids], params=SamplingParams(max_tokens=80, ignore_eos=True))
-    assert not llm.runner.retention
+    assert not llm.runner.drop_stats.retention
     _, llm = run(engines["3k"], LOW, prompts=[ids], params=SamplingParams(max_tokens=10, ignore_eos=True))
-    assert llm.runner.retention
+    assert llm.runner.drop_stats.retention
 
 
 def test_a_step_without_sparse_attention_invalidates_cached_masks():

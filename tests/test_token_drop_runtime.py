@@ -23,13 +23,14 @@ import torch
 from infhip import LLM, SamplingParams
 from infhip.builder.build import build_engine
 from infhip.builder.cli import main as build_main
-from infhip.builder.token_drop_spec import parse_token_drop
 from infhip.config import EngineConfig, TokenDropConfig
+from infhip.eval.common import set_forced_retention
+from infhip.knob_specs import parse_token_drop
 from infhip.runtime.sequence import Sequence
 from tests._td_reference import reference_logits
 from tests._tiny import write_tiny_hf_checkpoint
 
-TINY = dict(n=8, G=8, A=8, min_len=0, spare=0)  # knobs scaled to ~200-token prompts; the paper: every anchor drops
+TINY = dict(obs_window=8, block_size=8, num_sink=8, min_prompt_len=0, spare_anchors=0)  # knobs scaled to ~200-token prompts; the paper: every anchor drops
 GEMMA_TYPES = ["sliding_attention", "full_attention", "sliding_attention", "sliding_attention",
                "full_attention", "sliding_attention"]
 
@@ -50,7 +51,7 @@ def prompt(seed: int, n: int) -> list[int]:
 def run_greedy(llm: LLM, ids: list[int], steps: int) -> tuple[list[int], torch.Tensor]:
     """Prefill + `steps` greedy decodes through scheduler and runner; (tokens, logits [steps, V])
     where logits[j] produced tokens[j]."""
-    seq = Sequence(seq_id=10_000 + len(llm.runner.retention), prompt_token_ids=list(ids),
+    seq = Sequence(seq_id=10_000 + len(llm.runner.drop_stats.retention), prompt_token_ids=list(ids),
                    params=SamplingParams(max_tokens=steps, ignore_eos=True))
     llm.scheduler.add(seq)
     tokens, logits = [], []
@@ -76,17 +77,17 @@ def test_p_one_reproduces_dense(engine, budget):
     tok_t, log_t, sid = run_greedy(td, ids, 6)
     assert tok_t == tok_d
     assert (log_t - log_d).abs().max() < 1e-4
-    per_layer = td.runner.retention[sid]
+    per_layer = td.runner.drop_stats.retention[sid]
     assert per_layer and all(kept == total for kept, total in per_layer.values())  # drop path ran
 
 
 @pytest.mark.parametrize("budget", [None, 100])
 def test_decode_after_drop_equals_masked_reference(engine, budget):
     ids = prompt(2, 200)
-    llm = LLM(engine, max_num_batched_tokens=budget, token_drop=dict(rho=0.3, **TINY))
-    llm.runner.record_kept_positions = True
+    llm = set_forced_retention(LLM(engine, max_num_batched_tokens=budget, token_drop=TINY), 0.3)
+    llm.runner.drop_stats.record_kept_positions = True
     tokens, logits, sid = run_greedy(llm, ids, 5)
-    kept = {layer: torch.cat(chunks) for layer, chunks in llm.runner.kept_positions[sid].items()}
+    kept = {layer: torch.cat(chunks) for layer, chunks in llm.runner.drop_stats.kept_positions[sid].items()}
     layers = llm.engine.config.plan.layers
     assert set(kept) == {lp.index for lp in layers if lp.window is None}
     assert all(len(v) < 0.6 * len(ids) for v in kept.values())  # really dropped
@@ -106,10 +107,10 @@ def test_top_p_selection_equals_reference(engine, p, spare):
     Odd prompt length (a partial last block); one prefill chunk. spare: the first anchors keep
     every token (TokenDropConfig.spare_anchors) and record nothing."""
     ids = prompt(6, 203)
-    llm = LLM(engine, token_drop=dict(TINY, p=p, spare=spare))
-    llm.runner.record_kept_positions = True
+    llm = LLM(engine, token_drop=dict(TINY, p=p, spare_anchors=spare))
+    llm.runner.drop_stats.record_kept_positions = True
     tokens, logits, sid = run_greedy(llm, ids, 4)
-    kept = {layer: torch.cat(chunks) for layer, chunks in llm.runner.kept_positions[sid].items()}
+    kept = {layer: torch.cat(chunks) for layer, chunks in llm.runner.drop_stats.kept_positions[sid].items()}
     layers = llm.engine.config.plan.layers
     cfg = llm.runner.token_drop
     chosen: dict[int, torch.Tensor] = {}
@@ -125,13 +126,12 @@ def test_top_p_selection_equals_reference(engine, p, spare):
 
 
 def test_batch_equals_each_alone(engine):
-    knobs = dict(p=0.9, **TINY, min_prompt_len=150)
-    knobs.pop("min_len")
+    knobs = dict(TINY, p=0.9, min_prompt_len=150)
     prompts = [prompt(3, 200), prompt(4, 170), prompt(5, 60)]  # the last one is too short to drop
     sp = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     llm = LLM(engine, token_drop=knobs, max_num_batched_tokens=256)
     batch = [o.token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=sp)]
-    batch_ret = [dict(v) for v in llm.runner.retention.values()]
+    batch_ret = [dict(v) for v in llm.runner.drop_stats.retention.values()]
     assert len(batch_ret) == 2  # the short prompt never dropped
     alone = []
     for p in prompts:
@@ -161,7 +161,7 @@ def test_build_flag_config_round_trip_and_old_engines(engine, tmp_path):
     assert EngineConfig.load(out).plan.token_drop is None
     hf = engine.parent / "hf"
     rc = build_main(["--checkpoint", str(hf), "--output", str(tmp_path / "b"), "--dtype", "float32",
-                     "--device", "cpu", "--quiet", "--token-drop", "p=0.98,G=32,min_len=0"])
+                     "--device", "cpu", "--quiet", "--token-drop", "p=0.98,block_size=32,min_prompt_len=0"])
     assert rc == 0
     td = EngineConfig.load(tmp_path / "b").plan.token_drop
     assert td == TokenDropConfig(p=0.98, block_size=32, min_prompt_len=0)
@@ -176,10 +176,39 @@ def test_build_flag_config_round_trip_and_old_engines(engine, tmp_path):
     assert LLM(tmp_path / "c", token_drop=False).runner.token_drop is None
 
 
+def test_retention_is_a_benchmark_setting_not_an_engine_knob(engine, tmp_path):
+    """retention (rho) left the engine format: a new engine's config.json does not name it, one
+    built before that still loads (the key ignored), a load naming it or an old short key gets
+    the right name, and benchmarks force it on the runner (set_forced_retention, range-checked)."""
+    from infhip.eval.common import EvalError
+
+    rc = build_main(["--checkpoint", str(engine.parent / "hf"), "--output", str(tmp_path / "td"), "--dtype",
+                     "float32", "--device", "cpu", "--quiet", "--token-drop", "min_prompt_len=0"])
+    assert rc == 0
+    cfg = json.loads((tmp_path / "td" / "config.json").read_text())
+    assert "retention" not in cfg["plan"]["token_drop"]
+    cfg["plan"]["token_drop"]["retention"] = 0.3  # as engines built before wrote it
+    (tmp_path / "td" / "config.json").write_text(json.dumps(cfg))
+    assert EngineConfig.load(tmp_path / "td").plan.token_drop == TokenDropConfig(min_prompt_len=0)
+    with pytest.raises(ValueError, match="benchmark setting"):
+        LLM(engine, token_drop=dict(retention=0.3))
+    with pytest.raises(ValueError, match="'G' is now called 'block_size'"):
+        LLM(engine, token_drop=dict(G=8))
+    llm = LLM(tmp_path / "td")
+    with pytest.raises(EvalError, match=r"retention must be in \[0, 1\]"):
+        set_forced_retention(llm, 2.0)
+    assert set_forced_retention(llm, 0.3).runner.forced_retention == 0.3
+    with pytest.raises(EvalError, match="needs token drop"):
+        set_forced_retention(LLM(engine), 0.3)
+
+
 @pytest.mark.parametrize("spec,msg", [
-    ("p=1.5", "p must be in"), ("q=3", "unknown key 'q'"), ("G=abc", "must be an integer"),
-    ("p", "not key=value"), ("G=0", "block_size must be an int >= 1"), ("p=0.9,p=0.8", "given twice"),
-    ("rho=2", "retention must be in"), ("spare=-1", "spare_anchors must be an int >= 0"),
+    ("p=1.5", "p must be in"), ("q=3", "unknown key 'q'"), ("block_size=abc", "must be an integer"),
+    ("p", "not key=value"), ("block_size=0", "block_size must be an int >= 1"), ("p=0.9,p=0.8", "given twice"),
+    ("spare_anchors=-1", "spare_anchors must be an int >= 0"),
+    # one name per knob: the old short keys say which name to use; retention is a benchmark setting
+    ("G=32", "is now called 'block_size'"), ("min_len=0", "is now called 'min_prompt_len'"),
+    ("rho=0.3", "benchmark setting"),
 ])
 def test_bad_specs(spec, msg, capsys, tmp_path):
     with pytest.raises(ValueError, match=msg):
@@ -203,12 +232,12 @@ def test_drop_over_fp8_cache_tracks_the_float32_one(engine, tmp_path):
     ids = prompt(2, 200)
     logits, kept = [], []
     for e in (engine, fp8):
-        llm = LLM(e, max_num_batched_tokens=100, token_drop=dict(rho=0.3, **TINY))
-        llm.runner.record_kept_positions = True
+        llm = set_forced_retention(LLM(e, max_num_batched_tokens=100, token_drop=TINY), 0.3)
+        llm.runner.drop_stats.record_kept_positions = True
         _, lg, sid = run_greedy(llm, ids, 1)
         logits.append(lg[0])
-        kept.append({layer: torch.cat(chunks).tolist() for layer, chunks in llm.runner.kept_positions[sid].items()})
-    assert llm.runner.model.layers[0].self_attn.k_cache.dtype == torch.float8_e4m3fn
+        kept.append({layer: torch.cat(chunks).tolist() for layer, chunks in llm.runner.drop_stats.kept_positions[sid].items()})
+    assert llm.runner.model.layers[0].self_attn.kv.k.dtype == torch.float8_e4m3fn
     assert kept[1].keys() == kept[0].keys() and all(len(v) < 0.6 * len(ids) for v in kept[1].values())
     for layer, want in kept[0].items():  # the same drop, up to a few tokens at the boundary
         got = set(kept[1][layer])

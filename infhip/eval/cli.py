@@ -16,10 +16,12 @@ Exit status: 0 done, 2 bad input or a missing data package (message on stderr), 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 
 from infhip.eval.common import EvalError, parse_floats, parse_lengths
 from infhip.eval.text import SOURCES, TextUnavailable
+from infhip.runtime.options import add_load_options
 
 TASKS = ("passkey", "niah", "ppl", "agree", "recall", "ruler")
 EXIT_BAD_INPUT, EXIT_NOT_APPLICABLE = 2, 3
@@ -38,7 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="samples per (length, depth) (passkey/niah 1, ppl/agree 4, recall 1)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--haystack", choices=SOURCES, default=None,
-                   help="passkey: noise (default); niah: kjv (default); ppl: the text, kjv (default); "
+                   help="passkey: noise (default); niah: kjv (default); ppl and recall: the text, kjv (default); "
                         "pg = Paul Graham's essays as RULER ships them")
     p.add_argument("--tasks", default=None, help="ruler: comma-separated RULER tasks (default: all 13)")
     p.add_argument("--template", choices=("base", "chat"), default="base",
@@ -46,20 +48,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--variants", default="single,multikey,multivalue,multiquery", help="niah variants")
     p.add_argument("--chunk", type=int, default=None,
                    help="ppl/agree: scored tail tokens (ppl 256, agree 128); recall: measured queries (64)")
-    p.add_argument("--device", default=None, help="cpu / cuda (default: the engine's target)")
-    p.add_argument("--max-num-seqs", type=int, default=None, help="sequences per step (default: the engine's)")
-    p.add_argument("--max-num-batched-tokens", type=int, default=None,
-                   help="tokens per engine step, i.e. the prefill chunk (default: the engine's); "
-                        "smaller values make long prompts prefill in several chunks")
-    p.add_argument("--kv-cache-gib", type=float, default=None,
-                   help="KV cache size (default: 90%% of free GPU memory, 2 GiB on CPU)")
-    p.add_argument("--infinitehip", default=None, metavar="KEY=VALUE[,KEY=VALUE]",
-                   help="runtime InfiniteHiP knobs for every engine of the run, e.g. "
-                        "chunk_score=head_normalized,dense_threshold=4096 (builder/presets.RUNTIME_KNOBS)")
-    p.add_argument("--token-drop", default=None, metavar="off|on|KEY=VALUE[,KEY=VALUE]",
-                   help="UniPrefill for every engine of the run: off, on (the engine's knobs, or the "
-                        "defaults), or knobs laid over them, e.g. p=0.98,spare=1 (keys p, n, G, A, "
-                        "min_len, rho, spare)")
+    p.add_argument("--retention", type=float, default=None, metavar="RHO",
+                   help="benchmarks: token drop keeps this share of the blocks at every anchor instead of "
+                        "top-p (needs token drop: --token-drop on or an engine built with it)")
+    add_load_options(p)  # LLM's options, the names of infhip-run / infhip-serve (runtime/options.py)
     p.add_argument("--json", help="write all records to this JSON file")
     p.add_argument("--markdown", help="write the summary table to this file")
     p.add_argument("--plot", help="write a PNG plot (accuracy/ppl vs length, or recall per layer)")
@@ -100,46 +92,20 @@ def run(args: argparse.Namespace):
         cfg = RulerConfig(lengths, tasks, args.samples or 1, args.seed, args.template)
         return run_ruler(args.engine, cfg, args.device, log=_log, **_llm_kwargs(args))
     from infhip.eval.recall import RecallConfig, run_recall
-    return run_recall(args.engine, RecallConfig(lengths, args.chunk or 64, args.samples or 1, args.seed),
+    return run_recall(args.engine, RecallConfig(lengths, args.chunk or 64, args.samples or 1, args.seed,
+                                                args.haystack or "kjv"),
                       args.device, log=_log, **_llm_kwargs(args))
 
 
 def _llm_kwargs(args: argparse.Namespace) -> dict:
-    if args.max_num_seqs is not None and args.max_num_seqs < 1:
-        raise EvalError(f"--max-num-seqs must be >= 1, got {args.max_num_seqs}")
-    if args.kv_cache_gib is not None and args.kv_cache_gib <= 0:
-        raise EvalError(f"--kv-cache-gib must be positive, got {args.kv_cache_gib}")
-    if args.max_num_batched_tokens is not None and args.max_num_batched_tokens < 1:
-        raise EvalError(f"--max-num-batched-tokens must be >= 1, got {args.max_num_batched_tokens}")
-    gib = None if args.kv_cache_gib is None else int(args.kv_cache_gib * (1 << 30))
-    return {"max_num_seqs": args.max_num_seqs, "kv_cache_memory_bytes": gib,
-            "max_num_batched_tokens": args.max_num_batched_tokens,
-            "infinitehip_overrides": parse_overrides(args.infinitehip),
-            "token_drop": parse_token_drop_arg(args.token_drop)}
-
-
-def parse_token_drop_arg(spec: str | None) -> bool | dict | None:
-    """--token-drop: None (the engine's setting), off -> False, on -> True, else knobs."""
-    if spec is None:
-        return None
-    if spec.strip().lower() in ("off", "on"):
-        return spec.strip().lower() == "on"
-    from infhip.builder.token_drop_spec import parse_token_drop_knobs
+    """LLM's keywords of the load flags (the device goes separately), and --retention."""
+    from infhip.runtime.options import load_options
     try:
-        return parse_token_drop_knobs(spec)
+        opts = load_options(args)
     except ValueError as e:
         raise EvalError(str(e)) from None
-
-
-def parse_overrides(spec: str | None) -> dict | None:
-    """'a=1,b=x,c=[32,16,8]' -> {'a': 1, 'b': 'x', 'c': [32, 16, 8]} (builder/presets.parse_knobs)."""
-    if not spec:
-        return None
-    from infhip.builder.presets import parse_knobs
-    try:
-        return parse_knobs(spec)
-    except ValueError as e:
-        raise EvalError(f"--infinitehip: {e}") from None
+    kwargs = {f.name: getattr(opts, f.name) for f in dataclasses.fields(opts) if f.name != "device"}
+    return dict(kwargs, retention=args.retention)
 
 
 def _log(msg: str) -> None:

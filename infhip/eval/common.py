@@ -47,9 +47,10 @@ def engine_name(engine_dir: str | Path) -> str:
 
 
 def load_llm(engine_dir: str | Path, device: str | None = None, need_tokenizer: bool = True,
-             **llm_kwargs):
+             retention: float | None = None, **llm_kwargs):
     """`LLM` for an engine directory, with a clear error when it is missing, does not fit, or has no
-    tokenizer. `llm_kwargs` go to `LLM` (max_num_seqs, kv_cache_memory_bytes, ...)."""
+    tokenizer. `llm_kwargs` go to `LLM` (max_num_seqs, kv_cache_memory_bytes, ...; None = its
+    default); `retention`: set_forced_retention's (benchmarks)."""
     from infhip import LLM
 
     path = Path(engine_dir)
@@ -58,9 +59,24 @@ def load_llm(engine_dir: str | Path, device: str | None = None, need_tokenizer: 
     try:
         llm = LLM(path, device=device, **{k: v for k, v in llm_kwargs.items() if v is not None})
     except MemoryError as e:  # e.g. a 32K-window engine on the CPU's default 2 GiB KV budget
-        raise EvalError(f"{e} (infhip-eval: --kv-cache-gib / --max-num-seqs)") from None
+        raise EvalError(f"{e} (infhip-eval: --kv-cache-memory-bytes / --max-num-seqs)") from None
     if need_tokenizer and llm.tokenizer is None:
         raise EvalError(f"engine {path} has no tokenizer (random weights?): these tasks need real text")
+    if retention is not None:
+        set_forced_retention(llm, retention)
+    return llm
+
+
+def set_forced_retention(llm, rho: float | None):
+    """Benchmarks: token drop keeps the share ``rho`` of each dropping chunk's blocks at every
+    anchor (the highest-scoring ones) instead of top-p; None restores top-p. Not an engine knob:
+    it measures cost and quality at a chosen retention (infhip-eval --retention). Returns llm."""
+    if rho is not None:
+        if not 0.0 <= rho <= 1.0:
+            raise EvalError(f"retention must be in [0, 1], got {rho}")
+        if llm.runner.token_drop is None:
+            raise EvalError("retention needs token drop: build with --token-drop or load with token_drop=True")
+    llm.runner.forced_retention = rho
     return llm
 
 
@@ -78,4 +94,5 @@ def engine_info(llm) -> dict:
     return {"dtype": build.dtype, "kv_dtype": build.kv_dtype, "preset": llm.engine.config.plan.preset,
             "max_seq_len": build.max_seq_len, "max_num_batched_tokens": llm.scheduler.max_num_batched_tokens,
             "device": str(llm.runner.device),
-            "architecture": llm.engine.config.model.architecture}
+            "architecture": llm.engine.config.model.architecture,
+            **({"forced_retention": llm.runner.forced_retention} if llm.runner.forced_retention is not None else {})}

@@ -44,6 +44,7 @@ class RecallConfig:
     chunk: int = 64  # measured queries: the last `chunk` tokens of each window
     samples: int = 1
     seed: int = 0
+    text: str = "kjv"  # the windows' source (infhip.eval.text.SOURCES: kjv, pg, ...)
 
 
 def sparse_layer_params(llm, length: int | None = None) -> dict[int, dict[str, Any]]:
@@ -76,11 +77,11 @@ def sparse_layer_params(llm, length: int | None = None) -> dict[int, dict[str, A
 def capture_queries(model, layers: list[int], num_queries: int):
     """Collect, per listed layer, the rotated queries of the last `num_queries` rows of every step
     (the last step of a prefill holds the tail). Yields {layer: list of [T, Hq, D] tensors}."""
-    from infhip.runtime.models import common
+    from infhip.runtime.attention import dense
 
     store: dict[int, list[torch.Tensor]] = {i: [] for i in layers}
     current: list[int | None] = [None]
-    original = common.rope_and_write_kv
+    original = dense.rope_and_write_kv  # every backend rotates through DenseBackend.rope_and_write
 
     def wrapped(q, k, v, *args, **kwargs):
         original(q, k, v, *args, **kwargs)
@@ -89,18 +90,18 @@ def capture_queries(model, layers: list[int], num_queries: int):
 
     hooks = [model.layers[i].self_attn.register_forward_pre_hook(
         lambda mod, inp, i=i: current.__setitem__(0, i)) for i in range(len(model.layers))]
-    common.rope_and_write_kv = wrapped
+    dense.rope_and_write_kv = wrapped
     try:
         yield store
     finally:
-        common.rope_and_write_kv = original
+        dense.rope_and_write_kv = original
         for h in hooks:
             h.remove()
 
 
 def layer_recall(attn, q: torch.Tensor, table: list[int], length: int, params: dict[str, Any]) -> torch.Tensor:
     """float64 [Hq] recall of one layer: q [C, Hq, D] the newest C queries of a `length`-token
-    sequence whose keys sit in attn.k_cache at page-table row `table`."""
+    sequence whose keys sit in attn.kv.k at page-table row `table`."""
     from infhip.plugins.infinitehip import (attention_recall, per_query_key_mask, plan_query_blocks,
                                             pruning_stage)
 
@@ -114,14 +115,14 @@ def layer_recall(attn, q: torch.Tensor, table: list[int], length: int, params: d
     strides = params.get("query_strides") or [1] * len(stages)
     sel = num = None
     for (b_q, l_c, k), stride in zip(stages, strides):
-        sel, num = pruning_stage(q, attn.k_cache, tables, q_start, q_lens, ends, sel, num, chunk_size=l_c, k=k,
+        sel, num = pruning_stage(q, attn.kv.k, tables, q_start, q_lens, ends, sel, num, chunk_size=l_c, k=k,
                                  block_q=b_q, n_sink=n_sink, n_stream=n_stream, rope_style=rope_style,
                                  inv_freq=inv_freq, head_normalized=params.get("head_normalized", False),
-                                 query_stride=stride, k_scale=attn.k_scale)
+                                 query_stride=stride, k_scale=attn.kv.k_scale)
     keep = per_query_key_mask(sel, q_lens, ends, n_sink, n_stream, length)
-    page = attn.k_cache.shape[1]
+    page = attn.kv.k.shape[1]
     rows = torch.tensor(table, device=dev).repeat_interleave(page)[:length]
-    keys = read_rows(attn.k_cache, attn.k_scale, rows, torch.arange(length, device=dev) % page, q.dtype)  # [length, Hkv, D]
+    keys = read_rows(attn.kv.k, attn.kv.k_scale, rows, torch.arange(length, device=dev) % page, q.dtype)  # [length, Hkv, D]
     per_head, _ = attention_recall(q, keys, keep, scale=attn.scale)
     return per_head
 
@@ -139,7 +140,7 @@ def measure_recall(llm, ids: list[int], chunk: int, params: dict[int, dict[str, 
         out = {}
         for i in layers:
             attn = llm.runner.model.layers[i].self_attn
-            if not store[i]:  # the runtime's attention no longer goes through common.rope_and_write_kv
+            if not store[i]:  # the runtime's attention no longer goes through dense.rope_and_write_kv
                 raise RuntimeError(f"no queries captured at layer {i}: update recall.capture_queries to "
                                    "the runtime's attention module")
             q = torch.cat(store[i])[-chunk:]
@@ -168,7 +169,7 @@ def run_recall(engines: list[str], cfg: RecallConfig, device: str | None = None,
                 log(f"recall {name} {length}: below the engine's dense_threshold, it runs dense there; "
                     "measuring the masks it would use above it")
             t0 = time.perf_counter()
-            for s, (ctx, tgt) in enumerate(ppl_items(llm.tokenizer, length, 1, cfg.samples, cfg.seed)):
+            for s, (ctx, tgt) in enumerate(ppl_items(llm.tokenizer, length, 1, cfg.samples, cfg.seed, cfg.text)):
                 for layer, per_head in measure_recall(llm, ctx + tgt, cfg.chunk, layer_params).items():
                     records += [Record("recall", name, length, float(r), metric="recall", sample=s,
                                        layer=layer, head=h, extra={"engine_runs_dense": dense})

@@ -1,6 +1,6 @@
 """UniPrefill retention per anchor layer on real text: the share of a prompt's tokens each
 full-attention layer keeps (runtime/token_drop.py records it per sequence in
-``ModelRunner.retention``: anchor layer -> [kept, total] summed over the prompt's chunks).
+``ModelRunner.drop_stats.retention``: anchor layer -> [kept, total] summed over the prompt's chunks).
 
     python -m infhip.eval.retention --engine engines/smollm2-135m-td99 --lengths 4k --samples 2
 
@@ -12,12 +12,14 @@ the mean over anchors; ``--json`` writes every value.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
 
 from infhip.eval.common import EvalError, check_fits, engine_name, load_llm, parse_lengths
 from infhip.eval.ppl import ppl_items
+from infhip.runtime.options import add_load_options, load_options
 from infhip.runtime.sampling_params import SamplingParams
 
 
@@ -28,10 +30,10 @@ def anchor_retention(llm, prompts: list[list[int]]) -> list[dict[int, float]]:
         raise EvalError("engine has no token drop (build with --token-drop, or load with token_drop=True)")
     out = []
     for ids in prompts:
-        before = set(llm.runner.retention)
+        before = set(llm.runner.drop_stats.retention)
         llm.generate(prompt_token_ids=[ids], sampling_params=SamplingParams(max_tokens=1, temperature=0.0))
-        new = [sid for sid in llm.runner.retention if sid not in before]
-        per_layer = llm.runner.retention[new[-1]] if new else {}
+        new = [sid for sid in llm.runner.drop_stats.retention if sid not in before]
+        per_layer = llm.runner.drop_stats.retention[new[-1]] if new else {}
         out.append({layer: kept / total for layer, (kept, total) in sorted(per_layer.items())})
     return out
 
@@ -72,15 +74,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lengths", default="4k")
     p.add_argument("--samples", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--device", default=None)
-    p.add_argument("--max-num-seqs", type=int, default=None)
-    p.add_argument("--kv-cache-gib", type=float, default=None, help="KV cache size (CPU default 2 GiB)")
     p.add_argument("--json", help="write the per-sample values here")
+    add_load_options(p)  # LLM's options (runtime/options.py)
     args = p.parse_args(argv)
     try:
-        gib = None if args.kv_cache_gib is None else int(args.kv_cache_gib * (1 << 30))
-        result = run_retention(args.engine, parse_lengths(args.lengths), args.samples, args.seed, args.device,
-                               max_num_seqs=args.max_num_seqs, kv_cache_memory_bytes=gib)
+        opts = load_options(args)
+        kwargs = {f.name: getattr(opts, f.name) for f in dataclasses.fields(opts) if f.name != "device"}
+        result = run_retention(args.engine, parse_lengths(args.lengths), args.samples, args.seed, opts.device,
+                               **kwargs)
     except (EvalError, ValueError, FileNotFoundError) as e:
         print(f"retention: error: {e}", file=sys.stderr)
         return 2

@@ -634,8 +634,8 @@ def run_ruler(engines: list[str], cfg: RulerConfig, device: str | None = None, l
 
 def _retention(llm, seq_id: int) -> float:
     """UniPrefill's measured retention of a finished prompt: the mean over anchor layers of the
-    share of its tokens each kept (ModelRunner.retention; 1.0 when it dropped nothing)."""
-    per_anchor = llm.runner.retention.get(seq_id, {})
+    share of its tokens each kept (ModelRunner.drop_stats.retention; 1.0 when it dropped nothing)."""
+    per_anchor = llm.runner.drop_stats.retention.get(seq_id, {})
     return sum(kept / total for kept, total in per_anchor.values()) / len(per_anchor) if per_anchor else 1.0
 
 

@@ -1,6 +1,6 @@
 """The InfiniteHiP launch space of one engine, for the plugins' ``aot_launches`` (plugins/aot.py).
 
-runtime/sparse_attention.py decides per step what the sparse kernels see; this module restates
+runtime/attention/sparse_plan.py decides per step what the sparse kernels see; this module restates
 those decisions as the *classes* of launches an engine's plan and build limits allow, so that
 pruning.py, sparse_attention.py, key_bank.py, raw_keys.py and kv_offload.py enumerate exactly
 what serving launches, on fake (meta) tensors shaped as the runtime shapes them:
@@ -11,12 +11,12 @@ what serving launches, on fake (meta) tensors shaped as the runtime shapes them:
   pruning style, ``attention_rope`` in attention). Dynamic steps exist when
   ``rope_off_in_trained_window`` is off or ``max_seq_len`` exceeds the trained window; static
   ones when some sparse context fits the window with ``rope_off_in_trained_window`` on;
-* stage-1 candidate capacities (runtime.sparse_attention.candidate_capacity: powers of two
+* stage-1 candidate capacities (runtime.attention.sparse_plan.candidate_capacity: powers of two
   >= 1024) per mode: a dynamic step's longest sparse context is past the window (with
   ``rope_off_in_trained_window``), a static step's inside it;
 * batch shapes: sparse decode rows 1..max_batch_size (CUDA graphs pad to a captured size, which
   is in that range too), prefill query blocks 1..max_num_batched_tokens / block_q (+ one partial
-  block per chunk and one solo block per chunk with ``solo_last_query``);
+  block per chunk);
 * KV offloading (``kv_offload_bytes``, a load option of every InfiniteHiP engine): with and
   without a host twin; the key bank (``uses_key_bank``) and its value bank when offloading;
 * dtypes: activations ``space.act_dtype``; the cache ``space.kv_dtype`` with float32 row scales
@@ -38,11 +38,11 @@ import torch
 
 from infhip.config import InfiniteHipConfig, PruningStage
 
-MIN_CAPACITY = 1024  # runtime.sparse_attention.candidate_capacity: a power of two >= 1024
+MIN_CAPACITY = 1024  # runtime.attention.sparse_plan.candidate_capacity: a power of two >= 1024
 
 
 def capacity_of(end: int, n_sink: int, n_stream: int) -> int:
-    """runtime.sparse_attention.candidate_capacity (imported there from the runtime would pull
+    """runtime.attention.sparse_plan.candidate_capacity (imported there from the runtime would pull
     the runtime into the plugins; this is the same formula, checked equal by the tests)."""
     middle = max(0, max(min(n_sink, end), end - n_stream) - n_sink)
     return 1 << max(10, (middle - 1).bit_length())
@@ -88,7 +88,7 @@ class SparseSpace:
     cfg: InfiniteHipConfig
     kinds: tuple[LayerKind, ...]
     modes: tuple[Mode, ...]
-    bank: bool  # the layers keep a rotated key bank (runtime.sparse_attention.uses_key_bank)
+    bank: bool  # the layers keep a rotated key bank (runtime.attention.sparse_plan.uses_key_bank)
     bank_for_all: bool  # every decode row can own a bank row (max_batch_size <= key_bank_slots)
     offload: tuple[bool, ...]  # without / with a host twin
     max_decode_rows: int
@@ -175,13 +175,13 @@ def sparse_space(space) -> SparseSpace | None:
         modes.append(Mode(True, buckets(cfg.dense_threshold, max_len)))
     elif max_len > window:
         modes.append(Mode(True, buckets(max(window + 1, cfg.dense_threshold), max_len)))
-    # runtime.sparse_attention.uses_key_bank
+    # runtime.attention.sparse_plan.uses_key_bank
     dynamic_possible = not cfg.rope_off_in_trained_window or max_len > window
     bank = cfg.key_bank and cfg.attention_rope == "streaming" and dynamic_possible
     bq = cfg.block_q
-    # plan_query_blocks: per chunk ceil(q_len / block_q) blocks (+1 solo block); the chunks of a
-    # step share max_num_batched_tokens, at most max_batch_size chunks
-    extra = build.max_batch_size * (2 if cfg.solo_last_query else 1)
+    # plan_query_blocks: per chunk ceil(q_len / block_q) blocks; the chunks of a step share
+    # max_num_batched_tokens, at most max_batch_size chunks (one partial block each)
+    extra = build.max_batch_size
     return SparseSpace(space=space, cfg=cfg, kinds=kinds, modes=tuple(modes), bank=bank,
                        bank_for_all=build.max_batch_size <= cfg.key_bank_slots, offload=(False, True),
                        max_decode_rows=build.max_batch_size,

@@ -40,27 +40,20 @@ PAD = 2**31 - 1  # padding of sorted index rows (int32 max)
 
 
 def plan_query_blocks(q_lens_per_seq: list[int], context_lens: list[int], block_q: int,
-                      device: torch.device | str = "cpu", solo_last: list[bool] | None = None):
+                      device: torch.device | str = "cpu"):
     """Cut each sequence's q_len newest queries (packed in order) into blocks of block_q, aligned
     from the sequence's first query. Returns int32 (q_start, q_lens, ends, seq_ids) of [NB];
-    the caller passes block_tables[seq_ids] to the kernels. solo_last[b]: sequence b's last
-    query forms a block of its own (its mask is then scored by it alone, as a decode step's is).
+    the caller passes block_tables[seq_ids] to the kernels.
 
         >>> [x.tolist() for x in plan_query_blocks([5], [9], 4)[:2]]
         [[0, 4], [4, 1]]
-        >>> [x.tolist() for x in plan_query_blocks([5], [9], 4, solo_last=[True])[:2]]
-        [[0, 4], [4, 1]]
-        >>> [x.tolist() for x in plan_query_blocks([4], [9], 4, solo_last=[True])[:2]]
-        [[0, 3], [3, 1]]
     """
     starts, lens, ends, seqs = [], [], [], []
     row = 0
     for b, (q_len, ctx) in enumerate(zip(q_lens_per_seq, context_lens)):
         assert 0 <= q_len <= ctx, f"sequence {b}: {q_len} queries for {ctx} tokens of context"
-        alone = solo_last is not None and solo_last[b] and q_len > 1
-        body = q_len - 1 if alone else q_len
-        for first in list(range(0, body, block_q)) + ([body] if alone else []):
-            n = min(block_q, body - first) if first < body else 1
+        for first in range(0, q_len, block_q):
+            n = min(block_q, q_len - first)
             starts.append(row + first)
             lens.append(n)
             ends.append(ctx - q_len + first + n)

@@ -193,7 +193,7 @@ def write_key_bank_ref(k_cache, block_tables, ends, selected, bank, bank_rows, *
 
 def aot_launches(space) -> None:
     """The bank writer's variants (plugins/aot.py): for engines whose layers keep a key bank
-    (runtime.sparse_attention.uses_key_bank), per layer kind (the last stage's k and chunk size),
+    (runtime.attention.sparse_plan.uses_key_bank), per layer kind (the last stage's k and chunk size),
     without and with a host twin; with one the runtime keeps a value bank beside the keys
     (VALUES). Written at every refresh of the last stage, dynamic RoPE or not; the row count
     only sizes the grid."""

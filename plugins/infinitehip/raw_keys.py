@@ -126,7 +126,7 @@ def unrotate_keys(k_cache: torch.Tensor, seq_tables: torch.Tensor, seq_lens: lis
 
 def aot_launches(space) -> None:
     """The un-rotation pass's variants (plugins/aot.py): prefill steps under dynamic RoPE prune
-    from raw keys (runtime/sparse_attention.py, RAW_KEYS_MIN_BLOCKS or offloading) in layers
+    from raw keys (runtime/attention/sparse_plan.py, RAW_KEYS_MIN_BLOCKS or offloading) in layers
     whose pruning style is dynamic; without and with a host twin. One launch per sequence, its
     length unspecialized."""
     from ._aot import sparse_space

@@ -269,10 +269,11 @@ def force_retention(scores: torch.Tensor, cu_blocks: torch.Tensor, cu_seqlens: t
 
 def aot_launches(space) -> None:
     """The block selection's variants (plugins/aot.py) for an engine with a token-drop plan
-    (runtime/token_drop.py _select): top-p with the plan's p (p >= 1: keep all) or, with
-    ``retention``, forced retention. A selection "sequence" is a dropping chunk G-aligned in its
-    key list: tail + G to max_num_batched_tokens + G - 1 tokens; the scan and expansion widths
-    follow the longest one (one launch per distinct pair of widths)."""
+    (runtime/token_drop.py _select): top-p with the plan's p (p >= 1: keep all) and the forced
+    retention of benchmarks (ModelRunner.forced_retention; the keep-all variant, not an engine
+    knob, so every token-drop engine holds it). A selection "sequence" is a dropping chunk
+    G-aligned in its key list: tail + G to max_num_batched_tokens + G - 1 tokens; the scan and
+    expansion widths follow the longest one (one launch per distinct pair of widths)."""
     td = space.plan.token_drop
     if td is None:
         return
@@ -286,7 +287,6 @@ def aot_launches(space) -> None:
         nb = triton.cdiv(n, G)
         args = (space.fake(nb, dtype=torch.float32), space.fake(2, dtype=torch.int32), space.fake(2, dtype=torch.int32))
         kw = dict(num_tokens=n, max_seqlen=n, block_size=G, num_sink=0, obs_window=tail)
-        if td.retention is not None:
-            force_retention(*args, td.retention, **kw)
-        else:
-            top_p_select(*args, td.p, **kw)
+        top_p_select(*args, td.p, **kw)
+        if td.p < 1.0:  # p >= 1 already launched the variant forced retention uses
+            force_retention(*args, 0.5, **kw)

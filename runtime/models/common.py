@@ -13,12 +13,16 @@ from torch import nn
 
 from infhip.config import LayerPlan, ModelConfig
 from infhip.plugins.activation import gated_act
-from infhip.plugins.dense_attention import paged_decode_attention, paged_prefill_attention
 from infhip.plugins.fp8_linear import fp8_linear
 from infhip.plugins.rms_norm import rms_norm
-from infhip.plugins.rope import rope_and_write_kv
 from infhip.plugins.skinny_gemm import skinny_linear
-from infhip.runtime.forward_context import current_token_drop, get_forward_context, layer_view
+from infhip.runtime.attention.dense import DENSE
+from infhip.runtime.attention.paged_kv import PagedKV
+from infhip.runtime.forward_context import get_forward_context
+
+# The plugins the blocks below launch besides attention (runtime/attention/ lists its own):
+# builder/kernels.py compiles what their aot_launches enumerate.
+PLUGIN_MODULES = ("rms_norm", "activation", "skinny_gemm", "fp8_skinny_gemm", "fp8_linear")
 
 
 class SkinnyLinear(nn.Linear):
@@ -115,36 +119,15 @@ class Attention(nn.Module):
         self.kv_group = plan.attention  # "global" | "sliding": layers of a group share page tables
         self.layer_index = plan.index
         self.rope = [rope]  # a list: not a submodule (its buffer is owned by the model's `rope` dict)
-        # Set by the ModelRunner after loading: [num_pages, page_size, Hkv, D] each, and for an
-        # fp8 cache their float32 scales [num_pages, page_size, Hkv] (plugins/kv_quant.py; else None).
-        self.k_cache: torch.Tensor | None = None
-        self.v_cache: torch.Tensor | None = None
-        self.k_scale: torch.Tensor | None = None
-        self.v_scale: torch.Tensor | None = None
-        # Set by the ModelRunner on "infinitehip" layers: an InfiniteHipLayer (its mask cache).
+        # Set by the ModelRunner after loading: the layer's paged cache, its attention backend
+        # (runtime/attention/: dense, or InfiniteHiP on "infinitehip" layers) and, on those, the
+        # backend's per-layer state (an InfiniteHipLayer: stages, RoPE styles, mask cache).
+        self.kv: PagedKV | None = None
+        self.backend = DENSE
         self.sparse = None
-        # Set by the ModelRunner when KV pages are offloaded: the caches' host twin (plugins/kv_offload.py).
-        self.host_kv = None
-
-    @property
-    def kv_scales(self) -> dict:
-        """The cache scales as the plugins' keyword arguments (None, None unless fp8)."""
-        return {"k_scale": self.k_scale, "v_scale": self.v_scale}
-
-    def _dense_prefill(self, q, k, v, out, ctx, meta, lo: int, hi: int) -> None:
-        """Dense causal attention of the prefill chunks of sequences lo..hi-1 (batch order)."""
-        cu = ctx.cu_seqlens_q_list
-        first, last = cu[lo], cu[hi]
-        out[first:last] = paged_prefill_attention(
-            q[first:last], self.k_cache, self.v_cache, meta.block_tables[lo:hi],
-            ctx.cu_seqlens_q[lo:hi + 1] - first, ctx.context_lens[lo:hi], self.scale, self.window,
-            k_new=k[first:last], v_new=v[first:last],
-            cu_seqlens_q_list=[c - first for c in cu[lo:hi + 1]], context_lens_list=ctx.context_lens_list[lo:hi],
-            **self.kv_scales)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        base = get_forward_context()
-        ctx = layer_view(base, self.layer_index, self.kv_group)  # token-drop history
+        ctx = get_forward_context().for_layer(self.layer_index, self.kv_group)
         num_tokens = hidden.shape[0]
         qkv = self.qkv_proj(hidden)
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
@@ -154,34 +137,8 @@ class Attention(nn.Module):
         if self.qk_norm:
             q = self.q_norm(q.contiguous())
             k = self.k_norm(k.contiguous())
-        if ctx.token_drop is not None and ctx.token_drop.handles_layer():  # runtime/token_drop.py
-            out = ctx.token_drop.attention(self, q, k, v, ctx)
-            return self.o_proj(out.view(out.shape[0], -1))
-        meta = ctx.groups[self.kv_group]
-        rope = self.rope[0]
-        rope_and_write_kv(q, k, v, ctx.positions, rope.inv_freq, rope.attention_scaling,
-                          self.k_cache, self.v_cache, meta.slot_mapping, **self.kv_scales)
-        out = torch.empty_like(q)
-        # InfiniteHiP layers hand the step's long-context rows to the sparse path (runtime/
-        # sparse_attention.py); every other row goes through the dense kernels below.
-        sparse = ctx.sparse if self.sparse is not None else None
-        nd, num_seqs = ctx.num_decodes, len(ctx.context_lens_list)
-        if sparse is None:
-            dense_decode_lens, prefill_runs = ctx.context_lens[:nd], [(nd, num_seqs)] if nd < num_seqs else []
-        else:  # sparse decode rows get context length 0 (read nothing)
-            dense_decode_lens = sparse.dense_decode_lens if sparse.num_dense_decodes else None
-            prefill_runs = sparse.dense_prefill_runs
-        if nd and dense_decode_lens is not None:  # decode rows first: one query each, flash-decoding
-            paged_decode_attention(q[:nd], self.k_cache, self.v_cache, meta.block_tables[:nd],
-                                   dense_decode_lens, self.scale, self.window, out=out[:nd],
-                                   max_len=ctx.decode_len_bound, **self.kv_scales)
-        for lo, hi in prefill_runs:  # prefill chunks lo..hi-1: causal over context + chunk
-            self._dense_prefill(q, k, v, out, ctx, meta, lo, hi)
-        if sparse is not None:  # a layer with compacted KV (drop history) holds fewer keys
-            dropped = None if ctx is base else base.context_lens - ctx.context_lens
-            self.sparse.run(q, self.k_cache, self.v_cache, meta.block_tables, sparse, out, dropped,
-                            offload=self.host_kv, **self.kv_scales)
-        return self.o_proj(out.view(num_tokens, -1))
+        out = ctx.backend_for(self).run(self, q, k, v, ctx)  # [rows out, Hq, D]: fewer if token drop keeps fewer
+        return self.o_proj(out.view(out.shape[0], -1))
 
 
 class GatedMLP(nn.Module):
@@ -225,14 +182,21 @@ class CausalLM(nn.Module):
         return hidden
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        td = current_token_drop()  # UniPrefill: dropped rows re-enter at anchors and at the end
+        # UniPrefill (runtime/token_drop.py): in a step that drops tokens, the loop below is the
+        # only place rows leave and re-enter the stream: after an anchor's attention the router
+        # keeps the chosen rows, at the next anchor (and at the end) the dropped ones come back.
+        router = get_forward_context().token_drop
         hidden, residual = self.embed(input_ids), None
         for i, layer in enumerate(self.layers):
-            if td is not None:
-                hidden, residual = td.enter_layer(i, hidden, residual)
-            hidden, residual = layer(hidden, residual)
-        if td is not None:
-            hidden, residual = td.reconstitute(hidden, residual)
+            if router is None:
+                hidden, residual = layer(hidden, residual)
+                continue
+            hidden, residual = router.enter_layer(i, hidden, residual)
+            hidden, residual = layer.attend(hidden, residual)
+            residual = router.after_attention(residual)
+            hidden, residual = layer.feed_forward(hidden, residual)
+        if router is not None:
+            hidden, residual = router.reconstitute(hidden, residual)
         return self.norm(hidden) if residual is None else self.norm(hidden, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

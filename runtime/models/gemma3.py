@@ -9,7 +9,6 @@ import torch
 from torch import nn
 
 from infhip.config import LayerPlan, ModelConfig
-from infhip.runtime.token_drop import after_attention
 from infhip.runtime.models.common import Attention, CausalLM, GatedMLP, RMSNorm, RopeTable
 
 
@@ -37,12 +36,17 @@ class Gemma3DecoderLayer(nn.Module):
 
         transformers: h = h + post_attn_norm(attn(in_norm(h))); h = h + post_ff_norm(mlp(pre_ff_norm(h))).
         """
+        return self.feed_forward(*self.attend(hidden, residual))
+
+    def attend(self, hidden: torch.Tensor, residual: torch.Tensor | None):
+        """The attention half: (stream) -> (normed attention output, residual); see LlamaDecoderLayer."""
         if residual is None:
             hidden, residual = self.input_layernorm(hidden), hidden
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.post_attention_layernorm(self.self_attn(hidden))
-        residual = after_attention(residual)  # token drop: kept rows only past an anchor
+        return self.post_attention_layernorm(self.self_attn(hidden)), residual
+
+    def feed_forward(self, hidden: torch.Tensor, residual: torch.Tensor):
         hidden, residual = self.pre_feedforward_layernorm(hidden, residual)
         return self.post_feedforward_layernorm(self.mlp(hidden)), residual
 

@@ -11,7 +11,6 @@ import torch
 from torch import nn
 
 from infhip.config import LayerPlan, ModelConfig
-from infhip.runtime.token_drop import after_attention
 from infhip.runtime.models.common import Attention, CausalLM, GatedMLP, RMSNorm, RopeTable
 
 
@@ -33,12 +32,18 @@ class LlamaDecoderLayer(nn.Module):
 
     def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None):
         """(hidden, residual) -> (hidden, residual); the stream is hidden + residual."""
+        return self.feed_forward(*self.attend(hidden, residual))
+
+    def attend(self, hidden: torch.Tensor, residual: torch.Tensor | None):
+        """The attention half: (stream) -> (attention output, residual). The model loop may keep
+        fewer residual rows before feed_forward (token drop keeps the rows attention returned)."""
         if residual is None:
             hidden, residual = self.input_layernorm(hidden), hidden
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(hidden)
-        residual = after_attention(residual)  # token drop: kept rows only past an anchor
+        return self.self_attn(hidden), residual
+
+    def feed_forward(self, hidden: torch.Tensor, residual: torch.Tensor):
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
 

@@ -149,7 +149,8 @@ async def _whole(gen: Generation, shape, prompt_tokens: int) -> Response:
         return Response(status_code=499)
     if last.finish_reason == "error":
         return error_response(500, _request_error(last))
-    return JSONResponse(shape.whole("".join(pieces), tokens, last.finish_reason, P.usage(prompt_tokens, len(tokens))))
+    use = P.usage(prompt_tokens, len(tokens), last.num_cached_tokens)
+    return JSONResponse(shape.whole("".join(pieces), tokens, last.finish_reason, use))
 
 
 async def _events(gen: Generation, shape, prompt_tokens: int, include_usage: bool) -> AsyncIterator[bytes]:
@@ -158,15 +159,16 @@ async def _events(gen: Generation, shape, prompt_tokens: int, include_usage: boo
     try:
         for chunk in shape.opening():
             yield _sse(chunk)
-        num_tokens = 0
+        num_tokens = cached = 0
         async for delta in gen.deltas():
+            cached = delta.num_cached_tokens
             if delta.finish_reason == "error":
                 yield _sse(error_body(500, _request_error(delta)))
                 return
             num_tokens += len(delta.token_ids)
             yield _sse(shape.chunk(delta.text, delta.token_ids, delta.finish_reason))
         if include_usage:
-            yield _sse(P.usage_chunk(shape.meta, shape.chunk_object, P.usage(prompt_tokens, num_tokens)))
+            yield _sse(P.usage_chunk(shape.meta, shape.chunk_object, P.usage(prompt_tokens, num_tokens, cached)))
         yield b"data: [DONE]\n\n"
     except EngineFailure as e:
         yield _sse(error_body(500, f"the engine failed: {e}"))

@@ -48,7 +48,17 @@ class ServerMetrics:
                                    registry=r)
         self.kv_used = Gauge("infhip_kv_pages_used", "KV cache pages in use", ["group", "memory"], registry=r)
         self.kv_free = Gauge("infhip_kv_pages_free", "KV cache pages free", ["group", "memory"], registry=r)
+        self.prefix_queries = Counter("infhip_prefix_cache_queries",
+                                      "Prompt tokens looked up in the prefix cache at admission", registry=r)
+        self.prefix_hits = Counter("infhip_prefix_cache_hits",
+                                   "Prompt tokens found in the prefix cache (reused, not recomputed)", registry=r)
+        self.prefix_evictions = Counter("infhip_prefix_cache_evictions",
+                                        "Cached KV pages evicted for new content", registry=r)
+        self.kv_cached = Gauge("infhip_kv_pages_cached",
+                               "KV pages holding cached prefix content and no request (counted as free)",
+                               ["group"], registry=r)
         self._preemptions_seen = 0
+        self._prefix_seen = (0, 0, 0)
         self._timing: dict[int, _Timing] = {}  # seq_id -> timing of a live request
         plan = llm.engine.config.plan
         self._dense_threshold = plan.infinitehip.dense_threshold if plan.infinitehip is not None else None
@@ -110,10 +120,16 @@ class ServerMetrics:
         self.waiting.set(sched.num_waiting)
         self.preemptions.inc(sched.num_preemptions - self._preemptions_seen)
         self._preemptions_seen = sched.num_preemptions
+        now = (kv.prefix_cache_queries, kv.prefix_cache_hits, kv.prefix_cache_evictions)
+        for counter, n, seen in zip((self.prefix_queries, self.prefix_hits, self.prefix_evictions), now,
+                                    self._prefix_seen):
+            counter.inc(n - seen)
+        self._prefix_seen = now
         for group, spec in kv.groups.items():
             free = kv.num_free_pages(group)
             self.kv_free.labels(group=group, memory="gpu").set(free)
             self.kv_used.labels(group=group, memory="gpu").set(spec.num_pages - 1 - free)  # page 0 is the null page
+            self.kv_cached.labels(group=group).set(kv.num_cached_pages(group))
             if spec.offload is not None:
                 host_free = kv.num_free_host_pages(group)
                 self.kv_free.labels(group=group, memory="host").set(host_free)

@@ -194,9 +194,11 @@ def new_meta(kind: Literal["cmpl", "chatcmpl"], model: str) -> dict:
     return {"id": f"{kind}-{uuid.uuid4().hex}", "created": int(time.time()), "model": model}
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
+    """OpenAI's usage object; cached_tokens: prompt tokens reused from the prefix cache."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
 def _text_choice(text: str, token_ids: list[int], finish_reason: str | None) -> dict:

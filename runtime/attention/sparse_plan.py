@@ -1,24 +1,16 @@
-"""InfiniteHiP in the runtime: the per-step plan (host) and the per-layer run (kernels only).
+"""InfiniteHiP's per-step plan (host, once per step): which rows go sparse, which pruning stages
+they recompute, and the device tensors every InfiniteHiP layer of the step reads.
 
-plan (once per step, :class:`SparsePlanner`): a sequence whose context after the step is at
-least ``dense_threshold`` goes sparse, the others stay dense. Sparse decode rows get their
-mask-cache slot and, per *layer group* (the InfiniteHiP layers sharing a refresh-phase offset,
-mask_cache.layer_offsets), the first pruning stage they recompute; sparse prefill chunks are
-cut into query blocks of ``block_q``. The dense kernels see the rest: decode rows through
-context lengths with 0 for the sparse rows (reads nothing), prefill chunks as runs of
-consecutive dense chunks. A step of sparse decode rows only, all refreshing the same stages
-(every request past its first sparse step: one refresh clock), has a ``graph_key`` (refresh
-pattern, stage-1 candidate capacity, dynamic RoPE); with the batch size it selects the CUDA
-graph that replays the step (runtime/cuda_graphs.py). Other steps run eagerly.
-
-run (per layer, :class:`InfiniteHipLayer`): decode rows recompute the stages they must (each
-from the previous stage's cached or fresh output), store them in the layer's MaskCache, then
-attend over sink + the last stage's survivors + stream; prefill blocks run every stage fresh
-and the flash-style block-sparse kernel. RoPE: the dynamic styles (config) apply only when some
-sparse context exceeds the trained window, unless ``rope_off_in_trained_window`` is off. With
-``key_bank``, a refresh of the last stage also rotates its keys into the layer's bank, and
-decode attention under dynamic RoPE reads them from there (plugins/infinitehip/key_bank.py)
-when every decode row owns a bank row (``key_bank_slots``; otherwise it rotates, same tokens).
+A sequence whose context after the step is at least ``dense_threshold`` goes sparse, the others
+stay dense. Sparse decode rows get their mask-cache slot and, per *layer group* (the InfiniteHiP
+layers sharing a refresh-phase offset, mask_cache.layer_offsets), the first pruning stage they
+recompute; sparse prefill chunks are cut into query blocks of ``block_q``. The dense kernels see
+the rest: decode rows through context lengths with 0 for the sparse rows (reads nothing),
+prefill chunks as runs of consecutive dense chunks. A step of sparse decode rows only, all
+refreshing the same stages (every request past its first sparse step: one refresh clock), has a
+``graph_key`` (refresh pattern, stage-1 candidate capacity, dynamic RoPE, bank); with the batch
+size it selects the CUDA graph that replays the step (runtime/cuda_graphs.py). Other steps run
+eagerly. The run side is runtime/attention/infinitehip.py.
 """
 
 from __future__ import annotations
@@ -29,14 +21,21 @@ from typing import TYPE_CHECKING
 import torch
 
 from infhip.config import InfiniteHipConfig
-from infhip.plugins._triton_utils import triton_on
-from infhip.plugins.kv_offload import cached_tables
-from infhip.plugins.infinitehip import (plan_query_blocks, pruning_stage, sparse_decode_attention,
-                                        sparse_prefill_attention, unrotate_keys, write_key_bank)
-from infhip.runtime.mask_cache import MaskCache, MaskSlots, layer_offsets, refresh_from
+from infhip.plugins.infinitehip import plan_query_blocks
+from infhip.runtime.mask_cache import MaskSlots, layer_offsets, refresh_from
 
 if TYPE_CHECKING:
-    from infhip.runtime.offload_staging import StagedStep
+    from infhip.runtime.offload.staging import StagedStep
+
+
+@dataclass(frozen=True)
+class SparseGraphKey:
+    """What makes two pure sparse-decode steps replay the same CUDA graph (with the batch size)."""
+
+    refresh: tuple[tuple[bool, ...], ...]  # per layer group, per stage: recomputed this step
+    capacity: int  # stage-1 candidate capacity (the planner's graph_capacity)
+    dynamic_rope: bool  # some context is past the trained window
+    bank_ok: bool  # every row owns a key-bank row
 
 
 @dataclass
@@ -48,14 +47,13 @@ class SparseStepHost:
     decode_slots: list[int]  # its mask-cache slot
     decode_first_stage: list[tuple[int, ...]]  # per layer group: first stage it recomputes (S: none)
     prefill_seqs: list[int]  # batch index of each sparse prefill chunk
-    prefill_solo_last: list[bool]  # per sparse prefill chunk: its last query gets its own block
     dense_decode_lens: list[int]  # [num_decodes] context lengths, 0 for the sparse rows
     dense_prefill_runs: list[tuple[int, int]]  # batch ranges [lo, hi) of dense prefill chunks
     dynamic_rope: bool
     bank_ok: bool  # every sparse decode row owns a key-bank row (slot < cfg.key_bank_slots)
     refresh: tuple[tuple[bool, ...], ...]  # per layer group, per stage: does any row recompute it
     capacity: int  # stage-1 candidate capacity (>= every row's middle; a power of two)
-    graph_key: tuple | None  # (refresh, capacity, dynamic_rope, bank_ok) when a CUDA graph can replay the step
+    graph_key: SparseGraphKey | None  # set when a CUDA graph can replay the step
 
 
 @dataclass
@@ -84,7 +82,7 @@ class SparseStep:
     dynamic_rope: bool
     bank_ok: bool  # decode may read the key bank (SparseStepHost.bank_ok)
     # Offloaded pages of the sparse prefill chunks copied to the GPU, a layer at a time
-    # (runtime/offload_staging.py); None: prefill reads them in place (or there are none).
+    # (runtime/offload/staging.py); None: prefill reads them in place (or there are none).
     staged: StagedStep | None = None
 
 
@@ -138,10 +136,7 @@ class SparsePlanner:
         self.trained_window_rope_off = cfg.rope_off_in_trained_window
         self.max_seq_len = max_seq_len
 
-    def plan(self, seqs: list, ctx_lens: list[int], num_decodes: int,
-             needs_logits: list[bool] | None = None) -> SparseStepHost:
-        """needs_logits[b]: chunk b's last token is sampled (with cfg.solo_last_query, a sparse
-        prefill chunk's last query then forms its own block)."""
+    def plan(self, seqs: list, ctx_lens: list[int], num_decodes: int) -> SparseStepHost:
         cfg, n = self.cfg, len(self.cfg.stages)
         rows, ends, slots, firsts, prefill, dense_lens, runs = [], [], [], [], [], [], []
         for b, (seq, end) in enumerate(zip(seqs, ctx_lens)):
@@ -173,14 +168,14 @@ class SparsePlanner:
         graphable = rows and len(rows) == len(seqs) and all(f == firsts[0] for f in firsts) and bank_ok
         if graphable and self.graph_capacity is not None:
             capacity = max(capacity, self.graph_capacity)
-        solo = [bool(cfg.solo_last_query and needs_logits is not None and needs_logits[b]) for b in prefill]
         return SparseStepHost(decode_rows=rows, decode_ends=ends, decode_slots=slots,
-                              decode_first_stage=firsts, prefill_seqs=prefill, prefill_solo_last=solo,
+                              decode_first_stage=firsts, prefill_seqs=prefill,
                               dense_decode_lens=dense_lens,
                               dense_prefill_runs=runs, dynamic_rope=dynamic, bank_ok=bank_ok, refresh=refresh,
-                              capacity=capacity, graph_key=(refresh, capacity, dynamic, bank_ok) if graphable else None)
+                              capacity=capacity,
+                              graph_key=SparseGraphKey(refresh, capacity, dynamic, bank_ok) if graphable else None)
 
-    def graph_keys(self) -> list[tuple]:
+    def graph_keys(self) -> list[SparseGraphKey]:
         """Every graph_key a decode step of this planner can have (runtime/cuda_graphs.py
         captures them all at load): the refresh patterns of one cycle of the clock, plus a
         newcomer's full first step, with dynamic RoPE off (sparse inside the trained window) and
@@ -195,7 +190,7 @@ class SparsePlanner:
             dynamic.append(False)
         if not self.trained_window_rope_off or self.max_seq_len is None or self.max_seq_len > self.trained_window:
             dynamic.append(True)
-        return [(refresh, self.graph_capacity, d, True) for d in dynamic for refresh in sorted(patterns)]
+        return [SparseGraphKey(refresh, self.graph_capacity, d, True) for d in dynamic for refresh in sorted(patterns)]
 
     def skip(self, seqs: list) -> None:
         """A step that runs no sparse attention (e.g. it drops tokens): every request's cached
@@ -207,8 +202,7 @@ class SparsePlanner:
         """Tensors of a host plan; ``tensor(values, dtype)`` puts a list on the device."""
         cfg = self.cfg
         q_lens = [cu[b + 1] - cu[b] for b in h.prefill_seqs]
-        starts, lens, ends, seq_of = plan_query_blocks(q_lens, [ctx_lens[b] for b in h.prefill_seqs], cfg.block_q,
-                                                       solo_last=h.prefill_solo_last)
+        starts, lens, ends, seq_of = plan_query_blocks(q_lens, [ctx_lens[b] for b in h.prefill_seqs], cfg.block_q)
         seq_of = seq_of.tolist()  # index into h.prefill_seqs of each block
         # plan_query_blocks numbers rows from 0 over the chunks it is given; shift each block to
         # its chunk's first row in the step's packed q.
@@ -247,110 +241,3 @@ def uses_key_bank(cfg: InfiniteHipConfig, max_seq_len: int, trained_window: int)
     (with ``rope_off_in_trained_window``) does not spend the memory."""
     dynamic_possible = not cfg.rope_off_in_trained_window or max_seq_len > trained_window
     return cfg.key_bank and cfg.attention_rope == "streaming" and dynamic_possible
-
-
-class InfiniteHipLayer:
-    """Run side of one "infinitehip" layer: its stages, RoPE styles and mask cache."""
-
-    def __init__(self, cfg: InfiniteHipConfig, layer: int, max_slots: int, scale: float,
-                 inv_freq: torch.Tensor, device: torch.device, group: int = 0,
-                 bank_layout: tuple[int, int, torch.dtype] | None = None, value_bank: bool = False):
-        """bank_layout: (Hkv, D, dtype) of the KV cache to keep a rotated key bank of
-        (uses_key_bank), else None; value_bank: keep the selected values beside it (offloaded
-        caches: cached decode steps then read only GPU pages)."""
-        assert inv_freq.dtype == torch.float32, "RoPE inv_freq is stored in float32"
-        self.cfg, self.scale, self.inv_freq = cfg, scale, inv_freq
-        self.layer = layer
-        self.group = group  # refresh-phase group (SparsePlanner.layer_group)
-        self.stages = cfg.stages_of(layer)
-        self.pruning_rope = cfg.pruning_rope_of(layer)
-        self.cache = MaskCache(self.stages, max_slots, device, bank=bank_layout, bank_slots=cfg.key_bank_slots,
-                               value_bank=value_bank)
-
-    def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-            block_tables: torch.Tensor, step: SparseStep, out: torch.Tensor,
-            dropped: torch.Tensor | None = None, k_scale: torch.Tensor | None = None,
-            v_scale: torch.Tensor | None = None, offload=None) -> None:
-        """Write the sparse rows of out [T, Hq, D]; q [T, Hq, D] is already rotated and this
-        step's K/V are in the cache. dropped: int32 [B] tokens this layer does not hold of each
-        sequence (UniPrefill drop histories, compacted KV), None = all held: the key ranges end
-        that much earlier in the layer's cache. k_scale / v_scale: an fp8 cache's scales
-        (plugins/kv_quant.py), None otherwise. offload: the caches' host twin (table entries < 0
-        name its pages, plugins/kv_offload.py), None without offloading."""
-        extra = (k_scale, v_scale, offload)
-        if step.decode_rows.numel():
-            ends = step.decode_ends if dropped is None else step.decode_ends - dropped[step.decode_rows]
-            self._decode(q, k_cache, v_cache, block_tables, step, out, ends, *extra)
-        if step.prefill_seqs.numel():
-            ends = step.prefill_ends if dropped is None else step.prefill_ends - dropped[step.prefill_seqs]
-            if step.staged is None:
-                self._prefill(q, k_cache, v_cache, block_tables, step, out, ends, *extra)
-            else:  # the chunks' host pages, copied to a GPU twin (their tables renumbered)
-                twin = step.staged.acquire(self.layer)
-                self._prefill(q, k_cache, v_cache, step.staged.tables, step, out, ends, k_scale, v_scale, twin)
-                step.staged.release(self.layer)
-
-    def _common(self) -> dict:
-        return dict(n_sink=self.cfg.n_sink, n_stream=self.cfg.n_stream, inv_freq=self.inv_freq)
-
-    def _prune_kw(self) -> dict:
-        return dict(self._common(), head_normalized=self.cfg.chunk_score == "head_normalized")
-
-    def _decode(self, q, k_cache, v_cache, block_tables, step: SparseStep, out, ends, k_scale, v_scale,
-                offload) -> None:
-        kw, cache = self._common(), self.cache
-        prune_kw = self._prune_kw()
-        rope = self.pruning_rope if step.dynamic_rope else "none"
-        bank = cache.bank is not None and step.dynamic_rope and step.bank_ok  # else rotate: same tokens
-        if offload is not None and offload.gpu_pages is not None and (any(step.refresh[self.group]) or not bank):
-            # host pages with a GPU copy (runtime/offload_cache.py) are read from it
-            block_tables = cached_tables(block_tables, offload.gpu_pages)
-        for i, stage in enumerate(self.stages):
-            if not step.refresh[self.group][i]:
-                continue
-            r = step.stage_rows[self.group][i]  # rows recomputing stage i, indices into the decode rows
-            slots, rows = step.decode_slots[r], step.decode_rows[r]
-            prev = (None, None) if i == 0 else (cache.selected[i - 1][slots], cache.lens[i - 1][slots])
-            sel, num = pruning_stage(q, k_cache, block_tables[rows], step.decode_q_start[r],
-                                     step.decode_q_lens[r], ends[r], *prev,
-                                     chunk_size=stage.chunk_size, k=stage.k, block_q=1,
-                                     max_candidates=step.max_middle if i == 0 else None,
-                                     rope_style=rope, k_scale=k_scale, offload=offload, **prune_kw)
-            cache.selected[i][slots], cache.lens[i][slots] = sel, num
-            if cache.bank is not None and i == len(self.stages) - 1:
-                # the new selection's keys, rotated to their ranks once (read by the cached
-                # steps); written with or without dynamic RoPE so the bank is valid when it turns on
-                write_key_bank(k_cache, block_tables[rows], ends[r], sel, cache.bank, cache.bank_rows(slots),
-                               n_sink=self.cfg.n_sink, inv_freq=self.inv_freq, rope_group=stage.chunk_size,
-                               skip_row=cache.scratch_bank_row, k_scale=k_scale, offload=offload,
-                               v_cache=v_cache, v_scale=v_scale, value_bank=cache.value_bank)
-        rows = step.decode_rows
-        selected = cache.selected[-1][step.decode_slots]
-        out[rows] = sparse_decode_attention(
-            q[rows], k_cache, v_cache, block_tables[rows], ends, selected, scale=self.scale,
-            rope_style=self.cfg.attention_rope if step.dynamic_rope else "none",
-            rope_group=self.stages[-1].chunk_size, bank=cache.bank if bank else None,
-            bank_rows=cache.bank_rows(step.decode_slots) if bank else None, k_scale=k_scale, v_scale=v_scale,
-            offload=offload, value_bank=cache.value_bank if bank else None, **kw)
-
-    def _prefill(self, q, k_cache, v_cache, block_tables, step: SparseStep, out, ends, k_scale, v_scale,
-                 offload) -> None:
-        kw, prune_kw = self._common(), self._prune_kw()
-        tables = block_tables[step.prefill_seqs]
-        blocks = (step.prefill_q_start, step.prefill_q_lens, ends)
-        rope = self.pruning_rope if step.dynamic_rope else "none"
-        raw = None  # dynamic RoPE over many blocks: un-rotate each key once, not once per block
-        if step.raw_keys and rope != "none" and triton_on(q, k_cache):
-            raw = unrotate_keys(k_cache, block_tables[step.prefill_seq_rows], step.prefill_seq_ends,
-                                self.inv_freq, step.prefill_block_seq, k_scale=k_scale, dtype=q.dtype,
-                                offload=offload)
-        sel = num = None
-        for i, stage in enumerate(self.stages):
-            sel, num = pruning_stage(q, k_cache, tables, *blocks, sel, num, chunk_size=stage.chunk_size,
-                                     k=stage.k, block_q=self.cfg.block_q, query_stride=self.cfg.query_strides[i],
-                                     max_candidates=step.max_middle if i == 0 else None, rope_style=rope,
-                                     raw_keys=raw, k_scale=k_scale, offload=offload, **prune_kw)
-        sparse_prefill_attention(q, k_cache, v_cache, tables, *blocks, sel, block_q=self.cfg.block_q,
-                                 scale=self.scale, out=out, rope_group=self.stages[-1].chunk_size,
-                                 rope_style=self.cfg.attention_rope if step.dynamic_rope else "none",
-                                 k_scale=k_scale, v_scale=v_scale, offload=offload, **kw)

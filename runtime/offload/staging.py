@@ -79,9 +79,9 @@ class PrefillStaging:
     place (benchmarks compare the two)."""
 
     def __init__(self, layers: list, capacity: int, device: torch.device):
-        """layers: the attention modules with a host twin (``host_kv``), in forward order."""
+        """layers: the attention modules whose cache has a host twin (``kv.host``), in forward order."""
         self.order = {attn.layer_index: j for j, attn in enumerate(layers)}
-        self.hosts: list[HostKV] = [attn.host_kv for attn in layers]
+        self.hosts: list[HostKV] = [attn.kv.host for attn in layers]
         self.capacity = capacity
         h = self.hosts[0]
         self.buffers = [HostKV(*(None if t is None else torch.empty((capacity, *t.shape[1:]), dtype=t.dtype,

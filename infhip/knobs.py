@@ -1,0 +1,318 @@
+"""The knobs of an engine's plan: InfiniteHiP (:class:`InfiniteHipConfig`) and UniPrefill token
+drop (:class:`TokenDropConfig`), part of engine format v1 (infhip/config.py re-exports them).
+
+Each knob is a dataclass field whose metadata is its one description (:func:`knob`): meaning,
+whether a load may change it (``runtime``), and the measurement behind its value. From it come
+:data:`RUNTIME_KNOBS` (what ``LLM(..., infinitehip_overrides=...)`` may change) and
+docs/knobs.md (``python -m infhip.knobs_doc > docs/knobs.md``; a test keeps it in sync). The
+dataclass defaults are preset ``3k``; builder/presets.py writes the other presets as differences.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+
+def _check(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ValueError(msg)
+
+
+PRUNING_ROPE_STYLES = ("none", "relative", "chunk_indexed")
+ATTENTION_ROPE_STYLES = ("none", "streaming")
+
+
+@dataclass(frozen=True)
+class PruningStage:
+    """One InfiniteHiP pruning stage (SPEC §4): query blocks of ``block_q`` queries, candidate
+    chunks of ``chunk_size`` keys (a power of two), keep ``k`` keys (k / chunk_size chunks)."""
+
+    block_q: int
+    chunk_size: int
+    k: int
+
+    def __post_init__(self) -> None:
+        _check(self.block_q > 0, f"block_q must be positive, got {self.block_q}")
+        _check(self.chunk_size > 0 and self.chunk_size & (self.chunk_size - 1) == 0,
+               f"chunk_size must be a power of two, got {self.chunk_size}")
+        _check(self.k > 0 and self.k % self.chunk_size == 0,
+               f"k ({self.k}) must be a positive multiple of chunk_size ({self.chunk_size})")
+
+
+CHUNK_SCORES = ("max", "head_normalized")
+# Knobs that engines built earlier may still name; loading ignores them. solo_last_query (the
+# sampled prefill query scored its own mask): measured no gain on the H200 (SmolLM2 passkey +
+# NIAH 23 vs 22 right of 81), always off in the presets — removed.
+REMOVED_INFINITEHIP_KNOBS = frozenset({"solo_last_query"})
+
+
+def knob(default: Any, doc: str, *, runtime: bool = False, measured: str = "") -> Any:
+    """A knob field. Its metadata is the one description of the knob (docs/knobs.md is generated
+    from it: ``python -m infhip.knobs_doc``): ``doc`` its meaning in one line; ``runtime`` whether
+    a load may change it (``LLM(..., infinitehip_overrides=...)``, ``--infinitehip-overrides``)
+    or only a rebuild; ``measured`` the measurement behind its value, with markdown links
+    relative to docs/ ("not measured" when none chose it)."""
+    return field(default=default, metadata={"doc": doc, "runtime": runtime, "measured": measured})
+
+
+_ONE_LAYER = "[one layer](benchmarks.md#decode-infinitehip-one-layer-vs-sdpa)"
+_WHOLE_MODEL = "[whole model](benchmarks.md#decode-infinitehip-whole-model-vs-the-dense-engine)"
+_PAPER = "not measured (paper)"
+
+
+@dataclass(frozen=True)
+class InfiniteHipConfig:
+    """Knobs of every "infinitehip" layer of an engine (paper 000). The defaults are preset
+    ``3k``; the other presets are differences from it (builder/presets.py).
+
+    A request whose context (after the step) is below ``dense_threshold`` runs dense attention;
+    at or above it, each query block goes through ``stages`` then block-sparse attention over
+    sink [0, n_sink) + the last stage's survivors + the newest ``n_stream`` tokens. Layers in
+    ``special_layers`` (0-based) keep ``special_final_k`` keys in the last stage and prune with
+    ``special_pruning_rope``. In decode, stage i is recomputed every ``refresh_intervals[i]``
+    steps of a request (mask caching); each interval must be a multiple of the next, so a stage's
+    refresh always comes with the later stages'. In prefill, stage i scores a query block's
+    chunks with every ``query_strides[i]``-th of its queries only (1 = the paper's formula):
+    ~1/s of the stage's work, the mask still shared by the whole block
+    (plugins/infinitehip/pruning.py). ``chunk_score`` "head_normalized" subtracts, per kv head,
+    that head's best chunk score before the max, so a head with small logits (e.g. a retrieval
+    head) still keeps its best chunks. ``key_bank`` (streaming attention RoPE): each refresh of
+    the last stage rotates its keys once into a per-request bank that the cached decode steps
+    read (plugins/infinitehip/key_bank.py; memory: (min(max_num_seqs, key_bank_slots) + 1) x
+    layers x final k x kv heads x head_dim in the KV dtype, about 1.2 GiB for Llama-8B with 8 + 1
+    rows, reserved only when max_seq_len exceeds the trained window); a decode step whose
+    request owns no bank row (runtime/mask_cache.py) rotates keys instead: the same tokens, slower.
+    """
+
+    n_sink: int = knob(256, "first tokens every query attends (attention sinks)", measured=_PAPER)
+    n_stream: int = knob(1024, "newest tokens every query attends", measured=_PAPER)
+    stages: tuple[PruningStage, ...] = knob(
+        (PruningStage(64, 256, 32768), PruningStage(64, 32, 8192), PruningStage(64, 8, 2048)),
+        "pruning stages: query block, chunk size, keys kept", measured=_ONE_LAYER + "; retrieval vs dense: "
+        "[quality](quality.md#smollm2-135m-3k-vs-dense-4k32k-h200)")
+    refresh_intervals: tuple[int, ...] = knob(
+        (16, 8, 4), "decode steps between recomputations of stage i (each a multiple of the next)", runtime=True,
+        measured=f"{_ONE_LAYER}, {_WHOLE_MODEL}")
+    query_strides: tuple[int, ...] = knob(
+        (4, 4, 1), "prefill: stage i scores a block's chunks with every s-th query (1 = the paper's formula; "
+        "4, 4, 1 = the paper's public code)", runtime=True,
+        measured="1M prefill: 1,1,1 6.0×, 4,4,1 20.2×, 4,4,4 25.6× SDPA "
+        "([benchmarks](benchmarks.md#prefill-infinitehip-one-layer-vs-sdpa)). SmolLM2 retrieval: 24 / 23 / 21 of "
+        "81 prompts for 1,1,1 / 4,4,1 / 4,4,4, perplexity equal; NIAH 51 (4,4,1) vs 49 (4,4,4) of 90 "
+        "([quality](quality.md#query-strides-and-stage-3-at-stride-4))")
+    special_layers: tuple[int, ...] = knob(
+        (0, 1, 2), "0-based layers that keep `special_final_k` and prune with `special_pruning_rope`",
+        measured="not measured (paper's layers 1–3); `infhip-eval recall` lists candidates "
+        "([quality](quality.md#attention-recall-of-the-final-masks))")
+    special_final_k: int = knob(4096, "last-stage keys kept in the special layers", measured=_PAPER)
+    # n_sink + n_stream + stages[0].k; the builder caps it at the trained window + 1 (builder/presets.py)
+    dense_threshold: int = knob(
+        256 + 1024 + 32768, "a request runs dense attention until its context reaches this (as built: "
+        "min(n_sink + n_stream + stage-1 k, trained window + 1))", runtime=True,
+        measured="derived: below it stage 1 keeps every candidate; past the trained window dense attention "
+        "fails (SmolLM2, [quality](quality.md#smollm2-135m-3k-vs-dense-4k32k-h200))")
+    pruning_rope: str = knob("relative", "RoPE style of the pruning stages past the window (`none`, "
+                             "`relative`, `chunk_indexed`)", measured=_PAPER)
+    special_pruning_rope: str = knob("chunk_indexed", "the same for the special layers", measured=_PAPER)
+    attention_rope: str = knob("streaming", "RoPE style of the block-sparse attention (`none`, `streaming`)",
+                               measured=_PAPER)
+    rope_off_in_trained_window: bool = knob(
+        True, "dynamic RoPE only once a context passes the trained window", runtime=True,
+        measured="the dynamic-RoPE cost it avoids inside the window, 1M keys: cached-step attention 23.5 µs "
+        "rotating vs 12.6 µs unrotated, decode stage 1 212 vs 58 µs ([journal](journal/benchmarks-history.md), "
+        "\"Fourth measurement\"); its quality effect is not measured")
+    stagger_refresh: bool = knob(
+        True, "shift each layer's refresh phase so no step pays every refresh", runtime=True,
+        measured="whole model P99/median: 1.01–1.09 staggered vs 1.82 (128K) and 2.76 (512K) synchronized "
+        f"({_WHOLE_MODEL})")
+    chunk_score: str = knob(
+        "max", "`max`: the paper's max over heads and queries; `head_normalized`: per kv head minus that "
+        "head's best chunk score first", runtime=True,
+        measured="`head_normalized` better or equal in every SmolLM2 passkey/NIAH cell on the H200 (e.g. NIAH "
+        "32K 0.444 → 0.667), recall unchanged; the default stays the paper's "
+        "([quality](quality.md#chunk_score-max-vs-head_normalized-smollm2-h200))")
+    key_bank: bool = knob(
+        True, "past the window, a last-stage refresh rotates its keys once into a per-request bank that "
+        "cached decode steps read", runtime=True,
+        measured="1M keys, one layer: `3k-flash` 47.0× SDPA with, 35.3× without; whole model 512K: 166.4 vs "
+        f"155.6 tok/s ({_WHOLE_MODEL}). Memory: 4 MiB per row and layer for Llama-8B, about 1.2 GiB for "
+        "8 + 1 rows, reserved only when max_seq_len passes the window")
+    key_bank_slots: int = knob(
+        8, "decoding requests that own a bank row (rows: min(max_num_seqs, this) + 1); a step with a row "
+        "that owns none rotates keys instead (same tokens, slower)", runtime=True, measured="not measured")
+
+    def __post_init__(self) -> None:
+        _check(self.n_sink >= 0 and self.n_stream > 0, "n_sink must be >= 0 and n_stream > 0")
+        _check(len(self.stages) > 0, "at least one pruning stage")
+        _check(len(self.refresh_intervals) == len(self.stages),
+               f"{len(self.refresh_intervals)} refresh intervals for {len(self.stages)} stages")
+        _check(all(n > 0 for n in self.refresh_intervals), "refresh intervals must be positive")
+        _check(len(self.query_strides) == len(self.stages),
+               f"{len(self.query_strides)} query strides for {len(self.stages)} stages")
+        _check(all(1 <= s <= self.stages[0].block_q for s in self.query_strides),
+               f"query strides must be in [1, block_q={self.stages[0].block_q}], got {self.query_strides}")
+        for a, b in zip(self.refresh_intervals, self.refresh_intervals[1:]):
+            _check(a % b == 0, f"refresh interval {a} is not a multiple of the next stage's {b}: a "
+                   "stage's refresh must imply the later stages' refresh")
+        _check(len({s.block_q for s in self.stages}) == 1, "all stages share one block_q")
+        _check(self.n_stream >= self.stages[0].block_q, "n_stream must be >= block_q (a query sees itself)")
+        for a, b in zip(self.stages, self.stages[1:]):
+            _check(b.k <= a.k, f"stage k must not grow: {a.k} then {b.k}")
+        last = self.stages[-1]
+        prev_k = self.stages[-2].k if len(self.stages) > 1 else None
+        _check(self.special_final_k % last.chunk_size == 0 and self.special_final_k > 0,
+               f"special_final_k {self.special_final_k} must be a positive multiple of {last.chunk_size}")
+        _check(prev_k is None or self.special_final_k <= prev_k,
+               f"special_final_k {self.special_final_k} exceeds the previous stage's k {prev_k}")
+        _check(all(i >= 0 for i in self.special_layers), "special_layers are 0-based layer indices")
+        _check(self.dense_threshold >= 1, "dense_threshold must be >= 1")
+        _check(self.pruning_rope in PRUNING_ROPE_STYLES and self.special_pruning_rope in PRUNING_ROPE_STYLES,
+               f"pruning RoPE styles must be in {PRUNING_ROPE_STYLES}")
+        _check(self.attention_rope in ATTENTION_ROPE_STYLES,
+               f"attention_rope must be in {ATTENTION_ROPE_STYLES}")
+        _check(self.chunk_score in CHUNK_SCORES, f"chunk_score must be one of {CHUNK_SCORES}")
+        _check(isinstance(self.key_bank_slots, int) and not isinstance(self.key_bank_slots, bool)
+               and self.key_bank_slots >= 1, f"key_bank_slots must be an integer >= 1, got {self.key_bank_slots!r}")
+        for name in ("rope_off_in_trained_window", "stagger_refresh", "key_bank"):
+            value = getattr(self, name)
+            _check(isinstance(value, bool), f"{name} must be true or false, got {value!r}")
+
+    @property
+    def block_q(self) -> int:
+        return self.stages[0].block_q
+
+    def stages_of(self, layer: int) -> tuple[PruningStage, ...]:
+        """The stages of one layer: the special layers keep special_final_k in the last one."""
+        if layer not in self.special_layers:
+            return self.stages
+        last = self.stages[-1]
+        return self.stages[:-1] + (PruningStage(last.block_q, last.chunk_size, self.special_final_k),)
+
+    def pruning_rope_of(self, layer: int) -> str:
+        return self.special_pruning_rope if layer in self.special_layers else self.pruning_rope
+
+    def replace(self, **overrides: Any) -> "InfiniteHipConfig":
+        """A validated copy with some knobs changed (lists accepted for tuple fields)."""
+        unknown = set(overrides) - {f.name for f in dataclasses.fields(self)}
+        _check(not unknown, f"unknown InfiniteHiP knob(s): {', '.join(sorted(unknown))}")
+        fixed = {k: tuple(v) if isinstance(v, list) else v for k, v in overrides.items()}
+        if "stages" in fixed:
+            fixed["stages"] = tuple(s if isinstance(s, PruningStage) else PruningStage(*s)
+                                    for s in fixed["stages"])
+            if "query_strides" not in fixed and len(fixed["stages"]) != len(self.query_strides):
+                fixed["query_strides"] = (1,) * len(fixed["stages"])  # other stage count: exact
+        return dataclasses.replace(self, **fixed)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "InfiniteHipConfig":
+        d = {k: v for k, v in d.items() if k not in REMOVED_INFINITEHIP_KNOBS}  # older engines
+        d["stages"] = tuple(PruningStage(**s) for s in d["stages"])
+        # Engines built before a knob existed ran without it: absent query_strides = all 1 (the
+        # paper's formula), absent key_bank = off; the other knobs' defaults are what they ran.
+        d.setdefault("query_strides", (1,) * len(d["stages"]))
+        d.setdefault("key_bank", False)
+        for key in ("refresh_intervals", "special_layers", "query_strides"):
+            if key in d:
+                d[key] = tuple(d[key])
+        return cls(**d)
+
+
+# InfiniteHiP knobs a load may change (``LLM(..., infinitehip_overrides=...)``): they change
+# speed or accuracy, never the meaning of the weights or the stored plan's shapes.
+RUNTIME_KNOBS = tuple(f.name for f in dataclasses.fields(InfiniteHipConfig) if f.metadata["runtime"])
+
+
+def check_runtime_knobs(names) -> None:
+    """ValueError naming the knobs of ``names`` that only a rebuild may change."""
+    bad = sorted(set(names) - set(RUNTIME_KNOBS))
+    _check(not bad, f"infinitehip_overrides may change {', '.join(RUNTIME_KNOBS)} only; "
+           f"{', '.join(bad)} needs a rebuild (infhip-build --preset ... --infinitehip-overrides ...)")
+
+
+# Short names the token-drop knobs once had besides their field names: naming one is an error
+# that gives the field name (old command lines get a helpful message).
+RENAMED_TOKEN_DROP_KNOBS = {"n": "obs_window", "G": "block_size", "g": "block_size", "A": "num_sink",
+                            "a": "num_sink", "min_len": "min_prompt_len", "spare": "spare_anchors"}
+# retention (rho): a fixed share of blocks kept instead of top-p, a benchmark setting; no longer
+# in the engine format (engines that name it load without it).
+REMOVED_TOKEN_DROP_KNOBS = frozenset({"retention"})
+RETENTION_MOVED = ("retention (rho) is not a token-drop knob any more: it is a benchmark setting "
+                   "(infhip-eval --retention RHO; in Python infhip.eval.common.set_forced_retention(llm, rho))")
+
+
+@dataclass(frozen=True)
+class TokenDropConfig:
+    """UniPrefill token dropping in prefill (paper 004; runtime/token_drop.py).
+
+    At every full-attention layer (the *anchors*) of a prefill pass, the last ``obs_window``
+    queries score blocks of ``block_size`` tokens; the smallest set of blocks holding fraction
+    ``p`` of the attention mass is kept, plus the first ``num_sink`` tokens and the pass's last
+    ``obs_window`` tokens (more on models with sliding layers: see runtime/token_drop.py). Only
+    kept tokens run the rest of the layers until the next anchor. A prompt shorter than
+    ``min_prompt_len`` is never dropped: below ~8K tokens prefill is short already, the estimate
+    costs a few percent (paper: -5% at 4K on hybrids), and any drop can only lose quality.
+    ``spare_anchors`` (not in the paper; default 1, 0 = every anchor drops as the paper does):
+    the first that many anchors keep every token (they still estimate importance for the next).
+    The first anchor's attention is the flattest, and the tokens it drops skip the most layers
+    before they re-enter: on Gemma-3-270M sparing it takes p = 0.99 from x10.8 to -0.03 %
+    perplexity at 4K (+0.07 % at 8K, no passkey loss); on SmolLM2 from x6.8 to +30 % (two spared:
+    +9.9 %). It costs little at 128K on the H200 (30 % of the blocks kept: Llama-8B 5.6x -> 5.0x,
+    Gemma-3-12B 3.5x -> 2.6x faster than dense; docs/benchmarks.md, docs/quality.md).
+    Every knob may be changed per load (``LLM(..., token_drop={...})``).
+    """
+
+    p: float = knob(0.99, "the smallest set of token blocks holding this share of the attention mass is kept",
+                    runtime=True, measured="Gemma-3-270M 4K, spare_anchors 1: p = 0.99 −0.03 %, p = 0.98 +0.19 % "
+                    "perplexity ([quality](quality.md#uniprefill-token-drop-issue-4))")
+    obs_window: int = knob(128, "last queries of the chunk that score the blocks", runtime=True, measured=_PAPER)
+    block_size: int = knob(64, "tokens per scored block", runtime=True, measured=_PAPER)
+    num_sink: int = knob(128, "first tokens always kept", runtime=True, measured=_PAPER)
+    min_prompt_len: int = knob(
+        8192, "shorter prompts never drop", runtime=True,
+        measured="overhead with every block kept, Llama-8B: 21 % at 8K, 4.8 % at 32K, 2.6 % at 128K "
+        "([benchmarks](benchmarks.md#token-drop-uniprefill-ttft-vs-dense))")
+    spare_anchors: int = knob(
+        1, "the first N full-attention layers keep every token (not in the paper; 0 = the paper); engines "
+        "built before it: 0", runtime=True,
+        measured="Gemma-3-270M p = 0.99: perplexity ×10.8 → −0.03 % at 4K; SmolLM2 ×6.8 → +30 % "
+        "([quality](quality.md#uniprefill-token-drop-issue-4)). Cost at 128K, 30 % of the blocks kept: Llama-8B "
+        "5.64× → 5.02×, Gemma-3-12B 3.47× → 2.58× dense TTFT "
+        "([benchmarks](benchmarks.md#token-drop-uniprefill-ttft-vs-dense))")
+
+    def __post_init__(self) -> None:
+        _check(0.0 < self.p <= 1.0, f"token_drop p must be in (0, 1], got {self.p}")
+        for name in ("obs_window", "block_size"):
+            v = getattr(self, name)
+            _check(isinstance(v, int) and v >= 1, f"token_drop {name} must be an int >= 1, got {v!r}")
+        for name in ("num_sink", "min_prompt_len", "spare_anchors"):
+            v = getattr(self, name)
+            _check(isinstance(v, int) and v >= 0, f"token_drop {name} must be an int >= 0, got {v!r}")
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "TokenDropConfig":
+        # engines written before spare_anchors existed dropped at every anchor: keep them so
+        d = {"spare_anchors": 0, **{k: v for k, v in d.items() if k not in REMOVED_TOKEN_DROP_KNOBS}}
+        return cls(**d)
+
+    def replace(self, **overrides: Any) -> "TokenDropConfig":
+        check_token_drop_keys(overrides)
+        return dataclasses.replace(self, **overrides)
+
+
+def check_token_drop_keys(names) -> None:
+    """ValueError for a name that is not a token-drop knob; an old short name gets its field name."""
+    fields = [f.name for f in dataclasses.fields(TokenDropConfig)]
+    for name in names:
+        if name in RENAMED_TOKEN_DROP_KNOBS:
+            raise ValueError(f"token_drop knob {name!r} is now called {RENAMED_TOKEN_DROP_KNOBS[name]!r} "
+                             f"(one name per knob: {', '.join(fields)})")
+        if name in ("rho",) or name in REMOVED_TOKEN_DROP_KNOBS:
+            raise ValueError(RETENTION_MOVED)
+    unknown = sorted(set(names) - set(fields))
+    _check(not unknown, f"unknown token_drop knob(s): {', '.join(unknown)}; known: {', '.join(fields)}")
+
+
+__all__ = ["CHUNK_SCORES", "RUNTIME_KNOBS", "InfiniteHipConfig", "PruningStage", "TokenDropConfig",
+           "check_runtime_knobs", "check_token_drop_keys", "knob"]

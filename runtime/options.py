@@ -1,0 +1,180 @@
+"""The options of one engine load: :class:`LoadOptions`, the one typed object behind
+``LLM(engine_dir, options)`` / ``LLM(engine_dir, **kwargs)`` and the flags of infhip-run,
+infhip-serve and infhip-eval (``--max-num-seqs`` is ``max_num_seqs``: same names, dashes for
+underscores; :func:`add_load_options` makes the flags from the fields).
+
+    >>> LoadOptions(max_num_seqs=4).max_num_seqs
+    4
+    >>> parse_size("1.5GiB"), parse_size("512M"), parse_size("4096")
+    (1610612736, 536870912, 4096)
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from infhip.config import check_runtime_knobs
+from infhip.knob_specs import add_renamed_flag, parse_knobs, parse_token_drop_option
+from infhip.knobs import TokenDropConfig
+
+JIT_POLICIES = ("forbid", "warn", "allow")
+_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+def _option(default: Any, doc: str, kind: str, metavar: str | None = None, measured: str = "—") -> Any:
+    """A field of LoadOptions; ``kind`` says how its flag reads a value (int, size, flag, ...);
+    ``measured``: the measurement behind its default (docs/knobs.md, links relative to docs/)."""
+    return field(default=default, metadata={"doc": doc, "kind": kind, "metavar": metavar, "measured": measured})
+
+
+@dataclass(frozen=True)
+class LoadOptions:
+    """How to load and serve an engine (the engine itself fixes the model and its plan)."""
+
+    device: str | None = _option(None, "`cpu` / `cuda` (default: the engine's target)", "str", "DEVICE")
+    max_num_seqs: int | None = _option(None, "most sequences in one step (default: the engine's max batch size)",
+                                       "int", "N")
+    max_num_batched_tokens: int | None = _option(
+        None, "token budget of one step, i.e. the prefill chunk (default: the engine's)", "int", "N",
+        "see the build flag")
+    kv_cache_memory_bytes: int | None = _option(
+        None, "KV cache size (default on GPU: free memory - 10 % of total - other buffers (activations, key "
+        "bank, raw-keys scratch, staging) - 1 GiB; CPU: 2 GiB)", "size", "SIZE")
+    kv_offload_bytes: int = _option(
+        0, "pinned host memory for the KV pages between sink and stream of a request once its context passes "
+        "max(`dense_threshold`, trained window + 1) (with `rope_off_in_trained_window`; else `dense_threshold`). "
+        "InfiniteHiP engines whose full-attention layers all run it, no token drop; 0: off", "size", "SIZE",
+        "1M: decode 0.77×, prefill 0.95× of resident ([benchmarks](benchmarks.md#kv-offload-pinned-host-memory))")
+    enforce_eager: bool = _option(False, "never use CUDA graphs", "flag")
+    num_decode_steps: int | None = _option(
+        None, "decode steps run back to back on the device before the host reads tokens, when a step is all "
+        "decodes and nobody waits (up to N - 1 tokens past a stop are computed and dropped; default 8 on GPU, "
+        "1 on CPU)", "int", "N", "dense batch 1: 217.8 / 218.9 / 222.0 tok/s at 8 / 16 / 32 "
+        "([benchmarks](benchmarks.md#decode-dense-engine-vs-transformers))")
+    infinitehip_overrides: dict | None = _option(
+        None, "the InfiniteHiP knobs marked *load* in docs/knobs.md, changed for this load (e.g. "
+        "`chunk_score=head_normalized,refresh_intervals=[32,16,8]`)", "knobs", "KEY=VALUE,...")
+    token_drop: bool | dict | None = _option(
+        None, "UniPrefill token drop: off, on (as built, or the defaults), or token-drop knobs laid over the "
+        "engine's (e.g. `p=0.98,min_prompt_len=4096`); default: as built", "token_drop", "off|on|KEY=VALUE,...")
+    prefix_caching: bool = _option(
+        True, "reuse the KV pages of a prompt prefix an earlier request computed (whole pages), where reuse is "
+        "exact: dense plans (fp8 KV and Gemma-3's sliding layers too); off by itself with InfiniteHiP layers, token "
+        "drop or KV offloading; `--no-prefix-caching` turns it off", "bool", None,
+        "exactness tests only ([design/prefix_caching.md](design/prefix_caching.md))")
+    jit: str | None = _option(
+        None, "a kernel the engine has no binary for: `forbid` raises, `warn` compiles and logs, `allow` compiles "
+        "silently (and runs on a GPU other than the target); default `$INFHIP_JIT`, else `warn`", "choice",
+        "|".join(JIT_POLICIES), "[design/aot.md](design/aot.md)")
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "num_decode_steps", "kv_cache_memory_bytes"):
+            v = getattr(self, name)
+            if v is not None and (not _is_int(v) or v < 1):
+                raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
+        if not _is_int(self.kv_offload_bytes) or self.kv_offload_bytes < 0:
+            raise ValueError(f"kv_offload_bytes must be an integer >= 0, got {self.kv_offload_bytes!r}")
+        for name in ("enforce_eager", "prefix_caching"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        if self.device is not None and not isinstance(self.device, str):
+            raise ValueError(f"device must be a string (cpu, cuda), got {self.device!r}")
+        if self.jit is not None and self.jit not in JIT_POLICIES:
+            raise ValueError(f"jit must be one of {', '.join(JIT_POLICIES)}, got {self.jit!r}")
+        if self.infinitehip_overrides is not None:
+            if not isinstance(self.infinitehip_overrides, dict):
+                raise ValueError(f"infinitehip_overrides must be a dict of knobs, got "
+                                 f"{type(self.infinitehip_overrides).__name__}")
+            check_runtime_knobs(self.infinitehip_overrides)
+        if isinstance(self.token_drop, dict):
+            TokenDropConfig().replace(**self.token_drop)  # names and ranges, one line each
+        elif self.token_drop is not None and not isinstance(self.token_drop, bool):
+            raise TypeError(f"token_drop must be None, a bool or a dict of knobs, got "
+                            f"{type(self.token_drop).__name__}")
+
+    @classmethod
+    def of(cls, options: "LoadOptions | None" = None, **kwargs: Any) -> "LoadOptions":
+        """``options`` with ``kwargs`` laid over it (LLM's keyword form); TypeError names an
+        unknown keyword."""
+        if options is not None and not isinstance(options, LoadOptions):
+            raise TypeError(f"options must be a LoadOptions, got {type(options).__name__} "
+                            "(pass the others by keyword, e.g. device='cuda')")
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(kwargs) - names)
+        if unknown:
+            raise TypeError(f"unknown load option(s) {', '.join(unknown)}; known: {', '.join(sorted(names))}")
+        return dataclasses.replace(options, **kwargs) if options is not None else cls(**kwargs)
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def parse_size(text: str) -> int:
+    """Bytes from '8GiB', '8G', '512MiB', '1.5g', '4096' (binary units K, M, G, T; 'iB' / 'B'
+    optional). ValueError for anything else, or a negative size."""
+    t = str(text).strip().lower().removesuffix("ib").removesuffix("b")
+    unit = t[-1] if t and t[-1] in "kmgt" else ""
+    try:
+        value = float(t[:len(t) - len(unit)])
+    except ValueError:
+        raise ValueError(f"{text!r} is not a size: use bytes or e.g. 8GiB, 512MiB") from None
+    if value < 0:
+        raise ValueError(f"a size must be >= 0, got {text!r}")
+    return int(value * _UNITS[unit])
+
+
+def flag_of(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def add_load_options(parser: argparse.ArgumentParser) -> None:
+    """A flag per LoadOptions field (its name with dashes), read as strings: load_options()
+    converts and validates them, so a bad value is a ValueError the command reports (exit 2)."""
+    group = parser.add_argument_group("load options (LLM(...) keywords of the same names)")
+    for f in dataclasses.fields(LoadOptions):
+        kind, metavar = f.metadata["kind"], f.metadata["metavar"]
+        doc = f.metadata["doc"].replace("`", "").replace("%", "%%")  # argparse formats help with %
+        if kind == "flag":
+            group.add_argument(flag_of(f.name), action="store_true", help=doc)
+        elif kind == "bool":  # on by default: --name / --no-name
+            group.add_argument(flag_of(f.name), action=argparse.BooleanOptionalAction, default=None, help=doc)
+        elif kind == "choice":
+            group.add_argument(flag_of(f.name), choices=JIT_POLICIES, default=None, help=doc)
+        else:
+            group.add_argument(flag_of(f.name), default=None, metavar=metavar, help=doc)
+    add_renamed_flag(parser, "--kv-offload-gib", "use --kv-offload-bytes SIZE (e.g. 8GiB)")
+    add_renamed_flag(parser, "--kv-cache-gib", "use --kv-cache-memory-bytes SIZE (e.g. 16GiB)")
+    add_renamed_flag(parser, "--infinitehip", "use --infinitehip-overrides KEY=VALUE,...")
+
+
+def load_options(args: argparse.Namespace) -> LoadOptions:
+    """The LoadOptions of parsed flags (add_load_options); ValueError names the flag at fault."""
+    values: dict[str, Any] = {}
+    for f in dataclasses.fields(LoadOptions):
+        raw, kind = getattr(args, f.name), f.metadata["kind"]
+        if raw is None or (raw is False and kind != "bool"):
+            continue
+        try:
+            if kind == "int":
+                values[f.name] = int(raw)
+            elif kind == "size":
+                values[f.name] = parse_size(raw)
+            elif kind == "knobs":
+                values[f.name] = parse_knobs(raw)
+            elif kind == "token_drop":
+                values[f.name] = parse_token_drop_option(raw)
+            else:
+                values[f.name] = raw
+        except ValueError as e:
+            raise ValueError(f"{flag_of(f.name)}: {e}") from None
+    try:
+        return LoadOptions(**values)
+    except (TypeError, ValueError) as e:
+        raise ValueError(str(e)) from None
+
+
+__all__ = ["JIT_POLICIES", "LoadOptions", "add_load_options", "flag_of", "load_options", "parse_size"]

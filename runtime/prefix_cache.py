@@ -1,0 +1,237 @@
+"""Automatic prefix caching: content-addressed full KV pages (docs/design/prefix_caching.md).
+
+A *full* page (all ``page_size`` positions computed) is named by a chained digest:
+
+    h[-1] = blake2b(salt)                      salt: the engine's plan identity
+    h[i]  = blake2b(h[i-1] || tokens of page i)
+
+so ``h[i]`` stands for every token up to the end of page i and the plan that computed them (a
+128-bit digest: collisions are not a practical concern). Each KV group has its own pool
+(:class:`PagePool`), so the group is part of the name too.
+
+:class:`PagePool` replaces a group's plain free list in the KV manager: pages carry reference
+counts (a page shared by several sequences is freed when the last one lets go); a freed page
+that has a digest is not returned to the free list but kept, evictable, in LRU order, so a later
+request with the same prefix can take it back. Allocation takes a free page first and evicts the
+least recently freed cached page only when none is left, so cached pages never cost a running
+request a page: they count as free everywhere (``num_free``). A page with a reference is never
+evicted.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections import OrderedDict
+
+_DIGEST = 16
+
+
+def root_hash(salt: str) -> bytes:
+    """The digest that the chain of a prompt's first page extends (the plan identity)."""
+    return hashlib.blake2b(salt.encode(), digest_size=_DIGEST).digest()
+
+
+def extend_chain(chain: list[bytes], root: bytes, tokens: list[int], page_size: int, num_pages: int) -> None:
+    """Append to ``chain`` (digests of pages 0..len-1 of ``tokens``) up to ``num_pages`` pages."""
+    prev = chain[-1] if chain else root
+    for i in range(len(chain), num_pages):
+        page = tokens[i * page_size:(i + 1) * page_size]
+        assert len(page) == page_size, "only full pages are hashed"
+        prev = hashlib.blake2b(prev + array("q", page).tobytes(), digest_size=_DIGEST).digest()
+        chain.append(prev)
+
+
+class PagePool:
+    """Pages 1..num_pages-1 of one KV group: reference counts, and the content-addressed cache
+    of freed full pages (LRU). With nothing ever registered it behaves as a PageAllocator."""
+
+    def __init__(self, alloc):
+        """alloc: the group's PageAllocator (kv_cache.py), whose free list this pool draws on."""
+        self._alloc = alloc
+        self._refs = [0] * alloc.num_pages
+        self._page_of: dict[bytes, int] = {}  # digest -> page (held or cached)
+        self._hash_of: dict[int, bytes] = {}  # page -> digest
+        self._lru: OrderedDict[int, None] = OrderedDict()  # cached pages with no reference, oldest first
+        self.num_evictions = 0
+
+    @property
+    def num_pages(self) -> int:
+        return self._alloc.num_pages
+
+    @property
+    def num_free(self) -> int:
+        """Pages a sequence can get now: free ones and cached ones without a reference."""
+        return self._alloc.num_free + len(self._lru)
+
+    @property
+    def num_cached(self) -> int:
+        """Cached pages that no sequence holds (evictable)."""
+        return len(self._lru)
+
+    def refs(self, page: int) -> int:
+        return self._refs[page]
+
+    def allocate(self) -> int:
+        if self._alloc.num_free:
+            page = self._alloc.allocate()
+        elif self._lru:
+            page, _ = self._lru.popitem(last=False)  # evict the least recently freed
+            del self._page_of[self._hash_of.pop(page)]
+            self.num_evictions += 1
+        else:
+            page = self._alloc.allocate()  # raises OutOfPages
+        self._refs[page] = 1
+        return page
+
+    def free(self, page: int) -> None:
+        """Drop one reference; at none the page is cached (it has a digest) or free."""
+        if not (isinstance(page, int) and 0 < page < self.num_pages):
+            raise ValueError(f"page {page!r} does not belong to this pool (pages 1..{self.num_pages - 1})")
+        if self._refs[page] <= 0:
+            raise ValueError(f"double free of KV page {page}")
+        self._refs[page] -= 1
+        if self._refs[page] == 0:
+            if page in self._hash_of:
+                self._lru[page] = None
+            else:
+                self._alloc.free(page)
+
+    # ---- content addressing ----------------------------------------------------------------
+    def lookup(self, digest: bytes) -> int | None:
+        return self._page_of.get(digest)
+
+    def acquire(self, page: int) -> None:
+        """One more reference to a cached page (taken out of the LRU if it had none)."""
+        if self._refs[page] == 0:
+            del self._lru[page]
+        self._refs[page] += 1
+
+    def register(self, page: int, digest: bytes) -> None:
+        """Name a held, full page by its digest (no-op if the page or the digest is named already:
+        two sequences computed the same page; the first one stays the cached copy)."""
+        if self._refs[page] <= 0:
+            raise ValueError(f"KV page {page} is not held; only held pages are registered")
+        if page not in self._hash_of and digest not in self._page_of:
+            self._page_of[digest] = page
+            self._hash_of[page] = digest
+
+    def clear(self) -> None:
+        """Forget every digest: cached pages return to the free list, held ones stay held."""
+        for page in self._lru:
+            self._alloc.free(page)
+        self._lru.clear()
+        self._page_of.clear()
+        self._hash_of.clear()
+
+
+class PrefixCaching:
+    """The prefix-caching half of the KV manager (KVCacheManager inherits it): which cached pages
+    a new sequence starts with (:meth:`share`), and naming a sequence's pages once they are full
+    (:meth:`register`). Off until :meth:`enable_prefix_caching`; the LLM turns it on only for plans
+    where reuse is exact (docs/design/prefix_caching.md)."""
+
+    prefix_caching = False
+
+    def _init_prefix_cache(self) -> None:
+        self._root = b""
+        self._chains: dict[int, list[bytes]] = {}  # seq_id -> digests of its first pages
+        self.prefix_cache_queries = 0  # tokens of admitted sequences looked up
+        self.prefix_cache_hits = 0  # of them, tokens found cached (not recomputed)
+
+    def enable_prefix_caching(self, salt: str) -> None:
+        """Turn reuse on; ``salt`` names the plan (pages computed under another plan never match)."""
+        if any(spec.offload is not None for spec in self.groups.values()):
+            raise ValueError("prefix caching does not cover offloaded (host) KV pages yet")
+        self.prefix_caching, self._root = True, root_hash(salt)
+
+    def disable_prefix_caching(self) -> None:
+        """Turn reuse off and forget every cached page (held pages stay with their sequences)."""
+        self.prefix_caching = False
+        for pool in self._alloc.values():
+            pool.clear()
+        self._chains.clear()
+
+    @property
+    def prefix_cache_evictions(self) -> int:
+        """Cached pages handed out to new content since start (all groups)."""
+        return sum(pool.num_evictions for pool in self._alloc.values())
+
+    def num_cached_pages(self, group: str) -> int:
+        """Pages of ``group`` that hold cached content and no sequence (counted as free)."""
+        self._spec(group)
+        return self._alloc[group].num_cached
+
+    def _window_start(self, group: str, start: int) -> int:
+        """First logical page a chunk starting at ``start`` reads in ``group``."""
+        window = self.groups[group].window
+        return max(0, start - window + 1) // self.page_size if window else 0
+
+    def cached_prefix(self, tokens: list[int]) -> tuple[int, list[bytes]]:
+        """(n, chain): the longest prefix of n full pages (n * page_size <= len(tokens) - 1: the
+        last token is always computed, for its logits) whose pages every group can reuse — a
+        full-attention group needs all n pages, a windowed group the pages of the window before
+        position n * page_size — and the digests computed on the way."""
+        ps, chain = self.page_size, []
+        m = (len(tokens) - 1) // ps
+        full = [self._alloc[g] for g, spec in self.groups.items() if spec.window is None]
+        n = 0
+        while n < m:
+            extend_chain(chain, self._root, tokens, ps, n + 1)
+            if any(pool.lookup(chain[n]) is None for pool in full):
+                break
+            n += 1
+        if not full:
+            extend_chain(chain, self._root, tokens, ps, m)
+            n = m
+        windowed = [g for g, spec in self.groups.items() if spec.window is not None]
+        while n and not all(self._alloc[g].lookup(chain[j]) is not None
+                            for g in windowed for j in range(self._window_start(g, n * ps), n)):
+            n -= 1
+        return n, chain
+
+    def share(self, seq_id: int, tokens: list[int]) -> int:
+        """Start the new sequence ``seq_id`` (all of its tokens: ``tokens``) with the cached pages
+        of its longest reusable prefix; returns how many tokens they hold (0: none, or caching
+        off). Undo with free() (the pages go back to the cache)."""
+        if not self.prefix_caching:
+            return 0
+        if any(seq_id in tables for tables in self._tables.values()):
+            raise ValueError(f"sequence {seq_id} already holds pages; share() is for new sequences")
+        from infhip.runtime.kv_cache import NULL_PAGE, _Table
+
+        n, chain = self.cached_prefix(tokens)
+        self._chains[seq_id] = chain
+        if not n:
+            return 0
+        for g in self.groups:
+            pool, lo = self._alloc[g], self._window_start(g, n * self.page_size)
+            pages = [NULL_PAGE] * lo
+            for j in range(lo, n):
+                page = pool.lookup(chain[j])
+                pool.acquire(page)
+                pages.append(page)
+            self._tables[g][seq_id] = _Table(pages=pages, lo=lo, num_hashed=n)
+        return n * self.page_size
+
+    def register(self, seq_id: int, tokens: list[int], num_computed: int) -> None:
+        """Name the pages of ``seq_id`` that are full now that its first ``num_computed`` tokens
+        (of ``tokens``) are computed, so later sequences can reuse them."""
+        if not self.prefix_caching:
+            return
+        full = num_computed // self.page_size
+        chain = self._chains.setdefault(seq_id, [])
+        extend_chain(chain, self._root, tokens, self.page_size, full)
+        for g, tables in self._tables.items():
+            t = tables.get(seq_id)
+            if t is None:
+                continue
+            pool = self._alloc[g]
+            for i in range(max(t.num_hashed, t.lo), min(full, len(t.pages))):
+                if t.pages[i] > 0:  # held on the GPU (offloaded pages are never named)
+                    pool.register(t.pages[i], chain[i])
+            t.num_hashed = max(t.num_hashed, full)
+
+    def record_admission(self, num_tokens: int, cached: int) -> None:
+        self.prefix_cache_queries += num_tokens
+        self.prefix_cache_hits += cached

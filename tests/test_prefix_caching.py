@@ -1,0 +1,351 @@
+"""Automatic prefix caching (issue 24, docs/design/prefix_caching.md): the page pool (refcounts,
+LRU, eviction), the sliding-window rule, reuse across requests and within one batch giving the
+same greedy tokens as no cache on a tiny Llama and a tiny Gemma-3, evicted pages poisoned with
+NaN, refcounts under abort, no extra preemption, which plans turn it off, and the HTTP field."""
+
+from __future__ import annotations
+
+import json
+import random
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from infhip import LLM, SamplingParams
+from infhip.builder.build import build_engine
+from infhip.runtime.kv_cache import NULL_PAGE, KVCacheManager, KVGroupSpec, OutOfPages
+from infhip.runtime.llm import prefix_caching_exact
+from infhip.runtime.prefix_cache import PagePool
+from infhip.runtime.sequence import Sequence
+from tests._serving import post, request, running_server
+from tests._tiny import write_tiny_hf_checkpoint
+
+GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+
+
+def ids(seed: int, n: int) -> list[int]:
+    return torch.randint(3, 300, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+# ---- the KV manager (no tensors) --------------------------------------------------------------
+def _run(kv: KVCacheManager, seq_id: int, tokens: list[int], chunk: int, start: int = 0) -> None:
+    """Compute positions [start, len(tokens)) of seq_id in chunks, naming full pages as the
+    scheduler's update() does."""
+    while start < len(tokens):
+        end = min(len(tokens), start + chunk)
+        kv.append(seq_id, start, end)
+        kv.register(seq_id, tokens, end)
+        start = end
+
+
+def _idle(kv: KVCacheManager) -> None:
+    """No sequence holds a page: every page is free or cached, no reference left."""
+    for g, pool in kv._alloc.items():
+        assert pool.num_free == kv.groups[g].num_pages - 1, g
+        assert not any(pool.refs(p) for p in range(pool.num_pages)), g
+
+
+def test_pages_shared_cached_and_evicted_lru():
+    kv = KVCacheManager(4, {"global": KVGroupSpec(num_pages=9, window=None)}, max_pages_per_seq=8)
+    kv.enable_prefix_caching("plan-a")
+    doc = list(range(10, 30))  # 5 full pages
+    assert kv.share(1, doc + [7]) == 0  # nothing cached yet
+    _run(kv, 1, doc + [7], chunk=6)
+    held = kv.block_table(1, "global")
+    kv.free(1)
+    _idle(kv)
+    assert kv.num_cached_pages("global") == 5 and kv.num_free_pages("global") == 8  # cached pages count as free
+    # a prompt of exactly the 5 pages reuses 4: its last token is computed for its logits
+    assert kv.share(2, doc) == 16 and kv.block_table(2, "global") == held[:4]
+    assert kv.share(3, doc[:8] + [99] * 9) == 8  # the longest common page-aligned prefix
+    assert [kv._alloc["global"].refs(p) for p in held[:3]] == [2, 2, 1]
+    kv.free(3)
+    # a different plan (salt) never matches
+    other = KVCacheManager(4, {"global": KVGroupSpec(num_pages=9, window=None)}, max_pages_per_seq=8)
+    other.enable_prefix_caching("plan-b")
+    assert other.cached_prefix(doc)[0] == 0 and kv.cached_prefix(doc)[0] == 4
+    # pressure: seq 2 holds 5 pages (4 shared), 2 are free and 1 cached (doc page 4) of 8
+    kv.append(2, 16, 20)
+    assert kv.num_free_pages("global") == 3 and not kv.can_append(4, 0, 13)
+    kv.append(4, 0, 12)  # the 2 free pages first, then the LRU cached page
+    assert kv.prefix_cache_evictions == 1 and held[4] in kv.block_table(4, "global")
+    assert kv.cached_prefix(doc + [1])[0] == 4 and kv.block_table(2, "global")[:4] == held[:4]
+    with pytest.raises(OutOfPages):
+        kv.append(4, 12, 16)  # everything left is held by seq 2: never evicted
+    kv.free(4)
+    kv.free(2)
+    _idle(kv)
+
+
+def test_pool_double_free_and_duplicate_content():
+    from infhip.runtime.kv_cache import PageAllocator
+    pool = PagePool(PageAllocator(4))
+    a, b = pool.allocate(), pool.allocate()
+    pool.register(a, b"x")
+    pool.register(b, b"x")  # the same content computed twice: the first copy stays cached
+    assert pool.lookup(b"x") == a
+    pool.free(a)
+    pool.free(b)
+    assert pool.num_cached == 1 and pool.num_free == 3
+    with pytest.raises(ValueError, match="double free"):
+        pool.free(b)
+    pool.acquire(a)
+    with pytest.raises(ValueError, match="not held"):
+        pool.register(b, b"y")  # b is free
+
+
+def _window_ok(kv, chain, n) -> bool:
+    """The rule restated: full-attention groups have pages 0..n-1 cached, a window W group the
+    pages of positions n*ps-W+1 .. n*ps-1."""
+    ps = kv.page_size
+    for g, spec in kv.groups.items():
+        lo = max(0, n * ps - spec.window + 1) // ps if spec.window else 0
+        if any(kv._alloc[g].lookup(chain[j]) is None for j in range(lo, n)):
+            return False
+    return True
+
+
+def test_sliding_window_rule_random():
+    """Hybrid global + window groups under random traffic and evictions: share() takes the longest
+    prefix whose pages every group still holds (its window only for a windowed group), installs
+    exactly those pages, and the pools balance when idle."""
+    rng = random.Random(0)
+    kv = KVCacheManager(4, {"global": KVGroupSpec(num_pages=40, window=None),
+                            "sliding": KVGroupSpec(num_pages=14, window=9)}, max_pages_per_seq=16)
+    kv.enable_prefix_caching("hybrid")
+    docs = [[rng.randrange(3, 50) for _ in range(40)] for _ in range(3)]
+    for seq_id in range(40):
+        tokens = rng.choice(docs)[:rng.randrange(20, 41)] + [rng.randrange(3, 50) for _ in range(rng.randrange(1, 9))]
+        tokens = tokens[:60]
+        n, chain = kv.cached_prefix(tokens)
+        assert n * 4 <= len(tokens) - 1 and _window_ok(kv, chain, n)
+        assert not any(_window_ok(kv, chain, m) for m in range(n + 1, (len(tokens) - 1) // 4 + 1))
+        assert kv.share(seq_id, tokens) == 4 * n
+        for g in kv.groups:
+            table = kv.block_table(seq_id, g)
+            assert [p for p in table if p != NULL_PAGE] == [kv._alloc[g].lookup(chain[j]) for j in
+                                                           range(len(table) - sum(p != NULL_PAGE for p in table), n)]
+        if not kv.can_append(seq_id, 4 * n, len(tokens)):
+            kv.free(seq_id)
+            continue
+        _run(kv, seq_id, tokens, chunk=rng.choice([3, 8, 64]), start=4 * n)
+        kv.free(seq_id)
+        _idle(kv)
+    assert kv.prefix_cache_evictions > 0
+
+
+# ---- engines ----------------------------------------------------------------------------------
+def _engine(root, arch: str, kv_dtype: str | None = None):
+    write_tiny_hf_checkpoint(root / "hf", arch)
+    return build_engine(checkpoint=root / "hf", output_dir=root / "engine", dtype="float32", device="cpu",
+                        max_seq_len=128, max_batch_size=3, kv_dtype=kv_dtype, progress=False)
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    return _engine(tmp_path_factory.mktemp("pc_llama"), "llama")
+
+
+@pytest.fixture(scope="module")
+def llama_fp8(tmp_path_factory):  # dense prefill reads fp8 keys back from the cache: reuse is exact too
+    return _engine(tmp_path_factory.mktemp("pc_llama_fp8"), "llama", kv_dtype="fp8")
+
+
+@pytest.fixture(scope="module")
+def gemma(tmp_path_factory):
+    return _engine(tmp_path_factory.mktemp("pc_gemma"), "gemma3")
+
+
+def _workload() -> list[list[int]]:
+    """Questions over two documents: page-aligned and not, one the whole document, repeats, one
+    that leaves the document at the last token of a page."""
+    doc_a, doc_b = ids(1, 40), ids(2, 50)
+    return [doc_a + ids(3, 9), doc_b + ids(4, 3), doc_a + ids(5, 20), doc_a[:32], doc_a + ids(3, 9),
+            doc_b + ids(6, 30), doc_a[:17] + ids(7, 5), doc_a[:31] + ids(9, 10)]  # the last: page 1 differs in its last token
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma", "llama_fp8"])
+def test_greedy_equal_to_no_cache(arch, request):
+    """Across requests (one after another, and a follow-up that extends an answer) and within one
+    batch (chunked prefill admits later requests after the earlier ones filled pages)."""
+    engine = request.getfixturevalue(arch)
+    on = LLM(engine, max_num_batched_tokens=24)
+    off = LLM(engine, max_num_batched_tokens=24, prefix_caching=False)
+    assert on.prefix_caching and not off.prefix_caching
+    prompts = _workload()
+    batch = on.generate(prompt_token_ids=prompts, sampling_params=GREEDY)
+    want = off.generate(prompt_token_ids=prompts, sampling_params=GREEDY)
+    assert [o.token_ids for o in batch] == [w.token_ids for w in want]
+    assert any(o.num_cached_tokens for o in batch), "within one batch some request reuses pages"
+    assert all(w.num_cached_tokens == 0 for w in want)
+    for p, w in zip(prompts, want):
+        out = on.generate(prompt_token_ids=[p], sampling_params=GREEDY)[0]
+        assert out.token_ids == w.token_ids and out.num_cached_tokens == 16 * ((len(p) - 1) // 16)
+    assert on.generate(prompt_token_ids=[prompts[0][:31] + ids(11, 4)], sampling_params=GREEDY)[0].num_cached_tokens == 16
+    for p in prompts:  # the logits themselves, not only their argmax (a tiny random model is forgiving)
+        assert torch.allclose(last_logits(on, p), last_logits(off, p), rtol=1e-5, atol=1e-5)
+    follow = prompts[0] + want[0].token_ids + ids(8, 20)  # a second turn: reuses pages written by decode
+    out, ref = (llm.generate(prompt_token_ids=[follow], sampling_params=GREEDY)[0] for llm in (on, off))
+    assert out.token_ids == ref.token_ids and out.num_cached_tokens == 48
+    stats = on.stats()
+    assert stats.prefix_cache_hits > 0 and stats.prefix_cache_queries > stats.prefix_cache_hits
+    assert all(n == 0 for n in stats.kv_pages_used.values())
+
+
+def last_logits(llm: LLM, prompt: list[int]) -> torch.Tensor:
+    """The logits of the prompt's last token, through scheduler and runner (as
+    tests/test_runtime_vs_hf.py does)."""
+    seq = Sequence(seq_id=10_000, prompt_token_ids=prompt, params=SamplingParams(max_tokens=1))
+    llm.scheduler.add(seq)
+    while True:
+        out = llm.scheduler.schedule()
+        logits = llm.runner.execute(out)
+        if out.chunks[0].needs_logits:
+            llm.scheduler.finish(seq, "abort")
+            return logits[0]
+        llm.scheduler.update(out, {}, ())
+
+
+def _poison_free_pages(llm) -> None:
+    """NaN into every page that is neither held nor cached (in every layer's K and V)."""
+    for g, pool in llm.runner.kv._alloc.items():
+        pages = list(pool._alloc._free)
+        for layer in llm.runner.model.layers:
+            kv = layer.self_attn.kv
+            if layer.self_attn.kv_group == g and pages:
+                kv.k[pages] = float("nan")
+                kv.v[pages] = float("nan")
+
+
+# 8 pages of the global layers (4 KiB per layer): Llama's 3 layers; Gemma-3's 1 global layer after
+# its 6 sliding ones take what 3 sequences' windows need (13 pages)
+@pytest.mark.parametrize("arch,kv_bytes", [("llama", 9 * 3 * 4096), ("gemma", (13 * 6 + 9) * 4096)])
+def test_eviction_under_pressure_with_poisoned_pages(arch, kv_bytes, request, monkeypatch):
+    engine = request.getfixturevalue(arch)
+    small = dict(max_num_batched_tokens=32, kv_cache_memory_bytes=kv_bytes, max_num_seqs=3)
+    on, off = LLM(engine, **small), LLM(engine, prefix_caching=False, max_num_batched_tokens=32)
+    layers = on.runner.model.layers
+    group_of = {id(pool): g for g, pool in on.runner.kv._alloc.items()}
+    evict = PagePool.allocate
+
+    def poisoning_allocate(pool):  # an evicted page is NaN until its new owner writes it
+        before = pool.num_evictions
+        page = evict(pool)
+        if pool.num_evictions != before and id(pool) in group_of:
+            for layer in layers:
+                if layer.self_attn.kv_group != group_of[id(pool)]:
+                    continue
+                layer.self_attn.kv.k[page] = float("nan")
+                layer.self_attn.kv.v[page] = float("nan")
+        return page
+
+    monkeypatch.setattr(PagePool, "allocate", poisoning_allocate)
+    docs = [ids(20 + i, 45) for i in range(4)]
+    rounds = [[d + ids(30 + i, 6)] for i, d in enumerate(docs)] + [[docs[0] + ids(40, 3)], [docs[3] + ids(41, 9)],
+                                                                   [docs[1] + ids(42, 2), docs[2] + ids(43, 5)]]
+    cached = []
+    for prompts in rounds:
+        outs = on.generate(prompt_token_ids=prompts, sampling_params=GREEDY)
+        want = off.generate(prompt_token_ids=prompts, sampling_params=GREEDY)
+        assert [o.token_ids for o in outs] == [w.token_ids for w in want]
+        cached.append([o.num_cached_tokens for o in outs])
+        assert not any(torch.isnan(torch.tensor(o.token_ids, dtype=torch.float)).any() for o in outs)
+        _poison_free_pages(on)
+    stats = on.stats()
+    assert stats.prefix_cache_evictions > 0 and stats.prefix_cache_hits > 0
+    assert on.stats().kv_pages_free["global"] == 8
+    # 8 pages in all: docs 0..2 are evicted by the time they come back; doc 3 keeps its first two
+    # pages (its third one holds the first question's tokens)
+    assert cached == [[0], [0], [0], [0], [0], [32], [0, 0]], cached
+
+
+def test_refcounts_under_abort(llama):
+    llm = LLM(llama, max_num_batched_tokens=16)
+    doc = ids(50, 48)
+    ref = LLM(llama, prefix_caching=False).generate(prompt_token_ids=[doc + [5, 6]], sampling_params=GREEDY)[0]
+    llm.generate(prompt_token_ids=[doc + [9]], sampling_params=GREEDY)
+    # aborted mid-prefill (its first chunk starts at the cached 48 tokens), and mid-decode
+    req = llm._add(None, doc + ids(51, 40), GREEDY)
+    llm.step()
+    assert req.seq.num_cached_tokens == 48 and 48 < req.seq.num_computed_tokens < 89
+    other = llm._add(None, doc + [5, 6], GREEDY)
+    for _ in range(3):
+        llm.step()
+    llm._abort(req)
+    while not other.seq.is_finished:
+        llm.step()
+    assert llm._output(other).token_ids == ref.token_ids
+    stream = llm.generate_stream(prompt_token_ids=doc + [7], sampling_params=GREEDY)
+    assert next(stream).num_cached_tokens == 48
+    stream.close()  # the client left after its first token
+    kv = llm.runner.kv
+    for g, pool in kv._alloc.items():
+        assert pool.num_free == kv.groups[g].num_pages - 1 and pool.num_cached > 0
+        assert not any(pool.refs(p) for p in range(pool.num_pages))
+    assert llm.stats().kv_pages_used == {g: 0 for g in kv.groups}
+
+
+def test_cached_pages_cause_no_preemption(llama):
+    """Cached pages are free for the scheduler: with the cache full of other prompts' pages, a load
+    that fits without a cache runs without preemption and gives the same tokens."""
+    small = dict(max_num_batched_tokens=32, kv_cache_memory_bytes=17 * 16 * 256 * 3, max_num_seqs=2)
+    on, off = LLM(llama, **small), LLM(llama, prefix_caching=False, **small)
+    for i in range(6):
+        on.generate(prompt_token_ids=[ids(60 + i, 40)], sampling_params=GREEDY)
+    assert on.stats().kv_pages_cached["global"] >= 12
+    load = [ids(70, 60), ids(71, 58)]
+    sp = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    got = on.generate(prompt_token_ids=load, sampling_params=sp)
+    want = off.generate(prompt_token_ids=load, sampling_params=sp)
+    assert [o.token_ids for o in got] == [w.token_ids for w in want]
+    assert off.scheduler.num_preemptions == 0 and on.scheduler.num_preemptions == 0
+    assert on.stats().prefix_cache_evictions > 0
+
+
+def test_plans_where_it_is_off(llama):
+    dense = SimpleNamespace(infinitehip=None, token_drop=None)
+    assert prefix_caching_exact(dense)
+    assert not prefix_caching_exact(dense, kv_offload_bytes=1 << 30)
+    assert not prefix_caching_exact(SimpleNamespace(infinitehip=object(), token_drop=None))
+    assert not prefix_caching_exact(SimpleNamespace(infinitehip=None, token_drop=object()))
+    assert not LLM(llama, token_drop=True).prefix_caching
+    llm = LLM(llama)
+    llm.generate(prompt_token_ids=[ids(80, 40)], sampling_params=GREEDY)
+    llm.runner.set_token_drop(LLM(llama, token_drop=True).engine.config.plan.token_drop)  # turned on at runtime
+    assert not llm.prefix_caching and llm.stats().kv_pages_cached == {"global": 0}
+    assert llm.generate(prompt_token_ids=[ids(80, 40)], sampling_params=GREEDY)[0].num_cached_tokens == 0
+
+
+def test_http_usage_reports_cached_tokens(llama):
+    with running_server(LLM(llama)) as server:
+        body = {"prompt": ids(90, 40), "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+        first = json.loads(post(server, body)[1])["usage"]
+        assert first["prompt_tokens_details"] == {"cached_tokens": 0}
+        second = json.loads(post(server, body)[1])
+        assert second["usage"]["prompt_tokens_details"] == {"cached_tokens": 32}
+        assert second["choices"][0]["token_ids"] == json.loads(post(server, {**body, "prompt": body["prompt"]})[1])[
+            "choices"][0]["token_ids"]
+        status, data = post(server, {**body, "stream": True, "stream_options": {"include_usage": True}})
+        last = json.loads([b for b in data.split(b"\n\n") if b.startswith(b"data: {")][-1][6:])
+        assert status == 200 and last["usage"]["prompt_tokens_details"] == {"cached_tokens": 32}
+        metrics = request(server, "GET", "/metrics")[1].decode()
+        hits = [line for line in metrics.splitlines() if line.startswith("infhip_prefix_cache_hits_total")]
+        assert hits and float(hits[0].split()[-1]) >= 96
+        assert 'infhip_kv_pages_cached{group="global"}' in metrics
+
+
+def test_preempted_request_reuses_its_own_pages(llama):
+    """A preempted request comes back to its own cached pages (prompt and answer so far: pages
+    written by decode steps included) and still gives the tokens of an uncached run."""
+    small = dict(max_num_batched_tokens=32, kv_cache_memory_bytes=9 * 3 * 4096, max_num_seqs=3)
+    on, off = LLM(llama, **small), LLM(llama, prefix_caching=False, **small)
+    prompts = [ids(100 + i, 40) for i in range(2)]
+    sp = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
+    got = on.generate(prompt_token_ids=prompts, sampling_params=sp)
+    want = off.generate(prompt_token_ids=prompts, sampling_params=sp)
+    assert [o.token_ids for o in got] == [w.token_ids for w in want]
+    assert on.scheduler.num_preemptions > 0 and off.scheduler.num_preemptions > 0
+    # it came back to what the running one left of its pages (freed last page first, so its start)
+    assert on.stats().prefix_cache_hits > 0 and on.stats().prefix_cache_queries > 80
+    assert [o.num_cached_tokens for o in got] == [0, 0]  # the first admission's
