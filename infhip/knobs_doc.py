@@ -44,6 +44,8 @@ BUILD_FLAGS = """## Build flags
 | `--token-drop [KEY=VALUE,...]` | off | UniPrefill token drop ([token-drop knobs](#token-drop-knobs)); bare = the defaults | — |
 | `--dtype` | `bfloat16` | weights: `bfloat16`, `float16`, `float32` | — |
 | `--kv-dtype` | `--dtype` | or `fp8`: float8_e4m3fn rows with a float32 scale per token and kv head (`plugins/kv_quant.py`) | half the memory: 1M tokens of Llama-8B decode on one H200 at 165.1 tok/s with `3k-flash`; the dense decode kernel is 0.84× over fp8 ([benchmarks](benchmarks.md#decode-infinitehip-whole-model-vs-the-dense-engine)); SmolLM2 KJV perplexity at 8K 14.955 → 14.993 (+0.3 %) ([quality.md](quality.md#fp8-kv-cache-on-smollm2-135m)) |
+| `--weight-dtype` | `bf16` | the linear layers' weights: `bf16` (in `--dtype`) or `fp8`: float8_e4m3fn with a float32 scale per output channel; embeddings and norms stay in `--dtype` ([fp8_weights.md](fp8_weights.md)) | SmolLM2-135M: KJV perplexity at 2K 17.308 → 17.715 (+2.4 %) on the CPU ([fp8_weights.md](fp8_weights.md)); GPU speed: not measured yet (`benchmarks/gpu_fp8.sh`) |
+| `--quantize-lm-head` | off | with `--weight-dtype fp8`: the LM head in fp8 too (a tied one gets an fp8 copy) | not measured |
 | `--max-seq-len` | the model's trained window, at most 131072 | longest sequence served; above the window the build warns | — |
 | `--max-batch-size` | 16 | most concurrent sequences; decode CUDA graphs for the powers of two up to it and for it | — |
 | `--max-num-batched-tokens` | 32768 on a GPU target, 8192 on CPU (at least the max batch size) | prefill chunk budget of one step | 8K chunks gave 0.88× transformers at 32K, one 32K chunk 1.13× (journal, "Prefill chunking") |
@@ -69,7 +71,7 @@ ENVIRONMENT = """## Environment
 OLDER_ENGINES = """## Engines built before a knob existed
 
 They load with the value they ran with: no `query_strides` = 1 per stage (the paper's formula), no
-`key_bank` = off, no `spare_anchors` = 0. Removed knobs that their `config.json` still names
+`key_bank` = off, no `spare_anchors` = 0, no `weight_dtype` = `bf16`. Removed knobs that their `config.json` still names
 (`solo_last_query`; token drop's `retention`) are ignored."""
 
 # (module, name, what it decides, measurement); the values are read from the modules
@@ -83,6 +85,10 @@ CONSTANTS = [
      "not measured; `benchmarks/bench_constants.py` times the page moves per batch size, amortized per decode step"),
     ("infhip.runtime.offload.staging", "MAX_RUNS",
      "a prefill step whose host pages fall into more runs reads them in place", "not measured"),
+    ("infhip.plugins.fp8_linear", "FAST_ACCUM",
+     "torch._scaled_mm's use_fast_accum in fp8 engines' prefill GEMMs",
+     "not measured; `benchmarks/gpu_fp8.sh` times both (the decode rows' kernel table is TODO-measured too: "
+     "`plugins/fp8_skinny_gemm.table_config`)"),
     ("infhip.runtime.cuda_graphs", "DECODE_LEN_BUCKETS",
      "short-context decode graphs sized for these context bounds",
      "within run-to-run spread: 211.6 → 213.2 tok/s (journal, \"Fourth run\")"),
