@@ -178,7 +178,7 @@ def test_fp8_weights_compose_with_fp8_kv_and_token_drop(ckpts, tmp_path):
     weights: greedy tokens equal the dequantized twin's."""
     from tests.test_aot_coverage import LONG
 
-    build = dict(kv_dtype="fp8", token_drop=dict(p=0.9, min_prompt_len=32, n=8, block_size=8, num_sink=8))
+    build = dict(kv_dtype="fp8", token_drop=dict(p=0.9, min_prompt_len=32, obs_window=8, block_size=8, num_sink=8))
     _same_tokens_as_twin(ckpts["llama"][0], tmp_path, [LONG[:100], LONG[:41]], 12, build, {})
 
 
