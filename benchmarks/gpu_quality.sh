@@ -7,7 +7,6 @@
 #   bash benchmarks/gpu_quality.sh smol-chunk-score   SmolLM2 3k: chunk_score max vs head_normalized
 #   bash benchmarks/gpu_quality.sh smol-query-stride  SmolLM2 3k: prefill query strides 1,1,1 vs 4,4,1 vs 4,4,4
 #   bash benchmarks/gpu_quality.sh smol-stage3-stride SmolLM2 3k: NIAH 8K-32K with query strides 4,4,1 vs 4,4,4
-#   bash benchmarks/gpu_quality.sh smol-solo-last     SmolLM2 3k: solo_last_query off vs on
 #   bash benchmarks/gpu_quality.sh smol-layer-bisect  SmolLM2 3k, 8K passkey: pruning in all / lower / upper layers
 #   bash benchmarks/gpu_quality.sh qwen     Qwen2.5-Coder-0.5B from the GGUF staged by benchmarks/stage_qwen.sh
 #                                           (issue 21): RULER/passkey/ppl/recall/UniPrefill, ~9 min
@@ -66,14 +65,6 @@ smol-stage3-stride)  # the last stage scored by every query (4,4,1, the presets)
     infhip-eval niah --engine $S --device cuda --kv-cache-memory-bytes 16GiB --infinitehip-overrides query_strides=[$strides] \
         --lengths 8k,16k,32k --variants single,multikey --depths 0.1,0.3,0.5,0.7,0.9 --samples 3 \
         --json $OUT/niah_smol_3k_s$tag.json --markdown $OUT/niah_smol_3k_s$tag.md
-  done
-  ;;
-smol-solo-last)  # the sampled prefill query scores its own mask (solo_last_query) vs the block's
-  S=engines/smol-3k-bf16
-  join smol-3k-bf16
-  for solo in false true; do  # (JSON booleans) the staged engine predates the 4,4,1 presets: pass them
-    retrieval "--engine $S --device cuda --kv-cache-memory-bytes 16GiB --infinitehip-overrides query_strides=[4,4,1],solo_last_query=$solo" \
-        smol_3k_solo$solo
   done
   ;;
 smol-layer-bisect)  # which layers' pruning loses the 8K passkey: pruning in every layer, only
@@ -164,5 +155,5 @@ qwen)  # Qwen2.5-Coder-0.5B-Instruct (24 layers, 32K trained window), one call o
   nvidia-smi --query-gpu=name,driver_version --format=csv,noheader > $W/gpu.txt
   python3 benchmarks/qwen_summary.py $W | tee $OUT/qwen_summary.md
   ;;
-*) echo "usage: bash benchmarks/gpu_quality.sh smol|gemma|smol-chunk-score|smol-query-stride|smol-stage3-stride|smol-solo-last|smol-layer-bisect|qwen" >&2; exit 2 ;;
+*) echo "usage: bash benchmarks/gpu_quality.sh smol|gemma|smol-chunk-score|smol-query-stride|smol-stage3-stride|smol-layer-bisect|qwen" >&2; exit 2 ;;
 esac
