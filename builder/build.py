@@ -215,6 +215,7 @@ def build_engine(
     target: str | None = None,
     weight_dtype: str = "bf16",
     quantize_lm_head: bool = False,
+    tp: int = 1,
 ) -> Path:
     """Build an engine from ``source`` (a checkpoint path, a model alias or a cached HF repo id;
     or say which with ``checkpoint=PATH`` / ``model=NAME``, as the CLI does) into ``output_dir``
@@ -229,7 +230,9 @@ def build_engine(
     a ``--token-drop`` spec string, a dict or a TokenDropConfig) enables UniPrefill token
     dropping in prefill (infhip/knob_specs.py). ``weight_dtype="fp8"`` stores the linear
     layers' weights in float8_e4m3fn with per-output-channel scales (plugins/fp8_linear.py), the
-    LM head too with ``quantize_lm_head``; "bf16" (default) keeps them in ``dtype``."""
+    LM head too with ``quantize_lm_head``; "bf16" (default) keeps them in ``dtype``. ``tp`` > 1
+    writes a tensor-parallel engine: the weights cut into ``rank0..rank{tp-1}.safetensors``
+    (builder/shard.py), the kernels compiled for one rank's shapes."""
     given = [x for x in (source, checkpoint, model) if x is not None]
     if len(given) != 1 or output_dir is None:
         raise TypeError("build_engine needs output_dir and exactly one of source, checkpoint=, model=")
@@ -272,6 +275,7 @@ def build_engine(
         where = str(src.path / "config.json") if src.path.is_dir() else str(src.path)
         mcfg, inv_freqs = model_config_from_hf(ckpt.config, where)
         t = lap("read_config", t)
+        _check_tp(mcfg, tp, preset)
 
         if max_seq_len is None:
             max_seq_len = min(mcfg.max_position_embeddings, MAX_DEFAULT_SEQ_LEN)
@@ -285,7 +289,7 @@ def build_engine(
                 max_num_batched_tokens=max_num_batched_tokens or max(8192 if target == "cpu" else 32768, max_batch_size),
                 cuda_graph_batch_sizes=_graph_batch_sizes(max_batch_size), target=target,
                 created_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
-                random_weights=random_weights, weight_dtype=weight_dtype, quantize_lm_head=quantize_lm_head)
+                random_weights=random_weights, weight_dtype=weight_dtype, quantize_lm_head=quantize_lm_head, tp=tp)
         except ValueError as e:
             raise BuildError(str(e)) from e
         try:
@@ -323,10 +327,39 @@ def build_engine(
     return out
 
 
+def _check_tp(model, tp, preset: str) -> None:
+    """--tp must split the heads and the MLP evenly; InfiniteHiP needs whole kv heads per rank
+    (its chunk scores take a max over each kv head's query heads: docs/design/tensor_parallel.md)."""
+    from infhip.tensor_parallel import replicates_kv_heads, tp_problem
+
+    problem = tp_problem(model, tp)
+    if problem is not None:
+        raise BuildError(problem)
+    if preset != "dense" and replicates_kv_heads(model, tp):
+        raise BuildError(f"--tp {tp} replicates the model's {model.num_kv_heads} kv heads, which --preset {preset} "
+                         f"does not support yet (a kv head's query heads would be scored on different ranks); "
+                         f"use --tp {model.num_kv_heads} or less with InfiniteHiP, or --preset dense")
+
+
+def _save_weights(tmp: Path, engine: EngineConfig, tensors: dict[str, torch.Tensor]) -> dict[str, int]:
+    """rank{r}.safetensors for every rank (one file unless tensor-parallel); {file: bytes}."""
+    from safetensors.torch import save_file
+    from infhip.builder.shard import shard_weights
+
+    tp = engine.build.tp
+    parts = [tensors] if tp == 1 else shard_weights(tensors, engine.model, tp)
+    sizes = {}
+    for rank, part in enumerate(parts):
+        path = tmp / f"rank{rank}.safetensors"
+        save_file(part, str(path), metadata={"format": "pt"})
+        os.chmod(path, 0o666 & ~_umask())  # save_file creates it 0600
+        sizes[path.name] = path.stat().st_size
+    return sizes
+
+
 def _write_engine(tmp: Path, engine: EngineConfig, ckpt, src: ModelSource, inv_freqs: dict[str, torch.Tensor],
                   device: str, seed: int, progress: bool, warnings: list[str], timings: dict[str, float],
                   t: float) -> None:
-    from safetensors.torch import save_file
     from tqdm.auto import tqdm
 
     model, build = engine.model, engine.build
@@ -351,8 +384,7 @@ def _write_engine(tmp: Path, engine: EngineConfig, ckpt, src: ModelSource, inv_f
     t_now = time.perf_counter()
     timings["weights"] = round(t_now - t, 3)
 
-    save_file(tensors, str(tmp / "rank0.safetensors"), metadata={"format": "pt"})
-    os.chmod(tmp / "rank0.safetensors", 0o666 & ~_umask())  # save_file creates it 0600
+    weight_sizes = _save_weights(tmp, engine, tensors)
     del tensors
     engine.save(tmp)
     t = time.perf_counter()
@@ -394,7 +426,8 @@ def _write_engine(tmp: Path, engine: EngineConfig, ckpt, src: ModelSource, inv_f
         "weight_dtype": build.weight_dtype,
         "target": build.target,
         "num_parameters": num_parameters,
-        "sizes_bytes": {"rank0.safetensors": (tmp / "rank0.safetensors").stat().st_size,
+        "tp": build.tp,
+        "sizes_bytes": {**weight_sizes,
                         "tokenizer": _dir_size(tmp / "tokenizer") if has_tokenizer else 0},
         "kernels": kernels,
         "timings_s": timings,
@@ -414,6 +447,10 @@ def _write_kernels(folder: Path, engine: EngineConfig, device: str, progress: bo
             {"format": 1, "target": "cpu", "kernels": [],
              "note": "CPU engine: torch references and Triton's interpreter, nothing compiled"}, indent=2) + "\n")
         return {"count": 0, "bytes": 0, "seconds": 0.0, "target": "cpu"}
+    if engine.build.tp > 1:  # every rank launches the same kernels, on its shard's shapes
+        from infhip.tensor_parallel import local_model_config, shard_layout
+        local = local_model_config(engine.model, shard_layout(engine.model, engine.build.tp)[0])
+        engine = dataclasses.replace(engine, model=local, build=dataclasses.replace(engine.build, tp=1))
     try:
         return compile_kernels(engine, _kernel_target(engine.build.target, device), folder, progress=progress)
     except Exception as e:  # a kernel that does not compile for the target is a bug, said plainly

@@ -6,6 +6,7 @@
     infhip-build --model llama-3.1-8b --preset 3k --output engines/l8b-3k
     infhip-build --model smollm2-135m --token-drop p=0.98,block_size=32 --output engines/smollm2-td
     infhip-build --model llama-3.1-8b --weight-dtype fp8 --output engines/l8b-fp8
+    infhip-build --model llama-3.1-8b --tp 2 --output engines/l8b-tp2       # 2 GPUs, one process each
 
 User errors (missing/corrupt checkpoint, unknown architecture or alias, bad flag values) print one
 line on stderr and exit with status 1 (argparse's own usage errors: 2); no traceback.
@@ -67,6 +68,10 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--quantize-lm-head", action="store_true",
                    help="with --weight-dtype fp8: the LM head in fp8 too (a tied one gets an fp8 copy; "
                         "the embeddings stay in --dtype)")
+    p.add_argument("--tp", type=_positive_int, default=1, metavar="N",
+                   help="tensor parallelism: an engine for N GPUs (N processes on the CPU), its weights cut "
+                        "Megatron-style into rank0..rank{N-1}.safetensors; N must divide the query heads and the "
+                        "MLP width, and divide or be a multiple of the kv heads (default 1)")
     p.add_argument("--max-seq-len", type=_positive_int,
                    help="longest sequence served (default: the model's window, at most 131072)")
     p.add_argument("--max-batch-size", type=_positive_int, default=16, help="most concurrent sequences (16)")
@@ -110,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
             max_num_batched_tokens=args.max_num_batched_tokens, device=args.device,
             random_weights=args.random_weights, seed=args.seed, force=args.force, progress=not args.quiet,
             token_drop=token_drop, infinitehip_overrides=infinitehip, target=args.target,
-            weight_dtype=args.weight_dtype, quantize_lm_head=args.quantize_lm_head)
+            weight_dtype=args.weight_dtype, quantize_lm_head=args.quantize_lm_head, tp=args.tp)
     except BuildError as e:
         print(f"infhip-build: error: {e}", file=sys.stderr)
         return 1
@@ -123,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     report = json.loads((out / "build_report.json").read_text())
     size_mb = report["sizes_bytes"]["total"] / 2**20
     print(f"engine written to {out}: {report['architecture']}, {report['num_parameters']:,} parameters, "
-          f"{report['dtype']}{', fp8 weights' if report.get('weight_dtype') == 'fp8' else ''}, target {report['target']}, {report['kernels']['count']} kernels, "
+          f"{report['dtype']}{', fp8 weights' if report.get('weight_dtype') == 'fp8' else ''}{', tp ' + str(report['tp']) if report.get('tp', 1) > 1 else ''}, target {report['target']}, {report['kernels']['count']} kernels, "
           f"{size_mb:.1f} MiB in {report['timings_s']['total']:.1f} s")
     for w in report["warnings"]:
         print(f"warning: {w}", file=sys.stderr)

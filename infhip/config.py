@@ -8,7 +8,9 @@ The knobs of a plan (InfiniteHiP, token drop) are in infhip/knobs.py, with their
 Engine directory (SPEC §3)::
 
     <engine>/config.json        EngineConfig.to_dict(), "format": "infhip-engine" first (is_engine_dir)
-    <engine>/rank0.safetensors  weights, our names (see WEIGHT NAMES below)
+    <engine>/rank0.safetensors  weights, our names (see WEIGHT NAMES below); a tensor-parallel engine
+                                (build.tp = N) has rank0..rank{N-1}.safetensors, each rank's shard of
+                                the same names (infhip/tensor_parallel.py; "tensor_parallel" records it)
     <engine>/tokenizer/         tokenizer.json + tokenizer_config.json (may be absent: random weights)
     <engine>/kernels/index.json plugin kernels known for the target
     <engine>/build_report.json  what was built, sizes, timings, warnings
@@ -222,6 +224,7 @@ class BuildConfig:
     random_weights: bool = False
     weight_dtype: str = "bf16"  # WEIGHT_DTYPES; absent from engines built before fp8 weights: "bf16"
     quantize_lm_head: bool = False  # fp8 engines: the LM head in fp8 too
+    tp: int = 1  # tensor-parallel ranks (rank{r}.safetensors each; infhip/tensor_parallel.py); absent: 1
 
     def __post_init__(self) -> None:
         _check(self.dtype in DTYPES, f"dtype {self.dtype!r} not in {DTYPES}")
@@ -242,6 +245,7 @@ class BuildConfig:
                f"weight_dtype {self.weight_dtype!r} not in {WEIGHT_DTYPES}")
         _check(isinstance(self.quantize_lm_head, bool), f"quantize_lm_head must be true or false, "
                f"got {self.quantize_lm_head!r}")
+        _check(isinstance(self.tp, int) and self.tp >= 1, f"tp must be a positive integer, got {self.tp!r}")
         _check(not self.quantize_lm_head or self.weight_dtype == "fp8",
                "quantize_lm_head needs weight_dtype fp8 (--quantize-lm-head goes with --weight-dtype fp8)")
 
@@ -279,7 +283,16 @@ class EngineConfig:
             "plan": dataclasses.asdict(self.plan),
             "preset": {"name": self.plan.preset},  # the knobs live in plan.infinitehip
             "build": dataclasses.asdict(self.build),
+            **self._tp_record(),
         }
+
+    def _tp_record(self) -> dict[str, Any]:
+        """The shard layout of a tensor-parallel engine, for the record (derived from model and
+        build.tp, infhip/tensor_parallel.py; the loader recomputes it)."""
+        if self.build.tp == 1:
+            return {}
+        from infhip.tensor_parallel import layout_record
+        return {"tensor_parallel": layout_record(self.model, self.build.tp)}
 
     def save(self, engine_dir: str | Path) -> None:
         Path(engine_dir, "config.json").write_text(json.dumps(self.to_dict(), indent=2) + "\n")
@@ -302,11 +315,23 @@ class EngineConfig:
                 f"engine {engine_dir} has format version {version}, this infhip reads version "
                 f"{FORMAT_VERSION}; rebuild it with this infhip's infhip-build")
         try:
-            return cls(model=ModelConfig.from_dict(d["model"]), plan=Plan.from_dict(d["plan"]),
-                       build=BuildConfig.from_dict(d["build"]), format_version=version,
-                       infhip_version=d.get("infhip_version", ""))
+            config = cls(model=ModelConfig.from_dict(d["model"]), plan=Plan.from_dict(d["plan"]),
+                         build=BuildConfig.from_dict(d["build"]), format_version=version,
+                         infhip_version=d.get("infhip_version", ""))
+            config._check_tp(d.get("tensor_parallel"))
+            return config
         except (KeyError, TypeError, ValueError) as e:
             raise EngineFormatError(f"{path} is damaged or incomplete ({e}); rebuild the engine") from e
+
+    def _check_tp(self, recorded: dict | None) -> None:
+        """The tensor-parallel size splits the model, and the recorded layout is the one it implies."""
+        from infhip.tensor_parallel import tp_problem
+
+        problem = tp_problem(self.model, self.build.tp)
+        _check(problem is None, problem or "")
+        implied = json.loads(json.dumps(self._tp_record().get("tensor_parallel", {})))  # tuples as lists
+        _check((recorded or {}) == implied,
+               "its tensor_parallel layout differs from the one build.tp implies")
 
 
 def is_engine_dir(path: str | Path) -> bool:

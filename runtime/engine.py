@@ -3,6 +3,7 @@ straight from the safetensors file onto the target device (no pickle, no second 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -11,6 +12,7 @@ import torch
 from safetensors.torch import load_file
 
 from infhip.config import EngineConfig, EngineFormatError
+from infhip.runtime.distributed.group import SINGLE, TPGroup
 from infhip.runtime.kernel_store import KernelStore, jit_mode, open_store
 from infhip.runtime.models import MODEL_CLASSES
 from infhip.runtime.models.common import use_fp8_linears
@@ -71,6 +73,10 @@ class LoadedEngine:
     device: torch.device
     dtype: torch.dtype
     kernels: KernelStore | None = None  # the engine's compiled kernels, served to Triton
+    # Tensor parallelism (runtime/distributed/): this rank's group, SINGLE for a one-rank engine;
+    # set by the launcher once the ranks have joined. config.model is then this rank's view
+    # (its head counts and MLP width, infhip/tensor_parallel.py).
+    tp: TPGroup = SINGLE
 
 
 def load_tokenizer(engine_dir: Path):
@@ -82,13 +88,21 @@ def load_tokenizer(engine_dir: Path):
 
 
 def load_engine(engine_dir: str | Path, device: str | torch.device | None = None,
-                jit: str | None = None) -> LoadedEngine:
-    """jit: what to do when a kernel would compile while serving (runtime/kernel_store.py)."""
+                jit: str | None = None, rank: int = 0) -> LoadedEngine:
+    """jit: what to do when a kernel would compile while serving (runtime/kernel_store.py).
+    rank: of a tensor-parallel engine, the shard to load (its file, its GPU cuda:rank, its view
+    of the model); the ranks' group is attached afterwards (runtime/distributed/)."""
     engine_dir = Path(engine_dir)
     config = EngineConfig.load(engine_dir)
     jit = jit_mode(jit)
     device = resolve_device(config, device, jit)
-    weights_path = engine_dir / "rank0.safetensors"
+    if config.build.tp > 1:
+        from infhip.tensor_parallel import local_model_config, shard_layout
+        config = dataclasses.replace(config, model=local_model_config(config.model,
+                                                                      shard_layout(config.model, config.build.tp)[rank]))
+        if device.type == "cuda":
+            device = torch.device("cuda", rank)
+    weights_path = engine_dir / f"rank{rank}.safetensors"
     if not weights_path.is_file():
         raise EngineFormatError(f"{weights_path} is missing; rebuild the engine")
     model = MODEL_CLASSES[config.model.architecture](config.model, config.plan.layers)

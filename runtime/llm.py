@@ -45,6 +45,7 @@ import torch
 
 from infhip.config import TokenDropConfig, apply_runtime_overrides
 from infhip.runtime.detokenizer import Detokenizer
+from infhip.runtime.distributed import start_ranks
 from infhip.runtime.engine import load_engine
 from infhip.runtime.kernel_store import serving
 from infhip.runtime.model_runner import ModelRunner
@@ -103,23 +104,19 @@ class LLM:
     def __init__(self, engine_dir: str | Path, options: LoadOptions | None = None, **kwargs):
         t0 = time.perf_counter()
         self.options = opts = LoadOptions.of(options, **kwargs)
-        self.engine = load_engine(engine_dir, opts.device, opts.jit)
-        t_engine = time.perf_counter()
-        config = self.engine.config
-        plan = apply_runtime_overrides(config.plan, opts.infinitehip_overrides)
-        if opts.token_drop is not None:
-            plan = dataclasses.replace(plan, token_drop=_token_drop_override(plan.token_drop, opts.token_drop))
-        self.engine.config = dataclasses.replace(config, plan=plan)
-        self.num_decode_steps = opts.num_decode_steps or (8 if self.engine.device.type == "cuda" else 1)
+        # A tensor-parallel engine: its other ranks start loading now, in their own processes
+        # (runtime/distributed/); None for a one-rank engine.
+        self._tp = start_ranks(engine_dir, opts)
+        try:
+            self.engine = load_rank(engine_dir, opts)
+            t_engine = time.perf_counter()
+            if self._tp is not None:
+                self._tp.join(self.engine)  # the workers have loaded; the group is up
+            self.runner, self.max_num_seqs, budget, self.num_decode_steps = make_runner(self.engine, opts)
+        except BaseException:
+            self.close()
+            raise
         build = self.engine.config.build
-        self.max_num_seqs = opts.max_num_seqs or build.max_batch_size
-        budget = opts.max_num_batched_tokens or build.max_num_batched_tokens
-        if budget < self.max_num_seqs:
-            raise ValueError(f"max_num_batched_tokens ({budget}) must be >= max_num_seqs ({self.max_num_seqs})")
-        with serving(self.engine.kernels):  # graph capture launches every decode kernel once
-            self.runner = ModelRunner(self.engine, self.max_num_seqs, budget, opts.kv_cache_memory_bytes,
-                                      enforce_eager=opts.enforce_eager, max_decode_steps=self.num_decode_steps,
-                                      kv_offload_bytes=opts.kv_offload_bytes)
         self.scheduler = Scheduler(self.runner.kv, self.max_num_seqs, budget, build.max_seq_len)
         plan = self.engine.config.plan
         if opts.prefix_caching and prefix_caching_exact(plan, opts.kv_offload_bytes):
@@ -137,6 +134,18 @@ class LLM:
         self.fault_hook: Callable[[Sequence], None] | None = None
 
     # -- load -----------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Stop a tensor-parallel engine's worker processes (also at interpreter exit); a no-op
+        for a one-rank engine. The LLM cannot run steps afterwards."""
+        if getattr(self, "_tp", None) is not None:
+            self._tp.close()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     @property
     def prefix_caching(self) -> bool:
         """Whether prefix caching is on (the `prefix_caching` argument and an exact plan)."""
@@ -415,6 +424,34 @@ class LLM:
             self.scheduler.finish(req.seq, "abort")
         self._requests.pop(req.seq.seq_id, None)
 
+
+
+def load_rank(engine_dir: str | Path, opts: LoadOptions, rank: int = 0):
+    """Rank `rank`'s engine (its weight shard, its view of the model) with the load's plan
+    changes applied (runtime knobs, token drop on/off): what LLM and each TP worker serve."""
+    engine = load_engine(engine_dir, opts.device, opts.jit, rank=rank)
+    config = engine.config
+    plan = apply_runtime_overrides(config.plan, opts.infinitehip_overrides)
+    if opts.token_drop is not None:
+        plan = dataclasses.replace(plan, token_drop=_token_drop_override(plan.token_drop, opts.token_drop))
+    engine.config = dataclasses.replace(config, plan=plan)
+    return engine
+
+
+def make_runner(engine, opts: LoadOptions) -> tuple[ModelRunner, int, int, int]:
+    """(runner, max_num_seqs, token budget per step, decode steps run back to back) of a load;
+    every TP rank makes the same one (runtime/distributed/worker.py)."""
+    num_decode_steps = opts.num_decode_steps or (8 if engine.device.type == "cuda" else 1)
+    build = engine.config.build
+    max_num_seqs = opts.max_num_seqs or build.max_batch_size
+    budget = opts.max_num_batched_tokens or build.max_num_batched_tokens
+    if budget < max_num_seqs:
+        raise ValueError(f"max_num_batched_tokens ({budget}) must be >= max_num_seqs ({max_num_seqs})")
+    with serving(engine.kernels):  # graph capture launches every decode kernel once
+        runner = ModelRunner(engine, max_num_seqs, budget, opts.kv_cache_memory_bytes,
+                             enforce_eager=opts.enforce_eager, max_decode_steps=num_decode_steps,
+                             kv_offload_bytes=opts.kv_offload_bytes)
+    return runner, max_num_seqs, budget, num_decode_steps
 
 
 def prefix_caching_exact(plan, kv_offload_bytes: int = 0) -> bool:

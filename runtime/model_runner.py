@@ -49,6 +49,7 @@ class StepPlan:
     # Drop histories: [global layer][b] tokens that layer lacks of sequence b's computed ones;
     # None when no sequence of the step has one (every layer then holds every position).
     layer_dropped: list[list[int]] | None = None
+    forced_retention: float | None = None  # benchmarks: ModelRunner.forced_retention at planning time
 
     @property
     def has_sparse(self) -> bool:
@@ -62,6 +63,12 @@ class ModelRunner:
                  enforce_eager: bool = False, max_decode_steps: int = 1, kv_offload_bytes: int = 0):
         """kv_offload_bytes: host memory for offloaded KV pages (0: none; runtime/offload/policy.py)."""
         self.engine, self.model, self.device = engine, engine.model, engine.device
+        # Tensor parallelism (runtime/distributed/): rank 0 publishes each step's plan to the
+        # other ranks, which run forward_plan / run_decode_plans on it; SINGLE: a no-op.
+        self.tp = engine.tp
+        if engine.config.build.tp != self.tp.size:
+            raise ValueError(f"this engine is tensor-parallel (tp {engine.config.build.tp}): load it with "
+                             "LLM(engine), which starts its ranks")
         cfg, build = engine.config.model, engine.config.build
         self.page_size = build.page_size
         self.max_seq_len = build.max_seq_len
@@ -80,6 +87,9 @@ class ModelRunner:
         specs = kv_budget.size_groups(layer_groups, {a.kv_group: a.window for a in attn_layers}, page_bytes,
                                       self.page_size, self.max_seq_len, max_num_seqs, max_num_batched_tokens,
                                       budget, offload)
+        if self.tp.size > 1:  # every rank must hold the page ids rank 0's cache manager hands out
+            pages = self.tp.agree_min([specs[g].num_pages for g in sorted(specs)])
+            specs = {g: dataclasses.replace(specs[g], num_pages=n) for g, n in zip(sorted(specs), pages)}
         self.kv = KVCacheManager(self.page_size, specs, self.max_pages_per_seq)
         for attn in attn_layers:  # + a host twin where the group offloads (plugins/kv_offload.py)
             spec = specs[attn.kv_group]
@@ -196,7 +206,7 @@ class ModelRunner:
                         logits_rows=logits_rows, slots=slots, tables=tables, num_decodes=num_decodes,
                         sparse=self._plan_sparse([ch.seq for ch in out.chunks], ctx_lens, num_decodes,
                                                  dense=bool(drops)),
-                        drops=drops or None, layer_dropped=layer_dropped)
+                        drops=drops or None, layer_dropped=layer_dropped, forced_retention=self.forced_retention)
 
     def _plan_sparse(self, seqs: list, ctx_lens: list[int], num_decodes: int,
                      dense: bool = False) -> SparseStepHost | None:
@@ -236,7 +246,7 @@ class ModelRunner:
             cu_seqlens_q_list=p.cu, context_lens_list=p.ctx_lens,
             sparse=sparse,
             token_drop=TokenDropStep(self.token_drop, p.drops, self.anchors, self.drop_tail,
-                                     self.forced_retention) if p.drops else None,
+                                     p.forced_retention) if p.drops else None,
             layer_kv=self._layer_kv(p) if p.layer_dropped is not None else None,
             decode_len_bound=self.decode_len_bound(p) if p.num_decodes else None)
 
@@ -289,18 +299,27 @@ class ModelRunner:
     def execute(self, out: SchedulerOutput) -> torch.Tensor:
         """Run one step; returns fp32 logits [num chunks with needs_logits, vocab] in chunk order."""
         p = self.prepare(out)
-        if self._uses_graph(p, len(out.chunks)):
-            bs = self.graphs.load([p])
-            # a decode chunk always samples
-            logits = self.graphs.replay(0, bs, len(out.chunks), key=self._graph_key(p))
-        else:
-            with forward_context(self._context(p)) as ctx:
-                hidden = self.model(self._tensor(p.input_ids, torch.int64))
-            if ctx.token_drop is not None:
-                self.drop_stats.record([ch.seq for ch in out.chunks], ctx.token_drop, len(self.model.layers))
-            logits = self.model.compute_logits(hidden[self._tensor(p.logits_rows, torch.int64)])
+        logits, drop = self.forward_plan(p)
+        if drop is not None:
+            self.drop_stats.record([ch.seq for ch in out.chunks], drop, len(self.model.layers))
         self.page_mover.move((ch.seq, ch.end) for ch in out.chunks)
         return logits
+
+    @torch.inference_mode()
+    def forward_plan(self, p: StepPlan) -> tuple[torch.Tensor | None, TokenDropStep | None]:
+        """The forward of one planned step, on every TP rank (rank 0 publishes the plan first;
+        runtime/distributed/worker.py runs it on the others): (logits as execute returns them,
+        None off rank 0 in eager steps; the step's TokenDropStep or None)."""
+        self.tp.publish("forward_plan", p)
+        if self._uses_graph(p, len(p.ctx_lens)):
+            bs = self.graphs.load([p])
+            # a decode chunk always samples
+            return self.graphs.replay(0, bs, len(p.ctx_lens), key=self._graph_key(p)), None
+        with forward_context(self._context(p)) as ctx:
+            hidden = self.model(self._tensor(p.input_ids, torch.int64))
+        if not self.tp.is_driver:  # the LM head is replicated: only rank 0 needs logits
+            return None, ctx.token_drop
+        return self.model.compute_logits(hidden[self._tensor(p.logits_rows, torch.int64)]), ctx.token_drop
 
     @torch.inference_mode()
     def execute_decode_steps(self, out: SchedulerOutput, num_steps: int, sample) -> list[torch.Tensor]:
@@ -317,16 +336,32 @@ class ModelRunner:
             ctx_lens = [s + j + 1 for s in starts]
             plans.append(dataclasses.replace(plans[0], positions=[s + j for s in starts], ctx_lens=ctx_lens,
                                              slots=slots, sparse=self._plan_sparse(seqs, ctx_lens, len(seqs))))
-        n, tokens = len(out.chunks), []
+        tokens = self.run_decode_plans(plans, sample)
+        self.page_mover.move((seq, ctx) for seq, ctx in zip(seqs, plans[-1].ctx_lens))
+        return tokens
+
+    @torch.inference_mode()
+    def run_decode_plans(self, plans: list[StepPlan], sample=None) -> list[torch.Tensor]:
+        """The forwards of back-to-back decode steps, on every TP rank (as forward_plan). sample:
+        rank 0's sampler; None on the other ranks, which take rank 0's tokens (a broadcast)."""
+        self.tp.publish("run_decode_plans", plans)
+        n, tokens = len(plans[0].ctx_lens), []
+
+        def take(logits: torch.Tensor) -> torch.Tensor:
+            if self.tp.size == 1:
+                return sample(logits)
+            mine = sample(logits).to(torch.int64) if sample is not None else torch.empty(
+                n, dtype=torch.int64, device=self.device)
+            return self.tp.broadcast(mine)
+
         if all(self._uses_graph(p, n) for p in plans):
             bs = self.graphs.load(plans)
-            for j in range(num_steps):
+            for j in range(len(plans)):
                 logits = self.graphs.replay(j, bs, n, tokens[-1] if tokens else None, key=self._graph_key(plans[j]))
-                tokens.append(sample(logits))
+                tokens.append(take(logits))
         else:
             for j, p in enumerate(plans):
                 input_ids = tokens[-1] if tokens else self._tensor(p.input_ids, torch.int64)
                 with forward_context(self._context(p)):
-                    tokens.append(sample(self.model.compute_logits(self.model(input_ids))))
-        self.page_mover.move((seq, ctx) for seq, ctx in zip(seqs, plans[-1].ctx_lens))
+                    tokens.append(take(self.model.compute_logits(self.model(input_ids))))
         return tokens

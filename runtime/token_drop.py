@@ -275,6 +275,9 @@ class TokenDropStep:
             cu_k.append(cu_k[-1] + kk.shape[0])
         scores, _ = block_importance(q_win, k_all, torch.tensor(cu_k, dtype=torch.int32, device=q.device),
                                      attn.scale, n, G, cu_seqlens_list=cu_k, q_window=True)
+        # Tensor parallelism: each rank scored its own query heads; the paper's score sums over
+        # all of them, so sum over the ranks (identical bits everywhere: every rank keeps the same rows).
+        scores = attn.tp.all_reduce(scores)
         # Blocks are G-aligned in the key list (earlier kept keys, then the chunk), so the chunk
         # spans blocks [start // G, cdiv(end, G)) with start = prev; a selection "sequence" is
         # the G-aligned range [start // G * G, end), its block g being block g0 + g.

@@ -562,12 +562,15 @@ def pruning_stage(q, k_cache, block_tables, q_start, q_lens, ends, candidates=No
                   max_candidates: int | None = None, rope_style="none", inv_freq=None,
                   head_normalized: bool = False, query_stride: int = 1,
                   raw_keys: RawKeys | None = None, k_scale: torch.Tensor | None = None,
-                  offload: HostKV | None = None, **tuning):
+                  offload: HostKV | None = None, reduce_scores=None, **tuning):
     """One pruning stage: the Triton SelectRep kernel, then topk_chunks (CPU tensors without
     TRITON_INTERPRET: pruning_ref.pruning_stage_ref, same contract). Returns the survivors
     (int32 [NB, k] ascending, PAD-padded) and their counts (int32 [NB]), the next stage's input.
     k_scale: the row scales of an fp8 k_cache (select_rep_scores).
     offload: host twin of the cache; table entries < 0 name its pages (kv_offload.py).
+    reduce_scores: called on the chunk scores float32 [NB, chunks] before the top-k, in place
+    (tensor parallelism: the max over every rank's kv heads, so all ranks keep the chunks one
+    GPU would; runtime/distributed/group.py).
 
         >>> sel, n = pruning_stage(q, k_cache, tables, q_start, q_lens, ends,   # doctest: +SKIP
         ...                        chunk_size=256, k=32768, block_q=64, n_sink=256, n_stream=1024)
@@ -581,7 +584,7 @@ def pruning_stage(q, k_cache, block_tables, q_start, q_lens, ends, candidates=No
                                  chunk_size=chunk_size, k=k, n_sink=n_sink, n_stream=n_stream,
                                  max_candidates=max_candidates, rope_style=rope_style, inv_freq=inv_freq,
                                  head_normalized=head_normalized, query_stride=query_stride, k_scale=k_scale,
-                                 offload=offload)
+                                 offload=offload, reduce_scores=reduce_scores)
     if candidates is not None and cand_lens is None:  # once, for both kernels
         cand_lens = _candidate_lens(ends, candidates, None, n_sink, n_stream)
     scores, _ = select_rep_scores(q, k_cache, block_tables, q_start, q_lens, ends, candidates,
@@ -590,6 +593,8 @@ def pruning_stage(q, k_cache, block_tables, q_start, q_lens, ends, candidates=No
                                   rope_style=rope_style, inv_freq=inv_freq,
                                   head_normalized=head_normalized, query_stride=query_stride,
                                   raw_keys=raw_keys, k_scale=k_scale, offload=offload, **tuning)
+    if reduce_scores is not None:
+        reduce_scores(scores)
     return topk_chunks(scores, candidates, cand_lens, chunk_size=chunk_size, k=k, n_sink=n_sink,
                        ends=ends, n_stream=n_stream)
 

@@ -122,7 +122,8 @@ def topk_chunks_ref(scores, candidates, cand_lens, *, chunk_size: int, k: int, n
 def pruning_stage_ref(q, k_cache, block_tables, q_start, q_lens, ends, candidates=None,
                       cand_lens=None, *, chunk_size: int, k: int, n_sink: int, n_stream: int,
                       max_candidates: int | None = None, rope_style="none", inv_freq=None,
-                      head_normalized: bool = False, query_stride: int = 1, k_scale=None, offload=None):
+                      head_normalized: bool = False, query_stride: int = 1, k_scale=None, offload=None,
+                      reduce_scores=None):
     """Reference of pruning.pruning_stage: (survivors int32 [NB, k] PAD-padded, lens [NB]).
     k_scale: an fp8 k_cache's row scales.
     offload: host twin of the cache; table entries < 0 name its pages (kv_offload.py)."""
@@ -135,4 +136,6 @@ def pruning_stage_ref(q, k_cache, block_tables, q_start, q_lens, ends, candidate
                                          n_stream=n_stream, rope_style=rope_style, inv_freq=inv_freq,
                                          head_normalized=head_normalized, query_stride=query_stride,
                                          k_scale=k_scale, offload=offload)
+    if reduce_scores is not None:  # tensor parallelism: the max over every rank's kv heads
+        reduce_scores(scores)
     return topk_chunks_ref(scores, candidates, cand_lens, chunk_size=chunk_size, k=k, n_sink=n_sink)

@@ -35,10 +35,13 @@ class InfiniteHipLayer:
 
     def __init__(self, cfg: InfiniteHipConfig, layer: int, max_slots: int, scale: float,
                  inv_freq: torch.Tensor, device: torch.device, group: int = 0,
-                 bank_layout: tuple[int, int, torch.dtype] | None = None, value_bank: bool = False):
+                 bank_layout: tuple[int, int, torch.dtype] | None = None, value_bank: bool = False,
+                 reduce_scores=None):
         """bank_layout: (Hkv, D, dtype) of the KV cache to keep a rotated key bank of
         (uses_key_bank), else None; value_bank: keep the selected values beside it (offloaded
-        caches: cached decode steps then read only GPU pages)."""
+        caches: cached decode steps then read only GPU pages). reduce_scores: tensor parallelism's
+        max of the chunk scores over the ranks (pruning_stage), None on one GPU. The rank's mask
+        cache, key bank and RoPE are its own; its selections equal every other rank's."""
         assert inv_freq.dtype == torch.float32, "RoPE inv_freq is stored in float32"
         self.cfg, self.scale, self.inv_freq = cfg, scale, inv_freq
         self.layer = layer
@@ -47,6 +50,7 @@ class InfiniteHipLayer:
         self.pruning_rope = cfg.pruning_rope_of(layer)
         self.cache = MaskCache(self.stages, max_slots, device, bank=bank_layout, bank_slots=cfg.key_bank_slots,
                                value_bank=value_bank)
+        self.reduce_scores = reduce_scores
 
     def run(self, q: torch.Tensor, kv: PagedKV, block_tables: torch.Tensor, step: SparseStep, out: torch.Tensor,
             dropped: torch.Tensor | None = None) -> None:
@@ -73,7 +77,8 @@ class InfiniteHipLayer:
         return dict(n_sink=self.cfg.n_sink, n_stream=self.cfg.n_stream, inv_freq=self.inv_freq)
 
     def _prune_kw(self) -> dict:
-        return dict(self._common(), head_normalized=self.cfg.chunk_score == "head_normalized")
+        return dict(self._common(), head_normalized=self.cfg.chunk_score == "head_normalized",
+                    reduce_scores=self.reduce_scores)
 
     def _decode(self, q, k_cache, v_cache, block_tables, step: SparseStep, out, ends, k_scale, v_scale,
                 offload) -> None:
@@ -170,7 +175,8 @@ class InfiniteHipBackend:
             attn.sparse = InfiniteHipLayer(ih, lp.index, max_num_seqs, attn.scale, attn.rope[0].inv_freq, device,
                                            group=backend.planner.layer_group[k],
                                            bank_layout=kv_layout if bank else None,
-                                           value_bank=bank and offload is not None)
+                                           value_bank=bank and offload is not None,
+                                           reduce_scores=attn.tp.all_reduce_max if attn.tp.size > 1 else None)
             attn.backend = backend
         return backend
 

@@ -18,6 +18,7 @@ from infhip.plugins.rms_norm import rms_norm
 from infhip.plugins.skinny_gemm import skinny_linear
 from infhip.runtime.attention.dense import DENSE
 from infhip.runtime.attention.paged_kv import PagedKV
+from infhip.runtime.distributed.group import SINGLE
 from infhip.runtime.forward_context import get_forward_context
 
 # The plugins the blocks below launch besides attention (runtime/attention/ lists its own):
@@ -103,6 +104,8 @@ class Attention(nn.Module):
 
     Shapes: hidden [T, hidden] -> qkv [T, (Hq + 2 Hkv) D] -> q [T, Hq, D], k/v [T, Hkv, D]
     -> (q/k norm) -> RoPE + K/V written to the cache -> attention [T, Hq, D] -> o_proj [T, hidden].
+    Under tensor parallelism Hq and Hkv are this rank's heads (ModelConfig is the rank's view)
+    and o_proj's output is a partial sum, completed by one all-reduce (`tp`).
     """
 
     def __init__(self, cfg: ModelConfig, plan: LayerPlan, rope: RopeTable):
@@ -125,6 +128,7 @@ class Attention(nn.Module):
         self.kv: PagedKV | None = None
         self.backend = DENSE
         self.sparse = None
+        self.tp = SINGLE  # the tensor-parallel group (runtime/distributed/; set at load), a no-op at 1
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         ctx = get_forward_context().for_layer(self.layer_index, self.kv_group)
@@ -138,20 +142,22 @@ class Attention(nn.Module):
             q = self.q_norm(q.contiguous())
             k = self.k_norm(k.contiguous())
         out = ctx.backend_for(self).run(self, q, k, v, ctx)  # [rows out, Hq, D]: fewer if token drop keeps fewer
-        return self.o_proj(out.view(out.shape[0], -1))
+        return self.tp.all_reduce(self.o_proj(out.view(out.shape[0], -1)))
 
 
 class GatedMLP(nn.Module):
-    """down(act(gate(x)) * up(x)) with gate and up fused into one GEMM: [T, hidden] -> [T, 2I]."""
+    """down(act(gate(x)) * up(x)) with gate and up fused into one GEMM: [T, hidden] -> [T, 2I].
+    Under tensor parallelism I is this rank's share and down's output a partial sum (`tp`)."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.gate_up_proj = linear(cfg.hidden_size, 2 * cfg.intermediate_size)
         self.down_proj = linear(cfg.intermediate_size, cfg.hidden_size)
         self.act = cfg.hidden_act
+        self.tp = SINGLE  # as Attention.tp
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(gated_act(self.gate_up_proj(x), self.act))
+        return self.tp.all_reduce(self.down_proj(gated_act(self.gate_up_proj(x), self.act)))
 
 
 class CausalLM(nn.Module):

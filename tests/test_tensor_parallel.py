@@ -1,0 +1,183 @@
+"""Tensor parallelism on the CPU (docs/design/tensor_parallel.md): tiny float32 Llama and Gemma-3
+engines built with --tp 2 run in 2 processes over gloo and generate exactly the --tp 1 tokens —
+dense, preset 3k (sparse prefill and decode, chunk scores maxed over the ranks) and token drop
+(block scores summed over the ranks) — and the builder's shards are the one-rank weights cut
+Megatron-style (kv heads split, or replicated when there are fewer than ranks). Bad input gets
+one-line errors, and a worker that dies surfaces on rank 0 instead of hanging.
+
+The plugins' torch references run (TRITON_INTERPRET unset, as in test_infinitehip_runtime):
+every TP=2 load spawns one worker process, which inherits that.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import infhip.runtime.attention.infinitehip as sa
+from infhip import LLM, SamplingParams
+from infhip.builder.build import build_engine
+from infhip.builder.cli import main as build_main
+from infhip.config import EngineConfig, EngineFormatError
+from infhip.runtime.distributed import check_resources
+from infhip.runtime.engine import load_engine
+from infhip.runtime.model_runner import ModelRunner
+from tests._tiny import write_tiny_hf_checkpoint
+
+TD = dict(p=0.5, obs_window=8, block_size=8, num_sink=8, min_prompt_len=0, spare_anchors=0)  # top-p low enough to drop on random weights
+IH = dict(n_sink=4, n_stream=8, stages=[(8, 4, 32), (8, 2, 16), (8, 1, 8)], special_layers=[0], special_final_k=16)
+LOW = {"dense_threshold": 30}  # the long prompts below go sparse, the short one stays dense
+GEMMA_TYPES = ["sliding_attention", "full_attention", "sliding_attention", "full_attention"]
+GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+
+
+def prompt(seed: int, n: int) -> list[int]:
+    return torch.randint(3, 300, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+PROMPTS = [prompt(1, 120), prompt(2, 81), prompt(3, 12)]  # two that drop / go sparse, one too short
+
+
+@pytest.fixture(autouse=True)
+def torch_references(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+
+
+@pytest.fixture(scope="module", params=["llama", "gemma3"])
+def engines(request, tmp_path_factory):
+    """arch -> {(preset, tp): engine}. The Llama's dense engines have one kv head (replicated on
+    both ranks at tp 2); its 3k engines two (one per rank)."""
+    arch, root = request.param, tmp_path_factory.mktemp(request.param)
+    extra = dict(num_hidden_layers=4, layer_types=GEMMA_TYPES) if arch == "gemma3" else {}
+    write_tiny_hf_checkpoint(root / "hf", arch, **extra)
+    dense_hf = root / "hf"
+    if arch == "llama":
+        write_tiny_hf_checkpoint(root / "hf1", arch, num_key_value_heads=1)
+        dense_hf = root / "hf1"
+    kw = dict(dtype="float32", device="cpu", max_seq_len=256, max_batch_size=4, progress=False)
+    out = {}
+    for tp in (1, 2):
+        out["dense", tp] = build_engine(checkpoint=dense_hf, output_dir=root / f"dense{tp}", tp=tp, **kw)
+        out["3k", tp] = build_engine(checkpoint=root / "hf", output_dir=root / f"3k{tp}", tp=tp, preset="3k",
+                                     infinitehip_overrides=IH, **kw)
+    return out
+
+
+@pytest.fixture(scope="module")
+def llama_tp2(tmp_path_factory):
+    """A dense tiny Llama engine at tp 2 (for the error cases: one architecture is enough)."""
+    root = tmp_path_factory.mktemp("llama_tp2")
+    write_tiny_hf_checkpoint(root / "hf", "llama")
+    return build_engine(checkpoint=root / "hf", output_dir=root / "engine", tp=2, dtype="float32", device="cpu",
+                        max_seq_len=256, max_batch_size=4, progress=False)
+
+
+def generate(engine, **load):
+    """(greedy tokens of PROMPTS, token drop's retention per sequence, sparse launches on rank 0)."""
+    with LLM(engine, max_num_batched_tokens=64, **load) as llm:
+        tokens = [o.token_ids for o in llm.generate(prompt_token_ids=PROMPTS, sampling_params=GREEDY)]
+        return tokens, llm.runner.drop_stats.retention
+
+
+@pytest.mark.parametrize("case", ["dense", "3k", "token_drop"])
+def test_tp2_generates_the_tp1_tokens(engines, case, monkeypatch):
+    sparse_calls = []
+    real = sa.sparse_decode_attention
+    monkeypatch.setattr(sa, "sparse_decode_attention", lambda *a, **k: sparse_calls.append(1) or real(*a, **k))
+    preset, load = {"dense": ("dense", {}), "3k": ("3k", {"infinitehip_overrides": LOW}),
+                    "token_drop": ("dense", {"token_drop": TD})}[case]
+    one, kept_one = generate(engines[preset, 1], **load)
+    calls_one = len(sparse_calls)
+    two, kept_two = generate(engines[preset, 2], **load)
+    assert two == one
+    if case == "3k":  # the sparse kernels ran, as often on rank 0 as on one rank
+        assert calls_one > 0 and len(sparse_calls) == 2 * calls_one
+    if case == "token_drop":  # rows were dropped, the same ones (retention per anchor) as on one rank
+        assert kept_one and kept_two == kept_one
+        assert any(k < t for per in kept_one.values() for k, t in per.values())
+
+
+def test_shards_are_the_one_rank_weights_cut_megatron_style(engines):
+    """Gluing the ranks' shards back (q | k | v rows, gate | up rows, o / down columns) gives the
+    tp 1 file; replicated tensors are equal; config.json records the layout."""
+    for preset in ("dense", "3k"):
+        whole = load_file(str(engines[preset, 1] / "rank0.safetensors"))
+        ranks = [load_file(str(engines[preset, 2] / f"rank{r}.safetensors")) for r in range(2)]
+        config = EngineConfig.load(engines[preset, 2])
+        m, d = config.model, config.model.head_dim
+        record = json.loads((engines[preset, 2] / "config.json").read_text())["tensor_parallel"]
+        assert record["size"] == 2 and record["weights"] == ["rank0.safetensors", "rank1.safetensors"]
+        replicated = m.num_kv_heads < 2
+        assert [r["kv_heads"] for r in record["ranks"]] == ([[0, 1], [0, 1]] if replicated else [[0, 1], [1, 2]])
+        for name, t in whole.items():
+            parts = [r[name] for r in ranks]
+            if name.endswith("qkv_proj.weight"):
+                q = torch.cat([p[:3 * d] for p in parts])
+                kv = [p[3 * d:] for p in parts]
+                if replicated:  # both ranks hold the one kv head
+                    assert torch.equal(kv[0], kv[1])
+                    k, v = kv[0][:d], kv[0][d:]
+                else:  # one kv head each
+                    k, v = torch.cat([x[:d] for x in kv]), torch.cat([x[d:] for x in kv])
+                assert torch.equal(torch.cat([q, k, v]), t)
+            elif name.endswith("gate_up_proj.weight"):
+                i = m.intermediate_size // 2
+                assert torch.equal(torch.cat([p[:i] for p in parts] + [p[i:] for p in parts]), t)
+            elif name.endswith(("o_proj.weight", "down_proj.weight")):
+                assert torch.equal(torch.cat(parts, dim=1), t)
+            else:
+                assert all(torch.equal(p, t) for p in parts), name
+
+
+def test_bad_tp_at_build_is_one_line(tmp_path, capsys):
+    write_tiny_hf_checkpoint(tmp_path / "hf", "llama")  # 6 query heads, 2 kv heads, MLP 80
+    write_tiny_hf_checkpoint(tmp_path / "hf1", "llama", num_key_value_heads=1)
+    capsys.readouterr()
+    base = ["--checkpoint", str(tmp_path / "hf"), "--dtype", "float32", "--device", "cpu", "--quiet"]
+    assert build_main(base + ["--output", str(tmp_path / "a"), "--tp", "4"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err == "infhip-build: error: --tp 4 does not divide the model's 6 query heads; choose --tp from 1, 2"
+    one = ["--checkpoint", str(tmp_path / "hf1"), "--dtype", "float32", "--device", "cpu", "--quiet"]
+    assert build_main(one + ["--output", str(tmp_path / "b"), "--tp", "2", "--preset", "3k"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "--tp 2 replicates the model's 1 kv heads" in err and "--preset dense" in err
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+def test_too_few_devices_or_processes_is_one_line(llama_tp2, monkeypatch):
+    engine = llama_tp2
+    monkeypatch.setenv("WORLD_SIZE", "1")  # a torchrun launch of the wrong size
+    monkeypatch.setenv("RANK", "0")
+    with pytest.raises(EngineFormatError, match=r"built for tensor parallelism 2 but torchrun started 1 "
+                                                r"process\(es\); launch it with torchrun --nproc-per-node 2"):
+        LLM(engine)
+    monkeypatch.delenv("WORLD_SIZE")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(EngineFormatError, match=r"\(2 GPUs\) but 1 GPU\(s\) are visible; .* --tp 1"):
+        check_resources(EngineConfig.load(engine), "cuda", engine)
+    with pytest.raises(ValueError, match=r"tensor-parallel \(tp 2\): load it with LLM\(engine\)"):
+        ModelRunner(load_engine(engine), 4, 64)
+
+
+def test_a_worker_that_fails_surfaces_on_rank0(llama_tp2, tmp_path):
+    """At load (its shard is missing): LLM() raises the worker's reason. In a step (the worker
+    killed): the step's requests fail with a message naming the rank, and nothing hangs."""
+    broken = shutil.copytree(llama_tp2, tmp_path / "broken")
+    (broken / "rank1.safetensors").unlink()
+    with pytest.raises(RuntimeError, match=r"tensor-parallel rank 1 could not load the engine: .*rank1\.safetensors "
+                                           r"is missing; rebuild the engine"):
+        LLM(broken)
+    with LLM(llama_tp2) as llm:
+        assert llm.generate(prompt_token_ids=[PROMPTS[2]], sampling_params=GREEDY)[0].finish_reason == "length"
+        worker = llm._tp.procs[0]
+        os.kill(worker.pid, signal.SIGKILL)
+        worker.join(timeout=10)
+        out = llm.generate(prompt_token_ids=[PROMPTS[2]], sampling_params=GREEDY)[0]
+        assert out.finish_reason == "error"
+        assert "tensor parallelism broke down (rank 1 exited with code -9)" in out.error
