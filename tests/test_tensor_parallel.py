@@ -87,15 +87,21 @@ def generate(engine, **load):
 
 @pytest.mark.parametrize("case", ["dense", "3k", "token_drop"])
 def test_tp2_generates_the_tp1_tokens(engines, case, monkeypatch):
-    sparse_calls = []
+    sparse_calls, multi_steps = [], []
     real = sa.sparse_decode_attention
     monkeypatch.setattr(sa, "sparse_decode_attention", lambda *a, **k: sparse_calls.append(1) or real(*a, **k))
-    preset, load = {"dense": ("dense", {}), "3k": ("3k", {"infinitehip_overrides": LOW}),
+    real_steps = ModelRunner.run_decode_plans
+    monkeypatch.setattr(ModelRunner, "run_decode_plans",
+                        lambda self, *a, **k: multi_steps.append(1) or real_steps(self, *a, **k))
+    # dense: 4 decode steps per host sync, so rank 0 broadcasts each step's sampled tokens
+    preset, load = {"dense": ("dense", {"num_decode_steps": 4}), "3k": ("3k", {"infinitehip_overrides": LOW}),
                     "token_drop": ("dense", {"token_drop": TD})}[case]
     one, kept_one = generate(engines[preset, 1], **load)
     calls_one = len(sparse_calls)
     two, kept_two = generate(engines[preset, 2], **load)
     assert two == one
+    if case == "dense":  # back-to-back decode steps ran (their tokens broadcast from rank 0)
+        assert multi_steps
     if case == "3k":  # the sparse kernels ran, as often on rank 0 as on one rank
         assert calls_one > 0 and len(sparse_calls) == 2 * calls_one
     if case == "token_drop":  # rows were dropped, the same ones (retention per anchor) as on one rank
