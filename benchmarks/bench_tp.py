@@ -14,7 +14,8 @@
    - prefill tok/s of one 8K-token prompt (one chunk) and of one 32K-token prompt;
    - all-reduce time per decode step at batch 1 and 16: GPU time of the NCCL kernels on rank 0
      over profiled decode steps (torch.profiler/CUPTI, the graphs' kernels included), divided
-     by the steps (it includes waiting for the slowest rank).
+     by the steps: the 2 per layer all-reduces plus the sampled tokens' broadcast; it includes
+     waiting for the slowest rank.
 Prints a table last and writes JSON to --out/bench_tp.json. Needs nothing outside this repo.
 """
 

@@ -109,36 +109,52 @@ def test_tp2_generates_the_tp1_tokens(engines, case, monkeypatch):
         assert any(k < t for per in kept_one.values() for k, t in per.values())
 
 
+def assert_shards_glue_back(one_rank, two_ranks) -> None:
+    """Gluing the ranks' shards back (q | k | v rows, gate | up rows, o / down columns; fp8
+    scales by their rows) gives the tp 1 file; replicated tensors are equal; config.json
+    records the layout."""
+    whole = load_file(str(one_rank / "rank0.safetensors"))
+    ranks = [load_file(str(two_ranks / f"rank{r}.safetensors")) for r in range(2)]
+    config = EngineConfig.load(two_ranks)
+    m, d = config.model, config.model.head_dim
+    record = json.loads((two_ranks / "config.json").read_text())["tensor_parallel"]
+    assert record["size"] == 2 and record["weights"] == ["rank0.safetensors", "rank1.safetensors"]
+    replicated = m.num_kv_heads < 2
+    assert [r["kv_heads"] for r in record["ranks"]] == ([[0, 1], [0, 1]] if replicated else [[0, 1], [1, 2]])
+    assert set(ranks[0]) == set(ranks[1]) == set(whole)
+    for name, t in whole.items():
+        parts = [r[name] for r in ranks]
+        if t.dtype == torch.float8_e4m3fn:  # compare bytes (cat and equal on fp8 are not everywhere)
+            t, parts = t.view(torch.uint8), [p.view(torch.uint8) for p in parts]
+        if "qkv_proj." in name:
+            q = torch.cat([p[:3 * d] for p in parts])
+            kv = [p[3 * d:] for p in parts]
+            if replicated:  # both ranks hold the one kv head
+                assert torch.equal(kv[0], kv[1])
+                k, v = kv[0][:d], kv[0][d:]
+            else:  # one kv head each
+                k, v = torch.cat([x[:d] for x in kv]), torch.cat([x[d:] for x in kv])
+            assert torch.equal(torch.cat([q, k, v]), t), name
+        elif "gate_up_proj." in name:
+            i = m.intermediate_size // 2
+            assert torch.equal(torch.cat([p[:i] for p in parts] + [p[i:] for p in parts]), t), name
+        elif name.endswith(("o_proj.weight", "down_proj.weight")):
+            assert torch.equal(torch.cat(parts, dim=1), t), name
+        else:  # embeddings, norms, LM head, RoPE, o/down scales (per output row)
+            assert all(torch.equal(p, t) for p in parts), name
+
+
 def test_shards_are_the_one_rank_weights_cut_megatron_style(engines):
-    """Gluing the ranks' shards back (q | k | v rows, gate | up rows, o / down columns) gives the
-    tp 1 file; replicated tensors are equal; config.json records the layout."""
     for preset in ("dense", "3k"):
-        whole = load_file(str(engines[preset, 1] / "rank0.safetensors"))
-        ranks = [load_file(str(engines[preset, 2] / f"rank{r}.safetensors")) for r in range(2)]
-        config = EngineConfig.load(engines[preset, 2])
-        m, d = config.model, config.model.head_dim
-        record = json.loads((engines[preset, 2] / "config.json").read_text())["tensor_parallel"]
-        assert record["size"] == 2 and record["weights"] == ["rank0.safetensors", "rank1.safetensors"]
-        replicated = m.num_kv_heads < 2
-        assert [r["kv_heads"] for r in record["ranks"]] == ([[0, 1], [0, 1]] if replicated else [[0, 1], [1, 2]])
-        for name, t in whole.items():
-            parts = [r[name] for r in ranks]
-            if name.endswith("qkv_proj.weight"):
-                q = torch.cat([p[:3 * d] for p in parts])
-                kv = [p[3 * d:] for p in parts]
-                if replicated:  # both ranks hold the one kv head
-                    assert torch.equal(kv[0], kv[1])
-                    k, v = kv[0][:d], kv[0][d:]
-                else:  # one kv head each
-                    k, v = torch.cat([x[:d] for x in kv]), torch.cat([x[d:] for x in kv])
-                assert torch.equal(torch.cat([q, k, v]), t)
-            elif name.endswith("gate_up_proj.weight"):
-                i = m.intermediate_size // 2
-                assert torch.equal(torch.cat([p[:i] for p in parts] + [p[i:] for p in parts]), t)
-            elif name.endswith(("o_proj.weight", "down_proj.weight")):
-                assert torch.equal(torch.cat(parts, dim=1), t)
-            else:
-                assert all(torch.equal(p, t) for p in parts), name
+        assert_shards_glue_back(engines[preset, 1], engines[preset, 2])
+
+
+def test_fp8_engines_are_cut_after_quantization(tmp_path):
+    write_tiny_hf_checkpoint(tmp_path / "hf", "qwen2")  # qkv biases too
+    kw = dict(checkpoint=tmp_path / "hf", dtype="float32", device="cpu", max_seq_len=128, progress=False,
+              weight_dtype="fp8")
+    assert_shards_glue_back(build_engine(output_dir=tmp_path / "one", **kw),
+                            build_engine(output_dir=tmp_path / "two", tp=2, **kw))
 
 
 def test_bad_tp_at_build_is_one_line(tmp_path, capsys):

@@ -28,6 +28,7 @@ import datetime
 import os
 import queue
 import shutil
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -106,6 +107,7 @@ class TPSession:
         self.procs, self.errors = [], None
         if spawn:
             ctx = mp.get_context("spawn")
+            _python_for_spawn(ctx)
             self.errors = ctx.Queue()
             from infhip.runtime.distributed.worker import run_rank
             for rank in range(1, tp):
@@ -191,6 +193,18 @@ class TPSession:
             self.errors.join_thread()
         if self._tmp is not None:
             shutil.rmtree(self._tmp, ignore_errors=True)
+
+
+def _python_for_spawn(ctx) -> None:
+    """Spawned workers start `sys.executable`; an embedded interpreter (Triton's Python-backend
+    stub) reports its host binary there, so point spawn at the environment's python instead.
+    (Not exercised by the tests: they run under a plain python.)"""
+    exe = Path(sys.executable or "")
+    if exe.name.startswith("python"):
+        return
+    candidate = Path(sys.exec_prefix, "bin", "python3")
+    if candidate.is_file():
+        ctx.set_executable(str(candidate))
 
 
 def join_group(rank: int, tp: int, init_method: str, device_type: str, on_failure=None) -> TPGroup:
