@@ -241,6 +241,7 @@ class LLM:
                     logits = self.runner.execute(out)
         except Exception as e:  # noqa: BLE001 - these requests fail, the engine goes on
             _log.error("a step of %d request(s) failed; failing them all", len(out.chunks), exc_info=e)
+            self.engine.tp.abandon(e)  # tensor-parallel: the other ranks are mid-step, later steps refuse
             for ch in out.chunks:
                 self._fail(self._requests[ch.seq.seq_id], "in the batched forward of its step", e, touched,
                            log=False)

@@ -203,3 +203,19 @@ def test_a_worker_that_fails_surfaces_on_rank0(llama_tp2, tmp_path):
         out = llm.generate(prompt_token_ids=[PROMPTS[2]], sampling_params=GREEDY)[0]
         assert out.finish_reason == "error"
         assert "tensor parallelism broke down (rank 1 exited with code -9)" in out.error
+
+
+def test_a_failed_step_on_rank0_ends_the_engine(llama_tp2):
+    """The workers may be inside that step's collectives: later steps refuse (one line) instead
+    of meeting them out of order."""
+    def boom(hidden):
+        raise RuntimeError("boom")
+
+    with LLM(llama_tp2) as llm:
+        llm.runner.model.compute_logits = boom
+        out = llm.generate(prompt_token_ids=[PROMPTS[2]], sampling_params=GREEDY)[0]
+        assert out.finish_reason == "error" and "boom" in out.error
+        del llm.runner.model.compute_logits
+        out = llm.generate(prompt_token_ids=[PROMPTS[2]], sampling_params=GREEDY)[0]
+        assert out.finish_reason == "error"
+        assert "a step failed on rank 0 (RuntimeError: boom); the tensor-parallel ranks are out of step" in out.error

@@ -82,6 +82,14 @@ class TPGroup:
             raise self._fail(e) from e
         return t.tolist()
 
+    def abandon(self, cause: BaseException) -> None:
+        """Rank 0's step failed mid-forward: the workers may wait inside a collective of it, which
+        the next step's collectives would meet out of order. Every later step raises instead."""
+        if self.size > 1 and self.broken is None:
+            self.broken = RuntimeError(
+                f"a step failed on rank 0 ({type(cause).__name__}: {cause}); the tensor-parallel ranks are out "
+                "of step: close this LLM and load the engine again")
+
     # -- the step's plan (rank 0 -> workers) ------------------------------------------------------
     def publish(self, kind: str, *payload) -> None:
         """Rank 0 hands the workers what to run next (runtime/distributed/worker.py serves it):

@@ -174,13 +174,15 @@ class TPSession:
             return
         self.closed = True
         atexit.unregister(self.close)
+        stopped = False
         if self.group is not None and self.group.broken is None:
             try:
                 self.group.publish("stop")
+                stopped = True
             except Exception:  # noqa: BLE001 - a worker already gone: end the rest below
                 pass
-        for p in self.procs:
-            p.join(timeout=10)
+        for p in self.procs:  # told to stop: they exit at once; else they may sit in a collective
+            p.join(timeout=10 if stopped else 0.5)
         for p in self.procs:
             if p.is_alive():
                 p.terminate()
