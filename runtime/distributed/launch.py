@@ -193,6 +193,7 @@ class TPSession:
         if self.errors is not None:
             self.errors.close()
             self.errors.join_thread()
+            self.errors = None  # its semaphores are released when it is collected, not at exit
         if self._tmp is not None:
             shutil.rmtree(self._tmp, ignore_errors=True)
 
