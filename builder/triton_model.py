@@ -371,6 +371,7 @@ class TritonPythonModel:
         self._closing.set()
         self.loop.close()
         self.metrics.close()
+        self.loop.llm.close()  # a tensor-parallel engine's worker processes (a no-op otherwise)
 
     # -- one request ------------------------------------------------------------------------------
     def _sender(self, request):
