@@ -302,7 +302,7 @@ class ModelRunner:
         logits, drop = self.forward_plan(p)
         if drop is not None:
             self.drop_stats.record([ch.seq for ch in out.chunks], drop, len(self.model.layers))
-        self.page_mover.move((ch.seq, ch.end) for ch in out.chunks)
+        self.move_pages(*self.page_mover.plan((ch.seq, ch.end) for ch in out.chunks))
         return logits
 
     @torch.inference_mode()
@@ -337,8 +337,14 @@ class ModelRunner:
             plans.append(dataclasses.replace(plans[0], positions=[s + j for s in starts], ctx_lens=ctx_lens,
                                              slots=slots, sparse=self._plan_sparse(seqs, ctx_lens, len(seqs))))
         tokens = self.run_decode_plans(plans, sample)
-        self.page_mover.move((seq, ctx) for seq, ctx in zip(seqs, plans[-1].ctx_lens))
+        self.move_pages(*self.page_mover.plan((seq, ctx) for seq, ctx in zip(seqs, plans[-1].ctx_lens)))
         return tokens
+
+    def move_pages(self, src: list[int], dst: list[int]) -> None:
+        """KV offloading: copy the step's departing pages to the host, on every TP rank."""
+        if src:
+            self.tp.publish("move_pages", src, dst)
+            self.page_mover.copy(src, dst)
 
     @torch.inference_mode()
     def run_decode_plans(self, plans: list[StepPlan], sample=None) -> list[torch.Tensor]:

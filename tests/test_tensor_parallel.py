@@ -1,7 +1,9 @@
 """Tensor parallelism on the CPU (docs/design/tensor_parallel.md): tiny float32 Llama and Gemma-3
 engines built with --tp 2 run in 2 processes over gloo and generate exactly the --tp 1 tokens —
-dense, preset 3k (sparse prefill and decode, chunk scores maxed over the ranks) and token drop
-(block scores summed over the ranks) — and the builder's shards are the one-rank weights cut
+dense (with back-to-back decode steps: rank 0 broadcasts the sampled tokens), preset 3k (sparse
+prefill and decode, chunk scores maxed over the ranks), 3k with KV offloading (rank 0 decides
+the moves, each rank copies its pages) and token drop (block scores summed over the ranks) —
+and the builder's shards are the one-rank weights cut
 Megatron-style (kv heads split, or replicated when there are fewer than ranks). Bad input gets
 one-line errors, and a worker that dies surfaces on rank 0 instead of hanging.
 
@@ -21,6 +23,7 @@ import torch
 from safetensors.torch import load_file
 
 import infhip.runtime.attention.infinitehip as sa
+import infhip.runtime.offload.policy as offload_policy
 from infhip import LLM, SamplingParams
 from infhip.builder.build import build_engine
 from infhip.builder.cli import main as build_main
@@ -33,6 +36,8 @@ from tests._tiny import write_tiny_hf_checkpoint
 TD = dict(p=0.5, obs_window=8, block_size=8, num_sink=8, min_prompt_len=0, spare_anchors=0)  # top-p low enough to drop on random weights
 IH = dict(n_sink=4, n_stream=8, stages=[(8, 4, 32), (8, 2, 16), (8, 1, 8)], special_layers=[0], special_final_k=16)
 LOW = {"dense_threshold": 30}  # the long prompts below go sparse, the short one stays dense
+# KV offloading: pages move from the threshold on (RoPE on in the tiny model's whole window)
+OFFLOAD = {"infinitehip_overrides": dict(LOW, rope_off_in_trained_window=False), "kv_offload_bytes": 4 << 20}
 GEMMA_TYPES = ["sliding_attention", "full_attention", "sliding_attention", "full_attention"]
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 
@@ -89,13 +94,15 @@ def llama_tp2(tmp_path_factory):
 
 
 def generate(engine, **load):
-    """(greedy tokens of PROMPTS, token drop's retention per sequence, sparse launches on rank 0)."""
+    """(greedy tokens of PROMPTS, token drop's retention per sequence, pages moved to the host)."""
     with LLM(engine, max_num_batched_tokens=64, **load) as llm:
+        moved, offload = [], llm.runner.kv.offload
+        llm.runner.kv.offload = lambda *a: (lambda m: moved.extend(m[1]) or m)(offload(*a))
         tokens = [o.token_ids for o in llm.generate(prompt_token_ids=PROMPTS, sampling_params=GREEDY)]
-        return tokens, llm.runner.drop_stats.retention
+        return tokens, llm.runner.drop_stats.retention, len(moved)
 
 
-@pytest.mark.parametrize("case", ["dense", "3k", "token_drop"])
+@pytest.mark.parametrize("case", ["dense", "3k", "token_drop", "3k_offload"])
 def test_tp2_generates_the_tp1_tokens(engines, case, monkeypatch):
     sparse_calls, multi_steps = [], []
     real = sa.sparse_decode_attention
@@ -104,15 +111,18 @@ def test_tp2_generates_the_tp1_tokens(engines, case, monkeypatch):
     monkeypatch.setattr(ModelRunner, "run_decode_plans",
                         lambda self, *a, **k: multi_steps.append(1) or real_steps(self, *a, **k))
     # dense: 4 decode steps per host sync, so rank 0 broadcasts each step's sampled tokens
+    monkeypatch.setattr(offload_policy, "OFFLOAD_BATCH_TOKENS", 16)  # pages move one at a time (rank 0 decides)
     preset, load = {"dense": ("dense", {"num_decode_steps": 4}), "3k": ("3k", {"infinitehip_overrides": LOW}),
-                    "token_drop": ("dense", {"token_drop": TD})}[case]
-    one, kept_one = generate(engines[preset, 1], **load)
+                    "token_drop": ("dense", {"token_drop": TD}), "3k_offload": ("3k", OFFLOAD)}[case]
+    one, kept_one, moved_one = generate(engines[preset, 1], **load)
     calls_one = len(sparse_calls)
-    two, kept_two = generate(engines[preset, 2], **load)
+    two, kept_two, moved_two = generate(engines[preset, 2], **load)
     assert two == one
+    if case == "3k_offload":  # pages moved to the host, the same ones (each rank copies its heads' part)
+        assert moved_one >= 4 and moved_two == moved_one
     if case == "dense":  # back-to-back decode steps ran (their tokens broadcast from rank 0)
         assert multi_steps
-    if case == "3k":  # the sparse kernels ran, as often on rank 0 as on one rank
+    if case.startswith("3k"):  # the sparse kernels ran, as often on rank 0 as on one rank
         assert calls_one > 0 and len(sparse_calls) == 2 * calls_one
     if case == "token_drop":  # rows were dropped, the same ones (retention per anchor) as on one rank
         assert kept_one and kept_two == kept_one

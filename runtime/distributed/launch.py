@@ -77,9 +77,6 @@ def start_ranks(engine_dir, opts) -> "TPSession | None":
     if tp == 1:
         return None
     check_resources(config, opts.device, engine_dir)
-    if opts.kv_offload_bytes:
-        raise ValueError("kv_offload_bytes is not supported with a tensor-parallel engine yet; "
-                         "omit it, or rebuild the engine with --tp 1")
     import torch.distributed as dist
     if dist.is_initialized():
         raise RuntimeError("a tensor-parallel LLM is already open in this process (one process group per "

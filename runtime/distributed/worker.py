@@ -3,9 +3,10 @@ then run what rank 0 publishes, step by step, until "stop".
 
 Rank 0 owns the scheduler, the KV page allocation, the InfiniteHiP planner and the sampler; a
 worker holds only its shard's weights, its own KV pages (the same page ids, its kv heads), its
-mask caches and key banks. Each step rank 0 publishes the runner method and its host-side plan
-(runtime/model_runner.py: ``forward_plan(StepPlan)`` or ``run_decode_plans([StepPlan])``), and
-every rank runs the forward; the collectives inside keep them in lock-step.
+mask caches, key banks and host pools. Each step rank 0 publishes the runner method and its
+host-side plan (runtime/model_runner.py: ``forward_plan(StepPlan)``, ``run_decode_plans([StepPlan])``,
+``move_pages(src, dst)`` for KV offloading), and every rank runs it; the collectives inside
+keep them in lock-step.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import traceback
 import torch
 
 # What rank 0 may ask of a worker's runner (TPGroup.publish's kinds), besides "stop".
-STEP_KINDS = ("forward_plan", "run_decode_plans")
+STEP_KINDS = ("forward_plan", "run_decode_plans", "move_pages")
 
 
 def run_rank(rank: int, tp: int, init_method: str, engine_dir: str, opts, errors, threads: int | None = None) -> None:

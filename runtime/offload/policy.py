@@ -56,13 +56,22 @@ class PageMover:
         self.kv, self.layers, self.tensor = kv, layers, tensor
 
     def move(self, seqs_and_contexts) -> None:
-        if not self.layers:
-            return
+        self.copy(*self.plan(seqs_and_contexts))
+
+    def plan(self, seqs_and_contexts) -> tuple[list[int], list[int]]:
+        """The moves (GPU pages, host pages), taken in the cache manager's page tables: host side.
+        (Tensor parallelism: rank 0 plans, every rank copies its own heads' pages.)"""
         src, dst = [], []
+        if not self.layers:
+            return src, dst
         for seq, context in seqs_and_contexts:
             s, d = self.kv.offload(seq.seq_id, "global", context)
             src += s
             dst += d
+        return src, dst
+
+    def copy(self, src: list[int], dst: list[int]) -> None:
+        """Copy GPU pages src to host pages dst in every offloading layer."""
         if not src:
             return
         src_t, dst_t = self.tensor(src, torch.int32), self.tensor(dst, torch.int32)
