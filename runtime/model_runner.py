@@ -118,6 +118,13 @@ class ModelRunner:
             sizes = [b for b in build.cuda_graph_batch_sizes if b <= max_num_seqs]
             self.graphs = DecodeGraphs(self, sizes, max_decode_steps)
             self.graphs.capture(self.graph_keys())
+        self.loaded = True  # from now on set_infinitehip / set_token_drop reach every TP rank
+
+    def _mirror(self, kind: str, *args) -> None:
+        """Tensor parallelism: a change to a loaded runner (benchmarks re-plan live runners) is
+        published to the other ranks, which make it too (runtime/distributed/worker.py)."""
+        if getattr(self, "loaded", False):
+            self.tp.publish(kind, *args)
 
     def graph_keys(self) -> list[GraphKey]:
         """Every decode-graph key this runner's plan can replay: the dense graph sized for
@@ -146,6 +153,7 @@ class ModelRunner:
             if ih is not None:
                 raise ValueError("this engine has no InfiniteHiP layers; build it with --preset")
             return
+        self._mirror("set_infinitehip", ih)
         offload = self.kv.groups["global"].offload if "global" in self.kv.groups else None
         layers = [layer.self_attn for layer in self.model.layers]
         self.infinitehip = InfiniteHipBackend.attach(self.engine.config, ih, layers, self.max_num_seqs, self.device,
@@ -160,6 +168,7 @@ class ModelRunner:
         (runtime/token_drop.py says why)."""
         if cfg is not None and getattr(self, "offload_layers", None):
             raise ValueError("token drop cannot be turned on while KV pages are offloaded")
+        self._mirror("set_token_drop", cfg)
         newly_on = cfg is not None and getattr(self, "token_drop", None) is None
         if cfg is not None and self.kv.prefix_caching:  # reuse is not exact with token drop
             self.kv.disable_prefix_caching()  # (docs/design/prefix_caching.md)

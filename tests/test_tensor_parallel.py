@@ -27,7 +27,7 @@ import infhip.runtime.offload.policy as offload_policy
 from infhip import LLM, SamplingParams
 from infhip.builder.build import build_engine
 from infhip.builder.cli import main as build_main
-from infhip.config import EngineConfig, EngineFormatError
+from infhip.config import EngineConfig, EngineFormatError, TokenDropConfig
 from infhip.runtime.distributed import check_resources
 from infhip.runtime.engine import load_engine
 from infhip.runtime.model_runner import ModelRunner
@@ -93,9 +93,12 @@ def llama_tp2(tmp_path_factory):
                         max_seq_len=256, max_batch_size=4, progress=False)
 
 
-def generate(engine, **load):
-    """(greedy tokens of PROMPTS, token drop's retention per sequence, pages moved to the host)."""
+def generate(engine, live_token_drop=None, **load):
+    """(greedy tokens of PROMPTS, token drop's retention per sequence, pages moved to the host).
+    live_token_drop: turned on after the load (ModelRunner.set_token_drop, mirrored to the ranks)."""
     with LLM(engine, max_num_batched_tokens=64, **load) as llm:
+        if live_token_drop is not None:
+            llm.runner.set_token_drop(TokenDropConfig(**live_token_drop))
         moved, offload = [], llm.runner.kv.offload
         llm.runner.kv.offload = lambda *a: (lambda m: moved.extend(m[1]) or m)(offload(*a))
         tokens = [o.token_ids for o in llm.generate(prompt_token_ids=PROMPTS, sampling_params=GREEDY)]
@@ -116,6 +119,8 @@ def test_tp2_generates_the_tp1_tokens(engines, case, monkeypatch):
                     "token_drop": ("dense", {"token_drop": TD}), "3k_offload": ("3k", OFFLOAD)}[case]
     one, kept_one, moved_one = generate(engines[preset, 1], **load)
     calls_one = len(sparse_calls)
+    if case == "token_drop":  # tp 2: turned on in the live runner, which publishes it to rank 1
+        load = {"live_token_drop": TD}
     two, kept_two, moved_two = generate(engines[preset, 2], **load)
     assert two == one
     if case == "3k_offload":  # pages moved to the host, the same ones (each rank copies its heads' part)
