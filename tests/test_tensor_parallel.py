@@ -3,8 +3,8 @@ engines built with --tp 2 run in 2 processes over gloo and generate exactly the 
 dense (with back-to-back decode steps: rank 0 broadcasts the sampled tokens), preset 3k (sparse
 prefill and decode, chunk scores maxed over the ranks), 3k with KV offloading (rank 0 decides
 the moves, each rank copies its pages) and token drop (block scores summed over the ranks) —
-and the builder's shards are the one-rank weights cut
-Megatron-style (kv heads split, or replicated when there are fewer than ranks). Bad input gets
+and so does a torchrun launch; the builder's shards are the one-rank
+weights cut Megatron-style (kv heads split, or replicated when there are fewer than ranks). Bad input gets
 one-line errors, and a worker that dies surfaces on rank 0 instead of hanging.
 
 The plugins' torch references run (TRITON_INTERPRET unset, as in test_infinitehip_runtime):
@@ -17,6 +17,8 @@ import json
 import os
 import shutil
 import signal
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -85,12 +87,17 @@ def engines(request, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def llama_tp2(tmp_path_factory):
-    """A dense tiny Llama engine at tp 2 (for the error cases: one architecture is enough)."""
+def llama_pair(tmp_path_factory):
+    """Dense tiny Llama engines at tp 1 and 2 (launch and error cases: one architecture is enough)."""
     root = tmp_path_factory.mktemp("llama_tp2")
     write_tiny_hf_checkpoint(root / "hf", "llama")
-    return build_engine(checkpoint=root / "hf", output_dir=root / "engine", tp=2, dtype="float32", device="cpu",
-                        max_seq_len=256, max_batch_size=4, progress=False)
+    return [build_engine(checkpoint=root / "hf", output_dir=root / f"tp{tp}", tp=tp, dtype="float32", device="cpu",
+                         max_seq_len=256, max_batch_size=4, progress=False) for tp in (1, 2)]
+
+
+@pytest.fixture(scope="module")
+def llama_tp2(llama_pair):
+    return llama_pair[1]
 
 
 def generate(engine, live_token_drop=None, **load):
@@ -180,6 +187,30 @@ def test_fp8_engines_are_cut_after_quantization(tmp_path):
               weight_dtype="fp8")
     assert_shards_glue_back(build_engine(output_dir=tmp_path / "one", **kw),
                             build_engine(output_dir=tmp_path / "two", tp=2, **kw))
+
+
+def test_torchrun_launch_generates_the_tp1_tokens(llama_pair, tmp_path):
+    """Under torchrun every process calls LLM(engine): rank 0's returns, rank 1 serves inside it
+    and exits when rank 0 closes (so infhip-run / infhip-serve run unchanged under torchrun)."""
+    script = tmp_path / "run.py"
+    script.write_text(
+        "import json, os, sys\n"
+        "from infhip import LLM, SamplingParams\n"
+        "with LLM(sys.argv[1]) as llm:\n"
+        "    out = llm.generate(prompt_token_ids=json.loads(sys.argv[2]),\n"
+        "                       sampling_params=SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))\n"
+        "    print('TOKENS', json.dumps([o.token_ids for o in out]))\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK")}
+    env["OMP_NUM_THREADS"] = "1"
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                          str(script), str(llama_pair[1]), json.dumps(PROMPTS[1:])],
+                         capture_output=True, text=True, timeout=180, env=env)
+    assert run.returncode == 0, run.stderr[-2000:]
+    lines = [line for line in run.stdout.splitlines() if line.startswith("TOKENS ")]
+    assert len(lines) == 1  # rank 0 only
+    with LLM(llama_pair[0]) as llm:
+        expected = [o.token_ids for o in llm.generate(prompt_token_ids=PROMPTS[1:], sampling_params=GREEDY)]
+    assert json.loads(lines[0][len("TOKENS "):]) == expected
 
 
 def test_bad_tp_at_build_is_one_line(tmp_path, capsys):
