@@ -3,9 +3,9 @@ engines built with --tp 2 run in 2 processes over gloo and generate exactly the 
 dense (with back-to-back decode steps: rank 0 broadcasts the sampled tokens), preset 3k (sparse
 prefill and decode, chunk scores maxed over the ranks), 3k with KV offloading (rank 0 decides
 the moves, each rank copies its pages) and token drop (block scores summed over the ranks) —
-and so does a torchrun launch; the builder's shards are the one-rank
-weights cut Megatron-style (kv heads split, or replicated when there are fewer than ranks). Bad input gets
-one-line errors, and a worker that dies surfaces on rank 0 instead of hanging.
+and so does a torchrun launch; the builder's shards are the one-rank weights cut Megatron-style
+(kv heads split, or replicated when there are fewer than ranks). Bad input gets one-line
+errors, and a failed rank surfaces on rank 0 instead of hanging.
 
 The plugins' torch references run (TRITON_INTERPRET unset, as in test_infinitehip_runtime):
 every TP=2 load spawns one worker process, which inherits that.
