@@ -140,7 +140,7 @@ def main() -> None:
                  "transformers": transformers.__version__, "kv_dtype": args.kv_dtype, "contexts": {}}
     t0 = time.perf_counter()
     engine = build(args.work, max(contexts) + 8192, args.kv_dtype)
-    llm = LLM(engine, max_num_seqs=1, kv_cache_memory_bytes=int(args.kv_gib * (1 << 30)))
+    llm = LLM(engine, max_num_seqs=1, kv_cache_memory_bytes=int(args.kv_gib * (1 << 30)), prefix_caching=False)
     res["setup_s"] = time.perf_counter() - t0
     runner, plan = llm.runner, llm.engine.config.plan
     for layer in llm.engine.model.layers:  # random keys and values everywhere, scaled like real ones

@@ -114,7 +114,8 @@ def run_model(args, model: str, res: dict) -> None:
     t0 = time.perf_counter()
     max_len = max(args.lengths)
     engine = build(model, layers_of(args, model), max_len, args.work)
-    llm = LLM(engine, max_num_seqs=1, kv_cache_memory_bytes=28 << 30, enforce_eager=True)
+    llm = LLM(engine, max_num_seqs=1, kv_cache_memory_bytes=28 << 30, enforce_eager=True,
+              prefix_caching=False)
     cfg = llm.engine.config
     num_layers = cfg.model.num_layers
     info = res.setdefault("models", {}).setdefault(model, {

@@ -75,7 +75,10 @@ def new_kv_scales(cache: torch.Tensor) -> torch.Tensor | None:
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [..., D] (any float dtype) -> (fp8 [..., D], float32 scale [...]) as the module docstring."""
     xf = x.float()
-    scale = xf.abs().amax(dim=-1).clamp(min=_TINY) / FP8_MAX
+    amax = xf.abs().amax(dim=-1).clamp(min=_TINY)
+    # a tensor divisor: CUDA divides by a Python scalar as a multiply by its reciprocal (1 ulp off
+    # IEEE at times); this is the IEEE quotient on every device, as the kernels' div_rn
+    scale = amax / torch.full_like(amax, FP8_MAX)
     q = (xf / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     return q, scale
 
