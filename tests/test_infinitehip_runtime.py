@@ -136,6 +136,7 @@ def test_raw_keys_in_prefill_under_interpreter(engines, monkeypatch):
     prune from keys un-rotated once per layer (unrotate_keys called), and generate the same
     tokens as re-rotating every loaded key in-kernel (threshold raised: no raw keys)."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(sparse_plan, "RAW_KEYS_MIN_BLOCKS", 8)  # tiny blocks: 66 tokens are 9
     prompts, params = [PROMPTS[2][:66]], SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     knobs = dict(LOW, rope_off_in_trained_window=False)
     made = []
@@ -160,6 +161,7 @@ def test_fp8_cache_kernels_equal_references_in_the_runtime(engines, monkeypatch)
     keys (a 66-token prefill has >= RAW_KEYS_MIN_BLOCKS blocks) and the rotated key bank give the
     torch references' tokens; covering sets give fp8 dense's."""
     prompts, params = [PROMPTS[2][:66]], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    monkeypatch.setattr(sparse_plan, "RAW_KEYS_MIN_BLOCKS", 8)  # tiny blocks: 66 tokens are 9
     knobs = dict(LOW, rope_off_in_trained_window=False)
     made, banked = [], []
     real, real_bank = sa.unrotate_keys, sa.write_key_bank
