@@ -42,6 +42,9 @@ CONFIGS = [  # name, runtime knobs (None: dense)
     ("3k-flash", dict(refresh_intervals=(96, 24, 8))),
     ("3k-flash sync", dict(refresh_intervals=(96, 24, 8), stagger_refresh=False)),
     ("3k-flash no bank", dict(refresh_intervals=(96, 24, 8), key_bank=False)),
+    # the two chunk scores side by side (the choice of InfiniteHipConfig.chunk_score's default)
+    ("3k-flash max", dict(refresh_intervals=(96, 24, 8), chunk_score="max")),
+    ("3k-flash head_normalized", dict(refresh_intervals=(96, 24, 8), chunk_score="head_normalized")),
 ]
 
 
