@@ -146,7 +146,7 @@ class KVCacheManager(PrefixCaching):
         self.max_pages_per_seq = max_pages_per_seq
         self._alloc = {name: PagePool(PageAllocator(spec.num_pages)) for name, spec in self.groups.items()}
         # Host pools: host page h is entry -(h + 1), so allocator page p (1..host_pages) is entry -p.
-        self._host = {name: PageAllocator(spec.offload.host_pages + 1)
+        self._host = {name: PagePool(PageAllocator(spec.offload.host_pages + 1))
                       for name, spec in self.groups.items() if spec.offload is not None}
         self._tables: dict[str, dict[int, _Table]] = {name: {} for name in self.groups}
         self._init_prefix_cache()
@@ -323,15 +323,33 @@ class KVCacheManager(PrefixCaching):
         ps = self.page_size
         head = _cdiv(off.head_tokens, ps)
         hi = min(len(t.pages), max(0, context - off.tail_tokens) // ps)  # pages wholly before the tail
+        pages = t.pages
         lo = max(t.host_hi, head, t.lo)
-        if hi - lo < off.batch_pages:
+        while lo < hi and pages[lo] < 0:  # already on the host (shared from the prefix cache)
+            lo += 1
+        # GPU pages to move; a prefix-cache hit may leave host pages among them (skipped)
+        todo = [i for i in range(lo, hi) if pages[i] > 0]
+        if len(todo) < off.batch_pages:
+            t.host_hi = max(t.host_hi, lo)
             return [], []
-        n = min(hi - lo, self._host[group].num_free)
-        pages = list(t.pages)
-        src = pages[lo:lo + n]
-        dst = [-self._host[group].allocate() for _ in range(n)]
-        pages[lo:lo + n] = dst
-        for p in src:
-            self._alloc[group].free(p)
-        t.pages, t.host_hi = pages, lo + n
+        gpu, host = self._alloc[group], self._host[group]
+        pages, src, dst, moved_to = list(pages), [], [], lo
+        for i in todo:
+            page = pages[i]
+            digest = gpu.digest_of(page)
+            h = host.lookup(digest) if digest is not None else None
+            if h is not None:  # the same content is cached on the host already: share it, no copy
+                host.acquire(h)
+            elif host.num_free:
+                h = host.allocate()  # may evict a cached host page (none of them is held)
+                if digest is not None:
+                    host.register(h, digest)
+                src.append(page)
+                dst.append(-h)
+            else:  # the host pool is full: the rest stays on the GPU (not an error)
+                break
+            pages[i] = -h
+            gpu.free(page)  # a named page stays cached on the GPU too
+            moved_to = i + 1
+        t.pages, t.host_hi = pages, moved_to
         return src, dst
