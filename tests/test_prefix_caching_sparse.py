@@ -127,13 +127,13 @@ def test_prefix_on_a_chunk_boundary_equals_no_cache(engines, engine, overrides):
 
 
 def test_prefix_on_a_chunk_boundary_under_the_interpreter(engines, monkeypatch):
+    """The Triton kernels (interpreted) over a reused prefix: one 32-token chunk cached."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     on, off = pair(engines["3k"], LOW)
-    doc, short = ids(4, 64), SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
-    for llm in (on, off):
-        ask(llm, doc + ids(5, 6), short)
+    doc, short = ids(4, 32), SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+    ask(on, doc + ids(5, 6), short)  # (its one decode step recomputes every stage: no clock to keep in step)
     got, want = ask(on, doc + ids(6, 9), short), ask(off, doc + ids(6, 9), short)
-    assert got[2] == 64 and same(got, want)
+    assert got[2] == 32 and same(got, want)
 
 
 @pytest.mark.parametrize("overrides", [LOW, DYNAMIC, THRESHOLD_90])
