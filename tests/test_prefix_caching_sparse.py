@@ -304,6 +304,32 @@ def test_abort_releases_host_pages(engines, small_batches):
     assert ask(on, doc + [2])[2] == 96
 
 
+@pytest.mark.parametrize("offload", [False, True])
+def test_cached_pages_cause_no_preemption(engines, small_batches, offload):
+    """Memory accounting: cached GPU pages (and cached host pages) count as free, a new page
+    evicts them first. With both pools full of earlier prompts' pages, a load that fits without a
+    cache runs without preemption and gives the uncached tokens."""
+    page = 16 * 2 * 16 * 4 * 2  # bytes of one page of one layer (K and V, float32)
+    kw = dict(kv_cache_memory_bytes=17 * page * 3, max_num_seqs=2)
+    if offload:
+        kw["kv_offload_bytes"] = 12 * page * 3
+    on, off = pair(engines["3k"], PAST if offload else LOW, **kw)
+    for i in range(6):  # in both: the sparse refresh clock stays in step
+        for llm in (on, off):
+            ask(llm, ids(70 + i, 40))
+    kv = on.runner.kv
+    assert kv.num_cached_pages("global") >= 8
+    if offload:
+        assert kv.num_cached_host_pages("global") >= 6
+    load = [ids(80, 60), ids(81, 58)]
+    sp = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    got = on.generate(prompt_token_ids=load, sampling_params=sp)
+    want = off.generate(prompt_token_ids=load, sampling_params=sp)
+    assert [o.token_ids for o in got] == [w.token_ids for w in want]
+    assert off.scheduler.num_preemptions == 0 and on.scheduler.num_preemptions == 0
+    assert on.stats().prefix_cache_evictions > 0
+
+
 # ---- token drop -------------------------------------------------------------------------------
 TD = dict(obs_window=8, block_size=8, num_sink=8, min_prompt_len=0, spare_anchors=0)
 
