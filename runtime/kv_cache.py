@@ -19,7 +19,9 @@ threshold: every later step of it reads its keys through the sparse kernels, whi
 host entries), its pages between the first ``head_tokens`` (sink) and the last ``tail_tokens``
 (stream) move to host pages (:meth:`KVCacheManager.offload`); the table names a host page by an
 entry < 0 (host page -1 - entry), and the GPU page returns to the free list. So the GPU holds
-about head + tail + one chunk per sequence however long it grows, the host the rest.
+about head + tail + one chunk per sequence however long it grows, the host the rest. With prefix
+caching the host pool is a PagePool too: offloaded pages stay cached on the host after their
+sequence ends (docs/design/prefix_caching.md, "Offloaded KV").
 """
 
 from __future__ import annotations
@@ -124,7 +126,7 @@ class _Table:
 
     pages: list[int] = field(default_factory=list)
     lo: int = 0
-    host_hi: int = 0  # offloading: logical pages [head, host_hi) are on the host (entries < 0)
+    host_hi: int = 0  # offloading: pages [head, host_hi) have been moved (entries < 0; a cached prefix's too)
     num_hashed: int = 0  # prefix caching: logical pages [0, num_hashed) were offered to the cache
 
 
@@ -313,9 +315,11 @@ class KVCacheManager(PrefixCaching):
         ``context`` tokens: returns (GPU pages, host entries), pairwise, for the caller to copy
         *before* any later kernel may reuse the GPU pages (copy_pages, same stream). The table
         becomes a new list (so readers that cache by list identity re-read it) naming the host
-        entries; the GPU pages are free. Nothing moves below min_context, while fewer than
-        batch_pages pages are eligible, or beyond the host pool's free pages (those stay on the
-        GPU: the pool is full, not an error)."""
+        entries; the GPU pages are free (or cached, if named). Nothing moves below min_context,
+        while fewer than batch_pages pages are eligible, or beyond the host pool's free pages
+        (those stay on the GPU: the pool is full, not an error). Prefix caching: a named page
+        whose digest the host pool caches already takes that host page (no copy); a copied one
+        is named on the host too; host entries that a shared prefix put in the range are skipped."""
         off = self._spec(group).offload
         t = self._tables[group].get(seq_id)
         if off is None or t is None or context < off.min_context:

@@ -84,6 +84,7 @@ class EngineStats:
     # Prefix caching (zero when off): cached pages held by no request (counted in kv_pages_free),
     # and since start: prompt tokens looked up at admission, of them found cached, pages evicted.
     kv_pages_cached: dict[str, int] = dataclasses.field(default_factory=dict)
+    host_pages_cached: dict[str, int] = dataclasses.field(default_factory=dict)  # (counted in host_pages_free)
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
     prefix_cache_evictions: int = 0
@@ -164,6 +165,7 @@ class LLM:
             kv_pages_free=free,
             host_pages_used={g: n - host_free[g] for g, n in host.items()}, host_pages_free=host_free,
             kv_pages_cached={g: kv.num_cached_pages(g) for g in kv.groups},
+            host_pages_cached={g: kv.num_cached_host_pages(g) for g in host},
             prefix_cache_queries=kv.prefix_cache_queries, prefix_cache_hits=kv.prefix_cache_hits,
             prefix_cache_evictions=kv.prefix_cache_evictions)
 

@@ -24,6 +24,7 @@ from infhip.builder.build import build_engine
 from infhip.config import apply_runtime_overrides
 from infhip.eval.common import set_forced_retention
 from infhip.runtime.prefix_cache import PagePool
+from infhip.runtime.serving.metrics import ServerMetrics
 from tests._tiny import write_tiny_hf_checkpoint
 
 from .test_infinitehip_runtime import LOW, TINY
@@ -242,7 +243,11 @@ def test_document_cached_in_host_memory(engines, small_batches, engine):
     for llm in (on, off):
         ask(llm, doc + ids(21, 10))
     kv = on.runner.kv
-    assert kv.num_cached_host_pages("global") >= 3, "the document's middle pages are cached on the host"
+    cached_host = on.stats().host_pages_cached["global"]
+    assert cached_host >= 3, "the document's middle pages are cached on the host"
+    metrics = ServerMetrics(on)
+    metrics.sample(on)
+    assert f'infhip_host_pages_cached{{group="global"}} {float(cached_host)}' in metrics.render().decode()
     poison_unused_pages(on)
     shared = []
     real = kv.share
