@@ -137,6 +137,7 @@ class ModelRunner:
                 raise ValueError("this engine has no InfiniteHiP layers; build it with --preset")
             return
         offload = self.kv.groups["global"].offload if "global" in self.kv.groups else None
+        self.kv.clear_prefix_cache()  # pages computed under the old knobs (prefix_caching.md)
         layers = [layer.self_attn for layer in self.model.layers]
         self.infinitehip = InfiniteHipBackend.attach(self.engine.config, ih, layers, self.max_num_seqs, self.device,
                                                      offload)
