@@ -11,10 +11,14 @@ in this order (the most important first; each is skipped, and said so, when the 
 ``--deadline-s`` is below its estimate, and a request running past the deadline is aborted):
 
 1. ``3k-flash fp8``: a 3k-flash engine with an fp8 KV cache, the whole document on the GPU;
-2. ``dense 128K``: a dense engine (bf16 KV) with a ``--dense-doc-tokens`` document;
-3. ``3k-flash fp8 offloaded``: the first engine loaded with a small GPU cache and
+2. ``3k-flash fp8 offloaded``: the same engine loaded with a small GPU cache and
    ``kv_offload_bytes`` for the document: its middle pages live in pinned host memory, and stay
-   cached there between the questions.
+   cached there between the questions; ``--in-place-follow-ups`` more follow-ups then run with
+   prefill staging off (a short chunk reads the host pages in place instead of copying them all);
+3. ``dense 128K``: a dense engine (bf16 KV) with a ``--dense-doc-tokens`` document.
+
+Expected time on an H200 (from earlier runs: 1M uncached TTFT 65 s, builds ~60 s / ~50 s):
+about 150 s for case 1 with its build, 110 s for case 2, 80 s for case 3.
 
 Per case: request 0 = document + question 0 (nothing cached: the no-cache TTFT), then
 ``--follow-ups`` requests = document + question i (the document's pages reused). Per request:
@@ -135,9 +139,8 @@ def per_token_bytes(llm) -> int:
     return len(llm.engine.model.layers) * (2 * a.kv.k[0, 0].numel() * a.kv.k.element_size() + scales)
 
 
-def release(llm) -> None:
-    del llm
-    gc.collect()
+def free_memory() -> None:
+    gc.collect()  # an LLM's reference cycles hold its KV cache until collected
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
 
@@ -157,7 +160,8 @@ def main() -> None:
     p.add_argument("--gpu-kv-gib", type=float, default=16, help="GPU KV cache of the offloaded case")
     p.add_argument("--in-place-follow-ups", type=int, default=2,
                    help="offloaded case: this many more follow-ups with prefill staging off")
-    p.add_argument("--cases", default="3k-flash,dense,offload")
+    p.add_argument("--cases", default="3k-flash,offload,dense",
+                   help="which cases, in this order (each is skipped when the deadline leaves too little time)")
     p.add_argument("--deadline-s", type=float, default=450,
                    help="the script stops starting work after this many seconds (the device call's limit is 600)")
     args = p.parse_args()
@@ -192,10 +196,8 @@ def main() -> None:
             import traceback
             traceback.print_exc()
             res["skipped"].append(f"{name}: failed: {type(e).__name__}: {e}")
-            gc.collect()
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()
-            return None
+        free_memory()  # out of the except clause: the traceback and the LLM its frames held are gone
+        return None
 
     def _run_case(name: str, engine: Path, doc_len: int, **load) -> dict:
         t0 = time.perf_counter()
@@ -224,30 +226,17 @@ def main() -> None:
                "host_pages_cached": {g: kv.num_cached_host_pages(g) for g in kv.groups},
                "per_token_bytes": per_token_bytes(llm)}
         res["cases"][name] = out
-        release(llm)
+        del llm, kv, staging  # the last references: the next case needs the GPU memory (and pinned pages)
+        free_memory()
         return out
 
-    t0 = time.perf_counter()
-    if "3k-flash" in cases or "offload" in cases:
-        sparse_engine = build(args.work, "3k-flash", max(args.doc_tokens, offload_doc) + q_len + slack,
-                              args.kv_dtype, "3k-flash", args.smoke)
-        print(f"3k-flash engine built in {time.perf_counter() - t0:.0f} s", flush=True)
-    if "3k-flash" in cases:
+    def resident() -> None:
+        nonlocal prefill_s
         out = run_case(f"3k-flash {args.kv_dtype}", sparse_engine, args.doc_tokens, 30 + args.doc_tokens / 12_000)
         if out and out["requests"] and "ttft_s" in out["requests"][0]:
             prefill_s = out["requests"][0]["ttft_s"]
-    if "dense" in cases:
-        t0 = time.perf_counter()
-        if deadline.left() > 60 + args.dense_doc_tokens / 10_000:
-            dense_engine = build(args.work, "dense", args.dense_doc_tokens + q_len + slack, "bfloat16", "dense",
-                                 args.smoke)
-            print(f"dense engine built in {time.perf_counter() - t0:.0f} s", flush=True)
-            run_case(f"dense {args.dense_doc_tokens // 1000}K" if not args.smoke else "dense", dense_engine, args.dense_doc_tokens,
-                     15 + args.dense_doc_tokens / 10_000)
-        else:
-            res["skipped"].append(f"dense: skipped before its build, {deadline.left():.0f} s left")
-            print(res["skipped"][-1], flush=True)
-    if "offload" in cases:
+
+    def offloaded() -> None:
         per_token = res["cases"].get(f"3k-flash {args.kv_dtype}", {}).get("per_token_bytes")
         if per_token is None:  # no resident case ran: Llama-3.1-8B shapes (the smoke config's)
             per_token = (32 * 2 * (8 * 128 + 4 * 8) if args.kv_dtype == "fp8" else 32 * 2 * 8 * 128 * 2) \
@@ -256,6 +245,25 @@ def main() -> None:
         estimate = 40 + 1.4 * (prefill_s or offload_doc / 12_000)
         run_case(f"3k-flash {args.kv_dtype} offloaded", sparse_engine, offload_doc, estimate,
                  kv_cache_memory_bytes=gpu_kv, kv_offload_bytes=int(1.05 * (offload_doc + q_len + slack) * per_token))
+
+    def dense() -> None:
+        t0 = time.perf_counter()
+        if deadline.left() < 60 + args.dense_doc_tokens / 10_000:
+            res["skipped"].append(f"dense: skipped before its build, {deadline.left():.0f} s left")
+            print(res["skipped"][-1], flush=True)
+            return
+        engine = build(args.work, "dense", args.dense_doc_tokens + q_len + slack, "bfloat16", "dense", args.smoke)
+        print(f"dense engine built in {time.perf_counter() - t0:.0f} s", flush=True)
+        run_case(f"dense {args.dense_doc_tokens // 1000}K" if not args.smoke else "dense", engine,
+                 args.dense_doc_tokens, 15 + args.dense_doc_tokens / 10_000)
+
+    t0 = time.perf_counter()
+    if "3k-flash" in cases or "offload" in cases:
+        sparse_engine = build(args.work, "3k-flash", max(args.doc_tokens, offload_doc) + q_len + slack,
+                              args.kv_dtype, "3k-flash", args.smoke)
+        print(f"3k-flash engine built in {time.perf_counter() - t0:.0f} s", flush=True)
+    for case in cases:  # in the order given: the most important first
+        {"3k-flash": resident, "offload": offloaded, "dense": dense}[case]()
 
     (args.out / "bench_prefix_cache.json").write_text(json.dumps(res, indent=2))
     print(f"\n{res['device']}  torch {res['torch']}; Llama-3.1-8B shapes{' (smoke: tiny)' if args.smoke else ''}, "
