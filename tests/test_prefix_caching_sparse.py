@@ -340,9 +340,9 @@ TD = dict(obs_window=8, block_size=8, num_sink=8, min_prompt_len=0, spare_anchor
 
 
 def test_token_drop_history_depends_on_the_suffix(tmp_path):
-    """Why token drop keeps prefix caching off: the blocks a prompt keeps of a shared prefix are
-    chosen by the observation window at the prompt's end, so two prompts with the same first 160
-    tokens keep different positions of them (their compacted pages differ)."""
+    """Why token drop keeps prefix caching off: the blocks a chunk keeps are chosen by the
+    observation window at the chunk's end (here the prompt's: one chunk), so two prompts with the
+    same first 160 tokens keep different positions of them (their compacted pages differ)."""
     write_tiny_hf_checkpoint(tmp_path / "hf", "llama")
     engine = build_engine(checkpoint=tmp_path / "hf", output_dir=tmp_path / "engine", dtype="float32",
                           device="cpu", max_seq_len=256, max_batch_size=2, progress=False)
