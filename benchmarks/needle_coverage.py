@@ -49,8 +49,8 @@ def final_mask(attn, q, table, length, params, head_normalized: bool, kv_head: i
         k_cache = k_cache[:, :, kv_head:kv_head + 1].contiguous()
     sel = num = None
     for b_q, l_c, k in params["stages"]:
-        sel, num = pruning_stage(q, PagedKV(k_cache, None), tables, q_start, q_lens, ends, sel, num, chunk_size=l_c, k=k,
-                                 block_q=b_q, n_sink=params["n_sink"], n_stream=params["n_stream"],
+        sel, num = pruning_stage(q, PagedKV(k_cache, None), tables, q_start, q_lens, ends, sel, num,
+                                 chunk_size=l_c, k=k, block_q=b_q, n_sink=params["n_sink"], n_stream=params["n_stream"],
                                  rope_style=params["rope_style"], inv_freq=attn.rope[0].inv_freq,
                                  head_normalized=head_normalized, query_stride=query_stride)
     return per_query_key_mask(sel, q_lens, ends, params["n_sink"], params["n_stream"], length)[-1]

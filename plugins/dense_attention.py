@@ -26,8 +26,9 @@ Prefill (packed variable-length queries, each sequence's last q_len tokens) loop
 over sequences in Python and calls torch SDPA per sequence.
 
 Every entry point takes the layer's cache as one PagedKV (plugins/paged_kv.py). FP8 caches
-(plugins/kv_quant.py) carry their float32 [num_pages, page_size, Hkv] row scales in it. The decode kernel dequantizes each loaded K / V tile (one scale per key row) and casts
-it to q's dtype for the dots; the torch paths gather and dequantize to q's dtype.
+(plugins/kv_quant.py) carry their float32 [num_pages, page_size, Hkv] row scales in it. The
+decode kernel dequantizes each loaded K / V tile (one scale per key row) and casts it to q's
+dtype for the dots; the torch paths gather and dequantize to q's dtype.
 """
 
 from __future__ import annotations

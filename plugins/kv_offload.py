@@ -19,9 +19,10 @@ at (page, slot, head) is at
 
 from the cache's pointer, for pages of either pool (:func:`page_offset`; both pools have the same
 strides within a page). Launchers take the layer's PagedKV (paged_kv.py), whose ``host`` is the
-twin, and pass the deltas (:func:`offload_deltas`, through ``PagedKV.host_deltas``); kernels that never see an offloaded page are compiled without the
-select (``OFFLOAD`` constexpr False). The torch references read a merged copy instead
-(:func:`merged_pool`: the host pages appended after the GPU pages, the tables renumbered).
+twin, and pass the deltas (:func:`offload_deltas`, through ``PagedKV.host_deltas``); kernels
+that never see an offloaded page are compiled without the select (``OFFLOAD`` constexpr False).
+The torch references read a merged copy instead (:func:`merged_pool`: the host pages appended
+after the GPU pages, the tables renumbered).
 
 Which pages move, and when, is the runtime's business (runtime/kv_cache.py KVCacheManager.offload,
 runtime/offload/policy.py PageMover, which calls copy_pages); this module is

@@ -3,9 +3,9 @@
 `forward` of a model block takes tensors only (SPEC §8.2); what an attention layer needs to know
 about the step — where to write K/V, which pages to read, how long each sequence is — is planned
 once per step on the host (`ModelRunner.prepare` -> `ModelRunner._context`, or `DecodeGraphs`
-for a graph's static buffers) and read here by each layer. The context also picks each layer's attention backend
-(runtime/attention/): the layer's own (dense or InfiniteHiP) or, in a step that drops tokens,
-token drop's (runtime/token_drop.py) for the layers it handles.
+for a graph's static buffers) and read here by each layer. The context also picks each layer's
+attention backend (runtime/attention/): the layer's own (dense or InfiniteHiP) or, in a step
+that drops tokens, token drop's (runtime/token_drop.py) for the layers it handles.
 
 Token layout of a step (packed, variable length): the rows of the B_dec decode sequences come
 first (one query row each), then the prefill chunks of the other sequences, back to back.
