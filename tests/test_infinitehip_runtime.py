@@ -200,6 +200,7 @@ def test_plugins_dispatch_to_torch_on_cpu(monkeypatch):
     import torch
 
     from infhip.plugins.infinitehip import plan_query_blocks, pruning_stage, sparse_prefill_attention
+    from infhip.plugins.paged_kv import PagedKV
     g = torch.Generator().manual_seed(0)
     page, Hq, Hkv, D = 8, 4, 2, 16
     kc, vc = (torch.randn(12, page, Hkv, D, generator=g) for _ in range(2))
@@ -210,9 +211,10 @@ def test_plugins_dispatch_to_torch_on_cpu(monkeypatch):
     kw = dict(n_sink=4, n_stream=8)
 
     def run():
-        sel, n = pruning_stage(q, kc, tables, q_start, q_lens, ends, chunk_size=4, k=16, block_q=8, **kw)
+        sel, n = pruning_stage(q, PagedKV(kc, vc), tables, q_start, q_lens, ends, chunk_size=4, k=16, block_q=8, **kw)
         out = torch.full_like(q, 7.0)
-        sparse_prefill_attention(q, kc, vc, tables, q_start, q_lens, ends, sel, block_q=8, scale=0.25, out=out, **kw)
+        sparse_prefill_attention(q, PagedKV(kc, vc), tables, q_start, q_lens, ends, sel, block_q=8, scale=0.25,
+                                 out=out, **kw)
         return sel, n, out
 
     interpreted = run()

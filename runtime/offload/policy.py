@@ -68,5 +68,4 @@ class PageMover:
             return
         src_t, dst_t = self.tensor(src, torch.int32), self.tensor(dst, torch.int32)
         for attn in self.layers:
-            kv = attn.kv
-            copy_pages(kv.k, kv.v, kv.k_scale, kv.v_scale, src_t, dst_t, kv.host)
+            copy_pages(attn.kv, src_t, dst_t)
