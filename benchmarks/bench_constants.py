@@ -85,6 +85,8 @@ class Context:
         perm = torch.randperm(pages - 1, device=dev, generator=gen) + 1  # page 0 = the null page
         self.table = perm[:math.ceil(n / page)].to(torch.int32)[None, :].contiguous()
         self.inv_freq = 1.0 / (500000.0 ** (torch.arange(0, d, 2, device=dev, dtype=torch.float32) / d))
+        from infhip.plugins.paged_kv import PagedKV
+        self.paged = PagedKV(self.k_cache, None)  # keys only: what the pruning launchers read
 
 
 def raw_keys_threshold(args, shape: dict, dev: str, gen) -> dict:
@@ -108,12 +110,12 @@ def raw_keys_threshold(args, shape: dict, dev: str, gen) -> dict:
             def stages(raw=None):
                 prev = (None, None)
                 for i, st in enumerate(cfg.stages):
-                    prev = pruning_stage(q, ctx.k_cache, tables, starts, lens, ends, *prev, chunk_size=st.chunk_size,
+                    prev = pruning_stage(q, ctx.paged, tables, starts, lens, ends, *prev, chunk_size=st.chunk_size,
                                          k=st.k, max_candidates=middle if i == 0 else None,
                                          query_stride=cfg.query_strides[i], raw_keys=raw, **kw)
 
             def with_raw_keys():
-                stages(unrotate_keys(ctx.k_cache, ctx.table, [n], ctx.inv_freq, seq.long()))
+                stages(unrotate_keys(ctx.paged, ctx.table, [n], ctx.inv_freq, seq.long()))
 
             rotating, raw = time_ms(stages), time_ms(with_raw_keys)
             rows[nb] = {"rotating_ms": rotating, "raw_keys_ms": raw, "raw_over_rotating": raw / rotating}
@@ -131,6 +133,7 @@ def raw_keys_threshold(args, shape: dict, dev: str, gen) -> dict:
 
 def offload_batch(args, shape: dict, dev: str, gen) -> dict:
     from infhip.plugins.kv_offload import HostKV, copy_pages
+    from infhip.plugins.paged_kv import PagedKV
 
     page, layers, res = shape["page"], shape["layers"], {}
     batches = ints(args.batches)
@@ -158,7 +161,7 @@ def offload_batch(args, shape: dict, dev: str, gen) -> dict:
                 src = torch.tensor(src_list, dtype=torch.int32, device=dev)
                 dst = torch.tensor(dst_list, dtype=torch.int32, device=dev)
                 for k, v, ks, vs, host in caches:
-                    copy_pages(k, v, ks, vs, src, dst, host)
+                    copy_pages(PagedKV(k, v, ks, vs, host), src, dst)
 
             gpu_ms = time_ms(move)
             host = []

@@ -42,6 +42,9 @@ CONFIGS = [  # name, runtime knobs (None: dense)
     ("3k-flash", dict(refresh_intervals=(96, 24, 8))),
     ("3k-flash sync", dict(refresh_intervals=(96, 24, 8), stagger_refresh=False)),
     ("3k-flash no bank", dict(refresh_intervals=(96, 24, 8), key_bank=False)),
+    # the two chunk scores side by side (the choice of InfiniteHipConfig.chunk_score's default)
+    ("3k-flash max", dict(refresh_intervals=(96, 24, 8), chunk_score="max")),
+    ("3k-flash head_normalized", dict(refresh_intervals=(96, 24, 8), chunk_score="head_normalized")),
 ]
 
 
@@ -140,7 +143,7 @@ def main() -> None:
                  "transformers": transformers.__version__, "kv_dtype": args.kv_dtype, "contexts": {}}
     t0 = time.perf_counter()
     engine = build(args.work, max(contexts) + 8192, args.kv_dtype)
-    llm = LLM(engine, max_num_seqs=1, kv_cache_memory_bytes=int(args.kv_gib * (1 << 30)))
+    llm = LLM(engine, max_num_seqs=1, kv_cache_memory_bytes=int(args.kv_gib * (1 << 30)), prefix_caching=False)
     res["setup_s"] = time.perf_counter() - t0
     runner, plan = llm.runner, llm.engine.config.plan
     for layer in llm.engine.model.layers:  # random keys and values everywhere, scaled like real ones

@@ -96,6 +96,7 @@ def decode_split_sweep() -> dict:
     """Dense paged decode attention alone (Llama-8B heads, batch 1, bf16), split counts swept at
     short contexts, each with the length bound of its CUDA-graph bucket: which split rule wins."""
     from infhip.plugins.dense_attention import paged_decode_attention_triton
+    from infhip.plugins.paged_kv import PagedKV
     page, hq, hkv, d = 16, 32, 8, 128
     res = {}
     for ctx, bound in ((300, 512), (1800, 2048), (7000, 8192)):
@@ -109,7 +110,7 @@ def decode_split_sweep() -> dict:
         row = {}
         for splits in (None, 1, 2, 4, 8, 16, 32):
             row[str(splits or "default")] = timing.graph_time_us(lambda s=splits: paged_decode_attention_triton(
-                q, k, v, table, lens, d ** -0.5, out=out, num_splits=s, max_len=bound), replays=20)
+                q, PagedKV(k, v), table, lens, d ** -0.5, out=out, num_splits=s, max_len=bound), replays=20)
         res[ctx] = row
         print(f"decode attention, context {ctx} (bucket {bound}), us per layer by splits: "
               + ", ".join(f"{n}={t:.2f}" for n, t in row.items()), flush=True)
@@ -142,7 +143,7 @@ def main() -> None:
     res["build_s"] = time.perf_counter() - t
     t = time.perf_counter()
     # leave room for transformers' 32K prefill; graphs staged for up to 32 fused decode steps
-    llm = LLM(engine, kv_cache_memory_bytes=24 << 30, num_decode_steps=32)
+    llm = LLM(engine, kv_cache_memory_bytes=24 << 30, num_decode_steps=32, prefix_caching=False)
     res["load_s"] = time.perf_counter() - t
     weight_bytes = sum(p.numel() * p.element_size() for p in llm.engine.model.parameters())
     res["floor_tok_s"] = 4.3e12 / weight_bytes

@@ -176,7 +176,7 @@ def engine(name: str, flags: dict, work: Path, res: dict, ref_logits: dict) -> N
                         max_seq_len=40960, max_batch_size=16, force=True, progress=False, **flags)
     row = res["engines"][name] = {"build_s": round(time.perf_counter() - t, 1)}
     row["kernels"] = json.loads((path / "build_report.json").read_text())["kernels"]["count"]
-    llm = LLM(path, kv_cache_memory_bytes=KV_BYTES)
+    llm = LLM(path, kv_cache_memory_bytes=KV_BYTES, prefix_caching=False)
     model = llm.engine.model
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     embed = model.embed_tokens.weight

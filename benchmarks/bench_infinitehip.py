@@ -46,6 +46,7 @@ import torch.nn.functional as F
 
 from infhip.builder.presets import infinitehip_config
 from infhip.plugins.kv_offload import HostKV, copy_pages
+from infhip.plugins.paged_kv import PagedKV
 from infhip.plugins.infinitehip import (plan_query_blocks, pruning_stage, sparse_decode_attention,
                                         sparse_prefill_attention, unrotate_keys, write_key_bank)
 from infhip.runtime.mask_cache import refresh_from
@@ -74,6 +75,7 @@ class PagedContext:
         perm = torch.randperm(num_pages - 1, device="cuda", generator=gen) + 1  # page 0 = null page
         self.table = perm[:math.ceil(n / PAGE)].to(torch.int32)[None, :].contiguous()
         self.inv_freq = 1.0 / (500000.0 ** (torch.arange(0, D, 2, device="cuda", dtype=torch.float32) / D))
+        self.paged = PagedKV(self.k_cache, self.v_cache)  # what the launchers take
 
     def contiguous_kv(self, first: int, last: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K, V of tokens [first, last) as [1, Hkv, L, D] (for SDPA)."""
@@ -132,7 +134,7 @@ def decode_step_types(ctx: PagedContext, cfg, bs: int, reps: int, gen, profile_d
 
     def stage(i, **over):  # over: tuning overrides, or another rope_style
         prev = (None, None) if i == 0 else cache[i - 1]
-        return pruning_stage(q, ctx.k_cache, tables, q_start, ones, ends, *prev, **dict(
+        return pruning_stage(q, ctx.paged, tables, q_start, ones, ends, *prev, **dict(
             dict(chunk_size=stages[i].chunk_size, k=stages[i].k, block_q=1,
                  max_candidates=middle if i == 0 else None, rope_style=prune_rope, **kw), **over))
 
@@ -144,11 +146,11 @@ def decode_step_types(ctx: PagedContext, cfg, bs: int, reps: int, gen, profile_d
     bank_rows = torch.zeros(bs, dtype=torch.int32, device="cuda")
 
     def write_bank():
-        write_key_bank(ctx.k_cache, tables, ends, cache[-1][0], bank, bank_rows, n_sink=cfg.n_sink,
+        write_key_bank(ctx.paged, tables, ends, cache[-1][0], bank, bank_rows, n_sink=cfg.n_sink,
                        inv_freq=ctx.inv_freq, rope_group=stages[-1].chunk_size)
 
     def attend(**over):  # over: tuning overrides, bank=, or another rope_style
-        sparse_decode_attention(q, ctx.k_cache, ctx.v_cache, tables, ends, cache[-1][0], scale=SCALE, out=out,
+        sparse_decode_attention(q, ctx.paged, tables, ends, cache[-1][0], scale=SCALE, out=out,
                                 **dict(dict(rope_style=attn_rope, rope_group=stages[-1].chunk_size, **kw), **over))
 
     def step(first, with_bank=False):
@@ -233,7 +235,7 @@ def offload_past(ctx: PagedContext, cfg):
     hi = max(lo, (ctx.n - CHUNK - cfg.n_stream) // PAGE)
     host = HostKV.like(ctx.k_cache, max(1, hi - lo))
     dst = -1 - torch.arange(hi - lo, device="cuda", dtype=torch.int32)
-    copy_pages(ctx.k_cache, ctx.v_cache, None, None, ctx.table[0, lo:hi].contiguous(), dst, host)
+    copy_pages(PagedKV(ctx.k_cache, ctx.v_cache, host=host), ctx.table[0, lo:hi].contiguous(), dst)
     table = ctx.table.clone()
     table[0, lo:hi] = dst
     torch.cuda.synchronize()
@@ -250,26 +252,26 @@ def prefill_breakdown(ctx: PagedContext, cfg, gen, raw_keys: bool = False, offlo
     bq = cfg.block_q
     starts, lens, ends, seq = plan_query_blocks([CHUNK], [ctx.n], bq, device="cuda")
     host, table = offload if offload is not None else (None, ctx.table)
+    kv = ctx.paged.with_host(host)
     tables = table.expand(starts.shape[0], -1).contiguous()
     middle = max(0, ctx.n - cfg.n_stream - cfg.n_sink)
     prune_rope, attn_rope = styles(ctx.n, cfg)
-    kw = dict(n_sink=cfg.n_sink, n_stream=cfg.n_stream, inv_freq=ctx.inv_freq, offload=host)
+    kw = dict(n_sink=cfg.n_sink, n_stream=cfg.n_stream, inv_freq=ctx.inv_freq)
     res, variants = {}, {}
     if raw_keys and prune_rope != "none":
-        unrotate = lambda: unrotate_keys(ctx.k_cache, table, [ctx.n], ctx.inv_freq, seq.long(),  # noqa: E731
-                                         offload=host)
+        unrotate = lambda: unrotate_keys(kv, table, [ctx.n], ctx.inv_freq, seq.long())  # noqa: E731
         res["unrotate"] = timing.event_ms(unrotate, reps=3)
         kw["raw_keys"] = unrotate()
     outs = []
     for i, st in enumerate(cfg.stages):
         prev = (None, None) if i == 0 else outs[-1]
-        outs.append(pruning_stage(q, ctx.k_cache, tables, starts, lens, ends, *prev, chunk_size=st.chunk_size,
+        outs.append(pruning_stage(q, kv, tables, starts, lens, ends, *prev, chunk_size=st.chunk_size,
                                   k=st.k, block_q=bq, max_candidates=middle if i == 0 else None,
                                   rope_style=prune_rope, query_stride=cfg.query_strides[i], **kw))
     for i, st in enumerate(cfg.stages):
         prev = (None, None) if i == 0 else outs[i - 1]
         times = [timing.event_ms(lambda st=st, prev=prev, i=i, v=v: pruning_stage(
-            q, ctx.k_cache, tables, starts, lens, ends, *prev, chunk_size=st.chunk_size, k=st.k, block_q=bq,
+            q, kv, tables, starts, lens, ends, *prev, chunk_size=st.chunk_size, k=st.k, block_q=bq,
             max_candidates=middle if i == 0 else None, rope_style=prune_rope,
             query_stride=cfg.query_strides[i], **kw, **v), reps=3)
             for v in PRUNE_VARIANTS]
@@ -278,14 +280,14 @@ def prefill_breakdown(ctx: PagedContext, cfg, gen, raw_keys: bool = False, offlo
     kw.pop("raw_keys", None)
     out = torch.empty_like(q)
     times = [timing.event_ms(lambda v=v: sparse_prefill_attention(
-        q, ctx.k_cache, ctx.v_cache, tables, starts, lens, ends, outs[-1][0], block_q=bq, scale=SCALE,
+        q, kv, tables, starts, lens, ends, outs[-1][0], block_q=bq, scale=SCALE,
         rope_style=attn_rope, rope_group=cfg.stages[-1].chunk_size, out=out, **kw, **v), reps=3)
         for v in ATTN_VARIANTS]
     res["attention"] = times[0]
     variants["attention"] = {str(v): t for v, t in zip(ATTN_VARIANTS, times)}
     if attn_rope != "none":  # the keys' re-rotation share (not counted in the total)
         variants["attention_without_rope"] = timing.event_ms(lambda: sparse_prefill_attention(
-            q, ctx.k_cache, ctx.v_cache, tables, starts, lens, ends, outs[-1][0], block_q=bq, scale=SCALE,
+            q, kv, tables, starts, lens, ends, outs[-1][0], block_q=bq, scale=SCALE,
             rope_style="none", out=out, **kw), reps=3)
     res["total"] = sum(res.values())
     res["variants_ms"] = variants

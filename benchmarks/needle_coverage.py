@@ -24,6 +24,7 @@ from infhip.eval.forcing import teacher_force
 from infhip.eval.passkey import passkey_prompt_ids, passkey_value
 from infhip.eval.recall import capture_queries, sparse_layer_params
 from infhip.plugins.infinitehip import per_query_key_mask, plan_query_blocks, pruning_stage
+from infhip.plugins.paged_kv import PagedKV
 
 CHUNK = 64  # measured queries: the last query block
 
@@ -48,8 +49,8 @@ def final_mask(attn, q, table, length, params, head_normalized: bool, kv_head: i
         k_cache = k_cache[:, :, kv_head:kv_head + 1].contiguous()
     sel = num = None
     for b_q, l_c, k in params["stages"]:
-        sel, num = pruning_stage(q, k_cache, tables, q_start, q_lens, ends, sel, num, chunk_size=l_c, k=k,
-                                 block_q=b_q, n_sink=params["n_sink"], n_stream=params["n_stream"],
+        sel, num = pruning_stage(q, PagedKV(k_cache, None), tables, q_start, q_lens, ends, sel, num,
+                                 chunk_size=l_c, k=k, block_q=b_q, n_sink=params["n_sink"], n_stream=params["n_stream"],
                                  rope_style=params["rope_style"], inv_freq=attn.rope[0].inv_freq,
                                  head_normalized=head_normalized, query_stride=query_stride)
     return per_query_key_mask(sel, q_lens, ends, params["n_sink"], params["n_stream"], length)[-1]

@@ -36,7 +36,7 @@ def main() -> None:
     middle = max(0, ctx.n - cfg.n_stream - cfg.n_sink)
     prune_rope, attn_rope = styles(ctx.n, cfg)
     kw = dict(n_sink=cfg.n_sink, n_stream=cfg.n_stream, inv_freq=ctx.inv_freq)
-    raw = unrotate_keys(ctx.k_cache, ctx.table, [ctx.n], ctx.inv_freq, seq.long()) if prune_rope != "none" else None
+    raw = unrotate_keys(ctx.paged, ctx.table, [ctx.n], ctx.inv_freq, seq.long()) if prune_rope != "none" else None
     out = torch.empty_like(q)
 
     def timed(times: dict, name: str, fn):
@@ -53,11 +53,11 @@ def main() -> None:
         times, prev = {}, (None, None)
         for i, st in enumerate(cfg.stages):
             prev = timed(times, f"stage{i + 1}", lambda: pruning_stage(
-                q, ctx.k_cache, tables, starts, lens, ends, *prev, chunk_size=st.chunk_size, k=st.k,
+                q, ctx.paged, tables, starts, lens, ends, *prev, chunk_size=st.chunk_size, k=st.k,
                 block_q=cfg.block_q, max_candidates=middle if i == 0 else None, rope_style=prune_rope,
                 query_stride=cfg.query_strides[i], raw_keys=raw, **kw))
         timed(times, "attention", lambda: sparse_prefill_attention(
-            q, ctx.k_cache, ctx.v_cache, tables, starts, lens, ends, prev[0], block_q=cfg.block_q, scale=SCALE,
+            q, ctx.paged, tables, starts, lens, ends, prev[0], block_q=cfg.block_q, scale=SCALE,
             rope_style=attn_rope, rope_group=cfg.stages[-1].chunk_size, out=out, **kw))
         print(attempt, times, flush=True)
 

@@ -79,16 +79,19 @@ They load with the value they ran with: no `query_strides` = 1 per stage (the pa
 CONSTANTS = [
     ("infhip.runtime.attention.sparse_plan", "RAW_KEYS_MIN_BLOCKS",
      "prefill steps with at least this many sparse query blocks prune from un-rotated keys",
-     "not measured (the gain is measured at 512 blocks: 1M prefill 13.0× → 20.2×); "
-     "`benchmarks/bench_constants.py` times raw keys vs rotating per block count"),
+     "H200, 3k stages: raw keys / rotating 0.88× (192K keys), 0.96× (1M) at 32 blocks, 1.19× at 16 (1M), "
+     "0.68× at 128; the smallest count no slower at both (`benchmarks/bench_constants.py`, "
+     "docs/benchmarks.md \"Constants\")"),
     ("infhip.runtime.offload.policy", "OFFLOAD_BATCH_TOKENS",
      "offload moves a request's pages once this many tokens are eligible",
-     "not measured; `benchmarks/bench_constants.py` times the page moves per batch size, amortized per decode step"),
+     "H200: page moves amortized per decode step 0.44 % (bf16 KV) / 0.92 % (fp8) of a step at 128 tokens, "
+     "6.2 % at 16 (fp8): the smallest batch under 1 % (`benchmarks/bench_constants.py`)"),
     ("infhip.runtime.offload.staging", "MAX_RUNS",
      "a prefill step whose host pages fall into more runs reads them in place", "not measured"),
     ("infhip.plugins.fp8_linear", "FAST_ACCUM",
      "torch._scaled_mm's use_fast_accum in fp8 engines' prefill GEMMs",
-     "not measured; `benchmarks/gpu_fp8.sh` times both (the decode rows' kernel table is TODO-measured too: "
+     "H200, down_proj: fast accumulation at 0.96× (M 4096) / 0.97× (M 32768) of the time; off until its "
+     "precision is measured on a real model (`benchmarks/gpu_fp8.sh`; the decode table it fixed: "
      "`plugins/fp8_skinny_gemm.table_config`)"),
     ("infhip.runtime.cuda_graphs", "DECODE_LEN_BUCKETS",
      "short-context decode graphs sized for these context bounds",

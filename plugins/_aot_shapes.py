@@ -42,17 +42,24 @@ def attention_qkv(space, T: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tens
     return q, k, v
 
 
-def kv_cache(space, num_pages: int = 4):
-    """(k_cache, v_cache, k_scale, v_scale) of one layer: [num_pages, page_size, Hkv, D] in the KV
-    dtype, and for fp8 caches their float32 scales [num_pages, page_size, Hkv] (else None). The
-    page count changes no stride."""
+def paged_kv(space, num_pages: int = 4, offload: bool = False):
+    """One layer's PagedKV (plugins/paged_kv.py): k, v [num_pages, page_size, Hkv, D] in the KV
+    dtype, for fp8 caches their float32 scales [num_pages, page_size, Hkv], and with offload a
+    host twin of the same layout. The page count changes no stride."""
+    from .kv_offload import HostKV
+    from .paged_kv import PagedKV
+
     m, page = space.model, space.build.page_size
-    k_cache = space.fake(num_pages, page, m.num_kv_heads, m.head_dim, dtype=space.kv_dtype)
-    v_cache = space.fake(num_pages, page, m.num_kv_heads, m.head_dim, dtype=space.kv_dtype)
-    if space.build.kv_dtype != "fp8":
-        return k_cache, v_cache, None, None
-    scale = (num_pages, page, m.num_kv_heads)
-    return k_cache, v_cache, space.fake(*scale, dtype=torch.float32), space.fake(*scale, dtype=torch.float32)
+    shape, scale = (num_pages, page, m.num_kv_heads, m.head_dim), (num_pages, page, m.num_kv_heads)
+    fp8 = space.build.kv_dtype == "fp8"
+
+    def caches():
+        k, v = space.fake(*shape, dtype=space.kv_dtype), space.fake(*shape, dtype=space.kv_dtype)
+        if not fp8:
+            return k, v, None, None
+        return k, v, space.fake(*scale, dtype=torch.float32), space.fake(*scale, dtype=torch.float32)
+
+    return PagedKV(*caches(), host=HostKV(*caches()) if offload else None)
 
 
 @dataclass(frozen=True)

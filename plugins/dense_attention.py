@@ -25,10 +25,10 @@ padded batch slots) give zeros and read no cache.
 Prefill (packed variable-length queries, each sequence's last q_len tokens) loops
 over sequences in Python and calls torch SDPA per sequence.
 
-FP8 caches (plugins/kv_quant.py): every entry point takes k_scale / v_scale, the float32
-[num_pages, page_size, Hkv] scales of float8_e4m3fn caches (None: the cache is in the queries'
-dtype). The decode kernel dequantizes each loaded K / V tile (one scale per key row) and casts
-it to q's dtype for the dots; the torch paths gather and dequantize to q's dtype.
+Every entry point takes the layer's cache as one PagedKV (plugins/paged_kv.py). FP8 caches
+(plugins/kv_quant.py) carry their float32 [num_pages, page_size, Hkv] row scales in it. The
+decode kernel dequantizes each loaded K / V tile (one scale per key row) and casts it to q's
+dtype for the dots; the torch paths gather and dequantize to q's dtype.
 """
 
 from __future__ import annotations
@@ -43,6 +43,7 @@ from torch.nn.attention.bias import causal_lower_right
 
 from ._triton_utils import device_num_sms, dot_precision, interpreted, next_pow2, use_triton
 from .kv_quant import check_kv_scales, dequantize_tile, read_pages
+from .paged_kv import PagedKV
 
 _LOG2E = 1.4426950408889634
 _PREFILL_MAX_Q_SLICE = 4096  # query rows per SDPA call when an explicit window mask is built
@@ -208,22 +209,21 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_blocks: int, num_sms: i
     return max(1, min(want, triton.cdiv(max_blocks, min_blocks_per_split), 128))
 
 
-def paged_decode_attention_triton(q, k_cache, v_cache, block_tables, context_lens, scale: float,
+def paged_decode_attention_triton(q, kv: PagedKV, block_tables, context_lens, scale: float,
                                   window: int | None = None, out: torch.Tensor | None = None,
                                   num_splits: int | None = None, block_n: int | None = None,
-                                  max_len: int | None = None, k_scale=None, v_scale=None):
+                                  max_len: int | None = None):
     """Triton launcher for `paged_decode_attention` (num_splits / block_n: tuning/test overrides;
     max_len: a bound on every context length, which sizes the split count when the block table
-    is wider, as in CUDA graphs; k_scale / v_scale: the scales of fp8 caches)."""
+    is wider, as in CUDA graphs)."""
+    k_cache, v_cache = kv.k, kv.v
     B, Hq, D = q.shape
     num_pages, page_size, Hkv, Dk = k_cache.shape
     assert Dk == D and Hq % Hkv == 0, "q [B, Hq, D] vs cache [P, page, Hkv, D] mismatch"
     assert v_cache.shape == k_cache.shape and v_cache.stride() == k_cache.stride()
     assert k_cache.stride(3) == 1 and q.stride(2) == 1, "last dims must be contiguous"
-    scaled = check_kv_scales(k_cache, v_cache, k_scale, v_scale)
+    scaled = kv.check()
     assert scaled or q.dtype == k_cache.dtype == v_cache.dtype, "q and cache dtypes must match (tl.dot)"
-    if not scaled:
-        k_scale = v_scale = k_cache  # dummies, never read
     assert page_size & (page_size - 1) == 0, "page_size must be a power of two"
     assert block_tables.dtype == torch.int32 and block_tables.dim() == 2 and block_tables.shape[0] == B
     assert block_tables.stride(1) == 1
@@ -252,7 +252,7 @@ def paged_decode_attention_triton(q, k_cache, v_cache, block_tables, context_len
     else:
         part_out = part_lse = out  # unused
     _decode_split_kernel[(B, Hkv, num_splits)](
-        q, k_cache, v_cache, k_scale, v_scale, block_tables, context_lens,
+        q, k_cache, v_cache, *kv.scale_ptrs(), block_tables, context_lens,
         out, part_out, part_lse,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -265,7 +265,7 @@ def paged_decode_attention_triton(q, k_cache, v_cache, block_tables, context_len
         # launches for the GPU target) in q's dtype. float32 queries need no upcast anywhere.
         DOT_PRECISION=dot_precision(torch.float32 if interpreted(q) else q.dtype),
         DOT_F32=interpreted(q) and q.dtype != torch.float32,
-        KV_SCALED=scaled, num_warps=_DECODE_NUM_WARPS, num_stages=_DECODE_NUM_STAGES,
+        **kv.kernel_flags(host=False), num_warps=_DECODE_NUM_WARPS, num_stages=_DECODE_NUM_STAGES,
     )
     if num_splits > 1:
         _decode_merge_kernel[(B, Hq)](
@@ -278,12 +278,12 @@ def paged_decode_attention_triton(q, k_cache, v_cache, block_tables, context_len
 
 # ============================================================================ torch paths
 
-def gather_kv(k_cache, v_cache, table_row, start: int, end: int, *, k_scale=None, v_scale=None,
-               dtype: torch.dtype | None = None):
+def gather_kv(kv: PagedKV, table_row, start: int, end: int, *, dtype: torch.dtype | None = None):
     """Keys/values of positions [start, end) of one sequence: 2 x [end - start, Hkv, D] in dtype
     (None: the cache's own dtype; required for an fp8 cache, whose rows come back dequantized
-    with k_scale / v_scale)."""
-    scaled = check_kv_scales(k_cache, v_cache, k_scale, v_scale)
+    with its scales)."""
+    k_cache, v_cache, k_scale, v_scale = kv.k, kv.v, kv.k_scale, kv.v_scale
+    scaled = kv.check()
     assert dtype is not None or not scaled, "an fp8 cache is gathered into a dtype (pass dtype=q.dtype)"
     page_size = k_cache.shape[1]
     first_page, num_pages = start // page_size, triton.cdiv(end, page_size) - start // page_size
@@ -322,21 +322,19 @@ def _windowed_sdpa(q, k, v, q_pos0: int, k_pos0: int, window: int, scale: float)
     return out
 
 
-def paged_prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens,
+def paged_prefill_attention(q, kv: PagedKV, block_tables, cu_seqlens_q, context_lens,
                             scale: float, window: int | None = None,
                             k_new: torch.Tensor | None = None, v_new: torch.Tensor | None = None,
                             cu_seqlens_q_list: list[int] | None = None,
-                            context_lens_list: list[int] | None = None,
-                            k_scale=None, v_scale=None) -> torch.Tensor:
+                            context_lens_list: list[int] | None = None) -> torch.Tensor:
     """Causal attention of packed queries q [T, Hq, D]; sequence b owns rows
     cu_seqlens_q[b]:cu_seqlens_q[b+1], the last q_len of its context_lens[b] tokens
     (whose k/v are already in the cache; k_new/v_new [T, Hkv, D] are the same fresh
     rows, used directly when a sequence has no earlier context). With an fp8 cache
-    (k_scale / v_scale given) every key and value is read back from the cache,
-    dequantized to q's dtype, k_new / v_new unused: attention sees the cached rows
-    whether a prompt comes whole or in chunks, and decode sees the same ones."""
-    scaled = check_kv_scales(k_cache, v_cache, k_scale, v_scale)
-    if scaled:
+    every key and value is read back from the cache, dequantized to q's dtype, k_new / v_new
+    unused: attention sees the cached rows whether a prompt comes whole or in chunks, and decode
+    sees the same ones."""
+    if kv.check():
         k_new = v_new = None
     cu = cu_seqlens_q_list if cu_seqlens_q_list is not None else cu_seqlens_q.tolist()
     ctxs = context_lens_list if context_lens_list is not None else context_lens.tolist()
@@ -356,8 +354,7 @@ def paged_prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, con
             out[q0:q1] = o[0].transpose(0, 1)
             continue
         kv_start = max(0, ctx - q_len - window + 1) if windowed else 0
-        k, v = gather_kv(k_cache, v_cache, block_tables[b], kv_start, ctx, k_scale=k_scale, v_scale=v_scale,
-                          dtype=q.dtype)
+        k, v = gather_kv(kv, block_tables[b], kv_start, ctx, dtype=q.dtype)
         if windowed:
             out[q0:q1] = _windowed_sdpa(q[q0:q1], k, v, ctx - q_len, kv_start, window, scale)
         else:
@@ -380,25 +377,23 @@ def paged_decode_attention_ref(q, k_cache, v_cache, block_tables, context_lens, 
         if ctx == 0:  # padded batch slot
             out[b] = 0
             continue
-        k, v = gather_kv(k_cache, v_cache, block_tables[b], max(0, ctx - window) if window else 0, ctx,
-                          k_scale=k_scale, v_scale=v_scale, dtype=q.dtype)
+        k, v = gather_kv(PagedKV(k_cache, v_cache, k_scale, v_scale), block_tables[b],
+                         max(0, ctx - window) if window else 0, ctx, dtype=q.dtype)
         o = F.scaled_dot_product_attention(q[b][None, :, None, :], _heads_first(k), _heads_first(v),
                                            scale=scale, enable_gqa=True)
         out[b] = o[0, :, 0, :]
     return out
 
 
-def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale: float,
+def paged_decode_attention(q, kv: PagedKV, block_tables, context_lens, scale: float,
                            window: int | None = None, out: torch.Tensor | None = None,
-                           max_len: int | None = None, k_scale=None, v_scale=None) -> torch.Tensor:
-    """One query per sequence (position context_lens[b] - 1) over the paged cache; [B, Hq, D].
-    max_len: optional bound on context_lens (launch sizing only); k_scale / v_scale: the scales
-    of fp8 caches (None for a cache in q's dtype)."""
-    if use_triton(q, k_cache):
-        return paged_decode_attention_triton(q, k_cache, v_cache, block_tables, context_lens,
-                                             scale, window, out, max_len=max_len, k_scale=k_scale, v_scale=v_scale)
-    return paged_decode_attention_ref(q, k_cache, v_cache, block_tables, context_lens, scale, window, out,
-                                      k_scale=k_scale, v_scale=v_scale)
+                           max_len: int | None = None) -> torch.Tensor:
+    """One query per sequence (position context_lens[b] - 1) over the paged cache kv; [B, Hq, D].
+    max_len: optional bound on context_lens (launch sizing only)."""
+    if use_triton(q, kv.k):
+        return paged_decode_attention_triton(q, kv, block_tables, context_lens, scale, window, out, max_len=max_len)
+    return paged_decode_attention_ref(q, kv.k, kv.v, block_tables, context_lens, scale, window, out,
+                                      k_scale=kv.k_scale, v_scale=kv.v_scale)
 
 
 def aot_launches(space) -> None:
@@ -408,7 +403,7 @@ def aot_launches(space) -> None:
     context lengths that sizes the split count — the short-context buckets some context of the
     engine can fall in, and the table width (always for the graphs captured at start-up; for
     eager steps when contexts can pass the last bucket or InfiniteHiP steps use it:
-    ModelRunner.decode_len_bound) — with each layer's window (sliding layers cap the keys).
+    runtime/cuda_graphs.decode_len_bound) — with each layer's window (sliding layers cap the keys).
     NUM_SPLITS = choose_num_splits(B, Hkv, blocks of the bound, 132 SMs) is the only
     step-dependent constexpr; q is a slice of the step's q (qkv view or q-norm output), out of
     ``empty_like(q)``."""
@@ -416,10 +411,10 @@ def aot_launches(space) -> None:
 
     from infhip.runtime.cuda_graphs import DECODE_LEN_BUCKETS
 
-    from ._aot_shapes import attention_qkv, kv_cache
+    from ._aot_shapes import attention_qkv, paged_kv
 
     m, b = space.model, space.build
-    k_cache, v_cache, k_scale, v_scale = kv_cache(space)
+    kv = paged_kv(space)
     table_tokens = math.ceil(b.max_seq_len / b.page_size) * b.page_size
     # a bucket is used when some context (<= max_seq_len) lies above the previous bucket
     buckets = [x for x, prev in zip(DECODE_LEN_BUCKETS, (0,) + DECODE_LEN_BUCKETS) if b.max_seq_len > prev]
@@ -436,8 +431,8 @@ def aot_launches(space) -> None:
             lens = space.fake(B, dtype=torch.int32)
             for window in windows:
                 for bound in sorted(bounds):
-                    paged_decode_attention(q[:B], k_cache, v_cache, tables, lens, m.attention_scale, window,
-                                           out=out[:B], max_len=bound, k_scale=k_scale, v_scale=v_scale)
+                    paged_decode_attention(q[:B], kv, tables, lens, m.attention_scale, window, out=out[:B],
+                                           max_len=bound)
 
 
 # ============================================================================ test reference

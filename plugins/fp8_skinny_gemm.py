@@ -139,12 +139,18 @@ CONFIGS: tuple[Fp8SkinnyConfig, ...] = (
     Fp8SkinnyConfig(16, 512, 4, 2, dot=False, split_k=2),
 )
 
-# TODO(measure): the default rule is a placeholder — the GEMV for M == 1, the dot kernel for
-# 2..16 rows, on every shape — until benchmarks/bench_fp8_weights.py's kernel table on the H200
-# says where each config (or torch._scaled_mm: return None) wins, as plugins/skinny_gemm.py's
-# table_config was fixed.
+# The table, from benchmarks/bench_fp8_weights.py's kernel table on the H200 (2026-12-02,
+# docs/fp8_weights.md "Speed"; Llama-8B shapes, weights from DRAM, CUDA graphs):
+# - M == 1: the GEMV, 8 x 1024 tiles (o 7.8 us, gate_up 37.8, down 18.3: best of the space);
+#   16 x 512 on LM-head-wide weights (128256 rows: 145 us against 153).
+# - M = 2..16: the dot kernel with 32 x 256 tiles, 4 stages: best or within 1 % of best on qkv,
+#   o, down and the LM head at every M, 0.84-0.90x of the 32 x 512 placeholder's time. Only
+#   torch._scaled_mm with fast accumulation beat it (gate_up and LM head from M = 4, by 5-8 %),
+#   and FAST_ACCUM is off (plugins/fp8_linear.py), so nothing goes there.
 _GEMV_M1 = Fp8SkinnyConfig(8, 1024, 4, 2, dot=False)
-_DOT = Fp8SkinnyConfig(32, 512, 4, 3)
+_GEMV_M1_WIDE = Fp8SkinnyConfig(16, 512, 4, 2, dot=False)
+_WIDE_N = 65536  # output rows from which the M == 1 GEMV takes the narrower K tile (LM heads)
+_DOT = Fp8SkinnyConfig(32, 256, 4, 4)
 
 
 def table_config(m: int, n: int, k: int) -> Fp8SkinnyConfig | None:
@@ -152,7 +158,9 @@ def table_config(m: int, n: int, k: int) -> Fp8SkinnyConfig | None:
     sends the call to torch._scaled_mm."""
     if not 1 <= m <= MAX_M:
         return None
-    return _GEMV_M1 if m == 1 else _DOT
+    if m == 1:
+        return _GEMV_M1_WIDE if n >= _WIDE_N else _GEMV_M1
+    return _DOT
 
 
 def fp8_linear_ref(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor,

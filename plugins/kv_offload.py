@@ -18,13 +18,14 @@ at (page, slot, head) is at
     page_offset(page, stride_page, host_delta) + slot * stride_slot + head * stride_head
 
 from the cache's pointer, for pages of either pool (:func:`page_offset`; both pools have the same
-strides within a page). Launchers take ``offload: HostKV | None`` and pass the deltas
-(:func:`offload_deltas`); kernels that never see an offloaded page are compiled without the
-select (``OFFLOAD`` constexpr False). The torch references read a merged copy instead
-(:func:`merged_pool`: the host pages appended after the GPU pages, the tables renumbered).
+strides within a page). Launchers take the layer's PagedKV (paged_kv.py), whose ``host`` is the
+twin, and pass the deltas (:func:`offload_deltas`, through ``PagedKV.host_deltas``); kernels
+that never see an offloaded page are compiled without the select (``OFFLOAD`` constexpr False).
+The torch references read a merged copy instead (:func:`merged_pool`: the host pages appended
+after the GPU pages, the tables renumbered).
 
 Which pages move, and when, is the runtime's business (runtime/kv_cache.py KVCacheManager.offload,
-runtime/model_runner.py ModelRunner._offload, which calls copy_pages); this module is
+runtime/offload/policy.py PageMover, which calls copy_pages); this module is
 the address arithmetic and the pool itself. Paper 000, "KV Cache Offloading Architecture".
 """
 
@@ -32,6 +33,7 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import triton
@@ -39,6 +41,9 @@ import triton.language as tl
 
 from ._triton_utils import triton_on
 from .kv_quant import is_fp8
+
+if TYPE_CHECKING:  # paged_kv imports this module
+    from .paged_kv import PagedKV
 
 
 def host_page(page: int) -> int:
@@ -157,15 +162,17 @@ def _copy_pages_kernel(ptr, src_ptr, dst_ptr, host_delta: tl.int64, stride_page,
     tl.store(ptr + dst + idx, tl.load(ptr + src + idx, mask=mask), mask=mask)
 
 
-def copy_pages(k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: torch.Tensor | None,
-               v_scale: torch.Tensor | None, src: torch.Tensor, dst: torch.Tensor, offload: HostKV) -> None:
+def copy_pages(kv: PagedKV, src: torch.Tensor, dst: torch.Tensor) -> None:
     """Copy whole pages src[i] -> dst[i] (int32 [N] block-table entries: >= 0 GPU, < 0 host) of K,
-    V and an fp8 cache's scales; e.g. GPU pages to the host twin when they are offloaded. On a GPU
-    the kernel writes the pinned pages directly (no staging), in stream order: a GPU page freed
-    after this call may be reused by any later kernel."""
+    V and an fp8 cache's scales between kv's GPU pages and its host twin; e.g. GPU pages to the
+    host when they are offloaded. On a GPU the kernel writes the pinned pages directly (no
+    staging), in stream order: a GPU page freed after this call may be reused by any later
+    kernel."""
     assert src.shape == dst.shape and src.dtype == dst.dtype == torch.int32
+    assert kv.host is not None, "copy_pages needs a cache with a host twin"
     if src.numel() == 0:
         return
+    k_cache, v_cache, k_scale, v_scale, offload = kv.k, kv.v, kv.k_scale, kv.v_scale, kv.host
     pairs = [(k_cache, offload.k), (v_cache, offload.v)]
     if k_scale is not None:
         pairs += [(k_scale, offload.k_scale), (v_scale, offload.v_scale)]
@@ -176,7 +183,7 @@ def copy_pages(k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: torch.Tens
             for p, row in zip(dst.tolist(), rows):
                 (host[host_page(p)] if p < 0 else cache[p]).copy_(row)
         return
-    deltas = offload_deltas(k_cache, v_cache, k_scale, v_scale, offload)
+    deltas = kv.host_deltas()
     for (cache, _), delta in zip(pairs, deltas):
         assert cache.is_contiguous()
         page_elems = cache[0].numel()
@@ -215,15 +222,12 @@ def aot_launches(space) -> None:
     """copy_pages' variants (plugins/aot.py): every InfiniteHiP engine may be loaded with
     ``kv_offload_bytes`` (runtime/model_runner.py moves pages to the host twin): K and V pages in the cache dtype and,
     for fp8 caches, their float32 scale pages. The page counts only size the grid."""
+    from ._aot_shapes import paged_kv
     from .infinitehip._aot import sparse_space
 
-    ss = sparse_space(space)
-    if ss is None:
+    if sparse_space(space) is None:
         return
-    k_cache, v_cache, k_scale, v_scale = ss.caches()
-    src = space.fake(1, dtype=torch.int32)
-    copy_pages(k_cache, v_cache, k_scale, v_scale, src, space.fake(1, dtype=torch.int32),
-               ss.host(True, k_cache, k_scale))
+    copy_pages(paged_kv(space, offload=True), space.fake(1, dtype=torch.int32), space.fake(1, dtype=torch.int32))
 
 
 __all__ = ["HostKV", "host_page", "offload_deltas", "page_offset", "copy_pages", "merged_pool",

@@ -17,8 +17,9 @@ Layout: the scales of a cache [num_pages, page_size, Hkv, D] live in a float32 t
 at element offset o of the cache has its scale at o // D — kernels that already compute a row's
 offset (page * stride_cp + slot * stride_cs + head * stride_ch) find its scale with one division.
 
-Every launcher that reads or writes a paged cache takes optional k_scale / v_scale: None for a
-cache in the queries' dtype (no quantization), both given for an fp8 cache (check_kv_scales).
+Every launcher that reads or writes a paged cache takes the layer's PagedKV (paged_kv.py), whose
+k_scale / v_scale are None for a cache in the queries' dtype (no quantization) and both given for
+an fp8 cache (check_kv_scales); the torch references take the loose tensors.
 Dots run in the queries' dtype: kernels dequantize a loaded tile (dequantize_tile) and cast it to
 q's dtype, never q to the cache's.
 """
@@ -75,7 +76,10 @@ def new_kv_scales(cache: torch.Tensor) -> torch.Tensor | None:
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [..., D] (any float dtype) -> (fp8 [..., D], float32 scale [...]) as the module docstring."""
     xf = x.float()
-    scale = xf.abs().amax(dim=-1).clamp(min=_TINY) / FP8_MAX
+    amax = xf.abs().amax(dim=-1).clamp(min=_TINY)
+    # a tensor divisor: CUDA divides by a Python scalar as a multiply by its reciprocal (1 ulp off
+    # IEEE at times); this is the IEEE quotient on every device, as the kernels' div_rn
+    scale = amax / torch.full_like(amax, FP8_MAX)
     q = (xf / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     return q, scale
 

@@ -11,8 +11,8 @@ For a head vector x of width D (half = D/2) at position p, with j < half:
 which is HF's x * cat(cos, cos) + rotate_half(x) * cat(sin, sin) with
 rotate_half(x) = cat(-x[half:], x[:half]). Math in float32, stored in x.dtype.
 
-KV write: token t goes to flat slot s = slot_mapping[t] of the cache
-[num_pages, page_size, Hkv, D], i.e. page s // page_size, row s % page_size;
+KV write: token t goes to flat slot s = slot_mapping[t] of the layer's cache (a PagedKV,
+paged_kv.py: [num_pages, page_size, Hkv, D]), i.e. page s // page_size, row s % page_size;
 s < 0 means "skip" (padding). The cache dtype may differ (cast on store). An fp8 cache
 (float8_e4m3fn, with k_scale / v_scale [num_pages, page_size, Hkv] float32 beside it) gets each
 row quantized as plugins/kv_quant.py describes: the stored k row is the rotated key, in k's
@@ -31,6 +31,7 @@ import triton.language as tl
 
 from ._triton_utils import next_pow2, use_triton
 from .kv_quant import _round_to_e4m3, check_kv_scales, write_rows
+from .paged_kv import PagedKV
 
 
 @triton.jit
@@ -173,11 +174,11 @@ def _rope_kv_kernel(
                           BLOCK_HKV, BLOCK_HALF, KV_SCALED)
 
 
-def rope_kv_triton(q, k, v, positions, inv_freq, attention_scaling,
-                   k_cache, v_cache, slot_mapping, apply_rope: bool, write: bool,
-                   k_scale=None, v_scale=None) -> None:
-    """Launcher for every combination: rope only, rope + KV write, KV write only (q unused).
-    k_scale / v_scale: the scales of fp8 caches (None for caches in any other dtype)."""
+def rope_kv_triton(q, k, v, positions, inv_freq, attention_scaling, kv: PagedKV | None, slot_mapping,
+                   apply_rope: bool) -> None:
+    """Launcher for every combination: rope only (kv None), rope + KV write, KV write only (q
+    unused); kv: the layer's cache (an fp8 one with its scales)."""
+    write = kv is not None
     T, Hkv, D = k.shape
     assert D % 2 == 0 and k.stride(2) == 1, "k: [T, Hkv, D], last dim contiguous, D even"
     if apply_rope:
@@ -188,18 +189,18 @@ def rope_kv_triton(q, k, v, positions, inv_freq, attention_scaling,
     else:
         q, positions, inv_freq = k, slot_mapping, k  # dummies, never read
     if write:
+        k_cache, v_cache = kv.k, kv.v
         assert v.shape == k.shape and v.stride(2) == 1
         assert k_cache.shape == v_cache.shape and k_cache.stride() == v_cache.stride()
         assert k_cache.dim() == 4 and k_cache.shape[2:] == (Hkv, D) and k_cache.stride(3) == 1
         assert slot_mapping.shape == (T,) and slot_mapping.dtype in (torch.int32, torch.int64)
         assert slot_mapping.is_contiguous()
-        scaled = check_kv_scales(k_cache, v_cache, k_scale, v_scale)
+        kv.check()
+        (k_scale, v_scale), flags = kv.scale_ptrs(), kv.kernel_flags(host=False)
     else:
-        assert k_scale is None and v_scale is None, "scales given without a KV write"
         v, k_cache, v_cache, slot_mapping = k, k, k, positions  # dummies
-        scaled = False
-    if not scaled:
-        k_scale = v_scale = k_cache  # dummies, never read
+        k_scale = v_scale = k_cache
+        flags = {"KV_SCALED": False}
     if T == 0:
         return
     Hq = q.shape[1] if apply_rope else 0
@@ -214,7 +215,7 @@ def rope_kv_triton(q, k, v, positions, inv_freq, attention_scaling,
         *cache_strides,
         Hq, Hkv, D // 2, page_size, float(attention_scaling),
         BLOCK_HQ=BLOCK_HQ, BLOCK_HKV=next_pow2(Hkv), BLOCK_HALF=next_pow2(D // 2),
-        APPLY_ROPE=apply_rope, WRITE_KV=write, KV_SCALED=scaled, num_warps=4,
+        APPLY_ROPE=apply_rope, WRITE_KV=write, **flags, num_warps=4,
     )
 
 
@@ -252,33 +253,27 @@ def write_kv_ref(k, v, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=Non
 def apply_rope_(q, k, positions, inv_freq, attention_scaling: float) -> None:
     """Rotate q [T, Hq, D] and k [T, Hkv, D] in place (row-strided views allowed)."""
     if use_triton(q, k):
-        rope_kv_triton(q, k, None, positions, inv_freq, attention_scaling,
-                       None, None, None, apply_rope=True, write=False)
+        rope_kv_triton(q, k, None, positions, inv_freq, attention_scaling, None, None, apply_rope=True)
     else:
         apply_rope_ref_(q, k, positions, inv_freq, attention_scaling)
 
 
-def write_kv(k, v, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None) -> None:
-    """Write k, v [T, Hkv, D] into the paged caches at slot_mapping (slot < 0 skipped); fp8
-    caches need their k_scale / v_scale."""
-    if use_triton(k, k_cache):
-        rope_kv_triton(None, k, v, None, None, 1.0, k_cache, v_cache, slot_mapping,
-                       apply_rope=False, write=True, k_scale=k_scale, v_scale=v_scale)
+def write_kv(k, v, kv: PagedKV, slot_mapping) -> None:
+    """Write k, v [T, Hkv, D] into the paged cache kv at slot_mapping (slot < 0 skipped)."""
+    if use_triton(k, kv.k):
+        rope_kv_triton(None, k, v, None, None, 1.0, kv, slot_mapping, apply_rope=False)
     else:
-        write_kv_ref(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+        write_kv_ref(k, v, kv.k, kv.v, slot_mapping, kv.k_scale, kv.v_scale)
 
 
-def rope_and_write_kv(q, k, v, positions, inv_freq, attention_scaling: float,
-                      k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None) -> None:
-    """Rotate q and k in place and write rotated k and v into the paged KV cache (one launch on
-    CUDA); fp8 caches need their k_scale / v_scale."""
-    if use_triton(q, k, k_cache):
-        rope_kv_triton(q, k, v, positions, inv_freq, attention_scaling,
-                       k_cache, v_cache, slot_mapping, apply_rope=True, write=True,
-                       k_scale=k_scale, v_scale=v_scale)
+def rope_and_write_kv(q, k, v, positions, inv_freq, attention_scaling: float, kv: PagedKV, slot_mapping) -> None:
+    """Rotate q and k in place and write rotated k and v into the paged KV cache kv (one launch
+    on CUDA)."""
+    if use_triton(q, k, kv.k):
+        rope_kv_triton(q, k, v, positions, inv_freq, attention_scaling, kv, slot_mapping, apply_rope=True)
     else:
         apply_rope_ref_(q, k, positions, inv_freq, attention_scaling)
-        write_kv_ref(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+        write_kv_ref(k, v, kv.k, kv.v, slot_mapping, kv.k_scale, kv.v_scale)
 
 
 def aot_launches(space) -> None:
@@ -289,21 +284,20 @@ def aot_launches(space) -> None:
     the kept rows (fresh [n, Hkv, D] gathers) (runtime/token_drop.py). Positions and slots are
     int64; the token count is only the grid; page size, head counts and the KV dtype (fp8:
     quantized rows with scales) come from the plan."""
-    from ._aot_shapes import TOKEN_CLASSES, attention_qkv, kv_cache
+    from ._aot_shapes import TOKEN_CLASSES, attention_qkv, paged_kv
 
     m = space.model
-    k_cache, v_cache, k_scale, v_scale = kv_cache(space)
-    scales = dict(k_scale=k_scale, v_scale=v_scale)
+    kv = paged_kv(space)
     inv_freq = space.fake(m.head_dim // 2, dtype=torch.float32)
     scaling = 1.0  # attention_scaling: a float argument, which Triton never specializes
     for T in TOKEN_CLASSES:
         q, k, v = attention_qkv(space, T)
         positions = space.fake(T, dtype=torch.int64)
         slots = space.fake(T, dtype=torch.int64)
-        rope_and_write_kv(q, k, v, positions, inv_freq, scaling, k_cache, v_cache, slots, **scales)
+        rope_and_write_kv(q, k, v, positions, inv_freq, scaling, kv, slots)
         if space.plan.token_drop is not None:
             apply_rope_(q, k, positions, inv_freq, scaling)
-            write_kv(k, v, k_cache, v_cache, slots, **scales)
+            write_kv(k, v, kv, slots)
             kept_k = space.fake(T, m.num_kv_heads, m.head_dim, dtype=k.dtype)
             kept_v = space.fake(T, m.num_kv_heads, m.head_dim, dtype=v.dtype)
-            write_kv(kept_k, kept_v, k_cache, v_cache, slots, **scales)
+            write_kv(kept_k, kept_v, kv, slots)

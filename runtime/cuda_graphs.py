@@ -5,7 +5,7 @@ memory pool at load (SPEC §8.6). A decode step of B sequences replays the small
 captured size >= B; rows B.. are padding: slot -1 (the cache write skips it), context length 0
 (attention reads nothing), token 0 and the scratch mask-cache slot.
 
-Every graph is captured at load (``capture``, keys from ModelRunner.graph_keys), none on the
+Every graph is captured at load (``capture_planned``: the keys of ``planned_keys``), none on the
 request path; a key nobody listed is still captured when first needed, with a warning, and
 counted in ``report["on_request"]``. A key is a GraphKey (sparse key, drop histories, length
 bucket); GraphKey() is the dense graph sized for max_seq_len:
@@ -61,6 +61,23 @@ DECODE_LEN_BUCKETS = (512, 2048, 8192)  # context-length bounds of the short-con
 def len_bucket(max_context: int) -> int | None:
     """The smallest bucket holding max_context, None past the largest (the start-up graphs)."""
     return next((b for b in DECODE_LEN_BUCKETS if max_context <= b), None)
+
+
+def step_len_bucket(p, table_tokens: int) -> int | None:
+    """The short-context bucket of a StepPlan's decode rows (None: sparse rows, too long, or a
+    bucket no shorter than the block-table width of table_tokens: the start-up graphs are that
+    bound)."""
+    if p.has_sparse or not p.num_decodes:
+        return None
+    bucket = len_bucket(max(p.ctx_lens[:p.num_decodes]))
+    return bucket if bucket is not None and bucket < table_tokens else None
+
+
+def decode_len_bound(p, table_tokens: int) -> int:
+    """The bound that sizes dense decode's split count for a StepPlan: its length bucket, else
+    the table width — the same for an eager step and the graph that would replay it
+    (DecodeGraphs._context), so both split (and round) alike."""
+    return step_len_bucket(p, table_tokens) or table_tokens
 
 
 class DecodeGraphs:
@@ -187,18 +204,49 @@ class DecodeGraphs:
         return graph
 
     def _capture_on_request(self, bs: int, key: GraphKey) -> torch.cuda.CUDAGraph:
-        """A key the runner did not list at load (ModelRunner.graph_keys): captured now, said once."""
+        """A key planned_keys did not list at load: captured now, said once."""
         log.warning("capturing a decode graph on the request path (batch %d, key %s): "
-                    "ModelRunner.graph_keys did not list it", bs, key)
+                    "DecodeGraphs.planned_keys did not list it", bs, key)
         self.report["on_request"] += 1
         return self._capture(bs, key)
 
-    def fits(self, num_seqs: int) -> bool:
-        return num_seqs <= self.sizes[-1]
+    def planned_keys(self) -> list[GraphKey]:
+        """Every key the runner's plan can replay: the dense graph sized for max_seq_len,
+        short-context length buckets, drop histories (token drop on), and the InfiniteHiP keys
+        (refresh patterns x dynamic RoPE). All are captured at load, none on the request path."""
+        runner = self.runner
+        buckets = [b for b in DECODE_LEN_BUCKETS if b < runner.table_tokens]
+        drops = runner.token_drop is not None and self.supports_layer_kv
+        keys = [GraphKey()] + [GraphKey(len_bucket=b) for b in buckets]
+        if drops:
+            keys += [GraphKey(layer_kv=True, len_bucket=b) for b in buckets + [None]]
+        for sparse in runner.infinitehip.graph_keys() if runner.infinitehip is not None else []:
+            keys.append(GraphKey(sparse=sparse))
+            if drops and not sparse.dynamic_rope:  # requests drop tokens only inside the trained window
+                keys.append(GraphKey(sparse=sparse, layer_kv=True))
+        return keys
+
+    def capture_planned(self) -> None:
+        self.capture(self.planned_keys())
 
     @property
     def supports_layer_kv(self) -> bool:
         return bool(self.global_layers)
+
+    def replays(self, p, num_seqs: int) -> bool:
+        """Whether StepPlan p (num_seqs sequences) replays a graph: a pure decode step, of a
+        captured batch size, dense or keyed by its sparse key (InfiniteHiP rows, all sparse and
+        refreshing alike) and/or by drop histories (per-layer KV lengths computed in the graph)."""
+        if p.num_decodes != num_seqs or num_seqs > self.sizes[-1]:
+            return False
+        if p.layer_dropped is not None and not self.supports_layer_kv:
+            return False
+        return not p.has_sparse or p.sparse.graph_key is not None
+
+    def key_of(self, p) -> GraphKey:
+        """The key of the graph StepPlan p replays."""
+        return GraphKey(sparse=p.sparse.graph_key if p.has_sparse else None, layer_kv=p.layer_dropped is not None,
+                        len_bucket=step_len_bucket(p, self.runner.table_tokens))
 
     def load(self, plans: list) -> int:
         """Stage the host-planned inputs of len(plans) consecutive decode steps of one batch (step

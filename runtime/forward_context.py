@@ -2,10 +2,10 @@
 
 `forward` of a model block takes tensors only (SPEC §8.2); what an attention layer needs to know
 about the step — where to write K/V, which pages to read, how long each sequence is — is planned
-once per step on the host (`ModelRunner.prepare`, or `DecodeGraphs` for a graph's static
-buffers) and read here by each layer. The context also picks each layer's attention backend
-(runtime/attention/): the layer's own (dense or InfiniteHiP) or, in a step that drops tokens,
-token drop's (runtime/token_drop.py) for the layers it handles.
+once per step on the host (`ModelRunner.prepare` -> `ModelRunner._context`, or `DecodeGraphs`
+for a graph's static buffers) and read here by each layer. The context also picks each layer's
+attention backend (runtime/attention/): the layer's own (dense or InfiniteHiP) or, in a step
+that drops tokens, token drop's (runtime/token_drop.py) for the layers it handles.
 
 Token layout of a step (packed, variable length): the rows of the B_dec decode sequences come
 first (one query row each), then the prefill chunks of the other sequences, back to back.
@@ -52,7 +52,7 @@ class ForwardContext:
     # hold fewer tokens than its positions; None otherwise (the shared metadata above is exact).
     layer_kv: LayerKV | None = None
     # A bound on the decode rows' context lengths that sizes the decode kernel's split count
-    # (ModelRunner.decode_len_bound: eager steps and graphs use the same). None: the table width.
+    # (cuda_graphs.decode_len_bound: eager steps and graphs use the same). None: the table width.
     decode_len_bound: int | None = None
     # In a layer's view (for_layer) of a step with drop histories: int32 [B] tokens that layer
     # lacks of each sequence (its key ranges end that much earlier); None: it holds them all.
@@ -88,6 +88,20 @@ class LayerKV:
     context_lens: torch.Tensor  # [Lg, B] int32
     context_lens_list: list[list[int]]  # host copy [Lg][B]
 
+    @classmethod
+    def of_step(cls, p, global_layers: list[int], tables: torch.Tensor, page_size: int,
+                device: torch.device) -> "LayerKV":
+        """The LayerKV of StepPlan p (with drop histories p.layer_dropped [Lg][B]); tables: the
+        global group's block tables on the device. The token at position q of sequence b goes
+        to compact slot q - dropped[l][b] of b's table."""
+        dropped = upload(p.layer_dropped, torch.int64, device)  # [Lg, B]
+        lens = torch.tensor(p.cu[1:]) - torch.tensor(p.cu[:-1])
+        seq_of_row = upload(torch.repeat_interleave(torch.arange(len(p.ctx_lens)), lens).tolist(), torch.int64, device)
+        slots = compact_slots(upload(p.positions, torch.int64, device), seq_of_row, dropped, tables.long(), page_size)
+        ctx_lens = [[c - d for c, d in zip(p.ctx_lens, row)] for row in p.layer_dropped]
+        return cls(rows={l: i for i, l in enumerate(global_layers)}, slot_mapping=slots,
+                   context_lens=upload(ctx_lens, torch.int32, device), context_lens_list=ctx_lens)
+
 
 def compact_slots(positions: torch.Tensor, seq_of_row: torch.Tensor, dropped: torch.Tensor,
                   tables: torch.Tensor, page_size: int) -> torch.Tensor:
@@ -97,6 +111,18 @@ def compact_slots(positions: torch.Tensor, seq_of_row: torch.Tensor, dropped: to
     compact = positions[None, :] - dropped[:, seq_of_row]  # [Lg, T]
     pages = tables[seq_of_row[None, :].expand_as(compact), compact // page_size]
     return pages * page_size + compact % page_size
+
+
+def upload(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A host list (nested for 2-D) as a tensor on device: through pinned memory, non-blocking."""
+    t = torch.tensor(values, dtype=dtype)
+    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
+
+
+def upload_tables(rows: list[list[int]], device: torch.device) -> torch.Tensor:
+    """Page lists as an int32 block table [B, max(1, longest)] on device, padded with page 0."""
+    width = max(1, max(len(r) for r in rows))
+    return upload([r + [0] * (width - len(r)) for r in rows], torch.int32, device)
 
 
 _CONTEXT: ForwardContext | None = None

@@ -19,7 +19,9 @@ threshold: every later step of it reads its keys through the sparse kernels, whi
 host entries), its pages between the first ``head_tokens`` (sink) and the last ``tail_tokens``
 (stream) move to host pages (:meth:`KVCacheManager.offload`); the table names a host page by an
 entry < 0 (host page -1 - entry), and the GPU page returns to the free list. So the GPU holds
-about head + tail + one chunk per sequence however long it grows, the host the rest.
+about head + tail + one chunk per sequence however long it grows, the host the rest. With prefix
+caching the host pool is a PagePool too: offloaded pages stay cached on the host after their
+sequence ends (docs/design/prefix_caching.md, "Offloaded KV").
 """
 
 from __future__ import annotations
@@ -124,7 +126,7 @@ class _Table:
 
     pages: list[int] = field(default_factory=list)
     lo: int = 0
-    host_hi: int = 0  # offloading: logical pages [head, host_hi) are on the host (entries < 0)
+    host_hi: int = 0  # offloading: pages [head, host_hi) have been moved (entries < 0; a cached prefix's too)
     num_hashed: int = 0  # prefix caching: logical pages [0, num_hashed) were offered to the cache
 
 
@@ -146,7 +148,7 @@ class KVCacheManager(PrefixCaching):
         self.max_pages_per_seq = max_pages_per_seq
         self._alloc = {name: PagePool(PageAllocator(spec.num_pages)) for name, spec in self.groups.items()}
         # Host pools: host page h is entry -(h + 1), so allocator page p (1..host_pages) is entry -p.
-        self._host = {name: PageAllocator(spec.offload.host_pages + 1)
+        self._host = {name: PagePool(PageAllocator(spec.offload.host_pages + 1))
                       for name, spec in self.groups.items() if spec.offload is not None}
         self._tables: dict[str, dict[int, _Table]] = {name: {} for name in self.groups}
         self._init_prefix_cache()
@@ -313,9 +315,11 @@ class KVCacheManager(PrefixCaching):
         ``context`` tokens: returns (GPU pages, host entries), pairwise, for the caller to copy
         *before* any later kernel may reuse the GPU pages (copy_pages, same stream). The table
         becomes a new list (so readers that cache by list identity re-read it) naming the host
-        entries; the GPU pages are free. Nothing moves below min_context, while fewer than
-        batch_pages pages are eligible, or beyond the host pool's free pages (those stay on the
-        GPU: the pool is full, not an error)."""
+        entries; the GPU pages are free (or cached, if named). Nothing moves below min_context,
+        while fewer than batch_pages pages are eligible, or beyond the host pool's free pages
+        (those stay on the GPU: the pool is full, not an error). Prefix caching: a named page
+        whose digest the host pool caches already takes that host page (no copy); a copied one
+        is named on the host too; host entries that a shared prefix put in the range are skipped."""
         off = self._spec(group).offload
         t = self._tables[group].get(seq_id)
         if off is None or t is None or context < off.min_context:
@@ -323,15 +327,33 @@ class KVCacheManager(PrefixCaching):
         ps = self.page_size
         head = _cdiv(off.head_tokens, ps)
         hi = min(len(t.pages), max(0, context - off.tail_tokens) // ps)  # pages wholly before the tail
+        pages = t.pages
         lo = max(t.host_hi, head, t.lo)
-        if hi - lo < off.batch_pages:
+        while lo < hi and pages[lo] < 0:  # already on the host (shared from the prefix cache)
+            lo += 1
+        # GPU pages to move; a prefix-cache hit may leave host pages among them (skipped)
+        todo = [i for i in range(lo, hi) if pages[i] > 0]
+        if len(todo) < off.batch_pages:
+            t.host_hi = max(t.host_hi, lo)
             return [], []
-        n = min(hi - lo, self._host[group].num_free)
-        pages = list(t.pages)
-        src = pages[lo:lo + n]
-        dst = [-self._host[group].allocate() for _ in range(n)]
-        pages[lo:lo + n] = dst
-        for p in src:
-            self._alloc[group].free(p)
-        t.pages, t.host_hi = pages, lo + n
+        gpu, host = self._alloc[group], self._host[group]
+        pages, src, dst, moved_to = list(pages), [], [], lo
+        for i in todo:
+            page = pages[i]
+            digest = gpu.digest_of(page)
+            h = host.lookup(digest) if digest is not None else None
+            if h is not None:  # the same content is cached on the host already: share it, no copy
+                host.acquire(h)
+            elif host.num_free:
+                h = host.allocate()  # may evict a cached host page (none of them is held)
+                if digest is not None:
+                    host.register(h, digest)
+                src.append(page)
+                dst.append(-h)
+            else:  # the host pool is full: the rest stays on the GPU (not an error)
+                break
+            pages[i] = -h
+            gpu.free(page)  # a named page stays cached on the GPU too
+            moved_to = i + 1
+        t.pages, t.host_hi = pages, moved_to
         return src, dst

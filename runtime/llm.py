@@ -35,6 +35,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+import math
 import operator
 import time
 from collections.abc import Callable, Iterator
@@ -84,6 +85,7 @@ class EngineStats:
     # Prefix caching (zero when off): cached pages held by no request (counted in kv_pages_free),
     # and since start: prompt tokens looked up at admission, of them found cached, pages evicted.
     kv_pages_cached: dict[str, int] = dataclasses.field(default_factory=dict)
+    host_pages_cached: dict[str, int] = dataclasses.field(default_factory=dict)  # (counted in host_pages_free)
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
     prefix_cache_evictions: int = 0
@@ -120,9 +122,10 @@ class LLM:
         self.scheduler = Scheduler(self.runner.kv, self.max_num_seqs, budget, build.max_seq_len)
         plan = self.engine.config.plan
         if opts.prefix_caching and prefix_caching_exact(plan, opts.kv_offload_bytes):
-            self.runner.kv.enable_prefix_caching(repr((plan, build.kv_dtype, build.dtype)))
+            self.runner.kv.enable_prefix_caching(repr((plan, build.kv_dtype, build.dtype)),
+                                                 **prefix_caching_rule(plan, build.page_size))
         elif opts.prefix_caching:
-            _log.info("prefix caching is off: not exact for this plan (InfiniteHiP, token drop or KV offloading)")
+            _log.info("prefix caching is off: not exact for this plan (token drop)")
         self.load_report = self._load_report(t0, t_engine)
         self.sampler = Sampler()
         self.tokenizer = self.engine.tokenizer
@@ -171,6 +174,7 @@ class LLM:
             kv_pages_free=free,
             host_pages_used={g: n - host_free[g] for g, n in host.items()}, host_pages_free=host_free,
             kv_pages_cached={g: kv.num_cached_pages(g) for g in kv.groups},
+            host_pages_cached={g: kv.num_cached_host_pages(g) for g in host},
             prefix_cache_queries=kv.prefix_cache_queries, prefix_cache_hits=kv.prefix_cache_hits,
             prefix_cache_evictions=kv.prefix_cache_evictions)
 
@@ -456,11 +460,24 @@ def make_runner(engine, opts: LoadOptions) -> tuple[ModelRunner, int, int, int]:
 
 
 def prefix_caching_exact(plan, kv_offload_bytes: int = 0) -> bool:
-    """Whether reusing cached KV pages gives the same result as recomputing them under ``plan``:
-    dense plans only. InfiniteHiP keeps per-request state beyond K/V (mask caches, raw-key
-    scratch, key banks), token drop compacts a sequence's pages by its own suffix, offloading
-    moves pages to host memory; none of them is reused yet."""
-    return plan.infinitehip is None and plan.token_drop is None and not kv_offload_bytes
+    """Whether reusing cached KV pages is exact under ``plan`` (docs/design/prefix_caching.md):
+    every plan but token drop, whose compacted pages depend on the prompt's own suffix. Dense
+    plans: the same result as no cache. InfiniteHiP (offloaded or not): the same result as
+    prefilling the prefix as its own chunk sequence first (prefix_caching_rule)."""
+    return plan.token_drop is None
+
+
+def prefix_caching_rule(plan, page_size: int) -> dict:
+    """KVCacheManager.enable_prefix_caching's arguments for ``plan``. InfiniteHiP prefill is
+    block-causal (a query block of ``block_q`` reads only keys before its end), and no state but
+    K/V survives a prefill (mask caches and key banks are decode state, rebuilt at the first
+    sparse decode step; the raw-keys scratch lives one step): so a reused prefix is a multiple of
+    lcm(page_size, block_q), which keeps the suffix's query blocks on the prefix's grid, and pages
+    that sparse decode steps filled are not named (prefill would compute them otherwise)."""
+    ih = plan.infinitehip
+    if ih is None:
+        return {}
+    return dict(granule=math.lcm(page_size, ih.block_q), cache_decode_pages=False)
 
 
 def _int_list(x) -> list[int] | None:

@@ -62,8 +62,9 @@ class LoadOptions:
         "engine's (e.g. `p=0.98,min_prompt_len=4096`); default: as built", "token_drop", "off|on|KEY=VALUE,...")
     prefix_caching: bool = _option(
         True, "reuse the KV pages of a prompt prefix an earlier request computed (whole pages), where reuse is "
-        "exact: dense plans (fp8 KV and Gemma-3's sliding layers too); off by itself with InfiniteHiP layers, token "
-        "drop or KV offloading; `--no-prefix-caching` turns it off", "bool", None,
+        "exact: dense plans, InfiniteHiP presets (chunk-aligned: design doc), fp8 KV, Gemma-3's sliding layers, "
+        "KV offloaded to host memory (cached there too); off by itself with token drop; `--no-prefix-caching` "
+        "turns it off", "bool", None,
         "exactness tests only ([design/prefix_caching.md](design/prefix_caching.md))")
     jit: str | None = _option(
         None, "a kernel the engine has no binary for: `forbid` raises, `warn` compiles and logs, `allow` compiles "

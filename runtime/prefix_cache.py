@@ -16,6 +16,11 @@ request with the same prefix can take it back. Allocation takes a free page firs
 least recently freed cached page only when none is left, so cached pages never cost a running
 request a page: they count as free everywhere (``num_free``). A page with a reference is never
 evicted.
+
+Offloaded KV (runtime/kv_cache.py): a group with a host pool has a second PagePool over the host
+pages (entry -page in a table), with its own digests and LRU, so a document whose pages were
+moved to pinned host memory stays cached there between requests. A digest may name a GPU page
+and a host page at once (a page offloaded after it was named); a lookup prefers the GPU copy.
 """
 
 from __future__ import annotations
@@ -34,11 +39,15 @@ def root_hash(salt: str) -> bytes:
 
 def extend_chain(chain: list[bytes], root: bytes, tokens: list[int], page_size: int, num_pages: int) -> None:
     """Append to ``chain`` (digests of pages 0..len-1 of ``tokens``) up to ``num_pages`` pages."""
-    prev = chain[-1] if chain else root
-    for i in range(len(chain), num_pages):
-        page = tokens[i * page_size:(i + 1) * page_size]
-        assert len(page) == page_size, "only full pages are hashed"
-        prev = hashlib.blake2b(prev + array("q", page).tobytes(), digest_size=_DIGEST).digest()
+    first = len(chain)
+    if num_pages <= first:
+        return
+    assert len(tokens) >= num_pages * page_size, "only full pages are hashed"
+    # one conversion for all new pages (a 1M-token prompt: 62.5K pages of 16 tokens)
+    data = memoryview(array("q", tokens[first * page_size:num_pages * page_size]).tobytes())
+    step, prev, blake2b = 8 * page_size, chain[-1] if chain else root, hashlib.blake2b
+    for off in range(0, len(data), step):
+        prev = blake2b(prev + data[off:off + step], digest_size=_DIGEST).digest()
         chain.append(prev)
 
 
@@ -71,6 +80,9 @@ class PagePool:
 
     def refs(self, page: int) -> int:
         return self._refs[page]
+
+    def digest_of(self, page: int) -> bytes | None:
+        return self._hash_of.get(page)
 
     def allocate(self) -> int:
         if self._alloc.num_free:
@@ -135,32 +147,59 @@ class PrefixCaching:
 
     def _init_prefix_cache(self) -> None:
         self._root = b""
+        self.granule_pages = 1  # a reused prefix is a multiple of this many pages
+        self.cache_decode_pages = True  # name pages that decode steps filled
         self._chains: dict[int, list[bytes]] = {}  # seq_id -> digests of its first pages
         self.prefix_cache_queries = 0  # tokens of admitted sequences looked up
         self.prefix_cache_hits = 0  # of them, tokens found cached (not recomputed)
 
-    def enable_prefix_caching(self, salt: str) -> None:
-        """Turn reuse on; ``salt`` names the plan (pages computed under another plan never match)."""
-        if any(spec.offload is not None for spec in self.groups.values()):
-            raise ValueError("prefix caching does not cover offloaded (host) KV pages yet")
+    def enable_prefix_caching(self, salt: str, granule: int | None = None, cache_decode_pages: bool = True) -> None:
+        """Turn reuse on; ``salt`` names the plan (pages computed under another plan never match).
+        granule: a reused prefix is a multiple of this many tokens (a multiple of page_size;
+        InfiniteHiP: lcm(page_size, block_q), so the suffix's query blocks fall on the grid the
+        prefix's chunks used); cache_decode_pages: name pages that decode steps filled (False
+        for sparse plans: sparse decode computes a position's K/V otherwise than prefill)."""
+        granule = granule or self.page_size
+        if granule % self.page_size:
+            raise ValueError(f"granule {granule} is not a multiple of page_size {self.page_size}")
         self.prefix_caching, self._root = True, root_hash(salt)
+        self.granule_pages, self.cache_decode_pages = granule // self.page_size, cache_decode_pages
 
     def disable_prefix_caching(self) -> None:
         """Turn reuse off and forget every cached page (held pages stay with their sequences)."""
         self.prefix_caching = False
-        for pool in self._alloc.values():
+        self.clear_prefix_cache()
+
+    def clear_prefix_cache(self) -> None:
+        """Forget every cached page (GPU and host; held pages stay with their sequences), e.g.
+        when the plan's knobs change at runtime."""
+        for pool in [*self._alloc.values(), *self._host.values()]:
             pool.clear()
         self._chains.clear()
 
     @property
     def prefix_cache_evictions(self) -> int:
-        """Cached pages handed out to new content since start (all groups)."""
-        return sum(pool.num_evictions for pool in self._alloc.values())
+        """Cached pages handed out to new content since start (all groups, GPU and host)."""
+        return sum(pool.num_evictions for pool in [*self._alloc.values(), *self._host.values()])
 
     def num_cached_pages(self, group: str) -> int:
         """Pages of ``group`` that hold cached content and no sequence (counted as free)."""
         self._spec(group)
         return self._alloc[group].num_cached
+
+    def num_cached_host_pages(self, group: str) -> int:
+        """Host pages of ``group`` that hold cached content and no sequence (counted as free)."""
+        self._spec(group)
+        return self._host[group].num_cached if group in self._host else 0
+
+    def _lookup(self, group: str, digest: bytes, host: bool) -> int | None:
+        """Table entry of a cached page: its GPU page (preferred), else with ``host`` its host
+        entry (< 0), else None."""
+        page = self._alloc[group].lookup(digest)
+        if page is None and host and group in self._host:
+            h = self._host[group].lookup(digest)
+            return None if h is None else -h
+        return page
 
     def _window_start(self, group: str, start: int) -> int:
         """First logical page a chunk starting at ``start`` reads in ``group``."""
@@ -169,25 +208,42 @@ class PrefixCaching:
 
     def cached_prefix(self, tokens: list[int]) -> tuple[int, list[bytes]]:
         """(n, chain): the longest prefix of n full pages (n * page_size <= len(tokens) - 1: the
-        last token is always computed, for its logits) whose pages every group can reuse — a
-        full-attention group needs all n pages, a windowed group the pages of the window before
-        position n * page_size — and the digests computed on the way."""
+        last token is always computed, for its logits; n a multiple of the granule) whose pages
+        every group can reuse — a full-attention group needs all n pages, a windowed group the
+        pages of the window before position n * page_size — and the digests computed on the way.
+        Host pages count only for a prefix of at least the group's ``min_context`` (a shorter
+        context may still run dense kernels, which do not read host pages)."""
         ps, chain = self.page_size, []
         m = (len(tokens) - 1) // ps
-        full = [self._alloc[g] for g, spec in self.groups.items() if spec.window is None]
-        n = 0
-        while n < m:
-            extend_chain(chain, self._root, tokens, ps, n + 1)
-            if any(pool.lookup(chain[n]) is None for pool in full):
-                break
-            n += 1
-        if not full:
+        full = [g for g, spec in self.groups.items() if spec.window is None]
+        if full:
+            # hash ahead in batches (a long prompt usually hits all the way) and stop at the first miss
+            maps = [(self._alloc[g]._page_of, self._host[g]._page_of if g in self._host else {}) for g in full]
+            n, batch = 0, 64
+            while n < m:
+                extend_chain(chain, self._root, tokens, ps, min(m, n + batch))
+                if len(maps) == 1:  # one full-attention group (every model but a hybrid's sliding one)
+                    gpu, host = maps[0]
+                    while n < len(chain) and (chain[n] in gpu or chain[n] in host):
+                        n += 1
+                while n < len(chain) and all(chain[n] in gpu or chain[n] in host for gpu, host in maps):
+                    n += 1
+                if n < len(chain):
+                    break
+                batch *= 2
+        else:
             extend_chain(chain, self._root, tokens, ps, m)
             n = m
+        for g in full:  # a prefix below min_context: GPU pages only
+            off = self.groups[g].offload
+            if off is not None and n * ps < off.min_context:
+                n = next((j for j in range(n) if self._lookup(g, chain[j], host=False) is None), n)
+        step = self.granule_pages
+        n -= n % step
         windowed = [g for g, spec in self.groups.items() if spec.window is not None]
         while n and not all(self._alloc[g].lookup(chain[j]) is not None
                             for g in windowed for j in range(self._window_start(g, n * ps), n)):
-            n -= 1
+            n -= step
         return n, chain
 
     def share(self, seq_id: int, tokens: list[int]) -> int:
@@ -205,13 +261,25 @@ class PrefixCaching:
         if not n:
             return 0
         for g in self.groups:
-            pool, lo = self._alloc[g], self._window_start(g, n * self.page_size)
+            lo = self._window_start(g, n * self.page_size)
             pages = [NULL_PAGE] * lo
+            gpu, host = self._alloc[g], self._host.get(g)
             for j in range(lo, n):
-                page = pool.lookup(chain[j])
-                pool.acquire(page)
+                page = gpu.lookup(chain[j])
+                if page is not None:
+                    gpu.acquire(page)
+                else:  # cached_prefix checked it is on the host
+                    page = host.lookup(chain[j])
+                    host.acquire(page)
+                    page = -page
                 pages.append(page)
-            self._tables[g][seq_id] = _Table(pages=pages, lo=lo, num_hashed=n)
+            # offloading: logical pages [head, host_hi) are on the host (kv_cache.offload moves on from there)
+            host_hi = 0
+            if self.groups[g].offload is not None:
+                host_hi = -(-self.groups[g].offload.head_tokens // self.page_size)
+                while host_hi < n and pages[host_hi] < 0:
+                    host_hi += 1
+            self._tables[g][seq_id] = _Table(pages=pages, lo=lo, num_hashed=n, host_hi=host_hi)
         return n * self.page_size
 
     def register(self, seq_id: int, tokens: list[int], num_computed: int) -> None:
@@ -226,10 +294,9 @@ class PrefixCaching:
             t = tables.get(seq_id)
             if t is None:
                 continue
-            pool = self._alloc[g]
             for i in range(max(t.num_hashed, t.lo), min(full, len(t.pages))):
-                if t.pages[i] > 0:  # held on the GPU (offloaded pages are never named)
-                    pool.register(t.pages[i], chain[i])
+                page = t.pages[i]  # on the GPU, or already moved to the host (< 0)
+                (self._alloc[g] if page > 0 else self._host[g]).register(abs(page), chain[i])
             t.num_hashed = max(t.num_hashed, full)
 
     def record_admission(self, num_tokens: int, cached: int) -> None:

@@ -291,7 +291,8 @@ class Scheduler:
                 raise ValueError(f"sequence {seq.seq_id} has {seq.num_computed_tokens} computed "
                                  f"tokens, chunk starts at {chunk.start}: update() called twice?")
             seq.num_computed_tokens = chunk.end
-            if self.kv.prefix_caching and chunk.end // self.kv.page_size > chunk.start // self.kv.page_size:
+            if (self.kv.prefix_caching and chunk.end // self.kv.page_size > chunk.start // self.kv.page_size
+                    and (self.kv.cache_decode_pages or not chunk.is_decode)):
                 tokens = seq.all_token_ids if seq.output_token_ids else seq.prompt_token_ids  # no copy
                 self.kv.register(seq.seq_id, tokens, chunk.end)  # the pages this chunk filled
             if not chunk.needs_logits:

@@ -111,6 +111,17 @@ def plan_drops(chunks, cfg: TokenDropConfig, tail: int, max_context: int | None 
     return drops
 
 
+def drop_histories(chunks, global_layers: list[int]) -> list[list[int]] | None:
+    """[global layer][b] tokens each full-attention layer lacks of the step's sequence b (its
+    drop history; a prefill from scratch starts a new one), None when no sequence has one."""
+    for ch in chunks:
+        if ch.start == 0:  # a prefill from scratch (first or after preemption): no history
+            ch.seq.dropped = None
+    if all(ch.seq.dropped is None for ch in chunks):
+        return None
+    return [[ch.seq.dropped[l] if ch.seq.dropped is not None else 0 for ch in chunks] for l in global_layers]
+
+
 @dataclass
 class TokenDropStep:
     """The drop state of one forward pass, read by the layers through the forward context.
@@ -219,7 +230,7 @@ class TokenDropStep:
             for d in self.drops:
                 self.drop_rows[cu[d.b]:cu[d.b + 1]] = True
             self.drop_rows = self.drop_rows.to(dev)
-        write_kv(k, v, attn.kv.k, attn.kv.v, torch.where(self.drop_rows, -1, meta.slot_mapping), **attn.kv.scales)
+        write_kv(k, v, attn.kv, torch.where(self.drop_rows, -1, meta.slot_mapping))
         out = torch.empty_like(q)
         self._dense_rows(attn, q, k, v, out, ctx, meta, cu, ctx.cu_seqlens_q)
 
@@ -229,8 +240,7 @@ class TokenDropStep:
         for d, n_prev in zip(self.drops, prev):
             chunk = k[cu[d.b]:cu[d.b + 1]]
             if n_prev:
-                ck, _ = gather_kv(attn.kv.k, attn.kv.v, meta.block_tables[d.b], 0, n_prev, dtype=q.dtype,
-                                  **attn.kv.scales)
+                ck, _ = gather_kv(attn.kv, meta.block_tables[d.b], 0, n_prev, dtype=q.dtype)
                 chunk = torch.cat([ck, chunk])
             keys.append(chunk)
         keep = self._select(attn, q, keys, prev, ctx)
@@ -242,7 +252,7 @@ class TokenDropStep:
             rows = (local + cu[d.b]).to(dev)
             qk, kk, vk = q.index_select(0, rows), k.index_select(0, rows), v.index_select(0, rows)
             # kept token i goes to compact slot n_prev + i: the slot of chunk row i in this layer's view
-            write_kv(kk, vk, attn.kv.k, attn.kv.v, meta.slot_mapping[cu[d.b]:cu[d.b] + num_kept], **attn.kv.scales)
+            write_kv(kk, vk, attn.kv, meta.slot_mapping[cu[d.b]:cu[d.b] + num_kept])
             ctx_len = n_prev + num_kept
             out.index_copy_(0, rows, DENSE.prefill(
                 attn, qk, kk, vk, meta.block_tables[d.b:d.b + 1],
@@ -322,8 +332,7 @@ class TokenDropStep:
             kk, vv = k[r0:r1], v[r0:r1]
             k_pos = q_pos
             if kv0 < d.start:
-                ck, cv = gather_kv(attn.kv.k, attn.kv.v, meta.block_tables[d.b], kv0, d.start, dtype=q.dtype,
-                                   **attn.kv.scales)
+                ck, cv = gather_kv(attn.kv, meta.block_tables[d.b], kv0, d.start, dtype=q.dtype)
                 kk, vv = torch.cat([ck, kk]), torch.cat([cv, vv])
                 k_pos = torch.cat([torch.arange(kv0, d.start), q_pos])
             out[r0:r1] = kept_attention(q[r0:r1], q_pos, kk, vv, k_pos, attn.scale, W)

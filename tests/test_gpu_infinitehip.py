@@ -10,7 +10,7 @@ import torch
 from infhip.plugins.infinitehip import (pruning_stage, pruning_stage_ref, sparse_attention_ref,
                                         sparse_decode_attention, sparse_prefill_attention)
 
-from .test_infinitehip_common import DEVICE, PagedSeqs, inv_freq, random_rows, rel_err
+from .test_infinitehip_common import DEVICE, PagedSeqs, inv_freq, paged_args, random_rows, rel_err
 from .test_infinitehip_pruning import chosen_chunk_scores
 from .test_infinitehip_sparse_attention import random_selection
 
@@ -32,7 +32,7 @@ def test_pruning_stage_exact_at_llama8b_shapes(block_q, q_lens, query_stride, ro
     q_start, lens, ends, tables = seqs.blocks(q_lens, block_q)
     kw = dict(block_q=block_q, n_sink=N_SINK, n_stream=N_STREAM, rope_style=rope_style, inv_freq=inv_freq(D),
               query_stride=query_stride)
-    sel, n = pruning_stage(q, seqs.k_cache, tables, q_start, lens, ends, chunk_size=32, k=1024,
+    sel, n = pruning_stage(q, seqs.paged, tables, q_start, lens, ends, chunk_size=32, k=1024,
                            max_candidates=max(CONTEXTS), **kw)
     ref, ref_n = pruning_stage_ref(q, seqs.k_cache, tables, q_start, lens, ends, chunk_size=32, k=1024,
                                    max_candidates=max(CONTEXTS), **{k: v for k, v in kw.items() if k != "block_q"})
@@ -67,7 +67,7 @@ def test_last_stage_exact_at_llama8b_shapes(rope_style):
                                      max_candidates=max(CONTEXTS), **kw)
     cand, cand_n = cand.to(DEVICE), cand_n.to(DEVICE)
     raw = raw_keys_of(seqs, q_lens, block_q, inv_freq(D)) if rope_style != "none" else None
-    sel, n = pruning_stage(q, seqs.k_cache, tables, q_start, lens, ends, cand, cand_n, chunk_size=8, k=256,
+    sel, n = pruning_stage(q, seqs.paged, tables, q_start, lens, ends, cand, cand_n, chunk_size=8, k=256,
                            block_q=block_q, raw_keys=raw, **kw)
     ref, ref_n = pruning_stage_ref(q, seqs.k_cache, tables, q_start, lens, ends, cand, cand_n, chunk_size=8,
                                    k=256, **kw)
@@ -89,7 +89,7 @@ def test_sparse_decode_at_llama8b_shapes(rope_style):
     sel = random_selection(seqs.generator, seqs.context_lens, N_SINK, N_STREAM, k=2048)
     args = (q, seqs.k_cache, seqs.v_cache, seqs.block_tables)
     opts = dict(n_sink=N_SINK, n_stream=N_STREAM, scale=D ** -0.5, rope_style=rope_style, inv_freq=inv_freq(D))
-    out = sparse_decode_attention(*args, seqs.context_lens, sel, **opts)
+    out = sparse_decode_attention(*paged_args(args), seqs.context_lens, sel, **opts)
     ones = torch.ones(len(CONTEXTS), dtype=torch.int32, device=DEVICE)
     ref = sparse_attention_ref(*args, torch.arange(len(CONTEXTS), dtype=torch.int32, device=DEVICE), ones,
                                seqs.context_lens, sel, **opts)
@@ -105,7 +105,7 @@ def test_sparse_prefill_at_llama8b_shapes(rope_style):
     sel = random_selection(seqs.generator, ends, N_SINK, N_STREAM, k=1024)
     opts = dict(n_sink=N_SINK, n_stream=N_STREAM, scale=D ** -0.5, rope_style=rope_style, inv_freq=inv_freq(D))
     out = torch.full_like(q, float("nan"))
-    sparse_prefill_attention(q, seqs.k_cache, seqs.v_cache, tables, q_start, lens, ends, sel, block_q=64,
+    sparse_prefill_attention(q, seqs.paged, tables, q_start, lens, ends, sel, block_q=64,
                              out=out, **opts)
     ref = sparse_attention_ref(q, seqs.k_cache, seqs.v_cache, tables, q_start, lens, ends, sel, **opts)
     assert not out.isnan().any()

@@ -10,6 +10,7 @@ import torch
 
 from infhip.plugins.activation import gated_act_ref, gated_act_triton
 from infhip.plugins.dense_attention import dense_attention_ref, paged_prefill_attention
+from infhip.plugins.paged_kv import PagedKV
 from infhip.plugins.rms_norm import rms_norm_ref, rms_norm_triton
 from infhip.plugins.rope import apply_rope_, apply_rope_ref_
 
@@ -45,7 +46,7 @@ def test_rope_and_prefill_attention_real_shapes():
     cu = torch.tensor([0, T], dtype=torch.int32, device="cuda")
     ctx = torch.tensor([T], dtype=torch.int32, device="cuda")
     dummy = torch.zeros(1, 16, HKV, D, device="cuda", dtype=torch.bfloat16)
-    out = paged_prefill_attention(q, dummy, dummy, torch.zeros(1, 1, dtype=torch.int32, device="cuda"),
+    out = paged_prefill_attention(q, PagedKV(dummy, dummy), torch.zeros(1, 1, dtype=torch.int32, device="cuda"),
                                   cu, ctx, D ** -0.5, None, k_new=k, v_new=v,
                                   cu_seqlens_q_list=[0, T], context_lens_list=[T])
     ref = dense_attention_ref(q.float(), k.float(), v.float(), pos, pos, D ** -0.5, None)

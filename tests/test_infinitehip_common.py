@@ -10,6 +10,7 @@ import torch
 from infhip.plugins.infinitehip import (PAD, block_key_mask, initial_candidates, plan_query_blocks,
                                         rotate_by_ref, selected_range, stream_starts)
 from infhip.plugins.kv_quant import dequantize_rows, quantize_rows
+from infhip.plugins.paged_kv import PagedKV
 from infhip.plugins.rope import apply_rope_ref_
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -61,6 +62,11 @@ class PagedSeqs:
         self.context_lens = torch.tensor(contexts, dtype=torch.int32, device=DEVICE)
         self.generator = g
 
+    @property
+    def paged(self) -> PagedKV:
+        """The caches as the launchers take them."""
+        return PagedKV(self.k_cache, self.v_cache)
+
     def blocks(self, q_lens, block_q):
         """Query blocks of the sequences' newest q_lens tokens: (q_start, q_lens, ends, tables)."""
         q_start, lens, ends, seq = plan_query_blocks(q_lens, self.context_lens.tolist(), block_q, DEVICE)
@@ -77,6 +83,18 @@ class Fp8Caches:
 
     def scales(self):
         return dict(k_scale=self.k_scale, v_scale=self.v_scale)
+
+    @property
+    def paged(self) -> PagedKV:
+        """The caches and their scales as the launchers take them."""
+        return PagedKV(self.k_cache, self.v_cache, self.k_scale, self.v_scale)
+
+
+def paged_args(args: tuple) -> tuple:
+    """(q, k_cache, v_cache, *rest), the references' arguments, as the launchers take them:
+    (q, PagedKV(k_cache, v_cache), *rest)."""
+    q, k_cache, v_cache, *rest = args
+    return (q, PagedKV(k_cache, v_cache), *rest)
 
 
 def quantize_seqs(seqs: PagedSeqs) -> Fp8Caches:

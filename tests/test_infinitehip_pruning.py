@@ -12,6 +12,7 @@ from infhip.plugins.infinitehip import (PAD, pruning_stage, pruning_stage_ref, s
 
 from infhip.plugins.infinitehip import plan_query_blocks
 from infhip.plugins.infinitehip.raw_keys import unrotate_keys
+from infhip.plugins.paged_kv import PagedKV
 
 from .test_infinitehip_common import DEVICE, PagedSeqs, inv_freq, quantize_seqs, random_rows, rotate_by_ref
 
@@ -66,7 +67,7 @@ def test_select_rep_matches_reference_exactly(Hq, Hkv, D, page_size, block_q, q_
     seqs, q, (q_start, lens, ends, tables) = setup(Hq, Hkv, D, page_size, q_lens, block_q, seed, True)
     cand, cand_lens = random_candidates(seqs.generator, ends) if explicit else (None, None)
     kw = dict(chunk_size=chunk_size, n_sink=N_SINK, n_stream=N_STREAM)
-    scores, reps = select_rep_scores(q, seqs.k_cache, tables, q_start, lens, ends, cand, cand_lens,
+    scores, reps = select_rep_scores(q, seqs.paged, tables, q_start, lens, ends, cand, cand_lens,
                                      block_q=block_q, store_reps=True, **kw)
     ref_scores, ref_reps, _ = select_rep_scores_ref(q, seqs.k_cache, tables, q_start, lens, ends, cand,
                                                     cand_lens, max_candidates=scores.shape[1] * chunk_size
@@ -99,9 +100,9 @@ def test_keys_as_rows_scores_the_same(block_q, q_lens, explicit, rope_style):
     if rope_style != "none":
         freq = inv_freq(D)
         kw.update(rope_style=rope_style, inv_freq=freq, raw_keys=raw_keys_of(seqs, q_lens, block_q, freq))
-    base, base_reps = select_rep_scores(q, seqs.k_cache, tables, q_start, lens, ends, cand, cand_lens,
+    base, base_reps = select_rep_scores(q, seqs.paged, tables, q_start, lens, ends, cand, cand_lens,
                                         keys_as_rows=False, **kw)
-    rows, rows_reps = select_rep_scores(q, seqs.k_cache, tables, q_start, lens, ends, cand, cand_lens,
+    rows, rows_reps = select_rep_scores(q, seqs.paged, tables, q_start, lens, ends, cand, cand_lens,
                                         keys_as_rows=True, **kw)
     assert torch.isfinite(base).any()
     if rope_style == "none":
@@ -134,7 +135,7 @@ def test_candidates_in_runs_match_reference_exactly(block_q, q_lens):
         cand[i, :r.numel()] = r
     cand, cand_lens = cand.to(DEVICE), torch.tensor([r.numel() for r in rows], dtype=torch.int32, device=DEVICE)
     kw = dict(chunk_size=8, n_sink=N_SINK, n_stream=N_STREAM)
-    scores, reps = select_rep_scores(q, seqs.k_cache, tables, q_start, lens, ends, cand, cand_lens,
+    scores, reps = select_rep_scores(q, seqs.paged, tables, q_start, lens, ends, cand, cand_lens,
                                      block_q=block_q, store_reps=True, **kw)
     ref_scores, ref_reps, _ = select_rep_scores_ref(q, seqs.k_cache, tables, q_start, lens, ends, cand,
                                                     cand_lens, **kw)
@@ -175,9 +176,9 @@ def test_gqa_one_query_head_keeps_a_chunk():
         seqs.k_cache[page, row, 1, 0] = 4.0
     q_start, lens, ends, tables = seqs.blocks([1], 1)
     kw = dict(chunk_size=chunk_size, n_sink=N_SINK, n_stream=N_STREAM, block_q=1)
-    scores, reps = select_rep_scores(q, seqs.k_cache, tables, q_start, lens, ends, store_reps=True, **kw)
+    scores, reps = select_rep_scores(q, seqs.paged, tables, q_start, lens, ends, store_reps=True, **kw)
     assert int(reps[0, 1, 12]) in run and scores[0].argmax() == 12
-    sel, n = pruning_stage(q, seqs.k_cache, tables, q_start, lens, ends, k=chunk_size, **kw)
+    sel, n = pruning_stage(q, seqs.paged, tables, q_start, lens, ends, k=chunk_size, **kw)
     assert sel[0, :int(n[0])].tolist() == list(range(N_SINK + 96, N_SINK + 104))
 
 
@@ -194,7 +195,7 @@ def test_three_stage_chain_keeps_k(block_q, q_lens):
     prev = [set(range(N_SINK, int(x))) for x in s]
     for chunk_size, k in stages:
         kw = dict(chunk_size=chunk_size, k=k, n_sink=N_SINK, n_stream=N_STREAM)
-        sel, n = pruning_stage(q, seqs.k_cache, tables, q_start, lens, ends, sel, n,
+        sel, n = pruning_stage(q, seqs.paged, tables, q_start, lens, ends, sel, n,
                                block_q=block_q, **kw)
         ref_sel, ref_n = pruning_stage_ref(q, seqs.k_cache, tables, q_start, lens, ends, ref_sel, ref_n, **kw)
         assert torch.equal(sel.cpu(), ref_sel) and torch.equal(n.cpu(), ref_n)
@@ -221,14 +222,14 @@ def test_select_rep_rope_styles_match_reference(rope_style, block_q, q_lens):
     Hq, Hkv, D = 6, 2, 32
     seqs, q, (q_start, lens, ends, tables) = setup(Hq, Hkv, D, 16, q_lens, block_q, seed=5, dyadic=False)
     kw = dict(chunk_size=8, n_sink=N_SINK, n_stream=N_STREAM, rope_style=rope_style, inv_freq=inv_freq(D))
-    scores, reps = select_rep_scores(q, seqs.k_cache, tables, q_start, lens, ends, block_q=block_q,
+    scores, reps = select_rep_scores(q, seqs.paged, tables, q_start, lens, ends, block_q=block_q,
                                      store_reps=True, **kw)
     ref_scores, ref_reps, margins = select_rep_scores_ref(q, seqs.k_cache, tables, q_start, lens, ends, **kw)
     assert torch.allclose(scores.double().cpu(), ref_scores, rtol=1e-5, atol=1e-5)
     clear = margins > 1e-4
     assert clear.float().mean() > 0.95 and torch.equal(reps.cpu()[clear], ref_reps[clear])
     # the style matters: the same inputs without re-rotation pick differently somewhere
-    plain, _ = select_rep_scores(q, seqs.k_cache, tables, q_start, lens, ends, block_q=block_q,
+    plain, _ = select_rep_scores(q, seqs.paged, tables, q_start, lens, ends, block_q=block_q,
                                  chunk_size=8, n_sink=N_SINK, n_stream=N_STREAM)
     assert not torch.allclose(plain, scores)
 
@@ -237,7 +238,7 @@ def raw_keys_of(seqs, q_lens, block_q, freq):
     """RawKeys of every sequence of seqs for the blocks of seqs.blocks(q_lens, block_q)."""
     from infhip.plugins.infinitehip import plan_query_blocks
     seq = plan_query_blocks(q_lens, seqs.context_lens.tolist(), block_q, DEVICE)[3]
-    return unrotate_keys(seqs.k_cache, seqs.block_tables, seqs.context_lens.tolist(), freq, seq.long())
+    return unrotate_keys(seqs.paged, seqs.block_tables, seqs.context_lens.tolist(), freq, seq.long())
 
 
 def test_unrotate_keys_moves_every_key_to_position_zero():
@@ -265,7 +266,7 @@ def test_raw_keys_match_reference(rope_style, block_q, q_lens, query_stride, exp
     kw = dict(chunk_size=8, n_sink=N_SINK, n_stream=N_STREAM, rope_style=rope_style, inv_freq=freq,
               query_stride=query_stride)
     raw = raw_keys_of(seqs, q_lens, block_q, freq)
-    scores, reps = select_rep_scores(q, seqs.k_cache, tables, q_start, lens, ends, cand, cand_lens,
+    scores, reps = select_rep_scores(q, seqs.paged, tables, q_start, lens, ends, cand, cand_lens,
                                      block_q=block_q, store_reps=True, raw_keys=raw, **kw)
     ref_scores, ref_reps, margins = select_rep_scores_ref(
         q, seqs.k_cache, tables, q_start, lens, ends, cand, cand_lens,
@@ -290,7 +291,7 @@ def test_relative_tournament_lengths_match_reference(chunk_size):
     clear = margins > 1e-4
     assert clear.float().mean() > 0.9
     for raw in (None, raw_keys_of(seqs, q_lens, block_q, freq)):
-        scores, reps = select_rep_scores(q, seqs.k_cache, tables, q_start, lens, ends, cand, cand_lens,
+        scores, reps = select_rep_scores(q, seqs.paged, tables, q_start, lens, ends, cand, cand_lens,
                                          block_q=block_q, store_reps=True, raw_keys=raw, **kw)
         assert torch.allclose(scores.double().cpu()[:, :ref_scores.shape[1]], ref_scores, rtol=1e-5, atol=1e-5)
         assert torch.equal(reps.cpu()[..., :ref_reps.shape[2]][clear], ref_reps[clear])
@@ -301,7 +302,7 @@ def test_select_rep_causal_within_block():
     score them (causal), exactly as in the reference."""
     seqs, q, (q_start, lens, ends, tables) = setup(6, 2, 16, 4, [13, 20], 8, seed=9, dyadic=True)
     kw = dict(chunk_size=4, n_sink=N_SINK, n_stream=2)
-    scores, reps = select_rep_scores(q, seqs.k_cache, tables, q_start, lens, ends, block_q=8,
+    scores, reps = select_rep_scores(q, seqs.paged, tables, q_start, lens, ends, block_q=8,
                                      store_reps=True, **kw)
     ref_scores, ref_reps, _ = select_rep_scores_ref(q, seqs.k_cache, tables, q_start, lens, ends, **kw)
     assert torch.equal(scores.double().cpu(), ref_scores) and torch.equal(reps.cpu(), ref_reps)
@@ -313,10 +314,10 @@ def test_tiles_and_tile_width_do_not_change_scores():
     for bit."""
     seqs, q, (q_start, lens, ends, tables) = setup(8, 4, 16, 4, [5, 9], 4, seed=11, dyadic=True)
     kw = dict(chunk_size=4, block_q=4, n_sink=N_SINK, n_stream=N_STREAM, store_reps=True)
-    base = select_rep_scores(q, seqs.k_cache, tables, q_start, lens, ends, block_c=16, tiles=1, **kw)
+    base = select_rep_scores(q, seqs.paged, tables, q_start, lens, ends, block_c=16, tiles=1, **kw)
     assert base[0].shape[1] > 32  # several tiles per row
     for block_c, tiles in ((16, 2), (16, 4), (32, 2)):
-        other = select_rep_scores(q, seqs.k_cache, tables, q_start, lens, ends, block_c=block_c,
+        other = select_rep_scores(q, seqs.paged, tables, q_start, lens, ends, block_c=block_c,
                                   tiles=tiles, **kw)
         assert torch.equal(other[0], base[0]) and torch.equal(other[1], base[1]), (block_c, tiles)
 
@@ -329,14 +330,14 @@ def test_query_stride_matches_reference(query_stride, n_stream):
     query), and the stride changes some scores (the subsample is really used)."""
     seqs, q, (q_start, lens, ends, tables) = setup(6, 2, 16, 4, [13, 20], 8, seed=21, dyadic=True)
     kw = dict(chunk_size=4, n_sink=N_SINK, n_stream=n_stream)
-    scores, reps = select_rep_scores(q, seqs.k_cache, tables, q_start, lens, ends, block_q=8,
+    scores, reps = select_rep_scores(q, seqs.paged, tables, q_start, lens, ends, block_q=8,
                                      store_reps=True, query_stride=query_stride, **kw)
     ref_scores, ref_reps, _ = select_rep_scores_ref(q, seqs.k_cache, tables, q_start, lens, ends,
                                                     query_stride=query_stride, **kw)
     assert torch.equal(scores.double().cpu(), ref_scores) and torch.equal(reps.cpu(), ref_reps)
-    full, _ = select_rep_scores(q, seqs.k_cache, tables, q_start, lens, ends, block_q=8, **kw)
+    full, _ = select_rep_scores(q, seqs.paged, tables, q_start, lens, ends, block_q=8, **kw)
     assert not torch.equal(scores, full)
-    sel, n = pruning_stage(q, seqs.k_cache, tables, q_start, lens, ends, block_q=8, k=8,
+    sel, n = pruning_stage(q, seqs.paged, tables, q_start, lens, ends, block_q=8, k=8,
                            query_stride=query_stride, **kw)
     ref_sel, ref_n = pruning_stage_ref(q, seqs.k_cache, tables, q_start, lens, ends, k=8,
                                        query_stride=query_stride, **kw)
@@ -349,7 +350,7 @@ def test_query_stride_with_relative_rope_matches_reference():
     seqs, q, (q_start, lens, ends, tables) = setup(Hq, Hkv, D, 16, [13, 20], 8, seed=6, dyadic=False)
     kw = dict(chunk_size=8, n_sink=N_SINK, n_stream=N_STREAM, rope_style="relative", inv_freq=inv_freq(D),
               query_stride=4)
-    scores, reps = select_rep_scores(q, seqs.k_cache, tables, q_start, lens, ends, block_q=8,
+    scores, reps = select_rep_scores(q, seqs.paged, tables, q_start, lens, ends, block_q=8,
                                      store_reps=True, **kw)
     ref_scores, ref_reps, margins = select_rep_scores_ref(q, seqs.k_cache, tables, q_start, lens, ends, **kw)
     assert torch.allclose(scores.double().cpu(), ref_scores, rtol=1e-5, atol=1e-5)
@@ -381,7 +382,7 @@ def test_head_normalized_scores_match_reference_and_rescue_a_quiet_head():
     raw max (the paper's score) drops."""
     seqs, q, (q_start, lens, ends, tables) = setup(4, 2, 16, 4, [1, 1], 1, seed=5, dyadic=True)
     kw = dict(chunk_size=4, n_sink=N_SINK, n_stream=N_STREAM)
-    got, _ = select_rep_scores(q, seqs.k_cache, tables, q_start, lens, ends, block_q=1, head_normalized=True, **kw)
+    got, _ = select_rep_scores(q, seqs.paged, tables, q_start, lens, ends, block_q=1, head_normalized=True, **kw)
     ref, _, _ = select_rep_scores_ref(q, seqs.k_cache, tables, q_start, lens, ends, head_normalized=True,
                                       max_candidates=got.shape[1] * 4, **kw)
     assert torch.equal(got.double().cpu()[:, :ref.shape[1]], ref)
@@ -401,7 +402,7 @@ def test_head_normalized_scores_match_reference_and_rescue_a_quiet_head():
     qq[0, 2:, 1] = 1.0  # q heads 2-3 -> kv head 1
     one = torch.ones(1, dtype=torch.int32, device=DEVICE)
     e = torch.tensor([ctx], dtype=torch.int32, device=DEVICE)
-    args = (qq, k_cache, table, one * 0, one, e)
+    args = (qq, PagedKV(k_cache, None), table, one * 0, one, e)
     for normalized, want in ((False, False), (True, True)):
         sel, n = pruning_stage(*args, chunk_size=4, k=8, block_q=1, n_sink=N_SINK, n_stream=N_STREAM,
                                head_normalized=normalized)
@@ -430,10 +431,10 @@ def test_fp8_select_rep_matches_dequantized(rope_style, raw, block_q, q_lens, ex
     raw_keys = None
     if raw:
         seq = plan_query_blocks(q_lens, seqs.context_lens.tolist(), block_q, DEVICE)[3]
-        raw_keys = unrotate_keys(fp8.k_cache, seqs.block_tables, seqs.context_lens.tolist(), freq, seq.long(),
-                                 k_scale=fp8.k_scale, dtype=q.dtype)
-    scores, reps = select_rep_scores(q, fp8.k_cache, tables, q_start, lens, ends, cand, cand_lens, block_q=block_q,
-                                     store_reps=True, raw_keys=raw_keys, k_scale=fp8.k_scale, **kw)
+        raw_keys = unrotate_keys(fp8.paged, seqs.block_tables, seqs.context_lens.tolist(), freq, seq.long(),
+                                 dtype=q.dtype)
+    scores, reps = select_rep_scores(q, fp8.paged, tables, q_start, lens, ends, cand, cand_lens, block_q=block_q,
+                                     store_reps=True, raw_keys=raw_keys, **kw)
     width = None if explicit else scores.shape[1] * 8
     ref_scores, ref_reps, margins = select_rep_scores_ref(q, seqs.k_cache, tables, q_start, lens, ends, cand,
                                                           cand_lens, max_candidates=width, **kw)
@@ -445,13 +446,12 @@ def test_fp8_select_rep_matches_dequantized(rope_style, raw, block_q, q_lens, ex
     clear = margins > 1e-4
     assert clear.float().mean() > 0.9 and torch.equal(reps.cpu()[..., :ref_reps.shape[2]][clear], ref_reps[clear])
     if rope_style == "none":
-        plain = select_rep_scores(q, seqs.k_cache, tables, q_start, lens, ends, cand, cand_lens, block_q=block_q,
+        plain = select_rep_scores(q, seqs.paged, tables, q_start, lens, ends, cand, cand_lens, block_q=block_q,
                                   store_reps=True, **kw)
         assert torch.equal(scores, plain[0]) and torch.equal(reps, plain[1])
         stage = dict(chunk_size=8, k=24, block_q=block_q, n_sink=N_SINK, n_stream=N_STREAM)
-        got = pruning_stage(q, fp8.k_cache, tables, q_start, lens, ends, cand, cand_lens, k_scale=fp8.k_scale,
-                            **stage)
-        want = pruning_stage(q, seqs.k_cache, tables, q_start, lens, ends, cand, cand_lens, **stage)
+        got = pruning_stage(q, fp8.paged, tables, q_start, lens, ends, cand, cand_lens, **stage)
+        want = pruning_stage(q, seqs.paged, tables, q_start, lens, ends, cand, cand_lens, **stage)
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
@@ -464,9 +464,8 @@ def test_fp8_unrotate_keys_dequantizes():
     seq = plan_query_blocks([5, 9], seqs.context_lens.tolist(), 4, DEVICE)[3].long()
     want = torch.cat([rotate_by_ref(k.cpu(), -torch.arange(k.shape[0]), freq.cpu()) for k in seqs.keys])
     for dtype, tol in ((torch.float32, 2e-5), (torch.bfloat16, 1e-2)):
-        raw = unrotate_keys(fp8.k_cache, seqs.block_tables, seqs.context_lens.tolist(), freq, seq,
-                            k_scale=fp8.k_scale, dtype=dtype)
+        raw = unrotate_keys(fp8.paged, seqs.block_tables, seqs.context_lens.tolist(), freq, seq, dtype=dtype)
         assert raw.keys.dtype == dtype and raw.block_base.tolist() == [0, 0, 37, 37, 37]
         assert torch.allclose(raw.keys.double().cpu(), want, atol=tol, rtol=tol)
     with pytest.raises(AssertionError, match="needs dtype="):
-        unrotate_keys(fp8.k_cache, seqs.block_tables, seqs.context_lens.tolist(), freq, seq, k_scale=fp8.k_scale)
+        unrotate_keys(fp8.paged, seqs.block_tables, seqs.context_lens.tolist(), freq, seq)

@@ -51,7 +51,7 @@ def test_pruning_chain_recovers_planted_needles():
     q_start, lens, ends, tables = seqs.blocks([1], 1)
     sel = n = None
     for chunk_size, k in ((32, 256), (8, 64), (4, 16)):
-        sel, n = pruning_stage(q, seqs.k_cache, tables, q_start, lens, ends, sel, n, chunk_size=chunk_size,
+        sel, n = pruning_stage(q, seqs.paged, tables, q_start, lens, ends, sel, n, chunk_size=chunk_size,
                                k=k, block_q=1, n_sink=n_sink, n_stream=n_stream)
     kept = set(sel[0, :int(n[0])].tolist())
     assert kept == {t for start in NEEDLES for t in range(start, start + 4)}

@@ -136,6 +136,7 @@ def test_raw_keys_in_prefill_under_interpreter(engines, monkeypatch):
     prune from keys un-rotated once per layer (unrotate_keys called), and generate the same
     tokens as re-rotating every loaded key in-kernel (threshold raised: no raw keys)."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(sparse_plan, "RAW_KEYS_MIN_BLOCKS", 8)  # tiny blocks: 66 tokens are 9
     prompts, params = [PROMPTS[2][:66]], SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     knobs = dict(LOW, rope_off_in_trained_window=False)
     made = []
@@ -160,6 +161,7 @@ def test_fp8_cache_kernels_equal_references_in_the_runtime(engines, monkeypatch)
     keys (a 66-token prefill has >= RAW_KEYS_MIN_BLOCKS blocks) and the rotated key bank give the
     torch references' tokens; covering sets give fp8 dense's."""
     prompts, params = [PROMPTS[2][:66]], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    monkeypatch.setattr(sparse_plan, "RAW_KEYS_MIN_BLOCKS", 8)  # tiny blocks: 66 tokens are 9
     knobs = dict(LOW, rope_off_in_trained_window=False)
     made, banked = [], []
     real, real_bank = sa.unrotate_keys, sa.write_key_bank
@@ -198,6 +200,7 @@ def test_plugins_dispatch_to_torch_on_cpu(monkeypatch):
     import torch
 
     from infhip.plugins.infinitehip import plan_query_blocks, pruning_stage, sparse_prefill_attention
+    from infhip.plugins.paged_kv import PagedKV
     g = torch.Generator().manual_seed(0)
     page, Hq, Hkv, D = 8, 4, 2, 16
     kc, vc = (torch.randn(12, page, Hkv, D, generator=g) for _ in range(2))
@@ -208,9 +211,10 @@ def test_plugins_dispatch_to_torch_on_cpu(monkeypatch):
     kw = dict(n_sink=4, n_stream=8)
 
     def run():
-        sel, n = pruning_stage(q, kc, tables, q_start, q_lens, ends, chunk_size=4, k=16, block_q=8, **kw)
+        sel, n = pruning_stage(q, PagedKV(kc, vc), tables, q_start, q_lens, ends, chunk_size=4, k=16, block_q=8, **kw)
         out = torch.full_like(q, 7.0)
-        sparse_prefill_attention(q, kc, vc, tables, q_start, q_lens, ends, sel, block_q=8, scale=0.25, out=out, **kw)
+        sparse_prefill_attention(q, PagedKV(kc, vc), tables, q_start, q_lens, ends, sel, block_q=8, scale=0.25,
+                                 out=out, **kw)
         return sel, n, out
 
     interpreted = run()

@@ -11,6 +11,7 @@ from infhip.builder.presets import infinitehip_config
 from infhip.runtime.mask_cache import MaskSlots, refresh_from, refresh_schedule
 from infhip.runtime.sampling_params import SamplingParams
 from infhip.runtime.sequence import Sequence, SequenceStatus
+from infhip.runtime.attention import sparse_plan
 from infhip.runtime.attention.sparse_plan import SparseGraphKey, SparsePlanner
 
 
@@ -95,9 +96,10 @@ def test_planner_decisions():
     assert step.prefill_ends.tolist() == [68, 70] and step.prefill_seqs.tolist() == [0, 0]
 
 
-def test_raw_keys_decision():
+def test_raw_keys_decision(monkeypatch):
     """Raw keys only with dynamic RoPE, enough query blocks, and sparse prefill contexts that sum
     to at most raw_keys_max_tokens (the scratch the runner reserved)."""
+    monkeypatch.setattr(sparse_plan, "RAW_KEYS_MIN_BLOCKS", 8)  # tiny blocks: the threshold at 8
     cfg = infinitehip_config("3k", dict(n_sink=4, n_stream=8, stages=[(8, 4, 32), (8, 2, 16), (8, 1, 8)],
                                         special_final_k=16, dense_threshold=50))
     tensor = lambda v, t: torch.tensor(v, dtype=t)  # noqa: E731

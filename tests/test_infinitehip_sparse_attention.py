@@ -11,8 +11,9 @@ from infhip.plugins.dense_attention import dense_attention_ref
 from infhip.plugins.infinitehip import (PAD, initial_candidates, pruning_stage, sparse_attention_ref,
                                         sparse_decode_attention, sparse_prefill_attention,
                                         stream_starts)
+from infhip.plugins.paged_kv import PagedKV
 
-from .test_infinitehip_common import DEVICE, PagedSeqs, inv_freq, quantize_seqs, rel_err
+from .test_infinitehip_common import DEVICE, PagedSeqs, inv_freq, paged_args, quantize_seqs, rel_err
 
 N_SINK = 4
 SHAPES = [(6, 2, 16, 4), (4, 4, 32, 16)]  # Hq, Hkv, D, page_size
@@ -46,7 +47,7 @@ def test_decode_matches_reference(Hq, Hkv, D, page_size, num_splits, rope_style)
     sel = random_selection(seqs.generator, seqs.context_lens, N_SINK, 8, k=24)
     args = (q, seqs.k_cache, seqs.v_cache, seqs.block_tables)
     opts = kw(8, rope_style=rope_style, inv_freq=inv_freq(D))
-    out = sparse_decode_attention(*args, seqs.context_lens, sel, num_splits=num_splits, block_n=16, **opts)
+    out = sparse_decode_attention(*paged_args(args), seqs.context_lens, sel, num_splits=num_splits, block_n=16, **opts)
     ones = torch.ones(3, dtype=torch.int32, device=DEVICE)
     ref = sparse_attention_ref(*args, torch.arange(3, dtype=torch.int32, device=DEVICE), ones,
                                seqs.context_lens, sel, **opts)
@@ -58,7 +59,7 @@ def test_decode_bf16_and_default_splits():
     q = torch.randn(2, 6, 64, generator=seqs.generator).to(torch.bfloat16).to(DEVICE)
     sel = random_selection(seqs.generator, seqs.context_lens, N_SINK, 16, k=40)
     args = (q, seqs.k_cache, seqs.v_cache, seqs.block_tables)
-    out = sparse_decode_attention(*args, seqs.context_lens, sel, **kw(16, scale=0.125))
+    out = sparse_decode_attention(*paged_args(args), seqs.context_lens, sel, **kw(16, scale=0.125))
     ref = sparse_attention_ref(*args, torch.arange(2, dtype=torch.int32, device=DEVICE),
                                torch.ones(2, dtype=torch.int32, device=DEVICE), seqs.context_lens, sel,
                                **kw(16, scale=0.125))
@@ -76,7 +77,7 @@ def test_streaming_rope_tiles_of_sink_and_of_stream_only(num_splits, rope_group)
     q = torch.randn(2, 6, D, generator=seqs.generator).to(DEVICE)
     sel = random_selection(seqs.generator, seqs.context_lens, n_sink, n_stream, k=30)
     args = (q, seqs.k_cache, seqs.v_cache, seqs.block_tables)
-    out = sparse_decode_attention(*args, seqs.context_lens, sel, num_splits=num_splits, block_n=16, rope_group=rope_group, **opts)
+    out = sparse_decode_attention(*paged_args(args), seqs.context_lens, sel, num_splits=num_splits, block_n=16, rope_group=rope_group, **opts)
     ref = sparse_attention_ref(*args, torch.arange(2, dtype=torch.int32, device=DEVICE),
                                torch.ones(2, dtype=torch.int32, device=DEVICE), seqs.context_lens, sel, **opts)
     assert rel_err(out, ref) < TOL[torch.float32]
@@ -84,7 +85,7 @@ def test_streaming_rope_tiles_of_sink_and_of_stream_only(num_splits, rope_group)
     qp = torch.randn(33, 6, D, generator=seqs.generator).to(DEVICE)
     sel = random_selection(seqs.generator, ends, n_sink, n_stream, k=30)
     pargs = (qp, seqs.k_cache, seqs.v_cache, tables, q_start, lens, ends, sel)
-    out = sparse_prefill_attention(*pargs, block_q=8, block_n=16, rope_group=rope_group, **opts)
+    out = sparse_prefill_attention(*paged_args(pargs), block_q=8, block_n=16, rope_group=rope_group, **opts)
     assert rel_err(out, sparse_attention_ref(*pargs, **opts)) < TOL[torch.float32]
 
 
@@ -120,14 +121,14 @@ def test_streaming_rope_in_runs(selection):
     ref = sparse_attention_ref(*args, torch.arange(2, dtype=torch.int32, device=DEVICE),
                                torch.ones(2, dtype=torch.int32, device=DEVICE), seqs.context_lens, sel, **opts)
     for prefetch in (False, True):  # split-K with tiles loaded one ahead (a split's last tile too)
-        out = sparse_decode_attention(*args, seqs.context_lens, sel, num_splits=2, block_n=16, rope_group=group,
+        out = sparse_decode_attention(*paged_args(args), seqs.context_lens, sel, num_splits=2, block_n=16, rope_group=group,
                                       prefetch=prefetch, **opts)
         assert rel_err(out, ref) < TOL[torch.float32], prefetch
     q_start, lens, ends, tables = seqs.blocks([13, 20], 8)
     qp = torch.randn(33, 6, D, generator=seqs.generator).to(DEVICE)
     sel = select(ends)
     pargs = (qp, seqs.k_cache, seqs.v_cache, tables, q_start, lens, ends, sel)
-    out = sparse_prefill_attention(*pargs, block_q=8, block_n=16, rope_group=group, **opts)
+    out = sparse_prefill_attention(*paged_args(pargs), block_q=8, block_n=16, rope_group=group, **opts)
     assert rel_err(out, sparse_attention_ref(*pargs, **opts)) < TOL[torch.float32]
 
 
@@ -146,7 +147,7 @@ def test_prefill_matches_reference(Hq, Hkv, D, page_size, block_q, n_stream, q_l
     opts = kw(n_stream, rope_style=rope_style, inv_freq=inv_freq(D))
     ref = sparse_attention_ref(*args, **opts)
     for prefetch in (False, True):  # each tile's tokens and pages loaded one tile ahead
-        out = sparse_prefill_attention(*args, block_q=block_q, block_n=16, prefetch=prefetch, **opts)
+        out = sparse_prefill_attention(*paged_args(args), block_q=block_q, block_n=16, prefetch=prefetch, **opts)
         assert rel_err(out, ref) < TOL[torch.float32], prefetch
 
 
@@ -156,12 +157,12 @@ def test_prefill_last_query_equals_decode():
     seqs = PagedSeqs([97, 203], Hkv, D, 4, seed=21)
     q = torch.randn(33, Hq, D, generator=seqs.generator).to(DEVICE)
     q_start, lens, ends, tables = seqs.blocks([13, 20], block_q)
-    sel, _ = pruning_stage(q, seqs.k_cache, tables, q_start, lens, ends, chunk_size=4, k=16,
+    sel, _ = pruning_stage(q, seqs.paged, tables, q_start, lens, ends, chunk_size=4, k=16,
                            block_q=block_q, n_sink=N_SINK, n_stream=n_stream)
-    out = sparse_prefill_attention(q, seqs.k_cache, seqs.v_cache, tables, q_start, lens, ends, sel,
+    out = sparse_prefill_attention(q, seqs.paged, tables, q_start, lens, ends, sel,
                                    block_q=block_q, **kw(n_stream))
     last = (q_start + lens - 1).long()  # every block's last query
-    dec = sparse_decode_attention(q[last].contiguous(), seqs.k_cache, seqs.v_cache, tables, ends, sel,
+    dec = sparse_decode_attention(q[last].contiguous(), seqs.paged, tables, ends, sel,
                                   num_splits=3, block_n=16, **kw(n_stream))
     assert rel_err(dec, out[last]) < 1e-6
 
@@ -184,11 +185,11 @@ def test_full_selection_equals_dense(Hq, Hkv, D, page_size):
         row += q_lens[b]
     expected = torch.cat(expected)
     for style in ("none", "streaming"):
-        out = sparse_prefill_attention(*args, block_q=block_q, **kw(n_stream, rope_style=style,
+        out = sparse_prefill_attention(*paged_args(args), block_q=block_q, **kw(n_stream, rope_style=style,
                                                                      inv_freq=inv_freq(D)))
         assert rel_err(out, expected) < 1e-5
     last = (q_start + lens - 1).long()[[1, 4]]  # the two sequences' newest tokens
-    dec = sparse_decode_attention(q[last].contiguous(), seqs.k_cache, seqs.v_cache, seqs.block_tables,
+    dec = sparse_decode_attention(q[last].contiguous(), seqs.paged, seqs.block_tables,
                                   seqs.context_lens, sel[[1, 4]].contiguous(), **kw(n_stream))
     assert rel_err(dec, expected[last]) < 1e-5
 
@@ -205,7 +206,7 @@ def test_sink_and_stream_always_attended():
     for tok, strength in ((1, 20.0), (ctx - 3, 20.0), (50, 40.0)):  # sink, stream, middle
         seqs.k_cache[table[tok // 4], tok % 4, 0, 0] = strength
     sel = torch.full((1, 8), PAD, dtype=torch.int32, device=DEVICE)
-    out = sparse_decode_attention(q, seqs.k_cache, seqs.v_cache, seqs.block_tables, seqs.context_lens, sel,
+    out = sparse_decode_attention(q, seqs.paged, seqs.block_tables, seqs.context_lens, sel,
                                   **kw(n_stream, scale=1.0))
     v = seqs.values[0][:, 0]
     assert rel_err(out[0, 0], (v[1] + v[ctx - 3]) / 2) < 1e-4
@@ -234,11 +235,11 @@ def test_fp8_cache_decode_matches_dequantized(Hq, Hkv, D, page_size, rope_style)
     ref8 = sparse_attention_ref(q, fp8.k_cache, fp8.v_cache, seqs.block_tables, *blocks, **opts, **fp8.scales())
     assert torch.equal(ref8, ref)
     for num_splits, prefetch in ((1, False), (3, False), (3, True)):
-        out = sparse_decode_attention(q, fp8.k_cache, fp8.v_cache, seqs.block_tables, seqs.context_lens, sel,
-                                      num_splits=num_splits, block_n=16, prefetch=prefetch, **opts, **fp8.scales())
+        out = sparse_decode_attention(q, fp8.paged, seqs.block_tables, seqs.context_lens, sel,
+                                      num_splits=num_splits, block_n=16, prefetch=prefetch, **opts)
         assert out.dtype == q.dtype and rel_err(out, ref) < TOL[torch.float32], (num_splits, prefetch)
         if rope_style == "none":
-            plain = sparse_decode_attention(q, seqs.k_cache, seqs.v_cache, seqs.block_tables, seqs.context_lens,
+            plain = sparse_decode_attention(q, seqs.paged, seqs.block_tables, seqs.context_lens,
                                             sel, num_splits=num_splits, block_n=16, prefetch=prefetch, **opts)
             assert torch.equal(out, plain), (num_splits, prefetch)
 
@@ -258,11 +259,11 @@ def test_fp8_cache_prefill_matches_dequantized(Hq, Hkv, D, page_size, rope_style
     opts = kw(n_stream, rope_style=rope_style, inv_freq=inv_freq(D))
     ref = sparse_attention_ref(q, seqs.k_cache, seqs.v_cache, *blocks, **opts)
     for prefetch in (False, True):
-        out = sparse_prefill_attention(q, fp8.k_cache, fp8.v_cache, *blocks, block_q=block_q, block_n=16,
-                                       prefetch=prefetch, rope_group=rope_group, **opts, **fp8.scales())
+        out = sparse_prefill_attention(q, fp8.paged, *blocks, block_q=block_q, block_n=16,
+                                       prefetch=prefetch, rope_group=rope_group, **opts)
         assert rel_err(out, ref) < TOL[torch.float32], prefetch
         if rope_style == "none":
-            plain = sparse_prefill_attention(q, seqs.k_cache, seqs.v_cache, *blocks, block_q=block_q, block_n=16,
+            plain = sparse_prefill_attention(q, seqs.paged, *blocks, block_q=block_q, block_n=16,
                                              prefetch=prefetch, **opts)
             assert torch.equal(out, plain), prefetch
 
@@ -277,8 +278,8 @@ def test_fp8_cache_with_bf16_queries(rope_style):
     opts = kw(16, scale=0.125, rope_style=rope_style, inv_freq=inv_freq(D))
     q = torch.randn(2, 6, D, generator=seqs.generator).to(torch.bfloat16).to(DEVICE)
     sel = random_selection(seqs.generator, seqs.context_lens, N_SINK, 16, k=40)
-    out = sparse_decode_attention(q, fp8.k_cache, fp8.v_cache, seqs.block_tables, seqs.context_lens, sel,
-                                  **opts, **fp8.scales())
+    out = sparse_decode_attention(q, fp8.paged, seqs.block_tables, seqs.context_lens, sel,
+                                  **opts)
     ref = sparse_attention_ref(q, seqs.k_cache, seqs.v_cache, seqs.block_tables,
                                torch.arange(2, dtype=torch.int32, device=DEVICE),
                                torch.ones(2, dtype=torch.int32, device=DEVICE), seqs.context_lens, sel, **opts)
@@ -287,7 +288,7 @@ def test_fp8_cache_with_bf16_queries(rope_style):
     qp = torch.randn(33, 6, D, generator=seqs.generator).to(torch.bfloat16).to(DEVICE)
     sel = random_selection(seqs.generator, ends, N_SINK, 16, k=30)
     blocks = (tables, q_start, lens, ends, sel)
-    out = sparse_prefill_attention(qp, fp8.k_cache, fp8.v_cache, *blocks, block_q=16, **opts, **fp8.scales())
+    out = sparse_prefill_attention(qp, fp8.paged, *blocks, block_q=16, **opts)
     ref = sparse_attention_ref(qp, seqs.k_cache, seqs.v_cache, *blocks, **opts)
     assert out.dtype == torch.bfloat16 and rel_err(out, ref) < TOL[torch.bfloat16]
 
@@ -298,7 +299,8 @@ def test_fp8_cache_needs_its_scales():
     q = torch.randn(1, 6, 16, generator=seqs.generator).to(DEVICE)
     sel = random_selection(seqs.generator, seqs.context_lens, N_SINK, 8, k=8)
     with pytest.raises(AssertionError, match="needs its k_scale"):
-        sparse_decode_attention(q, fp8.k_cache, fp8.v_cache, seqs.block_tables, seqs.context_lens, sel, **kw(8))
+        sparse_decode_attention(q, PagedKV(fp8.k_cache, fp8.v_cache), seqs.block_tables, seqs.context_lens, sel,
+                                **kw(8))
     with pytest.raises(AssertionError, match="scales are for fp8"):
-        sparse_decode_attention(q, seqs.k_cache, seqs.v_cache, seqs.block_tables, seqs.context_lens, sel,
-                                **kw(8), **fp8.scales())
+        sparse_decode_attention(q, PagedKV(seqs.k_cache, seqs.v_cache, fp8.k_scale, fp8.v_scale),
+                                seqs.block_tables, seqs.context_lens, sel, **kw(8))

@@ -9,6 +9,7 @@ import triton
 import triton.language as tl
 
 from infhip.plugins.kv_offload import HostKV, copy_pages, host_page, merged_pool, offload_deltas, page_offset
+from infhip.plugins.paged_kv import PagedKV
 from infhip.plugins.kv_quant import FP8_DTYPE, new_kv_scales
 
 from ._offload import offload_pages
@@ -95,7 +96,7 @@ def test_copy_pages_moves_pages_both_ways(fp8, interpreter, monkeypatch):
     k0, v0 = k.clone(), v.clone()
     src = torch.tensor([3, 1, 5], dtype=torch.int32, device=DEVICE)
     dst = torch.tensor([host_page(2), host_page(0), host_page(3)], dtype=torch.int32, device=DEVICE)
-    copy_pages(k, v, ks, vs, src, dst, host)
+    copy_pages(PagedKV(k, v, ks, vs, host), src, dst)
     for s, h in ((3, 2), (1, 0), (5, 3)):
         assert torch.equal(host.k[h].view(torch.uint8), k0[s].cpu().view(torch.uint8))
         assert torch.equal(host.v[h].view(torch.uint8), v0[s].cpu().view(torch.uint8))
@@ -103,6 +104,6 @@ def test_copy_pages_moves_pages_both_ways(fp8, interpreter, monkeypatch):
             assert torch.equal(host.k_scale[h], ks[s].cpu()) and torch.equal(host.v_scale[h], vs[s].cpu())
     assert not host.k[1].view(torch.uint8).any(), "host page 1 was not a destination"
     back = torch.tensor([4], dtype=torch.int32, device=DEVICE)
-    copy_pages(k, v, ks, vs, torch.tensor([host_page(0)], dtype=torch.int32, device=DEVICE), back, host)
+    copy_pages(PagedKV(k, v, ks, vs, host), torch.tensor([host_page(0)], dtype=torch.int32, device=DEVICE), back)
     assert torch.equal(k[4].view(torch.uint8), k0[1].view(torch.uint8))
     assert torch.equal(k[:4].view(torch.uint8), k0[:4].view(torch.uint8))

@@ -13,6 +13,7 @@ import torch
 from infhip.plugins.infinitehip import (plan_query_blocks, pruning_stage, pruning_stage_ref, write_key_bank,
                                         write_key_bank_ref)
 from infhip.plugins.infinitehip.raw_keys import unrotate_keys
+from infhip.plugins.paged_kv import PagedKV
 
 from ._offload import offload_pages
 from .test_infinitehip_common import DEVICE, PagedSeqs, inv_freq, kv_caches, random_rows
@@ -40,12 +41,13 @@ def assert_same(a, b):
     torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
 
 
-def two_stages(stage, q, k_cache, tables, q_start, lens, ends, **kw):
+def two_stages(stage, q, cache, tables, q_start, lens, ends, **kw):
     """Stage 1 over the whole middle (implicit candidates), then a stage over its survivors
-    (explicit candidates): (sel1, n1, sel2, n2)."""
-    first = stage(q, k_cache, tables, q_start, lens, ends, chunk_size=8, k=24, n_sink=N_SINK, n_stream=N_STREAM,
+    (explicit candidates): (sel1, n1, sel2, n2). cache: the launcher's PagedKV, the reference's
+    k_cache."""
+    first = stage(q, cache, tables, q_start, lens, ends, chunk_size=8, k=24, n_sink=N_SINK, n_stream=N_STREAM,
                   **kw)
-    second = stage(q, k_cache, tables, q_start, lens, ends, *first, chunk_size=2, k=8, n_sink=N_SINK,
+    second = stage(q, cache, tables, q_start, lens, ends, *first, chunk_size=2, k=8, n_sink=N_SINK,
                    n_stream=N_STREAM, **kw)
     return (*first, *second)
 
@@ -59,16 +61,18 @@ def test_pruning_stage_reads_host_pages(block_q, q_lens, rope_style, fp8):
     seqs, k_cache, v_cache, k_scale, v_scale = make_cache(fp8, seed=block_q + 3 * fp8)
     q = random_rows(seqs.generator, (sum(q_lens), HQ, D)).to(DEVICE)
     q_start, lens, ends, seq = plan_query_blocks(q_lens, CONTEXTS, block_q, DEVICE)
-    kw = dict(rope_style=rope_style, inv_freq=inv_freq(D), k_scale=k_scale)
+    kw = dict(rope_style=rope_style, inv_freq=inv_freq(D))
+    kv = PagedKV(k_cache, v_cache, k_scale, v_scale)
     tables = seqs.block_tables[seq.long()]
-    want = two_stages(pruning_stage, q, k_cache, tables, q_start, lens, ends, block_q=block_q, **kw)
-    want_ref = two_stages(pruning_stage_ref, q, k_cache, tables, q_start, lens, ends, **kw)
+    want = two_stages(pruning_stage, q, kv, tables, q_start, lens, ends, block_q=block_q, **kw)
+    want_ref = two_stages(pruning_stage_ref, q, k_cache, tables, q_start, lens, ends, k_scale=k_scale, **kw)
     assert (want[3] > 0).all()
 
     host, seq_tables = offload(seqs, k_cache, v_cache, k_scale, v_scale)
     tables = seq_tables[seq.long()]
-    got = two_stages(pruning_stage, q, k_cache, tables, q_start, lens, ends, block_q=block_q, offload=host, **kw)
-    got_ref = two_stages(pruning_stage_ref, q, k_cache, tables, q_start, lens, ends, offload=host, **kw)
+    got = two_stages(pruning_stage, q, kv.with_host(host), tables, q_start, lens, ends, block_q=block_q, **kw)
+    got_ref = two_stages(pruning_stage_ref, q, k_cache, tables, q_start, lens, ends, offload=host, k_scale=k_scale,
+                         **kw)
     for a, b in zip(got + got_ref, want + want_ref):
         assert torch.equal(a, b)
 
@@ -80,13 +84,13 @@ def test_unrotate_keys_reads_host_pages(fp8, monkeypatch):
     seqs, k_cache, v_cache, k_scale, v_scale = make_cache(fp8, seed=5 + fp8)
     freq, lens = inv_freq(D), CONTEXTS
     q_start, q_lens, ends, seq = plan_query_blocks([5, 11], lens, 8, DEVICE)
-    kw = dict(k_scale=k_scale, dtype=torch.float32)
+    kv = PagedKV(k_cache, v_cache, k_scale, v_scale)
 
     def both_paths(tables, host=None):
-        raw = unrotate_keys(k_cache, tables, lens, freq, seq.long(), offload=host, **kw)
+        raw = unrotate_keys(kv.with_host(host), tables, lens, freq, seq.long(), dtype=torch.float32)
         with monkeypatch.context() as m:
             m.setenv("TRITON_INTERPRET", "0")  # CPU without the interpreter: the torch path
-            raw_torch = unrotate_keys(k_cache, tables, lens, freq, seq.long(), offload=host, **kw)
+            raw_torch = unrotate_keys(kv.with_host(host), tables, lens, freq, seq.long(), dtype=torch.float32)
         return raw, raw_torch
 
     want, want_torch = both_paths(seqs.block_tables)
@@ -98,9 +102,9 @@ def test_unrotate_keys_reads_host_pages(fp8, monkeypatch):
 
     q = random_rows(seqs.generator, (16, HQ, D)).to(DEVICE)
     stage = dict(chunk_size=4, k=16, block_q=8, n_sink=N_SINK, n_stream=N_STREAM, rope_style="relative",
-                 inv_freq=freq, k_scale=k_scale)
-    a = pruning_stage(q, k_cache, seqs.block_tables[seq.long()], q_start, q_lens, ends, raw_keys=want, **stage)
-    b = pruning_stage(q, k_cache, tables[seq.long()], q_start, q_lens, ends, raw_keys=got, offload=host, **stage)
+                 inv_freq=freq)
+    a = pruning_stage(q, kv, seqs.block_tables[seq.long()], q_start, q_lens, ends, raw_keys=want, **stage)
+    b = pruning_stage(q, kv.with_host(host), tables[seq.long()], q_start, q_lens, ends, raw_keys=got, **stage)
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
 
 
@@ -112,13 +116,14 @@ def test_write_key_bank_reads_host_pages(fp8):
     ends = seqs.context_lens
     sel = random_selection(seqs.generator, ends, N_SINK, N_STREAM, k=21)
     rows = torch.tensor([1, 0], dtype=torch.int32, device=DEVICE)
-    kw = dict(n_sink=N_SINK, inv_freq=inv_freq(D), k_scale=k_scale)
+    kw = dict(n_sink=N_SINK, inv_freq=inv_freq(D))
+    kv = PagedKV(k_cache, v_cache, k_scale, v_scale)
 
     def banks(tables, host=None):
         bank = torch.full((2, sel.shape[1], HKV, D), float("nan"), device=DEVICE)
         ref = bank.clone()
-        write_key_bank(k_cache, tables, ends, sel, bank, rows, rope_group=2, offload=host, **kw)
-        write_key_bank_ref(k_cache, tables, ends, sel, ref, rows, offload=host, **kw)
+        write_key_bank(kv.with_host(host), tables, ends, sel, bank, rows, rope_group=2, **kw)
+        write_key_bank_ref(k_cache, tables, ends, sel, ref, rows, offload=host, k_scale=k_scale, **kw)
         return bank, ref
 
     want, want_ref = banks(seqs.block_tables)

@@ -15,6 +15,7 @@ import torch
 from infhip.plugins.infinitehip import (sparse_attention_ref, sparse_decode_attention, sparse_prefill_attention,
                                         write_key_bank)
 from infhip.plugins.kv_offload import offload_deltas
+from infhip.plugins.paged_kv import PagedKV
 
 from ._offload import offload_pages
 from .test_infinitehip_common import DEVICE, PagedSeqs, inv_freq, kv_caches
@@ -57,22 +58,23 @@ def test_decode_reads_host_pages(num_splits, rope_style, bank, fp8):
     sel = (run_selection(seqs.generator, ends, N_SINK, n_stream, runs=7, run_len=4) if bank
            else random_selection(seqs.generator, ends, N_SINK, n_stream, k=24))
     q = torch.randn(3, 6, D, generator=seqs.generator).to(DEVICE)
-    opts = dict(n_sink=N_SINK, n_stream=n_stream, scale=0.3, rope_style=rope_style, inv_freq=inv_freq(D), **scales)
+    kv = PagedKV(k_cache, v_cache, **scales)
+    opts = dict(n_sink=N_SINK, n_stream=n_stream, scale=0.3, rope_style=rope_style, inv_freq=inv_freq(D))
     if bank:
         rows = torch.tensor([2, 0, 1], dtype=torch.int32, device=DEVICE)
         opts.update(bank_rows=rows, bank=torch.full((3, sel.shape[1], 2, D), float("nan"), device=DEVICE))
-        write_key_bank(k_cache, seqs.block_tables, ends, sel, opts["bank"], rows, n_sink=N_SINK,
-                       inv_freq=inv_freq(D), rope_group=4, k_scale=scales.get("k_scale"))
+        write_key_bank(kv, seqs.block_tables, ends, sel, opts["bank"], rows, n_sink=N_SINK,
+                       inv_freq=inv_freq(D), rope_group=4)
     run = dict(num_splits=num_splits, block_n=16, prefetch=num_splits > 1, rope_group=4 if bank else 1)
-    expected = sparse_decode_attention(q, k_cache, v_cache, seqs.block_tables, ends, sel, **run, **opts)
+    expected = sparse_decode_attention(q, kv, seqs.block_tables, ends, sel, **run, **opts)
     blocks = (torch.arange(3, dtype=torch.int32, device=DEVICE), torch.ones(3, dtype=torch.int32, device=DEVICE),
               ends, sel)
-    ref_opts = {k: v for k, v in opts.items() if k not in ("bank", "bank_rows")}
+    ref_opts = {k: v for k, v in opts.items() if k not in ("bank", "bank_rows")} | scales
     ref = sparse_attention_ref(q, k_cache, v_cache, seqs.block_tables, *blocks, **ref_opts)
     assert not expected.isnan().any()
 
     host, tables = offload(k_cache, v_cache, seqs.block_tables, scales)
-    out = sparse_decode_attention(q, k_cache, v_cache, tables, ends, sel, offload=host, **run, **opts)
+    out = sparse_decode_attention(q, kv.with_host(host), tables, ends, sel, **run, **opts)
     assert torch.equal(out, expected)
     assert torch.equal(sparse_attention_ref(q, k_cache, v_cache, tables, *blocks, offload=host, **ref_opts), ref)
 
@@ -87,16 +89,18 @@ def test_prefill_reads_host_pages(rope_style, fp8):
     q = torch.randn(33, 6, D, generator=seqs.generator).to(DEVICE)
     q_start, lens, ends, tables = seqs.blocks([13, 20], block_q)
     sel = random_selection(seqs.generator, ends, N_SINK, n_stream, k=20)
-    opts = dict(n_sink=N_SINK, n_stream=n_stream, scale=0.3, rope_style=rope_style, inv_freq=inv_freq(D), **scales)
+    opts = dict(n_sink=N_SINK, n_stream=n_stream, scale=0.3, rope_style=rope_style, inv_freq=inv_freq(D))
+    kv = PagedKV(k_cache, v_cache, **scales)
     blocks = (q_start, lens, ends, sel)
-    expected = {p: sparse_prefill_attention(q, k_cache, v_cache, tables, *blocks, block_q=block_q, block_n=16,
+    expected = {p: sparse_prefill_attention(q, kv, tables, *blocks, block_q=block_q, block_n=16,
                                             prefetch=p, **opts) for p in (False, True)}
-    ref = sparse_attention_ref(q, k_cache, v_cache, tables, *blocks, **opts)
+    ref = sparse_attention_ref(q, k_cache, v_cache, tables, *blocks, **opts, **scales)
     assert not expected[True].isnan().any()
 
     host, host_tables = offload(k_cache, v_cache, tables, scales)
     for prefetch in (False, True):
-        out = sparse_prefill_attention(q, k_cache, v_cache, host_tables, *blocks, block_q=block_q, block_n=16,
-                                       prefetch=prefetch, offload=host, **opts)
+        out = sparse_prefill_attention(q, kv.with_host(host), host_tables, *blocks, block_q=block_q, block_n=16,
+                                       prefetch=prefetch, **opts)
         assert torch.equal(out, expected[prefetch]), prefetch
-    assert torch.equal(sparse_attention_ref(q, k_cache, v_cache, host_tables, *blocks, offload=host, **opts), ref)
+    assert torch.equal(sparse_attention_ref(q, k_cache, v_cache, host_tables, *blocks, offload=host, **opts,
+                                            **scales), ref)

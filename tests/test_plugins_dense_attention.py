@@ -11,6 +11,7 @@ import torch
 
 from infhip.plugins import dense_attention
 from infhip.plugins.kv_quant import FP8_DTYPE, dequantize_rows, quantize_rows
+from infhip.plugins.paged_kv import PagedKV
 from infhip.plugins.dense_attention import (
     gather_kv, choose_num_splits, dense_attention_ref, paged_decode_attention, paged_decode_attention_ref,
     paged_decode_attention_triton, paged_prefill_attention,
@@ -25,7 +26,7 @@ def rel_err(a, b):
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
-class PagedKV:
+class PagedSeqs:
     """Random sequences scattered over a shuffled page pool. Unused slots, the null page
     and released (out-of-window) pages hold NaN, so any read of them poisons the output."""
 
@@ -56,6 +57,7 @@ class PagedKV:
         self.k_cache, self.v_cache = self.k_cache.to(DEVICE), self.v_cache.to(DEVICE)
         self.block_tables = self.block_tables.to(DEVICE)
         self.context_lens = torch.tensor(contexts, dtype=torch.int32, device=DEVICE)
+        self.paged = PagedKV(self.k_cache, self.v_cache)  # what the launchers take
 
 
 def decode_expected(q, kv, contexts, scale, window):
@@ -84,11 +86,11 @@ DECODE_CASES = [
 def test_decode_triton_vs_reference(Hq, Hkv, D, page_size, dtype, block_n, window, num_splits):
     contexts = [1, 5, 37, 0, 70]  # 0 = padded batch slot (CUDA graphs)
     release = [max(0, c - window) for c in contexts] if window else None
-    kv = PagedKV(contexts, Hkv, D, page_size, dtype, seed=10 + Hq + page_size, release_before=release)
+    kv = PagedSeqs(contexts, Hkv, D, page_size, dtype, seed=10 + Hq + page_size, release_before=release)
     q = torch.randn(len(contexts), Hq, D, generator=torch.Generator().manual_seed(1)).to(dtype).to(DEVICE)
     scale = D ** -0.5
     expected = decode_expected(q, kv, contexts, scale, window)
-    got = paged_decode_attention_triton(q, kv.k_cache, kv.v_cache, kv.block_tables, kv.context_lens, scale,
+    got = paged_decode_attention_triton(q, kv.paged, kv.block_tables, kv.context_lens, scale,
                                         window=window, num_splits=num_splits, block_n=block_n)
     assert got.shape == q.shape and got.dtype == dtype
     assert torch.isfinite(got).all(), "read a NaN page: masked/released memory was touched"
@@ -103,15 +105,15 @@ def test_decode_triton_vs_reference(Hq, Hkv, D, page_size, dtype, block_n, windo
 
 def test_decode_writes_into_out_and_default_splits():
     contexts = [37, 70]
-    kv = PagedKV(contexts, 2, 16, 4, torch.float32, seed=3)
+    kv = PagedSeqs(contexts, 2, 16, 4, torch.float32, seed=3)
     q = torch.randn(2, 6, 16, generator=torch.Generator().manual_seed(2)).to(DEVICE)
     out = torch.full_like(q, 7.0)
-    res = paged_decode_attention(q, kv.k_cache, kv.v_cache, kv.block_tables, kv.context_lens, 0.3, out=out)
+    res = paged_decode_attention(q, kv.paged, kv.block_tables, kv.context_lens, 0.3, out=out)
     assert res.data_ptr() == out.data_ptr()
     expected = decode_expected(q, kv, contexts, 0.3, None)
     assert rel_err(out, expected) < TOL[torch.float32]
     if DEVICE == "cpu":  # also exercise the launcher's own split choice in the interpreter
-        got = paged_decode_attention_triton(q, kv.k_cache, kv.v_cache, kv.block_tables, kv.context_lens, 0.3)
+        got = paged_decode_attention_triton(q, kv.paged, kv.block_tables, kv.context_lens, 0.3)
         assert rel_err(got, expected) < TOL[torch.float32]
 
 
@@ -133,12 +135,12 @@ def test_decode_max_len_bounds_the_split_count_not_the_result():
     from infhip.runtime.cuda_graphs import len_bucket
     assert [len_bucket(n) for n in (1, 512, 513, 8192, 8193)] == [512, 512, 2048, 8192, None]
     contexts = [37, 70]
-    kv = PagedKV(contexts, 2, 16, 4, torch.float32, seed=4)
+    kv = PagedSeqs(contexts, 2, 16, 4, torch.float32, seed=4)
     wide = torch.cat([kv.block_tables, torch.zeros(2, 200, dtype=torch.int32, device=kv.block_tables.device)], 1)
     q = torch.randn(2, 6, 16, generator=torch.Generator().manual_seed(5)).to(DEVICE)
     expected = decode_expected(q, kv, contexts, 0.3, None)
     for max_len in (None, 80, 512):
-        got = paged_decode_attention(q, kv.k_cache, kv.v_cache, wide.contiguous(), kv.context_lens, 0.3,
+        got = paged_decode_attention(q, kv.paged, wide.contiguous(), kv.context_lens, 0.3,
                                      max_len=max_len)
         assert rel_err(got, expected) < TOL[torch.float32]
 
@@ -171,14 +173,14 @@ def test_prefill_vs_reference_and_decode(Hq, Hkv, D, page_size, dtype, window, p
     contexts = [5, 37, 70, 9, 20]
     q_lens = [5, 10, 1, 3, 20]  # fresh prompt, chunked continuation, one token, ..., fresh
     release = [max(0, c - n - window + 1) for c, n in zip(contexts, q_lens)] if window else None
-    kv = PagedKV(contexts, Hkv, D, page_size, dtype, seed=20 + D, release_before=release)
+    kv = PagedSeqs(contexts, Hkv, D, page_size, dtype, seed=20 + D, release_before=release)
     q, cu = pack_queries(q_lens, Hq, D, dtype, seed=21)
     # fresh k/v rows for the packed queries (used by the no-gather fast path)
     k_new = torch.cat([kv.keys[b][c - n:] for b, (c, n) in enumerate(zip(contexts, q_lens))])
     v_new = torch.cat([kv.values[b][c - n:] for b, (c, n) in enumerate(zip(contexts, q_lens))])
     cu_t = torch.tensor(cu, dtype=torch.int32, device=DEVICE)
     scale = 0.7 * D ** -0.5
-    got = paged_prefill_attention(q, kv.k_cache, kv.v_cache, kv.block_tables, cu_t, kv.context_lens, scale,
+    got = paged_prefill_attention(q, kv.paged, kv.block_tables, cu_t, kv.context_lens, scale,
                                   window=window, k_new=k_new, v_new=v_new,
                                   cu_seqlens_q_list=cu if pass_lists else None,
                                   context_lens_list=contexts if pass_lists else None)
@@ -191,16 +193,16 @@ def test_prefill_vs_reference_and_decode(Hq, Hkv, D, page_size, dtype, window, p
 
     # decode of each sequence's last query == the last prefill row
     last = torch.tensor([c - 1 for c in cu[1:]], device=DEVICE)
-    dec = paged_decode_attention_triton(q[last].contiguous(), kv.k_cache, kv.v_cache, kv.block_tables,
+    dec = paged_decode_attention_triton(q[last].contiguous(), kv.paged, kv.block_tables,
                                         kv.context_lens, scale, window=window, num_splits=2, block_n=16)
     assert rel_err(dec, got[last]) < TOL[dtype]
 
 
 def test_prefill_gqa_without_k_new_gathers_from_cache():
     contexts, q_lens = [12, 33], [12, 4]
-    kv = PagedKV(contexts, 2, 16, 4, torch.float32, seed=5)
+    kv = PagedSeqs(contexts, 2, 16, 4, torch.float32, seed=5)
     q, cu = pack_queries(q_lens, 6, 16, torch.float32, seed=6)
-    got = paged_prefill_attention(q, kv.k_cache, kv.v_cache, kv.block_tables,
+    got = paged_prefill_attention(q, kv.paged, kv.block_tables,
                                   torch.tensor(cu, dtype=torch.int32, device=DEVICE), kv.context_lens, 0.25)
     for b, (ctx, n) in enumerate(zip(contexts, q_lens)):
         pos = torch.arange(ctx, device=DEVICE)
@@ -224,11 +226,11 @@ FP8_CLOSE = 5e-2  # fp8 attention against attention on the unquantized K / V (e4
 
 
 class QuantizedKV:
-    """The fp8 twin of a PagedKV: its caches quantized row by row (kv_quant.quantize_rows; the
+    """The fp8 twin of a PagedSeqs: its caches quantized row by row (kv_quant.quantize_rows; the
     NaN rows of unused slots and released pages stay NaN, scales too), and per sequence the
     keys / values as the cache holds them (dequantized, float32)."""
 
-    def __init__(self, kv: PagedKV):
+    def __init__(self, kv: PagedSeqs):
         self.k_cache, self.k_scale = quantize_rows(kv.k_cache)
         self.v_cache, self.v_scale = quantize_rows(kv.v_cache)
         assert self.k_cache.dtype == FP8_DTYPE and self.k_scale.is_contiguous()
@@ -236,6 +238,7 @@ class QuantizedKV:
         self.keys = [dequantize_rows(*quantize_rows(k), torch.float32) for k in kv.keys]
         self.values = [dequantize_rows(*quantize_rows(v), torch.float32) for v in kv.values]
         self.scales = dict(k_scale=self.k_scale, v_scale=self.v_scale)
+        self.paged = PagedKV(self.k_cache, self.v_cache, self.k_scale, self.v_scale)
 
 
 FP8_DECODE_CASES = [
@@ -255,14 +258,14 @@ def test_decode_fp8_cache(Hq, Hkv, D, page_size, dtype, block_n, window, num_spl
     the unquantized tests), and close to attention over the original K / V."""
     contexts = [1, 5, 37, 0, 70]
     release = [max(0, c - window) for c in contexts] if window else None
-    kv = PagedKV(contexts, Hkv, D, page_size, dtype, seed=30 + D + page_size, release_before=release)
+    kv = PagedSeqs(contexts, Hkv, D, page_size, dtype, seed=30 + D + page_size, release_before=release)
     fp8 = QuantizedKV(kv)
     q = torch.randn(len(contexts), Hq, D, generator=torch.Generator().manual_seed(2)).to(dtype).to(DEVICE)
     scale = D ** -0.5
     expected = decode_expected(q, fp8, contexts, scale, window)
     original = decode_expected(q, kv, contexts, scale, window)
-    got = paged_decode_attention_triton(q, fp8.k_cache, fp8.v_cache, fp8.block_tables, fp8.context_lens, scale,
-                                        window=window, num_splits=num_splits, block_n=block_n, **fp8.scales)
+    got = paged_decode_attention_triton(q, fp8.paged, fp8.block_tables, fp8.context_lens, scale,
+                                        window=window, num_splits=num_splits, block_n=block_n)
     assert got.shape == q.shape and got.dtype == dtype
     assert torch.isfinite(got).all(), "read a NaN row or scale: masked/released memory was touched"
     assert torch.equal(got[3], torch.zeros_like(got[3])), "padded slot must give zeros"
@@ -273,38 +276,38 @@ def test_decode_fp8_cache(Hq, Hkv, D, page_size, dtype, block_n, window, num_spl
                                            scale, window, **fp8.scales)
     assert torch_out.dtype == dtype and torch.equal(torch_out[3], torch.zeros_like(torch_out[3]))
     assert rel_err(torch_out, expected) < TOL[dtype]
-    public = paged_decode_attention(q, fp8.k_cache, fp8.v_cache, fp8.block_tables, fp8.context_lens, scale,
-                                    window, max_len=80, **fp8.scales)
+    public = paged_decode_attention(q, fp8.paged, fp8.block_tables, fp8.context_lens, scale,
+                                    window, max_len=80)
     assert rel_err(public, expected) < TOL[dtype]
 
 
 def test_decode_fp8_cache_validates_scales():
-    kv = PagedKV([9], 2, 16, 4, torch.float32, seed=6)
+    kv = PagedSeqs([9], 2, 16, 4, torch.float32, seed=6)
     fp8 = QuantizedKV(kv)
     q = torch.randn(1, 6, 16, device=DEVICE)
     with pytest.raises(AssertionError, match="needs its k_scale"):
-        paged_decode_attention_triton(q, fp8.k_cache, fp8.v_cache, fp8.block_tables, fp8.context_lens, 0.3)
+        paged_decode_attention_triton(q, PagedKV(fp8.k_cache, fp8.v_cache), fp8.block_tables, fp8.context_lens, 0.3)
     with pytest.raises(AssertionError, match="scales are for fp8"):
-        paged_decode_attention_triton(q, kv.k_cache, kv.v_cache, kv.block_tables, kv.context_lens, 0.3,
-                                      **fp8.scales)
+        paged_decode_attention_triton(q, PagedKV(kv.k_cache, kv.v_cache, fp8.k_scale, fp8.v_scale), kv.block_tables,
+                                      kv.context_lens, 0.3)
     with pytest.raises(AssertionError, match="dtypes must match"):  # unscaled: q and cache dtypes still match
-        paged_decode_attention_triton(q.bfloat16(), kv.k_cache, kv.v_cache, kv.block_tables, kv.context_lens, 0.3)
+        paged_decode_attention_triton(q.bfloat16(), kv.paged, kv.block_tables, kv.context_lens, 0.3)
 
 
 def test_gather_kv_fp8_dequantizes():
     """gather_kv (also used by runtime/token_drop.py): without scales it returns the cache's own
     rows as before; with them, rows dequantized to the requested dtype."""
     contexts = [37]
-    kv = PagedKV(contexts, 2, 16, 4, torch.float32, seed=7)
+    kv = PagedSeqs(contexts, 2, 16, 4, torch.float32, seed=7)
     fp8 = QuantizedKV(kv)
-    k, v = gather_kv(kv.k_cache, kv.v_cache, kv.block_tables[0], 3, 30)
+    k, v = gather_kv(kv.paged, kv.block_tables[0], 3, 30)
     assert k.dtype == torch.float32 and torch.equal(k, kv.keys[0][3:30]) and torch.equal(v, kv.values[0][3:30])
     for dtype in (torch.float32, torch.bfloat16):
-        k, v = gather_kv(fp8.k_cache, fp8.v_cache, fp8.block_tables[0], 3, 30, dtype=dtype, **fp8.scales)
+        k, v = gather_kv(fp8.paged, fp8.block_tables[0], 3, 30, dtype=dtype)
         assert k.dtype == dtype and k.shape == (27, 2, 16)
         assert torch.equal(k, fp8.keys[0][3:30].to(dtype)) and torch.equal(v, fp8.values[0][3:30].to(dtype))
     with pytest.raises(AssertionError, match="dtype"):
-        gather_kv(fp8.k_cache, fp8.v_cache, fp8.block_tables[0], 0, 5, **fp8.scales)
+        gather_kv(fp8.paged, fp8.block_tables[0], 0, 5)
 
 
 FP8_PREFILL_CASES = [
@@ -323,17 +326,17 @@ def test_prefill_fp8_cache(Hq, Hkv, D, page_size, dtype, window):
     contexts = [5, 37, 70, 9, 20]
     q_lens = [5, 10, 1, 3, 20]
     release = [max(0, c - n - window + 1) for c, n in zip(contexts, q_lens)] if window else None
-    kv = PagedKV(contexts, Hkv, D, page_size, dtype, seed=40 + D, release_before=release)
+    kv = PagedSeqs(contexts, Hkv, D, page_size, dtype, seed=40 + D, release_before=release)
     fp8 = QuantizedKV(kv)
     q, cu = pack_queries(q_lens, Hq, D, dtype, seed=41)
     k_new = torch.cat([kv.keys[b][c - n:] for b, (c, n) in enumerate(zip(contexts, q_lens))])
     v_new = torch.cat([kv.values[b][c - n:] for b, (c, n) in enumerate(zip(contexts, q_lens))])
     cu_t = torch.tensor(cu, dtype=torch.int32, device=DEVICE)
     scale = 0.7 * D ** -0.5
-    gathered = paged_prefill_attention(q, fp8.k_cache, fp8.v_cache, fp8.block_tables, cu_t, fp8.context_lens,
-                                       scale, window=window, **fp8.scales)
-    fast = paged_prefill_attention(q, fp8.k_cache, fp8.v_cache, fp8.block_tables, cu_t, fp8.context_lens,
-                                   scale, window=window, k_new=k_new, v_new=v_new, **fp8.scales)
+    gathered = paged_prefill_attention(q, fp8.paged, fp8.block_tables, cu_t, fp8.context_lens,
+                                       scale, window=window)
+    fast = paged_prefill_attention(q, fp8.paged, fp8.block_tables, cu_t, fp8.context_lens,
+                                   scale, window=window, k_new=k_new, v_new=v_new)
     for out in (gathered, fast):
         assert out.shape == q.shape and out.dtype == dtype and torch.isfinite(out).all()
     for b, (ctx, n) in enumerate(zip(contexts, q_lens)):
@@ -347,9 +350,8 @@ def test_prefill_fp8_cache(Hq, Hkv, D, page_size, dtype, window):
 
     # decode of each sequence's last query == the last (gathered) prefill row
     last = torch.tensor([c - 1 for c in cu[1:]], device=DEVICE)
-    dec = paged_decode_attention_triton(q[last].contiguous(), fp8.k_cache, fp8.v_cache, fp8.block_tables,
-                                        fp8.context_lens, scale, window=window, num_splits=2, block_n=16,
-                                        **fp8.scales)
+    dec = paged_decode_attention_triton(q[last].contiguous(), fp8.paged, fp8.block_tables,
+                                        fp8.context_lens, scale, window=window, num_splits=2, block_n=16)
     assert rel_err(dec, gathered[last]) < TOL[dtype]
 
 
@@ -371,11 +373,10 @@ def test_decode_reads_what_rope_writes_fp8(dtype):
     pages = 1 + torch.randperm(num_pages - 1, generator=g)  # page 0 stays the null page
     block_tables = pages[None].to(torch.int32).to(DEVICE)
     slots = (pages.repeat_interleave(page_size) * page_size + torch.arange(page_size).repeat(num_pages - 1))[:ctx]
-    rope_kv_triton(None, k, v, None, None, 1.0, kc, vc, slots.to(DEVICE), apply_rope=False, write=True,
-                   k_scale=ks, v_scale=vs)
+    rope_kv_triton(None, k, v, None, None, 1.0, PagedKV(kc, vc, ks, vs), slots.to(DEVICE), apply_rope=False)
     context_lens = torch.tensor([ctx], dtype=torch.int32, device=DEVICE)
-    got = paged_decode_attention_triton(q, kc, vc, block_tables, context_lens, D ** -0.5, num_splits=2, block_n=16,
-                                        k_scale=ks, v_scale=vs)
+    got = paged_decode_attention_triton(q, PagedKV(kc, vc, ks, vs), block_tables, context_lens, D ** -0.5,
+                                        num_splits=2, block_n=16)
     pos = torch.arange(ctx, device=DEVICE)
     original = dense_attention_ref(q, k, v, pos[-1:], pos, D ** -0.5)
     assert torch.isfinite(got).all() and rel_err(got, original) < FP8_CLOSE
@@ -434,10 +435,10 @@ def test_decode_llama_shapes_cuda_graph(batch):
     Hq, Hkv, D, page_size = 32, 8, 128, 16
     contexts = [3000 + 517 * b for b in range(batch)]
     contexts[-1] = 0 if batch > 1 else contexts[-1]
-    kv = PagedKV(contexts, Hkv, D, page_size, torch.bfloat16, seed=9)
+    kv = PagedSeqs(contexts, Hkv, D, page_size, torch.bfloat16, seed=9)
     q = torch.randn(batch, Hq, D, device=DEVICE, dtype=torch.bfloat16)
     out = torch.empty_like(q)
-    args = (q, kv.k_cache, kv.v_cache, kv.block_tables, kv.context_lens, D ** -0.5)
+    args = (q, kv.paged, kv.block_tables, kv.context_lens, D ** -0.5)
     paged_decode_attention(*args, out=out)  # compile outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):

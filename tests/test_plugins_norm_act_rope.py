@@ -9,6 +9,7 @@ from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply
 
 from infhip.plugins.activation import gated_act, gated_act_ref, gated_act_triton
 from infhip.plugins.kv_quant import FP8_DTYPE, dequantize_rows, quantize_rows
+from infhip.plugins.paged_kv import PagedKV
 from infhip.plugins.rms_norm import rms_norm, rms_norm_ref, rms_norm_triton
 from infhip.plugins.rope import (
     apply_rope_, apply_rope_ref_, rope_and_write_kv, rope_kv_triton, write_kv, write_kv_ref,
@@ -147,8 +148,7 @@ def test_rope_matches_transformers(dtype, kind):
     hf_q, hf_k = hq[0].transpose(0, 1).to(dtype), hk[0].transpose(0, 1).to(dtype)
 
     inv_freq = rot.inv_freq.to(DEVICE)
-    rope_kv_triton(q, k, None, positions, inv_freq, rot.attention_scaling, None, None, None,
-                   apply_rope=True, write=False)
+    rope_kv_triton(q, k, None, positions, inv_freq, rot.attention_scaling, None, None, apply_rope=True)
     assert torch.equal(v, v0), "v part of the fused projection must be untouched"
     assert rel_err(q, hf_q.to(DEVICE)) < TOL[dtype] and rel_err(k, hf_k.to(DEVICE)) < TOL[dtype]
 
@@ -181,7 +181,7 @@ def test_rope_and_write_kv(dtype, cache_dtype, slot_dtype, D):
     kc, vc = make_cache(num_pages, page_size, Hkv, D, cache_dtype, g)
     rq, rk, rkc, rvc = q.clone(), k.clone(), kc.clone(), vc.clone()
 
-    rope_kv_triton(q, k, v, positions, inv_freq, scaling, kc, vc, slots, apply_rope=True, write=True)
+    rope_kv_triton(q, k, v, positions, inv_freq, scaling, PagedKV(kc, vc), slots, apply_rope=True)
     apply_rope_ref_(rq, rk, positions, inv_freq, scaling)
     write_kv_ref(rk, v, rkc, rvc, slots)
 
@@ -197,7 +197,7 @@ def test_rope_and_write_kv(dtype, cache_dtype, slot_dtype, D):
 
     if DEVICE == "cpu":  # public dispatch = the references on CPU
         q2, k2, kc2, vc2 = q.clone(), k.clone(), kc.clone(), vc.clone()
-        rope_and_write_kv(q2, k2, v, positions, inv_freq, scaling, kc2, vc2, slots)
+        rope_and_write_kv(q2, k2, v, positions, inv_freq, scaling, PagedKV(kc2, vc2), slots)
         apply_rope_(q2, k2, positions, inv_freq, scaling)
         assert torch.isfinite(q2).all() and torch.isfinite(kc2).all()
 
@@ -210,13 +210,13 @@ def test_write_kv(page_size):
     kc, vc = make_cache(4, page_size, Hkv, D, torch.bfloat16, g)
     rkc, rvc = kc.clone(), vc.clone()
     slots = torch.tensor([page_size + 1, -1, 3 * page_size, page_size - 1, 2 * page_size + 2], device=DEVICE)
-    rope_kv_triton(None, k, v, None, None, 1.0, kc, vc, slots, apply_rope=False, write=True)
+    rope_kv_triton(None, k, v, None, None, 1.0, PagedKV(kc, vc), slots, apply_rope=False)
     write_kv_ref(k, v, rkc, rvc, slots)
     assert_cast_equal(kc, rkc)
     assert_cast_equal(vc, rvc)
     if DEVICE == "cpu":
         kc, vc = rkc.clone(), rvc.clone()
-        write_kv(k, v, kc, vc, slots)
+        write_kv(k, v, PagedKV(kc, vc), slots)
         assert torch.equal(kc, rkc) and torch.equal(vc, rvc)
 
 
@@ -268,8 +268,7 @@ def test_write_kv_fp8(Hq, Hkv, D, page_size, dtype, apply_rope):
     kc0, ks0, vc0, vs0 = kc.clone(), ks.clone(), vc.clone(), vs.clone()
 
     rope_kv_triton(q if apply_rope else None, k, v, positions if apply_rope else None,
-                   inv_freq if apply_rope else None, scaling, kc, vc, slots, apply_rope=apply_rope, write=True,
-                   k_scale=ks, v_scale=vs)
+                   inv_freq if apply_rope else None, scaling, PagedKV(kc, vc, ks, vs), slots, apply_rope=apply_rope)
 
     # the stored key row is the kernel's own rotated k (k was rotated in place), quantized
     keep = slots >= 0
@@ -306,10 +305,10 @@ def test_write_kv_fp8(Hq, Hkv, D, page_size, dtype, apply_rope):
         pkc, pks, pvc, pvs = kc0.clone(), ks0.clone(), vc0.clone(), vs0.clone()
         if apply_rope:
             q2, k2 = q0.clone(), k0.clone()
-            rope_and_write_kv(q2, k2, v, positions, inv_freq, scaling, pkc, pvc, slots, k_scale=pks, v_scale=pvs)
+            rope_and_write_kv(q2, k2, v, positions, inv_freq, scaling, PagedKV(pkc, pvc, pks, pvs), slots)
         else:
             k2 = k0
-            write_kv(k2, v, pkc, pvc, slots, k_scale=pks, v_scale=pvs)
+            write_kv(k2, v, PagedKV(pkc, pvc, pks, pvs), slots)
         qk2, sk2 = quantize_rows(k2[keep])
         assert torch.equal(pkc[page, row].view(torch.uint8), qk2.view(torch.uint8)) and torch.equal(pks[page, row], sk2)
         assert torch.equal(pvc[page, row].view(torch.uint8), qv.view(torch.uint8))
@@ -322,7 +321,7 @@ def test_write_kv_fp8_validates_scales():
     vc, vs = random_fp8_cache(3, 4, 2, 16, g)
     slots = torch.tensor([1, 5], device=DEVICE)
     with pytest.raises(AssertionError, match="needs its k_scale"):
-        rope_kv_triton(None, k, v, None, None, 1.0, kc, vc, slots, apply_rope=False, write=True)
+        rope_kv_triton(None, k, v, None, None, 1.0, PagedKV(kc, vc), slots, apply_rope=False)
     with pytest.raises(AssertionError, match="scales are for fp8"):
         plain = torch.zeros(3, 4, 2, 16, device=DEVICE)
         write_kv_ref(k, v, plain, plain.clone(), slots, k_scale=ks, v_scale=vs)

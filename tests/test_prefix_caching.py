@@ -14,9 +14,9 @@ import torch
 
 from infhip import LLM, SamplingParams
 from infhip.builder.build import build_engine
-from infhip.runtime.kv_cache import NULL_PAGE, KVCacheManager, KVGroupSpec, OutOfPages
+from infhip.runtime.kv_cache import NULL_PAGE, KVCacheManager, KVGroupSpec, OffloadSpec, OutOfPages
 from infhip.runtime.llm import prefix_caching_exact
-from infhip.runtime.prefix_cache import PagePool
+from infhip.runtime.prefix_cache import PagePool, extend_chain
 from infhip.runtime.sequence import Sequence
 from tests._serving import post, request, running_server
 from tests._tiny import write_tiny_hf_checkpoint
@@ -133,6 +133,116 @@ def test_sliding_window_rule_random():
         kv.free(seq_id)
         _idle(kv)
     assert kv.prefix_cache_evictions > 0
+
+
+def _offload_kv(host_pages: int = 12, gpu_pages: int = 12) -> KVCacheManager:
+    """4-token pages; a sequence keeps its first page and its last 4 tokens on the GPU from 12
+    tokens on, moving pages a page at a time."""
+    off = OffloadSpec(host_pages=host_pages, head_tokens=4, tail_tokens=4, min_context=12, batch_pages=1)
+    return KVCacheManager(4, {"global": KVGroupSpec(num_pages=gpu_pages, window=None, offload=off)},
+                          max_pages_per_seq=32)
+
+
+def _run_offloading(kv: KVCacheManager, seq_id: int, tokens: list[int], chunk: int, start: int = 0) -> list:
+    """_run, with the runner's step-end move (PageMover) before the pages are named."""
+    moves = []
+    while start < len(tokens):
+        end = min(len(tokens), start + chunk)
+        kv.append(seq_id, start, end)
+        moves.append(kv.offload(seq_id, "global", end))
+        kv.register(seq_id, tokens, end)
+        start = end
+    return moves
+
+
+def _flush_gpu_cache(kv: KVCacheManager, seq_id: int = 99) -> None:
+    """Evict every cached GPU page (a sequence takes all free pages, then lets them go unnamed)."""
+    pool = kv._alloc["global"]
+    n = pool.num_free
+    kv.append(seq_id, 0, 4 * n)
+    kv.free(seq_id)
+    assert pool.num_cached == 0
+
+
+def test_offloaded_pages_stay_cached_on_the_host():
+    kv = _offload_kv()
+    kv.enable_prefix_caching("plan")
+    doc = list(range(10, 42))  # 8 pages
+    _run_offloading(kv, 1, doc + [7], chunk=8)
+    table = kv.block_table(1, "global")
+    assert table[0] > 0 and all(p < 0 for p in table[1:7]) and table[7] > 0  # head, host, tail
+    kv.free(1)
+    assert kv.num_cached_host_pages("global") == 6 and kv.num_free_host_pages("global") == 12
+    # the same document: a page named on the GPU before it moved is still cached there too; a
+    # lookup prefers the GPU copy, else the host one
+    chain = kv.cached_prefix(doc + [8])[1]
+    assert kv.share(2, doc + [8]) == 32
+    for j, e in enumerate(kv.block_table(2, "global")):
+        assert e == table[j] if e < 0 else kv._alloc["global"].digest_of(e) == chain[j]
+    kv.free(2)
+    _flush_gpu_cache(kv)  # now only the host copies are left
+    assert kv.cached_prefix(doc + [8])[0] == 0, "page 0 (the head) was on the GPU only"
+    _run_offloading(kv, 3, doc[:4] + [7], chunk=8)  # its head page again, on the GPU
+    kv.free(3)
+    assert kv.share(2, doc + [8]) == 28  # page 7, the tail, was never on the host: evicted
+    assert kv.block_table(2, "global") == [kv.block_table(2, "global")[0]] + table[1:7]
+    assert [kv._host["global"].refs(-e) for e in table[1:7]] == [1] * 6
+    kv.free(2)
+    # a short prefix (below min_context, 12 tokens) takes GPU pages only: the head page
+    assert kv.share(4, doc[:10]) == 4 and kv.block_table(4, "global")[0] > 0
+    kv.free(4)
+    kv.disable_prefix_caching()
+    assert kv.num_cached_host_pages("global") == 0 and kv.num_free_host_pages("global") == 12
+
+
+def test_offload_shares_the_host_copy_of_a_cached_page():
+    """A request that got a page from the GPU cache whose content is on the host already (the same
+    document moved by an earlier request) moves it by sharing that host page: no copy."""
+    kv = _offload_kv()
+    kv.enable_prefix_caching("plan")
+    doc = list(range(10, 42))
+    _run_offloading(kv, 1, doc + [7], chunk=8)
+    host = kv.block_table(1, "global")[1:7]
+    kv.free(1)
+    assert kv.share(2, doc + [8]) == 32
+    gpu_middle = [e for e in kv.block_table(2, "global")[1:7] if e > 0]
+    assert gpu_middle, "pages named before they moved are cached on the GPU too"
+    free_host = kv.num_free_host_pages("global")
+    kv.append(2, 32, 36)
+    src, dst = kv.offload(2, "global", 36)
+    assert not set(src) & set(gpu_middle), "a page whose content is on the host is not copied again"
+    assert kv.block_table(2, "global")[1:7] == host  # the same host pages as seq 1's
+    # the cached host pages it took leave the LRU (no longer free), plus one new page for page 7
+    assert kv.num_free_host_pages("global") == free_host - len(gpu_middle) - len(dst)
+    kv.free(2)
+    for g, pool in kv._alloc.items():
+        assert not any(pool.refs(p) for p in range(pool.num_pages)), g
+    assert not any(kv._host["global"].refs(p) for p in range(kv._host["global"].num_pages))
+
+
+def test_host_cache_evicted_lru_under_pressure():
+    """A small host pool: a second document evicts the first one's cached host pages, but never a
+    host page that a running sequence holds; what does not fit stays on the GPU."""
+    kv = _offload_kv(host_pages=8, gpu_pages=30)
+    kv.enable_prefix_caching("plan")
+    docs = [list(range(10 + 40 * i, 42 + 40 * i)) for i in range(3)]
+    _run_offloading(kv, 1, docs[0] + [1], chunk=8)
+    kv.free(1)
+    _run_offloading(kv, 2, docs[1] + [1], chunk=8)  # 6 host pages: the 2 free ones, then 4 evicted
+    assert kv.prefix_cache_evictions >= 4 and kv.num_cached_host_pages("global") == 2
+    held = [-e for e in kv.block_table(2, "global") if e < 0]
+    assert len(held) == 6
+    _flush_gpu_cache(kv)
+    # doc 0 is freed last page first: its first host pages are the ones still cached
+    chain = []
+    extend_chain(chain, kv._root, docs[0], 4, 8)
+    assert [kv._host["global"].lookup(d) is not None for d in chain[1:7]] == [True] * 2 + [False] * 4
+    moves = _run_offloading(kv, 3, docs[2] + [1], chunk=8)
+    assert sum(len(d) for _, d in moves) == 2  # only the 2 cached host pages could be taken
+    assert all(kv._host["global"].refs(h) == 1 for h in held)
+    assert sum(e > 0 for e in kv.block_table(3, "global")) == 9 - 2  # the rest stayed on the GPU
+    kv.free(2)
+    kv.free(3)
 
 
 # ---- engines ----------------------------------------------------------------------------------
@@ -304,10 +414,11 @@ def test_cached_pages_cause_no_preemption(llama):
 
 
 def test_plans_where_it_is_off(llama):
+    """Token drop is the one plan without reuse (a drop history depends on the prompt's own
+    suffix: tests/test_prefix_caching_sparse.py shows it); InfiniteHiP and offloading have it."""
     dense = SimpleNamespace(infinitehip=None, token_drop=None)
-    assert prefix_caching_exact(dense)
-    assert not prefix_caching_exact(dense, kv_offload_bytes=1 << 30)
-    assert not prefix_caching_exact(SimpleNamespace(infinitehip=object(), token_drop=None))
+    assert prefix_caching_exact(dense) and prefix_caching_exact(dense, kv_offload_bytes=1 << 30)
+    assert prefix_caching_exact(SimpleNamespace(infinitehip=object(), token_drop=None))
     assert not prefix_caching_exact(SimpleNamespace(infinitehip=None, token_drop=object()))
     assert not LLM(llama, token_drop=True).prefix_caching
     llm = LLM(llama)

@@ -115,10 +115,11 @@ def layer_recall(attn, q: torch.Tensor, table: list[int], length: int, params: d
     strides = params.get("query_strides") or [1] * len(stages)
     sel = num = None
     for (b_q, l_c, k), stride in zip(stages, strides):
-        sel, num = pruning_stage(q, attn.kv.k, tables, q_start, q_lens, ends, sel, num, chunk_size=l_c, k=k,
-                                 block_q=b_q, n_sink=n_sink, n_stream=n_stream, rope_style=rope_style,
+        # the table lists GPU pages only: the host twin (if any) is not read
+        sel, num = pruning_stage(q, attn.kv.with_host(None), tables, q_start, q_lens, ends, sel, num, chunk_size=l_c,
+                                 k=k, block_q=b_q, n_sink=n_sink, n_stream=n_stream, rope_style=rope_style,
                                  inv_freq=inv_freq, head_normalized=params.get("head_normalized", False),
-                                 query_stride=stride, k_scale=attn.kv.k_scale)
+                                 query_stride=stride)
     keep = per_query_key_mask(sel, q_lens, ends, n_sink, n_stream, length)
     page = attn.kv.k.shape[1]
     rows = torch.tensor(table, device=dev).repeat_interleave(page)[:length]

@@ -114,29 +114,10 @@ class SparseSpace:
         Hq, _, D = self.dims
         return self.space.fake(rows, Hq, D, dtype=self.space.act_dtype)
 
-    def caches(self, num_pages: int = 4):
-        """(k_cache, v_cache, k_scale, v_scale) of a layer: [P, page, Hkv, D] in the KV dtype and,
-        for fp8, float32 row scales [P, page, Hkv] (else None)."""
-        _, Hkv, D = self.dims
-        page = self.space.build.page_size
-        k = self.space.fake(num_pages, page, Hkv, D, dtype=self.space.kv_dtype)
-        v = self.space.fake(num_pages, page, Hkv, D, dtype=self.space.kv_dtype)
-        if self.space.build.kv_dtype != "fp8":
-            return k, v, None, None
-        return (k, v, self.space.fake(num_pages, page, Hkv, dtype=torch.float32),
-                self.space.fake(num_pages, page, Hkv, dtype=torch.float32))
-
-    def host(self, offload: bool, k_cache, k_scale):
-        """The layer's host twin (plugins/kv_offload.HostKV) or None."""
-        if not offload:
-            return None
-        from ..kv_offload import HostKV
-        k = self.space.fake(*k_cache.shape, dtype=k_cache.dtype)
-        v = self.space.fake(*k_cache.shape, dtype=k_cache.dtype)
-        if k_scale is None:
-            return HostKV(k, v)
-        return HostKV(k, v, self.space.fake(*k_scale.shape, dtype=torch.float32),
-                      self.space.fake(*k_scale.shape, dtype=torch.float32))
+    def kv(self, offload: bool):
+        """A layer's PagedKV (plugins/_aot_shapes.paged_kv), with a host twin or not."""
+        from .._aot_shapes import paged_kv
+        return paged_kv(self.space, offload=offload)
 
     def tables(self, rows: int) -> torch.Tensor:
         """Block tables [rows, width] int32; the width (the step's longest page list) varies, the

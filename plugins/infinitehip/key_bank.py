@@ -20,7 +20,7 @@ move by one shift mid_end - s, are scored with a second query tile rotated the o
 (q . R(d) k = R(-d) q . k). Entries outside the middle (stray sink tokens, PAD) are not written;
 the attention never reads them.
 
-The bank holds keys in the queries' dtype: an fp8 cache (kv_quant.py, k_scale given) is
+The bank holds keys in the queries' dtype: an fp8 cache (kv_quant.py, with its row scales) is
 dequantized here (each row times its scale, after the rotation), so attention reads bank keys
 without scales. (Unscaled caches are in the queries' dtype already.)
 
@@ -35,8 +35,9 @@ import triton
 import triton.language as tl
 
 from .._triton_utils import next_pow2, triton_on
-from ..kv_offload import HostKV, merged_kv, offload_deltas, page_offset
+from ..kv_offload import merged_kv, page_offset
 from ..kv_quant import check_kv_scales, dequantize_tile, is_fp8, read_rows
+from ..paged_kv import PagedKV
 from .rope_styles import check_rotatable, load_halves, rotate_by_ref, rotate_halves, run_sin_cos
 from .sparse_attention import selected_bounds
 
@@ -102,30 +103,29 @@ def _write_bank_kernel(
         tl.store(value_bank_ptr + dst, v.to(value_bank_ptr.dtype.element_ty), mask=in_row)
 
 
-def write_key_bank(k_cache: torch.Tensor, block_tables: torch.Tensor, ends: torch.Tensor,
+def write_key_bank(kv: PagedKV, block_tables: torch.Tensor, ends: torch.Tensor,
                    selected: torch.Tensor, bank: torch.Tensor, bank_rows: torch.Tensor, *,
                    n_sink: int, inv_freq: torch.Tensor, rope_group: int = 1, skip_row: int | None = None,
-                   k_scale: torch.Tensor | None = None, offload: HostKV | None = None,
-                   v_cache: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
                    value_bank: torch.Tensor | None = None) -> None:
     """Rotate the middle entries of each selected row b (int32 [B, K], ascending, PAD-padded; the
     context was ends[b] tokens long) to their StreamingLLM rank into bank[bank_rows[b], i]
     (bank [slots, >= K, Hkv, D], the queries' dtype: the cache's, or any non-fp8 dtype for an fp8
-    cache, whose row scales k_scale [num_pages, page_size, Hkv] then dequantize the keys). rope_group: the selection's run length
+    cache kv, whose row scales then dequantize the keys). rope_group: the selection's run length
     (the last stage's chunk size), as in block_sparse_attention. skip_row: rows b with
     bank_rows[b] == skip_row load and write nothing: requests without a bank row of their own,
     pointed at a scratch row that no step reads (runtime/mask_cache.py).
-    offload: host twin of the cache; table entries < 0 name its pages (kv_offload.py).
-    value_bank (with v_cache, and v_scale for fp8): also copy the same entries' values, as they
+    Table entries < 0 name pages of kv's host twin (kv_offload.py).
+    value_bank (kv with its values): also copy the same entries' values, as they
     are (dequantized), into value_bank [slots, >= K, Hkv, D] (the key bank's layout), for decode
     attention to read the selected rows from the banks alone (block_sparse_attention)."""
+    k_cache, v_cache = kv.k, kv.v
     num_pages, page_size, Hkv, D = k_cache.shape
     B, K = selected.shape
     assert selected.dtype == torch.int32 and selected.stride(1) == 1
     assert block_tables.dtype == torch.int32 and block_tables.shape[0] == B and block_tables.stride(1) == 1
     assert ends.shape == (B,) and ends.dtype == torch.int32 and ends.is_contiguous()
     assert bank_rows.shape == (B,) and bank_rows.dtype in (torch.int32, torch.int64)
-    scaled = check_kv_scales(k_cache, None, k_scale, None)
+    scaled = kv.check(values=False)
     assert (bank.dtype == k_cache.dtype if not scaled else not is_fp8(bank)), (
         f"a {bank.dtype} bank for a {k_cache.dtype} cache (the bank holds keys in the queries' dtype)")
     assert bank.dim() == 4 and bank.shape[1] >= K and bank.shape[2:] == (Hkv, D)
@@ -136,27 +136,28 @@ def write_key_bank(k_cache: torch.Tensor, block_tables: torch.Tensor, ends: torc
     values = value_bank is not None
     if values:
         assert v_cache is not None and v_cache.shape == k_cache.shape and v_cache.stride() == k_cache.stride()
-        check_kv_scales(k_cache, v_cache, k_scale, v_scale)
+        kv.check()
         assert value_bank.dtype == bank.dtype and value_bank.shape[1:] == bank.shape[1:] \
             and value_bank.stride() == bank.stride(), "the value bank must be laid out like the key bank"
     if B == 0 or K == 0:
         return
     if not triton_on(k_cache, selected):  # CPU without the interpreter
         write_key_bank_ref(k_cache, block_tables, ends, selected, bank, bank_rows, n_sink=n_sink, inv_freq=inv_freq,
-                           skip_row=skip_row, k_scale=k_scale, offload=offload, v_cache=v_cache, v_scale=v_scale,
-                           value_bank=value_bank)
+                           skip_row=skip_row, k_scale=kv.k_scale, offload=kv.host, v_cache=v_cache,
+                           v_scale=kv.v_scale, value_bank=value_bank)
         return
-    dk, dv, dks, dvs = offload_deltas(k_cache, v_cache, k_scale, v_scale if values else None, offload)
+    dk, dv, dks, dvs = kv.host_deltas(values=values)
+    k_scale_ptr, v_scale_ptr = kv.scale_ptrs()
     BLOCK_T = 64
     _write_bank_kernel[(B, triton.cdiv(K, BLOCK_T), Hkv)](
-        k_cache, k_scale if scaled else k_cache, block_tables, ends, selected, bank, bank_rows, inv_freq,
+        k_cache, k_scale_ptr, block_tables, ends, selected, bank, bank_rows, inv_freq,
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0), selected.stride(0), K,
         bank.stride(0), bank.stride(1), bank.stride(2), D, n_sink, -1 if skip_row is None else skip_row,
-        *(k_scale.stride() if scaled else (0, 0, 0)), dk, dks,
-        v_cache if values else k_cache, v_scale if values and scaled else k_cache, value_bank if values else bank,
+        *kv.scale_strides(), dk, dks,
+        v_cache if values else k_cache, v_scale_ptr if values and scaled else k_cache, value_bank if values else bank,
         dv, dvs,
         PAGE_SIZE=page_size, BLOCK_T=BLOCK_T, BLOCK_D=D, SEL_BLOCK=min(1024, next_pow2(K)),
-        ROPE_GROUP=min(rope_group, BLOCK_T), KV_SCALED=scaled, OFFLOAD=offload is not None, VALUES=values,
+        ROPE_GROUP=min(rope_group, BLOCK_T), **kv.kernel_flags(), VALUES=values,
         num_warps=4)
 
 
@@ -204,16 +205,14 @@ def aot_launches(space) -> None:
         return
     _, Hkv, D = ss.dims
     fake, act = ss.space.fake, ss.space.act_dtype
-    k_cache, v_cache, k_scale, v_scale = ss.caches()
     for kind in ss.kinds:
         last = kind.stages[-1]
         for offload in ss.offload:
             B = 1
             bank = fake(2, last.k, Hkv, D, dtype=act)
-            write_key_bank(k_cache, ss.tables(B), ss.i32(B), fake(B, last.k, dtype=torch.int32), bank, ss.i64(B),
-                           n_sink=ss.cfg.n_sink, inv_freq=ss.inv_freq(), rope_group=last.chunk_size, skip_row=1,
-                           k_scale=k_scale, offload=ss.host(offload, k_cache, k_scale), v_cache=v_cache,
-                           v_scale=v_scale, value_bank=fake(2, last.k, Hkv, D, dtype=act) if offload else None)
+            write_key_bank(ss.kv(offload), ss.tables(B), ss.i32(B), fake(B, last.k, dtype=torch.int32), bank,
+                           ss.i64(B), n_sink=ss.cfg.n_sink, inv_freq=ss.inv_freq(), rope_group=last.chunk_size,
+                           skip_row=1, value_bank=fake(2, last.k, Hkv, D, dtype=act) if offload else None)
 
 
 __all__ = ["write_key_bank", "write_key_bank_ref"]

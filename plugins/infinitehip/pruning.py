@@ -36,7 +36,7 @@ chunks within the block's own candidate list. With RawKeys (raw_keys.py: keys un
 prefill step) no key is rotated per load; CHUNK_INDEXED then rotates by a sin/cos computed once
 per tile.
 
-FP8 cache (plugins/kv_quant.py; k_scale given): each loaded key row is rotated in float32 as above
+FP8 cache (plugins/kv_quant.py; a PagedKV with row scales): each loaded key row is rotated in float32 as above
 and multiplied by its row scale afterwards (rotations are linear), then cast to the queries'
 dtype for the dot: one extra [BLOCK_C] float32 load per key load. RawKeys are already in the
 queries' dtype (raw_keys.py dequantizes when it un-rotates): no scales then.
@@ -50,8 +50,9 @@ import triton.language as tl
 
 from .._triton_utils import dot_precision, next_pow2, triton_on
 from ..aot import recording_target
-from ..kv_offload import HostKV, offload_deltas, page_offset
-from ..kv_quant import check_kv_scales, dequantize_tile
+from ..kv_offload import page_offset
+from ..kv_quant import dequantize_tile
+from ..paged_kv import PagedKV
 from .blocks import PAD, stream_starts
 from .raw_keys import RawKeys
 from .rope_styles import (C_CHUNK_INDEXED, C_NONE, C_RELATIVE, CHUNK_INDEXED, NONE, RELATIVE,
@@ -314,14 +315,13 @@ def _candidate_lens(ends, candidates, cand_lens, n_sink, n_stream):
     return cand_lens if cand_lens is not None else (candidates != PAD).sum(-1).to(torch.int32)
 
 
-def select_rep_scores(q, k_cache, block_tables, q_start, q_lens, ends, candidates=None,
+def select_rep_scores(q, kv: PagedKV, block_tables, q_start, q_lens, ends, candidates=None,
                       cand_lens=None, *, chunk_size: int, block_q: int, n_sink: int, n_stream: int,
                       max_candidates: int | None = None, rope_style="none",
                       inv_freq: torch.Tensor | None = None, store_reps: bool = False,
                       head_normalized: bool = False, query_stride: int = 1,
                       raw_keys: RawKeys | None = None, block_c: int | None = None,
-                      tiles: int | None = None, num_warps: int | None = None, keys_as_rows: bool | None = None,
-                      k_scale: torch.Tensor | None = None, offload: HostKV | None = None):
+                      tiles: int | None = None, num_warps: int | None = None, keys_as_rows: bool | None = None):
     """Triton SelectRep: chunk scores float32 [NB, max_chunks] and (store_reps) representatives
     int32 [NB, Hkv, max_chunks]. candidates None = stage 1 (the middle, implicitly); then
     max_candidates must be >= every block's middle length (a fixed capacity keeps the grid
@@ -331,14 +331,15 @@ def select_rep_scores(q, k_cache, block_tables, q_start, q_lens, ends, candidate
     of a block (InfiniteHipConfig.query_strides). raw_keys: the blocks' keys at position 0
     (raw_keys.unrotate_keys), read instead of re-rotating cached keys when a dynamic RoPE style
     is on (ignored for "none"). block_c / tiles / num_warps / keys_as_rows: tuning overrides
-    (keys_as_rows: score tiles transposed, the same values). k_scale: float32 [num_pages,
-    page_size, Hkv] row scales of an fp8 k_cache (kv_quant.py; None: the cache is in q's dtype);
-    raw_keys are then in q's dtype (raw_keys.unrotate_keys(..., dtype=q.dtype)).
-    offload: host twin of the cache; table entries < 0 name its pages (kv_offload.py)."""
+    (keys_as_rows: score tiles transposed, the same values). kv: the layer's cache (keys only
+    read; plugins/paged_kv.py): an fp8 one's row scales dequantize the keys (raw_keys are then
+    in q's dtype: raw_keys.unrotate_keys(..., dtype=q.dtype)); table entries < 0 name pages of
+    its host twin (kv_offload.py)."""
+    k_cache = kv.k
     T, Hq, D = q.shape
     num_pages, page_size, Hkv, Dk = k_cache.shape
     NB = ends.shape[0]
-    scaled = check_kv_scales(k_cache, None, k_scale, None)
+    scaled = kv.check(values=False)
     assert Dk == D and Hq % Hkv == 0 and (scaled or q.dtype == k_cache.dtype)
     assert q.stride(2) == 1 and k_cache.stride(3) == 1 and page_size & (page_size - 1) == 0
     for meta in (q_start, q_lens, ends):
@@ -374,17 +375,17 @@ def select_rep_scores(q, k_cache, block_tables, q_start, q_lens, ends, candidate
         return scores, (reps if store_reps else None)
     part = torch.empty((NB, Hkv, max_chunks), dtype=torch.float32, device=q.device)
     reps = torch.empty((NB, Hkv, max_chunks), dtype=torch.int32, device=q.device) if store_reps else part
-    dk, _, dks, _ = offload_deltas(k_cache, None, k_scale, None, offload)
+    dk, _, dks, _ = kv.host_deltas(values=False)
     gpu = q.is_cuda or recording_target() is not None  # recording for a GPU target: its choices
     _select_rep_kernel[(NB, triton.cdiv(n_tiles, TILES), Hkv)](
-        q, k_cache, k_scale if scaled else k_cache,
+        q, k_cache, kv.scale_ptrs()[0],
         raw.keys if raw is not None else k_cache, raw.block_base if raw is not None else ends,
         block_tables, q_start, q_lens, ends, cand, cand_lens,
         inv_freq if inv_freq is not None else part,
         part, reps,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        *(k_scale.stride() if scaled else (0, 0, 0)), dk, dks,
+        *kv.scale_strides(), dk, dks,
         raw.keys.stride(0) if raw is not None else 0, raw.keys.stride(1) if raw is not None else 0,
         block_tables.stride(0), cand.stride(0),
         max_chunks, Hkv, G, D, n_sink, n_stream, chunk_size, _num_iters(chunk_size), query_stride,
@@ -394,8 +395,8 @@ def select_rep_scores(q, k_cache, block_tables, q_start, q_lens, ends, candidate
         KEY_ROTATION=0 if style == NONE or (raw is not None and style == RELATIVE) else 2 if raw is not None else 1,
         DOT_F32=not gpu or q.dtype == torch.float32,
         DOT_PRECISION=dot_precision(q.dtype if gpu else torch.float32), KEYS_AS_ROWS=keys_as_rows,
-        KV_SCALED=scaled and raw is None,  # raw keys come dequantized
-        OFFLOAD=offload is not None and raw is None,  # raw keys are read without page tables
+        # raw keys come dequantized, and are read without page tables
+        **kv.kernel_flags(reads_pages=raw is None),
         # H200, 1M keys: 256-row query tiles (stride 1) 8 warps (stage 1 112 vs 163 ms, stage 3
         # 14 vs 27 ms); 64-row tiles (stride 4) and decode 4 (stage 1 24 vs 35 ms)
         num_warps=num_warps or (8 if BLOCK_Q >= 256 else 4),
@@ -557,42 +558,40 @@ def _topk_chunks_torch(scores, candidates, cand_lens, *, chunk_size: int, k: int
     return out, valid.sum(1).to(torch.int32)
 
 
-def pruning_stage(q, k_cache, block_tables, q_start, q_lens, ends, candidates=None, cand_lens=None,
+def pruning_stage(q, kv: PagedKV, block_tables, q_start, q_lens, ends, candidates=None, cand_lens=None,
                   *, chunk_size: int, k: int, block_q: int, n_sink: int, n_stream: int,
                   max_candidates: int | None = None, rope_style="none", inv_freq=None,
                   head_normalized: bool = False, query_stride: int = 1,
-                  raw_keys: RawKeys | None = None, k_scale: torch.Tensor | None = None,
-                  offload: HostKV | None = None, reduce_scores=None, **tuning):
+                  raw_keys: RawKeys | None = None, reduce_scores=None, **tuning):
     """One pruning stage: the Triton SelectRep kernel, then topk_chunks (CPU tensors without
     TRITON_INTERPRET: pruning_ref.pruning_stage_ref, same contract). Returns the survivors
     (int32 [NB, k] ascending, PAD-padded) and their counts (int32 [NB]), the next stage's input.
-    k_scale: the row scales of an fp8 k_cache (select_rep_scores).
-    offload: host twin of the cache; table entries < 0 name its pages (kv_offload.py).
+    kv: the layer's cache, keys only read (select_rep_scores).
     reduce_scores: called on the chunk scores float32 [NB, chunks] before the top-k, in place
     (tensor parallelism: the max over every rank's kv heads, so all ranks keep the chunks one
     GPU would; runtime/distributed/group.py).
 
-        >>> sel, n = pruning_stage(q, k_cache, tables, q_start, q_lens, ends,   # doctest: +SKIP
+        >>> sel, n = pruning_stage(q, kv, tables, q_start, q_lens, ends,   # doctest: +SKIP
         ...                        chunk_size=256, k=32768, block_q=64, n_sink=256, n_stream=1024)
     """
-    if not triton_on(q, k_cache):  # CPU without the interpreter: the float64 torch reference
+    if not triton_on(q, kv.k):  # CPU without the interpreter: the float64 torch reference
         from .pruning_ref import pruning_stage_ref
         if ends.shape[0] == 0:
             return (torch.full((0, k), PAD, dtype=torch.int32, device=q.device),
                     torch.zeros(0, dtype=torch.int32, device=q.device))
-        return pruning_stage_ref(q, k_cache, block_tables, q_start, q_lens, ends, candidates, cand_lens,
+        return pruning_stage_ref(q, kv.k, block_tables, q_start, q_lens, ends, candidates, cand_lens,
                                  chunk_size=chunk_size, k=k, n_sink=n_sink, n_stream=n_stream,
                                  max_candidates=max_candidates, rope_style=rope_style, inv_freq=inv_freq,
-                                 head_normalized=head_normalized, query_stride=query_stride, k_scale=k_scale,
-                                 offload=offload, reduce_scores=reduce_scores)
+                                 head_normalized=head_normalized, query_stride=query_stride, k_scale=kv.k_scale,
+                                 offload=kv.host, reduce_scores=reduce_scores)
     if candidates is not None and cand_lens is None:  # once, for both kernels
         cand_lens = _candidate_lens(ends, candidates, None, n_sink, n_stream)
-    scores, _ = select_rep_scores(q, k_cache, block_tables, q_start, q_lens, ends, candidates,
+    scores, _ = select_rep_scores(q, kv, block_tables, q_start, q_lens, ends, candidates,
                                   cand_lens, chunk_size=chunk_size, block_q=block_q, n_sink=n_sink,
                                   n_stream=n_stream, max_candidates=max_candidates,
                                   rope_style=rope_style, inv_freq=inv_freq,
                                   head_normalized=head_normalized, query_stride=query_stride,
-                                  raw_keys=raw_keys, k_scale=k_scale, offload=offload, **tuning)
+                                  raw_keys=raw_keys, **tuning)
     if reduce_scores is not None:
         reduce_scores(scores)
     return topk_chunks(scores, candidates, cand_lens, chunk_size=chunk_size, k=k, n_sink=n_sink,
@@ -621,25 +620,24 @@ def aot_launches(space) -> None:
     cfg = ss.cfg
     _, Hkv, _ = ss.dims
     G = ss.dims[0] // Hkv
-    k_cache, _, k_scale, _ = ss.caches()
-    kw = dict(n_sink=cfg.n_sink, n_stream=cfg.n_stream, inv_freq=ss.inv_freq(), k_scale=k_scale,
+    kw = dict(n_sink=cfg.n_sink, n_stream=cfg.n_stream, inv_freq=ss.inv_freq(),
               head_normalized=cfg.chunk_score == "head_normalized")
     for kind in ss.kinds:
         for mode in ss.modes:
             rope = kind.pruning_rope if mode.dynamic else "none"
             for offload in ss.offload:
-                host = ss.host(offload, k_cache, k_scale)
+                kv = ss.kv(offload)
                 # decode: block_q 1, every query (stride 1)
-                _aot_stages(ss, kind, mode, rope, G, Hkv, k_cache, host, None, kw, block_q=1,
+                _aot_stages(ss, kind, mode, rope, G, Hkv, kv, None, kw, block_q=1,
                             strides=(1,) * len(kind.stages), max_blocks=ss.max_decode_rows)
                 # prefill, from the cache and (dynamic styles) from raw keys
                 raws = (False, True) if rope != "none" else (False,)
                 for raw in raws:
-                    _aot_stages(ss, kind, mode, rope, G, Hkv, k_cache, host, raw, kw, block_q=cfg.block_q,
+                    _aot_stages(ss, kind, mode, rope, G, Hkv, kv, raw, kw, block_q=cfg.block_q,
                                 strides=cfg.query_strides, max_blocks=ss.max_prefill_blocks)
 
 
-def _aot_stages(ss, kind, mode, rope, G, Hkv, k_cache, host, raw, kw, *, block_q, strides, max_blocks) -> None:
+def _aot_stages(ss, kind, mode, rope, G, Hkv, kv, raw, kw, *, block_q, strides, max_blocks) -> None:
     from ._aot import representatives
 
     style = rope_style_id(rope)
@@ -654,8 +652,8 @@ def _aot_stages(ss, kind, mode, rope, G, Hkv, k_cache, host, raw, kw, *, block_q
                 raw_keys = (RawKeys(ss.space.fake(nb, Hkv, D, dtype=ss.space.act_dtype), ss.i64(nb))
                             if raw else None)
                 candidates = None if implicit else ss.space.fake(nb, prev_k, dtype=torch.int32)
-                pruning_stage(ss.step_q(nb), k_cache, ss.tables(nb), ss.i32(nb), ss.i32(nb), ss.i32(nb),
+                pruning_stage(ss.step_q(nb), kv, ss.tables(nb), ss.i32(nb), ss.i32(nb), ss.i32(nb),
                               candidates, None if implicit else ss.i32(nb), chunk_size=stage.chunk_size,
                               k=stage.k, block_q=block_q, query_stride=stride,
                               max_candidates=capacity if implicit else None, rope_style=rope, raw_keys=raw_keys,
-                              offload=host, **kw)
+                              **kw)

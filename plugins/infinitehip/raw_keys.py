@@ -28,8 +28,9 @@ import triton
 import triton.language as tl
 
 from .._triton_utils import next_pow2, triton_on
-from ..kv_offload import HostKV, merged_kv, offload_deltas, page_offset
-from ..kv_quant import check_kv_scales, dequantize_tile, is_fp8, read_rows
+from ..kv_offload import merged_kv, page_offset
+from ..kv_quant import dequantize_tile, is_fp8, read_rows
+from ..paged_kv import PagedKV
 from .rope_styles import check_rotatable, load_rotated, rotate_by_ref
 
 
@@ -74,17 +75,17 @@ def _unrotate_kernel(
     tl.store(out, k.to(out_ptr.dtype.element_ty), mask=valid[:, None] & (d < head_dim)[None, :])
 
 
-def unrotate_keys(k_cache: torch.Tensor, seq_tables: torch.Tensor, seq_lens: list[int],
-                  inv_freq: torch.Tensor, block_seq: torch.Tensor, *, k_scale: torch.Tensor | None = None,
-                  dtype: torch.dtype | None = None, offload: HostKV | None = None) -> RawKeys:
+def unrotate_keys(kv: PagedKV, seq_tables: torch.Tensor, seq_lens: list[int],
+                  inv_freq: torch.Tensor, block_seq: torch.Tensor, *, dtype: torch.dtype | None = None) -> RawKeys:
     """RawKeys of S sequences: seq_tables int32 [S, max_pages] (their page tables), seq_lens the
     tokens to un-rotate of each (host ints, an upper bound is fine: rows past a sequence's end are
-    never read), block_seq int64 [NB] the sequence (0..S-1) of each query block. k_scale: the row
-    scales of an fp8 k_cache (kv_quant.py); dtype: RawKeys.keys' dtype, the queries' (default: the
-    cache's; required for an fp8 cache, and never fp8).
-    offload: host twin of the cache; table entries < 0 name its pages (kv_offload.py)."""
+    never read), block_seq int64 [NB] the sequence (0..S-1) of each query block. kv: the layer's
+    cache, keys only read (an fp8 one dequantized with its row scales, kv_quant.py; table entries
+    < 0 name pages of its host twin, kv_offload.py); dtype: RawKeys.keys' dtype, the queries'
+    (default: the cache's; required for an fp8 cache, and never fp8)."""
+    k_cache, k_scale = kv.k, kv.k_scale
     num_pages, page_size, Hkv, D = k_cache.shape
-    scaled = check_kv_scales(k_cache, None, k_scale, None)
+    scaled = kv.check(values=False)
     if dtype is None:
         assert not scaled, "unrotate_keys of an fp8 cache needs dtype= (the queries' dtype)"
         dtype = k_cache.dtype
@@ -101,9 +102,9 @@ def unrotate_keys(k_cache: torch.Tensor, seq_tables: torch.Tensor, seq_lens: lis
     raw = RawKeys(keys, base_t[block_seq] if block_seq.numel() else block_seq.to(torch.int64))
     on_triton = triton_on(k_cache)
     if on_triton:
-        dk, _, dks, _ = offload_deltas(k_cache, None, k_scale, None, offload)
+        dk, _, dks, _ = kv.host_deltas(values=False)
     else:  # the torch path below reads host pages from a merged pool
-        k_cache, _, k_scale, _, seq_tables = merged_kv(k_cache, None, k_scale, None, seq_tables, offload)
+        k_cache, _, k_scale, _, seq_tables = merged_kv(k_cache, None, k_scale, None, seq_tables, kv.host)
     for s, n in enumerate(seq_lens):
         if n == 0:
             continue
@@ -116,11 +117,10 @@ def unrotate_keys(k_cache: torch.Tensor, seq_tables: torch.Tensor, seq_lens: lis
             continue
         BLOCK_T = 64
         _unrotate_kernel[(triton.cdiv(n, BLOCK_T), Hkv)](
-            k_cache, k_scale if scaled else k_cache, seq_tables[s], inv_freq, out, n, D,
+            k_cache, kv.scale_ptrs()[0], seq_tables[s], inv_freq, out, n, D,
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), out.stride(0), out.stride(1),
-            *(k_scale.stride() if scaled else (0, 0, 0)), dk, dks,
-            PAGE_SIZE=page_size, BLOCK_T=BLOCK_T, BLOCK_D=max(16, next_pow2(D)), KV_SCALED=scaled,
-            OFFLOAD=offload is not None)
+            *kv.scale_strides(), dk, dks,
+            PAGE_SIZE=page_size, BLOCK_T=BLOCK_T, BLOCK_D=max(16, next_pow2(D)), **kv.kernel_flags())
     return raw
 
 
@@ -134,10 +134,9 @@ def aot_launches(space) -> None:
     ss = sparse_space(space)
     if ss is None or not any(m.dynamic for m in ss.modes) or all(k.pruning_rope == "none" for k in ss.kinds):
         return
-    k_cache, _, k_scale, _ = ss.caches()
     for offload in ss.offload:
-        unrotate_keys(k_cache, ss.tables(1), [ss.space.build.page_size], ss.inv_freq(), ss.i64(1), k_scale=k_scale,
-                      dtype=ss.space.act_dtype, offload=ss.host(offload, k_cache, k_scale))
+        unrotate_keys(ss.kv(offload), ss.tables(1), [ss.space.build.page_size], ss.inv_freq(), ss.i64(1),
+                      dtype=ss.space.act_dtype)
 
 
 __all__ = ["RawKeys", "unrotate_keys"]

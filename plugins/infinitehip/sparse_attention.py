@@ -34,17 +34,17 @@ cost more than the trig it saved: 21 -> 23.5 µs per decode step at 1M keys on t
 Needs n_stream >= b_q so every query's own token is a streaming token (a query always sees
 itself).
 
-FP8 cache (plugins/kv_quant.py; k_scale / v_scale given): the kernel loads fp8 K/V tiles, rotates
+FP8 cache (plugins/kv_quant.py; a PagedKV with row scales): the kernel loads fp8 K/V tiles, rotates
 keys as above in float32 and multiplies each row by its scale afterwards (a rotation is linear:
 scaling after it is the same), and casts to the queries' dtype for the dots; the key bank stays
 in the queries' dtype (key_bank.py dequantizes when it writes). A tile's row scales are one
 [BLOCK_N] float32 load each for K and V, indexed through the scale tensor's own strides (no
 division by D in the loop).
 
-Offloaded pages (plugins/kv_offload.py; `offload` given): table entries < 0 are pages of a host
+Offloaded pages (plugins/kv_offload.py; a PagedKV with a host twin): table entries < 0 are pages of a host
 twin, read in place. K, V and the two scale tensors are four allocations on each side, so each
 reaches its twin by its own delta and a host row has four offsets where a GPU row has one
-(`_tile_tokens`); without `offload` the kernel compiles to the same code as before (OFFLOAD False).
+(`_tile_tokens`); without a twin the kernel compiles to the same code as before (OFFLOAD False).
 """
 
 from __future__ import annotations
@@ -55,8 +55,9 @@ import triton.language as tl
 
 from .._triton_utils import device_num_sms, dot_precision, next_pow2, triton_on
 from ..aot import recording_target
-from ..kv_offload import HostKV, merged_kv, offload_deltas, page_offset
+from ..kv_offload import HostKV, merged_kv, page_offset
 from ..kv_quant import check_kv_scales, dequantize_tile, read_rows
+from ..paged_kv import PagedKV
 from ..dense_attention import _decode_merge_kernel, choose_num_splits, dense_attention_ref
 from .blocks import block_key_mask
 from .rope_styles import (C_STREAMING, NONE, STREAMING, check_rotatable, load_halves, load_rotated,
@@ -313,15 +314,14 @@ def _sparse_attn_kernel(
         tl.store(part_out_ptr + part_off, o, mask=o_mask)
 
 
-def block_sparse_attention(q, k_cache, v_cache, block_tables, q_start, q_lens, ends, selected, *,
+def block_sparse_attention(q, kv: PagedKV, block_tables, q_start, q_lens, ends, selected, *,
                      block_q: int, n_sink: int, n_stream: int, scale: float, rope_style="none",
                      inv_freq: torch.Tensor | None = None, num_splits: int = 1, rope_group: int = 1,
                      bank: torch.Tensor | None = None, bank_rows: torch.Tensor | None = None,
                      value_bank: torch.Tensor | None = None,
                      block_n: int | None = None, num_warps: int | None = None,
                      prefetch: bool | None = None, num_stages: int | None = None,
-                     out: torch.Tensor | None = None, k_scale: torch.Tensor | None = None,
-                     v_scale: torch.Tensor | None = None, offload: HostKV | None = None) -> torch.Tensor:
+                     out: torch.Tensor | None = None) -> torch.Tensor:
     """Triton launcher (CPU tensors without TRITON_INTERPRET: sparse_attention_ref, same
     contract): q [T, Hq, D] packed, query blocks [NB] (blocks.py, q_lens <= block_q),
     selected int32 [NB, K] (last pruning stage). Returns out [T, Hq, D] (rows of no block: 0).
@@ -335,17 +335,18 @@ def block_sparse_attention(q, k_cache, v_cache, block_tables, q_start, q_lens, e
     selected rows then come from the banks alone, so a cached decode step over an offloaded
     cache reads only GPU memory (sink and stream pages stay on the GPU). block_n /
     num_warps / prefetch / num_stages: tuning overrides (prefetch: each tile's tokens and page
-    entries are loaded one tile ahead; the same result; default: on in prefill). k_scale /
-    v_scale: float32 [num_pages, page_size, Hkv] row scales of fp8 caches (kv_quant.py; None: the
-    caches are in q's dtype); the bank and out stay in q's dtype.
-    offload: host twin of the caches; table entries < 0 name its pages (kv_offload.py)."""
+    entries are loaded one tile ahead; the same result; default: on in prefill). kv: the layer's
+    cache (plugins/paged_kv.py), with the float32 row scales of an fp8 cache (kv_quant.py; the
+    bank and out stay in q's dtype) and its host twin, whose pages table entries < 0 name
+    (kv_offload.py)."""
+    k_cache, v_cache = kv.k, kv.v
     T, Hq, D = q.shape
     num_pages, page_size, Hkv, Dk = k_cache.shape
     NB = ends.shape[0]
     decode = q_start is None
     if decode:
         assert q_lens is None and block_q == 1 and T == NB, "decode: one query row per block"
-    scaled = check_kv_scales(k_cache, v_cache, k_scale, v_scale)
+    scaled = kv.check()
     assert Dk == D and Hq % Hkv == 0 and (scaled or q.dtype == k_cache.dtype == v_cache.dtype)
     assert v_cache.shape == k_cache.shape and v_cache.stride() == k_cache.stride()
     assert q.stride(2) == 1 and k_cache.stride(3) == 1 and page_size & (page_size - 1) == 0
@@ -380,7 +381,7 @@ def block_sparse_attention(q, k_cache, v_cache, block_tables, q_start, q_lens, e
             q_lens = torch.ones(NB, dtype=torch.int32, device=q.device)
         ref = sparse_attention_ref(q, k_cache, v_cache, block_tables, q_start, q_lens, ends, selected,
                                    n_sink=n_sink, n_stream=n_stream, scale=scale, rope_style=rope_style,
-                                   inv_freq=inv_freq, k_scale=k_scale, v_scale=v_scale, offload=offload)
+                                   inv_freq=inv_freq, k_scale=kv.k_scale, v_scale=kv.v_scale, offload=kv.host)
         for q0, n in zip(q_start.tolist(), q_lens.tolist()):
             out[q0:q0 + n] = ref[q0:q0 + n].to(out.dtype)
         return out
@@ -401,7 +402,6 @@ def block_sparse_attention(q, k_cache, v_cache, block_tables, q_start, q_lens, e
     # with STREAMING 16 warps lose, 12.3 -> 14.9 ms at 1M: the rotation wants the registers)
     if num_warps is None:
         num_warps = 16 if not decode and style == NONE and block_q * G >= 256 else 8 if block_q * G >= 128 else 4
-    deltas = offload_deltas(k_cache, v_cache, k_scale if scaled else None, v_scale if scaled else None, offload)
     gpu = q.is_cuda or recording_target() is not None  # recording for a GPU target: its choices
     if num_splits > 1:
         part_out = torch.empty((T, Hq, num_splits, D), dtype=torch.float32, device=q.device)
@@ -409,7 +409,7 @@ def block_sparse_attention(q, k_cache, v_cache, block_tables, q_start, q_lens, e
     else:
         part_out = part_lse = out  # unused
     _sparse_attn_kernel[(NB, Hkv, num_splits)](
-        q, k_cache, v_cache, k_scale if scaled else k_cache, v_scale if scaled else v_cache,
+        q, k_cache, v_cache, *kv.scale_ptrs(),
         block_tables, ends if decode else q_start, ends if decode else q_lens, ends, selected,
         inv_freq if inv_freq is not None else part_lse,
         bank if bank is not None else k_cache, bank_rows if bank_rows is not None else ends,
@@ -417,7 +417,7 @@ def block_sparse_attention(q, k_cache, v_cache, block_tables, q_start, q_lens, e
         out, part_out, part_lse,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        *(k_scale.stride() if scaled else (0, 0, 0)), *deltas,
+        *kv.scale_strides(), *kv.host_deltas(),
         block_tables.stride(0), selected.stride(0), selected.shape[1],
         *(bank.stride()[:3] if bank is not None else (0, 0, 0)),
         out.stride(0), out.stride(1),
@@ -427,8 +427,7 @@ def block_sparse_attention(q, k_cache, v_cache, block_tables, q_start, q_lens, e
         DECODE=decode, ROPE_STYLE=style, ROPE_GROUP=min(rope_group, BLOCK_N), BANK=bank is not None, PREFETCH=prefetch,
         VALUE_BANK=value_bank is not None,
         DOT_F32=not gpu or q.dtype == torch.float32,
-        DOT_PRECISION=dot_precision(q.dtype if gpu else torch.float32), KV_SCALED=scaled,
-        OFFLOAD=offload is not None, num_warps=num_warps,
+        DOT_PRECISION=dot_precision(q.dtype if gpu else torch.float32), **kv.kernel_flags(), num_warps=num_warps,
         **({"num_stages": num_stages} if num_stages else {}),
     )
     if num_splits > 1:
@@ -439,29 +438,26 @@ def block_sparse_attention(q, k_cache, v_cache, block_tables, q_start, q_lens, e
     return out
 
 
-def sparse_decode_attention(q, k_cache, v_cache, block_tables, context_lens, selected, *,
+def sparse_decode_attention(q, kv: PagedKV, block_tables, context_lens, selected, *,
                             n_sink: int, n_stream: int, scale: float, rope_style="none",
                             inv_freq=None, num_splits: int | None = None, rope_group: int = 1,
                             bank=None, bank_rows=None, block_n: int | None = None,
                             prefetch: bool | None = None, num_stages: int | None = None, out=None,
-                            k_scale=None, v_scale=None, offload: HostKV | None = None,
                             value_bank=None) -> torch.Tensor:
     """Decode: q [B, Hq, D] (one query per sequence, position context_lens[b] - 1), selected
     int32 [B, K]. Flash-decoding split-K over sink + selected + stream; out [B, Hq, D].
     bank / bank_rows: the rotated key bank (block_sparse_attention, key_bank.py); value_bank: the
-    selected values beside it (offloaded caches: cached steps then read no host page). k_scale /
-    v_scale: the row scales of fp8 caches (None: caches in q's dtype).
-    offload: host twin of the caches; table entries < 0 name its pages (kv_offload.py)."""
+    selected values beside it (offloaded caches: cached steps then read no host page). kv: the
+    layer's cache (block_sparse_attention)."""
     B = q.shape[0]
     if num_splits is None:
-        num_splits = decode_num_splits(B, k_cache.shape[2], selected.shape[1], n_sink, n_stream,
+        num_splits = decode_num_splits(B, kv.k.shape[2], selected.shape[1], n_sink, n_stream,
                                        device_num_sms(q.device), block_n)
-    return block_sparse_attention(q, k_cache, v_cache, block_tables, None, None, context_lens, selected,
+    return block_sparse_attention(q, kv, block_tables, None, None, context_lens, selected,
                             block_q=1, n_sink=n_sink, n_stream=n_stream, scale=scale,
                             rope_style=rope_style, inv_freq=inv_freq, num_splits=num_splits,
                             rope_group=rope_group, bank=bank, bank_rows=bank_rows, block_n=block_n,
-                            prefetch=prefetch, num_stages=num_stages, out=out, k_scale=k_scale,
-                            v_scale=v_scale, offload=offload, value_bank=value_bank)
+                            prefetch=prefetch, num_stages=num_stages, out=out, value_bank=value_bank)
 
 
 def decode_num_splits(batch: int, num_kv_heads: int, sel_width: int, n_sink: int, n_stream: int, num_sms: int,
@@ -478,22 +474,19 @@ def decode_num_splits(batch: int, num_kv_heads: int, sel_width: int, n_sink: int
     return choose_num_splits(next_pow2(batch), num_kv_heads, tiles, num_sms)
 
 
-def sparse_prefill_attention(q, k_cache, v_cache, block_tables, q_start, q_lens, ends, selected, *,
+def sparse_prefill_attention(q, kv: PagedKV, block_tables, q_start, q_lens, ends, selected, *,
                              block_q: int, n_sink: int, n_stream: int, scale: float,
                              rope_style="none", inv_freq=None, rope_group: int = 1,
                              block_n: int | None = None, num_warps: int | None = None,
-                             prefetch: bool | None = None, num_stages: int | None = None, out=None,
-                             k_scale=None, v_scale=None, offload: HostKV | None = None) -> torch.Tensor:
+                             prefetch: bool | None = None, num_stages: int | None = None, out=None) -> torch.Tensor:
     """Prefill: flash-style, each query block of <= block_q queries over its own key set with the
-    causal cut; q [T, Hq, D] packed, blocks from blocks.plan_query_blocks. k_scale / v_scale:
-    the row scales of fp8 caches (None: caches in q's dtype).
-    offload: host twin of the caches; table entries < 0 name its pages (kv_offload.py)."""
-    return block_sparse_attention(q, k_cache, v_cache, block_tables, q_start, q_lens, ends, selected,
+    causal cut; q [T, Hq, D] packed, blocks from blocks.plan_query_blocks. kv: the layer's cache
+    (block_sparse_attention)."""
+    return block_sparse_attention(q, kv, block_tables, q_start, q_lens, ends, selected,
                             block_q=block_q, n_sink=n_sink, n_stream=n_stream, scale=scale,
                             rope_style=rope_style, inv_freq=inv_freq, num_splits=1,
                             rope_group=rope_group, block_n=block_n, num_warps=num_warps, prefetch=prefetch,
-                            num_stages=num_stages, out=out, k_scale=k_scale, v_scale=v_scale,
-                            offload=offload)
+                            num_stages=num_stages, out=out)
 
 
 def sparse_attention_ref(q, k_cache, v_cache, block_tables, q_start, q_lens, ends, selected, *,
@@ -549,9 +542,8 @@ def aot_launches(space) -> None:
     cfg, fake = ss.cfg, ss.space.fake
     Hq, Hkv, D = ss.dims
     act = ss.space.act_dtype
-    k_cache, v_cache, k_scale, v_scale = ss.caches()
     kw = dict(n_sink=cfg.n_sink, n_stream=cfg.n_stream, scale=ss.space.model.attention_scale,
-              inv_freq=ss.inv_freq(), k_scale=k_scale, v_scale=v_scale)
+              inv_freq=ss.inv_freq())
     for kind in ss.kinds:
         last = kind.stages[-1]
         for mode in ss.modes:
@@ -560,19 +552,19 @@ def aot_launches(space) -> None:
             if mode.dynamic and ss.bank:
                 banks = [True] if ss.bank_for_all else [True, False]
             for offload in ss.offload:
-                host = ss.host(offload, k_cache, k_scale)
+                kv = ss.kv(offload)
                 for use_bank in banks:
                     splits = lambda b: decode_num_splits(b, Hkv, last.k, cfg.n_sink, cfg.n_stream,  # noqa: E731
                                                          ss.space.target.num_sms)
                     for B in representatives(1, ss.max_decode_rows, splits):
                         bank = fake(2, last.k, Hkv, D, dtype=act) if use_bank else None
                         sparse_decode_attention(
-                            ss.rows_q(B), k_cache, v_cache, ss.tables(B), ss.i32(B),
+                            ss.rows_q(B), kv, ss.tables(B), ss.i32(B),
                             fake(B, last.k, dtype=torch.int32), rope_style=style, rope_group=last.chunk_size,
-                            bank=bank, bank_rows=ss.i64(B) if use_bank else None, offload=host,
+                            bank=bank, bank_rows=ss.i64(B) if use_bank else None,
                             value_bank=fake(2, last.k, Hkv, D, dtype=act) if use_bank and offload else None, **kw)
                 NB = 1  # any block count: the grid only
                 sparse_prefill_attention(
-                    ss.step_q(NB), k_cache, v_cache, ss.tables(NB), ss.i32(NB), ss.i32(NB), ss.i32(NB),
+                    ss.step_q(NB), kv, ss.tables(NB), ss.i32(NB), ss.i32(NB), ss.i32(NB),
                     fake(NB, last.k, dtype=torch.int32), block_q=cfg.block_q, rope_style=style,
-                    rope_group=last.chunk_size, out=fake(NB, Hq, D, dtype=act), offload=host, **kw)
+                    rope_group=last.chunk_size, out=fake(NB, Hq, D, dtype=act), **kw)

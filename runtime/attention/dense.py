@@ -41,16 +41,15 @@ class DenseBackend:
     @staticmethod
     def rope_and_write(layer, q, k, v, positions: torch.Tensor, slots: torch.Tensor) -> None:
         rope = layer.rope[0]
-        rope_and_write_kv(q, k, v, positions, rope.inv_freq, rope.attention_scaling, layer.kv.k, layer.kv.v,
-                          slots, **layer.kv.scales)
+        rope_and_write_kv(q, k, v, positions, rope.inv_freq, rope.attention_scaling, layer.kv, slots)
 
     @staticmethod
     def decode(layer, q: torch.Tensor, out: torch.Tensor, block_tables: torch.Tensor,
                context_lens: torch.Tensor, max_len: int | None) -> None:
         """Flash-decoding of q [B, Hq, D] into out [B, Hq, D]; context 0 reads nothing (padding,
-        or rows another backend serves). max_len sizes the split count (ModelRunner.decode_len_bound)."""
-        paged_decode_attention(q, layer.kv.k, layer.kv.v, block_tables, context_lens, layer.scale, layer.window,
-                               out=out, max_len=max_len, **layer.kv.scales)
+        or rows another backend serves). max_len sizes the split count (cuda_graphs.decode_len_bound)."""
+        paged_decode_attention(q, layer.kv, block_tables, context_lens, layer.scale, layer.window, out=out,
+                               max_len=max_len)
 
     @staticmethod
     def prefill(layer, q, k, v, block_tables: torch.Tensor, cu: torch.Tensor, ctx_lens: torch.Tensor,
@@ -58,9 +57,9 @@ class DenseBackend:
         """Causal attention of packed chunks q [rows, Hq, D] (k/v: the same rows' fresh keys,
         already in the cache); sequence b owns rows cu[b]:cu[b+1], the last ones of its
         ctx_lens[b] tokens. Host lists and device tensors of the same values: no sync."""
-        return paged_prefill_attention(q, layer.kv.k, layer.kv.v, block_tables, cu, ctx_lens, layer.scale,
-                                       layer.window, k_new=k, v_new=v, cu_seqlens_q_list=cu_list,
-                                       context_lens_list=ctx_lens_list, **layer.kv.scales)
+        return paged_prefill_attention(q, layer.kv, block_tables, cu, ctx_lens, layer.scale, layer.window,
+                                       k_new=k, v_new=v, cu_seqlens_q_list=cu_list,
+                                       context_lens_list=ctx_lens_list)
 
     def prefill_run(self, layer, q, k, v, out, ctx, lo: int, hi: int) -> None:
         """The prefill chunks of sequences lo..hi-1 (batch order) of the step, into out."""

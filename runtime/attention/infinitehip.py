@@ -59,18 +59,15 @@ class InfiniteHipLayer:
         entries < 0 name host pages). dropped: int32 [B] tokens this layer does not hold of each
         sequence (UniPrefill drop histories, compacted KV), None = all held: the key ranges end
         that much earlier in the layer's cache."""
-        k_cache, v_cache, k_scale, v_scale = kv.k, kv.v, kv.k_scale, kv.v_scale
-        extra = (k_scale, v_scale, kv.host)
         if step.decode_rows.numel():
             ends = step.decode_ends if dropped is None else step.decode_ends - dropped[step.decode_rows]
-            self._decode(q, k_cache, v_cache, block_tables, step, out, ends, *extra)
+            self._decode(q, kv, block_tables, step, out, ends)
         if step.prefill_seqs.numel():
             ends = step.prefill_ends if dropped is None else step.prefill_ends - dropped[step.prefill_seqs]
             if step.staged is None:
-                self._prefill(q, k_cache, v_cache, block_tables, step, out, ends, *extra)
+                self._prefill(q, kv, block_tables, step, out, ends)
             else:  # the chunks' host pages, copied to a GPU twin (their tables renumbered)
-                twin = step.staged.acquire(self.layer)
-                self._prefill(q, k_cache, v_cache, step.staged.tables, step, out, ends, k_scale, v_scale, twin)
+                self._prefill(q, kv.with_host(step.staged.acquire(self.layer)), step.staged.tables, step, out, ends)
                 step.staged.release(self.layer)
 
     def _common(self) -> dict:
@@ -80,8 +77,7 @@ class InfiniteHipLayer:
         return dict(self._common(), head_normalized=self.cfg.chunk_score == "head_normalized",
                     reduce_scores=self.reduce_scores)
 
-    def _decode(self, q, k_cache, v_cache, block_tables, step: SparseStep, out, ends, k_scale, v_scale,
-                offload) -> None:
+    def _decode(self, q, kv: PagedKV, block_tables, step: SparseStep, out, ends) -> None:
         kw, cache = self._common(), self.cache
         prune_kw = self._prune_kw()
         rope = self.pruning_rope if step.dynamic_rope else "none"
@@ -92,49 +88,45 @@ class InfiniteHipLayer:
             r = step.stage_rows[self.group][i]  # rows recomputing stage i, indices into the decode rows
             slots, rows = step.decode_slots[r], step.decode_rows[r]
             prev = (None, None) if i == 0 else (cache.selected[i - 1][slots], cache.lens[i - 1][slots])
-            sel, num = pruning_stage(q, k_cache, block_tables[rows], step.decode_q_start[r],
+            sel, num = pruning_stage(q, kv, block_tables[rows], step.decode_q_start[r],
                                      step.decode_q_lens[r], ends[r], *prev,
                                      chunk_size=stage.chunk_size, k=stage.k, block_q=1,
                                      max_candidates=step.max_middle if i == 0 else None,
-                                     rope_style=rope, k_scale=k_scale, offload=offload, **prune_kw)
+                                     rope_style=rope, **prune_kw)
             cache.selected[i][slots], cache.lens[i][slots] = sel, num
             if cache.bank is not None and i == len(self.stages) - 1:
                 # the new selection's keys, rotated to their ranks once (read by the cached
                 # steps); written with or without dynamic RoPE so the bank is valid when it turns on
-                write_key_bank(k_cache, block_tables[rows], ends[r], sel, cache.bank, cache.bank_rows(slots),
+                write_key_bank(kv, block_tables[rows], ends[r], sel, cache.bank, cache.bank_rows(slots),
                                n_sink=self.cfg.n_sink, inv_freq=self.inv_freq, rope_group=stage.chunk_size,
-                               skip_row=cache.scratch_bank_row, k_scale=k_scale, offload=offload,
-                               v_cache=v_cache, v_scale=v_scale, value_bank=cache.value_bank)
+                               skip_row=cache.scratch_bank_row, value_bank=cache.value_bank)
         rows = step.decode_rows
         selected = cache.selected[-1][step.decode_slots]
         out[rows] = sparse_decode_attention(
-            q[rows], k_cache, v_cache, block_tables[rows], ends, selected, scale=self.scale,
+            q[rows], kv, block_tables[rows], ends, selected, scale=self.scale,
             rope_style=self.cfg.attention_rope if step.dynamic_rope else "none",
             rope_group=self.stages[-1].chunk_size, bank=cache.bank if bank else None,
-            bank_rows=cache.bank_rows(step.decode_slots) if bank else None, k_scale=k_scale, v_scale=v_scale,
-            offload=offload, value_bank=cache.value_bank if bank else None, **kw)
+            bank_rows=cache.bank_rows(step.decode_slots) if bank else None,
+            value_bank=cache.value_bank if bank else None, **kw)
 
-    def _prefill(self, q, k_cache, v_cache, block_tables, step: SparseStep, out, ends, k_scale, v_scale,
-                 offload) -> None:
+    def _prefill(self, q, kv: PagedKV, block_tables, step: SparseStep, out, ends) -> None:
         kw, prune_kw = self._common(), self._prune_kw()
         tables = block_tables[step.prefill_seqs]
         blocks = (step.prefill_q_start, step.prefill_q_lens, ends)
         rope = self.pruning_rope if step.dynamic_rope else "none"
         raw = None  # dynamic RoPE over many blocks: un-rotate each key once, not once per block
-        if step.raw_keys and rope != "none" and triton_on(q, k_cache):
-            raw = unrotate_keys(k_cache, block_tables[step.prefill_seq_rows], step.prefill_seq_ends,
-                                self.inv_freq, step.prefill_block_seq, k_scale=k_scale, dtype=q.dtype,
-                                offload=offload)
+        if step.raw_keys and rope != "none" and triton_on(q, kv.k):
+            raw = unrotate_keys(kv, block_tables[step.prefill_seq_rows], step.prefill_seq_ends,
+                                self.inv_freq, step.prefill_block_seq, dtype=q.dtype)
         sel = num = None
         for i, stage in enumerate(self.stages):
-            sel, num = pruning_stage(q, k_cache, tables, *blocks, sel, num, chunk_size=stage.chunk_size,
+            sel, num = pruning_stage(q, kv, tables, *blocks, sel, num, chunk_size=stage.chunk_size,
                                      k=stage.k, block_q=self.cfg.block_q, query_stride=self.cfg.query_strides[i],
                                      max_candidates=step.max_middle if i == 0 else None, rope_style=rope,
-                                     raw_keys=raw, k_scale=k_scale, offload=offload, **prune_kw)
-        sparse_prefill_attention(q, k_cache, v_cache, tables, *blocks, sel, block_q=self.cfg.block_q,
+                                     raw_keys=raw, **prune_kw)
+        sparse_prefill_attention(q, kv, tables, *blocks, sel, block_q=self.cfg.block_q,
                                  scale=self.scale, out=out, rope_group=self.stages[-1].chunk_size,
-                                 rope_style=self.cfg.attention_rope if step.dynamic_rope else "none",
-                                 k_scale=k_scale, v_scale=v_scale, offload=offload, **kw)
+                                 rope_style=self.cfg.attention_rope if step.dynamic_rope else "none", **kw)
 
 
 class InfiniteHipBackend:

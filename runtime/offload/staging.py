@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from infhip.plugins.kv_offload import HostKV, host_page
+from infhip.runtime.forward_context import upload_tables
 
 # A copy call per run, tensor (K, V, fp8 scales) and layer: past this many runs a step reads in
 # place rather than spend host time on launches. Fresh host pools hand out consecutive pages, so
@@ -82,7 +83,7 @@ class PrefillStaging:
         """layers: the attention modules whose cache has a host twin (``kv.host``), in forward order."""
         self.order = {attn.layer_index: j for j, attn in enumerate(layers)}
         self.hosts: list[HostKV] = [attn.kv.host for attn in layers]
-        self.capacity = capacity
+        self.capacity, self.device = capacity, device
         h = self.hosts[0]
         self.buffers = [HostKV(*(None if t is None else torch.empty((capacity, *t.shape[1:]), dtype=t.dtype,
                                                                        device=device)
@@ -95,6 +96,14 @@ class PrefillStaging:
     def bytes_for(capacity: int, page_bytes: int) -> int:
         """Device memory of the two buffers (page_bytes: one page of K, V and scales, one layer)."""
         return 2 * capacity * page_bytes
+
+    def stage(self, tables: list[list[int]], prefill_seqs: list[int]) -> StagedStep | None:
+        """The staging of a step's sparse prefill chunks (rows prefill_seqs of the global group's
+        page lists), None when disabled, there are none, or they do not fit (plan_staging)."""
+        if not self.enabled or not prefill_seqs:
+            return None
+        plan = plan_staging(tables, prefill_seqs, self.capacity)
+        return None if plan is None else self.start(plan, upload_tables(plan.tables, self.device))
 
     def start(self, plan: StagePlan, tables: torch.Tensor) -> StagedStep:
         """A step's staging (tables: plan.tables on the device). The first layer's copy is queued

@@ -57,6 +57,9 @@ class ServerMetrics:
         self.kv_cached = Gauge("infhip_kv_pages_cached",
                                "KV pages holding cached prefix content and no request (counted as free)",
                                ["group"], registry=r)
+        self.host_cached = Gauge("infhip_host_pages_cached",
+                                 "Offloaded (host) KV pages holding cached prefix content and no request "
+                                 "(counted as free)", ["group"], registry=r)
         self._preemptions_seen = 0
         self._prefix_seen = (0, 0, 0)
         self._timing: dict[int, _Timing] = {}  # seq_id -> timing of a live request
@@ -134,3 +137,4 @@ class ServerMetrics:
                 host_free = kv.num_free_host_pages(group)
                 self.kv_free.labels(group=group, memory="host").set(host_free)
                 self.kv_used.labels(group=group, memory="host").set(spec.offload.host_pages - host_free)
+                self.host_cached.labels(group=group).set(kv.num_cached_host_pages(group))

@@ -1,0 +1,77 @@
+"""StepPlan: the host-side inputs of one step, in batch order (decodes first).
+
+``ModelRunner.prepare`` builds one per step from the scheduler's chunks (``StepPlan.of_chunks``
+the flat lists; the backends' and token drop's host decisions on top); a run of back-to-back
+decode steps derives the later ones with ``next_decode``. Nothing here touches the device: the
+runner uploads a plan into a ForwardContext (eager) or DecodeGraphs loads it (graph replay).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from infhip.runtime.attention.sparse_plan import SparseStepHost
+from infhip.runtime.token_drop import DropChunk
+
+
+@dataclass
+class StepPlan:
+    """Flat token lists, the prefix sums of query rows, and per KV group the cache slot of each
+    new token and each sequence's page table."""
+
+    input_ids: list[int]
+    positions: list[int]
+    cu: list[int]  # [B + 1] query-row prefix sums
+    ctx_lens: list[int]  # [B] tokens in the cache after the step
+    logits_rows: list[int]  # rows whose logits are sampled
+    slots: dict[str, list[int]]
+    tables: dict[str, list[list[int]]]  # the cache manager's live page lists (read-only, this step)
+    num_decodes: int
+    sparse: SparseStepHost | None = None  # InfiniteHiP decisions (engines with such layers)
+    drops: list[DropChunk] | None = None  # UniPrefill: the chunks that drop tokens this step
+    # Drop histories: [global layer][b] tokens that layer lacks of sequence b's computed ones;
+    # None when no sequence of the step has one (every layer then holds every position).
+    layer_dropped: list[list[int]] | None = None
+    forced_retention: float | None = None  # benchmarks: ModelRunner.forced_retention at planning time
+
+    @property
+    def has_sparse(self) -> bool:
+        s = self.sparse
+        return s is not None and bool(s.decode_rows or s.prefill_seqs)
+
+    @classmethod
+    def of_chunks(cls, chunks, kv, groups: list[str]) -> "StepPlan":
+        """The flat lists of a step's chunks (scheduler order: decodes first); kv: the
+        KVCacheManager whose pages the scheduler allocated (read only here)."""
+        input_ids, positions, cu, ctx_lens, logits_rows = [], [], [0], [], []
+        slots = {g: [] for g in groups}
+        tables = {g: [] for g in groups}
+        num_decodes = 0
+        for i, ch in enumerate(chunks):
+            seq = ch.seq
+            if ch.num_tokens == 1 and num_decodes == i:
+                num_decodes += 1
+            if ch.num_tokens == 1 and ch.end == seq.num_tokens:
+                input_ids.append(seq.last_token_id)  # decode: no copy of the whole token list
+            else:
+                input_ids += seq.all_token_ids[ch.start:ch.end]
+            positions += range(ch.start, ch.end)
+            cu.append(cu[-1] + ch.num_tokens)
+            ctx_lens.append(ch.end)
+            if ch.needs_logits:
+                logits_rows.append(cu[-1] - 1)
+            for g in groups:
+                slots[g] += kv.slot_mapping(seq.seq_id, g, ch.start, ch.end)
+                tables[g].append(kv.page_list(seq.seq_id, g))  # live lists: read within this step
+        return cls(input_ids=input_ids, positions=positions, cu=cu, ctx_lens=ctx_lens, logits_rows=logits_rows,
+                   slots=slots, tables=tables, num_decodes=num_decodes)
+
+    def next_decode(self, j: int, chunks, kv) -> "StepPlan":
+        """Step j of a run of decode steps whose first is this plan (the same batch, j positions
+        further; its pages already allocated); the caller plans its sparse rows."""
+        starts = [ch.start for ch in chunks]
+        slots = {g: [kv.slot_mapping(ch.seq.seq_id, g, s + j, s + j + 1)[0] for ch, s in zip(chunks, starts)]
+                 for g in self.slots}
+        return dataclasses.replace(self, positions=[s + j for s in starts], ctx_lens=[s + j + 1 for s in starts],
+                                   slots=slots, sparse=None)
