@@ -402,7 +402,12 @@ def test_cached_pages_cause_no_preemption(llama):
     for i in range(6):
         on.generate(prompt_token_ids=[ids(60 + i, 40)], sampling_params=GREEDY)
     assert on.stats().kv_pages_cached["global"] >= 12
-    load = [ids(70, 60), ids(71, 58)]
+    assert_cache_costs_no_preemption(on, off, [ids(70, 60), ids(71, 58)])
+
+
+def assert_cache_costs_no_preemption(on, off, load: list[list[int]]) -> None:
+    """A load that fits without preemption with the cache off (``off``) runs without preemption
+    and with the same tokens with a full cache (``on``): the cached pages were evicted first."""
     sp = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
     got = on.generate(prompt_token_ids=load, sampling_params=sp)
     want = off.generate(prompt_token_ids=load, sampling_params=sp)

@@ -29,6 +29,7 @@ from infhip.runtime.serving.metrics import ServerMetrics
 from tests._tiny import write_tiny_hf_checkpoint
 
 from .test_infinitehip_runtime import LOW, TINY
+from .test_prefix_caching import assert_cache_costs_no_preemption
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 DYNAMIC = dict(LOW, rope_off_in_trained_window=False)  # RoPE re-rotated in every sparse step
@@ -327,13 +328,7 @@ def test_cached_pages_cause_no_preemption(engines, small_batches, offload):
     assert kv.num_cached_pages("global") >= 8
     if offload:
         assert kv.num_cached_host_pages("global") >= 6
-    load = [ids(80, 60), ids(81, 58)]
-    sp = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
-    got = on.generate(prompt_token_ids=load, sampling_params=sp)
-    want = off.generate(prompt_token_ids=load, sampling_params=sp)
-    assert [o.token_ids for o in got] == [w.token_ids for w in want]
-    assert off.scheduler.num_preemptions == 0 and on.scheduler.num_preemptions == 0
-    assert on.stats().prefix_cache_evictions > 0
+    assert_cache_costs_no_preemption(on, off, [ids(80, 60), ids(81, 58)])
 
 
 # ---- token drop -------------------------------------------------------------------------------
