@@ -56,6 +56,7 @@ from infhip.runtime.sampler import Sampler, make_generator
 from infhip.runtime.sampling_params import SamplingParams
 from infhip.runtime.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
 from infhip.runtime.sequence import Sequence, SequenceStatus
+from infhip.runtime.token_drop import never_drops
 
 _log = logging.getLogger(__name__)
 
@@ -121,11 +122,11 @@ class LLM:
         build = self.engine.config.build
         self.scheduler = Scheduler(self.runner.kv, self.max_num_seqs, budget, build.max_seq_len)
         plan = self.engine.config.plan
-        if opts.prefix_caching and prefix_caching_exact(plan, opts.kv_offload_bytes):
+        if opts.prefix_caching:
             self.runner.kv.enable_prefix_caching(repr((plan, build.kv_dtype, build.dtype)),
                                                  **prefix_caching_rule(plan, build.page_size))
-        elif opts.prefix_caching:
-            _log.info("prefix caching is off: not exact for this plan (token drop)")
+            runner = self.runner  # token drop: only requests that never drop (read live: knobs may change)
+            self.scheduler.prefix_filter = lambda seq: never_drops(seq, runner.token_drop, runner.drop_max_context)
         self.load_report = self._load_report(t0, t_engine)
         self.sampler = Sampler()
         self.tokenizer = self.engine.tokenizer
@@ -459,16 +460,9 @@ def make_runner(engine, opts: LoadOptions) -> tuple[ModelRunner, int, int, int]:
     return runner, max_num_seqs, budget, num_decode_steps
 
 
-def prefix_caching_exact(plan, kv_offload_bytes: int = 0) -> bool:
-    """Whether reusing cached KV pages is exact under ``plan`` (docs/design/prefix_caching.md):
-    every plan but token drop, whose compacted pages depend on the prompt's own suffix. Dense
-    plans: the same result as no cache. InfiniteHiP (offloaded or not): the same result as
-    prefilling the prefix as its own chunk sequence first (prefix_caching_rule)."""
-    return plan.token_drop is None
-
-
 def prefix_caching_rule(plan, page_size: int) -> dict:
-    """KVCacheManager.enable_prefix_caching's arguments for ``plan``. InfiniteHiP prefill is
+    """KVCacheManager.enable_prefix_caching's arguments for ``plan`` (docs/design/prefix_caching.md,
+    "Exactness per plan"; token drop's rule is the scheduler's prefix_filter). InfiniteHiP prefill is
     block-causal (a query block of ``block_q`` reads only keys before its end), and no state but
     K/V survives a prefill (mask caches and key banks are decode state, rebuilt at the first
     sparse decode step; the raw-keys scratch lives one step): so a reused prefix is a multiple of

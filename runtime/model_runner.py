@@ -116,8 +116,8 @@ class ModelRunner:
             raise ValueError("token drop cannot be turned on while KV pages are offloaded")
         self._mirror("set_token_drop", cfg)
         newly_on = cfg is not None and self.token_drop is None
-        if cfg is not None and self.kv.prefix_caching:  # reuse is not exact with token drop
-            self.kv.disable_prefix_caching()  # (docs/design/prefix_caching.md)
+        if cfg is not None and self.kv.prefix_caching:  # running requests may hold shared pages and
+            self.kv.disable_prefix_caching()  # would now drop over them (docs/design/prefix_caching.md)
         self.token_drop = cfg
         if newly_on and self.graphs is not None:
             self.graphs.capture_planned()

@@ -63,8 +63,8 @@ class LoadOptions:
     prefix_caching: bool = _option(
         True, "reuse the KV pages of a prompt prefix an earlier request computed (whole pages), where reuse is "
         "exact: dense plans, InfiniteHiP presets (chunk-aligned: design doc), fp8 KV, Gemma-3's sliding layers, "
-        "KV offloaded to host memory (cached there too); off by itself with token drop; `--no-prefix-caching` "
-        "turns it off", "bool", None,
+        "KV offloaded to host memory (cached there too); with token drop only prompts that never drop (shorter "
+        "than `min_prompt_len`); `--no-prefix-caching` turns it off", "bool", None,
         "exactness tests only ([design/prefix_caching.md](design/prefix_caching.md))")
     jit: str | None = _option(
         None, "a kernel the engine has no binary for: `forbid` raises, `warn` compiles and logs, `allow` compiles "

@@ -10,7 +10,8 @@ Every step requests join and leave. ``schedule()`` gives, within a token budget
      stays at the head of the queue: nobody skips past it. With prefix caching a waiting
      sequence starts with the cached pages of its longest reusable prefix
      (``KVCacheManager.share``) and its first chunk starts there; ``update()`` offers every page
-     that a chunk fills to the cache (``KVCacheManager.register``).
+     that a chunk fills to the cache (``KVCacheManager.register``); ``prefix_filter`` leaves
+     some sequences out of both (token drop: those that may drop).
 The executor runs the chunks, samples one token per chunk with ``needs_logits`` and hands them
 to ``update()``, which advances the sequences and retires the finished ones.
 """
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import bisect
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from infhip.runtime.kv_cache import KVCacheManager, OutOfPages
@@ -112,6 +114,9 @@ class Scheduler:
         self._ids: set[int] = set()  # unfinished seq ids
         self._next_arrival = 0
         self.num_preemptions = 0  # since start (infhip-serve's /metrics)
+        # Prefix caching: which sequences may start on cached pages and name theirs (None: all).
+        # Token drop: only those that never drop (their pages are not compacted).
+        self.prefix_filter: Callable[[Sequence], bool] | None = None
 
     @property
     def num_waiting(self) -> int:
@@ -248,7 +253,7 @@ class Scheduler:
                and len(self.running) < self.max_num_seqs):
             seq = self.waiting[0]
             # prefix caching: start with the cached pages of the longest reusable prefix
-            cached = self.kv.share(seq.seq_id, seq.all_token_ids) if self.kv.prefix_caching else 0
+            cached = self.kv.share(seq.seq_id, seq.all_token_ids) if self._reuses(seq) else 0
             end = cached + min(seq.num_tokens - cached, step.budget)
             if not self.kv.can_append(seq.seq_id, cached, end):
                 self.kv.free(seq.seq_id)  # the shared pages go back to the cache
@@ -264,6 +269,10 @@ class Scheduler:
             step.add(ScheduledChunk(seq, cached, end - cached), decode=False)
 
         return SchedulerOutput(chunks=step.decodes + step.prefills, preempted=step.preempted)
+
+    def _reuses(self, seq: Sequence) -> bool:
+        """Whether ``seq`` takes part in prefix caching (shares cached pages, names its own)."""
+        return self.kv.prefix_caching and (self.prefix_filter is None or self.prefix_filter(seq))
 
     def reserve_decode_steps(self, out: SchedulerOutput, num_steps: int) -> bool:
         """Pages for ``num_steps`` positions of every chunk of the pure-decode step ``out``, so
@@ -291,7 +300,7 @@ class Scheduler:
                 raise ValueError(f"sequence {seq.seq_id} has {seq.num_computed_tokens} computed "
                                  f"tokens, chunk starts at {chunk.start}: update() called twice?")
             seq.num_computed_tokens = chunk.end
-            if (self.kv.prefix_caching and chunk.end // self.kv.page_size > chunk.start // self.kv.page_size
+            if (chunk.end // self.kv.page_size > chunk.start // self.kv.page_size and self._reuses(seq)
                     and (self.kv.cache_decode_pages or not chunk.is_decode)):
                 tokens = seq.all_token_ids if seq.output_token_ids else seq.prompt_token_ids  # no copy
                 self.kv.register(seq.seq_id, tokens, chunk.end)  # the pages this chunk filled

@@ -95,15 +95,23 @@ def keep_tail(cfg: TokenDropConfig, windows: list[int | None]) -> int:
     return max([cfg.obs_window] + [w for w in windows if w is not None])
 
 
+def never_drops(seq, cfg: TokenDropConfig | None, max_context: int | None = None) -> bool:
+    """Whether no chunk of ``seq`` drops tokens under ``cfg`` (None: token drop off): its prompt
+    is shorter than min_prompt_len, or (``max_context``, InfiniteHiP engines) it may grow past
+    the trained window. Its pages then hold what a plan without token drop computes (prefix
+    caching reuses them: docs/design/prefix_caching.md)."""
+    if cfg is None or seq.num_prompt_tokens < cfg.min_prompt_len:
+        return True
+    return max_context is not None and seq.num_prompt_tokens + seq.params.max_tokens > max_context
+
+
 def plan_drops(chunks, cfg: TokenDropConfig, tail: int, max_context: int | None = None) -> list[DropChunk]:
     """The chunks of a step (scheduler order) that drop: long-enough prompts, not decodes, at
     least G droppable tokens besides sinks and the kept tail; with ``max_context`` (engines with
     InfiniteHiP layers: the trained window) only requests that cannot grow past it."""
     drops = []
     for b, ch in enumerate(chunks):
-        if ch.num_tokens == 1 or ch.seq.num_prompt_tokens < cfg.min_prompt_len:
-            continue
-        if max_context is not None and ch.seq.num_prompt_tokens + ch.seq.params.max_tokens > max_context:
+        if ch.num_tokens == 1 or never_drops(ch.seq, cfg, max_context):
             continue
         droppable = ch.num_tokens - tail - max(0, cfg.num_sink - ch.start)
         if droppable >= cfg.block_size:
@@ -374,4 +382,4 @@ class DropStats:
                     self.kept_positions.setdefault(seq.seq_id, {}).setdefault(layer, []).append(positions)
 
 
-__all__ = ["DropChunk", "DropStats", "TokenDropStep", "keep_tail", "plan_drops"]
+__all__ = ["DropChunk", "DropStats", "TokenDropStep", "keep_tail", "never_drops", "plan_drops"]

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import random
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -15,7 +14,6 @@ import torch
 from infhip import LLM, SamplingParams
 from infhip.builder.build import build_engine
 from infhip.runtime.kv_cache import NULL_PAGE, KVCacheManager, KVGroupSpec, OffloadSpec, OutOfPages
-from infhip.runtime.llm import prefix_caching_exact
 from infhip.runtime.prefix_cache import PagePool, extend_chain
 from infhip.runtime.sequence import Sequence
 from tests._serving import post, request, running_server
@@ -404,7 +402,12 @@ def test_cached_pages_cause_no_preemption(llama):
     for i in range(6):
         on.generate(prompt_token_ids=[ids(60 + i, 40)], sampling_params=GREEDY)
     assert on.stats().kv_pages_cached["global"] >= 12
-    load = [ids(70, 60), ids(71, 58)]
+    assert_cache_costs_no_preemption(on, off, [ids(70, 60), ids(71, 58)])
+
+
+def assert_cache_costs_no_preemption(on, off, load: list[list[int]]) -> None:
+    """A load that fits without preemption with the cache off (``off``) runs without preemption
+    and with the same tokens with a full cache (``on``): the cached pages were evicted first."""
     sp = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
     got = on.generate(prompt_token_ids=load, sampling_params=sp)
     want = off.generate(prompt_token_ids=load, sampling_params=sp)
@@ -413,16 +416,13 @@ def test_cached_pages_cause_no_preemption(llama):
     assert on.stats().prefix_cache_evictions > 0
 
 
-def test_plans_where_it_is_off(llama):
-    """Token drop is the one plan without reuse (a drop history depends on the prompt's own
-    suffix: tests/test_prefix_caching_sparse.py shows it); InfiniteHiP and offloading have it."""
-    dense = SimpleNamespace(infinitehip=None, token_drop=None)
-    assert prefix_caching_exact(dense) and prefix_caching_exact(dense, kv_offload_bytes=1 << 30)
-    assert prefix_caching_exact(SimpleNamespace(infinitehip=object(), token_drop=None))
-    assert not prefix_caching_exact(SimpleNamespace(infinitehip=None, token_drop=object()))
-    assert not LLM(llama, token_drop=True).prefix_caching
+def test_token_drop_turned_on_at_runtime_forgets_the_cache(llama):
+    """Requests running when token drop turns on may hold shared pages and would drop over them:
+    prefix caching goes off and forgets its pages (a token-drop engine loaded as such keeps it for
+    prompts that never drop: tests/test_prefix_caching_sparse.py)."""
     llm = LLM(llama)
     llm.generate(prompt_token_ids=[ids(80, 40)], sampling_params=GREEDY)
+    assert llm.stats().kv_pages_cached == {"global": 2}
     llm.runner.set_token_drop(LLM(llama, token_drop=True).engine.config.plan.token_drop)  # turned on at runtime
     assert not llm.prefix_caching and llm.stats().kv_pages_cached == {"global": 0}
     assert llm.generate(prompt_token_ids=[ids(80, 40)], sampling_params=GREEDY)[0].num_cached_tokens == 0

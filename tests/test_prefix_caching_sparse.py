@@ -9,7 +9,8 @@ plan"), on tiny float32 CPU engines:
 * offloaded KV: the document's pages are reused from pinned host memory (and the GPU), equal to
   no cache, with every page that is neither held nor cached poisoned, and under host-pool
   eviction (evicted host pages poisoned); refcounts under abort;
-* token drop: the rule that keeps it off — a prefix's kept positions depend on the suffix.
+* token drop: only prompts that never drop take part (a prefix's kept positions depend on the
+  suffix); they reuse as on a dense engine.
 
 Runs the plugins' torch references (TRITON_INTERPRET unset), except one interpreted case."""
 
@@ -28,6 +29,7 @@ from infhip.runtime.serving.metrics import ServerMetrics
 from tests._tiny import write_tiny_hf_checkpoint
 
 from .test_infinitehip_runtime import LOW, TINY
+from .test_prefix_caching import assert_cache_costs_no_preemption
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 DYNAMIC = dict(LOW, rope_off_in_trained_window=False)  # RoPE re-rotated in every sparse step
@@ -326,34 +328,54 @@ def test_cached_pages_cause_no_preemption(engines, small_batches, offload):
     assert kv.num_cached_pages("global") >= 8
     if offload:
         assert kv.num_cached_host_pages("global") >= 6
-    load = [ids(80, 60), ids(81, 58)]
-    sp = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
-    got = on.generate(prompt_token_ids=load, sampling_params=sp)
-    want = off.generate(prompt_token_ids=load, sampling_params=sp)
-    assert [o.token_ids for o in got] == [w.token_ids for w in want]
-    assert off.scheduler.num_preemptions == 0 and on.scheduler.num_preemptions == 0
-    assert on.stats().prefix_cache_evictions > 0
+    assert_cache_costs_no_preemption(on, off, [ids(80, 60), ids(81, 58)])
 
 
 # ---- token drop -------------------------------------------------------------------------------
 TD = dict(obs_window=8, block_size=8, num_sink=8, min_prompt_len=0, spare_anchors=0)
 
 
-def test_token_drop_history_depends_on_the_suffix(tmp_path):
-    """Why token drop keeps prefix caching off: the blocks a chunk keeps are chosen by the
-    observation window at the chunk's end (here the prompt's: one chunk), so two prompts with the
-    same first 160 tokens keep different positions of them (their compacted pages differ)."""
-    write_tiny_hf_checkpoint(tmp_path / "hf", "llama")
-    engine = build_engine(checkpoint=tmp_path / "hf", output_dir=tmp_path / "engine", dtype="float32",
-                          device="cpu", max_seq_len=256, max_batch_size=2, progress=False)
-    llm = set_forced_retention(LLM(engine, token_drop=TD), 0.3)  # keep the top 30 % of blocks by importance
-    assert not llm.prefix_caching
+@pytest.fixture(scope="module")
+def td_engine(tmp_path_factory):
+    root = tmp_path_factory.mktemp("pc_td")
+    write_tiny_hf_checkpoint(root / "hf", "llama")
+    return build_engine(checkpoint=root / "hf", output_dir=root / "engine", dtype="float32", device="cpu",
+                        max_seq_len=256, max_batch_size=2, progress=False)
+
+
+def test_token_drop_history_depends_on_the_suffix(td_engine):
+    """Why a request that drops never shares or names pages: the blocks a chunk keeps are chosen
+    by the observation window at the chunk's end (here the prompt's: one chunk), so two prompts
+    with the same first 160 tokens keep different positions of them (their compacted pages differ)."""
+    llm = set_forced_retention(LLM(td_engine, token_drop=TD), 0.3)  # keep the top 30 % of blocks by importance
     llm.runner.drop_stats.record_kept_positions = True
     doc = ids(60, 160)
     for i in range(2):
-        llm.generate(prompt_token_ids=[doc + ids(61 + i, 40)], sampling_params=GREEDY)
+        out = llm.generate(prompt_token_ids=[doc + ids(61 + i, 40)], sampling_params=GREEDY)[0]
+        assert out.num_cached_tokens == 0
     kept = list(llm.runner.drop_stats.kept_positions.values())  # per sequence: {anchor: [positions]}
     assert len(kept) == 2
     prefix = [{layer: [p for p in torch.cat(v).tolist() if p < 160] for layer, v in k.items()} for k in kept]
     assert any(len(p) < 160 for p in prefix[0].values()), "the prefix itself was dropped from"
     assert prefix[0] != prefix[1]
+    assert llm.stats().kv_pages_cached == {"global": 0}, "pages of a dropping request are never named"
+
+
+def test_token_drop_engine_reuses_prompts_that_never_drop(td_engine):
+    """min_prompt_len 100: prompts shorter than that never drop and share pages as on a dense
+    engine (same tokens as no cache); longer ones drop, and neither take nor name cached pages."""
+    knobs = dict(TD, min_prompt_len=100)
+    on = set_forced_retention(LLM(td_engine, token_drop=knobs, max_num_batched_tokens=32), 0.3)
+    off = set_forced_retention(LLM(td_engine, token_drop=knobs, max_num_batched_tokens=32, prefix_caching=False), 0.3)
+    assert on.prefix_caching
+    doc = ids(62, 160)
+    prompts = [doc[:64] + ids(63, 6), doc[:64] + ids(64, 9),  # short: reuse
+               doc + ids(65, 20), doc + ids(66, 20),  # long: drop, no reuse
+               doc[:64] + ids(67, 3)]  # short again: reuses the short ones' pages, not the long ones'
+    got = [on.generate(prompt_token_ids=[p], sampling_params=GREEDY)[0] for p in prompts]
+    want = [off.generate(prompt_token_ids=[p], sampling_params=GREEDY)[0] for p in prompts]
+    assert [o.token_ids for o in got] == [w.token_ids for w in want]
+    assert [o.num_cached_tokens for o in got] == [0, 64, 0, 0, 64]
+    assert len(on.runner.drop_stats.retention) == 2 and all(
+        kept < total for r in on.runner.drop_stats.retention.values() for kept, total in r.values()), \
+        "the long prompts dropped"
