@@ -23,7 +23,7 @@ from infhip.plugins import fp8_linear as fl
 from infhip.runtime import engine as engine_mod
 from infhip.runtime.models.common import Fp8Linear
 from tests._tiny import write_tiny_hf_checkpoint
-from tests.test_builder import assert_one_line_error, run_cli
+from tests._builder import assert_one_line_error, run_cli
 from tests.test_runtime_vs_hf import last_logits, prompt_ids, rel_err
 
 KW = dict(dtype="float32", device="cpu", max_seq_len=256, max_batch_size=4, progress=False)
