@@ -25,15 +25,6 @@ import torch
 FLOOR_NOTE = "weight-bandwidth floor: bytes of weights read per token / 4.3 TB/s"
 
 
-def sync_time(fn, reps: int = 1) -> float:
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(reps):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t) / reps
-
-
 def profile_graph(graph, path: Path, reps: int = 10) -> dict:
     """Per-kernel GPU time of one graph replay (torch.profiler/CUPTI), grouped by kernel name."""
     from torch.profiler import ProfilerActivity, profile
@@ -76,7 +67,7 @@ def decode_tok_s(llm, SamplingParams, batch: int, prompt_len: int = 128, n1: int
 
     def run(n):
         sp = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
-        return sync_time(lambda: llm.generate(prompt_token_ids=ids, sampling_params=sp))
+        return timing.sync_time(lambda: llm.generate(prompt_token_ids=ids, sampling_params=sp))
     run(n1)  # warm-up
     t1, t2 = run(n1), run(n2)
     return batch * (n2 - n1) / (t2 - t1)
@@ -86,7 +77,7 @@ def hf_decode_tok_s(hf, batch: int, prompt_len: int = 128, n1: int = 8, n2: int 
     ids = torch.randint(10, 1000, (batch, prompt_len), device="cuda")
 
     def run(n):
-        return sync_time(lambda: hf.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False))
+        return timing.sync_time(lambda: hf.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False))
     run(n1)
     t1, t2 = run(n1), run(n2)
     return batch * (n2 - n1) / (t2 - t1)
@@ -201,8 +192,8 @@ def main() -> None:
 
     graphs = llm.runner.graphs
     graph = graphs.graphs.get((1, GraphKey(len_bucket=512)), graphs.graphs[(1, GraphKey())])
-    res["decode_b1_graph_ms"] = sync_time(graph.replay, reps=200) * 1e3
-    res["decode_b1_startup_graph_ms"] = sync_time(graphs.graphs[(1, GraphKey())].replay, reps=200) * 1e3
+    res["decode_b1_graph_ms"] = timing.sync_time(graph.replay, reps=200) * 1e3
+    res["decode_b1_startup_graph_ms"] = timing.sync_time(graphs.graphs[(1, GraphKey())].replay, reps=200) * 1e3
     print(f"decode b=1: start-up graph (splits for max_seq_len) {res['decode_b1_startup_graph_ms']:.3f} ms",
           flush=True)
     print(f"decode b=1: graph replay {res['decode_b1_graph_ms']:.3f} ms/token, "
@@ -226,11 +217,11 @@ def main() -> None:
         ids = torch.randint(10, 100000, (n,)).tolist()
         sp = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
         llm.generate(prompt_token_ids=[ids[:1024]], sampling_params=sp)
-        t_ours = min(sync_time(lambda: llm.generate(prompt_token_ids=[ids], sampling_params=sp)) for _ in range(2))
+        t_ours = min(timing.sync_time(lambda: llm.generate(prompt_token_ids=[ids], sampling_params=sp)) for _ in range(2))
         x = torch.tensor([ids], device="cuda")
         with torch.no_grad():
             hf(x[:, :1024], logits_to_keep=1)
-            t_hf = min(sync_time(lambda: hf(x, logits_to_keep=1)) for _ in range(2))
+            t_hf = min(timing.sync_time(lambda: hf(x, logits_to_keep=1)) for _ in range(2))
         res[f"prefill_{n}_tok_s"], res[f"hf_prefill_{n}_tok_s"] = n / t_ours, n / t_hf
         torch.cuda.empty_cache()
 

@@ -129,14 +129,6 @@ def kernels(res: dict, deadline: float) -> None:
         torch.cuda.empty_cache()
 
 
-def sync_time(fn) -> float:
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    fn()
-    torch.cuda.synchronize()
-    return time.perf_counter() - t
-
-
 def random_ids(llm, n: int, seed: int) -> list[int]:
     vocab = llm.engine.config.model.vocab_size
     return torch.randint(10, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
@@ -148,7 +140,7 @@ def decode_tok_s(llm, batch: int, n1: int = 32, n2: int = 160) -> float:
 
     def run(n):
         sp = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
-        return sync_time(lambda: llm.generate(prompt_token_ids=ids, sampling_params=sp))
+        return timing.sync_time(lambda: llm.generate(prompt_token_ids=ids, sampling_params=sp))
     run(n1)  # warm-up
     t1, t2 = run(n1), run(n2)
     return batch * (n2 - n1) / (t2 - t1)
@@ -193,7 +185,7 @@ def engine(name: str, flags: dict, work: Path, res: dict, ref_logits: dict) -> N
     for n in PREFILL_LENS:
         prompt = random_ids(llm, n, n)
         llm.generate(prompt_token_ids=[prompt[:CONTEXT]], sampling_params=sp)
-        t_best = min(sync_time(lambda: llm.generate(prompt_token_ids=[prompt], sampling_params=sp)) for _ in range(2))
+        t_best = min(timing.sync_time(lambda: llm.generate(prompt_token_ids=[prompt], sampling_params=sp)) for _ in range(2))
         row[f"prefill_{n}_tok_s"] = n / t_best
         print(f"{name}: prefill {n} {n / t_best:.0f} tok/s", flush=True)
     del llm, model, embed

@@ -27,15 +27,8 @@ import json
 import time
 from pathlib import Path
 
+import timing
 import torch
-
-
-def sync_time(fn) -> float:
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    fn()
-    torch.cuda.synchronize()
-    return time.perf_counter() - t
 
 
 def prompts(n: int, length: int, seed: int = 0) -> list[list[int]]:
@@ -48,7 +41,7 @@ def decode_tok_s(llm, SamplingParams, batch: int, n1: int = 32, n2: int = 160) -
 
     def run(n):
         sp = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
-        return sync_time(lambda: llm.generate(prompt_token_ids=ids, sampling_params=sp))
+        return timing.sync_time(lambda: llm.generate(prompt_token_ids=ids, sampling_params=sp))
     run(n1)  # warm-up
     return batch * (n2 - n1) / (run(n2) - run(n1))
 
@@ -57,7 +50,7 @@ def prefill_tok_s(llm, SamplingParams, length: int) -> float:
     ids = prompts(1, length, seed=2)
     sp = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     llm.generate(prompt_token_ids=[ids[0][:1024]], sampling_params=sp)  # warm-up
-    return length / sync_time(lambda: llm.generate(prompt_token_ids=ids, sampling_params=sp))
+    return length / timing.sync_time(lambda: llm.generate(prompt_token_ids=ids, sampling_params=sp))
 
 
 def all_reduce_ms_per_step(llm, SamplingParams, batch: int, steps: int = 64) -> float:

@@ -4,11 +4,14 @@
                                 graph and replayed, so launch gaps are not timed (what the
                                 runtime's decode graphs see)
     event_ms(fn, reps)          median ms of one eager fn() call (CUDA events, after a warm-up)
+    sync_time(fn, reps)         wall seconds of one fn() call, synchronized before and after
+                                (whole requests: host work included)
 """
 
 from __future__ import annotations
 
 import statistics
+import time
 
 import torch
 
@@ -52,3 +55,12 @@ def event_ms(fn, reps: int = 5) -> float:
         end.synchronize()
         times.append(start.elapsed_time(end))
     return statistics.median(times)
+
+
+def sync_time(fn, reps: int = 1) -> float:
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t) / reps
