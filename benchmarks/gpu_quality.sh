@@ -10,6 +10,7 @@
 #   bash benchmarks/gpu_quality.sh smol-layer-bisect  SmolLM2 3k, 8K passkey: pruning in all / lower / upper layers
 #   bash benchmarks/gpu_quality.sh qwen     Qwen2.5-Coder-0.5B from the GGUF staged by benchmarks/stage_qwen.sh
 #                                           (issue 21): RULER/passkey/ppl/recall/UniPrefill, ~9 min
+#   bash benchmarks/gpu_quality.sh qwen-knobs  the same GGUF: 3k/5k under chunk_score head_normalized vs max
 set -eo pipefail
 OUT=${OUT:-/tmp/infhip-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD/.stage/pylib:$PYTHONPATH
@@ -25,6 +26,46 @@ retrieval() {  # retrieval "ENGINE ARGS" TAG: passkey 8K-32K (3 depths x 5) + NI
   infhip-eval niah $1 --lengths 16k,32k --variants single,multikey --depths 0.25,0.5,0.75 --samples 3 \
       --json $OUT/niah_$2.json
 }
+
+# Qwen2.5-Coder-0.5B-Instruct (24 layers, 32K trained window), one call of < 10 min per case. Steps
+# run in priority order, three at a time (a 0.5B model leaves the GPU mostly idle); each gets the
+# time left before the deadline (a cut step loses only its own JSON). Raw JSON + markdown go to
+# $W and come back as $OUT/ruler_*.json.gz + $OUT/qwen_raw.tar.gz.
+qwen_setup() {  # the staged GGUF joined and checked, the Python parts the GPU image lacks
+  W=/tmp/qwen-results; mkdir -p $W engines; DEADLINE=${DEADLINE:-540}
+  # Whatever was written comes back, even after an error: each RULER JSON (the prompts' text makes
+  # them MBs) gzipped on its own, the rest in one tarball (at most 8 files of 16 MiB come back).
+  trap 'for f in $W/ruler_*.json; do [ -f "$f" ] && gzip -c "$f" > $OUT/$(basename $f).gz; done
+        tar -czf $OUT/qwen_raw.tar.gz --exclude="ruler_*.json" -C $W .' EXIT
+  tar -xzf .stage/qwen-pylib.tar.gz -C .stage  # -> .stage/pylib-qwen: gguf, wonderwords, RULER data
+  export PYTHONPATH=$PWD/.stage/pylib-qwen:$PYTHONPATH INFHIP_CACHE=$PWD/.stage/cache
+  python3 -m infhip.eval.stage join-file .stage/qwen05 .stage/cache/qwen2.5-coder-0.5b-instruct.gguf
+  python3 -c "from infhip.builder.registry import resolve_model as r; print(r('qwen2.5-coder-0.5b'))"  # pinned SHA-256
+}
+qwen_build() {  # qwen_build PRESET...: engines/q05-PRESET, built at once, then engines/q05-dense
+  # max_seq_len 131136: a 128K passkey prompt plus its 8 generated tokens must fit. dense_threshold
+  # 4096 at build (the default, 32K, would make the 32K column the dense one): as a load-time
+  # override it launches variants the build did not compile (sparse inside the trained window).
+  for p in "$@"; do
+    infhip-build --model qwen2.5-coder-0.5b --preset $p --dtype bfloat16 --max-seq-len 131136 --device cuda \
+        --infinitehip-overrides dense_threshold=4096 --output engines/q05-$p --force --quiet > $W/build_$p.log 2>&1 &
+  done
+  wait
+  tail -n 2 $W/build_*.log  # "engine written to ... in N s", or the error
+  rm -rf engines/q05-dense && python3 benchmarks/replan_engine.py engines/q05-$1 engines/q05-dense --sparse none
+  echo "engines ready at ${SECONDS}s"
+}
+step() {  # step NAME CMD...: run CMD with the time left before the deadline; its log in $W/NAME.log
+  local left=$((DEADLINE - SECONDS)) rc=0
+  if [ $left -le 20 ]; then echo "SKIPPED $1 (deadline)" | tee -a $W/skipped.txt; return; fi
+  echo "== $1 (at ${SECONDS}s, ${left}s left)"
+  timeout $left "${@:2}" > $W/$1.log 2>&1 || rc=$?
+  echo "== $1 done at ${SECONDS}s"; grep -v -E "Warning|warn|compiling" $W/$1.log | tail -n 25 || true
+  [ $rc -eq 0 ] || echo "$1 exited $rc at ${SECONDS}s (124: cut at the deadline)" | tee -a $W/skipped.txt
+}
+G="--device cuda --kv-cache-memory-bytes 16GiB"
+NIAH=niah_single_1,niah_single_2,niah_multikey_1,niah_multivalue,niah_multiquery
+DEPTHS=0.1,0.3,0.5,0.7,0.9
 
 case ${1:-smol} in
 smol)
@@ -88,45 +129,13 @@ gemma)
   infhip-eval niah $E --lengths 4k,16k,32k --variants single,multikey --depths 0.5 --samples 3 \
       --json $OUT/niah_gemma_gpu.json
   ;;
-qwen)  # Qwen2.5-Coder-0.5B-Instruct (24 layers, 32K trained window), one call of < 10 min. Steps run
-  # in priority order, three at a time (a 0.5B model leaves the GPU mostly idle); each gets the time
-  # left before the deadline (a cut step loses only its own JSON). Raw JSON + markdown go to $W and
-  # come back as $OUT/ruler_*.json.gz + $OUT/qwen_raw.tar.gz; the summary table is printed last and
-  # written to $OUT/qwen_summary.md. First run (2026-12-02, docs/quality.md): the builds, now
-  # compiling the AOT kernels, took 148 s, and one step after another did not fit 500 s.
-  W=/tmp/qwen-results; mkdir -p $W engines; DEADLINE=${DEADLINE:-540}
-  # Whatever was written comes back, even after an error: each RULER JSON (the prompts' text makes
-  # them MBs) gzipped on its own, the rest in one tarball (at most 8 files of 16 MiB come back).
-  trap 'for f in $W/ruler_*.json; do [ -f "$f" ] && gzip -c "$f" > $OUT/$(basename $f).gz; done
-        tar -czf $OUT/qwen_raw.tar.gz --exclude="ruler_*.json" -C $W .' EXIT
-  tar -xzf .stage/qwen-pylib.tar.gz -C .stage  # -> .stage/pylib-qwen: gguf, wonderwords, RULER data
-  export PYTHONPATH=$PWD/.stage/pylib-qwen:$PYTHONPATH INFHIP_CACHE=$PWD/.stage/cache
-  python3 -m infhip.eval.stage join-file .stage/qwen05 .stage/cache/qwen2.5-coder-0.5b-instruct.gguf
-  python3 -c "from infhip.builder.registry import resolve_model as r; print(r('qwen2.5-coder-0.5b'))"  # pinned SHA-256
-  # max_seq_len 131136: a 128K passkey prompt plus its 8 generated tokens must fit. dense_threshold
-  # 4096 at build (the default, 32K, would make the 32K column the dense one): as a load-time
-  # override it launches variants the build did not compile (sparse inside the trained window).
-  for p in 3k 3k-flash 5k; do  # three builds at once; dense = the 3k weights, dense plan
-    infhip-build --model qwen2.5-coder-0.5b --preset $p --dtype bfloat16 --max-seq-len 131136 --device cuda \
-        --infinitehip-overrides dense_threshold=4096 --output engines/q05-$p --force --quiet > $W/build_$p.log 2>&1 &
-  done
-  wait
-  tail -n 2 $W/build_*.log  # "engine written to ... in N s", or the error
-  rm -rf engines/q05-dense && python3 benchmarks/replan_engine.py engines/q05-3k engines/q05-dense --sparse none
-  echo "engines ready at ${SECONDS}s"
-  step() {  # step NAME CMD...: run CMD with the time left before the deadline; its log in $W/NAME.log
-    local left=$((DEADLINE - SECONDS)) rc=0
-    if [ $left -le 20 ]; then echo "SKIPPED $1 (deadline)" | tee -a $W/skipped.txt; return; fi
-    echo "== $1 (at ${SECONDS}s, ${left}s left)"
-    timeout $left "${@:2}" > $W/$1.log 2>&1 || rc=$?
-    echo "== $1 done at ${SECONDS}s"; grep -v -E "Warning|warn|compiling" $W/$1.log | tail -n 25 || true
-    [ $rc -eq 0 ] || echo "$1 exited $rc at ${SECONDS}s (124: cut at the deadline)" | tee -a $W/skipped.txt
-  }
-  G="--device cuda --kv-cache-memory-bytes 16GiB"
+qwen)  # the baselines (issue 21): dense RULER/passkey to 32K, 3k / 3k-flash / 5k to 128K, UniPrefill,
+  # perplexity, recall; the summary table printed last and written to $OUT/qwen_summary.md. First
+  # run (2026-12-02, docs/quality.md): builds 148 s, and one step after another did not fit 500 s.
+  qwen_setup
+  qwen_build 3k 3k-flash 5k
   IH="--engine engines/q05-3k --engine engines/q05-3k-flash --engine engines/q05-5k $G --infinitehip-overrides dense_threshold=4096"
-  NIAH=niah_single_1,niah_single_2,niah_multikey_1,niah_multivalue,niah_multiquery
   ALL=$NIAH,vt,cwe,fwe,qa_1
-  DEPTHS=0.1,0.3,0.5,0.7,0.9
   # (RULER in the model's chat template: an instruct model; the answer prefix opens its turn.)
   # Three groups of three concurrent steps (the first run: ruler_ih alone took 171 s, the
   # UniPrefill pair 81 s and the ppl/recall trio 66 s when run side by side).
@@ -155,5 +164,28 @@ qwen)  # Qwen2.5-Coder-0.5B-Instruct (24 layers, 32K trained window), one call o
   nvidia-smi --query-gpu=name,driver_version --format=csv,noheader > $W/gpu.txt
   python3 benchmarks/qwen_summary.py $W | tee $OUT/qwen_summary.md
   ;;
-*) echo "usage: bash benchmarks/gpu_quality.sh smol|gemma|smol-chunk-score|smol-query-stride|smol-stage3-stride|smol-layer-bisect|qwen" >&2; exit 2 ;;
+qwen-knobs)  # issue 21 follow-up, on the cells that 3k loses: chunk_score head_normalized (the
+  # default since 2026-12-02) vs max, and the 5k budget (the 3k weights replanned: its kernels
+  # compile at load), on RULER NIAH and PG passkey at 32K-128K, plus recall of the final masks.
+  qwen_setup
+  qwen_build 3k
+  python3 benchmarks/replan_engine.py engines/q05-3k engines/q05-5k --sparse all --preset 5k
+  E="--engine engines/q05-3k --engine engines/q05-5k $G"
+  for score in head_normalized max; do  # the same prompts (seed 0) as the baseline run's ruler_ih
+    step ruler_$score infhip-eval ruler $E --infinitehip-overrides chunk_score=$score --template chat --tasks $NIAH \
+        --lengths 32k,64k,128k --samples 2 --json $W/ruler_$score.json --markdown $W/ruler_$score.md &
+  done
+  step passkey_head_normalized infhip-eval passkey $E --haystack pg --lengths 32k,64k,128k --depths $DEPTHS \
+      --samples 1 --json $W/passkey_head_normalized.json --markdown $W/passkey_head_normalized.md &
+  wait
+  step passkey_max infhip-eval passkey $E --infinitehip-overrides chunk_score=max --haystack pg \
+      --lengths 32k,64k,128k --depths $DEPTHS --samples 1 --json $W/passkey_max.json --markdown $W/passkey_max.md &
+  step recall_3k infhip-eval recall --engine engines/q05-3k $G --haystack pg --lengths 8k,16k,32k --chunk 64 \
+      --json $W/recall_3k.json --markdown $W/recall_3k.md &
+  wait
+  echo "evals done at ${SECONDS}s"
+  nvidia-smi --query-gpu=name,driver_version --format=csv,noheader > $W/gpu.txt
+  python3 benchmarks/qwen_summary.py $W | tee $OUT/qwen_summary.md
+  ;;
+*) echo "usage: bash benchmarks/gpu_quality.sh smol|gemma|smol-chunk-score|smol-query-stride|smol-stage3-stride|smol-layer-bisect|qwen|qwen-knobs" >&2; exit 2 ;;
 esac

@@ -6,7 +6,8 @@ Prints the per-task RULER tables the runs wrote (`*.md`), then one row per (meas
 one column per length: RULER means (every task has the same samples, so the mean over records
 is the mean over tasks), passkey accuracy, PG-essay perplexity, mean attention recall of the
 final masks, and UniPrefill's RULER mean with its measured retention ρ next to the dense
-engine's mean on the same samples. A file a step did not write (cut at the deadline) is skipped.
+engine's mean on the same samples; any other JSON (the `qwen-knobs` runs) as one row per engine
+under its file name. A file a step did not write (cut at the deadline) is skipped.
 """
 
 from __future__ import annotations
@@ -67,6 +68,10 @@ def main(folder: str) -> None:
             lines += rows(f"RULER mean, dense, samples {sorted(samples)}", dense, "{:.1f}", lambda r: r["sample"] in samples)
             lines += rows(f"RULER mean, UniPrefill p={p}", td, "{:.1f}")
             lines.append(retention_row(p, td))
+    known = {"ruler_dense", "passkey_dense", "ppl_dense", "ruler_ih", "passkey_ih", "ppl_ih", "recall_3k",
+             "ruler_td0.99", "ruler_td0.98"}
+    for other in sorted(f for f in w.glob("*.json") if f.stem not in known):  # the knob runs (qwen-knobs)
+        lines += rows(f"{other.stem} (score mean)", _records(other), "{:.2f}")
     skipped = w / "skipped.txt"
     if skipped.is_file():
         lines += ["", "Not run to the end: " + "; ".join(skipped.read_text().split("\n")).strip("; ")]

@@ -1,7 +1,7 @@
 """Knobs on command lines: ``KEY=VALUE,...`` specs, shared by infhip-build, infhip-run,
 infhip-serve and infhip-eval. One name per knob: the field names of infhip/knobs.py.
 
-    --infinitehip-overrides chunk_score=head_normalized,refresh_intervals=[32,16,8]   parse_knobs
+    --infinitehip-overrides chunk_score=max,refresh_intervals=[32,16,8]   parse_knobs
     --token-drop                                     the defaults (p=0.99,obs_window=128,block_size=64,
                                                      num_sink=128,min_prompt_len=8192,spare_anchors=1)
     --token-drop p=0.98,block_size=32                some knobs changed                 parse_token_drop

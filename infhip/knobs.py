@@ -128,11 +128,12 @@ class InfiniteHipConfig:
         measured="whole model P99/median: 1.01–1.09 staggered vs 1.82 (128K) and 2.76 (512K) synchronized "
         f"({_WHOLE_MODEL})")
     chunk_score: str = knob(
-        "max", "`max`: the paper's max over heads and queries; `head_normalized`: per kv head minus that "
-        "head's best chunk score first", runtime=True,
+        "head_normalized", "`max`: the paper's max over heads and queries; `head_normalized`: per kv head "
+        "minus that head's best chunk score first", runtime=True,
         measured="`head_normalized` better or equal in every SmolLM2 passkey/NIAH cell on the H200 (e.g. NIAH "
-        "32K 0.444 → 0.667), recall unchanged; the default stays the paper's "
-        "([quality](quality.md#chunk_score-max-vs-head_normalized-smollm2-h200))")
+        "32K 0.444 → 0.667), recall unchanged ([quality](quality.md#chunk_score-max-vs-head_normalized-smollm2-h200)); "
+        "decode at 512K 5.72 vs 5.74 ms a step "
+        "([benchmarks](benchmarks.md#decode-infinitehip-whole-model-vs-the-dense-engine), run E)")
     key_bank: bool = knob(
         True, "past the window, a last-stage refresh rotates its keys once into a per-request bank that "
         "cached decode steps read", runtime=True,

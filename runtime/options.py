@@ -56,7 +56,7 @@ class LoadOptions:
         "([benchmarks](benchmarks.md#decode-dense-engine-vs-transformers))")
     infinitehip_overrides: dict | None = _option(
         None, "the InfiniteHiP knobs marked *load* in docs/knobs.md, changed for this load (e.g. "
-        "`chunk_score=head_normalized,refresh_intervals=[32,16,8]`)", "knobs", "KEY=VALUE,...")
+        "`chunk_score=max,refresh_intervals=[32,16,8]`)", "knobs", "KEY=VALUE,...")
     token_drop: bool | dict | None = _option(
         None, "UniPrefill token drop: off, on (as built, or the defaults), or token-drop knobs laid over the "
         "engine's (e.g. `p=0.98,min_prompt_len=4096`); default: as built", "token_drop", "off|on|KEY=VALUE,...")
