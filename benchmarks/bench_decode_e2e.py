@@ -21,12 +21,27 @@ Per configuration: a warm-up of one refresh cycle (captures the graph of every r
 then per-step wall times of single steps over two cycles (host planning, graph replay, sampling,
 the sync of the sampled token: what a streaming user sees) — median, P99, max — and the
 throughput of 8 steps fused per host sync (the engine default). Ratios are against dense in the
-same run. Prints a table last and writes JSON to --out.
+same run, and against the same config at the shortest context (issue 22's "1M decode >= 0.9x of
+short-context decode": `--contexts 1024,1000000`). Prints a table last and writes JSON to --out
+(after every context, so a run cut short keeps what it measured).
+
+`--weight-dtype fp8` builds the engine with fp8 linear weights (docs/fp8_weights.md).
+`--max-resident`: before loading, find the largest context one request of this engine holds
+resident on this GPU, from the runtime's own budgeting (`resident_probe`: the engine's weights
+loaded, then runtime/kv_budget.plan_layout at max_num_seqs = 1 with the default budget, for the
+largest max_seq_len it does not refuse); then load with that max_seq_len and the default budget
+(what `LLM(engine)` allocates) and decode at that context too (less the tokens the runs decode).
+
+    python benchmarks/bench_decode_e2e.py --out $OUT --contexts 1024,1000000 --configs dense,3k-flash \
+        --kv-dtype fp8 --weight-dtype fp8 --max-resident
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import gc
+import inspect
 import json
 import math
 import statistics
@@ -48,7 +63,7 @@ CONFIGS = [  # name, runtime knobs (None: dense)
 ]
 
 
-def build(work: Path, max_len: int, kv_dtype: str) -> Path:
+def build(work: Path, max_len: int, kv_dtype: str, weight_dtype: str = "bf16") -> Path:
     from infhip.builder.build import build_engine
     from infhip.builder.registry import bundled_config
 
@@ -56,8 +71,72 @@ def build(work: Path, max_len: int, kv_dtype: str) -> Path:
     src.parent.mkdir(parents=True, exist_ok=True)
     src.write_text(bundled_config("llama-3.1-8b").read_text())
     return build_engine(checkpoint=src, output_dir=work / "engine", preset="3k-flash", dtype="bfloat16",
-                        kv_dtype=kv_dtype, device="cuda", random_weights=True, max_seq_len=max_len,
-                        max_batch_size=1, force=True, progress=False)
+                        kv_dtype=kv_dtype, weight_dtype=weight_dtype, device="cuda", random_weights=True,
+                        max_seq_len=max_len, max_batch_size=1, force=True, progress=False)
+
+
+def set_max_seq_len(engine_dir: Path, tokens: int) -> None:
+    """Rewrite the engine's max_seq_len (a load-time bound: KV pages, block tables, scratch)."""
+    from infhip.config import EngineConfig
+
+    cfg = EngineConfig.load(engine_dir)
+    cfg = dataclasses.replace(cfg, build=dataclasses.replace(cfg.build, max_seq_len=tokens))
+    cfg.save(engine_dir)
+
+
+def resident_probe(engine_dir: Path) -> dict:
+    """The largest max_seq_len (a multiple of the page size) for which the runtime's own KV sizing
+    (runtime/kv_budget.plan_layout, as ModelRunner calls it right after the weights load: default
+    budget = free memory - (1 - utilization) x total - activations, InfiniteHiP scratch and key
+    banks for that length - 1 GiB) gives one sequence all of its pages. Loads the weights as LLM
+    does, sizes, frees them again; allocates no KV."""
+    from infhip.runtime import kv_budget
+    from infhip.runtime.llm import load_rank
+    from infhip.runtime.model_runner import ModelRunner
+    from infhip.runtime.options import LoadOptions
+
+    utilization = inspect.signature(ModelRunner.__init__).parameters["gpu_memory_utilization"].default
+    gc.collect()
+    torch.cuda.empty_cache()  # what the build left cached would count as used
+    engine = load_rank(engine_dir, LoadOptions(max_num_seqs=1))
+    base, layers = engine.config, [layer.self_attn for layer in engine.model.layers]
+    page, chunk = base.build.page_size, base.build.max_num_batched_tokens
+
+    def layout(pages: int):
+        tokens = pages * page
+        engine.config = dataclasses.replace(base, build=dataclasses.replace(base.build, max_seq_len=tokens))
+        try:
+            return kv_budget.plan_layout(engine, layers, 1, chunk, None, utilization, 0, pages)
+        except MemoryError:
+            return None
+
+    lo, hi = 0, 1 << 20  # pages: lo fits (0: trivially), hi (16M tokens) does not
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if layout(mid) is not None else (lo, mid)
+    free, total = torch.cuda.mem_get_info()
+    weights = sum(t.numel() * t.element_size() for t in engine.model.state_dict().values())
+    out = {"max_seq_len": lo * page, "page_size": page, "utilization": utilization,
+           "weights_gib": weights / (1 << 30), "free_gib_with_weights": free / (1 << 30),
+           "total_gib": total / (1 << 30)}
+    if lo:
+        specs = layout(lo).specs
+        out["pages"] = {g: spec.num_pages for g, spec in specs.items()}
+    del engine, layers
+    gc.collect()
+    torch.cuda.empty_cache()
+    return out
+
+
+def decode_room(wanted: list[str]) -> int:
+    """Tokens the measurement of these configs decodes into one request (warm-ups, timed steps,
+    fused steps: main's loop), plus a margin: a request must start this far below max_seq_len."""
+    steps = 0
+    for name, knobs in CONFIGS:
+        if name in wanted:
+            cycle = knobs["refresh_intervals"][0] if knobs else 8
+            steps += cycle + 8 + max(64, 2 * cycle) + 96
+    return steps + 256
 
 
 def fill_random(attn, pages_per_chunk: int = 4096) -> None:
@@ -123,6 +202,10 @@ def main() -> None:
     p.add_argument("--contexts", default="128000,512000")
     p.add_argument("--kv-gib", type=float, default=72)
     p.add_argument("--kv-dtype", choices=("bfloat16", "fp8"), default="bfloat16")
+    p.add_argument("--weight-dtype", choices=("bf16", "fp8"), default="bf16", help="the engine's linear weights")
+    p.add_argument("--max-resident", action="store_true",
+                   help="probe the largest resident context (runtime budgeting), load with it (default KV "
+                        "budget, --kv-gib ignored) and decode at it too")
     p.add_argument("--configs", default=",".join(name for name, _ in CONFIGS),
                    help="comma-separated subset of: " + ", ".join(name for name, _ in CONFIGS))
     args = p.parse_args()
@@ -140,10 +223,34 @@ def main() -> None:
     from infhip.config import apply_runtime_overrides
 
     res: dict = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-                 "transformers": transformers.__version__, "kv_dtype": args.kv_dtype, "contexts": {}}
+                 "transformers": transformers.__version__, "kv_dtype": args.kv_dtype,
+                 "weight_dtype": args.weight_dtype, "contexts": {}}
     t0 = time.perf_counter()
-    engine = build(args.work, max(contexts) + 8192, args.kv_dtype)
-    llm = LLM(engine, max_num_seqs=1, kv_cache_memory_bytes=int(args.kv_gib * (1 << 30)), prefix_caching=False)
+    engine = build(args.work, max(contexts) + 8192, args.kv_dtype, args.weight_dtype)
+    kv_bytes = int(args.kv_gib * (1 << 30))
+    if args.max_resident:
+        probe = res["max_resident"] = resident_probe(engine)
+        print(f"max resident context: {probe['max_seq_len']} tokens (pages {probe.get('pages')}; weights "
+              f"{probe['weights_gib']:.1f} GiB, {probe['free_gib_with_weights']:.1f} of {probe['total_gib']:.1f} GiB "
+              f"free with them)", flush=True)
+        if probe["max_seq_len"] <= decode_room(wanted):
+            raise SystemExit("--max-resident: the runtime's budget holds no context worth decoding")
+        set_max_seq_len(engine, probe["max_seq_len"])
+        kv_bytes = None  # the default budget: what LLM(engine) allocates
+        contexts = sorted({*(n for n in contexts if n + decode_room(wanted) <= probe["max_seq_len"]),
+                           probe["max_seq_len"] - decode_room(wanted)})
+    def save() -> None:
+        (args.out / "bench_decode_e2e.json").write_text(json.dumps(res, indent=2))
+
+    save()
+    try:
+        llm = LLM(engine, max_num_seqs=1, kv_cache_memory_bytes=kv_bytes, prefix_caching=False)
+    except (MemoryError, torch.OutOfMemoryError) as e:  # --max-resident: the budget promised more than fits
+        res["load_error"] = f"{type(e).__name__}: {e}"[:2000]
+        save()
+        raise
+    if args.max_resident:
+        res["max_resident"]["allocated_pages"] = {g: llm.runner.kv.groups[g].num_pages for g in llm.runner.groups}
     res["setup_s"] = time.perf_counter() - t0
     runner, plan = llm.runner, llm.engine.config.plan
     for layer in llm.engine.model.layers:  # random keys and values everywhere, scaled like real ones
@@ -171,18 +278,25 @@ def main() -> None:
                   f"fused {tok_s:7.1f} tok/s  (warm-up {warm_s:.1f} s, {rows[name]['sparse_graphs']} sparse graphs)",
                   flush=True)
         llm.scheduler.finish(seq, "abort")
+        save()
 
-    (args.out / "bench_decode_e2e.json").write_text(json.dumps(res, indent=2))
     print(f"\n{res['gpu']}  torch {res['torch']}  triton {res['triton']}; Llama-3.1-8B shapes, random weights, "
-          f"bf16, KV {args.kv_dtype}, batch 1; ratios vs dense in the same run")
+          f"{args.weight_dtype} weights, bf16 activations, KV {args.kv_dtype}, batch 1; ratios vs dense and vs the "
+          f"same config at the shortest context, in the same run")
     print(f"{'context':>8} {'config':<14}{'median ms':>10}{'P99/med':>9}{'max/med':>9}{'tok/s (8 fused)':>17}"
-          f"{'x dense (median)':>18}{'x dense (tok/s)':>17}")
+          f"{'x dense (median)':>18}{'x dense (tok/s)':>17}{'x shortest (tok/s)':>20}")
+    shortest = res["contexts"][str(min(contexts))]
     for n, rows in res["contexts"].items():
         dense = rows["dense"]
         for name, r in rows.items():
             print(f"{n:>8} {name:<14}{r['median_ms']:>10.2f}{r['p99_over_median']:>9.2f}"
                   f"{r['max_ms'] / r['median_ms']:>9.2f}{r['fused8_tok_s']:>17.1f}"
-                  f"{dense['median_ms'] / r['median_ms']:>18.2f}{r['fused8_tok_s'] / dense['fused8_tok_s']:>17.2f}")
+                  f"{dense['median_ms'] / r['median_ms']:>18.2f}{r['fused8_tok_s'] / dense['fused8_tok_s']:>17.2f}"
+                  f"{r['fused8_tok_s'] / shortest[name]['fused8_tok_s']:>20.2f}")
+    if args.max_resident:
+        probe = res["max_resident"]
+        print(f"max resident context ({args.weight_dtype} weights, KV {args.kv_dtype}): {probe['max_seq_len']} tokens; "
+              f"pages allocated {probe['allocated_pages']} of {probe['page_size']} tokens")
 
 
 if __name__ == "__main__":

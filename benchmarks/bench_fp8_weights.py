@@ -21,6 +21,15 @@ Llama-3.1-8B shapes, random weights, one GPU (written for the H200: torch 2.11, 
    the weight-bandwidth floor (weights read per token / 4.3 TB/s), and the last-token logits of a
    1K prompt against the bf16 engine's (relative L2: the fp8 rounding, ~a few %, not ~1).
 A deadline skips what would not finish (noted in the output). JSON to --out; a table last.
+
+    python benchmarks/bench_fp8_weights.py --out $OUT --gemv-sweep [--sweep-budget-s 120]
+
+--gemv-sweep times only M = 1, on the five shapes: bf16 F.linear (cuBLAS), the config
+plugins/fp8_skinny_gemm.table_config launches now, and every GEMV_CANDIDATES entry (same CUDA
+graph method; each checked against the float32 product first), then prints per shape µs, TB/s
+(weight bytes / time) and the speed-up over the table's config, and writes
+bench_fp8_gemv_sweep.json. `--smoke` runs that logic on the CPU (Triton interpreter, tiny
+shapes, eager wall times that mean nothing) to check the script before a GPU session.
 """
 
 from __future__ import annotations
@@ -29,6 +38,7 @@ import argparse
 import itertools
 import json
 import math
+import os
 import shutil
 import time
 from pathlib import Path
@@ -57,7 +67,23 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def graph_us(fn, weights: list, replays: int = 10) -> float:
     cycle = itertools.cycle(weights)
+    if DEVICE == "cpu":  # --smoke: one eager call, only to run the logic
+        t = time.perf_counter()
+        fn(next(cycle))
+        return (time.perf_counter() - t) * 1e6
     return timing.graph_time_us(lambda: fn(next(cycle)), copies=CALLS, replays=replays)
+
+
+def shape_weights(N: int, K: int) -> tuple[list, list]:
+    """Random bf16 weights [N, K] and their fp8 (w, scale) twins, as many copies as make >= 3x the
+    L2 in fp8 (every call then reads its weight from DRAM, as a decode step does)."""
+    from infhip.plugins.fp8_linear import quantize_weight
+
+    l2 = (getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 0) if DEVICE == "cuda" else 0) or 60 << 20
+    g = torch.Generator(device=DEVICE).manual_seed(0)
+    copies = max(1, math.ceil(3 * l2 / (N * K))) if DEVICE == "cuda" else 1
+    wb = [torch.randn(N, K, device=DEVICE, generator=g, dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
+    return wb, [quantize_weight(w) for w in wb]
 
 
 def scaled_mm(x, w, s, fast_accum: bool):
@@ -69,16 +95,12 @@ def scaled_mm(x, w, s, fast_accum: bool):
 
 def kernels(res: dict, deadline: float) -> None:
     from infhip.plugins import skinny_gemm as sg
-    from infhip.plugins.fp8_linear import quantize_act_triton, quantize_weight
+    from infhip.plugins.fp8_linear import quantize_act_triton
     from infhip.plugins.fp8_skinny_gemm import CONFIGS, fp8_skinny_gemm_triton, table_config
 
-    l2 = getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 0) or 60 << 20
     out = res["kernels"] = {}
     for name, (N, K) in SHAPES.items():
-        g = torch.Generator(device=DEVICE).manual_seed(0)
-        copies = max(1, math.ceil(3 * l2 / (N * K)))  # of the fp8 weight (bf16: 2x the bytes)
-        wb = [torch.randn(N, K, device=DEVICE, generator=g, dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
-        wq = [quantize_weight(w) for w in wb]
+        wb, wq = shape_weights(N, K)
         for M in DECODE_MS:
             if time.monotonic() > deadline:
                 out[f"{name}_M{M}"] = {"skipped": "deadline"}
@@ -127,6 +149,94 @@ def kernels(res: dict, deadline: float) -> None:
             del x
         del wb, wq
         torch.cuda.empty_cache()
+
+
+def gemv_sweep(res: dict, deadline: float) -> None:
+    """M = 1 per shape: bf16 cuBLAS, table_config's config, every GEMV_CANDIDATES entry (a config
+    that fails to compile or run costs only its own row; past the deadline only the first two)."""
+    from infhip.plugins.fp8_skinny_gemm import GEMV_CANDIDATES, fp8_skinny_gemm_triton, table_config
+
+    out = res["gemv_sweep"] = {}
+    for name, (N, K) in SHAPES.items():
+        wb, wq = shape_weights(N, K)
+        x = torch.randn(1, K, device=DEVICE, dtype=torch.bfloat16)
+        exact = x.float() @ (wq[0][0].float() * wq[0][1][:, None]).t()
+        table = table_config(1, N, K)
+        row = out[name] = {"n": N, "k": K, "table": str(table), "us": {}, "rel_err": {}, "failed": {}, "skipped": [],
+                           "bf16_cublas_us": graph_us(lambda w: F.linear(x, w), wb)}
+        for c in (table, *GEMV_CANDIDATES):
+            if time.monotonic() > deadline and c is not table:  # (the baseline is timed on every shape)
+                row["skipped"].append(str(c))
+                continue
+            try:
+                row["rel_err"][str(c)] = rel(fp8_skinny_gemm_triton(x, *wq[0], None, c), exact)
+                row["us"][str(c)] = graph_us(lambda w, c=c: fp8_skinny_gemm_triton(x, w[0], w[1], None, c), wq)
+            except Exception as e:  # e.g. out of shared memory or registers at this tile size
+                row["failed"][str(c)] = f"{type(e).__name__}: {e}"[:300]
+        print_sweep_shape(name, row, flush=True)
+        del wb, wq
+        if DEVICE == "cuda":
+            torch.cuda.empty_cache()
+
+
+def print_sweep_shape(name: str, row: dict, flush: bool = False) -> None:
+    """One shape's sweep, fastest first: µs, TB/s of weight bytes (fp8: N*K; bf16: 2*N*K), speed-up
+    over the table's config; ERR marks a relative error above the kernel tests' 1e-2."""
+    nk = row["n"] * row["k"]
+    base = row["us"].get(row["table"])
+    print(f"\n{name} [{row['n']} x {row['k']}], M = 1: bf16 cuBLAS {row['bf16_cublas_us']:.1f} us "
+          f"({2 * nk / row['bf16_cublas_us'] / 1e6:.2f} TB/s); table {row['table']} "
+          f"{base if base is None else round(base, 1)} us", flush=flush)
+    for cfg, us in sorted(row["us"].items(), key=lambda kv: kv[1]):
+        mark = " ERR %.1e" % row["rel_err"][cfg] if row["rel_err"][cfg] > 1e-2 else ""
+        speedup = f"{base / us:5.2f}x" if base else "  -  "
+        table = " (table)" if cfg == row["table"] else ""
+        print(f"  {cfg:34s} {us:8.1f} us {nk / us / 1e6:6.2f} TB/s {speedup}{table}{mark}", flush=flush)
+    for cfg, why in row["failed"].items():
+        print(f"  {cfg:34s} failed: {why[:120]}", flush=flush)
+    if row["skipped"]:
+        print(f"  skipped (deadline): {len(row['skipped'])} configs", flush=flush)
+
+
+def print_sweep_matrix(res: dict) -> None:
+    """Every config (rows) x shape (columns): µs per call, * marks the table's config for that
+    shape, ! a relative error above 1e-2, - not timed (failed or skipped)."""
+    sweep = res["gemv_sweep"]
+    configs = list(dict.fromkeys(c for row in sweep.values() for c in [*row["us"], *row["failed"], *row["skipped"]]))
+    print("\nM = 1, us per call (* the table's config, ! rel err > 1e-2):")
+    print(f"{'config':34s}" + "".join(f"{name:>10s}" for name in sweep))
+    print(f"{'bf16 cuBLAS':34s}" + "".join(f"{row['bf16_cublas_us']:10.1f}" for row in sweep.values()))
+    for c in configs:
+        cells = []
+        for row in sweep.values():
+            us = row["us"].get(c)
+            mark = ("*" if c == row["table"] else "") + ("!" if row["rel_err"].get(c, 0) > 1e-2 else "")
+            cells.append(f"{us:9.1f}{mark or ' '}" if us is not None else f"{'-':>9s} ")
+        print(f"{c:34s}" + "".join(f"{cell:>10s}" for cell in cells))
+
+
+def print_sweep_summary(res: dict) -> None:
+    """Best correct candidate per shape against the table and cuBLAS, and what a batch-1 decode
+    step of Llama-8B would spend in these GEMVs (32 layers x qkv, o, gate_up, down + the LM head)."""
+    print("\nM = 1 GEMV sweep summary (us; TB/s of weight bytes):")
+    print("| shape | bf16 cuBLAS | table (config) | best candidate (config) | best / table |")
+    print("|---|---:|---:|---:|---:|")
+    step = {"table": 0.0, "best": 0.0}
+    for name, row in res["gemv_sweep"].items():
+        ok = {c: us for c, us in row["us"].items() if row["rel_err"][c] <= 1e-2}
+        base = row["us"].get(row["table"])
+        if not ok or base is None:
+            print(f"| {name} | {row['bf16_cublas_us']:.1f} | - | - | - |")
+            continue
+        best = min(ok, key=ok.get)
+        nk = row["n"] * row["k"]
+        print(f"| {name} | {row['bf16_cublas_us']:.1f} | {base:.1f} ({nk / base / 1e6:.2f}) {row['table']} | "
+              f"{ok[best]:.1f} ({nk / ok[best] / 1e6:.2f}) {best} | {ok[best] / base:.2f} |")
+        times = 1 if name == "lm_head" else 32
+        step["table"] += times * base
+        step["best"] += times * ok[best]
+    print(f"GEMVs of one batch-1 decode step (32 layers + fp8 LM head): table {step['table'] / 1e3:.2f} ms, "
+          f"best per shape {step['best'] / 1e3:.2f} ms")
 
 
 def random_ids(llm, n: int, seed: int) -> list[int]:
@@ -227,13 +337,28 @@ def main() -> None:
     p.add_argument("--engines", default=",".join(ENGINES))
     p.add_argument("--deadline-s", type=float, default=430.0, help="stop starting work after this many seconds")
     p.add_argument("--kernel-budget-s", type=float, default=100.0)
+    p.add_argument("--gemv-sweep", action="store_true", help="time only the M = 1 candidates (GEMV_CANDIDATES)")
+    p.add_argument("--sweep-budget-s", type=float, default=120.0)
+    p.add_argument("--smoke", action="store_true", help="--gemv-sweep's logic on the CPU, tiny shapes")
     args = p.parse_args()
     t0 = time.monotonic()
     args.out.mkdir(parents=True, exist_ok=True)
     args.work.mkdir(parents=True, exist_ok=True)
     import triton
-    res = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-           "date": time.strftime("%Y-%m-%d"), "engines": {}, "notes": []}
+    if args.smoke:
+        global DEVICE, SHAPES
+        assert os.environ.get("TRITON_INTERPRET") == "1", "--smoke runs the kernels in the Triton interpreter"
+        DEVICE, SHAPES = "cpu", {name: (n // 512 + 5, k // 256 + 12) for name, (n, k) in SHAPES.items()}
+        args.gemv_sweep = True
+    res = {"gpu": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu (smoke)", "torch": torch.__version__,
+           "triton": triton.__version__, "date": time.strftime("%Y-%m-%d"), "engines": {}, "notes": []}
+    if args.gemv_sweep:
+        gemv_sweep(res, t0 + args.sweep_budget_s)
+        res["total_s"] = round(time.monotonic() - t0, 1)
+        (args.out / "bench_fp8_gemv_sweep.json").write_text(json.dumps(res, indent=1, default=str))
+        print_sweep_matrix(res)
+        print_sweep_summary(res)
+        return
     kernels(res, t0 + args.kernel_budget_s)
     (args.out / "bench_fp8_weights.json").write_text(json.dumps(res, indent=1, default=str))
     ref_logits: dict = {}
