@@ -23,10 +23,9 @@ SPLIT_K > 1 splits K among that many programs per row block (more programs for n
 such as o_proj / down_proj: N = 4096 at BLOCK_N = 32 is 128 programs for 132 SMs); each writes a
 float32 partial [SPLIT_K, M, N] that one torch sum reduces (deterministic, no atomics).
 
-_fp8_gemv_kernel (M == 1 only) is the GEMV again with two options the sweep weighs against it:
-the "bits" fp8 -> fp32 conversion by integer ops, and split-K reduced inside the kernel (the last
-split of a row block to arrive sums the partials). It and GEMV_CANDIDATES are benchmark-only
-until timed: `bench_fp8_weights.py --gemv-sweep` (benchmarks/gpu_fp8_next.sh).
+GEMV_CANDIDATES are more M == 1 configs of this kernel that `bench_fp8_weights.py --gemv-sweep`
+times beside the table's (docs/fp8_weights.md "Speed"): none beat it by more than 5 % on any
+Llama-8B shape on the H200.
 
 When it runs: plugins/fp8_linear.py's `fp8_linear` sends CUDA bf16 inputs of M <= MAX_M rows on
 an fp8-capable GPU (sm_89+) to `table_config`'s config, and everything else to torch._scaled_mm
@@ -109,98 +108,9 @@ def _fp8_skinny_kernel(
     tl.store(out, y.to(y_ptr.dtype.element_ty), mask=m_mask & n_mask[None, :])
 
 
-# "bits": an e4m3 byte s eeee mmm placed as fp32 bits s 0000eeee mmm0...0 is exactly w * 2^-120
-# (exponent bias 127 vs 7; e = 0, fp8's subnormals, lands on fp32's subnormals, same value).
-# x is pre-multiplied by 2^32 so products stay normal for |x * w| >= 2^-38 (exactness does not
-# hang on denormal support of the FMA); the epilogue multiplies by 2^88. Powers of two: exact.
-_SIGN_EXP_MANT = tl.constexpr(-2014314496)  # 0x87F00000 as int32: sign, low 4 exponent bits, 3 mantissa
-_X_PRESCALE = tl.constexpr(2.0 ** 32)
-_Y_RESCALE = tl.constexpr(2.0 ** 88)
-
-
-@triton.jit
-def _store_out(y_ptr, bias_ptr, n, n_mask, y, HAS_BIAS: tl.constexpr):
-    if HAS_BIAS:
-        y += tl.load(bias_ptr + n, mask=n_mask, other=0.0).to(tl.float32)
-    tl.store(y_ptr + n, y.to(y_ptr.dtype.element_ty), mask=n_mask)
-
-
-@triton.jit
-def _fp8_gemv_kernel(
-    x_ptr,  # [K] (row 0 of x), contiguous
-    w_ptr,  # [N, K] float8_e4m3fn, or its uint8 view (BITS)
-    scale_ptr, bias_ptr,  # [N] float32; [N] or dummy
-    y_ptr,  # [N] in x's dtype
-    part_ptr,  # SPLIT_K > 1: float32 partials [SPLIT_K, N]
-    count_ptr,  # SPLIT_K > 1: int32 [>= row blocks], zero between launches (the last program resets it)
-    N, K, k_per_split,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-    BITS: tl.constexpr, EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr,
-):
-    """y = x @ (w * scale)^T for one row x: a [BLOCK_N, BLOCK_K] float32 accumulator of products
-    summed over K at the end (as _fp8_skinny_kernel's not-USE_DOT path). SPLIT_K > 1: each split
-    writes its partial, and the last split of a row block to arrive (an atomic counter) sums the
-    partials in split order (deterministic) and writes y: one launch, no torch reduction."""
-    pid = tl.program_id(0)
-    split = tl.program_id(1)
-    n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    ks = tl.arange(0, BLOCK_K)
-    w_rows = w_ptr + tl.minimum(n, N - 1).to(tl.int64)[:, None] * K  # rows past N clamped, never stored
-    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    k_start = split * k_per_split
-    for k0 in range(k_start, k_start + k_per_split, BLOCK_K):
-        k = k0 + ks
-        if EVEN_K:
-            w = tl.load(w_rows + k[None, :])
-            x = tl.load(x_ptr + k).to(tl.float32)
-        else:
-            w = tl.load(w_rows + k[None, :], mask=k[None, :] < K, other=0.0)
-            x = tl.load(x_ptr + k, mask=k < K, other=0.0).to(tl.float32)
-        if BITS:
-            wf = (((w.to(tl.int32) << 24) >> 4) & _SIGN_EXP_MANT).to(tl.float32, bitcast=True)  # w * 2^-120
-            acc += wf * (x * _X_PRESCALE)[None, :]
-        else:
-            acc += w.to(tl.float32) * x[None, :]
-    y = tl.sum(acc, axis=1)  # [BLOCK_N]
-    if BITS:
-        y = y * _Y_RESCALE
-    n_mask = n < N
-    y = y * tl.load(scale_ptr + n, mask=n_mask, other=0.0)
-    if SPLIT_K == 1:
-        _store_out(y_ptr, bias_ptr, n, n_mask, y, HAS_BIAS)
-    else:
-        tl.store(part_ptr + split * N + n, y, mask=n_mask)
-        tl.debug_barrier()  # every thread's partial is written before the release below
-        arrived = tl.atomic_add(count_ptr + pid, 1, sem="acq_rel")
-        if arrived == SPLIT_K - 1:
-            total = tl.zeros((BLOCK_N,), dtype=tl.float32)
-            for s in tl.static_range(SPLIT_K):  # .cg: read the other programs' partials from L2
-                total += tl.load(part_ptr + s * N + n, mask=n_mask, other=0.0, cache_modifier=".cg")
-            _store_out(y_ptr, bias_ptr, n, n_mask, total, HAS_BIAS)
-            tl.atomic_xchg(count_ptr + pid, 0)  # zero again for the next launch (graph replays)
-
-
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
-
-
-def _split_counters(device: torch.device, blocks: int) -> torch.Tensor:
-    """The zeroed int32 arrival counters of _fp8_gemv_kernel's split-K, one buffer per device
-    (launches on one stream run one after another, and each leaves its counters at zero)."""
-    buf = _COUNTERS.get(device)
-    if buf is None or buf.numel() < blocks:
-        assert not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()), (
-            "fp8 GEMV split-K: first launch this shape outside CUDA graph capture (its counters are allocated then)")
-        buf = _COUNTERS[device] = torch.zeros(triton.next_power_of_2(blocks), dtype=torch.int32, device=device)
-    return buf
-
-
 @dataclass(frozen=True)
 class Fp8SkinnyConfig:
-    """One launch configuration. dot=False (elementwise GEMV) applies to M == 1 only.
-
-    gemv: None runs _fp8_skinny_kernel (what the table launches); "cvt" or "bits" runs
-    _fp8_gemv_kernel (M == 1, dot=False), whose split-K reduces in the kernel: "cvt" converts
-    the weights with Triton's fp8 -> fp32 cast, "bits" with integer ops (see the kernel)."""
+    """One launch configuration. dot=False (elementwise GEMV) applies to M == 1 only."""
 
     block_n: int
     block_k: int
@@ -208,16 +118,12 @@ class Fp8SkinnyConfig:
     num_stages: int
     dot: bool = True
     split_k: int = 1
-    gemv: str | None = None
-
-    def __post_init__(self) -> None:
-        assert self.gemv in (None, "cvt", "bits") and not (self.gemv and self.dot), f"bad gemv config {self}"
 
     def applies(self, m: int) -> bool:
         return self.dot or m == 1
 
     def __str__(self) -> str:
-        kind = f"gemv-{self.gemv}" if self.gemv else "dot" if self.dot else "sum"
+        kind = "dot" if self.dot else "sum"
         split = f"_split{self.split_k}" if self.split_k > 1 else ""
         return f"{kind}_n{self.block_n}_k{self.block_k}_w{self.num_warps}_s{self.num_stages}{split}"
 
@@ -237,15 +143,12 @@ CONFIGS: tuple[Fp8SkinnyConfig, ...] = (
     Fp8SkinnyConfig(16, 512, 4, 2, dot=False, split_k=2),
 )
 
-# M == 1 candidates beyond CONFIGS, for benchmarks/bench_fp8_weights.py --gemv-sweep (none is in
-# the table until timed). Why these: the best GEMV streams ~3.1 TB/s where bf16 cuBLAS streams 4.2.
-# Two suspects: too few bytes in flight (-> wider K tiles, more rows, more stages or warps) and
-# the fp8 -> fp32 conversion (Triton on sm_90: cvt.rn.f16x2.e4m3x2 then cvt.f32.f16 per weight,
-# ~1.5 conversions per byte on a 16-per-cycle pipe, about 2.8 TB/s at 132 SMs: near what we see)
-# -> "bits" builds the fp32 from the byte with 3 integer ops on the 64-per-cycle pipe. Split-K
-# (reduced in the kernel: no extra launch) gives narrow outputs (o, down: N = 4096) more programs.
+# M == 1 configs beyond CONFIGS for benchmarks/bench_fp8_weights.py --gemv-sweep: more bytes in
+# flight (wider K tiles, more rows, stages, warps). Timed on the H200 (2026-12-02): within 5 % of
+# the table's on every Llama-8B shape (qkv 10.9 vs 11.5 us at 4 x 2048, the rest equal or slower).
+# Two other designs lost there and were removed: fp8 -> fp32 by integer ops instead of Triton's
+# cvt (1.1-1.6x slower) and split-K reduced in the kernel (1.1-1.9x slower).
 GEMV_CANDIDATES: tuple[Fp8SkinnyConfig, ...] = (
-    # the table's kernel (cvt), wider K tiles / more stages / more warps
     Fp8SkinnyConfig(8, 2048, 4, 2, dot=False),
     Fp8SkinnyConfig(8, 2048, 8, 3, dot=False),
     Fp8SkinnyConfig(8, 1024, 4, 3, dot=False),
@@ -253,26 +156,6 @@ GEMV_CANDIDATES: tuple[Fp8SkinnyConfig, ...] = (
     Fp8SkinnyConfig(4, 2048, 4, 3, dot=False),
     Fp8SkinnyConfig(16, 1024, 8, 3, dot=False),
     Fp8SkinnyConfig(8, 4096, 8, 2, dot=False),
-    # the GEMV kernel, cvt conversion, split-K reduced in the kernel
-    Fp8SkinnyConfig(8, 1024, 4, 2, dot=False, split_k=2, gemv="cvt"),
-    Fp8SkinnyConfig(8, 1024, 4, 2, dot=False, split_k=4, gemv="cvt"),
-    # integer-op conversion
-    Fp8SkinnyConfig(8, 1024, 4, 2, dot=False, gemv="bits"),
-    Fp8SkinnyConfig(8, 1024, 4, 3, dot=False, gemv="bits"),
-    Fp8SkinnyConfig(8, 1024, 4, 5, dot=False, gemv="bits"),
-    Fp8SkinnyConfig(16, 512, 4, 2, dot=False, gemv="bits"),
-    Fp8SkinnyConfig(16, 1024, 4, 2, dot=False, gemv="bits"),
-    Fp8SkinnyConfig(16, 1024, 8, 3, dot=False, gemv="bits"),
-    Fp8SkinnyConfig(8, 2048, 4, 2, dot=False, gemv="bits"),
-    Fp8SkinnyConfig(8, 2048, 8, 3, dot=False, gemv="bits"),
-    Fp8SkinnyConfig(4, 2048, 4, 3, dot=False, gemv="bits"),
-    Fp8SkinnyConfig(16, 2048, 8, 2, dot=False, gemv="bits"),
-    Fp8SkinnyConfig(32, 1024, 16, 3, dot=False, gemv="bits"),
-    Fp8SkinnyConfig(8, 4096, 8, 2, dot=False, gemv="bits"),
-    Fp8SkinnyConfig(8, 1024, 4, 2, dot=False, split_k=2, gemv="bits"),
-    Fp8SkinnyConfig(8, 1024, 4, 2, dot=False, split_k=4, gemv="bits"),
-    Fp8SkinnyConfig(16, 1024, 8, 3, dot=False, split_k=2, gemv="bits"),
-    Fp8SkinnyConfig(8, 2048, 8, 3, dot=False, split_k=2, gemv="bits"),
 )
 
 # The table, from benchmarks/bench_fp8_weights.py's kernel table on the H200 (2026-12-02,
@@ -329,8 +212,6 @@ def fp8_skinny_gemm_triton(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor
         assert bias.shape == (N,) and bias.is_contiguous(), f"fp8_skinny_gemm: bias must be [{N}] contiguous"
         assert bias.dtype == x.dtype and bias.device == x.device, "fp8_skinny_gemm: bias dtype/device != x"
     assert config.applies(M), f"fp8_skinny_gemm: config {config} needs M == 1, got M={M}"
-    if config.gemv:
-        return _gemv(x, w, scale, bias, config)
     split = config.split_k
     k_per_split = triton.cdiv(triton.cdiv(K, split), config.block_k) * config.block_k
     out_dtype = x.dtype if split == 1 else torch.float32
@@ -349,27 +230,6 @@ def fp8_skinny_gemm_triton(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return y[0] if split == 1 else y.sum(0).to(x.dtype)
-
-
-def _gemv(x, w, scale, bias, config: Fp8SkinnyConfig) -> torch.Tensor:
-    """_fp8_gemv_kernel's launch (x [1, K]; the launcher checked the rest) -> y [1, N]."""
-    N, K = w.shape
-    split = config.split_k
-    k_per_split = triton.cdiv(triton.cdiv(K, split), config.block_k) * config.block_k
-    blocks = triton.cdiv(N, config.block_n)
-    y = torch.empty((1, N), dtype=x.dtype, device=x.device)
-    if N == 0:
-        return y
-    part = torch.empty((split, N), dtype=torch.float32, device=x.device) if split > 1 else scale
-    count = _split_counters(x.device, blocks) if split > 1 else scale
-    _fp8_gemv_kernel[(blocks, split)](
-        x, w.view(torch.uint8) if config.gemv == "bits" else w, scale, bias if bias is not None else scale,
-        y, part, count, N, K, k_per_split,
-        BLOCK_N=config.block_n, BLOCK_K=config.block_k, SPLIT_K=split, BITS=config.gemv == "bits",
-        EVEN_K=K % (config.block_k * split) == 0, HAS_BIAS=bias is not None,
-        num_warps=config.num_warps, num_stages=config.num_stages,
-    )
-    return y
 
 
 def aot_launches(space) -> None:

@@ -36,10 +36,6 @@ DENSE_FAMILY = ("rms_norm", "activation", "rope", "skinny_gemm", "fp8_skinny_gem
 # Modules whose aot_launches are written on another branch (aot-sparse): until it lands, a module
 # of these that has no aot_launches yet is an expected failure; once it has one, it is checked.
 PENDING = frozenset(m for m in plugin_modules() if m not in DENSE_FAMILY)
-# Kernels no engine launches yet: the M = 1 GEMV candidates bench_fp8_weights.py --gemv-sweep
-# times. aot_launches follows table_config, so the day the table picks one of them it is
-# enumerated with no change here; until then test_benchmark_only_kernels_stay_out_of_the_table.
-BENCH_ONLY = {"fp8_skinny_gemm": {"_fp8_gemv_kernel"}}
 
 
 def engine_config(model: str, kv_dtype: str = "bfloat16", preset: str = "dense", token_drop: bool = False,
@@ -153,16 +149,6 @@ def test_fp8_weight_kernels_need_an_fp8_target():
     assert "_rms_norm_kernel" in names
 
 
-def test_benchmark_only_kernels_stay_out_of_the_table():
-    """BENCH_ONLY's exemption holds only while table_config sends no row count of these shapes to
-    _fp8_gemv_kernel (its configs carry `gemv`)."""
-    from infhip.plugins.fp8_skinny_gemm import MAX_M, table_config
-
-    for n, k in ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096), (262208, 3840)):
-        for m in range(1, MAX_M + 1):
-            assert getattr(table_config(m, n, k), "gemv", None) is None, (m, n, k)
-
-
 def _launched_kernels() -> dict[str, list[str]]:
     """module -> names of its @triton.jit functions that some plugin module launches
     (``name[grid](...)`` in its source, possibly another module's, as sparse attention launches
@@ -190,5 +176,5 @@ def test_every_launched_kernel_is_enumerated(enumerated, module):
     if launched:
         assert hasattr(mod, "aot_launches"), f"plugins/{module} launches {launched} but has no aot_launches"
     names = {v.name for variants in enumerated.values() for v in variants if _module_of(v) == module}
-    missing = sorted(set(launched) - names - BENCH_ONLY.get(module, set()))
+    missing = sorted(set(launched) - names)
     assert not missing, f"plugins/{module}: {missing} launched but enumerated for none of {sorted(PLANS)}"
