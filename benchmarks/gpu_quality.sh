@@ -10,7 +10,8 @@
 #   bash benchmarks/gpu_quality.sh smol-layer-bisect  SmolLM2 3k, 8K passkey: pruning in all / lower / upper layers
 #   bash benchmarks/gpu_quality.sh qwen     Qwen2.5-Coder-0.5B from the GGUF staged by benchmarks/stage_qwen.sh
 #                                           (issue 21): RULER/passkey/ppl/recall/UniPrefill, ~9 min
-#   bash benchmarks/gpu_quality.sh qwen-knobs  the same GGUF: 3k/5k under chunk_score head_normalized vs max
+#   bash benchmarks/gpu_quality.sh qwen-knobs          the same GGUF: 3k/5k x chunk_score, RULER NIAH 32K/128K
+#   bash benchmarks/gpu_quality.sh qwen-knobs-passkey  the next call on the warm machine: PG passkey, recall
 set -eo pipefail
 OUT=${OUT:-/tmp/infhip-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD/.stage/pylib:$PYTHONPATH
@@ -54,6 +55,15 @@ qwen_build() {  # qwen_build PRESET...: engines/q05-PRESET, built at once, then 
   tail -n 2 $W/build_*.log  # "engine written to ... in N s", or the error
   rm -rf engines/q05-dense && python3 benchmarks/replan_engine.py engines/q05-$1 engines/q05-dense --sparse none
   echo "engines ready at ${SECONDS}s"
+}
+qwen_knob_engines() {  # engines/q05-3k (built once per warm machine) and q05-5k, its weights replanned
+  [ -d engines/q05-3k ] || qwen_build 3k
+  [ -d engines/q05-5k ] || python3 benchmarks/replan_engine.py engines/q05-3k engines/q05-5k --sparse all --preset 5k
+}
+qwen_finish() {  # the GPU's name and the summary table, printed last and in $OUT/qwen_summary.md
+  echo "evals done at ${SECONDS}s"
+  nvidia-smi --query-gpu=name,driver_version --format=csv,noheader > $W/gpu.txt
+  python3 benchmarks/qwen_summary.py $W | tee $OUT/qwen_summary.md
 }
 step() {  # step NAME CMD...: run CMD with the time left before the deadline; its log in $W/NAME.log
   local left=$((DEADLINE - SECONDS)) rc=0
@@ -160,32 +170,41 @@ qwen)  # the baselines (issue 21): dense RULER/passkey to 32K, 3k / 3k-flash / 5
   step recall_3k infhip-eval recall --engine engines/q05-3k $G --haystack pg --lengths 8k,16k,32k --chunk 64 \
       --json $W/recall_3k.json --markdown $W/recall_3k.md &  # pg: the GPU image has no KJV package
   wait
-  echo "evals done at ${SECONDS}s"
-  nvidia-smi --query-gpu=name,driver_version --format=csv,noheader > $W/gpu.txt
-  python3 benchmarks/qwen_summary.py $W | tee $OUT/qwen_summary.md
+  qwen_finish
   ;;
-qwen-knobs)  # issue 21 follow-up, on the cells that 3k loses: chunk_score head_normalized (the
-  # default since 2026-12-02) vs max, and the 5k budget (the 3k weights replanned: its kernels
-  # compile at load), on RULER NIAH and PG passkey at 32K-128K, plus recall of the final masks.
+qwen-knobs)  # issue 21 follow-up. CPU needle coverage (docs/journal/qwen-needle-coverage.md): 3k loses
+  # the needle in stage 3 at 16K and from stage 2 at 32K; head_normalized mixed. Here: 3k and 5k
+  # (the 3k weights replanned; its kernels compile at load) under chunk_score head_normalized (the
+  # default) and max, RULER NIAH with 4 prompts per task (20 per length; at 32K the dense
+  # baseline's prompts) at 32K and 128K, four processes at once. The engines stay on a warm
+  # machine: `qwen-knobs-passkey` in the next call reuses them.
   qwen_setup
-  qwen_build 3k
-  python3 benchmarks/replan_engine.py engines/q05-3k engines/q05-5k --sparse all --preset 5k
-  E="--engine engines/q05-3k --engine engines/q05-5k $G"
-  for score in head_normalized max; do  # the same prompts (seed 0) as the baseline run's ruler_ih
-    step ruler_$score infhip-eval ruler $E --infinitehip-overrides chunk_score=$score --template chat --tasks $NIAH \
-        --lengths 32k,64k,128k --samples 2 --json $W/ruler_$score.json --markdown $W/ruler_$score.md &
+  qwen_knob_engines
+  for e in 3k 5k; do
+    for score in head_normalized max; do
+      step ruler_${e}_$score infhip-eval ruler --engine engines/q05-$e $G --infinitehip-overrides chunk_score=$score \
+          --template chat --tasks $NIAH --lengths 32k,128k --samples 4 \
+          --json $W/ruler_${e}_$score.json --markdown $W/ruler_${e}_$score.md &
+    done
   done
-  step passkey_head_normalized infhip-eval passkey $E --haystack pg --lengths 32k,64k,128k --depths $DEPTHS \
-      --samples 1 --json $W/passkey_head_normalized.json --markdown $W/passkey_head_normalized.md &
   wait
-  step passkey_max infhip-eval passkey $E --infinitehip-overrides chunk_score=max --haystack pg \
-      --lengths 32k,64k,128k --depths $DEPTHS --samples 1 --json $W/passkey_max.json --markdown $W/passkey_max.md &
+  qwen_finish
+  ;;
+qwen-knobs-passkey)  # the same engines and knobs: PG passkey at 32K-128K, 5 depths x 2, and the
+  # 3k engine's attention recall of the final masks at 8K-32K
+  qwen_setup
+  qwen_knob_engines
+  for e in 3k 5k; do
+    for score in head_normalized max; do
+      step passkey_${e}_$score infhip-eval passkey --engine engines/q05-$e $G --infinitehip-overrides chunk_score=$score \
+          --haystack pg --lengths 32k,64k,128k --depths $DEPTHS --samples 2 \
+          --json $W/passkey_${e}_$score.json --markdown $W/passkey_${e}_$score.md &
+    done
+  done
   step recall_3k infhip-eval recall --engine engines/q05-3k $G --haystack pg --lengths 8k,16k,32k --chunk 64 \
       --json $W/recall_3k.json --markdown $W/recall_3k.md &
   wait
-  echo "evals done at ${SECONDS}s"
-  nvidia-smi --query-gpu=name,driver_version --format=csv,noheader > $W/gpu.txt
-  python3 benchmarks/qwen_summary.py $W | tee $OUT/qwen_summary.md
+  qwen_finish
   ;;
-*) echo "usage: bash benchmarks/gpu_quality.sh smol|gemma|smol-chunk-score|smol-query-stride|smol-stage3-stride|smol-layer-bisect|qwen|qwen-knobs" >&2; exit 2 ;;
+*) echo "usage: bash benchmarks/gpu_quality.sh smol|gemma|smol-chunk-score|smol-query-stride|smol-stage3-stride|smol-layer-bisect|qwen|qwen-knobs|qwen-knobs-passkey" >&2; exit 2 ;;
 esac
