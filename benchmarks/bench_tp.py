@@ -1,7 +1,9 @@
-"""Tensor parallelism: TP = 1 vs TP = N, Llama-3.1-8B shapes, random weights, bf16, N GPUs of one host.
+"""Tensor parallelism: TP = 1 vs TP = N, random weights, bf16, N GPUs of one host (issue 25).
 
-    python benchmarks/bench_tp.py --tp 2 --out $OUT            # on a machine with >= 2 GPUs
+    python benchmarks/bench_tp.py --tp 2 --out $OUT            # Llama-3.1-8B shapes, >= 2 GPUs
     python benchmarks/bench_tp.py --tp 2 --layers 8 --out $OUT  # quicker: 8 of the 32 layers
+    python benchmarks/bench_tp.py --tp 2 --model gemma-3-27b --prefill-lengths 32k,128k --out $OUT
+    python benchmarks/bench_tp.py --tp 2 --model gemma-3-27b --dry-run   # the plan, no GPU needed
 
 1. Build two engines from the same random weights (``infhip-build --random-weights --device
    cuda``, seed 0): --tp 1 and --tp N (the same tensors, cut into N shards).
@@ -11,7 +13,7 @@
      and the first step where they differ);
    - decode tok/s at batch 1 and 16 (difference of two runs, prefill cancels; CUDA graphs, 8
      steps per host sync: the engine defaults);
-   - prefill tok/s of one 8K-token prompt (one chunk) and of one 32K-token prompt;
+   - prefill tok/s of one prompt per --prefill-lengths (default 8K: one chunk, and 32K);
    - all-reduce time per decode step at batch 1 and 16: GPU time of the NCCL kernels on rank 0
      over profiled decode steps (torch.profiler/CUPTI, the graphs' kernels included), divided
      by the steps: the 2 per layer all-reduces plus the sampled tokens' broadcast; it includes
@@ -29,6 +31,15 @@ from pathlib import Path
 
 import timing
 import torch
+
+
+PREFILL_LENGTHS = [8192, 32768]  # --prefill-lengths
+MODELS = ("llama-3.1-8b", "gemma-3-27b")  # bundled configs (builder/model_configs)
+
+
+def parse_lengths(text: str) -> list[int]:
+    """'8k,32k,128k' -> [8192, 32768, 131072]."""
+    return [int(x[:-1]) * 1024 if x.lower().endswith("k") else int(x) for x in text.split(",") if x]
 
 
 def prompts(n: int, length: int, seed: int = 0) -> list[list[int]]:
@@ -81,7 +92,7 @@ def measure(engine: Path, res: dict, tag: str) -> list[list[int]]:
             res[f"{tag}_all_reduce_ms_per_step_b{b}"] = all_reduce_ms_per_step(llm, SamplingParams, b)
             print(f"{tag}: decode b={b} {res[f'{tag}_decode_b{b}_tok_s']:.1f} tok/s, all-reduce "
                   f"{res[f'{tag}_all_reduce_ms_per_step_b{b}']:.3f} ms/step", flush=True)
-        for length in (8192, 32768):
+        for length in PREFILL_LENGTHS:
             res[f"{tag}_prefill_{length}_tok_s"] = prefill_tok_s(llm, SamplingParams, length)
             print(f"{tag}: prefill {length}: {res[f'{tag}_prefill_{length}_tok_s']:.0f} tok/s", flush=True)
         return tokens
@@ -95,10 +106,21 @@ def measure(engine: Path, res: dict, tag: str) -> list[list[int]]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tp", type=int, default=2, help="tensor parallelism to compare with 1 (default 2)")
-    ap.add_argument("--layers", type=int, default=None, help="fewer layers than the model's 32 (quicker builds)")
+    ap.add_argument("--model", choices=MODELS, default="llama-3.1-8b", help="the bundled config whose shapes to build")
+    ap.add_argument("--layers", type=int, default=None, help="fewer layers than the model has (quicker builds)")
+    ap.add_argument("--prefill-lengths", default="8k,32k", help="prompt lengths of the prefill rows, e.g. 32k,128k")
+    ap.add_argument("--dry-run", action="store_true", help="print the engines' settings and exit (no GPU needed)")
     ap.add_argument("--out", type=Path, default=Path("bench_tp_out"))
     ap.add_argument("--work", type=Path, default=Path("/tmp/infhip_bench_tp"))
     args = ap.parse_args()
+    PREFILL_LENGTHS[:] = parse_lengths(args.prefill_lengths)
+    # the longest prompt and its generated token, in whole KiB (a 128K prompt passes both models'
+    # 131072-token window by a page: the build warns, as it should)
+    max_seq_len = max(40960, -(-(max(PREFILL_LENGTHS) + 256) // 1024) * 1024)
+    if args.dry_run:
+        print(f"model {args.model} (layers {args.layers or 'all'}), TP 1 and {args.tp}, max_seq_len {max_seq_len}, "
+              f"prefill {PREFILL_LENGTHS}, decode batch 1 and 16")
+        return
     if torch.cuda.device_count() < args.tp:
         raise SystemExit(f"bench_tp: --tp {args.tp} needs {args.tp} GPUs, {torch.cuda.device_count()} visible")
     args.out.mkdir(parents=True, exist_ok=True)
@@ -107,18 +129,18 @@ def main() -> None:
     from infhip.builder.build import build_engine
     from infhip.builder.registry import bundled_config
 
-    cfg = json.loads(bundled_config("llama-3.1-8b").read_text())
+    cfg = json.loads(bundled_config(args.model).read_text())
     if args.layers:
         cfg["num_hidden_layers"] = args.layers
     (args.work / "hf").mkdir(exist_ok=True)
     (args.work / "hf" / "config.json").write_text(json.dumps(cfg))
-    res: dict = {"tp": args.tp, "layers": cfg["num_hidden_layers"], "gpu": torch.cuda.get_device_name(0),
+    res: dict = {"model": args.model, "tp": args.tp, "layers": cfg["num_hidden_layers"], "prefill_lengths": PREFILL_LENGTHS, "gpu": torch.cuda.get_device_name(0),
                  "torch": torch.__version__}
     engines = {}
     for tp in (1, args.tp):
         t = time.perf_counter()
         engines[tp] = build_engine(checkpoint=args.work / "hf" / "config.json", output_dir=args.work / f"tp{tp}",
-                                   random_weights=True, dtype="bfloat16", device="cuda", max_seq_len=40960,
+                                   random_weights=True, dtype="bfloat16", device="cuda", max_seq_len=max_seq_len,
                                    max_batch_size=16, tp=tp, force=True, progress=False)
         res[f"tp{tp}_build_s"] = time.perf_counter() - t
         print(f"built tp {tp} in {res[f'tp{tp}_build_s']:.1f} s", flush=True)
@@ -132,10 +154,11 @@ def main() -> None:
     (args.out / "bench_tp.json").write_text(json.dumps(res, indent=2) + "\n")
 
     n = args.tp
-    print(f"\n| Llama-3.1-8B shapes ({res['layers']} layers), bf16 | TP 1 | TP {n} | TP {n} / TP 1 |")
+    print(f"\n| {args.model} shapes ({res['layers']} layers), bf16 | TP 1 | TP {n} | TP {n} / TP 1 |")
     print("|---|---|---|---|")
+    prefill = tuple((f"prefill_{L}_tok_s", f"prefill {L // 1024}K (tok/s)") for L in PREFILL_LENGTHS)
     for key, label in (("decode_b1_tok_s", "decode b=1 (tok/s)"), ("decode_b16_tok_s", "decode b=16 (tok/s)"),
-                       ("prefill_8192_tok_s", "prefill 8K (tok/s)"), ("prefill_32768_tok_s", "prefill 32K (tok/s)"),
+                       *prefill,
                        ("all_reduce_ms_per_step_b1", "all-reduce per decode step b=1 (ms)"),
                        ("all_reduce_ms_per_step_b16", "all-reduce per decode step b=16 (ms)"),
                        ("load_s", "LLM() (s)")):
