@@ -134,8 +134,8 @@ def main() -> None:
         cfg["num_hidden_layers"] = args.layers
     (args.work / "hf").mkdir(exist_ok=True)
     (args.work / "hf" / "config.json").write_text(json.dumps(cfg))
-    res: dict = {"model": args.model, "tp": args.tp, "layers": cfg["num_hidden_layers"], "prefill_lengths": PREFILL_LENGTHS, "gpu": torch.cuda.get_device_name(0),
-                 "torch": torch.__version__}
+    res: dict = {"model": args.model, "tp": args.tp, "layers": cfg["num_hidden_layers"],
+                 "prefill_lengths": PREFILL_LENGTHS, "gpu": torch.cuda.get_device_name(0), "torch": torch.__version__}
     engines = {}
     for tp in (1, args.tp):
         t = time.perf_counter()

@@ -14,6 +14,8 @@
 #   bash benchmarks/gpu_quality.sh qwen-knobs-passkey  the next call on the warm machine: PG passkey, recall
 #   bash benchmarks/gpu_quality.sh qwen-budget         the same GGUF: 5k with 8K final keys, 3k with more special
 #                                           layers (NIAH, passkey), recall of 5k and 5k-8k
+#   bash benchmarks/gpu_quality.sh qwen-rope           5k: pruning RoPE chunk_indexed / none, stage 1 of 64K keys
+#   bash benchmarks/gpu_quality.sh qwen-special        5k and 5k-8k with special_final_k 16384
 set -eo pipefail
 OUT=${OUT:-/tmp/infhip-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD/.stage/pylib:$PYTHONPATH
@@ -66,6 +68,16 @@ qwen_finish() {  # the GPU's name and the summary table, printed last and in $OU
   echo "evals done at ${SECONDS}s"
   nvidia-smi --query-gpu=name,driver_version --format=csv,noheader > $W/gpu.txt
   python3 benchmarks/qwen_summary.py $W | tee $OUT/qwen_summary.md
+}
+qwen_variants() {  # qwen_variants NIAH_LENGTHS PASSKEY_LENGTHS NAME...: RULER NIAH (4 prompts per task)
+  # and PG passkey (5 depths x 2) of each engines/q05-NAME, as background steps (the caller waits)
+  local niah=$1 passkey=$2; shift 2
+  for e in "$@"; do
+    step ruler_$e infhip-eval ruler --engine engines/q05-$e $G --template chat --tasks $NIAH --lengths $niah \
+        --samples 4 --json $W/ruler_$e.json --markdown $W/ruler_$e.md &
+    step passkey_$e infhip-eval passkey --engine engines/q05-$e $G --haystack pg --lengths $passkey \
+        --depths $DEPTHS --samples 2 --json $W/passkey_$e.json --markdown $W/passkey_$e.md &
+  done
 }
 step() {  # step NAME CMD...: run CMD with the time left before the deadline; its log in $W/NAME.log
   local left=$((DEADLINE - SECONDS)) rc=0
@@ -218,12 +230,7 @@ qwen-budget)  # after qwen-knobs (2026-12-03, docs/quality.md): 5k beats 3k at 1
   python3 benchmarks/replan_engine.py engines/q05-3k engines/q05-5k-8k --sparse all --preset 5k \
       --set 'stages=[[64,64,32768],[64,32,16384],[64,16,8192]]'
   python3 benchmarks/replan_engine.py engines/q05-3k engines/q05-3k-sp --sparse all --special 0,1,2,3,9,11,16,22
-  for e in 5k-8k 3k-sp; do
-    step ruler_$e infhip-eval ruler --engine engines/q05-$e $G --template chat --tasks $NIAH --lengths 32k,128k \
-        --samples 4 --json $W/ruler_$e.json --markdown $W/ruler_$e.md &
-    step passkey_$e infhip-eval passkey --engine engines/q05-$e $G --haystack pg --lengths 32k,64k,128k \
-        --depths $DEPTHS --samples 2 --json $W/passkey_$e.json --markdown $W/passkey_$e.md &
-  done
+  qwen_variants 32k,128k 32k,64k,128k 5k-8k 3k-sp
   step recall_5k infhip-eval recall --engine engines/q05-5k --engine engines/q05-5k-8k --engine engines/q05-3k-sp $G \
       --haystack pg --lengths 8k,16k,32k --chunk 64 --json $W/recall_5k.json --markdown $W/recall_5k.md &
   wait
@@ -238,12 +245,7 @@ qwen-rope)  # after qwen-budget: past the window a larger budget does not help (
   python3 benchmarks/replan_engine.py engines/q05-3k engines/q05-5k-prn --sparse all --preset 5k --set pruning_rope=none
   python3 benchmarks/replan_engine.py engines/q05-3k engines/q05-5k-s1 --sparse all --preset 5k \
       --set 'stages=[[64,64,65536],[64,32,16384],[64,16,4096]]'
-  for e in 5k-ci 5k-prn 5k-s1; do
-    step ruler_$e infhip-eval ruler --engine engines/q05-$e $G --template chat --tasks $NIAH --lengths 128k \
-        --samples 4 --json $W/ruler_$e.json --markdown $W/ruler_$e.md &
-    step passkey_$e infhip-eval passkey --engine engines/q05-$e $G --haystack pg --lengths 64k,128k \
-        --depths $DEPTHS --samples 2 --json $W/passkey_$e.json --markdown $W/passkey_$e.md &
-  done
+  qwen_variants 128k 64k,128k 5k-ci 5k-prn 5k-s1
   wait
   qwen_finish
   ;;
@@ -255,12 +257,7 @@ qwen-special)  # after qwen-budget: layer 0 has the lowest final-mask recall in 
   python3 benchmarks/replan_engine.py engines/q05-3k engines/q05-5k-sk16 --sparse all --preset 5k --set special_final_k=16384
   python3 benchmarks/replan_engine.py engines/q05-3k engines/q05-5k-8k-sk16 --sparse all --preset 5k \
       --set 'stages=[[64,64,32768],[64,32,16384],[64,16,8192]],special_final_k=16384'
-  for e in 5k-sk16 5k-8k-sk16; do
-    step ruler_$e infhip-eval ruler --engine engines/q05-$e $G --template chat --tasks $NIAH --lengths 32k,128k \
-        --samples 4 --json $W/ruler_$e.json --markdown $W/ruler_$e.md &
-    step passkey_$e infhip-eval passkey --engine engines/q05-$e $G --haystack pg --lengths 32k,64k,128k \
-        --depths $DEPTHS --samples 2 --json $W/passkey_$e.json --markdown $W/passkey_$e.md &
-  done
+  qwen_variants 32k,128k 32k,64k,128k 5k-sk16 5k-8k-sk16
   step recall_sk16 infhip-eval recall --engine engines/q05-5k-sk16 --engine engines/q05-5k-8k-sk16 $G \
       --haystack pg --lengths 8k,16k,32k --chunk 64 --json $W/recall_sk16.json --markdown $W/recall_sk16.md &
   wait
