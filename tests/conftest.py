@@ -35,3 +35,15 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def reference_pruning(monkeypatch):
+    """Pruning stages through their float64 torch reference while every other plugin stays on
+    the interpreter: for runtime tests about a decode-side kernel path (key / value banks), where
+    the interpreted SelectRep kernel would take ~3/4 of the time (it is checked against the
+    reference in test_infinitehip_pruning / test_offload_pruning, and interpreted in the runtime
+    by test_raw_keys_in_prefill_under_interpreter and the offloaded-prefill test). Both runs a
+    test compares take the same path, so their tokens still compare exactly."""
+    import infhip.plugins.infinitehip.pruning as pruning
+    monkeypatch.setattr(pruning, "triton_on", lambda *tensors: False)

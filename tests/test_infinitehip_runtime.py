@@ -224,10 +224,11 @@ def test_plugins_dispatch_to_torch_on_cpu(monkeypatch):
     torch.testing.assert_close(interpreted[2], ref[2], atol=1e-4, rtol=1e-4)
 
 
-def test_key_bank_matches_rotating_every_step(engines, monkeypatch):
+def test_key_bank_matches_rotating_every_step(engines, monkeypatch, reference_pruning):
     """key_bank (dynamic RoPE on from the first sparse step): the last stage's refreshes write
     the bank, the cached steps attend with it, and the tokens equal those of rotating every key
-    at every step. Interpreted kernels (the bank is a kernel path); refresh 4 / 2 / 1 steps."""
+    at every step. Interpreted kernels (the bank is a kernel path; pruning by its reference);
+    refresh 4 / 2 / 1 steps."""
     prompts, params = [PROMPTS[1][:33], PROMPTS[0][:40]], SamplingParams(max_tokens=6, temperature=0.0,
                                                                          ignore_eos=True)
     knobs = dict(LOW, rope_off_in_trained_window=False, refresh_intervals=[4, 2, 1])

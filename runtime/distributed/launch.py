@@ -184,9 +184,8 @@ class TPSession:
             if p.is_alive():
                 p.terminate()
                 p.join(timeout=5)
-        import torch.distributed as dist
-        if self.group is not None and dist.is_initialized():
-            dist.destroy_process_group()
+        if self.group is not None:
+            self.group.end()
         if self.errors is not None:
             self.errors.close()
             self.errors.join_thread()

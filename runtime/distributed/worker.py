@@ -46,8 +46,7 @@ def run_rank(rank: int, tp: int, init_method: str, engine_dir: str, opts, errors
             errors.close()
             errors.join_thread()  # the report reaches rank 0 before the sockets close
         os._exit(1)
-    import torch.distributed as dist
-    dist.destroy_process_group()
+    group.end()
 
 
 def serve(engine, opts, group) -> None:
