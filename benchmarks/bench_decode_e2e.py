@@ -26,6 +26,14 @@ short-context decode": `--contexts 1024,1000000`). Prints a table last and write
 (after every context, so a run cut short keeps what it measured).
 
 `--weight-dtype fp8` builds the engine with fp8 linear weights (docs/fp8_weights.md).
+`--tp N` builds it tensor-parallel (N GPUs; docs/design/tensor_parallel.md): rank 0 owns the
+scheduler and the page tables, so the synthetic request and the knob switches reach every rank
+through the runtime; rank 0's pages get the random keys and values, the workers' keep the zeros
+they were allocated with (decode time depends on how many keys there are, not on what they hold).
+Run it beside a `--tp 1` run of the same contexts for the ratio (issue 25: 3k-flash at 1M):
+
+    python benchmarks/bench_decode_e2e.py --out $OUT/tp2 --contexts 1024,1000000 --configs dense,3k-flash \
+        --kv-dtype fp8 --tp 2
 `--max-resident`: before loading, find the largest context one request of this engine holds
 resident on this GPU, from the runtime's own budgeting (`resident_probe`: the engine's weights
 loaded, then runtime/kv_budget.plan_layout at max_num_seqs = 1 with the default budget, for the
@@ -63,7 +71,7 @@ CONFIGS = [  # name, runtime knobs (None: dense)
 ]
 
 
-def build(work: Path, max_len: int, kv_dtype: str, weight_dtype: str = "bf16") -> Path:
+def build(work: Path, max_len: int, kv_dtype: str, weight_dtype: str = "bf16", tp: int = 1) -> Path:
     from infhip.builder.build import build_engine
     from infhip.builder.registry import bundled_config
 
@@ -72,7 +80,7 @@ def build(work: Path, max_len: int, kv_dtype: str, weight_dtype: str = "bf16") -
     src.write_text(bundled_config("llama-3.1-8b").read_text())
     return build_engine(checkpoint=src, output_dir=work / "engine", preset="3k-flash", dtype="bfloat16",
                         kv_dtype=kv_dtype, weight_dtype=weight_dtype, device="cuda", random_weights=True,
-                        max_seq_len=max_len, max_batch_size=1, force=True, progress=False)
+                        max_seq_len=max_len, max_batch_size=1, tp=tp, force=True, progress=False)
 
 
 def set_max_seq_len(engine_dir: Path, tokens: int) -> None:
@@ -206,6 +214,8 @@ def main() -> None:
     p.add_argument("--max-resident", action="store_true",
                    help="probe the largest resident context (runtime budgeting), load with it (default KV "
                         "budget, --kv-gib ignored) and decode at it too")
+    p.add_argument("--tp", type=int, default=1, help="tensor parallelism: N GPUs of this host (rank 0's KV "
+                   "gets the random fill; --kv-gib is per rank)")
     p.add_argument("--configs", default=",".join(name for name, _ in CONFIGS),
                    help="comma-separated subset of: " + ", ".join(name for name, _ in CONFIGS))
     args = p.parse_args()
@@ -215,6 +225,10 @@ def main() -> None:
     unknown = set(wanted) - {name for name, _ in CONFIGS}
     if unknown or "dense" not in wanted:
         p.error(f"--configs: unknown {sorted(unknown)}" if unknown else "--configs must include dense (the baseline)")
+    if args.tp < 1 or args.tp > max(1, torch.cuda.device_count()):
+        p.error(f"--tp {args.tp}: this host shows {torch.cuda.device_count()} GPU(s); choose --tp from 1 to that")
+    if args.tp > 1 and args.max_resident:
+        p.error("--max-resident probes one process's memory; run it with --tp 1")
 
     import transformers
     import triton
@@ -224,9 +238,9 @@ def main() -> None:
 
     res: dict = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
                  "transformers": transformers.__version__, "kv_dtype": args.kv_dtype,
-                 "weight_dtype": args.weight_dtype, "contexts": {}}
+                 "weight_dtype": args.weight_dtype, "tp": args.tp, "contexts": {}}
     t0 = time.perf_counter()
-    engine = build(args.work, max(contexts) + 8192, args.kv_dtype, args.weight_dtype)
+    engine = build(args.work, max(contexts) + 8192, args.kv_dtype, args.weight_dtype, args.tp)
     kv_bytes = int(args.kv_gib * (1 << 30))
     if args.max_resident:
         probe = res["max_resident"] = resident_probe(engine)
@@ -253,7 +267,7 @@ def main() -> None:
         res["max_resident"]["allocated_pages"] = {g: llm.runner.kv.groups[g].num_pages for g in llm.runner.groups}
     res["setup_s"] = time.perf_counter() - t0
     runner, plan = llm.runner, llm.engine.config.plan
-    for layer in llm.engine.model.layers:  # random keys and values everywhere, scaled like real ones
+    for layer in llm.engine.model.layers:  # random keys and values (rank 0's shard), scaled like real ones
         fill_random(layer.self_attn)
     print(f"engine built and loaded in {res['setup_s']:.0f} s; stages {plan.infinitehip.stages}", flush=True)
 
@@ -279,9 +293,11 @@ def main() -> None:
                   flush=True)
         llm.scheduler.finish(seq, "abort")
         save()
+    llm.close()  # a --tp engine's workers stop
 
     print(f"\n{res['gpu']}  torch {res['torch']}  triton {res['triton']}; Llama-3.1-8B shapes, random weights, "
-          f"{args.weight_dtype} weights, bf16 activations, KV {args.kv_dtype}, batch 1; ratios vs dense and vs the "
+          f"{args.weight_dtype} weights, bf16 activations, KV {args.kv_dtype}, batch 1, TP {args.tp}; ratios vs dense "
+          f"and vs the "
           f"same config at the shortest context, in the same run")
     print(f"{'context':>8} {'config':<14}{'median ms':>10}{'P99/med':>9}{'max/med':>9}{'tok/s (8 fused)':>17}"
           f"{'x dense (median)':>18}{'x dense (tok/s)':>17}{'x shortest (tok/s)':>20}")
