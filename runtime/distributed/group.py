@@ -24,11 +24,13 @@ import torch
 
 class TPGroup:
     def __init__(self, rank: int = 0, size: int = 1, dev=None, ctrl=None,
-                 on_failure: Callable[[BaseException], BaseException] | None = None):
+                 on_failure: Callable[[BaseException], BaseException] | None = None,
+                 workers_gone: Callable[[], bool] | None = None):
         """dev / ctrl: torch.distributed groups (None at size 1); on_failure: turns a failed
-        collective into the error to raise (the launcher's: names the rank that died and why)."""
+        collective into the error to raise (the launcher's: names the rank that died and why);
+        workers_gone: rank 0's check that a worker process has exited (spawned workers only)."""
         self.rank, self.size, self.dev, self.ctrl = rank, size, dev, ctrl
-        self._on_failure = on_failure
+        self._on_failure, self._workers_gone = on_failure, workers_gone
         self.broken: BaseException | None = None  # the first failure; every later step raises it
 
     @property
@@ -46,12 +48,21 @@ class TPGroup:
         handle's references to them, so gloo's threads stop here: a group that lives on until
         interpreter teardown can abort the process there ("terminate called without an active
         exception", seen on about 1 exit in 40 under torchrun). Later collectives raise."""
+        import gc
+
         import torch.distributed as dist
         if self.size == 1:
             return
         if dist.is_initialized():
             dist.destroy_process_group()
         self.dev = self.ctrl = None
+        # A failed collective's traceback holds torch.distributed's frames, whose locals hold a
+        # group: keep the message, drop the frames, and collect what they kept alive now.
+        e = self.broken
+        while e is not None:
+            e.__traceback__ = None
+            e = e.__cause__ or e.__context__
+        gc.collect()
         if self.broken is None:
             self.broken = RuntimeError("this tensor-parallel LLM is closed: load the engine again")
 
@@ -112,6 +123,10 @@ class TPGroup:
             return
         if self.broken is not None:
             raise self.broken
+        if self._workers_gone is not None and self._workers_gone():
+            # before any collective: a send to a dead peer can wait on the plan channel's
+            # unbounded timeout instead of failing
+            raise self._fail(RuntimeError("a tensor-parallel worker exited"))
         self._objects([(kind, payload)])
 
     def receive(self) -> tuple[str, tuple]:

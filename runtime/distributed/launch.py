@@ -119,7 +119,8 @@ class TPSession:
         """Wait until every worker has loaded its shard, form the group, give it to rank 0's
         engine and model. Raises (and stops the workers) if a worker failed or never came."""
         self._wait_ready()
-        self.group = join_group(0, self.tp, self.init_method, self.device_type, self._failure)
+        self.group = join_group(0, self.tp, self.init_method, self.device_type, self._failure,
+                                (lambda: any(p.exitcode is not None for p in self.procs)) if self.procs else None)
         engine.tp = self.group
         attach(engine.model, self.group)
         return self.group
@@ -206,7 +207,8 @@ def _python_for_spawn(ctx) -> None:
         ctx.set_executable(str(candidate))
 
 
-def join_group(rank: int, tp: int, init_method: str, device_type: str, on_failure=None) -> TPGroup:
+def join_group(rank: int, tp: int, init_method: str, device_type: str, on_failure=None,
+               workers_gone=None) -> TPGroup:
     """This process's TPGroup: the default group (gloo, the plan's channel) and a device group
     (NCCL on GPUs, gloo on the CPU) for the step's tensors."""
     import torch.distributed as dist
@@ -216,4 +218,4 @@ def join_group(rank: int, tp: int, init_method: str, device_type: str, on_failur
     dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=tp, timeout=_CTRL_TIMEOUT)
     dev = dist.new_group(backend="nccl" if device_type == "cuda" else "gloo",
                          timeout=datetime.timedelta(seconds=DEV_TIMEOUT_S))
-    return TPGroup(rank, tp, dev, dist.group.WORLD, on_failure)
+    return TPGroup(rank, tp, dev, dist.group.WORLD, on_failure, workers_gone)
