@@ -58,8 +58,9 @@ class TPGroup:
         self.dev = self.ctrl = None
         # A failed collective's traceback holds torch.distributed's frames, whose locals hold a
         # group: keep the message, drop the frames, and collect what they kept alive now.
-        e = self.broken
-        while e is not None:
+        e, seen = self.broken, set()
+        while e is not None and id(e) not in seen:
+            seen.add(id(e))
             e.__traceback__ = None
             e = e.__cause__ or e.__context__
         gc.collect()
