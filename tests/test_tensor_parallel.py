@@ -270,7 +270,7 @@ def test_a_worker_that_fails_surfaces_on_rank0(llama_tp2, tmp_path):
 def test_a_closed_llm_refuses_steps_and_leaves_no_group_thread(llama_tp2):
     """close() ends the process groups here and now (TPGroup.end): no gloo thread is left to
     abort the interpreter's teardown, and a later request fails with a one-line reason."""
-    def gloo_threads() -> set[str]:  # thread ids (an earlier test's groups may await the collector)
+    def gloo_threads() -> set[str]:  # thread ids: only this load's threads count, not other tests'
         return {p.parent.name for p in Path("/proc/self/task").glob("*/comm") if "gloo" in p.read_text()}
 
     before = gloo_threads()
