@@ -47,7 +47,7 @@ class TPGroup:
         """Destroy the process groups (every rank, after the "stop" handshake) and drop this
         handle's references to them, so gloo's threads stop here: a group that lives on until
         interpreter teardown can abort the process there ("terminate called without an active
-        exception", seen on about 1 exit in 40 under torchrun). Later collectives raise."""
+        exception"). Later collectives raise."""
         import gc
 
         import torch.distributed as dist
