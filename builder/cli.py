@@ -7,6 +7,7 @@
     infhip-build --model smollm2-135m --token-drop p=0.98,block_size=32 --output engines/smollm2-td
     infhip-build --model llama-3.1-8b --weight-dtype fp8 --output engines/l8b-fp8
     infhip-build --model llama-3.1-8b --tp 2 --output engines/l8b-tp2       # 2 GPUs, one process each
+    infhip-build --model gemma-3-12b --preset 3k-flash --random-weights      # -> engines/gemma-3-12b-3k-flash
 
 User errors (missing/corrupt checkpoint, unknown architecture or alias, bad flag values) print one
 line on stderr and exit with status 1 (argparse's own usage errors: 2); no traceback.
@@ -17,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 from infhip.config import DTYPES, KV_DTYPES, WEIGHT_DTYPES
 
@@ -44,7 +46,9 @@ def make_parser() -> argparse.ArgumentParser:
     src.add_argument("--checkpoint", metavar="PATH",
                      help="Hugging Face model directory, .gguf file, or a config.json (with --random-weights)")
     src.add_argument("--model", metavar="NAME", help="model alias or Hugging Face repo id (offline cache)")
-    p.add_argument("--output", required=True, metavar="DIR", help="engine directory to write")
+    p.add_argument("--output", metavar="DIR",
+                   help="engine directory to write (default: engines/<model>[-<preset>] under the current "
+                        "directory, <model> being --model's last path part or --checkpoint's folder / file stem)")
     p.add_argument("--preset", default="dense", choices=PRESETS,
                    help="execution preset: dense (default) or InfiniteHiP 3k | 3k-fast | 3k-flash | 5k "
                         "on the full-attention layers (knobs in config.json, plan.infinitehip)")
@@ -92,6 +96,21 @@ def make_parser() -> argparse.ArgumentParser:
     return p
 
 
+def default_output(model: str | None, checkpoint: str | None, preset: str) -> Path:
+    """engines/<model>[-<preset>] (relative: under the current directory, like TensorRT-LLM's
+    builder). <model> is --model's last path part (a repo id "Qwen/Qwen2.5-7B" gives "Qwen2.5-7B"),
+    or --checkpoint's folder name / file stem (a config.json: its folder's name); the default
+    preset "dense" adds no suffix."""
+    if model is not None:
+        name = model.rstrip("/").rsplit("/", 1)[-1]
+    else:
+        path = Path(checkpoint).expanduser().resolve()
+        name = path.parent.name if path.name == "config.json" else path.stem if path.is_file() else path.name
+    if not name or name in (".", ".."):
+        raise ValueError(f"cannot name a default output folder after {model or checkpoint!r}; pass --output DIR")
+    return Path("engines") / (name if preset == "dense" else f"{name}-{preset}")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = make_parser().parse_args(argv)
     from infhip.builder.build import build_engine
@@ -104,6 +123,8 @@ def main(argv: list[str] | None = None) -> int:
             token_drop = parse_token_drop(args.token_drop)
         if args.infinitehip_overrides is not None:
             infinitehip = parse_knobs(args.infinitehip_overrides)
+        if args.output is None:
+            args.output = default_output(args.model, args.checkpoint, args.preset)
     except ValueError as e:
         print(f"infhip-build: error: {e}", file=sys.stderr)
         return 1

@@ -229,3 +229,22 @@ def test_sliding_window_flags_follow_transformers():
     q = json.loads(registry.bundled_config("qwen2.5-7b").read_text())
     m, _ = model_config_from_hf({**q, "use_sliding_window": True, "sliding_window": 4096, "max_window_layers": 20})
     assert m.layer_types == ("full_attention",) * 20 + ("sliding_attention",) * 8 and m.sliding_window == 4096
+
+
+def test_cli_default_output_folder(tiny, tmp_path, capsys, monkeypatch):
+    """Without --output the engine goes to engines/<model>[-<preset>] under the current directory
+    and the CLI prints that path; --model names the folder by its last path part."""
+    from infhip.builder.cli import default_output, main
+
+    src, _ = tiny["llama"]
+    monkeypatch.chdir(tmp_path)
+    for preset, folder in (("dense", "llama"), ("3k", "llama-3k")):
+        rc = main(["--checkpoint", str(src), "--preset", preset, "--device", "cpu", "--dtype", "float32",
+                   "--max-seq-len", "64", "--quiet"])
+        out, err = capsys.readouterr()
+        assert rc == 0, err
+        assert EngineConfig.load(tmp_path / "engines" / folder).build.max_seq_len == 64
+        assert f"engine written to engines/{folder}:" in out
+    assert default_output("gemma-3-12b", None, "3k-flash") == Path("engines/gemma-3-12b-3k-flash")
+    assert default_output("Qwen/Qwen2.5-7B-Instruct", None, "dense") == Path("engines/Qwen2.5-7B-Instruct")
+    assert default_output(None, str(src / "config.json"), "5k") == Path("engines/llama-5k")
