@@ -1,7 +1,7 @@
 """InfiniteHiP plugins (paper 000, SPEC section 4): hierarchical pruning stages and block-sparse
 attention over the paged KV cache, plus a recall measurement.
 
-    blocks.py            query blocks, key sets (sink | selected middle | stream), PAD
+    blocks.py            query blocks, key sets (sink | selected middle | stream), PAD, mask layouts
     pruning.py           SelectRep pruning stage: Triton kernel + topk (pruning_ref.py: torch)
     raw_keys.py          keys un-rotated once per prefill step, for the dynamic RoPE styles
     sparse_attention.py  block-sparse decode (split-K) and prefill (flash-style) + torch reference
@@ -24,8 +24,8 @@ A decode step with the "3k" stages, without mask caching:
     ...                               n_sink=256, n_stream=1024, scale=head_dim ** -0.5)
 """
 
-from .blocks import (PAD, block_key_mask, initial_candidates, plan_query_blocks, selected_range,
-                     stream_starts)
+from .blocks import (MASK_LAYOUTS, PAD, block_key_mask, initial_candidates, mask_heads, plan_query_blocks,
+                     selected_range, stream_starts)
 from .key_bank import write_key_bank, write_key_bank_ref
 from .pruning import pruning_stage, select_rep_scores, topk_chunks
 from .pruning_ref import pruning_stage_ref, select_rep_scores_ref, topk_chunks_ref
@@ -36,7 +36,7 @@ from .sparse_attention import (block_sparse_attention, sparse_attention_ref, spa
                                sparse_prefill_attention)
 
 __all__ = [
-    "PAD", "block_key_mask", "initial_candidates", "plan_query_blocks", "selected_range",
+    "MASK_LAYOUTS", "mask_heads", "PAD", "block_key_mask", "initial_candidates", "plan_query_blocks", "selected_range",
     "stream_starts", "pruning_stage", "select_rep_scores", "topk_chunks", "pruning_stage_ref",
     "select_rep_scores_ref", "topk_chunks_ref", "RawKeys", "unrotate_keys", "attention_recall", "per_query_key_mask",
     "NONE", "RELATIVE", "CHUNK_INDEXED", "STREAMING", "rope_style_id", "rotate_by_ref",

@@ -38,6 +38,26 @@ import torch
 
 PAD = 2**31 - 1  # padding of sorted index rows (int32 max)
 
+# Mask layouts: how many chunk selections a query block keeps. "shared": one for all heads (chunk
+# score = max over heads; index rows [NB, n], today's runtime layout); "kv_head": one per kv head
+# (score = max over the head's GQA group, which shares those keys); "q_head": one per query head,
+# each with its own budget k (hip-attention v1_2's indices_left [BSZ, BDST, HEAD, chunks]).
+# Per-head index rows are [NB, H, n] with H = mask_heads(...).
+MASK_LAYOUTS = ("shared", "kv_head", "q_head")
+
+
+def mask_heads(mask_layout: str, num_q_heads: int, num_kv_heads: int) -> int:
+    """Selections per query block of a layout: shared 1, kv_head Hkv, q_head Hq.
+
+        >>> mask_heads("kv_head", 14, 2), mask_heads("q_head", 14, 2), mask_heads("shared", 14, 2)
+        (2, 14, 1)
+    """
+    if mask_layout not in MASK_LAYOUTS:
+        raise ValueError(f"mask_layout must be one of {MASK_LAYOUTS}, got {mask_layout!r}")
+    if num_q_heads % num_kv_heads:
+        raise ValueError(f"{num_q_heads} query heads are not a multiple of {num_kv_heads} kv heads")
+    return {"shared": 1, "kv_head": num_kv_heads, "q_head": num_q_heads}[mask_layout]
+
 
 def plan_query_blocks(q_lens_per_seq: list[int], context_lens: list[int], block_q: int,
                       device: torch.device | str = "cpu"):

@@ -497,9 +497,24 @@ def sparse_attention_ref(q, k_cache, v_cache, block_tables, q_start, q_lens, end
     float64 softmax (dense_attention_ref, causal by position). STREAMING rotates keys to their
     rank and each query to the rank of its own token. fp8 caches (k_scale / v_scale given) are
     dequantized to float32 rows. Returns float32 [T, Hq, D].
+    selected [NB, K] (one key set per block) or [NB, H, K] per mask head (blocks.MASK_LAYOUTS: H 1,
+    Hkv or Hq): head m's rows are q heads [m Hq/H, (m+1) Hq/H), over their kv head's keys.
     offload: host twin of the caches; table entries < 0 name its pages (kv_offload.py)."""
     k_cache, v_cache, k_scale, v_scale, block_tables = merged_kv(k_cache, v_cache, k_scale, v_scale,
                                                                  block_tables, offload)
+    if selected.dim() == 3:  # per mask head: the shared reference on each head's q / kv slice
+        Hq, Hkv, H = q.shape[1], k_cache.shape[2], selected.shape[1]
+        assert H in (1, Hkv, Hq), f"selected has {H} heads; a layout has 1, {Hkv} (kv) or {Hq} (q)"
+        Gs, G = Hq // H, Hq // Hkv
+        out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        for m in range(H):
+            kv = slice(m * Gs // G, m * Gs // G + 1) if H > 1 else slice(None)
+            out[:, m * Gs:(m + 1) * Gs] = sparse_attention_ref(
+                q[:, m * Gs:(m + 1) * Gs], k_cache[:, :, kv], v_cache[:, :, kv], block_tables, q_start, q_lens,
+                ends, selected[:, m], n_sink=n_sink, n_stream=n_stream, scale=scale, rope_style=rope_style,
+                inv_freq=inv_freq, k_scale=None if k_scale is None else k_scale[:, :, kv],
+                v_scale=None if v_scale is None else v_scale[:, :, kv])
+        return out
     scaled = check_kv_scales(k_cache, v_cache, k_scale, v_scale)
     rows_dtype = torch.float32 if scaled else k_cache.dtype
     style = rope_style_id(rope_style)
