@@ -14,7 +14,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, ValidationError, field_validator, model_validator
 
 from infhip.runtime.sampling_params import SamplingParams
 
@@ -60,6 +60,16 @@ class _Common(BaseModel):
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
     user: str | None = None  # accepted and ignored (an end-user id for abuse tracking)
+    # Our extension: seconds from the request's arrival after which it is aborted (queue time
+    # counts); capped by the server's --request-timeout. docs/serving.md, "Lifecycle".
+    timeout: float | None = None
+
+    @field_validator("timeout")
+    @classmethod
+    def _positive_timeout(cls, v):
+        if v is not None and not (0 < v < float("inf")):
+            raise ValueError(f"timeout must be a number of seconds > 0, got {v}")
+        return v
 
     def _unsupported(self) -> dict[str, bool]:
         """Field -> whether it was given at a value this engine cannot honour."""
@@ -167,6 +177,30 @@ class ChatCompletionRequest(_Common):
     def max_new_tokens(self) -> int | None:
         """max_completion_tokens (OpenAI's current name) wins over max_tokens (deprecated)."""
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+class TokenizeRequest(BaseModel):
+    """POST /tokenize: a completion prompt, or chat messages rendered by the chat template."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True  # for prompt (the chat template writes its own)
+
+    @model_validator(mode="after")
+    def _one_source(self):
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of \"prompt\" (text) or \"messages\" (a chat)")
+        return self
+
+
+class DetokenizeRequest(BaseModel):
+    """POST /detokenize."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    model: str | None = None
+    tokens: list[int]
 
 
 def parse_body(model: type[BaseModel], body: bytes):
