@@ -6,11 +6,16 @@
 
 The load options (--max-num-seqs, --kv-cache-memory-bytes, --infinitehip-overrides, ...) are
 LLM's (runtime/options.py LoadOptions), with the same names.
+
+SIGTERM / SIGINT while generating: the completion goes on for up to --drain-timeout seconds,
+then stops (finish_reason "abort", its KV pages freed); a second signal stops it after the
+current step. Either way what was generated is printed, and the exit status is 0.
 """
 
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 import time
 from pathlib import Path
@@ -33,6 +38,8 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
     p.add_argument("--stats", action="store_true", help="print timing to stderr at the end")
+    p.add_argument("--drain-timeout", type=float, default=30.0,
+                   help="on SIGTERM/SIGINT, seconds the generation may go on before it stops (default 30)")
     add_load_options(p)  # LLM's options, same names (runtime/options.py)
     return p
 
@@ -59,13 +66,20 @@ def main(argv=None) -> int:
                 raise ValueError("--chat needs an engine whose tokenizer has a chat template")
             prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
                                                        tokenize=False, add_generation_prompt=True)
+        if args.drain_timeout < 0:
+            raise ValueError(f"--drain-timeout must be >= 0, got {args.drain_timeout}")
         start, num_tokens, reason = time.perf_counter(), 0, None
-        for delta in llm.generate_stream(prompt, params):
-            sys.stdout.write(delta.text)
-            sys.stdout.flush()
-            num_tokens += len(delta.token_ids)
-            reason = delta.finish_reason
+        with _Drain(args.drain_timeout) as drain:
+            for delta in _stream(llm, prompt, params, drain):
+                sys.stdout.write(delta.text)
+                sys.stdout.flush()
+                num_tokens += len(delta.token_ids)
+                reason = delta.finish_reason
         sys.stdout.write("\n")
+        sys.stdout.flush()
+        if drain.signal is not None:
+            print(f"[infhip-run] {drain.signal}: stopped after {num_tokens} tokens, finish_reason={reason}",
+                  file=sys.stderr)
         if args.stats:
             dt = time.perf_counter() - start
             print(f"[infhip-run] {num_tokens} tokens in {dt:.2f} s, finish_reason={reason}", file=sys.stderr)
@@ -73,6 +87,55 @@ def main(argv=None) -> int:
         print(f"infhip-run: error: {e}", file=sys.stderr)
         return 2
     return 0
+
+
+class _Drain:
+    """SIGINT/SIGTERM handlers while generating: the first sets a stop time drain_timeout_s
+    ahead, a second one makes it now. The handlers only record; the generation loop looks."""
+
+    def __init__(self, drain_timeout_s: float):
+        self.timeout_s = drain_timeout_s
+        self.stop_at: float | None = None
+        self.signal: str | None = None  # the name of the first signal received
+        self._previous: dict = {}
+
+    def __enter__(self) -> "_Drain":
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            self._previous[sig] = signal.signal(sig, self._on_signal)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+    def _on_signal(self, signum: int, frame) -> None:
+        now = time.monotonic()
+        if self.signal is None:
+            self.signal = signal.Signals(signum).name
+            self.stop_at = now + self.timeout_s
+        else:
+            self.stop_at = now
+
+    @property
+    def due(self) -> bool:
+        return self.stop_at is not None and time.monotonic() >= self.stop_at
+
+
+def _stream(llm, prompt: str, params, drain: _Drain):
+    """LLM.generate_stream, one step at a time, stopping with a last "abort" delta when the
+    drain is due (looked at between steps, prefill chunks included)."""
+    req = llm._add(prompt, None, params)
+    try:
+        while not req.seq.is_finished:
+            if drain.due:
+                llm._abort(req)  # finish_reason "abort"; pages freed
+            else:
+                llm.step()
+            delta = llm._delta(req)
+            if delta is not None:
+                yield delta
+    finally:
+        llm._abort(req)
 
 
 if __name__ == "__main__":

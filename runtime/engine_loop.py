@@ -10,6 +10,12 @@ requests and read each request's messages from its outbox.
     loop.cancel(outbox)             # a client that left: abort the request, free its KV pages
     loop.close()
 
+A request may carry a deadline (``submit(..., deadline=time.monotonic() + s)``): once it passes,
+whether the request is still queued or generating, the engine thread aborts it (its KV pages
+freed) and sends its last `StreamDelta` with finish_reason "abort", then None, as for a request
+that ended by itself. `end_all()` does the same to every live request at once (a server's drain
+that ran out of time).
+
 An outbox is anything with ``put(message)`` called from the engine thread (default a
 `queue.Queue`; the HTTP server passes one that forwards into an asyncio queue). A request that
 fails alone (the LLM finished it with finish_reason "error") gets its final `StreamDelta` like any
@@ -45,11 +51,12 @@ class Outbox(Protocol):
 class EngineObserver(Protocol):
     """Told what the engine thread does, on that thread (runtime/serving/metrics.py): a request
     accepted (with the monotonic time it was submitted), each delta, a request gone (finished or
-    aborted), a whole step that failed, and the state after every loop turn."""
+    aborted, with the cause of an abort: "client" left, "deadline" passed, "shutdown"), a whole
+    step that failed, and the state after every loop turn."""
 
     def accepted(self, req, submitted: float) -> None: ...
     def delta(self, req, delta) -> None: ...
-    def gone(self, req, aborted: bool) -> None: ...
+    def gone(self, req, aborted: bool, cause: str = "client") -> None: ...
     def step_failed(self, num_requests: int) -> None: ...
     def sample(self, llm) -> None: ...
 
@@ -65,10 +72,15 @@ class EngineLoop:
         self.observer = observer
         self._inbox: queue.Queue = queue.Queue()
         self._live: dict[int, tuple[object, Outbox]] = {}  # id(outbox) -> (request, outbox)
+        self._deadlines: dict[int, float] = {}  # id(outbox) -> monotonic deadline, for live requests that have one
         self._stop = threading.Event()
         self._death_lock = threading.Lock()  # orders submit() against the thread's death
         self.death: BaseException | None = None  # why the thread died (None while it runs)
         self._thread = threading.Thread(target=self._run, name="infhip-engine", daemon=True)
+        # Liveness: when the turn in progress began (None while the thread waits for work, idle).
+        # A turn that runs for long means a step is stuck (or one huge prefill chunk).
+        self.turn_started: float | None = None
+        self._ended: list[tuple[Outbox, object]] = []  # messages of requests _end()ed this turn, sent after sample
 
     def start(self) -> "EngineLoop":
         self._thread.start()
@@ -84,40 +96,78 @@ class EngineLoop:
         self._thread.join()
 
     def submit(self, prompt: str | None, token_ids: list[int] | None, params: SamplingParams,
-               outbox: Outbox | None = None) -> Outbox:
+               outbox: Outbox | None = None, deadline: float | None = None) -> Outbox:
         """Queue a request (prompt text, or token ids, or both: then the ids are used and the text
-        is kept as the request's prompt); returns its outbox."""
+        is kept as the request's prompt); returns its outbox. deadline: a time.monotonic() after
+        which the request is aborted, queued or not (its last delta says "abort")."""
         outbox = queue.Queue() if outbox is None else outbox
         with self._death_lock:
             if self.death is not None:
                 outbox.put(RuntimeError(f"the engine thread died: {self.death!r}"))
             else:
-                self._inbox.put(("add", prompt, token_ids, params, outbox, time.monotonic()))
+                self._inbox.put(("add", prompt, token_ids, params, outbox, time.monotonic(), deadline))
         return outbox
 
     def cancel(self, outbox: Outbox) -> None:
+        """The client left: abort its request (no more messages are sent to its outbox)."""
         self._inbox.put(("abort", outbox))
+
+    def end_all(self) -> None:
+        """End every live request now: each gets its last delta (finish_reason "abort") and None."""
+        self._inbox.put(("end_all",))
+
+    @property
+    def num_live(self) -> int:
+        return len(self._live)
 
     def _handle(self, msg) -> None:
         if msg is None:
             return
         if msg[0] == "add":
-            _, prompt, token_ids, params, outbox, submitted = msg
+            _, prompt, token_ids, params, outbox, submitted, deadline = msg
             try:
                 req = self.llm._add(prompt, token_ids, params)
             except Exception as e:  # noqa: BLE001 - handed to the caller, which answers 400 for a ValueError
                 outbox.put(e)
                 return
             self._live[id(outbox)] = (req, outbox)
+            if deadline is not None:
+                self._deadlines[id(outbox)] = deadline
             if self.observer is not None:
                 self.observer.accepted(req, submitted)
             outbox.put(_Accepted(len(req.seq.prompt_token_ids)))
-        else:
+        elif msg[0] == "abort":
+            self._deadlines.pop(id(msg[1]), None)
             live = self._live.pop(id(msg[1]), None)
             if live is not None:
                 self.llm._abort(live[0])
                 if self.observer is not None:
                     self.observer.gone(live[0], aborted=True)
+        else:  # end_all
+            for key in list(self._live):
+                self._end(key, "shutdown")
+
+    def _end(self, key: int, cause: str) -> None:
+        """Abort live request `key` in the engine (pages freed) and send its last delta
+        (finish_reason "abort", with any text the detokenizer still held) and None."""
+        req, outbox = self._live.pop(key)
+        self._deadlines.pop(key, None)
+        self.llm._abort(req)
+        delta = self.llm._delta(req)
+        if self.observer is not None:
+            if delta is not None:
+                self.observer.delta(req, delta)
+            self.observer.gone(req, aborted=True, cause=cause)
+        if delta is not None:
+            self._ended.append((outbox, delta))
+        self._ended.append((outbox, None))
+
+    def _expire(self) -> None:
+        """End the live requests whose deadline has passed."""
+        if self._deadlines:
+            now = time.monotonic()
+            for key in [k for k, d in self._deadlines.items() if d <= now]:
+                self._end(key, "deadline")
 
     def _run(self) -> None:
         try:
@@ -131,13 +181,18 @@ class EngineLoop:
         """Take what arrived (waiting for it when idle), run one step, then hand out its messages
         (after the observer has sampled the state, so a client that has its answer never reads
         metrics from before it)."""
+        self.turn_started = None
         try:
             self._handle(self._inbox.get(timeout=None if not self._live else 0.0))
+            self.turn_started = time.monotonic()
             while True:
                 self._handle(self._inbox.get_nowait())
         except queue.Empty:
             pass
-        mail = self._step() if self._live and not self._stop.is_set() else []
+        self.turn_started = self.turn_started or time.monotonic()
+        self._expire()
+        mail, self._ended = self._ended, []
+        mail += self._step() if self._live and not self._stop.is_set() else []
         if self.observer is not None:
             self.observer.sample(self.llm)
         for outbox, message in mail:
@@ -154,6 +209,7 @@ class EngineLoop:
             if self.observer is not None:
                 self.observer.step_failed(len(self._live))
             self._live.clear()
+            self._deadlines.clear()
             return mail
         mail = []
         for key, (req, outbox) in list(self._live.items()):
@@ -170,6 +226,7 @@ class EngineLoop:
                     self.observer.gone(req, aborted=False)
                 mail.append((outbox, None))
                 del self._live[key]
+                self._deadlines.pop(key, None)
         return mail
 
     def _die(self, e: BaseException) -> None:

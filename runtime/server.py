@@ -7,11 +7,19 @@
 Endpoints, flags, limits and metric names: docs/serving.md. One engine thread
 (`EngineLoop`, runtime/engine_loop.py, also the Triton model's) owns the `LLM` and batches every
 live request; the app (runtime/serving/) hands requests in and reads their deltas.
+
+SIGTERM / SIGINT drain the server (runtime/serving/lifecycle.py): new requests get 503 and
+/health/ready turns 503 at once, running requests get up to --drain-timeout to finish, the rest
+are ended (a last "abort" event, or an error body), and the process exits 0. A second signal
+ends them at once.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import os
+import signal
 import socket
 import sys
 import threading
@@ -24,27 +32,35 @@ DEFAULT_BACKLOG = 2048  # pending connections the kernel queues (capped by net.c
 class HttpServer:
     """infhip-serve over an `LLM`: the socket is bound (and `server_address` known) at
     construction; `serve_forever()` serves on this thread until `shutdown()` (from another
-    thread) or SIGINT/SIGTERM (on the main thread), then stops the engine thread."""
+    thread) or the drain that SIGINT/SIGTERM (on the main thread) or `drain()` starts, then stops
+    the engine thread."""
 
     def __init__(self, llm, host: str = "127.0.0.1", port: int = 8000, model_name: str = "infhip",
-                 limits=None, keep_alive_s: float = 5.0, backlog: int = DEFAULT_BACKLOG):
+                 limits=None, keep_alive_s: float = 5.0, backlog: int = DEFAULT_BACKLOG, policy=None):
         import uvicorn
 
-        from infhip.runtime.serving.app import HttpLimits, make_app
+        from infhip.runtime.serving.app import HttpLimits, error_body, make_app
         from infhip.runtime.serving.async_engine import AsyncEngine
+        from infhip.runtime.serving.header_timeout import header_timeout_protocol
+        from infhip.runtime.serving.lifecycle import Gate, Lifecycle, ServingPolicy
         from infhip.runtime.serving.metrics import ServerMetrics
 
         self.metrics = ServerMetrics(llm)
         self.engine = AsyncEngine(llm, self.metrics)
         self.loop: EngineLoop = self.engine.loop
         self.limits = limits or HttpLimits()
-        self.app = make_app(self.engine, self.metrics, model_name, self.limits)
+        self.policy = policy or ServingPolicy()
+        self.lifecycle = Lifecycle(self.policy, llm, self.loop, self.metrics)
+        self.app = make_app(self.engine, self.metrics, model_name, self.limits, self.lifecycle)
         self._socket = _listen(host, port, backlog)
         self.server_address = self._socket.getsockname()[:2]
         self._thread: threading.Thread | None = None  # set by start()
-        self._uvicorn = uvicorn.Server(uvicorn.Config(
-            self.app, log_level="warning", access_log=False, lifespan="off", backlog=backlog,
-            timeout_keep_alive=keep_alive_s, timeout_graceful_shutdown=5))
+        self._uvicorn = _uvicorn_server(self, uvicorn.Config(
+            Gate(self.app, self.lifecycle, error_body), log_level="warning", access_log=False, lifespan="off",
+            backlog=backlog, timeout_keep_alive=keep_alive_s, timeout_graceful_shutdown=5,
+            http=header_timeout_protocol(self.policy.header_timeout_s) if self.policy.header_timeout_s else "h11"))
+        self._event_loop: asyncio.AbstractEventLoop | None = None  # the server's, once it runs
+        self._drain_task: asyncio.Task | None = None
 
     @property
     def url(self) -> str:
@@ -65,9 +81,55 @@ class HttpServer:
         return self._thread
 
     def shutdown(self) -> None:
+        """Stop now (tests): no drain; running streams are cut."""
         self._uvicorn.should_exit = True
         if self._thread is not None:
             self._thread.join()
+
+    def drain(self) -> None:
+        """What SIGTERM does, from any thread: the first call drains, a second ends everything now."""
+        self._event_loop.call_soon_threadsafe(self._on_signal, None)
+
+    # -- drain (on the server's event loop) -----------------------------------------------------
+    def _on_signal(self, signum: int | None) -> None:
+        name = signal.Signals(signum).name if signum else "drain()"
+        if self._drain_task is None:
+            n = self.lifecycle.requests_in
+            _say(f"{name}: draining {n} request(s) for up to {self.policy.drain_timeout_s:g} s "
+                 "(new ones get 503; a second signal ends them now)")
+            self._drain_task = asyncio.ensure_future(self._drain())
+        elif not self.lifecycle.ending:
+            _say(f"{name} again: ending {self.lifecycle.requests_in} request(s) now")
+            asyncio.ensure_future(self.lifecycle.end_now())
+
+    async def _drain(self) -> None:
+        finished = await self.lifecycle.drain(self.policy.drain_timeout_s)
+        if not finished:
+            _say(f"drain timeout: the server ended the requests still running")
+        self._uvicorn.should_exit = True  # uvicorn closes the listener and idle connections, then returns
+
+
+def _say(message: str) -> None:
+    print(f"infhip-serve: {message}", file=sys.stderr, flush=True)
+
+
+def _uvicorn_server(owner: HttpServer, config):
+    """A uvicorn.Server whose SIGINT/SIGTERM start owner's drain instead of uvicorn's own
+    shutdown (which cuts running streams after timeout_graceful_shutdown and re-raises the signal
+    at exit, so SIGTERM ended the process with status 143)."""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        async def startup(self, sockets=None):
+            owner._event_loop = asyncio.get_running_loop()
+            await super().startup(sockets)
+
+        def handle_exit(self, sig, frame):  # a signal handler, on the main thread (the loop's)
+            if owner._event_loop is None:  # not serving yet
+                self.should_exit = True
+            else:
+                owner._event_loop.call_soon_threadsafe(owner._on_signal, sig)
+    return Server(config)
 
 
 def _listen(host: str, port: int, backlog: int) -> socket.socket:
@@ -90,6 +152,7 @@ def make_server(llm, host: str = "127.0.0.1", port: int = 8000, model_name: str 
 def make_parser():
     from infhip.runtime.options import add_load_options
     from infhip.runtime.serving.app import HttpLimits
+    from infhip.runtime.serving.lifecycle import ServingPolicy
 
     p = argparse.ArgumentParser(prog="infhip-serve", description=__doc__.split("\n\n")[0])
     p.add_argument("--engine", required=True, help="engine directory written by infhip-build")
@@ -103,6 +166,23 @@ def make_parser():
                    help="seconds an idle keep-alive connection stays open (default 5)")
     p.add_argument("--backlog", type=int, default=DEFAULT_BACKLOG,
                    help=f"connections the kernel queues before accepting (default {DEFAULT_BACKLOG})")
+    d = ServingPolicy()
+    life = p.add_argument_group("lifecycle (docs/serving.md, Lifecycle)")
+    life.add_argument("--drain-timeout", type=float, default=d.drain_timeout_s,
+                      help=f"on SIGTERM/SIGINT, seconds running requests may go on (default {d.drain_timeout_s:g})")
+    life.add_argument("--max-waiting-requests", type=int, default=None,
+                      help="requests held beyond the engine's batch before 429 (default 2 x max-num-seqs)")
+    life.add_argument("--max-waiting-tokens", type=int, default=None,
+                      help="prompt tokens held beyond the KV cache's capacity before 429 (default: that capacity)")
+    life.add_argument("--request-timeout", type=float, default=d.request_timeout_s,
+                      help="default and cap of a request's deadline in seconds, from its arrival (default 0 = none)")
+    life.add_argument("--header-timeout", type=float, default=d.header_timeout_s,
+                      help=f"seconds for a request line and headers to arrive, else 408 (default {d.header_timeout_s:g}; 0 = none)")
+    life.add_argument("--stall-timeout", type=float, default=d.stall_timeout_s,
+                      help=f"/health/live answers 503 once one engine step runs longer (default {d.stall_timeout_s:g})")
+    life.add_argument("--api-key", default=os.environ.get("INFHIP_API_KEY"),
+                      help="require 'Authorization: Bearer KEY' on /v1/*, /tokenize, /detokenize "
+                           "(default $INFHIP_API_KEY; unset = no key)")
     add_load_options(p)  # LLM's options, same names (runtime/options.py)
     return p
 
@@ -116,7 +196,12 @@ def main(argv=None) -> int:
 
     from infhip.config import EngineFormatError
     from infhip.runtime.llm import LLM
+    from infhip.runtime.serving.lifecycle import ServingPolicy
     try:
+        policy = ServingPolicy(drain_timeout_s=args.drain_timeout, max_waiting_requests=args.max_waiting_requests,
+                               max_waiting_tokens=args.max_waiting_tokens, request_timeout_s=args.request_timeout,
+                               header_timeout_s=args.header_timeout, stall_timeout_s=args.stall_timeout,
+                               api_key=args.api_key or None)
         for name in ("body_timeout", "keep_alive_timeout"):
             if getattr(args, name) < 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
@@ -126,16 +211,16 @@ def main(argv=None) -> int:
         llm = LLM(args.engine, load_options(args))
         server = make_server(llm, args.host, args.port, model_name=Path(args.engine).name,
                              limits=HttpLimits(args.max_body_bytes, args.body_timeout),
-                             keep_alive_s=args.keep_alive_timeout, backlog=args.backlog)
+                             keep_alive_s=args.keep_alive_timeout, backlog=args.backlog, policy=policy)
     except (ValueError, EngineFormatError, MemoryError, OSError) as e:
         print(f"infhip-serve: error: {e}", file=sys.stderr)
         return 2
+    lc = server.lifecycle
     print(f"infhip-serve: {args.engine} on {server.url} (POST /v1/completions, /v1/chat/completions; "
-          "GET /v1/models, /health, /metrics)", file=sys.stderr, flush=True)
-    try:
-        server.serve_forever()
-    except KeyboardInterrupt:  # uvicorn re-raises SIGINT after its graceful shutdown
-        pass
+          "GET /v1/models, /health, /metrics); admits up to "
+          f"{lc.max_requests} requests and {lc.max_prompt_tokens} prompt tokens", file=sys.stderr, flush=True)
+    server.serve_forever()
+    _say("stopped")
     return 0
 
 

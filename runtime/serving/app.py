@@ -6,12 +6,20 @@ Every generating route: read the body (at most `max_body_bytes`, within `body_ti
 413 / 408), validate it (400), tokenize off the engine thread, hand it to the engine (400 if the
 engine refuses the prompt), then answer as one JSON object or as server-sent events. A client
 that disconnects while its request waits or generates, streaming or not, has it aborted.
+
+The lifecycle (runtime/serving/lifecycle.py): a generating request first takes a `Ticket`
+(429 when the server is full, 503 while draining), counts its prompt tokens once tokenized (429
+past the token budget) and carries a deadline into the engine; a request the engine ended with
+"abort" that its client did not leave (its deadline passed, or the drain ran out) ends with a
+last chunk whose finish_reason is "abort" and [DONE] when streaming, or an error body (504 / 503).
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import time
+from importlib.metadata import PackageNotFoundError, version
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -23,9 +31,12 @@ from starlette.requests import ClientDisconnect
 
 from infhip.runtime.serving import protocol as P
 from infhip.runtime.serving.async_engine import AsyncEngine, ClientGone, EngineFailure, Generation
+from infhip.runtime.serving.lifecycle import Lifecycle, Refused, Ticket
 from infhip.runtime.serving.metrics import CONTENT_TYPE, ServerMetrics
 
-ENDPOINTS = ("POST /v1/completions", "POST /v1/chat/completions", "GET /v1/models", "GET /health", "GET /metrics")
+ENDPOINTS = ("POST /v1/completions", "POST /v1/chat/completions", "GET /v1/models", "POST /tokenize",
+             "POST /detokenize", "GET /health", "GET /health/live", "GET /health/ready", "GET /metrics",
+             "GET /version")
 
 
 @dataclass(frozen=True)
@@ -41,7 +52,8 @@ class ApiError(Exception):
 
 
 def error_body(status: int, message: str) -> dict:
-    kind = "invalid_request_error" if status < 500 else "service_unavailable" if status == 503 else "server_error"
+    kind = ("invalid_request_error" if status < 500 else "service_unavailable" if status == 503
+            else "timeout" if status == 504 else "server_error")
     return {"error": {"message": message, "type": kind, "code": status}}
 
 
@@ -49,7 +61,8 @@ def error_response(status: int, message: str, headers: dict | None = None) -> JS
     return JSONResponse(error_body(status, message), status_code=status, headers=headers)
 
 
-def make_app(engine: AsyncEngine, metrics: ServerMetrics, model_name: str, limits: HttpLimits) -> FastAPI:
+def make_app(engine: AsyncEngine, metrics: ServerMetrics, model_name: str, limits: HttpLimits,
+             lifecycle: Lifecycle) -> FastAPI:
     app = FastAPI(title="infhip-serve", docs_url=None, redoc_url=None, openapi_url=None)
     _install_error_handlers(app)
 
@@ -58,6 +71,40 @@ def make_app(engine: AsyncEngine, metrics: ServerMetrics, model_name: str, limit
         if not engine.loop.alive:
             return error_response(503, f"the engine thread is not running ({engine.loop.death!r})")
         return {"status": "ok"}
+
+    @app.get("/health/live")
+    async def health_live():
+        why = lifecycle.live()
+        return error_response(503, why) if why else {"status": "live"}
+
+    @app.get("/health/ready")
+    async def health_ready():
+        why = lifecycle.ready()
+        return error_response(503, why) if why else {"status": "ready"}
+
+    @app.get("/version")
+    async def server_version():
+        try:
+            return {"version": version("infhip")}
+        except PackageNotFoundError:  # run from a checkout without an install
+            from infhip import __version__
+            return {"version": __version__}
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        body = P.parse_body(P.TokenizeRequest, await read_body(request, limits))
+        if body.messages is not None:
+            _, ids = await engine.encode_chat([m.for_template() for m in body.messages])
+        else:
+            ids = await engine.encode(body.prompt, body.add_special_tokens)
+        return {"tokens": ids, "count": len(ids), "max_model_len": engine.limits.max_seq_len}
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        body = P.parse_body(P.DetokenizeRequest, await read_body(request, limits))
+        if any(not 0 <= t < engine.limits.vocab_size for t in body.tokens):
+            raise ApiError(400, f"tokens must be in [0, {engine.limits.vocab_size})")
+        return {"prompt": await engine.decode(body.tokens)}
 
     @app.get("/metrics")
     async def prometheus_metrics():
@@ -70,22 +117,30 @@ def make_app(engine: AsyncEngine, metrics: ServerMetrics, model_name: str, limit
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        body = P.parse_body(P.CompletionRequest, await read_body(request, limits))
-        params = body.sampling_params(body.max_tokens, engine.limits)
-        if isinstance(body.prompt, str):
-            text, ids = body.prompt, await engine.encode(body.prompt)
-        else:
-            text, ids = None, body.prompt
-        shape = _CompletionShape(P.new_meta("cmpl", model_name))
-        return await _generate(engine, request, text, ids, params, shape, body.stream, body.include_usage)
+        ticket = lifecycle.admit()
+        try:
+            body = P.parse_body(P.CompletionRequest, await read_body(request, limits))
+            params = body.sampling_params(body.max_tokens, engine.limits)
+            if isinstance(body.prompt, str):
+                text, ids = body.prompt, await engine.encode(body.prompt)
+            else:
+                text, ids = None, body.prompt
+            shape = _CompletionShape(P.new_meta("cmpl", model_name))
+            return await _generate(engine, lifecycle, ticket, request, text, ids, params, shape, body)
+        finally:
+            ticket.release_unless_streaming()
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        body = P.parse_body(P.ChatCompletionRequest, await read_body(request, limits))
-        params = body.sampling_params(body.max_new_tokens, engine.limits)
-        text, ids = await engine.encode_chat([m.for_template() for m in body.messages])
-        shape = _ChatShape(P.new_meta("chatcmpl", model_name))
-        return await _generate(engine, request, text, ids, params, shape, body.stream, body.include_usage)
+        ticket = lifecycle.admit()
+        try:
+            body = P.parse_body(P.ChatCompletionRequest, await read_body(request, limits))
+            params = body.sampling_params(body.max_new_tokens, engine.limits)
+            text, ids = await engine.encode_chat([m.for_template() for m in body.messages])
+            shape = _ChatShape(P.new_meta("chatcmpl", model_name))
+            return await _generate(engine, lifecycle, ticket, request, text, ids, params, shape, body)
+        finally:
+            ticket.release_unless_streaming()
 
     return app
 
@@ -114,11 +169,14 @@ async def read_body(request: Request, limits: HttpLimits) -> bytes:
     return b"".join(chunks)
 
 
-async def _generate(engine: AsyncEngine, request: Request, text, ids, params, shape, stream: bool,
-                    include_usage: bool) -> Response:
+async def _generate(engine: AsyncEngine, lifecycle: Lifecycle, ticket: Ticket, request: Request, text, ids,
+                    params, shape, body) -> Response:
+    ticket.add_prompt(len(ids))
+    lifecycle.check_not_ending()
     gen = Generation(engine.loop, request.receive)
+    deadline = ticket.deadline(body.timeout)
     try:
-        prompt_tokens = await gen.start(text, ids, params)
+        prompt_tokens = await gen.start(text, ids, params, deadline)
     except ValueError as e:  # the engine refused the prompt (too long, token id out of range, ...)
         gen.close()
         raise ApiError(400, str(e)) from None
@@ -128,16 +186,53 @@ async def _generate(engine: AsyncEngine, request: Request, text, ids, params, sh
     except Exception as e:
         gen.close()
         raise ApiError(503 if not engine.loop.alive else 500, f"the engine failed: {type(e).__name__}: {e}") from None
-    if stream:
-        return StreamingResponse(_events(gen, shape, prompt_tokens, include_usage), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    ended = _Ended(lifecycle, deadline, body.timeout)
+    if body.stream:
+        ticket.streaming = True  # released when the stream ends
+        return _Stream(gen, ticket, _events(gen, ticket, shape, prompt_tokens, body.include_usage))
     try:
-        return await _whole(gen, shape, prompt_tokens)
+        return await _whole(gen, shape, prompt_tokens, ended)
     finally:
         gen.close()
 
 
-async def _whole(gen: Generation, shape, prompt_tokens: int) -> Response:
+class _Stream(StreamingResponse):
+    """The SSE response; whatever ends it (its last event, the client leaving, the server
+    cancelling it), the request leaves the engine and gives its ticket back."""
+
+    def __init__(self, gen: Generation, ticket: Ticket, events: AsyncIterator[bytes]):
+        super().__init__(events, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self._gen, self._ticket = gen, ticket
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._gen.close()
+            self._ticket.release()
+
+
+class _Ended:
+    """Why the engine ended a request with "abort" although its client stayed: its deadline
+    passed (504), or the server's drain ran out (503)."""
+
+    def __init__(self, lifecycle: Lifecycle, deadline: float | None, requested_s: float | None):
+        self.lifecycle, self.deadline, self.requested_s = lifecycle, deadline, requested_s
+
+    def response(self, num_tokens: int) -> Response:
+        if self.deadline is not None and time.monotonic() >= self.deadline and not self.lifecycle.ending:
+            limit = self.lifecycle.policy.request_timeout_s
+            what = (f"timeout={self.requested_s:g} s" if self.requested_s and (not limit or self.requested_s <= limit)
+                    else f"--request-timeout {limit:g} s")
+            return error_response(504, f"the request's deadline ({what}, from its arrival) passed after "
+                                       f"{num_tokens} generated tokens; it was aborted")
+        retry = {"Retry-After": str(self.lifecycle.policy.retry_after_s)}
+        return error_response(503, f"the server is shutting down and ended the request after {num_tokens} "
+                                   "generated tokens; send it to another replica", retry)
+
+
+async def _whole(gen: Generation, shape, prompt_tokens: int, ended: _Ended) -> Response:
     pieces, tokens, last = [], [], None
     try:
         async for last in gen.deltas():
@@ -149,13 +244,17 @@ async def _whole(gen: Generation, shape, prompt_tokens: int) -> Response:
         return Response(status_code=499)
     if last.finish_reason == "error":
         return error_response(500, _request_error(last))
+    if last.finish_reason == "abort":  # not the client's doing: it is still here
+        return ended.response(len(tokens))
     use = P.usage(prompt_tokens, len(tokens), last.num_cached_tokens)
     return JSONResponse(shape.whole("".join(pieces), tokens, last.finish_reason, use))
 
 
-async def _events(gen: Generation, shape, prompt_tokens: int, include_usage: bool) -> AsyncIterator[bytes]:
+async def _events(gen: Generation, ticket: Ticket, shape, prompt_tokens: int,
+                  include_usage: bool) -> AsyncIterator[bytes]:
     """The SSE body: shape's opening chunks, one chunk per delta, the usage chunk if asked, then
-    [DONE]; a failed request ends with one error event instead."""
+    [DONE]; a failed request ends with one error event instead. A request the server ended
+    (deadline, drain) ends like any other: its last chunk has finish_reason "abort"."""
     try:
         for chunk in shape.opening():
             yield _sse(chunk)
@@ -176,6 +275,7 @@ async def _events(gen: Generation, shape, prompt_tokens: int, include_usage: boo
         return
     finally:
         gen.close()
+        ticket.release()
 
 
 def _request_error(delta) -> str:
@@ -222,6 +322,10 @@ class _ChatShape:
 def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
     async def api_error(request: Request, exc: ApiError):
+        return error_response(exc.status, exc.message, exc.headers)
+
+    @app.exception_handler(Refused)
+    async def refused(request: Request, exc: Refused):
         return error_response(exc.status, exc.message, exc.headers)
 
     @app.exception_handler(P.BadRequest)

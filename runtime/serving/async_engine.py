@@ -52,10 +52,11 @@ class Generation:
         self._watcher: asyncio.Task | None = None
         self._settled = False  # the engine holds nothing of it (refused, or finished and forgotten)
 
-    async def start(self, prompt: str | None, token_ids: list[int], params) -> int:
-        """Hand the request in; its prompt length once accepted. Raises what the engine raised
-        (ValueError: bad input), or ClientGone."""
-        self._engine.submit(prompt, token_ids, params, self._outbox)
+    async def start(self, prompt: str | None, token_ids: list[int], params, deadline: float | None = None) -> int:
+        """Hand the request in (deadline: a time.monotonic() after which the engine aborts it);
+        its prompt length once accepted. Raises what the engine raised (ValueError: bad input),
+        or ClientGone."""
+        self._engine.submit(prompt, token_ids, params, self._outbox, deadline)
         self._watcher = asyncio.create_task(self._watch())
         first = await self._next()
         if isinstance(first, Exception):
@@ -112,12 +113,18 @@ class AsyncEngine:
     def tokenizer(self):
         return self.llm.tokenizer
 
-    async def encode(self, text: str) -> list[int]:
+    async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of a completion prompt, as `LLM._add` would tokenize it."""
         if self.tokenizer is None:
             raise BadRequest("this engine has no tokenizer (built with --random-weights from a config); "
                              "send \"prompt\" as a list of token ids")
-        return await self._off_thread(lambda: self.tokenizer(text)["input_ids"])
+        return await self._off_thread(lambda: self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
+
+    async def decode(self, token_ids: list[int]) -> str:
+        """The text of token ids (special tokens included), for POST /detokenize."""
+        if self.tokenizer is None:
+            raise BadRequest("this engine has no tokenizer (built with --random-weights from a config)")
+        return await self._off_thread(lambda: self.tokenizer.decode(token_ids))
 
     async def encode_chat(self, messages: list[dict]) -> tuple[str, list[int]]:
         """(rendered text, token ids) of a conversation through the engine's chat template,

@@ -12,16 +12,23 @@ from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from infhip.runtime.sequence import SequenceStatus
+
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 _TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5)
+_REQUEST_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800)
 
 
 @dataclass
 class _Timing:
+    req: object  # the LLM's _Request
     submitted: float  # monotonic time of EngineLoop.submit
+    scheduled: float | None = None  # when the step that first gave it KV pages began (~ the sample before it)
+    first_token: float | None = None
     last_token: float | None = None  # of the last delta with tokens; None before the first
+    num_tokens: int = 0
 
 
 class ServerMetrics:
@@ -44,6 +51,34 @@ class ServerMetrics:
         self.errors = Counter("infhip_request_errors",
                               "Requests failed by the engine: alone (scope=request) or with a whole step (scope=engine)",
                               ["scope"], registry=r)
+        # The request-level latencies the serving world reads (vLLM's e2e / queue / prefill /
+        # decode / time-per-output-token), observed when a request ends.
+        self.e2e = Histogram("infhip_e2e_request_latency_seconds",
+                             "From the hand-in to the engine to the request's end (finished or aborted)",
+                             buckets=_REQUEST_BUCKETS, registry=r)
+        self.queue_time = Histogram("infhip_request_queue_time_seconds",
+                                    "From the hand-in to the step that first gave the request KV pages",
+                                    buckets=_REQUEST_BUCKETS, registry=r)
+        self.prefill_time = Histogram("infhip_request_prefill_time_seconds",
+                                      "From that first step to the first token", buckets=_REQUEST_BUCKETS, registry=r)
+        self.decode_time = Histogram("infhip_request_decode_time_seconds",
+                                     "From the first token to the last", buckets=_REQUEST_BUCKETS, registry=r)
+        self.tpot = Histogram("infhip_time_per_output_token_seconds",
+                              "A request's decode time / (its output tokens - 1), requests of 2+ tokens",
+                              buckets=_ITL_BUCKETS, registry=r)
+        self.success = Counter("infhip_request_success", "Requests that ended by themselves, by finish reason "
+                               "(stop, length)", ["finish_reason"], registry=r)
+        self.kv_usage = Gauge("infhip_kv_cache_usage_ratio", "Fraction of a KV group's GPU pages in use (0..1)",
+                              ["group"], registry=r)
+        # Lifecycle (docs/serving.md, "Lifecycle"): requests refused at the door, and ended by the server.
+        self.rejected = Counter("infhip_requests_rejected",
+                                "Requests refused before the engine: reason=queue_full or prompt_tokens (429), "
+                                "draining (503)", ["reason"], registry=r)
+        self.timeouts = Counter("infhip_request_timeouts", "Requests aborted because their deadline passed",
+                                registry=r)
+        self.shutdown_aborts = Counter("infhip_request_shutdown_aborts",
+                                       "Requests still running when the drain timeout ran out, ended by the server",
+                                       registry=r)
         self.preemptions = Counter("infhip_preemptions", "Sequences preempted (KV dropped, recomputed later)",
                                    registry=r)
         self.kv_used = Gauge("infhip_kv_pages_used", "KV cache pages in use", ["group", "memory"], registry=r)
@@ -61,6 +96,11 @@ class ServerMetrics:
                                  "Offloaded (host) KV pages holding cached prefix content and no request "
                                  "(counted as free)", ["group"], registry=r)
         self._preemptions_seen = 0
+        self._last_sample = time.monotonic()
+        for reason in ("stop", "length"):
+            self.success.labels(finish_reason=reason)
+        for reason in ("queue_full", "prompt_tokens", "draining"):
+            self.rejected.labels(reason=reason)
         self._prefix_seen = (0, 0, 0)
         self._timing: dict[int, _Timing] = {}  # seq_id -> timing of a live request
         plan = llm.engine.config.plan
@@ -82,7 +122,7 @@ class ServerMetrics:
 
     # -- EngineObserver (engine thread) ---------------------------------------------------------
     def accepted(self, req, submitted: float) -> None:
-        self._timing[req.seq.seq_id] = _Timing(submitted)
+        self._timing[req.seq.seq_id] = _Timing(req, submitted)
         self.prompt_tokens.inc(req.seq.num_prompt_tokens)
 
     def delta(self, req, delta) -> None:
@@ -92,25 +132,50 @@ class ServerMetrics:
             now = time.monotonic()
             if timing.last_token is None:
                 self.ttft.observe(now - timing.submitted)
+                self._scheduled(timing)
+                timing.first_token = now
             else:
                 for _ in range(n):
                     self.itl.observe((now - timing.last_token) / n)
             timing.last_token = now
+            timing.num_tokens += n
         self.generation_tokens.inc(n)
         if delta.finish_reason == "error":
             self.errors.labels(scope="request").inc()
 
-    def gone(self, req, aborted: bool) -> None:
-        self._timing.pop(req.seq.seq_id, None)
+    def gone(self, req, aborted: bool, cause: str = "client") -> None:
+        timing = self._timing.pop(req.seq.seq_id, None)
         seq = req.seq
         if aborted:
-            self.aborts.inc()
-        self.finished.labels(finish_reason=seq.finish_reason or "abort").inc()
+            {"client": self.aborts, "deadline": self.timeouts, "shutdown": self.shutdown_aborts}[cause].inc()
+        reason = seq.finish_reason or "abort"
+        self.finished.labels(finish_reason=reason).inc()
+        if reason in ("stop", "length"):
+            self.success.labels(finish_reason=reason).inc()
+        if timing is not None:
+            self._request_times(timing)
         if self._dense_threshold is not None and seq.num_tokens >= self._dense_threshold:
             self.sparse_requests.inc()
         if self._token_drop and seq.dropped and any(seq.dropped):
             self.drop_requests.inc()
             self.dropped_kv.inc(sum(seq.dropped))
+
+    def _scheduled(self, timing: _Timing) -> None:
+        """Note when the request first got KV pages (once): the step that did it began right
+        after the previous sample."""
+        if timing.scheduled is None:
+            timing.scheduled = max(timing.submitted, self._last_sample)
+            self.queue_time.observe(timing.scheduled - timing.submitted)
+
+    def _request_times(self, t: _Timing) -> None:
+        """The request-level histograms of a request that ended."""
+        now = time.monotonic()
+        self.e2e.observe(now - t.submitted)
+        if t.first_token is not None:
+            self.prefill_time.observe(t.first_token - t.scheduled)
+            self.decode_time.observe(t.last_token - t.first_token)
+            if t.num_tokens > 1:
+                self.tpot.observe((t.last_token - t.first_token) / (t.num_tokens - 1))
 
     def step_failed(self, num_requests: int) -> None:
         self.errors.labels(scope="engine").inc(num_requests)
@@ -119,6 +184,10 @@ class ServerMetrics:
     def sample(self, llm) -> None:
         """Gauges after a loop turn: queue lengths, KV pages per group (GPU and host pools)."""
         sched, kv = llm.scheduler, llm.runner.kv
+        for timing in self._timing.values():
+            if timing.scheduled is None and timing.req.seq.status is not SequenceStatus.WAITING:
+                self._scheduled(timing)
+        self._last_sample = time.monotonic()
         self.running.set(sched.num_running)
         self.waiting.set(sched.num_waiting)
         self.preemptions.inc(sched.num_preemptions - self._preemptions_seen)
@@ -132,6 +201,7 @@ class ServerMetrics:
             free = kv.num_free_pages(group)
             self.kv_free.labels(group=group, memory="gpu").set(free)
             self.kv_used.labels(group=group, memory="gpu").set(spec.num_pages - 1 - free)  # page 0 is the null page
+            self.kv_usage.labels(group=group).set((spec.num_pages - 1 - free) / (spec.num_pages - 1))
             self.kv_cached.labels(group=group).set(kv.num_cached_pages(group))
             if spec.offload is not None:
                 host_free = kv.num_free_host_pages(group)

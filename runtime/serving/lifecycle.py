@@ -1,0 +1,227 @@
+"""The serving lifecycle of `infhip-serve`: admission limits (429), drain (503, then ending what
+still runs), per-request deadlines, liveness / readiness, and the API key; the reference with
+every flag and default is docs/serving.md ("Lifecycle").
+
+All of `Lifecycle`'s state lives on the server's event loop (handlers and the drain task run
+there), so its counters need no lock. A request holds a `Ticket` from the moment its handler
+starts until its answer is written (streams included): the drain waits for the tickets to go.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import math
+import time
+from dataclasses import dataclass
+
+from fastapi.responses import JSONResponse
+
+# Paths answered whatever the state (probes, scrapes): never 503 for draining nor 401.
+OPEN_PATHS = frozenset({"/health", "/health/live", "/health/ready", "/metrics", "/version"})
+END_GRACE_S = 5.0  # after ending every request, how long their handlers get to write the last event
+
+
+@dataclass(frozen=True)
+class ServingPolicy:
+    """Limits and timeouts of the lifecycle. None for an admission limit means "derived from the
+    engine" (`Lifecycle` says how); 0 for request_timeout_s means no server-side deadline."""
+
+    drain_timeout_s: float = 30.0  # SIGTERM/SIGINT: how long running requests may go on
+    max_waiting_requests: int | None = None  # requests beyond the engine's batch; None: 2 x max_num_seqs
+    max_waiting_tokens: int | None = None  # prompt tokens beyond what the KV cache holds; None: that much again
+    request_timeout_s: float = 0.0  # default (and cap of) a request's "timeout"; 0 = none
+    header_timeout_s: float = 10.0  # request line + headers must arrive within this, else 408 and closed
+    stall_timeout_s: float = 120.0  # /health/live: 503 once one engine turn has run this long
+    retry_after_s: int = 1  # Retry-After of a 429 or a draining 503
+    api_key: str | None = None  # Bearer token required on /v1/*, /tokenize, /detokenize
+
+    def __post_init__(self) -> None:
+        for name in ("drain_timeout_s", "request_timeout_s", "header_timeout_s", "stall_timeout_s"):
+            v = getattr(self, name)
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v) or v < 0:
+                raise ValueError(f"ServingPolicy.{name} must be a finite number >= 0, got {v!r}")
+        for name in ("max_waiting_requests", "max_waiting_tokens"):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
+                raise ValueError(f"ServingPolicy.{name} must be an int >= 0 or None (derived), got {v!r}")
+        if isinstance(self.retry_after_s, bool) or not isinstance(self.retry_after_s, int) or self.retry_after_s < 1:
+            raise ValueError(f"ServingPolicy.retry_after_s must be an int >= 1, got {self.retry_after_s!r}")
+        if self.api_key is not None and not self.api_key:
+            raise ValueError("ServingPolicy.api_key must be a non-empty string or None")
+
+
+class Refused(Exception):
+    """A request turned away at the door: status 429 or 503, with Retry-After."""
+
+    def __init__(self, status: int, message: str, retry_after_s: int):
+        super().__init__(message)
+        self.status, self.message = status, message
+        self.headers = {"Retry-After": str(retry_after_s)}
+
+
+def kv_capacity_tokens(llm) -> int:
+    """Tokens the KV cache holds: the smallest full-attention group's pages x page size (a
+    sliding-window group's pages are reused along the sequence, so they do not bound it)."""
+    kv = llm.runner.kv
+    full = [spec.num_pages - 1 for spec in kv.groups.values() if spec.window is None]
+    pages = min(full) if full else min(spec.num_pages - 1 for spec in kv.groups.values())
+    return pages * kv.page_size
+
+
+class Ticket:
+    """One request's place in the server (from its handler's start to its answer's end)."""
+
+    def __init__(self, lifecycle: "Lifecycle", arrived: float):
+        self._lc, self.arrived, self.prompt_tokens, self._done = lifecycle, arrived, 0, False
+        self.streaming = False  # the answer is a stream: released when it ends, not when the handler returns
+
+    def add_prompt(self, num_tokens: int) -> None:
+        """Count the tokenized prompt; Refused (429) when the prompt-token budget is full. A
+        request alone in the server is always let in (the engine says whether it fits)."""
+        lc = self._lc
+        others = lc.prompt_tokens_in
+        if others and others + num_tokens > lc.max_prompt_tokens:
+            lc.metrics.rejected.labels(reason="prompt_tokens").inc()
+            raise Refused(429, f"the server holds {others} prompt tokens; this prompt's {num_tokens} would pass "
+                               f"the limit of {lc.max_prompt_tokens} (--max-waiting-tokens); retry later",
+                          lc.policy.retry_after_s)
+        self.prompt_tokens = num_tokens
+        lc.prompt_tokens_in += num_tokens
+
+    def deadline(self, requested_s: float | None) -> float | None:
+        """The request's monotonic deadline: its own timeout, capped by --request-timeout."""
+        limits = [t for t in (requested_s, self._lc.policy.request_timeout_s or None) if t]
+        return self.arrived + min(limits) if limits else None
+
+    def release_unless_streaming(self) -> None:
+        if not self.streaming:
+            self.release()
+
+    def release(self) -> None:
+        if not self._done:
+            self._done = True
+            lc = self._lc
+            lc.requests_in -= 1
+            lc.prompt_tokens_in -= self.prompt_tokens
+            if lc.requests_in == 0:
+                lc._empty.set()
+
+
+class Lifecycle:
+    """Admission, drain and health of one server (event-loop state; see the module docstring).
+
+    Derived defaults: at most max_num_seqs + max_waiting_requests requests in the server
+    (running + queued; max_waiting_requests defaults to 2 x max_num_seqs), and at most
+    kv_capacity_tokens + max_waiting_tokens prompt tokens (max_waiting_tokens defaults to the KV
+    capacity, so the prompts in the server fill the cache at most twice over)."""
+
+    def __init__(self, policy: ServingPolicy, llm, loop, metrics):
+        self.policy, self.loop, self.metrics = policy, loop, metrics  # loop: the EngineLoop
+        batch = llm.scheduler.max_num_seqs
+        kv_tokens = kv_capacity_tokens(llm)
+        self.max_waiting_requests = 2 * batch if policy.max_waiting_requests is None else policy.max_waiting_requests
+        self.max_waiting_tokens = kv_tokens if policy.max_waiting_tokens is None else policy.max_waiting_tokens
+        self.max_requests = batch + self.max_waiting_requests
+        self.max_prompt_tokens = kv_tokens + self.max_waiting_tokens
+        self.requests_in = 0
+        self.prompt_tokens_in = 0
+        self.draining = False  # set by drain(): new requests get 503, /health/ready 503
+        self.ending = False  # the drain ran out (or a second signal): every request ends now
+        self._empty = asyncio.Event()  # requests_in reached 0 (created on the server's loop)
+        self._empty.set()
+
+    # -- admission ------------------------------------------------------------------------------
+    def admit(self) -> Ticket:
+        """A ticket for a new generating request; Refused (503 draining, 429 full) otherwise."""
+        if self.draining:
+            self.metrics.rejected.labels(reason="draining").inc()
+            raise Refused(503, "the server is shutting down; send the request to another replica",
+                          self.policy.retry_after_s)
+        if self.requests_in >= self.max_requests:
+            self.metrics.rejected.labels(reason="queue_full").inc()
+            raise Refused(429, f"the server holds {self.requests_in} requests, its limit (the engine's batch + "
+                               f"{self.max_waiting_requests} waiting, --max-waiting-requests); retry later",
+                          self.policy.retry_after_s)
+        self.requests_in += 1
+        self._empty.clear()
+        return Ticket(self, time.monotonic())
+
+    def check_not_ending(self) -> None:
+        """Before handing a request to the engine: once the drain has ended everything, nothing
+        new may start (a request still tokenizing at that moment gets 503)."""
+        if self.ending:
+            raise Refused(503, "the server is shutting down; send the request to another replica",
+                          self.policy.retry_after_s)
+
+    # -- drain ----------------------------------------------------------------------------------
+    async def drain(self, timeout_s: float) -> bool:
+        """Stop admitting, wait up to timeout_s for the requests in the server to finish, then
+        end the rest (last event "abort") and give their handlers END_GRACE_S to answer.
+        Whether everything finished by itself."""
+        self.draining = True
+        try:
+            await asyncio.wait_for(self._empty.wait(), timeout_s)
+            return True
+        except TimeoutError:
+            pass
+        await self.end_now()
+        return False
+
+    async def end_now(self) -> None:
+        """End every request in the engine now and wait (bounded) for their answers to go out."""
+        self.draining = self.ending = True
+        self.loop.end_all()
+        try:
+            await asyncio.wait_for(self._empty.wait(), END_GRACE_S)
+        except TimeoutError:
+            pass
+
+    # -- health ---------------------------------------------------------------------------------
+    def live(self) -> str | None:
+        """Why the server is not live (None: it is): the engine thread died, or one turn has
+        run for more than stall_timeout_s."""
+        if not self.loop.alive:
+            return f"the engine thread is not running ({self.loop.death!r})"
+        started = self.loop.turn_started
+        if started is not None and time.monotonic() - started > self.policy.stall_timeout_s:
+            return f"one engine step has run for {time.monotonic() - started:.0f} s (> {self.policy.stall_timeout_s:g} s)"
+        return None
+
+    def ready(self) -> str | None:
+        """Why the server should get no traffic now (None: ready)."""
+        if self.draining:
+            return "draining: the server is shutting down"
+        if (why := self.live()) is not None:
+            return why
+        if self.requests_in >= self.max_requests:
+            return f"full: {self.requests_in} requests (limit {self.max_requests})"
+        return None
+
+
+class Gate:
+    """ASGI middleware in front of the app: while draining, every request but the probes and
+    scrapes (OPEN_PATHS) gets 503 with Retry-After and Connection: close; with an API key, the
+    API paths need ``Authorization: Bearer <key>`` (else 401)."""
+
+    API_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
+
+    def __init__(self, app, lifecycle: Lifecycle, error_body):
+        self.app, self.lc, self.error_body = app, lifecycle, error_body
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
+            return await self.app(scope, receive, send)
+        if self.lc.draining:
+            self.lc.metrics.rejected.labels(reason="draining").inc()
+            headers = {"Retry-After": str(self.lc.policy.retry_after_s), "Connection": "close"}
+            msg = "the server is shutting down; send the request to another replica"
+            return await JSONResponse(self.error_body(503, msg), 503, headers)(scope, receive, send)
+        key = self.lc.policy.api_key
+        if key is not None and scope["path"].startswith(self.API_PREFIXES):
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(given, b"Bearer " + key.encode()):
+                msg = "missing or wrong API key: send the header 'Authorization: Bearer <key>' (--api-key)"
+                return await JSONResponse(self.error_body(401, msg), 401,
+                                          {"WWW-Authenticate": "Bearer"})(scope, receive, send)
+        return await self.app(scope, receive, send)
