@@ -51,9 +51,9 @@ from infhip.runtime.engine import load_engine
 from infhip.runtime.kernel_store import serving
 from infhip.runtime.model_runner import ModelRunner
 from infhip.runtime.options import LoadOptions
-from infhip.runtime.outputs import RequestOutput, StreamDelta
-from infhip.runtime.sampler import Sampler, make_generator
-from infhip.runtime.sampling_params import SamplingParams
+from infhip.runtime.outputs import CompletionOutput, RequestOutput, StreamDelta, TokenLogprobs
+from infhip.runtime.sampler import Sampler, SamplerOutput, SamplingBatch, make_generator
+from infhip.runtime.sampling_params import SEED_RANGE, SamplingParams
 from infhip.runtime.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
 from infhip.runtime.sequence import Sequence, SequenceStatus
 from infhip.runtime.token_drop import never_drops
@@ -61,14 +61,46 @@ from infhip.runtime.token_drop import never_drops
 _log = logging.getLogger(__name__)
 
 
-@dataclass
-class _Request:
+@dataclass(eq=False)
+class _Fork:
+    """One completion of a request. A request of n (best_of) > 1 completions starts with fork 0,
+    which computes the prompt; once its prompt is done the others join the queue with the same
+    prompt and start on its KV pages through the prefix cache (`LLM._spawn`)."""
+
+    req: "_Request"
+    index: int
     seq: Sequence
-    prompt: str | None
     detok: Detokenizer
     generator: torch.Generator | None
     emitted_tokens: int = 0
     error: str | None = None  # why it failed (finish_reason "error"), else None
+    logprobs: list[TokenLogprobs] = dataclasses.field(default_factory=list)  # per output token, if computed
+    emitted_logprobs: int = 0
+    cumulative_logprob: float = 0.0
+    final_sent: bool = False  # its last delta (with finish_reason) went out
+
+
+@dataclass(eq=False)
+class _Request:
+    prompt: str | None
+    params: SamplingParams  # as checked by for_engine (n, best_of, logprobs as asked)
+    forks: list[_Fork] = dataclasses.field(default_factory=list)
+    spawned: bool = False  # forks 1.. exist (or never will: n = 1, or fork 0 ended first)
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
+    prompt_logprobs_sent: bool = False
+
+    @property
+    def seq(self) -> Sequence:
+        """Fork 0's sequence: the prompt, its admission, its cached tokens."""
+        return self.forks[0].seq
+
+    @property
+    def error(self) -> str | None:
+        return next((f.error for f in self.forks if f.error), None)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.spawned and all(f.seq.is_finished for f in self.forks)
 
 
 @dataclass(frozen=True)
@@ -132,7 +164,8 @@ class LLM:
         self.tokenizer = self.engine.tokenizer
         self.eos_token_ids = tuple(self.engine.config.model.eos_token_ids)
         self._ids = itertools.count()
-        self._requests: dict[int, _Request] = {}
+        self._requests: dict[int, _Request] = {}  # fork 0's seq_id -> request
+        self._forks: dict[int, _Fork] = {}  # seq_id -> fork, every live fork
         # Tests inject faults here: called with each scheduled sequence once per step, before the
         # batched forward; an exception fails that request alone (the module docstring's rule).
         self.fault_hook: Callable[[Sequence], None] | None = None
@@ -194,20 +227,51 @@ class LLM:
 
     # -- requests -------------------------------------------------------------------------------
     def _add(self, prompt: str | None, token_ids: list[int] | None, params: SamplingParams) -> _Request:
-        """Check one request and make all of its state, then queue it. ValueError (what is wrong,
-        what to do) if anything is off; nothing is queued then."""
+        """Check one request and make all of its state, then queue it (fork 0; with n / best_of
+        > 1 the other forks join once its prompt is computed: `_spawn`). ValueError (what is
+        wrong, what to do) if anything is off; nothing is queued then."""
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
         token_ids = self._prompt_ids(prompt, token_ids)
         # A sequence ends at max_seq_len tokens in all; it always gets at least one output token.
         room = max(1, self.scheduler.max_seq_len - len(token_ids))
-        params = params.for_engine(self.engine.config.model.vocab_size, room)
-        seq = Sequence(seq_id=next(self._ids), prompt_token_ids=token_ids, params=params)
-        req = _Request(seq, prompt, Detokenizer(self.tokenizer, params.stop),
-                       make_generator(params.seed, self.runner.device))
-        self.scheduler.add(seq)  # its checks (length, KV pages) come before it queues anything
-        self._requests[seq.seq_id] = req
+        encode = (lambda text: self.tokenizer(text, add_special_tokens=False)["input_ids"]) if self.tokenizer else None
+        params = params.for_engine(self.engine.config.model.vocab_size, room, encode)
+        req = _Request(prompt, params, spawned=params.num_forks == 1)
+        fork = self._new_fork(req, 0, token_ids)
+        if params.prompt_logprobs is not None:
+            if not never_drops(fork.seq, self.runner.token_drop, self.runner.drop_max_context):
+                raise ValueError("prompt_logprobs needs every prompt position computed; this prompt would have "
+                                 "tokens dropped (UniPrefill): load the engine with token_drop=False")
+            req.prompt_logprobs = [None] * len(token_ids)
+        self.scheduler.add(fork.seq)  # its checks (length, KV pages) come before it queues anything
+        req.forks.append(fork)
+        self._requests[fork.seq.seq_id] = req
+        self._forks[fork.seq.seq_id] = fork
         return req
+
+    def _new_fork(self, req: _Request, index: int, token_ids: list[int]) -> _Fork:
+        """Fork `index` of req: its own params (seed + index; logprobs computed when best_of
+        ranks by them; the prompt's logprobs are fork 0's), sequence, detokenizer, generator."""
+        p = req.params
+        seed = None if p.seed is None else (p.seed + index if p.seed + index < SEED_RANGE[1] else p.seed + index - (1 << 64))
+        logprobs = p.logprobs if p.logprobs is not None else (0 if p.needs_logprobs else None)
+        fp = dataclasses.replace(p, n=1, best_of=None, seed=seed, logprobs=logprobs,
+                                 prompt_logprobs=p.prompt_logprobs if index == 0 else None)
+        seq = Sequence(seq_id=next(self._ids), prompt_token_ids=token_ids, params=fp)
+        return _Fork(req, index, seq, Detokenizer(self.tokenizer, fp.stop), make_generator(seed, self.runner.device))
+
+    def _spawn(self, req: _Request) -> None:
+        """Queue forks 1.. of req once fork 0's prompt is computed: its pages are in the prefix
+        cache now, so each fork starts on them (KVCacheManager.share) and computes only the last
+        partial page; they keep fork 0's place in the queue (its arrival)."""
+        req.spawned = True
+        parent = req.forks[0].seq
+        for i in range(1, req.params.num_forks):
+            fork = self._new_fork(req, i, parent.prompt_token_ids)
+            self.scheduler.add(fork.seq, arrival=parent.arrival)
+            req.forks.append(fork)
+            self._forks[fork.seq.seq_id] = fork
 
     def _prompt_ids(self, prompt: str | None, token_ids) -> list[int]:
         """The prompt as a list of token ids of this engine's vocabulary."""
@@ -241,20 +305,22 @@ class LLM:
             with serving(self.engine.kernels):  # the engine's JIT policy (runtime/kernel_store.py)
                 num_steps = self._num_decode_steps(out)
                 if num_steps > 1:
-                    tokens = self._decode_steps(out, num_steps)
+                    tokens, logprobs = self._decode_steps(out, num_steps)
                 else:
-                    logits = self.runner.execute(out)
+                    rows, spans = self._prompt_rows(out)
+                    logits = self.runner.execute(out, hidden_rows=rows)
+                    if spans:
+                        self._record_prompt_logprobs(self.runner.hidden_out, spans)
         except Exception as e:  # noqa: BLE001 - these requests fail, the engine goes on
             _log.error("a step of %d request(s) failed; failing them all", len(out.chunks), exc_info=e)
             self.engine.tp.abandon(e)  # tensor-parallel: the other ranks are mid-step, later steps refuse
             for ch in out.chunks:
-                self._fail(self._requests[ch.seq.seq_id], "in the batched forward of its step", e, touched,
-                           log=False)
+                self._fail(self._forks[ch.seq.seq_id], "in the batched forward of its step", e, touched, log=False)
             return list(touched.values())
         if num_steps > 1:
-            self._commit_decode_steps(out, tokens, touched)
+            self._commit_decode_steps(out, tokens, logprobs, touched)
         else:
-            self._commit(out, self._sample(logits, out, touched), touched)
+            self._commit(out, *self._sample(logits, out, touched), touched)
         return list(touched.values())
 
     def _per_request_checks(self, out: SchedulerOutput, touched: dict[int, _Request]) -> SchedulerOutput:
@@ -262,8 +328,8 @@ class LLM:
         (queued on the scheduler directly, not through _add) no request to report to."""
         keep = []
         for ch in out.chunks:
-            req = self._requests.get(ch.seq.seq_id)
-            if req is None:
+            fork = self._forks.get(ch.seq.seq_id)
+            if fork is None:
                 _log.error("sequence %d was queued without LLM._add; finishing it", ch.seq.seq_id)
                 self.scheduler.finish(ch.seq, "error")
                 continue
@@ -271,79 +337,144 @@ class LLM:
                 if self.fault_hook is not None:
                     self.fault_hook(ch.seq)
             except Exception as e:  # noqa: BLE001 - this request fails alone
-                self._fail(req, "before its step", e, touched)
+                self._fail(fork, "before its step", e, touched)
                 continue
             keep.append(ch)
         return out if len(keep) == len(out.chunks) else SchedulerOutput(chunks=keep, preempted=out.preempted)
 
-    def _sample(self, logits: torch.Tensor, out: SchedulerOutput, touched: dict[int, _Request]) -> dict[int, int]:
-        """seq_id -> token for the chunks with needs_logits (logits rows in chunk order), sampled
-        as one batch; if that raises, row by row, so that only the rows that raise fail. (A
-        seeded row may then draw different noise than it would have: the failed batch call may
-        have advanced its generator.)"""
-        reqs = [self._requests[ch.seq.seq_id] for ch in out.chunks if ch.needs_logits]
-        if not reqs:
-            return {}
+    def _batch(self, forks: list[_Fork]) -> SamplingBatch:
+        """The sampler's view of these forks' rows for this step (runtime/sampler.py)."""
+        return SamplingBatch([f.seq.params for f in forks], [f.generator for f in forks], self.runner.device,
+                             self.engine.config.model.vocab_size,
+                             [(f.seq.prompt_token_ids, f.seq.output_token_ids) for f in forks], self.eos_token_ids)
+
+    def _sample(self, logits: torch.Tensor, out: SchedulerOutput,
+                touched: dict[int, _Request]) -> tuple[dict[int, int], dict[int, TokenLogprobs]]:
+        """(seq_id -> token, seq_id -> its logprobs where asked) for the chunks with needs_logits
+        (logits rows in chunk order), sampled as one batch; if that raises, row by row, so that
+        only the rows that raise fail. (A seeded row may then draw different noise than it would
+        have: the failed batch call may have advanced its generator.)"""
+        forks = [self._forks[ch.seq.seq_id] for ch in out.chunks if ch.needs_logits]
+        if not forks:
+            return {}, {}
         try:
-            tokens = self.sampler(logits, [r.seq.params for r in reqs], [r.generator for r in reqs]).tolist()
-            return {r.seq.seq_id: t for r, t in zip(reqs, tokens)}
+            so = self.sampler.sample(logits, self._batch(forks))
+            tokens = so.tokens.tolist()
+            return ({f.seq.seq_id: t for f, t in zip(forks, tokens)},
+                    _logprob_records(so, [f.seq for f in forks], tokens))
         except Exception:  # noqa: BLE001 - find the request(s) at fault below
             _log.warning("batched sampling failed; sampling each request alone", exc_info=True)
-        sampled = {}
-        for i, r in enumerate(reqs):
+        sampled, lps = {}, {}
+        for i, f in enumerate(forks):
             try:
-                sampled[r.seq.seq_id] = self.sampler(logits[i:i + 1], [r.seq.params], [r.generator]).item()
+                so = self.sampler.sample(logits[i:i + 1], self._batch([f]))
+                sampled[f.seq.seq_id] = so.tokens.item()
+                lps.update(_logprob_records(so, [f.seq], [sampled[f.seq.seq_id]]))
             except Exception as e:  # noqa: BLE001 - this request fails alone
-                self._fail(r, "while sampling its token", e, touched)
-        return sampled
+                self._fail(f, "while sampling its token", e, touched)
+        return sampled, lps
 
-    def _commit(self, out: SchedulerOutput, sampled: dict[int, int], touched: dict[int, _Request]) -> None:
+    def _prompt_rows(self, out: SchedulerOutput) -> tuple[list[int], list[tuple[_Request, int, int]]]:
+        """prompt_logprobs: (the step's hidden rows to keep, and per request (req, lo, hi): those
+        rows are positions [lo, hi), each predicting the prompt token after it)."""
+        rows, spans, row0 = [], [], 0
+        for ch in out.chunks:
+            seq = ch.seq
+            if seq.params.prompt_logprobs is not None:
+                hi = min(ch.end, seq.num_prompt_tokens - 1)
+                if ch.start < hi:
+                    rows += range(row0 + 0, row0 + hi - ch.start)
+                    spans.append((self._forks[seq.seq_id].req, ch.start, hi))
+            row0 += ch.num_tokens
+        return rows, spans
+
+    @torch.inference_mode()
+    def _record_prompt_logprobs(self, hidden: torch.Tensor, spans: list[tuple[_Request, int, int]]) -> None:
+        """Fill req.prompt_logprobs[lo + 1 : hi + 1] from the hidden states of positions [lo, hi)
+        (in spans' order), LM head and log-softmax a slice of rows at a time (a long prompt's
+        logits at once would be [tokens, vocab])."""
+        targets = [t for req, lo, hi in spans for t in req.seq.prompt_token_ids[lo + 1:hi + 1]]
+        k = max(req.params.prompt_logprobs for req, _, _ in spans)
+        tgt = torch.tensor(targets, dtype=torch.int64, device=hidden.device)
+        packed = []
+        for i in range(0, len(targets), _PROMPT_LOGPROB_ROWS):
+            lp = torch.log_softmax(self.runner.model.compute_logits(hidden[i:i + _PROMPT_LOGPROB_ROWS]).float(), -1)
+            packed.append(_pack_logprobs(lp, tgt[i:i + _PROMPT_LOGPROB_ROWS], k))
+        recs = _unpack_logprobs(torch.cat(packed).tolist(), targets, k)
+        j = 0
+        for req, lo, hi in spans:
+            kk = req.params.prompt_logprobs
+            for pos in range(lo + 1, hi + 1):
+                r = recs[j]
+                req.prompt_logprobs[pos] = TokenLogprobs(r.token_id, r.logprob, r.rank, r.top[:kk])
+                j += 1
+
+    def _commit(self, out: SchedulerOutput, sampled: dict[int, int], logprobs: dict[int, TokenLogprobs],
+                touched: dict[int, _Request]) -> None:
         """Hand one executed step to the scheduler and apply stop strings to the new text, request
         by request: a fault in one request's bookkeeping or detokenizing fails it alone."""
         for ch in out.chunks:
             seq = ch.seq
             if seq.is_finished:  # failed while sampling
                 continue
-            req = self._requests[seq.seq_id]
+            fork = self._forks[seq.seq_id]
             try:
                 self.scheduler.update(SchedulerOutput(chunks=[ch]), sampled, self.eos_token_ids)
                 if ch.needs_logits:
-                    if req.detok.update(seq.output_token_ids) and not seq.is_finished:
+                    lp = logprobs.get(seq.seq_id)
+                    if lp is not None:
+                        fork.logprobs.append(lp)
+                        fork.cumulative_logprob += lp.logprob
+                    if fork.detok.update(seq.output_token_ids) and not seq.is_finished:
                         self.scheduler.finish(seq, "stop")
-                    touched[seq.seq_id] = req
+                    if not fork.req.spawned:  # fork 0's prompt is computed: the others start on it
+                        self._spawn(fork.req)
+                    touched[fork.req.seq.seq_id] = fork.req
             except Exception as e:  # noqa: BLE001 - this request fails alone
-                self._fail(req, "while taking its new token (stop checks, detokenizing)", e, touched)
+                self._fail(fork, "while taking its new token (stop checks, detokenizing)", e, touched)
 
-    def _fail(self, req: _Request, stage: str, exc: BaseException, touched: dict[int, _Request],
+    def _fail(self, fork: _Fork, stage: str, exc: BaseException, touched: dict[int, _Request],
               log: bool = True) -> None:
-        """Finish req with finish_reason "error" (pages freed) and say why (log: with the
-        traceback on this module's logger)."""
-        req.error = f"the request failed {stage}: {type(exc).__name__}: {exc}"
+        """Finish fork with finish_reason "error" (pages freed) and say why (log: with the
+        traceback on this module's logger). A request whose fork 0 fails before its prompt is
+        computed starts no other forks."""
+        fork.error = f"the request failed {stage}: {type(exc).__name__}: {exc}"
         if log:
-            _log.error("request %d: %s", req.seq.seq_id, req.error, exc_info=exc)
-        if req.seq.is_finished:  # e.g. its last token finished it, then detokenizing failed
-            req.seq.finish_reason = "error"
+            _log.error("request %d: %s", fork.seq.seq_id, fork.error, exc_info=exc)
+        if fork.seq.is_finished:  # e.g. its last token finished it, then detokenizing failed
+            fork.seq.finish_reason = "error"
         else:
-            self.scheduler.finish(req.seq, "error")
-        touched[req.seq.seq_id] = req
+            self.scheduler.finish(fork.seq, "error")
+        fork.req.spawned = True
+        touched[fork.req.seq.seq_id] = fork.req
 
     def _num_decode_steps(self, out: SchedulerOutput) -> int:
         """How many decode steps to run back to back for this step (1 = an ordinary step)."""
         k = self.num_decode_steps
         if (k <= 1 or out.num_decodes != len(out.chunks) or out.preempted or self.scheduler.num_waiting
-                or any(ch.start + k > self.runner.max_seq_len for ch in out.chunks)):
+                or any(ch.start + k > self.runner.max_seq_len for ch in out.chunks)
+                or any(_host_each_step(ch.seq.params) for ch in out.chunks)):
             return 1
         return k if self.scheduler.reserve_decode_steps(out, k) else 1
 
-    def _decode_steps(self, out: SchedulerOutput, num_steps: int) -> list[list[int]]:
-        """tokens[j][b]: the token of out's chunk b at decode step j (sampled on the device, in
-        the batched part: a sampling fault here fails the whole step)."""
-        reqs = [self._requests[ch.seq.seq_id] for ch in out.chunks]
-        params, gens = [r.seq.params for r in reqs], [r.generator for r in reqs]
-        steps = self.runner.execute_decode_steps(out, num_steps, lambda logits: self.sampler(logits, params, gens))
-        return torch.stack(steps).tolist()  # the one host sync of the whole run
+    def _decode_steps(self, out: SchedulerOutput, num_steps: int) -> tuple[list[list[int]], list[dict]]:
+        """(tokens[j][b]: the token of out's chunk b at decode step j, and per step the
+        seq_id -> logprobs of the rows that ask), sampled on the device, in the batched part
+        (a sampling fault here fails the whole step); the batch's penalty state advances on the
+        device between steps."""
+        forks = [self._forks[ch.seq.seq_id] for ch in out.chunks]
+        batch, outs = self._batch(forks), []
 
-    def _commit_decode_steps(self, out: SchedulerOutput, tokens: list[list[int]],
+        def sample(logits: torch.Tensor) -> torch.Tensor:
+            outs.append(self.sampler.sample(logits, batch))
+            return outs[-1].tokens
+
+        steps = self.runner.execute_decode_steps(out, num_steps, sample)
+        tokens = torch.stack(steps).tolist()  # the one host sync of the whole run
+        seqs = [f.seq for f in forks]
+        return tokens, [_logprob_records(so, seqs, row) for so, row in zip(outs, tokens)]
+
+    def _commit_decode_steps(self, out: SchedulerOutput, tokens: list[list[int]], logprobs: list[dict],
                              touched: dict[int, _Request]) -> None:
         """Commit the decode steps one by one; a sequence that stops (or fails) takes no more."""
         seqs = [ch.seq for ch in out.chunks]
@@ -353,15 +484,27 @@ class LLM:
                 break
             step_out = out if j == 0 else SchedulerOutput(
                 chunks=[ScheduledChunk(seq, seq.num_computed_tokens, 1) for _, seq in live])
-            self._commit(step_out, {seq.seq_id: row[b] for b, seq in live}, touched)
+            self._commit(step_out, {seq.seq_id: row[b] for b, seq in live}, logprobs[j], touched)
+
+    def _completions(self, req: _Request) -> list[_Fork]:
+        """The forks a request returns: all n in index order, or with best_of the n of highest
+        cumulative logprob, best first."""
+        if req.params.num_forks == req.params.n:
+            return req.forks
+        return sorted(req.forks, key=lambda f: -f.cumulative_logprob)[:req.params.n]
 
     def _output(self, req: _Request) -> RequestOutput:
-        self._requests.pop(req.seq.seq_id, None)
-        return RequestOutput(request_id=req.seq.seq_id, prompt=req.prompt,
-                             prompt_token_ids=req.seq.prompt_token_ids,
-                             token_ids=list(req.seq.output_token_ids), text=req.detok.text,
-                             finish_reason=req.seq.finish_reason, error=req.error,
-                             num_cached_tokens=req.seq.num_cached_tokens or 0)
+        self._forget(req)
+        keep_lp = req.params.logprobs is not None
+        outs = [CompletionOutput(i, list(f.seq.output_token_ids), f.detok.text, f.seq.finish_reason,
+                                 list(f.logprobs) if keep_lp else None,
+                                 f.cumulative_logprob if f.seq.params.needs_logprobs else None, f.error)
+                for i, f in enumerate(self._completions(req))]
+        first = outs[0]
+        return RequestOutput(request_id=req.seq.seq_id, prompt=req.prompt, prompt_token_ids=req.seq.prompt_token_ids,
+                             token_ids=first.token_ids, text=first.text, finish_reason=first.finish_reason,
+                             error=req.error, num_cached_tokens=req.seq.num_cached_tokens or 0,
+                             logprobs=first.logprobs, prompt_logprobs=req.prompt_logprobs, outputs=outs)
 
     @staticmethod
     def _normalise(prompts, prompt_token_ids, sampling_params):
@@ -395,41 +538,75 @@ class LLM:
             for r in reqs:
                 self._abort(r)
             raise
-        while not all(r.seq.is_finished for r in reqs):
+        while not all(r.is_finished for r in reqs):
             self.step()
         return [self._output(r) for r in reqs]
 
     def generate_stream(self, prompt: str | None = None, sampling_params: SamplingParams | None = None,
                         prompt_token_ids: list[int] | None = None) -> Iterator[StreamDelta]:
         """Yield the completion of one prompt piece by piece as it is generated (if it fails, the
-        last delta has finish_reason "error" and its `error`)."""
+        last delta has finish_reason "error" and its `error`). With n > 1 the completions'
+        deltas interleave (StreamDelta.index); with best_of > n they come whole at the end."""
         [(p, ids, sp)] = self._normalise(prompt, prompt_token_ids, sampling_params)
         req = self._add(p, ids, sp)
         try:
-            while not req.seq.is_finished:
-                if req in self.step() or req.seq.is_finished:
-                    delta = self._delta(req)
-                    if delta is not None:
-                        yield delta
+            while not req.is_finished:
+                if req in self.step() or req.is_finished:
+                    yield from self._deltas(req)
         finally:  # also when the caller stops iterating early: free the request's pages
             self._abort(req)
 
+    def _deltas(self, req: _Request) -> list[StreamDelta]:
+        """What req's forks produced since their last deltas (each fork's last one carries its
+        finish reason, and with "error" the error); the request's first delta carries the prompt
+        logprobs. best_of > n: nothing until every fork is done, then the n kept, whole."""
+        if req.params.num_forks > req.params.n:
+            if not req.is_finished or req.forks[0].final_sent:
+                return []
+            forks = list(enumerate(self._completions(req)))
+            for f in req.forks:
+                f.final_sent = True
+                f.emitted_tokens = f.emitted_logprobs = 0
+        else:
+            forks = [(f.index, f) for f in req.forks]
+        deltas = []
+        for index, f in forks:
+            seq = f.seq
+            new_tokens = seq.output_token_ids[f.emitted_tokens:]
+            f.emitted_tokens = len(seq.output_token_ids)
+            text = f.detok.text if req.params.num_forks > req.params.n else f.detok.delta(final=seq.is_finished)
+            done = seq.is_finished and not (f.final_sent and req.params.num_forks == req.params.n)
+            if not (new_tokens or text or done):
+                continue
+            f.final_sent = f.final_sent or seq.is_finished
+            lps = None
+            if req.params.logprobs is not None:
+                lps, f.emitted_logprobs = f.logprobs[f.emitted_logprobs:], len(f.logprobs)
+            deltas.append(StreamDelta(new_tokens, text, seq.finish_reason, f.error, req.seq.num_cached_tokens or 0,
+                                      index, lps))
+        if deltas and req.prompt_logprobs is not None and not req.prompt_logprobs_sent:
+            deltas[0].prompt_logprobs, req.prompt_logprobs_sent = req.prompt_logprobs, True
+        return deltas
+
     def _delta(self, req: _Request) -> StreamDelta | None:
-        """What req produced since its last delta (None if nothing yet; the last one carries the
-        finish reason, and with "error" the error)."""
-        new_tokens = req.seq.output_token_ids[req.emitted_tokens:]
-        req.emitted_tokens = len(req.seq.output_token_ids)
-        text = req.detok.delta(final=req.seq.is_finished)
-        if new_tokens or text or req.seq.is_finished:
-            return StreamDelta(new_tokens, text, req.seq.finish_reason, req.error, req.seq.num_cached_tokens or 0)
-        return None
+        """`_deltas` of a request of one completion (n = 1): its one delta or None."""
+        deltas = self._deltas(req)
+        if len(deltas) > 1:
+            raise ValueError(f"request {req.seq.seq_id} has {req.params.n} completions: read them with _deltas")
+        return deltas[0] if deltas else None
 
     def _abort(self, req: _Request) -> None:
-        """Finish a request (if still running) and forget it; its KV pages are freed."""
-        if not req.seq.is_finished:
-            self.scheduler.finish(req.seq, "abort")
-        self._requests.pop(req.seq.seq_id, None)
+        """Finish a request's forks (those still running) and forget it; its KV pages are freed."""
+        req.spawned = True
+        for f in req.forks:
+            if not f.seq.is_finished:
+                self.scheduler.finish(f.seq, "abort")
+        self._forget(req)
 
+    def _forget(self, req: _Request) -> None:
+        self._requests.pop(req.seq.seq_id, None)
+        for f in req.forks:
+            self._forks.pop(f.seq.seq_id, None)
 
 
 def load_rank(engine_dir: str | Path, opts: LoadOptions, rank: int = 0):
@@ -472,6 +649,55 @@ def prefix_caching_rule(plan, page_size: int) -> dict:
     if ih is None:
         return {}
     return dict(granule=math.lcm(page_size, ih.block_q), cache_decode_pages=False)
+
+
+_PROMPT_LOGPROB_ROWS = 512  # prompt positions per LM-head slice ([rows, vocab] float32 at a time)
+
+
+def _host_each_step(p: SamplingParams) -> bool:
+    """Whether a request's sampling needs the host between decode steps (then the engine runs
+    one at a time): a multi-token bad word is matched against the output on the host."""
+    return any(len(q) > 1 for q in p.bad_words_token_ids or ())
+
+
+def _pack_logprobs(lp: torch.Tensor, chosen: torch.Tensor, k: int) -> torch.Tensor:
+    """One flat float32 tensor of rows' [logprob, rank, k top logprobs, k top ids] (ids and ranks
+    are exact in float32 below 2**24), so that the host reads them in one copy."""
+    c = lp.gather(1, chosen[:, None])
+    rank = (lp > c).sum(dim=-1, keepdim=True).float() + 1
+    parts = [c, rank]
+    if k:
+        top_lp, top_ids = lp.topk(k, dim=-1)
+        parts += [top_lp, top_ids.float()]
+    return torch.cat(parts, dim=1).flatten()
+
+
+def _unpack_logprobs(flat: list[float], chosen: list[int], k: int) -> list[TokenLogprobs]:
+    w = 2 + 2 * k
+    out = []
+    for j, tok in enumerate(chosen):
+        r = flat[j * w:(j + 1) * w]
+        out.append(TokenLogprobs(tok, r[0], int(r[1]), [(int(i), x) for x, i in zip(r[2:2 + k], r[2 + k:])]))
+    return out
+
+
+def _logprob_records(so: SamplerOutput, seqs: list[Sequence], tokens: list[int]) -> dict[int, TokenLogprobs]:
+    """seq_id -> the sampled token's TokenLogprobs (top cut to the row's own k) for the rows of
+    ``so`` that computed them; tokens: so.tokens as read by the host (this copy comes after)."""
+    if not so.logprob_rows:
+        return {}
+    k = so.top_ids.shape[1] if so.top_ids is not None else 0
+    flat = [so.logprobs[:, None], so.ranks[:, None].float()]
+    if k:
+        flat += [so.top_logprobs, so.top_ids.float()]
+    chosen = [tokens[row] for row in so.logprob_rows]
+    recs = _unpack_logprobs(torch.cat(flat, dim=1).flatten().tolist(), chosen, k)
+    out = {}
+    for row, r in zip(so.logprob_rows, recs):
+        seq = seqs[row]
+        r.top = r.top[:seq.params.logprobs or 0]
+        out[seq.seq_id] = r
+    return out
 
 
 def _int_list(x) -> list[int] | None:

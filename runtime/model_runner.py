@@ -76,6 +76,7 @@ class ModelRunner:
         # at every anchor instead of top-p; None = top-p (TokenDropConfig.p).
         self.forced_retention: float | None = None
         self.drop_stats = DropStats()  # drop histories of the requests, retention per anchor
+        self.hidden_out: torch.Tensor | None = None  # execute(hidden_rows=...)'s kept hidden states
 
         if self.device.type == "cuda" and not enforce_eager:
             sizes = [b for b in build.cuda_graph_batch_sizes if b <= max_num_seqs]
@@ -174,9 +175,13 @@ class ModelRunner:
         return self.graphs is not None and self.graphs.replays(p, num_seqs)
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> torch.Tensor:
-        """Run one step; returns fp32 logits [num chunks with needs_logits, vocab] in chunk order."""
+    def execute(self, out: SchedulerOutput, hidden_rows: list[int] | None = None) -> torch.Tensor:
+        """Run one step; returns fp32 logits [num chunks with needs_logits, vocab] in chunk order.
+        hidden_rows: rows of the step's flat token list whose final hidden states are kept in
+        ``self.hidden_out`` [len(rows), hidden] (prompt logprobs; eager steps only: rows of a
+        prefill chunk of 2+ tokens, which never replays a decode graph)."""
         p = self.prepare(out)
+        p.hidden_rows = hidden_rows or None
         logits, drop = self.forward_plan(p)
         if drop is not None:
             self.drop_stats.record([ch.seq for ch in out.chunks], drop, len(self.model.layers))
@@ -195,6 +200,7 @@ class ModelRunner:
             return self.graphs.replay(0, bs, len(p.ctx_lens), key=self.graphs.key_of(p)), None
         with forward_context(self._context(p)) as ctx:
             hidden = self.model(self._tensor(p.input_ids, torch.int64))
+        self.hidden_out = hidden[self._tensor(p.hidden_rows, torch.int64)] if p.hidden_rows else None
         if not self.tp.is_driver:  # the LM head is replicated: only rank 0 needs logits
             return None, ctx.token_drop
         return self.model.compute_logits(hidden[self._tensor(p.logits_rows, torch.int64)]), ctx.token_drop

@@ -2,12 +2,39 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+
+@dataclass
+class TokenLogprobs:
+    """One token's raw logprob (the model's log-softmax, before penalties and temperature), its
+    rank among the vocabulary (1 = most likely) and the ``top`` most likely tokens as
+    (token id, logprob), best first (SamplingParams.logprobs / prompt_logprobs of them)."""
+
+    token_id: int
+    logprob: float
+    rank: int
+    top: list[tuple[int, float]] = field(default_factory=list)
+
+
+@dataclass
+class CompletionOutput:
+    """One of a request's n completions."""
+
+    index: int
+    token_ids: list[int]
+    text: str
+    finish_reason: str  # "stop" | "length" | "abort" | "error"
+    logprobs: list[TokenLogprobs] | None = None  # per token, with SamplingParams.logprobs
+    cumulative_logprob: float | None = None  # sum of the tokens' logprobs, when computed
+    error: str | None = None
 
 
 @dataclass
 class RequestOutput:
-    """One finished request: `token_ids` and `text` are the completion only."""
+    """One finished request: `token_ids`, `text`, `finish_reason`, `logprobs` are the first
+    completion's (`outputs[0]`), the completion only; `outputs` holds all n (SamplingParams.n;
+    with best_of, the n of highest cumulative logprob, best first)."""
 
     request_id: int
     prompt: str | None
@@ -17,15 +44,23 @@ class RequestOutput:
     finish_reason: str  # "stop" | "length" | "abort" | "error"
     error: str | None = None  # with finish_reason "error": what failed (the other requests went on)
     num_cached_tokens: int = 0  # prompt tokens reused from the prefix cache (not recomputed)
+    logprobs: list[TokenLogprobs] | None = None
+    # per prompt token (SamplingParams.prompt_logprobs): None for the first, which has no context
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
+    outputs: list[CompletionOutput] = field(default_factory=list)
 
 
 @dataclass
 class StreamDelta:
     """A piece of a streamed completion: the tokens produced since the last delta and the text
-    they completed (text may lag tokens by an incomplete UTF-8 character)."""
+    they completed (text may lag tokens by an incomplete UTF-8 character). With n > 1, each
+    completion streams its own deltas, told apart by `index`."""
 
     token_ids: list[int]
     text: str
     finish_reason: str | None = None  # set on the last delta
     error: str | None = None  # on the last delta, with finish_reason "error": what failed
     num_cached_tokens: int = 0  # prompt tokens reused from the prefix cache (0 before admission)
+    index: int = 0  # which of the n completions
+    logprobs: list[TokenLogprobs] | None = None  # of token_ids, with SamplingParams.logprobs
+    prompt_logprobs: list[TokenLogprobs | None] | None = None  # on a request's first delta only

@@ -5,9 +5,13 @@ Every step requests join and leave. ``schedule()`` gives, within a token budget
   1. one decode chunk to each RUNNING sequence with exactly one uncomputed token (oldest
      first). Without a free page the most recently arrived RUNNING sequence is preempted
      (pages freed, back to the FRONT of the waiting queue, recomputed from scratch later);
-  2. prefill chunks to partially prefilled RUNNING sequences, then to WAITING ones (FIFO),
-     each ``min(uncomputed, remaining budget)`` tokens. A waiting sequence that does not fit
-     stays at the head of the queue: nobody skips past it. With prefix caching a waiting
+  2. prefill chunks to partially prefilled RUNNING sequences, then to WAITING ones (in
+     priority order, FIFO within a priority: ``SamplingParams.priority``, lower first), each
+     ``min(uncomputed, remaining budget)`` tokens. A waiting sequence that does not fit stays
+     at the head of the queue: nobody skips past it. Priority: a waiting sequence of a better
+     priority than a partially prefilled one goes before it, so a short urgent request is
+     admitted (and then decodes, step 1) while a long prompt is still being prefilled chunk by
+     chunk. With prefix caching a waiting
      sequence starts with the cached pages of its longest reusable prefix
      (``KVCacheManager.share``) and its first chunk starts there; ``update()`` offers every page
      that a chunk fills to the cache (``KVCacheManager.register``); ``prefix_filter`` leaves
@@ -94,6 +98,12 @@ class _Step:
                     return
 
 
+def _queue_key(seq: Sequence) -> tuple[int, int]:
+    """Waiting-queue order: priority (lower first), then arrival (a preempted sequence keeps its
+    arrival, so it goes back before the later ones of its priority)."""
+    return seq.params.priority, seq.arrival
+
+
 class Scheduler:
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
                  max_seq_len: int):
@@ -129,8 +139,9 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def add(self, seq: Sequence) -> None:
-        """Queue a new request (FIFO). Stamps ``seq.arrival``."""
+    def add(self, seq: Sequence, arrival: int | None = None) -> None:
+        """Queue a new request (by priority, then FIFO). Stamps ``seq.arrival`` (``arrival``: an
+        earlier request's, to queue beside it: the forks of an n > 1 request take their first's)."""
         n = seq.num_prompt_tokens
         if n == 0:
             raise ValueError(f"request {seq.seq_id} has an empty prompt; give at least one token")
@@ -153,10 +164,19 @@ class Scheduler:
             raise ValueError(f"seq_id {seq.seq_id} is already in use by an unfinished request")
         if seq.status is not SequenceStatus.WAITING or seq.num_computed_tokens:
             raise ValueError(f"request {seq.seq_id} must be new (WAITING, nothing computed)")
-        seq.arrival = self._next_arrival
-        self._next_arrival += 1
+        if arrival is None:
+            arrival = self._next_arrival
+            self._next_arrival += 1
+        seq.arrival = arrival
         self._ids.add(seq.seq_id)
-        self.waiting.append(seq)
+        self._enqueue(seq)
+
+    def _enqueue(self, seq: Sequence) -> None:
+        """Into the waiting queue at its place (_queue_key)."""
+        if not self.waiting or _queue_key(self.waiting[-1]) <= _queue_key(seq):
+            self.waiting.append(seq)  # the common case: no priorities, FIFO
+        else:
+            self.waiting.insert(bisect.bisect_right(self.waiting, _queue_key(seq), key=_queue_key), seq)
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """Retire ``seq`` (e.g. "stop" on a stop string, "abort"): free its pages. Idempotent."""
@@ -180,7 +200,7 @@ class Scheduler:
         self.kv.free(victim.seq_id)
         victim.num_computed_tokens = 0
         victim.status = SequenceStatus.WAITING
-        self.waiting.appendleft(victim)  # preempted newest-first, so older ones end up in front
+        self._enqueue(victim)  # by its arrival: before the later ones of its priority
         step.preempted.append(victim)
         self.num_preemptions += 1
 
@@ -228,8 +248,18 @@ class Scheduler:
             self.kv.append(seq.seq_id, start, start + 1)
             step.add(ScheduledChunk(seq, start, 1), decode=True)
 
-        # 2a. Partially prefilled running sequences, as many tokens as budget and pages allow.
-        for seq in list(self.running):
+        # 2a. Partially prefilled running sequences, as many tokens as budget and pages allow;
+        # those of a worse priority than the head of the queue go after the waiting ones (2c).
+        urgent = self.waiting[0].params.priority if self.waiting else None
+        later = [s for s in self.running if urgent is not None and s.params.priority > urgent]
+        self._prefill_running([s for s in self.running if s not in later], step)
+        self._admit_waiting(step)
+        self._prefill_running(later, step)
+        return SchedulerOutput(chunks=step.decodes + step.prefills, preempted=step.preempted)
+
+    def _prefill_running(self, seqs: list[Sequence], step: _Step) -> None:
+        """Step 2a for ``seqs`` (running, oldest first)."""
+        for seq in seqs:
             if seq.status is not SequenceStatus.RUNNING or seq.num_uncomputed_tokens <= 1:
                 continue
             if step.budget == 0:
@@ -247,13 +277,16 @@ class Scheduler:
             self.kv.append(seq.seq_id, start, end)
             step.add(ScheduledChunk(seq, start, end - start), decode=False)
 
-        # 2b. Waiting sequences, FIFO, no skipping; none right after a preemption (it would
-        # only thrash: the pages just freed were needed by running sequences).
+    def _admit_waiting(self, step: _Step) -> None:
+        """Step 2b: waiting sequences in queue order, no skipping; none right after a preemption
+        (it would only thrash: the pages just freed were needed by running sequences)."""
         while (self.waiting and not step.preempted and step.budget > 0
                and len(self.running) < self.max_num_seqs):
             seq = self.waiting[0]
-            # prefix caching: start with the cached pages of the longest reusable prefix
-            cached = self.kv.share(seq.seq_id, seq.all_token_ids) if self._reuses(seq) else 0
+            # prefix caching: start with the cached pages of the longest reusable prefix (not for a
+            # prompt whose logprobs are asked: every position of it is computed)
+            reads = self._reuses(seq) and seq.params.prompt_logprobs is None
+            cached = self.kv.share(seq.seq_id, seq.all_token_ids) if reads else 0
             end = cached + min(seq.num_tokens - cached, step.budget)
             if not self.kv.can_append(seq.seq_id, cached, end):
                 self.kv.free(seq.seq_id)  # the shared pages go back to the cache
@@ -267,8 +300,6 @@ class Scheduler:
             seq.status = SequenceStatus.RUNNING
             bisect.insort(self.running, seq, key=lambda s: s.arrival)
             step.add(ScheduledChunk(seq, cached, end - cached), decode=False)
-
-        return SchedulerOutput(chunks=step.decodes + step.prefills, preempted=step.preempted)
 
     def _reuses(self, seq: Sequence) -> bool:
         """Whether ``seq`` takes part in prefix caching (shares cached pages, names its own)."""

@@ -34,6 +34,7 @@ class StepPlan:
     # None when no sequence of the step has one (every layer then holds every position).
     layer_dropped: list[list[int]] | None = None
     forced_retention: float | None = None  # benchmarks: ModelRunner.forced_retention at planning time
+    hidden_rows: list[int] | None = None  # rows whose hidden states the runner keeps (prompt logprobs)
 
     @property
     def has_sparse(self) -> bool:
