@@ -59,6 +59,18 @@ def mask_heads(mask_layout: str, num_q_heads: int, num_kv_heads: int) -> int:
     return {"shared": 1, "kv_head": num_kv_heads, "q_head": num_q_heads}[mask_layout]
 
 
+def per_head_rows(candidates, cand_lens, num_heads: int):
+    """Candidates of a per-head layout: [NB, n] rows (one list for every head, e.g. the middle)
+    broadcast to [NB, H, n] (lens [NB] -> [NB, H]); [NB, H, n] rows pass through."""
+    if candidates.dim() == 2:
+        return (candidates[:, None].expand(-1, num_heads, -1),
+                cand_lens[:, None].expand(-1, num_heads))
+    if candidates.shape[1] != num_heads or cand_lens.shape != candidates.shape[:2]:
+        raise ValueError(f"per-head candidates must be [NB, {num_heads}, n] with lens [NB, {num_heads}], got "
+                         f"{tuple(candidates.shape)} and {tuple(cand_lens.shape)}")
+    return candidates, cand_lens
+
+
 def plan_query_blocks(q_lens_per_seq: list[int], context_lens: list[int], block_q: int,
                       device: torch.device | str = "cpu"):
     """Cut each sequence's q_len newest queries (packed in order) into blocks of block_q, aligned

@@ -53,7 +53,7 @@ from ..aot import recording_target
 from ..kv_offload import page_offset
 from ..kv_quant import dequantize_tile
 from ..paged_kv import PagedKV
-from .blocks import PAD, stream_starts
+from .blocks import PAD, mask_heads, per_head_rows, stream_starts
 from .raw_keys import RawKeys
 from .rope_styles import (C_CHUNK_INDEXED, C_NONE, C_RELATIVE, CHUNK_INDEXED, NONE, RELATIVE,
                           check_rotatable, load_rotated, load_rotated_by, rope_style_id, sin_cos_of)
@@ -214,21 +214,26 @@ def _select_rep_kernel(
     raw_base_ptr,  # RAW_KEYS: [NB] int64 row of each block's token 0 in raw_ptr
     block_tables_ptr,  # [NB, max_pages] int32
     q_start_ptr, q_lens_ptr, ends_ptr,  # [NB] int32 query blocks
-    cand_ptr,  # [NB, max_cand] int32 ascending candidates (unused if CAND_IMPLICIT)
-    cand_lens_ptr,  # [NB] int32 (unused if CAND_IMPLICIT)
+    cand_ptr,  # [NB, (H,) max_cand] int32 ascending candidates (unused if CAND_IMPLICIT)
+    cand_lens_ptr,  # [NB, (H)] int32 (unused if CAND_IMPLICIT)
     inv_freq_ptr,  # [D/2] float32 (unused if ROPE_STYLE == NONE)
     # outputs
-    scores_ptr,  # [NB, Hkv, max_chunks] float32 per-head chunk scores, -inf past the block's
+    scores_ptr,  # [NB, H, max_chunks] float32 per-head chunk scores, -inf past the block's
     #              chunks (every entry written: no fill needed)
-    reps_ptr,  # [NB, Hkv, max_chunks] int32 representatives, PAD past the chunks (STORE_REPS)
+    reps_ptr,  # [NB, H, max_chunks] int32 representatives, PAD past the chunks (STORE_REPS)
     # constants
     stride_qt, stride_qh,
     stride_cp, stride_cs, stride_ch,
     stride_sp, stride_ss, stride_sh,  # KV_SCALED: the scale tensor's strides
     k_host_delta: tl.int64, ks_host_delta: tl.int64,  # OFFLOAD: elements from k_cache / k_scale to their host twins
     stride_rt, stride_rh,
-    stride_bt, stride_cand,
-    max_chunks, num_kv_heads, group_size, head_dim,
+    stride_bt, stride_cand, stride_cand_h,  # stride_cand_h 0: one candidate row for all heads
+    stride_lens_b, stride_lens_h,  # cand_lens' strides (shared: 1, 0)
+    max_chunks,
+    num_heads,  # H: scored heads per block (shared / kv_head: Hkv; q_head: Hq)
+    group_size,  # q heads per scored head (Hq / H)
+    heads_per_kv,  # scored heads per kv head (H / Hkv)
+    head_dim,
     n_sink, n_stream, chunk_size, num_iters, query_stride,
     PAGE_SIZE: tl.constexpr,
     BLOCK_Q: tl.constexpr,  # ceil(b_q / stride) * group_size query rows, a power of two >= 16
@@ -248,23 +253,24 @@ def _select_rep_kernel(
     OFFLOAD: tl.constexpr,  # table entries < 0 name host pages (kv_offload.py)
 ):
     blk = tl.program_id(0)
-    kv_head = tl.program_id(2)
+    head = tl.program_id(2)  # the scored head: its q heads head * group_size + [0, group_size)
+    kv_head = head // heads_per_kv
     q_len = tl.load(q_lens_ptr + blk)
     q0 = tl.load(q_start_ptr + blk)
     end = tl.load(ends_ptr + blk)
-    cand_row = cand_ptr + blk.to(tl.int64) * stride_cand
+    cand_row = cand_ptr + blk.to(tl.int64) * stride_cand + head * stride_cand_h
     table_row = block_tables_ptr + blk.to(tl.int64) * stride_bt
     if CAND_IMPLICIT:
         n_cand = tl.maximum(tl.maximum(tl.minimum(n_sink, end), end - n_stream) - n_sink, 0)
     else:
-        n_cand = tl.load(cand_lens_ptr + blk)
+        n_cand = tl.load(cand_lens_ptr + blk * stride_lens_b + head * stride_lens_h)
 
     rows = tl.arange(0, BLOCK_Q)
     sample = rows // group_size  # the i-th sampled query of the block
     row_valid = sample * query_stride < q_len
     t = tl.minimum((sample + 1) * query_stride - 1, q_len - 1)
     q_pos = end - q_len + t  # [BLOCK_Q] original query positions
-    q_rows = q_ptr + (q0 + t).to(tl.int64) * stride_qt + (kv_head * group_size + rows % group_size) * stride_qh
+    q_rows = q_ptr + (q0 + t).to(tl.int64) * stride_qt + (head * group_size + rows % group_size) * stride_qh
     if ROPE_STYLE == C_RELATIVE:
         q_delta = n_stream + 1 - q_pos
     elif ROPE_STYLE == C_CHUNK_INDEXED:
@@ -286,7 +292,7 @@ def _select_rep_kernel(
         k_head = k_cache_ptr + kv_head * stride_ch
         raw_base = blk.to(tl.int64) * 0
     s_head = k_scale_ptr + kv_head * stride_sh  # KV_SCALED
-    out_row = (blk.to(tl.int64) * num_kv_heads + kv_head) * max_chunks
+    out_row = (blk.to(tl.int64) * num_heads + head) * max_chunks
     for tile in range(TILES):
         first_chunk = (tl.program_id(1) * TILES + tile) * BLOCK_C
         best, first = _tournament_tile(q_left, q_right, q_pos, row_valid, first_chunk, n_cand, cand_row,
@@ -321,12 +327,18 @@ def select_rep_scores(q, kv: PagedKV, block_tables, q_start, q_lens, ends, candi
                       inv_freq: torch.Tensor | None = None, store_reps: bool = False,
                       head_normalized: bool = False, query_stride: int = 1,
                       raw_keys: RawKeys | None = None, block_c: int | None = None,
-                      tiles: int | None = None, num_warps: int | None = None, keys_as_rows: bool | None = None):
+                      tiles: int | None = None, num_warps: int | None = None, keys_as_rows: bool | None = None,
+                      mask_layout: str = "shared"):
     """Triton SelectRep: chunk scores float32 [NB, max_chunks] and (store_reps) representatives
-    int32 [NB, Hkv, max_chunks]. candidates None = stage 1 (the middle, implicitly); then
-    max_candidates must be >= every block's middle length (a fixed capacity keeps the grid
-    graph-capturable; a smaller one silently drops the newest candidates; default: read from
-    ends, a host sync). head_normalized: per kv head, subtract the head's best chunk score before
+    int32 [NB, Hkv, max_chunks]. mask_layout (blocks.MASK_LAYOUTS) "kv_head" / "q_head": one
+    tournament and score row per mask head (H = Hkv / Hq; a q head's tournament scores with that
+    head alone), scores and reps [NB, H, max_chunks], candidates [NB, n] (every head) or
+    [NB, H, n] with lens [NB, H]; head_normalized is not applied (it changes no ranking within a
+    head). "kv_head" is the shared launch without the max over heads; "q_head" launches H = Hq
+    programs per block and tile, each loading its kv head's keys. candidates None = stage 1 (the
+    middle, implicitly); then max_candidates must be >= every block's middle length (a fixed
+    capacity keeps the grid graph-capturable; a smaller one silently drops the newest candidates;
+    default: read from ends, a host sync). head_normalized: per kv head, subtract the head's best chunk score before
     the max over heads (InfiniteHipConfig.chunk_score). query_stride: score with every s-th query
     of a block (InfiniteHipConfig.query_strides). raw_keys: the blocks' keys at position 0
     (raw_keys.unrotate_keys), read instead of re-rotating cached keys when a dynamic RoPE style
@@ -346,6 +358,9 @@ def select_rep_scores(q, kv: PagedKV, block_tables, q_start, q_lens, ends, candi
         assert meta.shape == (NB,) and meta.dtype == torch.int32 and meta.is_contiguous()
     assert block_tables.dtype == torch.int32 and block_tables.shape[0] == NB and block_tables.stride(1) == 1
     assert query_stride >= 1, f"query_stride must be >= 1, got {query_stride}"
+    H = mask_heads(mask_layout, Hq, Hkv)
+    per_head = mask_layout != "shared"
+    Hs = H if per_head else Hkv  # scored heads: the kernel's programs per block and tile
     style = rope_style_id(rope_style)
     assert style in (NONE, RELATIVE, CHUNK_INDEXED), "pruning takes none | relative | chunk_indexed"
     if style != NONE:
@@ -356,28 +371,37 @@ def select_rep_scores(q, kv: PagedKV, block_tables, q_start, q_lens, ends, candi
         if max_candidates is None:
             max_candidates = int(_candidate_lens(ends, None, None, n_sink, n_stream).max().item()) if NB else 0
         cand, cand_lens = ends, ends  # dummies, never read
+        cand_strides = (1, 0, 1, 0)  # (row, head, lens row, lens head)
     else:
-        assert candidates.dtype == torch.int32 and candidates.shape[0] == NB and candidates.stride(1) == 1
-        max_candidates = candidates.shape[1]
+        assert candidates.dtype == torch.int32 and candidates.shape[0] == NB and candidates.stride(-1) == 1
+        max_candidates = candidates.shape[-1]
         cand_lens = _candidate_lens(ends, candidates, cand_lens, n_sink, n_stream)
         cand = candidates
+        if candidates.dim() == 3:  # one row per mask head
+            assert per_head and candidates.shape[1] == H and cand_lens.shape == (NB, H), \
+                f"per-head candidates [NB, {H}, n] (lens [NB, {H}]) need mask_layout {mask_layout!r}'s H = {H}"
+            cand_strides = (candidates.stride(0), candidates.stride(1), cand_lens.stride(0), cand_lens.stride(1))
+        else:
+            assert candidates.dim() == 2 and cand_lens.shape == (NB,), "candidates [NB, n] with lens [NB]"
+            cand_strides = (candidates.stride(0), 0, cand_lens.stride(0), 0)
     max_chunks = triton.cdiv(max_candidates, chunk_size)
-    G = Hq // Hkv
-    BLOCK_Q, BLOCK_C, TILES, keys_as_rows, n_tiles = _tiling(NB, Hkv, G, block_q, query_stride, max_chunks, implicit,
+    Gs = Hq // Hs  # q heads per scored head
+    BLOCK_Q, BLOCK_C, TILES, keys_as_rows, n_tiles = _tiling(NB, Hs, Gs, block_q, query_stride, max_chunks, implicit,
                                                              style, block_c, tiles, keys_as_rows)
     raw = raw_keys if style != NONE else None
     if raw is not None:
         assert raw.keys.dtype == q.dtype and raw.keys.shape[1:] == (Hkv, D) and raw.keys.stride(2) == 1
         assert raw.block_base.shape == (NB,) and raw.block_base.dtype == torch.int64
     if NB == 0 or max_chunks == 0:
-        scores = torch.full((NB, max_chunks), float("-inf"), dtype=torch.float32, device=q.device)
-        reps = torch.full((NB, Hkv, max_chunks), PAD, dtype=torch.int32, device=q.device)
+        scores = torch.full((NB, H, max_chunks) if per_head else (NB, max_chunks), float("-inf"),
+                            dtype=torch.float32, device=q.device)
+        reps = torch.full((NB, Hs, max_chunks), PAD, dtype=torch.int32, device=q.device)
         return scores, (reps if store_reps else None)
-    part = torch.empty((NB, Hkv, max_chunks), dtype=torch.float32, device=q.device)
-    reps = torch.empty((NB, Hkv, max_chunks), dtype=torch.int32, device=q.device) if store_reps else part
+    part = torch.empty((NB, Hs, max_chunks), dtype=torch.float32, device=q.device)
+    reps = torch.empty((NB, Hs, max_chunks), dtype=torch.int32, device=q.device) if store_reps else part
     dk, _, dks, _ = kv.host_deltas(values=False)
     gpu = q.is_cuda or recording_target() is not None  # recording for a GPU target: its choices
-    _select_rep_kernel[(NB, triton.cdiv(n_tiles, TILES), Hkv)](
+    _select_rep_kernel[(NB, triton.cdiv(n_tiles, TILES), Hs)](
         q, k_cache, kv.scale_ptrs()[0],
         raw.keys if raw is not None else k_cache, raw.block_base if raw is not None else ends,
         block_tables, q_start, q_lens, ends, cand, cand_lens,
@@ -387,8 +411,8 @@ def select_rep_scores(q, kv: PagedKV, block_tables, q_start, q_lens, ends, candi
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         *kv.scale_strides(), dk, dks,
         raw.keys.stride(0) if raw is not None else 0, raw.keys.stride(1) if raw is not None else 0,
-        block_tables.stride(0), cand.stride(0),
-        max_chunks, Hkv, G, D, n_sink, n_stream, chunk_size, _num_iters(chunk_size), query_stride,
+        block_tables.stride(0), *cand_strides,
+        max_chunks, Hs, Gs, Hs // Hkv, D, n_sink, n_stream, chunk_size, _num_iters(chunk_size), query_stride,
         PAGE_SIZE=page_size, BLOCK_Q=BLOCK_Q, BLOCK_C=BLOCK_C, TILES=TILES,
         BLOCK_D=max(16, next_pow2(D)), CAND_IMPLICIT=implicit, STORE_REPS=store_reps,
         ROPE_STYLE=style, RAW_KEYS=raw is not None,
@@ -401,6 +425,8 @@ def select_rep_scores(q, kv: PagedKV, block_tables, q_start, q_lens, ends, candi
         # 14 vs 27 ms); 64-row tiles (stride 4) and decode 4 (stage 1 24 vs 35 ms)
         num_warps=num_warps or (8 if BLOCK_Q >= 256 else 4),
     )
+    if per_head:
+        return part, (reps if store_reps else None)
     if head_normalized:  # [NB, Hkv, C] - each head's best chunk (rows with no chunk stay -inf)
         best = part.amax(dim=2, keepdim=True)
         part = torch.where(best > float("-inf"), part - best, part)
@@ -562,28 +588,40 @@ def pruning_stage(q, kv: PagedKV, block_tables, q_start, q_lens, ends, candidate
                   *, chunk_size: int, k: int, block_q: int, n_sink: int, n_stream: int,
                   max_candidates: int | None = None, rope_style="none", inv_freq=None,
                   head_normalized: bool = False, query_stride: int = 1,
-                  raw_keys: RawKeys | None = None, reduce_scores=None, **tuning):
+                  raw_keys: RawKeys | None = None, reduce_scores=None, mask_layout: str = "shared", **tuning):
     """One pruning stage: the Triton SelectRep kernel, then topk_chunks (CPU tensors without
     TRITON_INTERPRET: pruning_ref.pruning_stage_ref, same contract). Returns the survivors
     (int32 [NB, k] ascending, PAD-padded) and their counts (int32 [NB]), the next stage's input.
+    mask_layout "kv_head" / "q_head" (blocks.MASK_LAYOUTS): one selection per mask head (H = Hkv
+    / Hq), each keeping its own k: survivors [NB, H, k] and counts [NB, H]; candidates then
+    [NB, H, n] (the previous stage's) or None (stage 1).
     kv: the layer's cache, keys only read (select_rep_scores).
     reduce_scores: called on the chunk scores float32 [NB, chunks] before the top-k, in place
     (tensor parallelism: the max over every rank's kv heads, so all ranks keep the chunks one
-    GPU would; runtime/distributed/group.py).
+    GPU would; runtime/distributed/group.py); shared layout only (a per-head selection needs no
+    other rank's scores).
 
         >>> sel, n = pruning_stage(q, kv, tables, q_start, q_lens, ends,   # doctest: +SKIP
         ...                        chunk_size=256, k=32768, block_q=64, n_sink=256, n_stream=1024)
+        >>> sel, n = pruning_stage(q, kv, tables, q_start, q_lens, ends, sel, n,  # doctest: +SKIP
+        ...                        chunk_size=32, k=8192, block_q=64, n_sink=256, n_stream=1024,
+        ...                        mask_layout="q_head")   # sel [NB, Hq, 8192] from a q_head stage 1
     """
+    per_head = mask_layout != "shared"
+    if per_head and reduce_scores is not None:
+        raise ValueError("reduce_scores (tensor parallelism's max over ranks) is for the shared layout: a "
+                         "per-head selection needs only its own head's scores; pass reduce_scores=None")
     if not triton_on(q, kv.k):  # CPU without the interpreter: the float64 torch reference
         from .pruning_ref import pruning_stage_ref
         if ends.shape[0] == 0:
-            return (torch.full((0, k), PAD, dtype=torch.int32, device=q.device),
-                    torch.zeros(0, dtype=torch.int32, device=q.device))
+            H = (mask_heads(mask_layout, q.shape[1], kv.k.shape[2]),) if per_head else ()
+            return (torch.full((0, *H, k), PAD, dtype=torch.int32, device=q.device),
+                    torch.zeros((0, *H), dtype=torch.int32, device=q.device))
         return pruning_stage_ref(q, kv.k, block_tables, q_start, q_lens, ends, candidates, cand_lens,
                                  chunk_size=chunk_size, k=k, n_sink=n_sink, n_stream=n_stream,
                                  max_candidates=max_candidates, rope_style=rope_style, inv_freq=inv_freq,
                                  head_normalized=head_normalized, query_stride=query_stride, k_scale=kv.k_scale,
-                                 offload=kv.host, reduce_scores=reduce_scores)
+                                 offload=kv.host, reduce_scores=reduce_scores, mask_layout=mask_layout)
     if candidates is not None and cand_lens is None:  # once, for both kernels
         cand_lens = _candidate_lens(ends, candidates, None, n_sink, n_stream)
     scores, _ = select_rep_scores(q, kv, block_tables, q_start, q_lens, ends, candidates,
@@ -591,7 +629,15 @@ def pruning_stage(q, kv: PagedKV, block_tables, q_start, q_lens, ends, candidate
                                   n_stream=n_stream, max_candidates=max_candidates,
                                   rope_style=rope_style, inv_freq=inv_freq,
                                   head_normalized=head_normalized, query_stride=query_stride,
-                                  raw_keys=raw_keys, **tuning)
+                                  raw_keys=raw_keys, mask_layout=mask_layout, **tuning)
+    if per_head:  # each head's own top-k: rows (block, head) of the flattened scores
+        NB, H, C = scores.shape
+        if candidates is not None:
+            candidates, cand_lens = per_head_rows(candidates, cand_lens, H)
+            candidates, cand_lens = candidates.reshape(NB * H, -1), cand_lens.reshape(NB * H)
+        sel, lens = topk_chunks(scores.view(NB * H, C), candidates, cand_lens, chunk_size=chunk_size, k=k,
+                                n_sink=n_sink, ends=ends.repeat_interleave(H), n_stream=n_stream)
+        return sel.view(NB, H, k), lens.view(NB, H)
     if reduce_scores is not None:
         reduce_scores(scores)
     return topk_chunks(scores, candidates, cand_lens, chunk_size=chunk_size, k=k, n_sink=n_sink,

@@ -17,7 +17,7 @@ import torch
 
 from ..kv_offload import merged_kv
 from ..kv_quant import check_kv_scales, read_rows
-from .blocks import PAD, initial_candidates, mask_heads
+from .blocks import PAD, initial_candidates, mask_heads, per_head_rows
 from .rope_styles import CHUNK_INDEXED, NONE, RELATIVE, rope_style_id, rotate_by_ref
 
 
@@ -69,18 +69,6 @@ def _tournament(q_rows, q_pos, keys, toks, chunk_size, n_stream, style, inv_freq
         first = torch.where(s_right > s_left, first + half, first)
         win = torch.maximum(s_left, s_right)
     return win, base + first, gaps
-
-
-def per_head_rows(candidates, cand_lens, num_heads: int):
-    """Candidates of a per-head layout: [NB, n] rows (one list for every head, e.g. the middle)
-    broadcast to [NB, H, n] (lens [NB] -> [NB, H]); [NB, H, n] rows pass through."""
-    if candidates.dim() == 2:
-        return (candidates[:, None].expand(-1, num_heads, -1),
-                cand_lens[:, None].expand(-1, num_heads))
-    if candidates.shape[1] != num_heads or cand_lens.shape != candidates.shape[:2]:
-        raise ValueError(f"per-head candidates must be [NB, {num_heads}, n] with lens [NB, {num_heads}], got "
-                         f"{tuple(candidates.shape)} and {tuple(cand_lens.shape)}")
-    return candidates, cand_lens
 
 
 def select_rep_scores_ref(q, k_cache, block_tables, q_start, q_lens, ends, candidates=None,

@@ -10,8 +10,9 @@ Each query block (blocks.py) attends to exactly its key set, listed in original 
     out = softmax(scale * q . K_set^T) V_set          (float32 accumulation, exact softmax)
 
 Kernel: grid (NB, Hkv, NUM_SPLITS). A program takes the [b_q * group, D] query rows of one kv
-head and walks its share of the rank range [0, n_keys) in tiles of BLOCK_N; a rank maps to a
-token with two compares (sink: r, selected: selected[begin + r - n0], stream: s + r - n0 - n_sel)
+head (per-q-head selections: grid (NB, Hq, NUM_SPLITS), the [b_q, D] rows of one q head) and
+walks its share of the rank range [0, n_keys) in tiles of BLOCK_N; a rank maps to a token with
+two compares (sink: r, selected: selected[begin + r - n0], stream: s + r - n0 - n_sel)
 and a token to a cache row through the page table. Online softmax in base 2 as in
 plugins/dense_attention.py; with NUM_SPLITS > 1 (flash-decoding split-K) each split writes a
 normalised partial and its log2-sum-exp, and dense_attention's merge kernel combines them:
@@ -129,7 +130,7 @@ def _sparse_attn_kernel(
     #                            OFFLOAD: all four also reach their host twins (the deltas below)
     block_tables_ptr,  # [NB, max_pages] int32
     q_start_ptr, q_lens_ptr, ends_ptr,  # [NB] int32 query blocks (DECODE: q_start/q_lens unused)
-    sel_ptr,  # [NB, K] int32 selected tokens, ascending, PAD-padded
+    sel_ptr,  # [NB, (H,) K] int32 selected tokens, ascending, PAD-padded (H: one row per program head)
     inv_freq_ptr,  # [D/2] float32 (unused unless ROPE_STYLE == STREAMING)
     bank_ptr,  # BANK: [slots, >= K, Hkv, D] the selected keys rotated to their rank (key_bank.py)
     bank_rows_ptr,  # BANK: [NB] int32 / int64 bank slot of each block
@@ -144,10 +145,13 @@ def _sparse_attn_kernel(
     stride_sp, stride_ss, stride_sh,  # KV_SCALED: the scale tensors' strides
     k_host_delta: tl.int64, v_host_delta: tl.int64,  # OFFLOAD: kv_offload.offload_deltas
     ks_host_delta: tl.int64, vs_host_delta: tl.int64,
-    stride_bt, stride_sel, sel_width,
+    stride_bt, stride_sel, stride_sel_h, sel_width,  # stride_sel_h 0: one row for every head
     stride_bank_slot, stride_bank_entry, stride_bank_head,
     stride_ot, stride_oh,
-    num_q_heads, group_size, head_dim,
+    num_q_heads,
+    group_size,  # q heads per program (shared / kv_head: Hq / Hkv; q_head: 1)
+    heads_per_kv,  # programs per kv head (shared / kv_head: 1; q_head: Hq / Hkv)
+    head_dim,
     n_sink, n_stream,
     scale_log2,  # softmax scale * log2(e)
     PAGE_SIZE: tl.constexpr,
@@ -170,7 +174,8 @@ def _sparse_attn_kernel(
     OFFLOAD: tl.constexpr,  # table entries < 0 are host pages (kv_offload.py)
 ):
     blk = tl.program_id(0)
-    kv_head = tl.program_id(1)
+    head = tl.program_id(1)  # its q heads head * group_size + [0, group_size)
+    kv_head = head // heads_per_kv
     split = tl.program_id(2)
     COMPUTE = q_ptr.dtype.element_ty  # dot operands in the queries' dtype (unless DOT_F32)
     if DECODE:
@@ -184,7 +189,7 @@ def _sparse_attn_kernel(
     s = tl.maximum(n0, end - n_stream)  # first streaming token
     # The entries of the sorted selected row inside the middle [n_sink, s) are [sel_begin,
     # sel_end): counted here (blocks.selected_range in torch) so a decode step is one launch.
-    sel_base = sel_ptr + blk.to(tl.int64) * stride_sel
+    sel_base = sel_ptr + blk.to(tl.int64) * stride_sel + head * stride_sel_h
     sel_begin, sel_end = selected_bounds(sel_base, sel_width, n_sink, s, SEL_BLOCK)
     mid_end = n0 + sel_end - sel_begin  # rank after the last selected key
     n_keys = mid_end + end - s
@@ -195,7 +200,7 @@ def _sparse_attn_kernel(
 
     rows = tl.arange(0, BLOCK_Q)
     t = rows // group_size
-    heads = kv_head * group_size + rows % group_size
+    heads = head * group_size + rows % group_size
     row_valid = t < q_len
     q_pos = end - q_len + t  # [BLOCK_Q]
     q_rank = tl.where(q_pos < s, q_pos, mid_end + q_pos - s)  # rank of the query's own token
@@ -324,7 +329,11 @@ def block_sparse_attention(q, kv: PagedKV, block_tables, q_start, q_lens, ends, 
                      out: torch.Tensor | None = None) -> torch.Tensor:
     """Triton launcher (CPU tensors without TRITON_INTERPRET: sparse_attention_ref, same
     contract): q [T, Hq, D] packed, query blocks [NB] (blocks.py, q_lens <= block_q),
-    selected int32 [NB, K] (last pruning stage). Returns out [T, Hq, D] (rows of no block: 0).
+    selected int32 [NB, K] (last pruning stage), or [NB, H, K] one key set per mask head
+    (blocks.MASK_LAYOUTS; program_heads): H = 1 or Hkv keeps one program per kv head and its
+    GQA group (each key tile loaded once for the group), H = Hq one program per q head over
+    its kv head's keys (as hip-attention's block-sparse kernel; the key bank is for the shared
+    layout). Returns out [T, Hq, D] (rows of no block: 0).
     q_start = q_lens = None means decode: block i is query row i alone (no tensors to make).
     rope_group (STREAMING): the selected keys' run length, normally the last stage's chunk size;
     rotations then take one sine/cosine per run (any value gives the same result, a power of two
@@ -353,7 +362,12 @@ def block_sparse_attention(q, kv: PagedKV, block_tables, q_start, q_lens, ends, 
     for meta in (ends,) if decode else (q_start, q_lens, ends):
         assert meta.shape == (NB,) and meta.dtype == torch.int32 and meta.is_contiguous()
     assert block_tables.dtype == torch.int32 and block_tables.shape[0] == NB and block_tables.stride(1) == 1
-    assert selected.dtype == torch.int32 and selected.shape[0] == NB and selected.stride(1) == 1
+    assert selected.dtype == torch.int32 and selected.shape[0] == NB and selected.stride(-1) == 1
+    P, Gp, heads_per_kv, stride_sel_h = program_heads(selected, Hq, Hkv)
+    if bank is not None and stride_sel_h:
+        raise ValueError("the key bank holds one selection per block (the shared layout); with per-head "
+                         f"selections {tuple(selected.shape)} pass bank=None (keys are rotated in the kernel)")
+    sel_width = selected.shape[-1]
     assert n_stream >= block_q >= 1, "every query's own token must be a streaming token"
     style = rope_style_id(rope_style)
     assert style in (NONE, STREAMING), "block-sparse attention takes none | streaming"
@@ -364,7 +378,7 @@ def block_sparse_attention(q, kv: PagedKV, block_tables, q_start, q_lens, ends, 
     if bank is not None:
         assert style == STREAMING, "a rotated key bank is for the streaming RoPE style"
         assert bank.dtype == q.dtype and bank.dim() == 4 and bank.shape[2:] == (Hkv, D) and bank.stride(3) == 1
-        assert bank.shape[1] >= selected.shape[1], f"bank holds {bank.shape[1]} keys per slot, selection {selected.shape[1]}"
+        assert bank.shape[1] >= sel_width, f"bank holds {bank.shape[1]} keys per slot, selection {sel_width}"
         assert bank_rows is not None and bank_rows.shape == (NB,) and bank_rows.dtype in (torch.int32, torch.int64)
     if value_bank is not None:
         assert bank is not None, "a value bank comes with the key bank (same entries and slots)"
@@ -386,7 +400,7 @@ def block_sparse_attention(q, kv: PagedKV, block_tables, q_start, q_lens, ends, 
             out[q0:q0 + n] = ref[q0:q0 + n].to(out.dtype)
         return out
     BLOCK_D = max(16, next_pow2(D))
-    G = Hq // Hkv
+    G = Gp  # q heads per program
     # prefill-sized query tiles ([b_q * group, D], 256 rows for Llama-8B) do best with 32-key
     # tiles on the H200 (docs/benchmarks.md); decode's small tiles with 64
     BLOCK_N = block_n or (64 if BLOCK_D <= 128 and block_q * G < 128 else 32)
@@ -408,7 +422,7 @@ def block_sparse_attention(q, kv: PagedKV, block_tables, q_start, q_lens, ends, 
         part_lse = torch.empty((T, Hq, num_splits), dtype=torch.float32, device=q.device)  # all written
     else:
         part_out = part_lse = out  # unused
-    _sparse_attn_kernel[(NB, Hkv, num_splits)](
+    _sparse_attn_kernel[(NB, P, num_splits)](
         q, k_cache, v_cache, *kv.scale_ptrs(),
         block_tables, ends if decode else q_start, ends if decode else q_lens, ends, selected,
         inv_freq if inv_freq is not None else part_lse,
@@ -418,12 +432,12 @@ def block_sparse_attention(q, kv: PagedKV, block_tables, q_start, q_lens, ends, 
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         *kv.scale_strides(), *kv.host_deltas(),
-        block_tables.stride(0), selected.stride(0), selected.shape[1],
+        block_tables.stride(0), selected.stride(0), stride_sel_h, sel_width,
         *(bank.stride()[:3] if bank is not None else (0, 0, 0)),
         out.stride(0), out.stride(1),
-        Hq, G, D, n_sink, n_stream, float(scale) * _LOG2E,
+        Hq, G, heads_per_kv, D, n_sink, n_stream, float(scale) * _LOG2E,
         PAGE_SIZE=page_size, BLOCK_Q=max(16, next_pow2(block_q * G)), BLOCK_N=BLOCK_N,
-        BLOCK_D=BLOCK_D, NUM_SPLITS=num_splits, SEL_BLOCK=min(1024, next_pow2(selected.shape[1])),
+        BLOCK_D=BLOCK_D, NUM_SPLITS=num_splits, SEL_BLOCK=min(1024, next_pow2(sel_width)),
         DECODE=decode, ROPE_STYLE=style, ROPE_GROUP=min(rope_group, BLOCK_N), BANK=bank is not None, PREFETCH=prefetch,
         VALUE_BANK=value_bank is not None,
         DOT_F32=not gpu or q.dtype == torch.float32,
@@ -438,6 +452,23 @@ def block_sparse_attention(q, kv: PagedKV, block_tables, q_start, q_lens, ends, 
     return out
 
 
+def program_heads(selected: torch.Tensor, num_q_heads: int, num_kv_heads: int) -> tuple[int, int, int, int]:
+    """The attention grid's head axis for a selection: (programs per block P, q heads per
+    program, programs per kv head, the selection's head stride). [NB, K] or [NB, 1, K] (shared)
+    and [NB, Hkv, K] (kv_head): a program per kv head, its GQA group's rows sharing every key
+    tile; [NB, Hq, K] (q_head, Hq > Hkv): a program per q head (the group's key sets differ)."""
+    G = num_q_heads // num_kv_heads
+    if selected.dim() == 2 or selected.shape[1] == 1:
+        return num_kv_heads, G, 1, 0
+    H = selected.shape[1]
+    if H == num_kv_heads:
+        return num_kv_heads, G, 1, selected.stride(1)
+    if H == num_q_heads:
+        return num_q_heads, 1, G, selected.stride(1)
+    raise ValueError(f"selected {tuple(selected.shape)}: a per-head selection has 1, {num_kv_heads} (kv_head) or "
+                     f"{num_q_heads} (q_head) rows per block")
+
+
 def sparse_decode_attention(q, kv: PagedKV, block_tables, context_lens, selected, *,
                             n_sink: int, n_stream: int, scale: float, rope_style="none",
                             inv_freq=None, num_splits: int | None = None, rope_group: int = 1,
@@ -445,14 +476,14 @@ def sparse_decode_attention(q, kv: PagedKV, block_tables, context_lens, selected
                             prefetch: bool | None = None, num_stages: int | None = None, out=None,
                             value_bank=None) -> torch.Tensor:
     """Decode: q [B, Hq, D] (one query per sequence, position context_lens[b] - 1), selected
-    int32 [B, K]. Flash-decoding split-K over sink + selected + stream; out [B, Hq, D].
+    int32 [B, K] or [B, H, K] (block_sparse_attention). Flash-decoding split-K over sink + selected + stream; out [B, Hq, D].
     bank / bank_rows: the rotated key bank (block_sparse_attention, key_bank.py); value_bank: the
     selected values beside it (offloaded caches: cached steps then read no host page). kv: the
     layer's cache (block_sparse_attention)."""
     B = q.shape[0]
-    if num_splits is None:
-        num_splits = decode_num_splits(B, kv.k.shape[2], selected.shape[1], n_sink, n_stream,
-                                       device_num_sms(q.device), block_n)
+    if num_splits is None:  # per-head selections: the grid's programs per row (program_heads)
+        num_splits = decode_num_splits(B, program_heads(selected, q.shape[1], kv.k.shape[2])[0], selected.shape[-1],
+                                       n_sink, n_stream, device_num_sms(q.device), block_n)
     return block_sparse_attention(q, kv, block_tables, None, None, context_lens, selected,
                             block_q=1, n_sink=n_sink, n_stream=n_stream, scale=scale,
                             rope_style=rope_style, inv_freq=inv_freq, num_splits=num_splits,
