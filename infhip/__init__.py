@@ -7,7 +7,7 @@
 
 __version__ = "0.1.0"
 
-__all__ = ["LLM", "LoadOptions", "SamplingParams", "__version__"]
+__all__ = ["LLM", "LoadOptions", "SamplingParams", "StructuredOutputsParams", "__version__"]
 
 
 def __getattr__(name: str):
@@ -21,4 +21,7 @@ def __getattr__(name: str):
     if name == "SamplingParams":
         from infhip.runtime.sampling_params import SamplingParams
         return SamplingParams
+    if name == "StructuredOutputsParams":
+        from infhip.runtime.structured_output import StructuredOutputsParams
+        return StructuredOutputsParams
     raise AttributeError(f"module 'infhip' has no attribute {name!r}")

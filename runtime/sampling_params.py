@@ -23,6 +23,8 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
+from infhip.runtime.structured_output import StructuredOutputsParams
+
 # torch.Generator.manual_seed takes any 64-bit value, signed or not (seed s < 0 acts as 2**64 + s).
 SEED_RANGE = (-(1 << 63), 1 << 64)  # [lo, hi)
 MAX_LOGPROBS = 20  # top-k logprobs per token at most (OpenAI's top_logprobs limit)
@@ -74,6 +76,9 @@ class SamplingParams:
                     space); its last token is banned where the output ends with the others
     priority        scheduling priority: lower values are admitted and prefilled first
                     (vLLM's convention); equal priorities are first come, first served
+    structured_outputs  a StructuredOutputsParams (or a dict of its fields): the output must match
+                    a JSON schema, any JSON object, a regex, a choice list or an EBNF grammar
+                    (runtime/structured_output.py; None = free)
     """
 
     max_tokens: int = 16
@@ -99,6 +104,7 @@ class SamplingParams:
     # Token-id sequences of bad_words (for_engine fills it with the engine's tokenizer); may
     # also be given directly (an engine without a tokenizer).
     bad_words_token_ids: list[list[int]] | None = None
+    structured_outputs: StructuredOutputsParams | dict | None = None
 
     def __post_init__(self) -> None:
         def bad(field: str, need: str, got: object) -> ValueError:
@@ -177,6 +183,15 @@ class SamplingParams:
         self.bad_words_token_ids = [list(q) for q in seqs] or None
         if not _is_int(self.priority):
             raise bad("priority", "an int (lower = sooner)", self.priority)
+        if isinstance(self.structured_outputs, dict):
+            try:
+                self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+            except TypeError as e:  # an unknown key
+                raise bad("structured_outputs", "a dict of StructuredOutputsParams' fields (json, json_object, "
+                                                "regex, choice, grammar, structural_tag)", self.structured_outputs) from e
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise bad("structured_outputs", "a StructuredOutputsParams, a dict of its fields, or None",
+                      self.structured_outputs)
 
     def for_engine(self, vocab_size: int, max_new_tokens: int, encode=None) -> SamplingParams:
         """A checked copy for one request on an engine with ``vocab_size`` tokens, where the
