@@ -274,8 +274,7 @@ async def _events(gen: Generation, ticket: Ticket, shape, prompt_tokens: int,
     except ClientGone:
         return
     finally:
-        gen.close()
-        ticket.release()
+        gen.close()  # the ticket goes back in _Stream, once the response's last byte is out
 
 
 def _request_error(delta) -> str:
