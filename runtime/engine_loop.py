@@ -153,13 +153,12 @@ class EngineLoop:
         req, outbox = self._live.pop(key)
         self._deadlines.pop(key, None)
         self.llm._abort(req)
-        delta = self.llm._delta(req)
+        deltas = self.llm._deltas(req)  # one per completion (n > 1: several)
         if self.observer is not None:
-            if delta is not None:
+            for delta in deltas:
                 self.observer.delta(req, delta)
             self.observer.gone(req, aborted=True, cause=cause)
-        if delta is not None:
-            self._ended.append((outbox, delta))
+        self._ended += [(outbox, delta) for delta in deltas]
         self._ended.append((outbox, None))
 
     def _expire(self) -> None:
@@ -213,14 +212,13 @@ class EngineLoop:
             return mail
         mail = []
         for key, (req, outbox) in list(self._live.items()):
-            if id(req) not in touched and not req.seq.is_finished:
+            if id(req) not in touched and not req.is_finished:
                 continue  # nothing new (e.g. still prefilling): no detokenizer work
-            delta = self.llm._delta(req)
-            if delta is not None:
+            for delta in self.llm._deltas(req):  # one per completion that moved (n > 1: several)
                 if self.observer is not None:
                     self.observer.delta(req, delta)
                 mail.append((outbox, delta))
-            if req.seq.is_finished:
+            if req.is_finished:  # every completion of it
                 self.llm._abort(req)  # forget it: its pages are already free
                 if self.observer is not None:
                     self.observer.gone(req, aborted=False)

@@ -308,7 +308,8 @@ class LLM:
                     tokens, logprobs = self._decode_steps(out, num_steps)
                 else:
                     rows, spans = self._prompt_rows(out)
-                    logits = self.runner.execute(out, hidden_rows=rows)
+                    # (hidden_rows only when asked: tools and tests wrap execute(out))
+                    logits = self.runner.execute(out, hidden_rows=rows) if rows else self.runner.execute(out)
                     if spans:
                         self._record_prompt_logprobs(self.runner.hidden_out, spans)
         except Exception as e:  # noqa: BLE001 - these requests fail, the engine goes on

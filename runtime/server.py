@@ -156,6 +156,9 @@ def make_parser():
 
     p = argparse.ArgumentParser(prog="infhip-serve", description=__doc__.split("\n\n")[0])
     p.add_argument("--engine", required=True, help="engine directory written by infhip-build")
+    p.add_argument("--served-model-name", nargs="+", metavar="NAME",
+                   help="the model name(s) requests may give in \"model\" (GET /v1/models lists them; another "
+                        "name gets 404); default: the engine directory's name")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (127.0.0.1; 0.0.0.0 = every interface)")
     p.add_argument("--port", type=int, default=8000, help="port (8000; 0 = any free one)")
     p.add_argument("--max-body-bytes", type=int, default=HttpLimits.max_body_bytes,
@@ -209,7 +212,7 @@ def main(argv=None) -> int:
             if getattr(args, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
         llm = LLM(args.engine, load_options(args))
-        server = make_server(llm, args.host, args.port, model_name=Path(args.engine).name,
+        server = make_server(llm, args.host, args.port, model_name=args.served_model_name or Path(args.engine).name,
                              limits=HttpLimits(args.max_body_bytes, args.body_timeout),
                              keep_alive_s=args.keep_alive_timeout, backlog=args.backlog, policy=policy)
     except (ValueError, EngineFormatError, MemoryError, OSError) as e:

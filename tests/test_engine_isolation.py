@@ -149,24 +149,25 @@ def test_faults_in_sampling_and_detokenizing_fail_only_their_request(engine, alo
     row, and only request 0's row raises); request 2's detokenizer raises at its 5th token."""
     llm = LLM(engine)
     free = free_pages(llm)
-    sample = llm.sampler
+    sample = llm.sampler.sample
     marked = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, top_k=7)  # top_k: a mark only
 
-    def sampler(logits, params, gens):
-        if any(p.top_k == 7 for p in params):
+    def sampler(logits, batch):
+        if any(p.top_k == 7 for p in batch.params):
             raise Injected("sampler fault")
-        return sample(logits, params, gens)
+        return sample(logits, batch)
 
-    llm.sampler = sampler
+    llm.sampler.sample = sampler
     reqs = [llm._add(None, PROMPTS[0], marked), llm._add(None, PROMPTS[1], GREEDY), llm._add(None, PROMPTS[2], GREEDY)]
-    update = reqs[2].detok.update
+    detok = reqs[2].forks[0].detok
+    update = detok.update
 
     def detok_update(token_ids):
         if len(token_ids) == 5:
             raise Injected("detokenizer fault")
         return update(token_ids)
 
-    reqs[2].detok.update = detok_update
+    detok.update = detok_update
     run(llm, reqs)
     assert reqs[0].seq.finish_reason == "error" and "while sampling its token" in reqs[0].error
     assert reqs[0].seq.output_token_ids == []

@@ -160,14 +160,15 @@ def test_request_failed_alone(model, pb, reference):
     """A request the engine fails alone (its last delta carries `error`) gets an INTERNAL error;
     the others go on."""
     errors = fake_metric(pb, "infhip_request_errors_total", scope="request")
-    delta = model.loop.llm._delta
+    deltas = model.loop.llm._deltas
 
-    def failing_delta(req):
-        d = delta(req)
-        if d is not None and req.prompt == "fail me" and d.token_ids:
-            d.finish_reason, d.error = "error", "out of pages"
-        return d
-    model.loop.llm._delta = failing_delta
+    def failing_deltas(req):
+        out = deltas(req)
+        for d in out:
+            if req.prompt == "fail me" and d.token_ids:
+                d.finish_reason, d.error = "error", "out of pages"
+        return out
+    model.loop.llm._deltas = failing_deltas
     try:
         want = reference.generate(["hello world"], SamplingParams(**GREEDY))[0]
         bad, good = FakeRequest(text_input="fail me", **GREEDY), FakeRequest(text_input="hello world", **GREEDY)
@@ -177,7 +178,7 @@ def test_request_failed_alone(model, pb, reference):
         assert "the engine failed this request: out of pages" in resp.error().message()
         assert outputs(wait(good)[0][0])["ids"] == want.token_ids
     finally:
-        model.loop.llm._delta = delta
+        model.loop.llm._deltas = deltas
     until(lambda: not model.loop.llm._requests)  # the failed one is forgotten too
     until(lambda: fake_metric(pb, "infhip_request_errors_total", scope="request") == errors + 1)
 

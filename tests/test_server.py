@@ -112,13 +112,13 @@ def test_openai_client_chat(client, reference):
     messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello"}]
     want = reference.generate(prompt_token_ids=[chat_ids(reference, messages)],
                               sampling_params=SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))[0]
-    out = client.chat.completions.create(model="any", messages=messages, max_completion_tokens=8, temperature=0,
+    out = client.chat.completions.create(model="infhip", messages=messages, max_completion_tokens=8, temperature=0,
                                          extra_body={"ignore_eos": True})
     assert out.object == "chat.completion" and out.choices[0].message.role == "assistant"
     assert out.choices[0].message.content == want.text and out.choices[0].finish_reason == "length"
     assert out.usage.prompt_tokens == len(want.prompt_token_ids) and out.usage.completion_tokens == 8
 
-    chunks = list(client.chat.completions.create(model="any", messages=messages, max_tokens=8, temperature=0,
+    chunks = list(client.chat.completions.create(model="infhip", messages=messages, max_tokens=8, temperature=0,
                                                  stream=True, stream_options={"include_usage": True},
                                                  extra_body={"ignore_eos": True}))
     assert all(c.object == "chat.completion.chunk" for c in chunks)
@@ -130,19 +130,17 @@ def test_openai_client_chat(client, reference):
 
 def test_openai_client_completions_models_and_errors(client, reference):
     want = reference.generate(["hello world"], SamplingParams(max_tokens=6, temperature=0, stop=["xyz"], seed=3))[0]
-    out = client.completions.create(model="any", prompt="hello world", max_tokens=6, temperature=0, stop=["xyz"],
+    out = client.completions.create(model="infhip", prompt="hello world", max_tokens=6, temperature=0, stop=["xyz"],
                                     seed=3)
     assert out.choices[0].text == want.text and out.choices[0].finish_reason == want.finish_reason
-    pieces = [c.choices[0].text for c in client.completions.create(model="any", prompt="hello world", max_tokens=6,
+    pieces = [c.choices[0].text for c in client.completions.create(model="infhip", prompt="hello world", max_tokens=6,
                                                                   temperature=0, stop=["xyz"], stream=True)]
     assert "".join(pieces) == want.text
     assert [m.id for m in client.models.list()] == ["infhip"]
-    with pytest.raises(openai.BadRequestError, match="n=2 is not supported"):
-        client.chat.completions.create(model="any", messages=[{"role": "user", "content": "hi"}], n=2)
-    with pytest.raises(openai.BadRequestError, match="logprobs"):
-        client.completions.create(model="any", prompt="hi", logprobs=2)
-    with pytest.raises(openai.BadRequestError, match="echo"):
-        client.completions.create(model="any", prompt="hi", echo=True)
+    with pytest.raises(openai.NotFoundError, match="the model `any` does not exist"):
+        client.completions.create(model="any", prompt="hi", max_tokens=2)
+    with pytest.raises(openai.BadRequestError, match="use_beam_search=True is not supported"):
+        client.completions.create(model="infhip", prompt="hi", extra_body={"use_beam_search": True})
 
 
 # -- bad input: a 4xx with the reason, then the next request is answered right -------------------
@@ -152,7 +150,8 @@ def test_openai_client_completions_models_and_errors(client, reference):
     ("/v1/completions", {"prompt": "x", "max_token": 3}, 400, "unknown field(s) max_token"),
     ("/v1/completions", {"prompt": 5}, 400, "\"prompt\" must be"),
     ("/v1/completions", {"prompt": []}, 400, "\"prompt\" must be"),
-    ("/v1/completions", {"prompt": ["a", "b"]}, 400, "one prompt per request"),
+    ("/v1/completions", {"prompt": ["a", 5]}, 400, "\"prompt\" must be"),
+    ("/v1/completions", {"prompt": "x", "model": "nope"}, 404, "the model `nope` does not exist"),
     ("/v1/completions", {"prompt": "x", "temperature": -1}, 400, "temperature"),
     ("/v1/completions", {"prompt": "x", "stream": "yes"}, 400, "stream"),
     ("/v1/completions", {"prompt": [10 ** 9]}, 400, "token ids must be in"),
@@ -162,11 +161,15 @@ def test_openai_client_completions_models_and_errors(client, reference):
     ("/v1/completions", {"prompt": "x", "max_tokens": 10 ** 40}, 400, "max_tokens="),
     ("/v1/completions", {"prompt": "x", "stop_token_ids": list(range(5000))}, 400, "stop_token_ids has 5000"),
     ("/v1/completions", {"prompt": "x", "stop_token_ids": [10 ** 40]}, 400, "stop_token_ids must be in"),
-    ("/v1/completions", {"prompt": "x", "n": 2}, 400, "n=2 is not supported"),
+    ("/v1/completions", {"prompt": "x", "n": 2, "best_of": 3, "stream": True}, 400, "best_of > 1 cannot stream"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"a": 1}}, 400, "logit_bias keys must be token ids"),
     ("/v1/completions", {"prompt": "x", "stream_options": {"include_usage": True}}, 400, "stream_options"),
     ("/v1/chat/completions", {"messages": []}, 400, "at least one message"),
     ("/v1/chat/completions", {"messages": [{"role": "robot", "content": "x"}]}, 400, "messages.0.role"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "n": 2}, 400, "n=2"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, 400,
+     "top_logprobs needs logprobs=true"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "presence_penalty": 3}, 400,
+     "presence_penalty must be a number in [-2, 2]"),
     ("/v1/completions", b"x" * (MAX_BODY + 1), 413, "--max-body-bytes"),
     ("/v1/nope", {"prompt": "x"}, 404, "no endpoint POST /v1/nope"),
 ])
@@ -294,7 +297,7 @@ def test_dead_engine_thread_makes_health_503(engine):
     llm = LLM(engine)
     with running_server(llm) as srv:
         assert request(srv, "GET", "/health") == (200, b'{"status":"ok"}')
-        llm._delta = lambda req: 1 / 0  # outside step(): nothing in the loop catches it
+        llm._deltas = lambda req: 1 / 0  # outside step(): nothing in the loop catches it
         status, data = post(srv, {"prompt": "one two", **GREEDY})
         assert status == 500 and "engine thread died" in error_of(data)["message"]
         status, data = request(srv, "GET", "/health")
@@ -346,7 +349,7 @@ def test_smollm2_chat_through_the_openai_client(smollm2):
     messages = [{"role": "user", "content": "What is the capital of France?"}]
     want = smollm2.generate(prompt_token_ids=[chat_ids(smollm2, messages)],
                             sampling_params=SamplingParams(max_tokens=12, temperature=0))[0]
-    with running_server(smollm2) as srv:
+    with running_server(smollm2, model_name="smollm2") as srv:
         client = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=120)
         out = client.chat.completions.create(model="smollm2", messages=messages, max_tokens=12, temperature=0)
         streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(

@@ -33,6 +33,7 @@ from infhip.runtime.serving import protocol as P
 from infhip.runtime.serving.async_engine import AsyncEngine, ClientGone, EngineFailure, Generation
 from infhip.runtime.serving.lifecycle import Lifecycle, Refused, Ticket
 from infhip.runtime.serving.metrics import CONTENT_TYPE, ServerMetrics
+from infhip.runtime.serving.shapes import ChatShape, CompletionShape, token_strings
 
 ENDPOINTS = ("POST /v1/completions", "POST /v1/chat/completions", "GET /v1/models", "POST /tokenize",
              "POST /detokenize", "GET /health", "GET /health/live", "GET /health/ready", "GET /metrics",
@@ -61,10 +62,21 @@ def error_response(status: int, message: str, headers: dict | None = None) -> JS
     return JSONResponse(error_body(status, message), status_code=status, headers=headers)
 
 
-def make_app(engine: AsyncEngine, metrics: ServerMetrics, model_name: str, limits: HttpLimits,
+def make_app(engine: AsyncEngine, metrics: ServerMetrics, model_name: str | list[str], limits: HttpLimits,
              lifecycle: Lifecycle) -> FastAPI:
+    """model_name: the served name(s) (--served-model-name); a request naming another model gets 404."""
     app = FastAPI(title="infhip-serve", docs_url=None, redoc_url=None, openapi_url=None)
     _install_error_handlers(app)
+    names = [model_name] if isinstance(model_name, str) else list(model_name)
+    token_str = token_strings(engine.tokenizer)
+
+    def served(model: str | None) -> str:
+        """The name to answer with; 404 for a model this server does not serve."""
+        if model is None:
+            return names[0]
+        if model not in names:
+            raise ApiError(404, f"the model `{model}` does not exist; this server serves {', '.join(names)}")
+        return model
 
     @app.get("/health")
     async def health():
@@ -112,21 +124,23 @@ def make_app(engine: AsyncEngine, metrics: ServerMetrics, model_name: str, limit
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "infhip",
-                                            "max_model_len": engine.limits.max_seq_len}]}
+        return {"object": "list", "data": [{"id": name, "object": "model", "created": 0, "owned_by": "infhip",
+                                            "max_model_len": engine.limits.max_seq_len} for name in names]}
 
     @app.post("/v1/completions")
     async def completions(request: Request):
         ticket = lifecycle.admit()
         try:
             body = P.parse_body(P.CompletionRequest, await read_body(request, limits))
+            model = served(body.model)
             params = body.sampling_params(body.max_tokens, engine.limits)
-            if isinstance(body.prompt, str):
-                text, ids = body.prompt, await engine.encode(body.prompt)
-            else:
-                text, ids = None, body.prompt
-            shape = _CompletionShape(P.new_meta("cmpl", model_name))
-            return await _generate(engine, lifecycle, ticket, request, text, ids, params, shape, body)
+            prompts = []  # (text or None, token ids)
+            for p in body.prompts:
+                prompts.append((p, await engine.encode(p, body.add_special_tokens)) if isinstance(p, str) else (None, p))
+            echoed = [(t if t is not None else await engine.decode(ids), ids) for t, ids in prompts] if body.echo else []
+            shape = CompletionShape(P.new_meta("cmpl", model), token_str, echoed, params.n, body.echo,
+                                    discard=body.max_tokens == 0)
+            return await _generate(engine, lifecycle, ticket, request, prompts, params, shape, body)
         finally:
             ticket.release_unless_streaming()
 
@@ -135,10 +149,12 @@ def make_app(engine: AsyncEngine, metrics: ServerMetrics, model_name: str, limit
         ticket = lifecycle.admit()
         try:
             body = P.parse_body(P.ChatCompletionRequest, await read_body(request, limits))
+            model = served(body.model)
             params = body.sampling_params(body.max_new_tokens, engine.limits)
             text, ids = await engine.encode_chat([m.for_template() for m in body.messages])
-            shape = _ChatShape(P.new_meta("chatcmpl", model_name))
-            return await _generate(engine, lifecycle, ticket, request, text, ids, params, shape, body)
+            shape = ChatShape(P.new_meta("chatcmpl", model), token_str, [], params.n,
+                              discard=body.max_new_tokens == 0)
+            return await _generate(engine, lifecycle, ticket, request, [(text, ids)], params, shape, body)
         finally:
             ticket.release_unless_streaming()
 
@@ -169,30 +185,38 @@ async def read_body(request: Request, limits: HttpLimits) -> bytes:
     return b"".join(chunks)
 
 
-async def _generate(engine: AsyncEngine, lifecycle: Lifecycle, ticket: Ticket, request: Request, text, ids,
+async def _generate(engine: AsyncEngine, lifecycle: Lifecycle, ticket: Ticket, request: Request, prompts,
                     params, shape, body) -> Response:
-    ticket.add_prompt(len(ids))
+    """prompts: (text or None, token ids) each, one engine request apiece (one when streaming)."""
+    ticket.add_prompt(sum(len(ids) for _, ids in prompts))
     lifecycle.check_not_ending()
-    gen = Generation(engine.loop, request.receive)
+    gens = [Generation(engine.loop, request.receive) for _ in prompts]
     deadline = ticket.deadline(body.timeout)
     try:
-        prompt_tokens = await gen.start(text, ids, params, deadline)
+        prompt_tokens = 0
+        for gen, (text, ids) in zip(gens, prompts):
+            prompt_tokens += await gen.start(text, ids, params, deadline)
     except ValueError as e:  # the engine refused the prompt (too long, token id out of range, ...)
-        gen.close()
+        _close(gens)
         raise ApiError(400, str(e)) from None
     except ClientGone:
-        gen.close()
+        _close(gens)
         return Response(status_code=499)  # nobody reads it
     except Exception as e:
-        gen.close()
+        _close(gens)
         raise ApiError(503 if not engine.loop.alive else 500, f"the engine failed: {type(e).__name__}: {e}") from None
     ended = _Ended(lifecycle, deadline, body.timeout)
     if body.stream:
         ticket.streaming = True  # released when the stream ends
-        return _Stream(gen, ticket, _events(gen, ticket, shape, prompt_tokens, body.include_usage))
+        return _Stream(gens[0], ticket, _events(gens[0], ticket, shape, prompt_tokens, body.include_usage))
     try:
-        return await _whole(gen, shape, prompt_tokens, ended)
+        return await _whole(gens, shape, prompt_tokens, ended)
     finally:
+        _close(gens)
+
+
+def _close(gens: list[Generation]) -> None:
+    for gen in gens:
         gen.close()
 
 
@@ -232,42 +256,47 @@ class _Ended:
                                    "generated tokens; send it to another replica", retry)
 
 
-async def _whole(gen: Generation, shape, prompt_tokens: int, ended: _Ended) -> Response:
-    pieces, tokens, last = [], [], None
+async def _whole(gens: list[Generation], shape, prompt_tokens: int, ended: _Ended) -> Response:
+    """One JSON response of every prompt's choices (gens[i]: prompt i's engine request)."""
+    lasts, cached = [], [0] * len(gens)
+
+    async def collect(i: int, gen: Generation) -> None:
+        async for delta in gen.deltas():
+            shape.add(delta, i)
+            lasts.append(delta)
+            cached[i] = delta.num_cached_tokens
+
     try:
-        async for last in gen.deltas():
-            pieces.append(last.text)
-            tokens += last.token_ids
+        await asyncio.gather(*(collect(i, gen) for i, gen in enumerate(gens)))
     except EngineFailure as e:
         return error_response(500, f"the engine failed: {e}")
     except ClientGone:
         return Response(status_code=499)
-    if last.finish_reason == "error":
-        return error_response(500, _request_error(last))
-    if last.finish_reason == "abort":  # not the client's doing: it is still here
-        return ended.response(len(tokens))
-    use = P.usage(prompt_tokens, len(tokens), last.num_cached_tokens)
-    return JSONResponse(shape.whole("".join(pieces), tokens, last.finish_reason, use))
+    reasons = {d.finish_reason for d in lasts}
+    if "error" in reasons:
+        return error_response(500, _request_error(next(d for d in lasts if d.finish_reason == "error")))
+    if "abort" in reasons:  # not the client's doing: it is still here
+        return ended.response(shape.num_tokens)
+    use = P.usage(prompt_tokens, shape.num_tokens, sum(cached))
+    return JSONResponse(shape.whole(use))
 
 
 async def _events(gen: Generation, ticket: Ticket, shape, prompt_tokens: int,
                   include_usage: bool) -> AsyncIterator[bytes]:
-    """The SSE body: shape's opening chunks, one chunk per delta, the usage chunk if asked, then
-    [DONE]; a failed request ends with one error event instead. A request the server ended
-    (deadline, drain) ends like any other: its last chunk has finish_reason "abort"."""
+    """The SSE body: one chunk per delta (a chat choice's first carries its role with its first
+    token), the usage chunk if asked, then [DONE]; a failed request ends with one error event
+    instead. A request the server ended (deadline, drain) ends like any other: its last chunk
+    has finish_reason "abort"."""
     try:
-        for chunk in shape.opening():
-            yield _sse(chunk)
-        num_tokens = cached = 0
+        cached = 0
         async for delta in gen.deltas():
             cached = delta.num_cached_tokens
             if delta.finish_reason == "error":
                 yield _sse(error_body(500, _request_error(delta)))
                 return
-            num_tokens += len(delta.token_ids)
-            yield _sse(shape.chunk(delta.text, delta.token_ids, delta.finish_reason))
+            yield _sse(shape.chunk(delta))
         if include_usage:
-            yield _sse(P.usage_chunk(shape.meta, shape.chunk_object, P.usage(prompt_tokens, num_tokens, cached)))
+            yield _sse(P.usage_chunk(shape.meta, shape.chunk_object, P.usage(prompt_tokens, shape.num_tokens, cached)))
         yield b"data: [DONE]\n\n"
     except EngineFailure as e:
         yield _sse(error_body(500, f"the engine failed: {e}"))
@@ -284,38 +313,6 @@ def _request_error(delta) -> str:
 
 def _sse(obj: dict) -> bytes:
     return b"data: " + json.dumps(obj).encode() + b"\n\n"
-
-
-class _CompletionShape:
-    chunk_object = "text_completion"
-
-    def __init__(self, meta: dict):
-        self.meta = meta
-
-    def opening(self) -> list[dict]:
-        return []
-
-    def chunk(self, text: str, token_ids: list[int], finish_reason: str | None) -> dict:
-        return P.completion_chunk(self.meta, text, token_ids, finish_reason)
-
-    def whole(self, text: str, token_ids: list[int], finish_reason: str | None, use: dict) -> dict:
-        return P.completion(self.meta, text, token_ids, finish_reason, use)
-
-
-class _ChatShape:
-    chunk_object = "chat.completion.chunk"
-
-    def __init__(self, meta: dict):
-        self.meta = meta
-
-    def opening(self) -> list[dict]:
-        return [P.chat_chunk(self.meta, {"role": "assistant", "content": ""}, [], None)]
-
-    def chunk(self, text: str, token_ids: list[int], finish_reason: str | None) -> dict:
-        return P.chat_chunk(self.meta, {"content": text} if text else {}, token_ids, finish_reason)
-
-    def whole(self, text: str, token_ids: list[int], finish_reason: str | None, use: dict) -> dict:
-        return P.chat_completion(self.meta, text, token_ids, finish_reason, use)
 
 
 def _install_error_handlers(app: FastAPI) -> None:

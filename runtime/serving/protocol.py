@@ -1,10 +1,14 @@
 """The OpenAI-compatible request bodies (pydantic, strict: `"stream": "yes"` is an error, not
 True) and their translation into `SamplingParams`; the response and stream-chunk shapes.
 
-OpenAI fields this engine cannot honour are accepted only at their neutral value (`n` 1,
-`logprobs` null, `echo` false, penalties 0, ...) and otherwise rejected with the reason, never
-silently ignored. Our extensions: `top_k`, `stop_token_ids`, `ignore_eos`, and `token_ids` in
-every choice.
+Every field of OpenAI's two endpoints and every field `vllm bench serve` and
+`sglang.bench_serving` send is accepted (the table in docs/serving.md): the sampling ones map to
+`SamplingParams` (`n`, `best_of`, `logprobs`, `top_logprobs`, `echo`, penalties, `min_p`,
+`min_tokens`, `logit_bias`, `bad_words`, `seed`, `priority`, ...); those this engine does not
+implement (`NEUTRAL_ONLY`) are accepted at their neutral value and otherwise refused with a 400
+that names the field, never silently ignored; `IGNORED` ones change nothing whatever their value.
+A field nobody sends is an error (a typo must not pass). Our extensions: `token_ids` in every
+choice, and vLLM's `top_k`, `stop_token_ids`, `ignore_eos`, ... (they mean what they mean there).
 """
 
 from __future__ import annotations
@@ -20,6 +24,20 @@ from infhip.runtime.sampling_params import SamplingParams
 
 MAX_STOP_STRINGS = 16  # each stop string is searched for on every new token's text
 MAX_STOP_TOKEN_IDS = 1024  # checked against every sampled token
+MAX_PROMPTS = 64  # prompts in one completions request (a batch: lm-eval sends them)
+MAX_BAD_WORDS = 64
+
+# Fields this engine does not implement, accepted only at a value that changes nothing.
+NEUTRAL_ONLY: dict[str, tuple] = {
+    "use_beam_search": (False,), "length_penalty": (1, 1.0), "include_stop_str_in_output": (False,),
+    "skip_special_tokens": (True,), "spaces_between_special_tokens": (True,), "truncate_prompt_tokens": (),
+    "allowed_token_ids": (), "return_tokens_as_token_ids": (False,), "store": (False,), "suffix": ("",),
+    "audio": (), "modalities": (["text"],), "prediction": (), "reasoning_effort": (), "web_search_options": (),
+    "function_call": ("none",), "functions": ([],), "add_generation_prompt": (True,), "continue_final_message": (False,),
+    "chat_template": (), "chat_template_kwargs": ({},), "documents": ([],), "verbosity": (),
+}
+# Fields that change nothing here whatever their value (routing hints, tags, ids).
+IGNORED = ("user", "metadata", "service_tier", "prompt_cache_key", "safety_identifier", "request_id")
 SEED_RANGE = (-(1 << 63), (1 << 64) - 1)  # what torch.Generator.manual_seed takes
 
 
@@ -45,12 +63,13 @@ class _Common(BaseModel):
 
     model_config = ConfigDict(extra="forbid", strict=True)
 
-    model: str | None = None  # any name is accepted: this server runs one model
+    model: str | None = None  # one of the served names (--served-model-name), else 404
     stream: bool = False
     stream_options: StreamOptions | None = None
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
+    min_p: float | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool | None = None
@@ -58,11 +77,30 @@ class _Common(BaseModel):
     n: int | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int | None = None
     logit_bias: dict[str, float] | None = None
-    user: str | None = None  # accepted and ignored (an end-user id for abuse tracking)
+    bad_words: list[str] | None = None
+    priority: int | None = None
     # Our extension: seconds from the request's arrival after which it is aborted (queue time
     # counts); capped by the server's --request-timeout. docs/serving.md, "Lifecycle".
     timeout: float | None = None
+    # NEUTRAL_ONLY and IGNORED fields: any JSON here, checked in sampling_params
+    use_beam_search: Any = None
+    length_penalty: Any = None
+    include_stop_str_in_output: Any = None
+    skip_special_tokens: Any = None
+    spaces_between_special_tokens: Any = None
+    truncate_prompt_tokens: Any = None
+    allowed_token_ids: Any = None
+    return_tokens_as_token_ids: Any = None
+    store: Any = None
+    user: Any = None
+    metadata: Any = None
+    service_tier: Any = None
+    prompt_cache_key: Any = None
+    safety_identifier: Any = None
+    request_id: Any = None
 
     @field_validator("timeout")
     @classmethod
@@ -72,20 +110,26 @@ class _Common(BaseModel):
         return v
 
     def _unsupported(self) -> dict[str, bool]:
-        """Field -> whether it was given at a value this engine cannot honour."""
-        return {"n": self.n not in (None, 1), "presence_penalty": self.presence_penalty not in (None, 0),
-                "frequency_penalty": self.frequency_penalty not in (None, 0), "logit_bias": bool(self.logit_bias)}
+        """Field -> whether it was given at a value this engine cannot honour (subclasses add)."""
+        return {name: getattr(self, name, None) is not None and getattr(self, name) not in neutral
+                for name, neutral in NEUTRAL_ONLY.items()}
+
+    def _logprobs(self) -> dict:
+        """SamplingParams' logprobs / prompt_logprobs / best_of of this body (per endpoint)."""
+        return {}
 
     def sampling_params(self, max_tokens: int | None, limits: EngineLimits) -> SamplingParams:
         """SamplingParams of this body; BadRequest names the first field out of bounds."""
         bad = [name for name, is_bad in self._unsupported().items() if is_bad]
         if bad:
-            hint = " (send n separate requests)" if bad[0] == "n" else ""
-            raise BadRequest(f"{bad[0]}={getattr(self, bad[0])!r} is not supported by this server{hint}")
+            raise BadRequest(f"{bad[0]}={getattr(self, bad[0])!r} is not supported by this server "
+                             f"(only its neutral value is accepted)")
         if self.stream_options is not None and not self.stream:
             raise BadRequest("stream_options is only allowed with stream=true")
         if max_tokens is not None and max_tokens > limits.max_seq_len:
             raise BadRequest(f"max_tokens={max_tokens} exceeds the engine's max_seq_len {limits.max_seq_len}")
+        if max_tokens is not None and max_tokens < 0:
+            raise BadRequest(f"max_tokens={max_tokens} must be >= 0")
         if self.top_k is not None and self.top_k > limits.vocab_size:
             raise BadRequest(f"top_k={self.top_k} exceeds the vocabulary size {limits.vocab_size}")
         if self.seed is not None and not SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]:
@@ -98,12 +142,28 @@ class _Common(BaseModel):
             raise BadRequest(f"stop_token_ids has {len(ids)} ids; at most {MAX_STOP_TOKEN_IDS}")
         if any(not 0 <= t < limits.vocab_size for t in ids):
             raise BadRequest(f"stop_token_ids must be in [0, {limits.vocab_size})")
-        given = dict(max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
-                     stop=self.stop, stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos, seed=self.seed)
+        if len(self.bad_words or ()) > MAX_BAD_WORDS:
+            raise BadRequest(f"bad_words has {len(self.bad_words)} words; at most {MAX_BAD_WORDS}")
+        bias = None
+        if self.logit_bias:
+            if len(self.logit_bias) > MAX_STOP_TOKEN_IDS:
+                raise BadRequest(f"logit_bias has {len(self.logit_bias)} entries; at most {MAX_STOP_TOKEN_IDS}")
+            try:
+                bias = {int(k): v for k, v in self.logit_bias.items()}
+            except ValueError:
+                raise BadRequest("logit_bias keys must be token ids (strings of integers)") from None
+            if any(not 0 <= t < limits.vocab_size for t in bias):
+                raise BadRequest(f"logit_bias keys must be token ids in [0, {limits.vocab_size})")
+        given = dict(max_tokens=max(max_tokens, 1) if max_tokens is not None else None, temperature=self.temperature,
+                     top_p=self.top_p, top_k=self.top_k, min_p=self.min_p, stop=self.stop,
+                     stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos, seed=self.seed, n=self.n,
+                     presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+                     repetition_penalty=self.repetition_penalty, min_tokens=self.min_tokens, logit_bias=bias,
+                     bad_words=self.bad_words, priority=self.priority, **self._logprobs())
         try:
             return SamplingParams(**{k: v for k, v in given.items() if v is not None})
         except ValueError as e:
-            raise BadRequest(str(e)) from None
+            raise BadRequest(str(e).replace("SamplingParams.", "")) from None
 
     @property
     def include_usage(self) -> bool:
@@ -111,26 +171,42 @@ class _Common(BaseModel):
 
 
 class CompletionRequest(_Common):
-    """POST /v1/completions."""
+    """POST /v1/completions. `prompt`: a text, token ids, or a batch of either (choices
+    ``prompt_index * n + i``; not with stream). `echo` puts the prompt (and with `logprobs` its
+    logprobs) before each completion; `max_tokens` 0 with `echo` scores a prompt without
+    generating (lm-eval's loglikelihood)."""
 
-    prompt: Any  # one prompt: text or token ids (checked below with our own message)
+    prompt: Any  # checked below with our own message
     max_tokens: int | None = None
     echo: bool = False
     logprobs: int | None = None
     best_of: int | None = None
-    suffix: str | None = None
+    suffix: Any = None
+    add_special_tokens: bool = True  # tokenizing a text prompt (vLLM's field)
 
     @field_validator("prompt")
     @classmethod
-    def _one_prompt(cls, v):
-        if isinstance(v, str) or (isinstance(v, list) and v and all(type(t) is int for t in v)):
+    def _prompts(cls, v):
+        def one(p):
+            return isinstance(p, str) or (isinstance(p, list) and p and all(type(t) is int for t in p))
+        if one(v) or (isinstance(v, list) and v and len(v) <= MAX_PROMPTS and all(one(p) for p in v)):
             return v
-        raise ValueError("\"prompt\" must be a string or a non-empty list of token ids (one prompt per request)")
+        raise ValueError(f"\"prompt\" must be a string, a non-empty list of token ids, or a list of up to "
+                         f"{MAX_PROMPTS} of either")
 
-    def _unsupported(self) -> dict[str, bool]:
-        return {**super()._unsupported(), "echo": self.echo, "logprobs": self.logprobs is not None,
-                "best_of": self.best_of not in (None, 1), "suffix": self.suffix is not None}
+    @property
+    def prompts(self) -> list:
+        """The prompts of this body: each a str or a list of token ids."""
+        v = self.prompt
+        return [v] if isinstance(v, str) or type(v[0]) is int else list(v)
 
+    def _logprobs(self) -> dict:
+        if self.best_of is not None and self.best_of > 1 and self.stream:
+            raise BadRequest("best_of > 1 cannot stream (the best completions are known only at the end)")
+        if len(self.prompts) > 1 and self.stream:
+            raise BadRequest("prompt: a batch of prompts cannot stream; send one request per prompt")
+        echo_lp = self.logprobs if self.echo else None
+        return dict(logprobs=self.logprobs, prompt_logprobs=echo_lp, best_of=self.best_of)
 
 class ContentPart(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
@@ -160,6 +236,21 @@ class ChatCompletionRequest(_Common):
     tools: list[dict] | None = None
     tool_choice: str | dict | None = None
     response_format: dict | None = None
+    parallel_tool_calls: bool | None = None
+    audio: Any = None
+    modalities: Any = None
+    prediction: Any = None
+    reasoning_effort: Any = None
+    web_search_options: Any = None
+    function_call: Any = None
+    functions: Any = None
+    verbosity: Any = None
+    add_generation_prompt: Any = None
+    continue_final_message: Any = None
+    chat_template: Any = None
+    chat_template_kwargs: Any = None
+    documents: Any = None
+    echo: bool = False  # vLLM's chat extension; only false
 
     @field_validator("messages")
     @classmethod
@@ -169,9 +260,14 @@ class ChatCompletionRequest(_Common):
         return v
 
     def _unsupported(self) -> dict[str, bool]:
-        return {**super()._unsupported(), "logprobs": self.logprobs, "top_logprobs": self.top_logprobs is not None,
+        return {**super()._unsupported(), "echo": self.echo,
                 "tools": bool(self.tools), "tool_choice": self.tool_choice not in (None, "none"),
                 "response_format": self.response_format not in (None, {"type": "text"})}
+
+    def _logprobs(self) -> dict:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise BadRequest("top_logprobs needs logprobs=true")
+        return dict(logprobs=(self.top_logprobs or 0) if self.logprobs else None)
 
     @property
     def max_new_tokens(self) -> int | None:
@@ -235,29 +331,84 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) ->
             "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
-def _text_choice(text: str, token_ids: list[int], finish_reason: str | None) -> dict:
-    return {"index": 0, "text": text, "token_ids": token_ids, "logprobs": None, "finish_reason": finish_reason}
+@dataclass
+class Choice:
+    """One choice of a response or a stream chunk, as the app collected it: `text` and
+    `token_ids` are what is sent in this piece (with echo, the prompt is put before them in the
+    first piece); `logprobs`: TokenLogprobs of token_ids (or None: not asked)."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    logprobs: list | None = None
+    prompt_logprobs: list | None = None  # echo: TokenLogprobs | None per prompt token
+    prompt_ids: list[int] | None = None  # echo: the prompt's tokens (text already in `text`)
 
 
-def completion(meta: dict, text: str, token_ids: list[int], finish_reason: str | None, use: dict) -> dict:
-    return {**meta, "object": "text_completion", "choices": [_text_choice(text, token_ids, finish_reason)],
+def completion_logprobs(c: Choice, token_str, offset: int) -> dict | None:
+    """OpenAI's completions logprobs object of choice c (tokens, token_logprobs, top_logprobs,
+    text_offset), its text starting at character ``offset`` of the choice; token_str(id) -> the
+    token's text. With echo the prompt's tokens come first (the first has logprob null). The
+    chosen token is in its top_logprobs too (vLLM's shape; lm-eval reads greediness from it)."""
+    if c.logprobs is None:
+        return None
+    recs = list(zip(c.prompt_ids, c.prompt_logprobs)) if c.prompt_ids is not None else []
+    recs += [(r.token_id, r) for r in c.logprobs]
+    tokens, lps, tops, offsets = [], [], [], []
+    for tok, r in recs:
+        text = token_str(tok)
+        tokens.append(text)
+        offsets.append(offset)
+        offset += len(text)
+        lps.append(None if r is None else r.logprob)
+        if r is None:
+            tops.append(None)
+        else:
+            top = {}
+            for t, lp in [*r.top, (tok, r.logprob)]:  # best first: a text two tokens share keeps the better
+                top.setdefault(token_str(t), lp)
+            tops.append(top)
+    return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+def chat_logprobs(c: Choice, token_str) -> dict | None:
+    """OpenAI's chat logprobs object of choice c: {"content": [{token, logprob, bytes, top_logprobs}]}."""
+    if c.logprobs is None:
+        return None
+
+    def entry(tok: int, lp: float) -> dict:
+        text = token_str(tok)
+        return {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8"))}
+    return {"content": [{**entry(r.token_id, r.logprob), "top_logprobs": [entry(t, lp) for t, lp in r.top]}
+                        for r in c.logprobs]}
+
+
+def _text_choice(c: Choice, token_str, offset: int) -> dict:
+    return {"index": c.index, "text": c.text, "token_ids": c.token_ids,
+            "logprobs": completion_logprobs(c, token_str, offset), "finish_reason": c.finish_reason}
+
+
+def completion(meta: dict, choices: list[Choice], token_str, use: dict) -> dict:
+    return {**meta, "object": "text_completion", "choices": [_text_choice(c, token_str, 0) for c in choices],
             "usage": use}
 
 
-def completion_chunk(meta: dict, text: str, token_ids: list[int], finish_reason: str | None) -> dict:
-    return {**meta, "object": "text_completion", "choices": [_text_choice(text, token_ids, finish_reason)]}
+def completion_chunk(meta: dict, c: Choice, token_str, offset: int) -> dict:
+    return {**meta, "object": "text_completion", "choices": [_text_choice(c, token_str, offset)]}
 
 
-def chat_completion(meta: dict, text: str, token_ids: list[int], finish_reason: str | None, use: dict) -> dict:
+def chat_completion(meta: dict, choices: list[Choice], token_str, use: dict) -> dict:
     return {**meta, "object": "chat.completion", "usage": use,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "token_ids": token_ids,
-                         "logprobs": None, "finish_reason": finish_reason}]}
+            "choices": [{"index": c.index, "message": {"role": "assistant", "content": c.text},
+                         "token_ids": c.token_ids, "logprobs": chat_logprobs(c, token_str),
+                         "finish_reason": c.finish_reason} for c in choices]}
 
 
-def chat_chunk(meta: dict, delta: dict, token_ids: list[int], finish_reason: str | None) -> dict:
+def chat_chunk(meta: dict, c: Choice, delta: dict, token_str) -> dict:
     return {**meta, "object": "chat.completion.chunk",
-            "choices": [{"index": 0, "delta": delta, "token_ids": token_ids, "logprobs": None,
-                         "finish_reason": finish_reason}]}
+            "choices": [{"index": c.index, "delta": delta, "token_ids": c.token_ids,
+                         "logprobs": chat_logprobs(c, token_str), "finish_reason": c.finish_reason}]}
 
 
 def usage_chunk(meta: dict, obj: str, use: dict) -> dict:

@@ -1,0 +1,120 @@
+"""How the generating routes turn a request's StreamDeltas into OpenAI's shapes: the choices of a
+whole response, or one chunk per delta when streaming (protocol.py builds the JSON).
+
+A completions request may hold several prompts (each its own engine request) and each may ask
+n completions: choice ``prompt_index * n + delta.index``. With `echo` the prompt's text (and its
+logprobs) go before the completion, in the first chunk of each choice when streaming. A request
+with `max_tokens` 0 runs one token (the engine always generates one) and drops it here: its
+choices hold the echoed prompt only, finish_reason "length". On chat streams the first chunk of
+each choice carries ``{"role": "assistant"}`` together with its first token.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+
+from infhip.runtime.serving import protocol as P
+
+
+def token_strings(tokenizer):
+    """token id -> its text (cached; the logprobs objects name tokens by text)."""
+    if tokenizer is None:  # an engine built with random weights
+        return lambda t: f"token_id:{t}"
+    return functools.lru_cache(maxsize=1 << 16)(lambda t: tokenizer.decode([t]))
+
+
+@dataclass
+class _Acc:
+    """One choice being collected (whole responses) or streamed (its offsets, its first chunk)."""
+
+    choice: P.Choice
+    pieces: list[str] = field(default_factory=list)
+    started: bool = False  # a chunk of it went out (streams)
+    offset: int = 0  # characters of it sent so far (completions' text_offset)
+    whole: P.Choice | None = None  # all of it so far (whole responses)
+
+
+class Shape:
+    """One request's response shape. prompts: per prompt (its text, its token ids); n: choices
+    per prompt; echo: prompts go before completions; discard: max_tokens was 0."""
+
+    chunk_object = ""
+
+    def __init__(self, meta: dict, token_str, prompts: list[tuple[str, list[int]]], n: int,
+                 echo: bool = False, discard: bool = False):
+        self.meta, self.token_str, self.prompts, self.n = meta, token_str, prompts, n
+        self.echo, self.discard = echo, discard
+        self._acc: dict[int, _Acc] = {}
+        self.num_tokens = 0  # completion tokens (usage)
+
+    def _take(self, delta, prompt_index: int) -> _Acc:
+        """Fold a delta into its choice; the piece it adds is left in acc.choice."""
+        index = prompt_index * self.n + delta.index
+        acc = self._acc.get(index)
+        if acc is None:
+            acc = self._acc[index] = _Acc(P.Choice(index, "", [], None))
+        text, ids, lps = delta.text, list(delta.token_ids), delta.logprobs
+        if self.discard:
+            text, ids, lps = "", [], ([] if lps is not None else None)
+        self.num_tokens += len(ids)
+        c = P.Choice(index, text, ids, "length" if self.discard and delta.finish_reason not in (None, "error", "abort")
+                     else delta.finish_reason, lps)
+        if self.echo and not acc.started:
+            prompt_text, prompt_ids = self.prompts[prompt_index]
+            c.text = prompt_text + c.text
+            c.prompt_ids = prompt_ids
+            c.prompt_logprobs = delta.prompt_logprobs or [None] * len(prompt_ids)
+            if c.logprobs is None and delta.prompt_logprobs is not None:
+                c.logprobs = []
+        acc.started = True
+        acc.choice = c
+        return acc
+
+    # -- whole responses --------------------------------------------------------------------
+    def add(self, delta, prompt_index: int) -> None:
+        """Collect a delta of a whole (non-streamed) response."""
+        acc = self._take(delta, prompt_index)
+        piece, w = acc.choice, acc.whole
+        if w is None:
+            acc.whole = piece
+            return
+        w.text += piece.text
+        w.token_ids += piece.token_ids
+        w.finish_reason = piece.finish_reason
+        if piece.logprobs is not None:
+            w.logprobs = (w.logprobs or []) + piece.logprobs
+
+    @property
+    def choices(self) -> list[P.Choice]:
+        return [self._acc[i].whole for i in sorted(self._acc)]
+
+    # -- streams -----------------------------------------------------------------------------
+    def chunk(self, delta, prompt_index: int = 0) -> dict:
+        raise NotImplementedError
+
+
+class CompletionShape(Shape):
+    chunk_object = "text_completion"
+
+    def chunk(self, delta, prompt_index: int = 0) -> dict:
+        acc = self._take(delta, prompt_index)
+        out = P.completion_chunk(self.meta, acc.choice, self.token_str, acc.offset)
+        acc.offset += len(acc.choice.text)
+        return out
+
+    def whole(self, use: dict) -> dict:
+        return P.completion(self.meta, self.choices, self.token_str, use)
+
+
+class ChatShape(Shape):
+    chunk_object = "chat.completion.chunk"
+
+    def chunk(self, delta, prompt_index: int = 0) -> dict:
+        first = (prompt_index * self.n + delta.index) not in self._acc
+        c = self._take(delta, prompt_index).choice
+        d = {"role": "assistant", "content": c.text} if first else {"content": c.text} if c.text else {}
+        return P.chat_chunk(self.meta, c, d, self.token_str)
+
+    def whole(self, use: dict) -> dict:
+        return P.chat_completion(self.meta, self.choices, self.token_str, use)
