@@ -2,11 +2,13 @@
 given) and ours (plugins/infinitehip pruning) on the same real Q/K, per head and query block.
 
     python benchmarks/parity_infinitehip.py --hip-attn /path/to/hip-attention (or an unpacked
-        hip-attn wheel / site-packages) --lengths 32768,131072 --prompts niah_single_2:0,passkey:0.5
-        [--layers all] [--query-blocks 4] [--layouts shared,kv_head,q_head] [--out DIR]
-    # CPU (their kernels and ours under TRITON_INTERPRET=1), a short context and a few layers:
+        hip-attn wheel / site-packages) --lengths 32768,131072 --prompts niah_single_2:0,passkey:0.5 \
+        [--template chat] [--layers all] [--query-blocks 4] [--layouts shared,kv_head,q_head] [--out DIR]
+    # CPU (their kernels under TRITON_INTERPRET=1, ours as the float64 reference), 8K, a few layers:
     TRITON_INTERPRET=1 python benchmarks/parity_infinitehip.py --hip-attn ~/hip-attn-1.2.9 \
-        --lengths 4096 --layers 2,5,13,21 --query-blocks 2
+        --lengths 8192 --layers 3,9,15,21 --query-blocks 2
+    # H200 (one device call, with the GGUF and the hip-attn wheel staged):
+    bash benchmarks/gpu_quality.sh qwen-parity
 
 Per (length, prompt): one prefill of Qwen2.5-Coder-0.5B (transformers, GGUF of the `real-qwen`
 extra) captures the rotated q and k of every layer (an attention function registered with
@@ -69,8 +71,8 @@ def load_model(device: str, dtype: torch.dtype):
     return tok, model.to(device).eval()
 
 
-def prompt_ids(tok, spec: str, length: int) -> tuple[list[int], list[str]]:
-    """(ids, answers) of "TASK:SAMPLE" (a RULER task, infhip.eval.ruler_prompts) or
+def prompt_ids(tok, spec: str, length: int, template: str = "base") -> tuple[list[int], list[str]]:
+    """(ids, answers) of "TASK:SAMPLE" (a RULER task in `template`, infhip.eval.ruler_prompts) or
     "passkey:DEPTH" (infhip.eval.passkey, PG haystack, sample 0)."""
     kind, _, arg = spec.partition(":")
     if kind == "passkey":
@@ -81,7 +83,7 @@ def prompt_ids(tok, spec: str, length: int) -> tuple[list[int], list[str]]:
         return passkey_prompt_ids(tok, length, depth, key, haystack="pg"), [str(key)]
     from infhip.eval.ruler_prompts import ruler_prompt
 
-    p = ruler_prompt(tok, kind, length, int(arg or 0))
+    p = ruler_prompt(tok, kind, length, int(arg or 0), template=template)
     return p.ids, p.answers
 
 
@@ -194,8 +196,9 @@ def needle_stats(q_last, k, needle: list[int], keeps: dict[str, torch.Tensor], s
     return out
 
 
-def run_one(hip, tok, model, spec: str, length: int, layers: list[int], nb: int, layouts: list[str], log):
-    ids, answers = prompt_ids(tok, spec, length)
+def run_one(hip, tok, model, spec: str, length: int, layers: list[int], nb: int, layouts: list[str], log,
+            template: str = "base"):
+    ids, answers = prompt_ids(tok, spec, length, template)
     T, C = len(ids), nb * BLOCK_Q
     needle = needle_tokens(tok, ids, answers)
     t0 = time.perf_counter()
@@ -266,6 +269,7 @@ def main() -> None:
     ap.add_argument("--hip-attn", required=True, help="hip-attention checkout, unpacked wheel or site-packages")
     ap.add_argument("--lengths", default="32768,131072")
     ap.add_argument("--prompts", default="niah_single_2:0,niah_single_2:1,passkey:0.5")
+    ap.add_argument("--template", default="base", choices=("base", "chat"), help="RULER prompt template")
     ap.add_argument("--layers", default="all", help="comma-separated 0-based layers, or all")
     ap.add_argument("--query-blocks", type=int, default=4, help="newest query blocks of 64 measured (>= 2)")
     ap.add_argument("--layouts", default="shared,kv_head,q_head", help="our mask layouts, where supported")
@@ -288,7 +292,8 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     for length in [int(x) for x in a.lengths.split(",")]:
         for spec in a.prompts.split(","):
-            runs.append(run_one(hip, tok, model, spec, length, layers, a.query_blocks, a.layouts.split(","), log))
+            runs.append(run_one(hip, tok, model, spec, length, layers, a.query_blocks, a.layouts.split(","), log,
+                                a.template))
             meta = {"command": " ".join(sys.argv), "hip_attn": hip.version, "torch": torch.__version__,
                     "device": a.device if a.device == "cpu" else torch.cuda.get_device_name(),
                     "machine": platform.node(), "interpret": os.environ.get("TRITON_INTERPRET", "0"),
