@@ -110,9 +110,10 @@ class SamplingBatch:
         self.greedy = [i for i, p in enumerate(params) if p.temperature < _MIN_TEMPERATURE]
         self.rand = [i for i, p in enumerate(params) if p.temperature >= _MIN_TEMPERATURE]
         rp = [params[i] for i in self.rand]
-        self.rand_idx = t(self.rand, torch.int64)
-        self.greedy_idx = t(self.greedy, torch.int64)
-        self.temp = t([p.temperature for p in rp])[:, None]
+        # (a plain all-greedy batch makes no device tensor at all: nothing to copy, nothing to launch)
+        self.rand_idx = t(self.rand, torch.int64) if self.rand else None
+        self.greedy_idx = t(self.greedy, torch.int64) if self.greedy and self.rand else None
+        self.temp = t([p.temperature for p in rp])[:, None] if self.rand else None
         self.min_p = t([p.min_p for p in rp])[:, None] if any(p.min_p > 0 for p in rp) else None
         self.top_k = self.top_p = None
         if any(0 < p.top_k < vocab_size or p.top_p < 1.0 for p in rp):
@@ -124,7 +125,7 @@ class SamplingBatch:
 
         # 0. logprobs
         self.logprob_rows = [i for i, p in enumerate(params) if p.needs_logprobs]
-        self.logprob_idx = t(self.logprob_rows, torch.int64)
+        self.logprob_idx = t(self.logprob_rows, torch.int64) if self.logprob_rows else None
         self.top_k_logprobs = max([p.logprobs or 0 for p in params], default=0)
 
         # 1. structured output fills these (see the module docstring)
