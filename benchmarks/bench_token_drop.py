@@ -119,7 +119,7 @@ def run_model(args, model: str, res: dict) -> None:
     cfg = llm.engine.config
     num_layers = cfg.model.num_layers
     info = res.setdefault("models", {}).setdefault(model, {
-        "num_layers": num_layers, "anchors": sorted(llm.runner.anchors),
+        "num_layers": num_layers, "drop_layers": sorted(llm.runner.drop_at),
         "truncated": layers_of(args, model) is not None, "chunk": cfg.build.max_num_batched_tokens,
         "setup_s": time.perf_counter() - t0, "runs": []})
     print(f"{model}: {num_layers} layers ({len(info['anchors'])} anchors), built+loaded in "

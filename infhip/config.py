@@ -45,7 +45,7 @@ from typing import Any
 
 from infhip.knobs import (  # noqa: F401 - the knobs are part of the engine format: re-exported
     ATTENTION_ROPE_STYLES, CHUNK_SCORES, PRUNING_ROPE_STYLES, REMOVED_INFINITEHIP_KNOBS, RUNTIME_KNOBS,
-    InfiniteHipConfig, PruningStage, TokenDropConfig, _check, check_runtime_knobs)
+    InfiniteHipConfig, PruningStage, TokenDropConfig, _check, check_runtime_knobs, resolve_drop_layers)
 
 FORMAT_VERSION = 1
 # config.json's "format": what tells an engine from other folders with a config.json (a Hugging
@@ -180,6 +180,9 @@ class Plan:
         uses = any(layer.plugin == "infinitehip" for layer in self.layers)
         _check(uses == (self.infinitehip is not None),
                "a plan has infinitehip knobs exactly when some layer uses the infinitehip plugin")
+        if self.token_drop is not None:  # an explicit drop_layers list names full-attention layers only
+            resolve_drop_layers(self.token_drop, [lp.index for lp in self.layers if lp.window is None],
+                                len(self.layers))
 
     @classmethod
     def dense(cls, model: ModelConfig) -> "Plan":

@@ -3,7 +3,9 @@ infhip-serve and infhip-eval. One name per knob: the field names of infhip/knobs
 
     --infinitehip-overrides chunk_score=max,refresh_intervals=[32,16,8]   parse_knobs
     --token-drop                                     the defaults (p=0.99,obs_window=128,block_size=64,
-                                                     num_sink=128,min_prompt_len=8192,spare_anchors=1)
+                                                     num_sink=128,min_prompt_len=8192,drop_layers=auto,
+                                                     drop_point=after_attention,reenter=false,spare_anchors=0)
+    --token-drop drop_layers=5:8:11,reenter=true     layer lists joined by ':' (commas split knobs)
     --token-drop p=0.98,block_size=32                some knobs changed                 parse_token_drop
     --token-drop off | on                            (at load) off, or as built / the defaults
 
@@ -24,6 +26,8 @@ from infhip.knobs import RENAMED_TOKEN_DROP_KNOBS, RETENTION_MOVED, TokenDropCon
 
 _TOKEN_DROP_KEYS = tuple(f.name for f in dataclasses.fields(TokenDropConfig))
 _FLOATS = ("p",)
+_STRINGS = ("drop_layers", "drop_point")  # parsed by TokenDropConfig (drop_layers: auto | every | 5:8:11)
+_BOOLS = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
 
 
 def parse_knobs(spec: str) -> dict[str, Any]:
@@ -76,6 +80,14 @@ def parse_token_drop_knobs(text: str) -> dict[str, Any]:
             raise ValueError(f"--token-drop: unknown key {key!r}; keys: {keys}")
         if key in knobs:
             raise ValueError(f"--token-drop: {key!r} given twice")
+        if key in _STRINGS:
+            knobs[key] = value
+            continue
+        if key == "reenter":
+            if value.lower() not in _BOOLS:
+                raise ValueError(f"--token-drop: reenter={value!r} must be true or false")
+            knobs[key] = _BOOLS[value.lower()]
+            continue
         try:
             knobs[key] = float(value) if key in _FLOATS else int(value)
         except ValueError:

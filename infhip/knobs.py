@@ -250,25 +250,87 @@ RETENTION_MOVED = ("retention (rho) is not a token-drop knob any more: it is a b
                    "(infhip-eval --retention RHO; in Python infhip.eval.common.set_forced_retention(llm, rho))")
 
 
+DROP_POINTS = ("before_attention", "after_attention")
+DROP_LAYER_RULES = ("auto", "every")
+# The authors' configured drop layers (UniPrefill's vLLM fork): Llama-3.1-8B (32 layers, all full
+# attention) 7, 11, 15, 19, 23, 27 = the layer ending each eighth of the depth from 2/8 to 7/8.
+AUTO_DEPTH_EIGHTHS = (2, 3, 4, 5, 6, 7)
+
+
+def default_drop_layers(full_layers: list[int], num_layers: int) -> tuple[int, ...]:
+    """drop_layers="auto": for k = 2..7, the first full-attention layer l with (l + 1) >= k * L / 8
+    (L = num_layers). It is the authors' Llama-3.1-8B list exactly (7, 11, ..., 27 of 32); on
+    Qwen2.5-0.5B (24 layers) 5, 8, 11, 14, 17, 20; on Gemma-3-12B (48 layers, global every 6th)
+    11, 17, 23, 29, 35, 41, a superset of the authors' 29, 35, 41 (they used p = 0.975 there).
+
+    >>> default_drop_layers(list(range(32)), 32)
+    (7, 11, 15, 19, 23, 27)
+    """
+    out = []
+    for k in AUTO_DEPTH_EIGHTHS:
+        l = next((f for f in sorted(full_layers) if 8 * (f + 1) >= k * num_layers), None)
+        if l is not None and l not in out:
+            out.append(l)
+    return tuple(out)
+
+
+def resolve_drop_layers(cfg: "TokenDropConfig", full_layers: list[int], num_layers: int) -> tuple[int, ...]:
+    """The layers (ascending) at which a prefill pass drops tokens under ``cfg``, without the
+    first ``spare_anchors`` of them. ValueError when an explicit list names a layer that is not
+    a full-attention layer of the model."""
+    if cfg.drop_layers == "every":
+        layers = tuple(sorted(full_layers))
+    elif cfg.drop_layers == "auto":
+        layers = default_drop_layers(full_layers, num_layers)
+    else:
+        bad = sorted(set(cfg.drop_layers) - set(full_layers))
+        _check(not bad, f"token_drop drop_layers names {bad}, which are not full-attention layers of this "
+               f"model; drops happen at full-attention layers: {sorted(full_layers)}")
+        layers = tuple(sorted(cfg.drop_layers))
+    return layers[cfg.spare_anchors:]
+
+
+def parse_drop_layers(value: Any) -> str | tuple[int, ...]:
+    """drop_layers as given (API, config.json, command line): "auto", "every", a list of layer
+    indices, or on a command line indices joined by ':' ("5:8:11") -> "auto" | "every" | tuple."""
+    if isinstance(value, str):
+        v = value.strip().lower()
+        if v in DROP_LAYER_RULES:
+            return v
+        try:
+            value = [int(x) for x in v.replace(":", " ").split()]
+        except ValueError:
+            raise ValueError(f"token_drop drop_layers must be 'auto', 'every' or layer indices (a list, or "
+                             f"'5:8:11' on a command line), got {value!r}") from None
+    _check(isinstance(value, (list, tuple)) and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0
+                                                    for x in value),
+           f"token_drop drop_layers must be 'auto', 'every' or a list of layer indices >= 0, got {value!r}")
+    _check(len(value) > 0, "token_drop drop_layers is empty: turn token drop off instead (--token-drop off)")
+    return tuple(sorted(set(value)))
+
+
+_PARITY = "[parity table](quality.md#uniprefill-parity-with-the-authors-code)"
+
+
 @dataclass(frozen=True)
 class TokenDropConfig:
     """UniPrefill token dropping in prefill (paper 004; runtime/token_drop.py).
 
-    At every full-attention layer (the *anchors*) of a prefill pass, the last ``obs_window``
-    queries score blocks of ``block_size`` tokens; the smallest set of blocks holding fraction
-    ``p`` of the attention mass is kept, plus the first ``num_sink`` tokens and the pass's last
-    ``obs_window`` tokens (more on models with sliding layers: see runtime/token_drop.py). Only
-    kept tokens run the rest of the layers until the next anchor. A prompt shorter than
-    ``min_prompt_len`` is never dropped: below ~8K tokens prefill is short already, the estimate
-    costs a few percent (paper: -5% at 4K on hybrids), and any drop can only lose quality.
-    ``spare_anchors`` (not in the paper; default 1, 0 = every anchor drops as the paper does):
-    the first that many anchors keep every token (they still estimate importance for the next).
-    The first anchor's attention is the flattest, and the tokens it drops skip the most layers
-    before they re-enter: on Gemma-3-270M sparing it takes p = 0.99 from x10.8 to -0.03 %
-    perplexity at 4K (+0.07 % at 8K, no passkey loss); on SmolLM2 from x6.8 to +30 % (two spared:
-    +9.9 %). It costs little at 128K on the H200 (30 % of the blocks kept: Llama-8B 5.6x -> 5.0x,
-    Gemma-3-12B 3.5x -> 2.6x faster than dense; docs/benchmarks.md, docs/quality.md).
-    Every knob may be changed per load (``LLM(..., token_drop={...})``).
+    At each *drop layer* (``drop_layers``: full-attention layers) of a prefill pass, the pass's
+    last ``obs_window`` queries score blocks of ``block_size`` of its current tokens; the smallest
+    set of blocks holding fraction ``p`` of the attention mass is kept, plus the first
+    ``num_sink`` tokens and the pass's last ``obs_window`` tokens (more on models with sliding
+    layers: see runtime/token_drop.py). ``drop_point`` says whether the drop layer's own
+    attention runs over all current tokens first (``after_attention``, the authors' code) or
+    over the kept ones only (``before_attention``, the paper's Eq. 8). With ``reenter`` the
+    dropped tokens come back at the next drop layer with their saved stream (the paper's
+    reconstitution); without it the kept set only shrinks (the authors' code). The defaults are
+    the authors' code (drop layers by depth as in their Llama list, after attention, no
+    re-entry): on Qwen2.5-0.5B RULER at 8K it keeps the answers the earlier schedule (every full
+    layer from the second on, before attention, re-entry) lost (docs/quality.md).
+    A prompt shorter than ``min_prompt_len`` is never dropped: below ~8K tokens prefill is short
+    already, the estimate costs a few percent (paper: -5% at 4K on hybrids), and any drop can
+    only lose quality. Every knob may be changed per load (``LLM(..., token_drop={...})``).
     """
 
     p: float = knob(0.99, "the smallest set of token blocks holding this share of the attention mass is kept",
@@ -281,13 +343,25 @@ class TokenDropConfig:
         8192, "shorter prompts never drop", runtime=True,
         measured="overhead with every block kept, Llama-8B: 21 % at 8K, 4.8 % at 32K, 2.6 % at 128K "
         "([benchmarks](benchmarks.md#token-drop-uniprefill-ttft-vs-dense))")
+    drop_layers: Any = knob(
+        "auto", "layers that drop: 'auto' (the authors' Llama-3.1-8B list by depth: the full-attention layer "
+        "ending each eighth of the depth from 2/8 to 7/8), 'every' (every full-attention layer), or layer "
+        "indices (a list; '5:8:11' on a command line); engines built before it: 'every'", runtime=True,
+        measured=_PARITY)
+    drop_point: str = knob(
+        "after_attention", "'after_attention': the drop layer's attention runs over all current tokens, its "
+        "MLP and later layers over the kept ones (the authors' code); 'before_attention': its attention too "
+        "runs over the kept ones (the paper's Eq. 8); engines built before it: 'before_attention'",
+        runtime=True, measured=_PARITY)
+    reenter: bool = knob(
+        False, "dropped tokens re-enter at the next drop layer with their saved stream (the paper's "
+        "reconstitution); False: the kept set only shrinks (the authors' code); engines built before it: "
+        "True", runtime=True, measured=_PARITY)
     spare_anchors: int = knob(
-        1, "the first N full-attention layers keep every token (not in the paper; 0 = the paper); engines "
-        "built before it: 0", runtime=True,
-        measured="Gemma-3-270M p = 0.99: perplexity ×10.8 → −0.03 % at 4K; SmolLM2 ×6.8 → +30 % "
-        "([quality](quality.md#uniprefill-token-drop-issue-4)). Cost at 128K, 30 % of the blocks kept: Llama-8B "
-        "5.64× → 5.02×, Gemma-3-12B 3.47× → 2.58× dense TTFT "
-        "([benchmarks](benchmarks.md#token-drop-uniprefill-ttft-vs-dense))")
+        0, "the first N drop layers keep every token (they still score); engines built before drop_layers: "
+        "their stored value (0 before the knob existed)", runtime=True,
+        measured="with drop_layers='every': Gemma-3-270M p = 0.99: perplexity ×10.8 → −0.03 % at 4K; SmolLM2 "
+        "×6.8 → +30 % ([quality](quality.md#uniprefill-token-drop-issue-4)); not measured with 'auto'")
 
     def __post_init__(self) -> None:
         _check(0.0 < self.p <= 1.0, f"token_drop p must be in (0, 1], got {self.p}")
@@ -297,11 +371,19 @@ class TokenDropConfig:
         for name in ("num_sink", "min_prompt_len", "spare_anchors"):
             v = getattr(self, name)
             _check(isinstance(v, int) and v >= 0, f"token_drop {name} must be an int >= 0, got {v!r}")
+        object.__setattr__(self, "drop_layers", parse_drop_layers(self.drop_layers))
+        _check(self.drop_point in DROP_POINTS,
+               f"token_drop drop_point must be one of {', '.join(DROP_POINTS)}, got {self.drop_point!r}")
+        _check(isinstance(self.reenter, bool), f"token_drop reenter must be true or false, got {self.reenter!r}")
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "TokenDropConfig":
-        # engines written before spare_anchors existed dropped at every anchor: keep them so
-        d = {"spare_anchors": 0, **{k: v for k, v in d.items() if k not in REMOVED_TOKEN_DROP_KNOBS}}
+        # engines written before spare_anchors existed dropped at every anchor, and before
+        # drop_layers every full-attention layer was an anchor (drop before its attention, the
+        # dropped rows re-entering at the next): keep them so
+        d = {k: v for k, v in d.items() if k not in REMOVED_TOKEN_DROP_KNOBS}
+        if "drop_layers" not in d:
+            d = {"spare_anchors": 0, "drop_layers": "every", "drop_point": "before_attention", "reenter": True, **d}
         return cls(**d)
 
     def replace(self, **overrides: Any) -> "TokenDropConfig":
@@ -322,5 +404,6 @@ def check_token_drop_keys(names) -> None:
     _check(not unknown, f"unknown token_drop knob(s): {', '.join(unknown)}; known: {', '.join(fields)}")
 
 
-__all__ = ["CHUNK_SCORES", "RUNTIME_KNOBS", "InfiniteHipConfig", "PruningStage", "TokenDropConfig",
+__all__ = ["CHUNK_SCORES", "DROP_POINTS", "RUNTIME_KNOBS", "InfiniteHipConfig", "PruningStage", "TokenDropConfig",
+           "default_drop_layers", "resolve_drop_layers",
            "check_runtime_knobs", "check_token_drop_keys", "knob"]

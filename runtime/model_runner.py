@@ -17,6 +17,7 @@ import math
 
 import torch
 
+from infhip.knobs import resolve_drop_layers
 from infhip.runtime import kv_budget
 from infhip.runtime.attention.infinitehip import InfiniteHipBackend
 from infhip.runtime.attention.sparse_plan import SparseStepHost
@@ -67,9 +68,9 @@ class ModelRunner:
         self.graphs = None
         self.set_infinitehip(engine.config.plan.infinitehip)
 
-        # UniPrefill token drop (runtime/token_drop.py): anchors are the full-attention layers.
-        self.anchors = frozenset(lp.index for lp in engine.config.plan.layers if lp.window is None)
-        self.global_layers = sorted(self.anchors)  # the layers that hold compacted KV after a drop
+        # UniPrefill token drop (runtime/token_drop.py): drops happen at full-attention layers.
+        self.full_layers = frozenset(lp.index for lp in engine.config.plan.layers if lp.window is None)
+        self.global_layers = sorted(self.full_layers)  # the layers that hold compacted KV after a drop
         self.token_drop = None
         self.set_token_drop(engine.config.plan.token_drop)
         # Benchmarks only (infhip.eval.common.set_forced_retention): keep this share of the blocks
@@ -126,6 +127,8 @@ class ModelRunner:
                                  if self.engine.config.plan.infinitehip is not None else None)
         windows = [layer.self_attn.window for layer in self.model.layers]
         self.drop_tail = keep_tail(cfg, windows) if cfg is not None else 0
+        self.drop_at = (frozenset(resolve_drop_layers(cfg, self.global_layers, len(self.model.layers)))
+                        if cfg is not None else frozenset())
 
     # -- plan: host-side, once per step -------------------------------------------------------
     def prepare(self, out: SchedulerOutput) -> StepPlan:
@@ -165,7 +168,7 @@ class ModelRunner:
             groups={g: KVGroupMetadata(self._tensor(p.slots[g], torch.int64), tables[g]) for g in self.groups},
             cu_seqlens_q_list=p.cu, context_lens_list=p.ctx_lens,
             sparse=sparse,
-            token_drop=TokenDropStep(self.token_drop, p.drops, self.anchors, self.drop_tail,
+            token_drop=TokenDropStep(self.token_drop, p.drops, self.full_layers, self.drop_at, self.drop_tail,
                                      p.forced_retention) if p.drops else None,
             layer_kv=(LayerKV.of_step(p, self.global_layers, tables["global"], self.page_size, self.device)
                       if p.layer_dropped is not None else None),

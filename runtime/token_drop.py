@@ -134,40 +134,44 @@ def drop_histories(chunks, global_layers: list[int]) -> list[list[int]] | None:
 class TokenDropStep:
     """The drop state of one forward pass, read by the layers through the forward context.
 
-    Between two anchors the batch is compact: rows `idx` (ascending) of the full batch, with
-    their positions, slots and per-sequence offsets below. `records` collects, per anchor, the
-    kept and total tokens of each dropping chunk (retention ratios)."""
+    After a drop the batch is compact: rows `idx` (ascending) of the full batch, with their
+    positions, slots and per-sequence offsets below. `records` collects, per full-attention
+    layer, the tokens of each dropping chunk that wrote its KV and that ran its MLP."""
 
     cfg: TokenDropConfig
     drops: list[DropChunk]
-    anchors: frozenset[int]
+    full: frozenset[int]  # full-attention layers
+    drop_at: frozenset[int]  # the layers that drop (resolve_drop_layers: spared ones left out)
     tail: int
     forced_retention: float | None = None  # benchmarks: a fixed share of blocks kept instead of top-p
     layer: int = -1
     idx: torch.Tensor | None = None  # [M] int64 kept rows; None = the full batch flows
-    saved: torch.Tensor | None = None  # [T, hidden] stream at the last anchor's input
-    pending: torch.Tensor | None = None  # idx chosen by the current anchor, applied after attention
+    saved: torch.Tensor | None = None  # [T, hidden] stream of the rows dropped so far, when dropped
+    pending: tuple | None = None  # the drop the current layer chose, applied after its attention
     positions: torch.Tensor | None = None  # [M] compact positions
-    slots: dict[str, torch.Tensor] = field(default_factory=dict)  # group -> [M] compact slots
+    slots: dict[str, torch.Tensor] = field(default_factory=dict)  # sliding group -> [M] slots (per position)
     cu: list[int] = field(default_factory=list)  # [B + 1] compact query offsets (host)
     cu_t: torch.Tensor | None = None
-    kept_pos: dict[int, torch.Tensor] = field(default_factory=dict)  # b -> host positions kept
-    drop_rows: torch.Tensor | None = None  # [T] bool, rows of the dropping chunks
-    # per anchor: (layer, {b: (kept, total, kept positions (host))})
-    records: list[tuple[int, dict[int, tuple[int, int, torch.Tensor]]]] = field(default_factory=list)
+    kept_pos: dict[int, torch.Tensor] = field(default_factory=dict)  # b -> host positions flowing
+    # per full-attention layer: (layer, {b: (KV written, MLP rows, total, MLP rows' positions or None)})
+    records: list[tuple[int, dict[int, tuple[int, int, int, torch.Tensor | None]]]] = field(default_factory=list)
 
     name = "token_drop"
     plugin_modules = ("token_drop.importance", "token_drop.top_p", "token_drop.attention", "token_drop.gather")
 
-    def __post_init__(self) -> None:
-        self.spared = frozenset(sorted(self.anchors)[:self.cfg.spare_anchors])  # anchors that keep all
+    @property
+    def after(self) -> bool:
+        return self.cfg.drop_point == "after_attention"
 
     # -- the stream -------------------------------------------------------------------------
     def enter_layer(self, i: int, hidden: torch.Tensor, residual: torch.Tensor | None):
-        """Before layer i: at an anchor, dropped rows re-enter (Eq. 8)."""
+        """Before layer i: with re-entry, the dropped rows come back at a drop layer (Eq. 8).
+        A full-attention layer the full batch runs on its own backend is recorded as kept-all."""
         self.layer = i
-        if i in self.anchors and self.idx is not None:
-            return self.reconstitute(hidden, residual)
+        if self.cfg.reenter and i in self.drop_at and self.idx is not None:
+            hidden, residual = self.reconstitute(hidden, residual)
+        if i in self.full and not self.handles_layer(i):
+            self.records.append((i, {d.b: (d.end - d.start,) * 3 + (None,) for d in self.drops}))
         return hidden, residual
 
     def reconstitute(self, hidden: torch.Tensor, residual: torch.Tensor | None):
@@ -177,32 +181,43 @@ class TokenDropStep:
         stream = hidden if residual is None else hidden + residual
         full = self.saved.clone().index_copy_(0, self.idx, stream)
         self.idx = self.saved = None
+        self.kept_pos = {}
         return full, None
 
-    def after_attention(self, residual: torch.Tensor) -> torch.Tensor:
-        """At the anchor that just chose `pending`: keep the full stream for the dropped rows
-        and continue with the kept rows only."""
+    def after_attention(self, hidden: torch.Tensor, residual: torch.Tensor):
+        """At the layer that just chose a drop (`pending`): save the dropped rows' stream and
+        continue with the kept rows only. before_attention: `hidden` (the attention output)
+        has the kept rows already and the saved stream is the layer's input; after_attention:
+        both are narrowed and the saved stream includes the layer's attention."""
         if self.pending is None:
-            return residual
-        self.saved, self.idx, self.pending = residual, self.pending, None
-        return residual.index_select(0, self.idx)
+            return hidden, residual
+        sel, idx, cu, positions, slots = self.pending
+        self.pending = None
+        if self.after:
+            stream = hidden + residual
+            hidden = hidden.index_select(0, sel)
+        else:
+            stream = residual
+        if self.idx is None:
+            self.saved = stream
+        else:
+            self.saved.index_copy_(0, self.idx, stream)
+        self.idx, self.cu, self.positions, self.slots = idx, cu, positions, slots
+        self.cu_t = torch.tensor(cu, dtype=torch.int32).to(sel.device)
+        return hidden, residual.index_select(0, sel)
 
     # -- attention: the backend of the layers it handles (ForwardContext.backend_for) ------------
     def handles_layer(self, layer: int) -> bool:
-        """Anchors and layers after a drop take this backend; layers before the first anchor
-        (Gemma-3's first five) and spared anchors (cfg.spare_anchors, reached with the full
-        batch) keep their own."""
+        """Drop layers and every layer while rows are dropped take this backend; the layers
+        before the first drop (and spared drop layers) run the full batch on their own."""
         assert layer == self.layer, "the model loop enters each layer first (enter_layer)"
-        if self.idx is None and layer in self.spared:
-            return False
-        return layer in self.anchors or self.idx is not None
+        return layer in self.drop_at or self.idx is not None
 
     def run(self, attn, q, k, v, ctx) -> torch.Tensor:
         """Attention of one layer in a dropping step (ctx: the layer's view of the forward
         context, ForwardContext.for_layer): writes K/V, returns [rows out, Hq, D]."""
-        if self.layer in self.anchors:
-            return self._anchor(attn, q, k, v, ctx)
-        assert attn.window is not None, "only sliding-window layers sit between anchors"
+        if attn.window is None:
+            return self._full_layer(attn, q, k, v, ctx, select=self.layer in self.drop_at)
         return self._compact(attn, q, k, v, ctx)
 
     def _dense_rows(self, attn, q, k, v, out, ctx, meta, cu: list[int], cu_t: torch.Tensor) -> None:
@@ -228,63 +243,72 @@ class TokenDropStep:
                 ctx.context_lens[b:hi], [c - first for c in cu[b:hi + 1]], ctx.context_lens_list[b:hi])
             b = hi
 
-    def _anchor(self, attn, q, k, v, ctx) -> torch.Tensor:
-        """Importance over every row, then K/V and attention of the kept rows only."""
-        meta, rope, cu = ctx.groups[attn.kv_group], attn.rope[0], ctx.cu_seqlens_q_list
-        apply_rope_(q, k, ctx.positions, rope.inv_freq, rope.attention_scaling)
+    def _full_layer(self, attn, q, k, v, ctx, select: bool) -> torch.Tensor:
+        """A full-attention layer over the rows flowing now (all, or the compact ones). A
+        dropping chunk's current rows hold its compact slots in this layer's view (its j-th row
+        at the chunk's j-th slot: earlier drops at this layer shift the rest). With `select`
+        (a drop layer) its rows are scored first: before_attention, only the kept rows write
+        K/V and attend; after_attention, all current rows do and the drop follows."""
+        meta, rope = ctx.groups[attn.kv_group], attn.rope[0]
+        compact = self.idx is not None
+        cu = self.cu if compact else ctx.cu_seqlens_q_list
+        cu_t = self.cu_t if compact else ctx.cu_seqlens_q
+        positions = self.positions if compact else ctx.positions
+        full_cu = ctx.cu_seqlens_q_list
         dev = q.device
-        if self.drop_rows is None:  # [T] bool: rows of dropping chunks (their K/V waits for the selection)
-            self.drop_rows = torch.zeros(q.shape[0], dtype=torch.bool)
-            for d in self.drops:
-                self.drop_rows[cu[d.b]:cu[d.b + 1]] = True
-            self.drop_rows = self.drop_rows.to(dev)
-        write_kv(k, v, attn.kv, torch.where(self.drop_rows, -1, meta.slot_mapping))
+        apply_rope_(q, k, positions, rope.inv_freq, rope.attention_scaling)
+        in_drop = torch.zeros(q.shape[0], dtype=torch.bool)  # [M] rows of dropping chunks (K/V below)
+        for d in self.drops:
+            in_drop[cu[d.b]:cu[d.b + 1]] = True
+        slots = meta.slot_mapping.index_select(0, self.idx) if compact else meta.slot_mapping
+        write_kv(k, v, attn.kv, torch.where(in_drop.to(dev), -1, slots))
         out = torch.empty_like(q)
-        self._dense_rows(attn, q, k, v, out, ctx, meta, cu, ctx.cu_seqlens_q)
+        self._dense_rows(attn, q, k, v, out, ctx, meta, cu, cu_t)
 
-        # keys this layer holds for each dropping sequence: its compact earlier KV + the chunk
-        prev = [ctx.context_lens_list[d.b] - (d.end - d.start) for d in self.drops]  # compact lengths
-        keys = []
-        for d, n_prev in zip(self.drops, prev):
-            chunk = k[cu[d.b]:cu[d.b + 1]]
-            if n_prev:
-                ck, _ = gather_kv(attn.kv, meta.block_tables[d.b], 0, n_prev, dtype=q.dtype)
-                chunk = torch.cat([ck, chunk])
-            keys.append(chunk)
-        keep = self._select(attn, q, keys, prev, ctx)
-        keep_host = keep.cpu()  # one host read per anchor: the kept rows size everything below
+        prev = [ctx.context_lens_list[d.b] - (d.end - d.start) for d in self.drops]  # compact earlier KV
+        keep_host = None
+        if select:
+            keys = []
+            for d, n_prev in zip(self.drops, prev):
+                chunk = k[cu[d.b]:cu[d.b + 1]]
+                if n_prev:
+                    ck, _ = gather_kv(attn.kv, meta.block_tables[d.b], 0, n_prev, dtype=q.dtype)
+                    chunk = torch.cat([ck, chunk])
+                keys.append(chunk)
+            # one host read per drop layer: the kept rows size everything below
+            keep_host = self._select(attn, q, keys, prev, cu, positions).cpu()
         record = {}
         for d, n_prev in zip(self.drops, prev):
-            local = torch.nonzero(keep_host[cu[d.b]:cu[d.b + 1]]).flatten()
-            num_kept = local.numel()
-            rows = (local + cu[d.b]).to(dev)
+            r0, r1 = cu[d.b], cu[d.b + 1]
+            cur = self.kept_pos[d.b] if compact else torch.arange(d.start, d.end)  # host positions of the rows
+            kept = torch.nonzero(keep_host[r0:r1]).flatten() if select else torch.arange(r1 - r0)
+            writes = torch.arange(r1 - r0) if self.after or not select else kept
+            rows = (writes + r0).to(dev)
+            n = rows.numel()
             qk, kk, vk = q.index_select(0, rows), k.index_select(0, rows), v.index_select(0, rows)
-            # kept token i goes to compact slot n_prev + i: the slot of chunk row i in this layer's view
-            write_kv(kk, vk, attn.kv, meta.slot_mapping[cu[d.b]:cu[d.b] + num_kept])
-            ctx_len = n_prev + num_kept
+            write_kv(kk, vk, attn.kv, meta.slot_mapping[full_cu[d.b]:full_cu[d.b] + n])
+            ctx_len = n_prev + n
             out.index_copy_(0, rows, DENSE.prefill(
-                attn, qk, kk, vk, meta.block_tables[d.b:d.b + 1],
-                torch.tensor([0, num_kept], dtype=torch.int32, device=dev),
-                torch.tensor([ctx_len], dtype=torch.int32, device=dev), [0, num_kept], [ctx_len]))
-            self.kept_pos[d.b] = local + d.start
-            record[d.b] = (num_kept, d.end - d.start, self.kept_pos[d.b])
+                attn, qk, kk, vk, meta.block_tables[d.b:d.b + 1], torch.tensor([0, n], dtype=torch.int32, device=dev),
+                torch.tensor([ctx_len], dtype=torch.int32, device=dev), [0, n], [ctx_len]))
+            self.kept_pos[d.b] = cur[kept]
+            record[d.b] = (n, kept.numel(), d.end - d.start, self.kept_pos[d.b])
         self.records.append((self.layer, record))
-        if bool(keep_host.all()):  # nothing dropped: the full batch flows on
+        if keep_host is None or bool(keep_host.all()):  # nothing dropped: the same rows flow on
             return out
-
-        idx = torch.nonzero(keep_host).flatten().to(dev)
-        self.pending = idx
+        sel = torch.nonzero(keep_host).flatten().to(dev)  # current rows kept
         counts = torch.tensor([0] + [int(keep_host[cu[b]:cu[b + 1]].sum()) for b in range(len(cu) - 1)])
-        self.cu = torch.cumsum(counts, 0).tolist()
-        self.cu_t = torch.tensor(self.cu, dtype=torch.int32).to(dev)
-        self.positions = ctx.positions.index_select(0, idx)
-        self.slots = {g: m.slot_mapping.index_select(0, idx) for g, m in ctx.groups.items()}
-        return out.index_select(0, idx)
+        self.pending = (sel, sel if not compact else self.idx.index_select(0, sel), torch.cumsum(counts, 0).tolist(),
+                        positions.index_select(0, sel),
+                        {g: (m.slot_mapping if not compact else self.slots[g]).index_select(0, sel)
+                         for g, m in ctx.groups.items() if g != attn.kv_group})
+        return out if self.after else out.index_select(0, sel)
 
-    def _select(self, attn, q, keys: list[torch.Tensor], prev: list[int], ctx) -> torch.Tensor:
-        """[T] bool keep mask of the full batch (True for every row of non-dropping chunks).
-        keys[i]: the prev[i] keys the layer already holds for drop i, then its chunk's keys."""
-        cfg, cu = self.cfg, ctx.cu_seqlens_q_list
+    def _select(self, attn, q, keys: list[torch.Tensor], prev: list[int], cu: list[int],
+                positions: torch.Tensor) -> torch.Tensor:
+        """[M] bool keep mask of the current rows (True for every row of non-dropping chunks).
+        keys[i]: the prev[i] keys the layer already holds for drop i, then its chunk's current keys."""
+        cfg = self.cfg
         n, G = cfg.obs_window, cfg.block_size
         q_win = torch.cat([q[cu[d.b + 1] - n:cu[d.b + 1]] for d in self.drops]).contiguous()
         k_all = torch.cat(keys).contiguous() if len(keys) > 1 else keys[0].contiguous()
@@ -296,14 +320,14 @@ class TokenDropStep:
         # Tensor parallelism: each rank scored its own query heads; the paper's score sums over
         # all of them, so sum over the ranks (identical bits everywhere: every rank keeps the same rows).
         scores = attn.tp.all_reduce(scores)
-        # Blocks are G-aligned in the key list (earlier kept keys, then the chunk), so the chunk
-        # spans blocks [start // G, cdiv(end, G)) with start = prev; a selection "sequence" is
-        # the G-aligned range [start // G * G, end), its block g being block g0 + g.
+        # Blocks are G-aligned in the key list (earlier kept keys, then the chunk's current
+        # rows), so the chunk spans blocks [start // G, cdiv(end, G)) with start = prev; a
+        # selection "sequence" is the G-aligned range [start // G * G, end), its block g being block g0 + g.
         dev = q.device
         block_idx, ext_rows, drop_rows, cu_blocks, cu_ext = [], [], [], [0], [0]
         blocks_before = 0
         for d, start in zip(self.drops, prev):
-            end = start + d.end - d.start
+            end = start + cu[d.b + 1] - cu[d.b]
             g0, nb = start // G, triton.cdiv(end, G)
             block_idx.append(torch.arange(blocks_before + g0, blocks_before + nb, device=dev))
             blocks_before += nb
@@ -323,7 +347,7 @@ class TokenDropStep:
             sel = top_p_select(*args, cfg.p, **kw)
         drop_rows_t = torch.cat(drop_rows)
         kept = sel.keep_mask.index_select(0, torch.cat(ext_rows))
-        kept |= ctx.positions.index_select(0, drop_rows_t) < cfg.num_sink  # attention sinks
+        kept |= positions.index_select(0, drop_rows_t) < cfg.num_sink  # attention sinks
         keep = torch.ones(q.shape[0], dtype=torch.bool, device=dev)
         return keep.index_copy_(0, drop_rows_t, kept)
 
@@ -366,7 +390,7 @@ class DropStats:
             if seq.dropped is None:
                 seq.dropped = [0] * num_layers
             for layer, rec in td.records:
-                seq.dropped[layer] += rec[d.b][1] - rec[d.b][0]
+                seq.dropped[layer] += rec[d.b][2] - rec[d.b][0]  # tokens that wrote no KV there
             if not any(seq.dropped):  # kept everything: no history, shared metadata and graphs
                 seq.dropped = None
             per_layer = self.retention.pop(seq.seq_id, {}) if d.start else {}
@@ -374,11 +398,11 @@ class DropStats:
             while len(self.retention) > 256:  # bounded: the latest sequences only
                 self.retention.pop(next(iter(self.retention)))
             for layer, rec in td.records:
-                kept, total, positions = rec[d.b]
+                _, kept, total, positions = rec[d.b]
                 acc = per_layer.setdefault(layer, [0, 0])
                 acc[0] += kept
                 acc[1] += total
-                if self.record_kept_positions:
+                if self.record_kept_positions and positions is not None:
                     self.kept_positions.setdefault(seq.seq_id, {}).setdefault(layer, []).append(positions)
 
 

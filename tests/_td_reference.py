@@ -1,21 +1,25 @@
 """Plain-torch reference of UniPrefill token dropping: the whole sequence (prompt + generated
 tokens) in one causal pass, with no paging, no compaction, no kernels, dropping expressed as
 masks only. It reads the engine's weights (the runtime modules' tensors) and the kept prompt
-positions each anchor chose, and applies the semantics of runtime/token_drop.py:
+positions each drop layer chose, and applies the semantics of runtime/token_drop.py under a
+schedule (TokenDropConfig's drop_layers / drop_point / reenter):
 
-* at an anchor every row re-enters (dropped rows carry the stream they had when dropped) and the
-  anchor chooses its kept set from them;
-* from the anchor on (its own attention included), active rows = its kept prompt positions plus
-  every generated token; a layer updates active rows only, and its keys are the active rows (a
-  dropped token wrote no KV there);
-* sliding layers see keys in (p - W, p], global layers all keys <= p.
+* drop layers: the layers in ``schedule["layers"]`` (default: every full-attention layer);
+* with ``reenter``, at a drop layer every row re-enters (dropped rows carry the stream they had
+  when dropped) and the layer chooses its kept set from all of them; without it the layer
+  chooses among the rows still active (blocks of G over those rows in order);
+* ``point`` "before": from the drop layer on (its own attention included), active rows = its
+  kept prompt positions plus every generated token; "after": the drop layer's attention runs
+  over (and writes K/V of) the rows active before it, its MLP and later layers over the kept;
+* a layer updates active rows only, and its keys are the rows that ran its attention (a
+  dropped token wrote no KV there); sliding layers see keys in (p - W, p], global layers all <= p.
 
 Logits at row t equal what an engine decoding token t + 1 should compute.
 
 With `select`, the reference also *chooses* the kept sets itself (`reference_select`, the spec's
 top-p over block importance, from its own stream) instead of reading the engine's, so it checks
-the engine's selection end to end, and it can spare chosen anchors from dropping. Selection
-assumes the whole prompt is one prefill pass (one scheduler chunk).
+the engine's selection end to end, and it can spare chosen drop layers. Selection assumes the
+whole prompt is one prefill pass (one scheduler chunk).
 """
 
 from __future__ import annotations
@@ -72,13 +76,17 @@ def reference_select(q: torch.Tensor, k: torch.Tensor, num_prompt: int, scale: f
 
 @torch.no_grad()
 def reference_logits(model, ids: list[int], num_prompt: int, kept: dict[int, torch.Tensor],
-                     plan_layers, select: dict | None = None) -> torch.Tensor:
-    """float64 logits [len(ids), vocab]. kept: anchor layer -> kept prompt positions (a layer not
-    in kept keeps every row); plan_layers: the engine plan's LayerPlan tuple.
+                     plan_layers, select: dict | None = None, schedule: dict | None = None) -> torch.Tensor:
+    """float64 logits [len(ids), vocab]. kept: drop layer -> kept prompt positions (a drop layer
+    not in kept keeps every row; entries of other layers are ignored); plan_layers: the engine
+    plan's LayerPlan tuple.
 
-    select: dict(p, n, G, A, tail[, spare]) -> every anchor not in `spare` chooses its kept set
-    with `reference_select` from the stream it receives (the engine's semantics for a one-chunk
-    prompt), written into `kept` (which the caller passes empty and reads afterwards)."""
+    select: dict(p, n, G, A, tail[, spare]) -> every drop layer not in `spare` chooses its kept
+    set with `reference_select` from the stream it receives (the engine's semantics for a
+    one-chunk prompt), written into `kept` (which the caller passes empty and reads afterwards).
+    schedule: dict(layers=iterable of drop layers (default every full-attention layer),
+    point="before" | "after" (default "before"), reenter=bool (default True)): the default is the
+    schedule of engines built before these knobs."""
     cfg = model.cfg
     gemma = cfg.architecture == "gemma3"
     L = len(ids)
@@ -86,6 +94,9 @@ def reference_logits(model, ids: list[int], num_prompt: int, kept: dict[int, tor
     pos = torch.arange(L, device=dev)
     x = model.embed(torch.tensor(ids, device=dev)).double()
     chosen, kept = kept, {layer: p.to(dev) for layer, p in kept.items()}  # chosen: the caller's dict
+    schedule = dict(schedule or {})
+    drop_layers = set(schedule.get("layers", [lp.index for lp in plan_layers if lp.window is None]))
+    after, reenter = schedule.get("point", "before") == "after", schedule.get("reenter", True)
     active = torch.ones(L, dtype=torch.bool, device=dev)
     for l, layer in enumerate(model.layers):
         lp, attn = plan_layers[l], layer.self_attn
@@ -101,17 +112,22 @@ def reference_logits(model, ids: list[int], num_prompt: int, kept: dict[int, tor
             k = _rms(k, attn.k_norm.weight.double(), cfg.rms_norm_eps)
         rope = attn.rope[0]
         q, k = _rope(q, pos, rope.inv_freq, rope.attention_scaling), _rope(k, pos, rope.inv_freq, rope.attention_scaling)
-        if lp.window is None:
-            active = torch.ones(L, dtype=torch.bool, device=dev)  # reconstitution: every row re-enters
-            if select is not None and l not in select.get("spare", ()):  # chosen from this stream (all rows)
-                kept[l] = chosen[l] = reference_select(q, k, num_prompt, attn.scale, p=select["p"],
-                                                       n=select["n"], G=select["G"], A=select["A"],
-                                                       tail=select["tail"])
-            if l in kept:  # this anchor's drop: only its kept tokens (and generated ones) from here on
+        keys = active.clone()  # a token writes KV at a layer exactly when it runs its attention
+        if lp.window is None and l in drop_layers:
+            if reenter:  # reconstitution: every row re-enters
+                active = torch.ones(L, dtype=torch.bool, device=dev)
+                keys = active.clone()
+            if select is not None and l not in select.get("spare", ()):  # chosen from this stream (active rows)
+                rows = torch.nonzero(active[:num_prompt]).flatten()
+                kept[l] = chosen[l] = rows[reference_select(q[rows], k[rows], len(rows), attn.scale, p=select["p"],
+                                                            n=select["n"], G=select["G"], A=select["A"],
+                                                            tail=select["tail"])]
+            if l in kept:  # this layer's drop: only its kept tokens (and generated ones) from here on
                 active = torch.zeros(L, dtype=torch.bool, device=dev)
                 active[kept[l]] = True
                 active[num_prompt:] = True
-        keys = active.clone()  # a token writes KV at a layer exactly when it runs that layer
+                if not after:
+                    keys = active.clone()
         group = cfg.num_heads // cfg.num_kv_heads
         k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
         visible = (pos[None, :] <= pos[:, None]) & keys[None, :]
@@ -133,7 +149,7 @@ def reference_logits(model, ids: list[int], num_prompt: int, kept: dict[int, tor
         m = F.linear(act * up, mlp.down_proj.weight.double())
         if gemma:
             m = _rms(m, layer.post_feedforward_layernorm.weight.double(), cfg.rms_norm_eps)
-        x = torch.where(active[:, None], x1 + m, x)
+        x = torch.where(active[:, None], x1 + m, torch.where(keys[:, None], x1, x))
     h = _rms(x, model.norm.weight.double(), cfg.rms_norm_eps)
     weight = model.embed_tokens.weight if cfg.tie_word_embeddings else model.lm_head.weight
     logits = F.linear(h, weight.double())

@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 
@@ -30,7 +31,34 @@ from infhip.runtime.sequence import Sequence
 from tests._td_reference import reference_logits
 from tests._tiny import write_tiny_hf_checkpoint
 
-TINY = dict(obs_window=8, block_size=8, num_sink=8, min_prompt_len=0, spare_anchors=0)  # knobs scaled to ~200-token prompts; the paper: every anchor drops
+TINY = dict(obs_window=8, block_size=8, num_sink=8, min_prompt_len=0, spare_anchors=0)  # knobs scaled to ~200-token prompts
+# The drop schedules (TokenDropConfig drop_layers / drop_point / reenter) that matter: the paper's
+# (every full-attention layer drops before its attention, dropped rows re-enter at the next),
+# the authors' code (a few layers, after attention, no re-entry; the default) and the two mixes.
+# drop_layers "arch": Llama (3 full layers) drops at 0 and 2 (layer 1 runs the compact rows
+# without dropping), the Gemma-3 at its global layers 1 and 4 ("auto" there).
+SCHEDULES = {
+    "paper": dict(drop_layers="every", drop_point="before_attention", reenter=True),
+    "authors": dict(drop_layers="arch", drop_point="after_attention", reenter=False),
+    "after+reenter": dict(drop_layers="arch", drop_point="after_attention", reenter=True),
+    "before-no-reenter": dict(drop_layers="arch", drop_point="before_attention", reenter=False),
+}
+
+
+def schedule_knobs(engine, name: str) -> dict:
+    knobs = dict(SCHEDULES[name])
+    if knobs["drop_layers"] == "arch":
+        knobs["drop_layers"] = [0, 2] if EngineConfig.load(engine).model.architecture == "llama" else "auto"
+    return knobs
+
+
+def reference_schedule(llm) -> dict:
+    """The reference's schedule of a loaded engine's token drop (drop layers with the spared ones)."""
+    from infhip.knobs import resolve_drop_layers
+    cfg = llm.runner.token_drop
+    layers = resolve_drop_layers(dataclasses.replace(cfg, spare_anchors=0), llm.runner.global_layers,
+                                 len(llm.runner.model.layers))
+    return dict(layers=layers, point=cfg.drop_point.split("_")[0], reenter=cfg.reenter)
 GEMMA_TYPES = ["sliding_attention", "full_attention", "sliding_attention", "sliding_attention",
                "full_attention", "sliding_attention"]
 
@@ -81,47 +109,64 @@ def test_p_one_reproduces_dense(engine, budget):
     assert per_layer and all(kept == total for kept, total in per_layer.values())  # drop path ran
 
 
+@pytest.mark.parametrize("schedule", sorted(SCHEDULES))
 @pytest.mark.parametrize("budget", [None, 100])
-def test_decode_after_drop_equals_masked_reference(engine, budget):
+def test_decode_after_drop_equals_masked_reference(engine, budget, schedule):
+    """Prefill with a forced retention, then decode: every layer attends exactly to the keys it
+    wrote (per-layer KV lengths after the drop), whole and chunked prefill, each schedule."""
+    if budget and schedule in ("after+reenter", "before-no-reenter"):
+        pytest.skip("chunked prefill: the paper's and the authors' schedules cover it")
     ids = prompt(2, 200)
-    llm = set_forced_retention(LLM(engine, max_num_batched_tokens=budget, token_drop=TINY), 0.3)
+    llm = set_forced_retention(LLM(engine, max_num_batched_tokens=budget,
+                                   token_drop=dict(TINY, **schedule_knobs(engine, schedule))), 0.3)
     llm.runner.drop_stats.record_kept_positions = True
     tokens, logits, sid = run_greedy(llm, ids, 5)
     kept = {layer: torch.cat(chunks) for layer, chunks in llm.runner.drop_stats.kept_positions[sid].items()}
     layers = llm.engine.config.plan.layers
-    assert set(kept) == {lp.index for lp in layers if lp.window is None}
-    assert all(len(v) < 0.6 * len(ids) for v in kept.values())  # really dropped
+    sched = reference_schedule(llm)
+    assert set(sched["layers"]) <= set(kept) <= {lp.index for lp in layers if lp.window is None}
+    assert all(len(kept[layer]) < 0.6 * len(ids) for layer in sched["layers"])  # really dropped
+    if not sched["reenter"]:  # the kept set only shrinks
+        runs = [set(kept[layer].tolist()) for layer in sorted(kept)]
+        assert all(b <= a for a, b in zip(runs, runs[1:]))
     full = ids + tokens[:-1]
-    ref = reference_logits(llm.runner.model, full, len(ids), kept, layers)[len(ids) - 1:]
+    ref = reference_logits(llm.runner.model, full, len(ids), kept, layers, schedule=sched)[len(ids) - 1:]
     assert (logits.double() - ref).abs().max() < 1e-4
     # the reference can fail: without the drop it computes different logits
     dense_ref = reference_logits(llm.runner.model, full, len(ids), {}, layers)[len(ids) - 1:]
     assert (logits.double() - dense_ref).abs().max() > 1e-2
 
 
-@pytest.mark.parametrize("p, spare", [(0.6, 0), (0.75, 0), (0.6, 1)])
-def test_top_p_selection_equals_reference(engine, p, spare):
-    """The engine's own top-p choice (not a forced retention) at every anchor equals the spec's
-    selection recomputed by the reference from its own stream, and so do the decode logits: checks
-    importance, top-p, sinks, tail and re-entry end to end, not only with the engine's kept sets.
-    Odd prompt length (a partial last block); one prefill chunk. spare: the first anchors keep
-    every token (TokenDropConfig.spare_anchors) and record nothing."""
+@pytest.mark.parametrize("p, spare, schedule", [(0.6, 0, "paper"), (0.75, 0, "paper"), (0.6, 1, "paper"),
+                                               (0.6, 0, "authors"), (0.75, 0, "authors"), (0.6, 1, "authors"),
+                                               (0.6, 0, "after+reenter"), (0.6, 0, "before-no-reenter")])
+def test_top_p_selection_equals_reference(engine, p, spare, schedule):
+    """The engine's own top-p choice (not a forced retention) at every drop layer equals the
+    spec's selection recomputed by the reference from its own stream, and so do the decode
+    logits: checks importance, top-p, sinks, tail, the drop point and re-entry (or none) end to
+    end, not only with the engine's kept sets. Odd prompt length (a partial last block); one
+    prefill chunk. spare: the first drop layers keep every token (TokenDropConfig.spare_anchors)
+    and record no drop."""
     ids = prompt(6, 203)
-    llm = LLM(engine, token_drop=dict(TINY, p=p, spare_anchors=spare))
+    llm = LLM(engine, token_drop=dict(TINY, p=p, spare_anchors=spare, **schedule_knobs(engine, schedule)))
     llm.runner.drop_stats.record_kept_positions = True
     tokens, logits, sid = run_greedy(llm, ids, 4)
     kept = {layer: torch.cat(chunks) for layer, chunks in llm.runner.drop_stats.kept_positions[sid].items()}
     layers = llm.engine.config.plan.layers
     cfg = llm.runner.token_drop
     chosen: dict[int, torch.Tensor] = {}
-    spared = set(llm.runner.global_layers[:spare])
+    sched = reference_schedule(llm)
+    spared = set(sched["layers"][:spare])
+    drops = set(sched["layers"]) - spared
+    assert drops == set(llm.runner.drop_at)
     select = dict(p=p, n=cfg.obs_window, G=cfg.block_size, A=cfg.num_sink, tail=llm.runner.drop_tail,
                   spare=spared)
-    ref = reference_logits(llm.runner.model, ids + tokens[:-1], len(ids), chosen, layers, select=select)
-    assert not spared & set(kept) and set(chosen) == set(kept) == set(llm.runner.global_layers) - spared
-    for layer in kept:
+    ref = reference_logits(llm.runner.model, ids + tokens[:-1], len(ids), chosen, layers, select=select,
+                           schedule=sched)
+    assert set(chosen) == drops and drops <= set(kept) and not spared & set(kept)
+    for layer in drops:
         assert torch.equal(kept[layer], chosen[layer]), f"layer {layer}"
-    assert sum(len(v) for v in kept.values()) < 0.9 * len(kept) * len(ids)  # really dropped
+    assert sum(len(kept[layer]) for layer in drops) < 0.9 * len(drops) * len(ids)  # really dropped
     assert (logits.double() - ref[len(ids) - 1:]).abs().max() < 1e-4
 
 
@@ -168,12 +213,28 @@ def test_build_flag_config_round_trip_and_old_engines(engine, tmp_path):
     rc = build_main(["--checkpoint", str(hf), "--output", str(tmp_path / "c"), "--dtype", "float32",
                      "--device", "cpu", "--quiet", "--token-drop"])
     assert rc == 0 and EngineConfig.load(tmp_path / "c").plan.token_drop == TokenDropConfig()
-    assert TokenDropConfig().spare_anchors == 1  # the default spares the first anchor ...
+    # the default is the authors' schedule; engines from before the schedule knobs keep theirs:
+    # every full-attention layer drops before its attention, dropped rows re-enter, their stored
+    # spare_anchors (0 when it is absent: engines from before that knob)
+    assert TokenDropConfig().drop_layers == "auto" and TokenDropConfig().drop_point == "after_attention"
+    assert not TokenDropConfig().reenter
     cfg = json.loads((tmp_path / "c" / "config.json").read_text())
-    del cfg["plan"]["token_drop"]["spare_anchors"]  # ... engines from before the knob did not
+    assert cfg["plan"]["token_drop"]["drop_layers"] == "auto"
+    old = {"paper": dict(drop_layers="every", drop_point="before_attention", reenter=True)}
+    for k in ("drop_layers", "drop_point", "reenter"):
+        del cfg["plan"]["token_drop"][k]
+    cfg["plan"]["token_drop"]["spare_anchors"] = 1
     (tmp_path / "c" / "config.json").write_text(json.dumps(cfg))
-    assert EngineConfig.load(tmp_path / "c").plan.token_drop == TokenDropConfig(spare_anchors=0)
+    assert EngineConfig.load(tmp_path / "c").plan.token_drop == TokenDropConfig(spare_anchors=1, **old["paper"])
+    del cfg["plan"]["token_drop"]["spare_anchors"]
+    (tmp_path / "c" / "config.json").write_text(json.dumps(cfg))
+    assert EngineConfig.load(tmp_path / "c").plan.token_drop == TokenDropConfig(spare_anchors=0, **old["paper"])
     assert LLM(tmp_path / "c", token_drop=False).runner.token_drop is None
+    # an explicit list round-trips through config.json as a list
+    rc = build_main(["--checkpoint", str(hf), "--output", str(tmp_path / "d"), "--dtype", "float32",
+                     "--device", "cpu", "--quiet", "--token-drop", "drop_layers=2:0,reenter=true"])
+    assert rc == 0 and json.loads((tmp_path / "d" / "config.json").read_text())["plan"]["token_drop"]["drop_layers"] == [0, 2]
+    assert EngineConfig.load(tmp_path / "d").plan.token_drop == TokenDropConfig(drop_layers=(0, 2), reenter=True)
 
 
 def test_retention_is_a_benchmark_setting_not_an_engine_knob(engine, tmp_path):
@@ -206,6 +267,9 @@ def test_retention_is_a_benchmark_setting_not_an_engine_knob(engine, tmp_path):
     ("p=1.5", "p must be in"), ("q=3", "unknown key 'q'"), ("block_size=abc", "must be an integer"),
     ("p", "not key=value"), ("block_size=0", "block_size must be an int >= 1"), ("p=0.9,p=0.8", "given twice"),
     ("spare_anchors=-1", "spare_anchors must be an int >= 0"),
+    ("drop_layers=some", "drop_layers must be 'auto', 'every' or layer indices"),
+    ("drop_point=middle", "drop_point must be one of before_attention, after_attention"),
+    ("reenter=maybe", "reenter='maybe' must be true or false"),
     # one name per knob: the old short keys say which name to use; retention is a benchmark setting
     ("G=32", "is now called 'block_size'"), ("min_len=0", "is now called 'min_prompt_len'"),
     ("rho=0.3", "benchmark setting"),
@@ -216,6 +280,18 @@ def test_bad_specs(spec, msg, capsys, tmp_path):
     rc = build_main(["--checkpoint", str(tmp_path), "--output", str(tmp_path / "x"), "--token-drop", spec])
     err = capsys.readouterr().err.strip()
     assert rc == 1 and err.count("\n") == 0 and msg.split("'")[0] in err
+
+
+def test_drop_layers_must_be_full_attention_layers(engine):
+    """An explicit drop layer that the model does not have as a full-attention layer is refused
+    at load with the layers it could name; the API takes a list, the config a tuple."""
+    arch = EngineConfig.load(engine).model.architecture
+    bad, full = (7, [0, 1, 2]) if arch == "llama" else (2, [1, 4])  # Gemma layer 2 slides
+    with pytest.raises(ValueError, match=rf"names \[{bad}\], which are not full-attention layers.*{full}"):
+        LLM(engine, token_drop=dict(TINY, drop_layers=[bad]))
+    with pytest.raises(ValueError, match="drop_layers is empty"):
+        LLM(engine, token_drop=dict(TINY, drop_layers=[]))
+    assert LLM(engine, token_drop=dict(TINY, drop_layers=[full[-1]])).runner.drop_at == {full[-1]}
 
 
 def test_drop_over_fp8_cache_tracks_the_float32_one(engine, tmp_path):

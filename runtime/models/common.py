@@ -189,8 +189,8 @@ class CausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         # UniPrefill (runtime/token_drop.py): in a step that drops tokens, the loop below is the
-        # only place rows leave and re-enter the stream: after an anchor's attention the router
-        # keeps the chosen rows, at the next anchor (and at the end) the dropped ones come back.
+        # only place rows leave and re-enter the stream: after a drop layer's attention the router
+        # keeps the chosen rows; with re-entry they come back at the next drop layer, and at the end.
         router = get_forward_context().token_drop
         hidden, residual = self.embed(input_ids), None
         for i, layer in enumerate(self.layers):
@@ -199,7 +199,7 @@ class CausalLM(nn.Module):
                 continue
             hidden, residual = router.enter_layer(i, hidden, residual)
             hidden, residual = layer.attend(hidden, residual)
-            residual = router.after_attention(residual)
+            hidden, residual = router.after_attention(hidden, residual)
             hidden, residual = layer.feed_forward(hidden, residual)
         if router is not None:
             hidden, residual = router.reconstitute(hidden, residual)
