@@ -56,6 +56,7 @@ from infhip.runtime.sampler import Sampler, SamplerOutput, SamplingBatch, make_g
 from infhip.runtime.sampling_params import SEED_RANGE, SamplingParams
 from infhip.runtime.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
 from infhip.runtime.sequence import Sequence, SequenceStatus
+from infhip.runtime.structured_output import GrammarRuntime
 from infhip.runtime.token_drop import never_drops
 
 _log = logging.getLogger(__name__)
@@ -161,6 +162,7 @@ class LLM:
             self.scheduler.prefix_filter = lambda seq: never_drops(seq, runner.token_drop, runner.drop_max_context)
         self.load_report = self._load_report(t0, t_engine)
         self.sampler = Sampler()
+        self._grammars: GrammarRuntime | None = None  # structured output: made at its first request
         self.tokenizer = self.engine.tokenizer
         self.eos_token_ids = tuple(self.engine.config.model.eos_token_ids)
         self._ids = itertools.count()
@@ -237,6 +239,8 @@ class LLM:
         room = max(1, self.scheduler.max_seq_len - len(token_ids))
         encode = (lambda text: self.tokenizer(text, add_special_tokens=False)["input_ids"]) if self.tokenizer else None
         params = params.for_engine(self.engine.config.model.vocab_size, room, encode)
+        if params.structured_outputs is not None:  # compiled (and cached) now: a bad grammar is a ValueError
+            self.grammars.compile(params.structured_outputs)
         req = _Request(prompt, params, spawned=params.num_forks == 1)
         fork = self._new_fork(req, 0, token_ids)
         if params.prompt_logprobs is not None:
@@ -344,10 +348,21 @@ class LLM:
         return out if len(keep) == len(out.chunks) else SchedulerOutput(chunks=keep, preempted=out.preempted)
 
     def _batch(self, forks: list[_Fork]) -> SamplingBatch:
-        """The sampler's view of these forks' rows for this step (runtime/sampler.py)."""
-        return SamplingBatch([f.seq.params for f in forks], [f.generator for f in forks], self.runner.device,
-                             self.engine.config.model.vocab_size,
-                             [(f.seq.prompt_token_ids, f.seq.output_token_ids) for f in forks], self.eos_token_ids)
+        """The sampler's view of these forks' rows for this step (runtime/sampler.py), with the
+        token bitmask of those under a grammar (runtime/structured_output.py)."""
+        batch = SamplingBatch([f.seq.params for f in forks], [f.generator for f in forks], self.runner.device,
+                              self.engine.config.model.vocab_size,
+                              [(f.seq.prompt_token_ids, f.seq.output_token_ids) for f in forks], self.eos_token_ids)
+        if self._grammars is not None:
+            self._grammars.apply(batch, [f.seq for f in forks])
+        return batch
+
+    @property
+    def grammars(self) -> GrammarRuntime:
+        """The engine's structured-output compiler (made on first use: it reads the vocabulary)."""
+        if self._grammars is None:
+            self._grammars = GrammarRuntime(self.tokenizer, self.engine.config.model.vocab_size, self.eos_token_ids)
+        return self._grammars
 
     def _sample(self, logits: torch.Tensor, out: SchedulerOutput,
                 touched: dict[int, _Request]) -> tuple[dict[int, int], dict[int, TokenLogprobs]]:
@@ -657,8 +672,9 @@ _PROMPT_LOGPROB_ROWS = 512  # prompt positions per LM-head slice ([rows, vocab] 
 
 def _host_each_step(p: SamplingParams) -> bool:
     """Whether a request's sampling needs the host between decode steps (then the engine runs
-    one at a time): a multi-token bad word is matched against the output on the host."""
-    return any(len(q) > 1 for q in p.bad_words_token_ids or ())
+    one at a time): a multi-token bad word is matched against the output on the host, a grammar
+    advances on the host with each token."""
+    return p.structured_outputs is not None or any(len(q) > 1 for q in p.bad_words_token_ids or ())
 
 
 def _pack_logprobs(lp: torch.Tensor, chosen: torch.Tensor, k: int) -> torch.Tensor:

@@ -113,6 +113,23 @@ def choice_regex(choices: list[str]) -> str:
     return "(" + "|".join(re.escape(c) for c in choices) + ")"
 
 
+def _bounded_strings_as_patterns(schema):
+    """schema with each plain string's minLength / maxLength turned into the equal `pattern` of
+    unescaped characters: xgrammar 0.2.9 compiles a length-bounded string to a rule that admits
+    raw control characters (invalid JSON; seen at temperature 1) and no escapes, its `pattern`
+    rule is right. A string with a pattern, format, enum or const is left as it is."""
+    if isinstance(schema, list):
+        return [_bounded_strings_as_patterns(x) for x in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: _bounded_strings_as_patterns(v) for k, v in schema.items()}
+    bounded = "minLength" in out or "maxLength" in out
+    if out.get("type") == "string" and bounded and not {"pattern", "format", "enum", "const"} & out.keys():
+        lo, hi = out.pop("minLength", 0), out.pop("maxLength", "")
+        out["pattern"] = f'^[^"\\\\\\x00-\\x1f]{{{lo},{hi}}}$'
+    return out
+
+
 class GrammarRuntime:
     """One engine's grammar compiler (its tokenizer, its vocabulary: logits rows may be wider
     than the tokenizer, the extra ids are never allowed), compile cache and bitmask buffer."""
@@ -141,7 +158,7 @@ class GrammarRuntime:
         c = self._compiler
         try:
             if spec.json is not None:
-                g = c.compile_json_schema(json.dumps(spec.json), any_whitespace=False)
+                g = c.compile_json_schema(json.dumps(_bounded_strings_as_patterns(spec.json)), any_whitespace=False)
             elif spec.json_object:
                 g = c.compile_json_schema('{"type": "object"}', any_whitespace=False, strict_mode=False)
             elif spec.choice is not None:

@@ -1,0 +1,120 @@
+"""Structured output through the Python API (runtime/structured_output.py) on the tiny engine:
+its random weights at temperature 1 would write anything, so every constraint shows in the
+output. JSON schema output parses and matches the schema for several seeds; JSON mode gives an
+object; regex and choice are obeyed; n forks each follow the grammar; a grammar the library
+refuses is the request's ValueError; rows without a grammar sample exactly as they would alone,
+and an engine that never sees a grammar never builds one. Over HTTP and with the openai
+client: tests/test_structured_output_server.py."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from infhip import LLM, SamplingParams, StructuredOutputsParams
+from infhip.runtime.structured_output import choice_regex
+from tests._tiny import build_tiny_api_engine
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "word": {"type": "string", "maxLength": 6},
+        "n": {"type": "integer", "minimum": 0, "maximum": 999},
+        "ok": {"type": "boolean"},
+        "tags": {"type": "array", "items": {"enum": ["a", "bb", "ccc"]}, "maxItems": 3},
+    },
+    "required": ["word", "n", "ok", "tags"],
+}
+SEEDS = range(6)
+
+
+def matches_schema(obj) -> bool:
+    """SCHEMA's rules, checked by hand (jsonschema is not a dependency)."""
+    return (isinstance(obj, dict) and set(obj) == set(SCHEMA["required"])
+            and isinstance(obj["word"], str) and len(obj["word"]) <= 6
+            and type(obj["n"]) is int and 0 <= obj["n"] <= 999 and isinstance(obj["ok"], bool)
+            and isinstance(obj["tags"], list) and len(obj["tags"]) <= 3
+            and all(t in ("a", "bb", "ccc") for t in obj["tags"]))
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    return build_tiny_api_engine(tmp_path_factory.mktemp("structured"), max_batch_size=8)
+
+
+@pytest.fixture(scope="module")
+def llm(engine):
+    return LLM(engine)
+
+
+def constrained(llm, spec: StructuredOutputsParams, seeds=SEEDS, max_tokens: int = 80, **kw):
+    """One temperature-1 request per seed under spec, batched; their outputs."""
+    params = [SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=s, structured_outputs=spec, **kw)
+              for s in seeds]
+    return llm.generate(["In the beginning"] * len(params), params)
+
+
+def test_json_schema_output_parses_and_matches(llm):
+    outs = constrained(llm, StructuredOutputsParams(json=SCHEMA))
+    for o in outs:
+        assert o.finish_reason == "stop", o.text
+        assert matches_schema(json.loads(o.text)), o.text
+    assert len({o.text for o in outs}) > 1  # the seeds differ: the grammar constrains, it does not pick
+
+
+def test_json_object_mode(llm):
+    # Free JSON lets random weights write one endless key; a bias toward '"' and '}' ends strings
+    # and objects sooner, and only where the grammar allows them (the output must still parse).
+    bias = {t: 4.0 for t in llm.tokenizer.convert_tokens_to_ids(['"', "}"])}
+    outs = constrained(llm, StructuredOutputsParams(json_object=True), max_tokens=100, logit_bias=bias)
+    for o in outs:
+        assert o.finish_reason == "stop", o.text
+        assert isinstance(json.loads(o.text), dict), o.text
+
+
+def test_regex_and_choice(llm):
+    pattern = r"[a-c]{2}\d{1,3}(x|yz)"
+    for o in constrained(llm, StructuredOutputsParams(regex=pattern)):
+        assert o.finish_reason == "stop" and re.fullmatch(pattern, o.text), o.text
+    choices = ["yes", "no", "a.b (c)", "maybe not"]  # regex metacharacters are literal
+    outs = constrained(llm, StructuredOutputsParams(choice=choices), seeds=range(12))
+    assert all(o.finish_reason == "stop" and o.text in choices for o in outs), [o.text for o in outs]
+    assert len({o.text for o in outs}) > 1
+    assert re.fullmatch(choice_regex(choices), "a.b (c)") and not re.fullmatch(choice_regex(choices), "a-b (c)")
+
+
+def test_n_forks_each_follow_the_grammar(llm):
+    p = SamplingParams(max_tokens=20, temperature=1.0, seed=3, n=3,
+                       structured_outputs=StructuredOutputsParams(choice=["red", "green", "blue"]))
+    [out] = llm.generate(["In the beginning"], p)
+    assert len(out.outputs) == 3 and all(c.text in ("red", "green", "blue") for c in out.outputs)
+
+
+def test_bad_grammar_is_a_value_error_and_queues_nothing(llm):
+    for spec, needle in ((StructuredOutputsParams(regex="(unclosed"), "regex grammar does not compile"),
+                         (StructuredOutputsParams(grammar="root ::= undefined_rule"), "grammar grammar does not compile")):
+        with pytest.raises(ValueError, match=needle):
+            llm.generate(["x"], SamplingParams(structured_outputs=spec))
+        assert not llm._requests and not llm.scheduler.has_unfinished()
+    with pytest.raises(ValueError, match="exactly one of"):
+        StructuredOutputsParams(regex="a", choice=["b"])
+    with pytest.raises(ValueError, match="not JSON"):
+        StructuredOutputsParams(json="{not json")
+    with pytest.raises(ValueError, match="non-empty list"):
+        StructuredOutputsParams(choice=[])
+
+
+def test_rows_without_a_grammar_pay_nothing(engine):
+    fresh = LLM(engine)
+    plain = [SamplingParams(max_tokens=12, temperature=1.0, seed=s, ignore_eos=True) for s in (7, 8)]
+    alone = [o.token_ids for o in fresh.generate(["In the beginning"] * 2, plain)]
+    assert fresh._grammars is None  # no grammar request: the grammar compiler was never built
+    spec = StructuredOutputsParams(json=SCHEMA)
+    mixed = fresh.generate(["In the beginning"] * 3,
+                           plain + [SamplingParams(max_tokens=80, temperature=1.0, seed=1, structured_outputs=spec)])
+    assert [o.token_ids for o in mixed[:2]] == alone  # their rows are all-ones in the bitmask
+    assert matches_schema(json.loads(mixed[2].text))
+    batch = fresh._batch([])  # a batch without grammar rows gets no bitmask
+    assert batch.token_bitmask is None and not batch.host_each_step
