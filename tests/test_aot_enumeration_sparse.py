@@ -117,3 +117,56 @@ def test_space_follows_the_plan():
     tiles = -(-(256 + 2048 + 1024) // 64)
     splits = {str(choose_num_splits(b, 8, tiles, Target().num_sms)) for b in (1, 2, 4, 8, 16)}  # batch buckets
     assert consts(inside, "_sparse_attn_kernel", "NUM_SPLITS") == splits | {"1"}
+
+
+def with_mask_layout(config: EngineConfig, layout: str) -> EngineConfig:
+    """config whose InfiniteHiP knobs ask for a mask layout (plugins/infinitehip/_aot.mask_layout_of
+    reads ``mask_layout``; the runtime's config gains the knob in its own change, issue 32)."""
+    @dataclasses.dataclass(frozen=True)
+    class LayoutConfig(type(config.plan.infinitehip)):
+        mask_layout: str = "shared"
+
+    cfg = config.plan.infinitehip
+    fields = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
+    plan = dataclasses.replace(config.plan, infinitehip=LayoutConfig(**fields, mask_layout=layout))
+    return dataclasses.replace(config, plan=plan)
+
+
+@pytest.mark.parametrize("layout", ["kv_head", "q_head"])
+def test_mask_layouts_have_their_kernels(layout):
+    """An engine asking for a per-head layout (Llama-8B: 32 q / 8 kv heads) enumerates its own
+    SelectRep, top-k and attention variants: q_head one program per q head (group_size
+    specialized to 1, 4 programs per kv head), kv_head per kv head (groups of 4) with head
+    strides on the index rows; no key bank either way (shared only); bounded and deterministic;
+    what a direct launch of that layout records at other batch sizes is in the set."""
+    from infhip.plugins.aot import LaunchSpace
+    from infhip.plugins.infinitehip import pruning_stage, sparse_decode_attention
+    from infhip.plugins.infinitehip._aot import sparse_space
+
+    base = engine_config(max_seq_len=M)
+    config = with_mask_layout(base, layout)
+    got, shared = sparse_variants(config), sparse_variants(base)
+    assert 0 < len(got) <= BOUND_PAST_WINDOW and sparse_variants(config) == got and got != shared
+    names = {v.name for v in got}
+    assert "_write_bank_kernel" not in names and {"_select_rep_kernel", "_topk_expand_kernel"} <= names
+    consts = lambda vs, name, key: {dict(v.constants).get(key) for v in vs if v.name == name}  # noqa: E731
+    assert consts(got, "_sparse_attn_kernel", "BANK") == {"False"}
+    for kernel in ("_select_rep_kernel", "_sparse_attn_kernel"):
+        assert consts(shared, kernel, "group_size") == {None} and consts(shared, kernel, "heads_per_kv") == {"1"}
+        if layout == "q_head":
+            assert consts(got, kernel, "group_size") == {"1"} and consts(got, kernel, "heads_per_kv") == {None}
+        else:
+            assert consts(got, kernel, "group_size") == {None} and consts(got, kernel, "heads_per_kv") == {"1"}
+
+    space = LaunchSpace(config, Target())
+    ss = sparse_space(space)
+    stage = ss.kinds[0].stages[1]
+    with record(space.target, launch=False) as rec:  # decode of 3 rows: stage 2 and the attention
+        pruning_stage(ss.step_q(3), ss.kv(False), ss.tables(3), ss.i32(3), ss.i32(3), ss.i32(3),
+                      ss.index_rows(3, ss.kinds[0].stages[0].k), ss.index_lens(3), chunk_size=stage.chunk_size,
+                      k=stage.k, block_q=1, n_sink=ss.cfg.n_sink, n_stream=ss.cfg.n_stream, mask_layout=layout,
+                      head_normalized=True)
+        sparse_decode_attention(ss.rows_q(3), ss.kv(False), ss.tables(3), ss.i32(3),
+                                ss.index_rows(3, ss.kinds[0].stages[-1].k), n_sink=ss.cfg.n_sink,
+                                n_stream=ss.cfg.n_stream, scale=0.1, rope_group=ss.kinds[0].stages[-1].chunk_size)
+    assert rec.variants and set(rec.variants) <= got

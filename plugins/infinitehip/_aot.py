@@ -17,6 +17,9 @@ what serving launches, on fake (meta) tensors shaped as the runtime shapes them:
 * batch shapes: sparse decode rows 1..max_batch_size (CUDA graphs pad to a captured size, which
   is in that range too), prefill query blocks 1..max_num_batched_tokens / block_q (+ one partial
   block per chunk);
+* mask layout (plugins/infinitehip/blocks.MASK_LAYOUTS, :func:`mask_layout_of`): shared, or one
+  selection per kv / q head (index tensors gain a head axis; q_head launches one SelectRep and
+  one attention program per q head); the key bank only with shared;
 * KV offloading (``kv_offload_bytes``, a load option of every InfiniteHiP engine): with and
   without a host twin; the key bank (``uses_key_bank``) and its value bank when offloading;
 * dtypes: activations ``space.act_dtype``; the cache ``space.kv_dtype`` with float32 row scales
@@ -39,6 +42,13 @@ import torch
 from infhip.config import InfiniteHipConfig, PruningStage
 
 MIN_CAPACITY = 1024  # runtime.attention.sparse_plan.candidate_capacity: a power of two >= 1024
+
+
+def mask_layout_of(cfg: InfiniteHipConfig) -> str:
+    """The mask layout an engine's InfiniteHiP layers select with: the config's ``mask_layout``
+    where it has one (issue 32: the runtime gains the knob in its own refactor), else "shared",
+    the only layout runtime/attention/infinitehip.py launches today."""
+    return getattr(cfg, "mask_layout", "shared")
 
 
 def capacity_of(end: int, n_sink: int, n_stream: int) -> int:
@@ -88,6 +98,7 @@ class SparseSpace:
     cfg: InfiniteHipConfig
     kinds: tuple[LayerKind, ...]
     modes: tuple[Mode, ...]
+    mask_layout: str  # blocks.MASK_LAYOUTS
     bank: bool  # the layers keep a rotated key bank (runtime.attention.sparse_plan.uses_key_bank)
     bank_for_all: bool  # every decode row can own a bank row (max_batch_size <= key_bank_slots)
     offload: tuple[bool, ...]  # without / with a host twin
@@ -99,6 +110,25 @@ class SparseSpace:
     def dims(self) -> tuple[int, int, int]:
         m = self.space.model
         return m.num_heads, m.num_kv_heads, m.head_dim
+
+    @property
+    def mask_heads(self) -> int | None:
+        """Selections per query block of a per-head layout (Hkv / Hq); None for shared (index
+        tensors without a head axis)."""
+        from .blocks import mask_heads
+        Hq, Hkv, _ = self.dims
+        return None if self.mask_layout == "shared" else mask_heads(self.mask_layout, Hq, Hkv)
+
+    def index_rows(self, rows: int, width: int) -> torch.Tensor:
+        """An index tensor (candidates, a selection) as the layout shapes it: int32 [rows, width]
+        or [rows, H, width]."""
+        H = self.mask_heads
+        return self.space.fake(rows, *((H,) if H else ()), width, dtype=torch.int32)
+
+    def index_lens(self, rows: int) -> torch.Tensor:
+        """Its counts: int32 [rows] or [rows, H]."""
+        H = self.mask_heads
+        return self.space.fake(rows, *((H,) if H else ()), dtype=torch.int32)
 
     def step_q(self, tokens: int) -> torch.Tensor:
         """A step's q [T, Hq, D] as the attention module hands it over: a view of the fused qkv
@@ -158,12 +188,14 @@ def sparse_space(space) -> SparseSpace | None:
         modes.append(Mode(True, buckets(max(window + 1, cfg.dense_threshold), max_len)))
     # runtime.attention.sparse_plan.uses_key_bank
     dynamic_possible = not cfg.rope_off_in_trained_window or max_len > window
-    bank = cfg.key_bank and cfg.attention_rope == "streaming" and dynamic_possible
+    layout = mask_layout_of(cfg)
+    # the bank holds one selection per block: shared only (sparse_attention.block_sparse_attention)
+    bank = cfg.key_bank and cfg.attention_rope == "streaming" and dynamic_possible and layout == "shared"
     bq = cfg.block_q
     # plan_query_blocks: per chunk ceil(q_len / block_q) blocks; the chunks of a step share
     # max_num_batched_tokens, at most max_batch_size chunks (one partial block each)
     extra = build.max_batch_size
-    return SparseSpace(space=space, cfg=cfg, kinds=kinds, modes=tuple(modes), bank=bank,
+    return SparseSpace(space=space, cfg=cfg, kinds=kinds, modes=tuple(modes), mask_layout=layout, bank=bank,
                        bank_for_all=build.max_batch_size <= cfg.key_bank_slots, offload=(False, True),
                        max_decode_rows=build.max_batch_size,
                        max_prefill_blocks=build.max_num_batched_tokens // bq + extra)

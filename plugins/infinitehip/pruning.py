@@ -667,7 +667,7 @@ def aot_launches(space) -> None:
     _, Hkv, _ = ss.dims
     G = ss.dims[0] // Hkv
     kw = dict(n_sink=cfg.n_sink, n_stream=cfg.n_stream, inv_freq=ss.inv_freq(),
-              head_normalized=cfg.chunk_score == "head_normalized")
+              head_normalized=cfg.chunk_score == "head_normalized", mask_layout=ss.mask_layout)
     for kind in ss.kinds:
         for mode in ss.modes:
             rope = kind.pruning_rope if mode.dynamic else "none"
@@ -693,13 +693,14 @@ def _aot_stages(ss, kind, mode, rope, G, Hkv, kv, raw, kw, *, block_q, strides, 
         prev_k = kind.stages[i - 1].k if i else None
         for capacity in (mode.capacities if implicit else (prev_k,)):
             max_chunks = triton.cdiv(capacity, stage.chunk_size)
-            tiles = lambda nb: _tiling(nb, Hkv, G, block_q, stride, max_chunks, implicit, style)[2]  # noqa: E731
+            Hs = Hkv if ss.mask_heads is None else ss.mask_heads  # scored heads (select_rep_scores)
+            tiles = lambda nb: _tiling(nb, Hs, G * Hkv // Hs, block_q, stride, max_chunks, implicit, style)[2]  # noqa: E731
             for nb in representatives(1, max_blocks, tiles):
                 raw_keys = (RawKeys(ss.space.fake(nb, Hkv, D, dtype=ss.space.act_dtype), ss.i64(nb))
                             if raw else None)
-                candidates = None if implicit else ss.space.fake(nb, prev_k, dtype=torch.int32)
+                candidates = None if implicit else ss.index_rows(nb, prev_k)
                 pruning_stage(ss.step_q(nb), kv, ss.tables(nb), ss.i32(nb), ss.i32(nb), ss.i32(nb),
-                              candidates, None if implicit else ss.i32(nb), chunk_size=stage.chunk_size,
+                              candidates, None if implicit else ss.index_lens(nb), chunk_size=stage.chunk_size,
                               k=stage.k, block_q=block_q, query_stride=stride,
                               max_candidates=capacity if implicit else None, rope_style=rope, raw_keys=raw_keys,
                               **kw)

@@ -600,17 +600,18 @@ def aot_launches(space) -> None:
             for offload in ss.offload:
                 kv = ss.kv(offload)
                 for use_bank in banks:
-                    splits = lambda b: decode_num_splits(b, Hkv, last.k, cfg.n_sink, cfg.n_stream,  # noqa: E731
+                    P = Hq if ss.mask_layout == "q_head" else Hkv  # program_heads
+                    splits = lambda b: decode_num_splits(b, P, last.k, cfg.n_sink, cfg.n_stream,  # noqa: E731
                                                          ss.space.target.num_sms)
                     for B in representatives(1, ss.max_decode_rows, splits):
                         bank = fake(2, last.k, Hkv, D, dtype=act) if use_bank else None
                         sparse_decode_attention(
                             ss.rows_q(B), kv, ss.tables(B), ss.i32(B),
-                            fake(B, last.k, dtype=torch.int32), rope_style=style, rope_group=last.chunk_size,
+                            ss.index_rows(B, last.k), rope_style=style, rope_group=last.chunk_size,
                             bank=bank, bank_rows=ss.i64(B) if use_bank else None,
                             value_bank=fake(2, last.k, Hkv, D, dtype=act) if use_bank and offload else None, **kw)
                 NB = 1  # any block count: the grid only
                 sparse_prefill_attention(
                     ss.step_q(NB), kv, ss.tables(NB), ss.i32(NB), ss.i32(NB), ss.i32(NB),
-                    fake(NB, last.k, dtype=torch.int32), block_q=cfg.block_q, rope_style=style,
+                    ss.index_rows(NB, last.k), block_q=cfg.block_q, rope_style=style,
                     rope_group=last.chunk_size, out=fake(NB, Hq, D, dtype=act), **kw)
