@@ -17,6 +17,12 @@ global step)
 and return their candidates, ascending: int32 [NB, k], PAD-padded, plus their count (k unless
 the short last chunk or fewer than K chunks were kept). l_c must be a power of two.
 
+Mask layouts (blocks.MASK_LAYOUTS; the runtime calls "shared" today): "kv_head" keeps one
+selection per kv head, r_{j,g} scored by sigma of head g alone (the kernel's per-head scores
+without the max over g; top-k per (block, g)); "q_head" keeps one per query head h (the authors'
+hip-attention v1_2): the grid's head axis runs over Hq, a program's query tile holds h's rows only
+and loads keys of kv head h // group. Survivors then carry a head axis, [NB, H, k].
+
 Query stride s (InfiniteHipConfig.query_strides): the max over t runs over the block's queries
 t = min(s (i + 1) - 1, q_len - 1), i = 0 .. ceil(b_q / s) - 1 only (the last of every s; s = 1 is
 the paper's formula) — 1/s of the dot work, the same mask for the whole block.
@@ -636,7 +642,7 @@ def pruning_stage(q, kv: PagedKV, block_tables, q_start, q_lens, ends, candidate
             candidates, cand_lens = per_head_rows(candidates, cand_lens, H)
             candidates, cand_lens = candidates.reshape(NB * H, -1), cand_lens.reshape(NB * H)
         sel, lens = topk_chunks(scores.view(NB * H, C), candidates, cand_lens, chunk_size=chunk_size, k=k,
-                                n_sink=n_sink, ends=ends.repeat_interleave(H), n_stream=n_stream)
+                                n_sink=n_sink, ends=ends[:, None].expand(-1, H).reshape(-1), n_stream=n_stream)
         return sel.view(NB, H, k), lens.view(NB, H)
     if reduce_scores is not None:
         reduce_scores(scores)
@@ -694,7 +700,8 @@ def _aot_stages(ss, kind, mode, rope, G, Hkv, kv, raw, kw, *, block_q, strides, 
         for capacity in (mode.capacities if implicit else (prev_k,)):
             max_chunks = triton.cdiv(capacity, stage.chunk_size)
             Hs = Hkv if ss.mask_heads is None else ss.mask_heads  # scored heads (select_rep_scores)
-            tiles = lambda nb: _tiling(nb, Hs, G * Hkv // Hs, block_q, stride, max_chunks, implicit, style)[2]  # noqa: E731
+            Gs = G * Hkv // Hs
+            tiles = lambda nb: _tiling(nb, Hs, Gs, block_q, stride, max_chunks, implicit, style)[2]  # noqa: E731
             for nb in representatives(1, max_blocks, tiles):
                 raw_keys = (RawKeys(ss.space.fake(nb, Hkv, D, dtype=ss.space.act_dtype), ss.i64(nb))
                             if raw else None)

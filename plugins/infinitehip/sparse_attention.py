@@ -476,7 +476,8 @@ def sparse_decode_attention(q, kv: PagedKV, block_tables, context_lens, selected
                             prefetch: bool | None = None, num_stages: int | None = None, out=None,
                             value_bank=None) -> torch.Tensor:
     """Decode: q [B, Hq, D] (one query per sequence, position context_lens[b] - 1), selected
-    int32 [B, K] or [B, H, K] (block_sparse_attention). Flash-decoding split-K over sink + selected + stream; out [B, Hq, D].
+    int32 [B, K] or [B, H, K] (block_sparse_attention). Flash-decoding split-K over sink +
+    selected + stream; out [B, Hq, D].
     bank / bank_rows: the rotated key bank (block_sparse_attention, key_bank.py); value_bank: the
     selected values beside it (offloaded caches: cached steps then read no host page). kv: the
     layer's cache (block_sparse_attention)."""
