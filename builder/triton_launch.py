@@ -21,6 +21,12 @@ backend folder is a temporary one removed at the end (also on error), tritonserv
 process group of its own, and stopping it (`stop_server`) waits for it to unload the model,
 then kills whatever is left of that group, so no Python-backend stub outlives it.
 
+Stopping is a drain: SIGTERM makes tritonserver refuse new requests (UNAVAILABLE) and wait for
+the running ones; after `drain_timeout_s` (or at once when `end_now` is set: a second signal)
+the launcher writes the model's END_MARKER (builder/triton_model.py), which ends every running
+request with a last "abort" response, so Triton unloads the model in order instead of giving
+up on it at its --exit-timeout-secs.
+
     >>> from infhip.builder.triton_launch import running_server     # doctest: +SKIP
     >>> with running_server("triton_repo", http_port=8000) as server:
     ...     print(server.url)                                     # http://127.0.0.1:8000
@@ -30,7 +36,9 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import math
 import os
+import threading
 import shutil
 import signal
 import subprocess
@@ -82,11 +90,17 @@ def prepare_backends(backend_dir: str | os.PathLike) -> Path:
     return Path(backend_dir)
 
 
+DRAIN_TIMEOUT_S = 30.0  # how long running requests may go on once the server is asked to stop
+END_GRACE_S = 5  # after the END_MARKER: for the ended requests' last responses to go out
+UNLOAD_S = 30  # after the drain: for the model's unload (the stub's interpreter teardown is 3-5 s) and exit
+
+
 def server_command(repo_dir: str | os.PathLike, backend_dir: str | os.PathLike, http_port: int = 8000,
-                   grpc_port: int = 8001, metrics_port: int = 8002,
-                   host: str = "127.0.0.1") -> tuple[list[str], dict[str, str]]:
+                   grpc_port: int = 8001, metrics_port: int = 8002, host: str = "127.0.0.1",
+                   drain_timeout_s: float = DRAIN_TIMEOUT_S) -> tuple[list[str], dict[str, str]]:
     """(argv, env) that run the bundled tritonserver over repo_dir, backends prepared in
-    backend_dir, its HTTP, gRPC and metrics endpoints bound to host."""
+    backend_dir, its HTTP, gRPC and metrics endpoints bound to host. Its own exit timeout
+    outlasts the launcher's drain, so it is the launcher that ends what still runs."""
     dist = pytriton_dist()
     backends = prepare_backends(backend_dir)
     libs = [dist.parent.parent / "nvidia_pytriton.libs"]
@@ -99,7 +113,8 @@ def server_command(repo_dir: str | os.PathLike, backend_dir: str | os.PathLike, 
             "--backend-directory", str(backends.resolve()),
             "--http-address", host, "--http-port", str(http_port),
             "--grpc-address", host, "--grpc-port", str(grpc_port),
-            "--metrics-address", host, "--metrics-port", str(metrics_port), "--exit-timeout-secs", "15"]
+            "--metrics-address", host, "--metrics-port", str(metrics_port),
+            "--exit-timeout-secs", str(math.ceil(drain_timeout_s) + END_GRACE_S)]
     return argv, env
 
 
@@ -135,16 +150,18 @@ def _url_host(host: str) -> str:
 @contextlib.contextmanager
 def running_server(repo_dir: str | os.PathLike, host: str = "127.0.0.1", http_port: int = 8000,
                    grpc_port: int = 8001, metrics_port: int = 8002, log=None,
-                   ready_timeout_s: float = 300) -> Iterator[TritonServer]:
+                   ready_timeout_s: float = 300, drain_timeout_s: float = DRAIN_TIMEOUT_S,
+                   end_now: threading.Event | None = None) -> Iterator[TritonServer]:
     """Start the bundled tritonserver over repo_dir and yield it once its models are ready; on
-    leaving, stop it (`stop_server`) and remove its temporary backend folder.
+    leaving, stop it (`stop_server`: a drain of drain_timeout_s, cut short by end_now) and
+    remove its temporary backend folder.
 
     log: a file for the server's output (default: this process's stdout and stderr).
     Raises RuntimeError if it exits or is not ready within ready_timeout_s.
     """
     backend_dir = tempfile.mkdtemp(prefix="infhip-triton-backends-")
     try:
-        argv, env = server_command(repo_dir, backend_dir, http_port, grpc_port, metrics_port, host)
+        argv, env = server_command(repo_dir, backend_dir, http_port, grpc_port, metrics_port, host, drain_timeout_s)
         # A session of its own: a terminal's Ctrl-C reaches only the launcher, which stops the
         # server in order; and its process group holds the stub, for the sweep after it exits.
         proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT if log is not None else None,
@@ -154,9 +171,17 @@ def running_server(repo_dir: str | os.PathLike, host: str = "127.0.0.1", http_po
             _wait_ready(server, ready_timeout_s)
             yield server
         finally:
-            stop_server(proc)
+            stop_server(proc, drain_timeout_s, repo_dir, end_now)
     finally:
         shutil.rmtree(backend_dir, ignore_errors=True)
+
+
+def end_requests(repo_dir: str | os.PathLike) -> None:
+    """Write END_MARKER into every model folder of repo_dir: the infhip models there end their
+    running requests ("abort") within 0.1 s."""
+    from infhip.builder.triton_model import END_MARKER
+    for config in Path(repo_dir).glob("*/config.pbtxt"):
+        (config.parent / END_MARKER).touch()
 
 
 def _wait_ready(server: TritonServer, timeout_s: float) -> None:
@@ -172,14 +197,22 @@ def _wait_ready(server: TritonServer, timeout_s: float) -> None:
     raise RuntimeError(f"tritonserver was not ready after {timeout_s:.0f} s")
 
 
-def stop_server(proc: subprocess.Popen, grace_s: float = 30) -> None:
-    """Stop a tritonserver started by `running_server`: SIGTERM, which unloads the models and
-    ends their stubs; after grace_s, SIGKILL. Then kill whatever is left in its process group
-    (a stub whose server died first), so nothing outlives it."""
+def stop_server(proc: subprocess.Popen, drain_timeout_s: float = DRAIN_TIMEOUT_S,
+                repo_dir: str | os.PathLike | None = None, end_now: threading.Event | None = None) -> None:
+    """Stop a tritonserver started by `running_server`: SIGTERM (Triton refuses new requests
+    and waits for the running ones); once drain_timeout_s has passed or end_now is set, the END
+    marker in every model of repo_dir ends what still runs; the models unload and their stubs
+    end; UNLOAD_S after that, SIGKILL. Then kill whatever is left in its process group (a stub
+    whose server died first), so nothing outlives it."""
     if proc.poll() is None:
         proc.terminate()
+        deadline = time.monotonic() + drain_timeout_s
+        while proc.poll() is None and time.monotonic() < deadline and not (end_now and end_now.is_set()):
+            time.sleep(0.05)
+        if proc.poll() is None and repo_dir is not None:
+            end_requests(repo_dir)
         try:
-            proc.wait(grace_s)
+            proc.wait(END_GRACE_S + UNLOAD_S)
         except subprocess.TimeoutExpired:
             pass
     try:

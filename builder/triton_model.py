@@ -30,6 +30,14 @@ cancels (``request.is_cancelled()``: a gRPC client cancelling, an HTTP stream wh
 is aborted in the engine, freeing its KV pages. Error codes: bad input INVALID_ARG (HTTP 400),
 cancelled CANCELLED, model unloading UNAVAILABLE (503), the engine failing INTERNAL (500).
 
+Drain (docs/serving_triton.md, "Stopping"): on SIGTERM tritonserver itself stops taking new
+requests and waits up to ``--exit-timeout-secs`` for running ones; it has no way to tell a model
+that the wait is over. So the launcher (builder/triton_launch.py), once its drain timeout has
+passed, writes the file `END_MARKER` into the model's directory; a watcher thread here sees it
+within _POLL_S and ends every running request: a streaming one with a last response whose
+finish_reason is "abort" (flagged final), a whole one with UNAVAILABLE. Triton then finds
+nothing running and unloads the model in order.
+
 Metrics: `_Metrics` reports infhip-serve's ``/metrics`` families through Triton's custom-metrics
 API, on Triton's metrics port.
 
@@ -75,6 +83,7 @@ OUTPUTS: tuple[tuple[str, str, list[int], str], ...] = (
     ("finish_reason", "TYPE_STRING", [1], "stop | length | abort on the last response, else empty"),
 )
 
+END_MARKER = "infhip-end-requests"  # written by the launcher into the model's directory: end what runs
 _ACCEPTED = sorted([name for name, *_ in INPUTS] + [name for name, *_ in PARAMETERS])
 _POLL_S = 0.1  # how often a responder looks for cancellation while it waits for the engine
 _FLUSH_S = 0.25  # how often the metrics reach Triton (each metric update is a call to the server)
@@ -341,7 +350,14 @@ class TritonPythonModel:
         self.loop = EngineLoop(llm).start()
         self.metrics = _Metrics(llm, {"model": args["model_name"], "version": args["model_version"]})
         self._closing = threading.Event()
+        self._ending = threading.Event()  # the launcher's drain ran out: every request ends now
         self._final = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+        self._end_marker = None
+        if args.get("model_repository"):  # the model's directory (Triton always gives it)
+            self._end_marker = os.path.join(args["model_repository"], END_MARKER)
+            if os.path.exists(self._end_marker):  # left by an earlier drain
+                os.remove(self._end_marker)
+            threading.Thread(target=self._watch_end_marker, name="infhip-triton-drain", daemon=True).start()
 
     def execute(self, requests: list) -> list | None:
         """Decoupled: start a responder per request and return None (they answer through the
@@ -365,6 +381,13 @@ class TritonPythonModel:
         for t in threads:
             t.join()
         return responses
+
+    def _watch_end_marker(self) -> None:
+        """End every running request (and any that still arrives) once END_MARKER exists."""
+        while not self._closing.wait(_POLL_S):
+            if os.path.exists(self._end_marker):
+                self._ending.set()
+                self.loop.end_all()
 
     def finalize(self) -> None:
         """Stop the engine thread; requests still running get an UNAVAILABLE error."""
@@ -423,6 +446,9 @@ class TritonPythonModel:
                 tokens += delta.token_ids
             if delta.finish_reason is not None:
                 if not stream:
+                    if delta.finish_reason == "abort" and self._ending.is_set():
+                        raise _Stop("the server is shutting down and ended the request; send it again "
+                                    "to another replica", "UNAVAILABLE")
                     send(_response("".join(pieces), tokens, delta.finish_reason), True)
                 return delta.finish_reason
         raise RuntimeError("the engine ended the request without a finish reason")

@@ -3,9 +3,11 @@
 Exports the engine (`infhip-export-triton`), starts the tritonserver that `nvidia-pytriton`
 bundles (CPU is enough for a small engine) on --host (loopback by default), then asks
 ``/v2/models/<m>/generate`` and ``/generate_stream`` and prints the answers. With --keep it
-keeps serving until SIGINT (Ctrl-C) or SIGTERM. Either signal, at any point, stops tritonserver
-(which unloads the model and ends its Python-backend stub), waits for it, removes the
-temporary backend folder and exits with status 128 + the signal's number.
+keeps serving until SIGINT (Ctrl-C) or SIGTERM. Either signal drains: tritonserver refuses new
+requests (UNAVAILABLE), running ones get --drain-timeout seconds, then the launcher ends the rest
+(a last "abort" response; builder/triton_launch.py), tritonserver unloads the model and ends its
+Python-backend stub; the launcher removes the temporary backend folder and exits 0. A second
+signal ends the running requests at once (the same way).
 
     pip install -e ".[triton-server]"        # nvidia-pytriton, numpy < 2, tritonclient (docs/serving_triton.md)
     python examples/triton_serve.py --engine engines/smollm2-135m --repo /tmp/triton_repo --prompt "The capital of France is"
@@ -19,6 +21,7 @@ import argparse
 import json
 import signal
 import sys
+import threading
 import urllib.request
 
 from infhip.builder.export_triton import export_triton_repo
@@ -33,14 +36,18 @@ class Terminated(Exception):
         self.signum = signum
 
 
+END_NOW = threading.Event()  # a second signal: end the running requests without waiting out the drain
+
+
 def _on_signal(signum: int, frame) -> None:
-    _ignore_signals()  # one is enough; a second must not cut the shutdown short
+    _on_stopping()
     raise Terminated(signum)
 
 
-def _ignore_signals() -> None:
+def _on_stopping() -> None:
+    """From here on the server is being stopped: a signal only cuts the drain short."""
     for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, signal.SIG_IGN)
+        signal.signal(sig, lambda signum, frame: END_NOW.set())
 
 
 def post(url: str, body: dict) -> bytes:
@@ -72,6 +79,8 @@ def main() -> int:
     p.add_argument("--prompt", default="The capital of France is")
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--keep", action="store_true", help="keep serving after the demo requests (Ctrl-C stops)")
+    p.add_argument("--drain-timeout", type=float, default=30.0,
+                   help="on SIGTERM/SIGINT, seconds running requests may go on before they are ended (default 30)")
     args = p.parse_args()
     if not numpy_ok():
         print("warning: numpy >= 2 here; the bundled Python-backend stub crashes on string inputs with it "
@@ -81,7 +90,8 @@ def main() -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, _on_signal)
     try:
-        with running_server(args.repo, args.host, args.port, args.port + 1, args.port + 2) as server:
+        with running_server(args.repo, args.host, args.port, args.port + 1, args.port + 2,
+                            drain_timeout_s=args.drain_timeout, end_now=END_NOW) as server:
             try:
                 print(f"tritonserver (pid {server.proc.pid}): HTTP {server.url}, gRPC {server.grpc_url}, "
                       f"metrics {server.metrics_url}", flush=True)
@@ -92,10 +102,9 @@ def main() -> int:
                     print(f"tritonserver exited with status {status}", file=sys.stderr)
                     return 1
             finally:
-                _ignore_signals()  # from here on the server is being stopped
+                _on_stopping()
     except Terminated as t:
-        print(f"{t}: tritonserver stopped", file=sys.stderr)
-        return 128 + t.signum
+        print(f"{t}: tritonserver drained and stopped", file=sys.stderr)
     return 0
 
 

@@ -7,8 +7,9 @@ rejected with 400 (and the server answering the next request); a load of 48 conc
 streaming clients with mixed prompt lengths, 8 of them cancelling non-streaming requests
 (nothing lost, every answer equal to the same request alone, the cancelled ones aborted in
 the engine, the engine idle afterwards, the metrics agreeing with what the clients saw);
-HTTP clients leaving. Then `examples/triton_serve.py` stopped by SIGTERM leaves no process and
-no folder behind. Skipped unless nvidia-pytriton, numpy < 2 and tritonclient are installed
+HTTP clients leaving. Then `examples/triton_serve.py` stopped by SIGTERM drains (a request
+arriving meanwhile is refused, a running stream ends with a last "abort" response once the drain
+timeout passes), exits 0 and leaves no process and no folder behind. Skipped unless nvidia-pytriton, numpy < 2 and tritonclient are installed
 (``pip install -e ".[triton-server]"``)."""
 
 from __future__ import annotations
@@ -412,11 +413,24 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def test_example_stops_everything_on_sigterm(engine, tmp_path):
+def _stream_events(port: int, body: dict, events: list, first: threading.Event) -> None:
+    """POST generate_stream and append each event's JSON to events (first: set at the first)."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+    conn.request("POST", "/v2/models/tiny/generate_stream", json.dumps(body), {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    while line := resp.readline():
+        if line.startswith(b"data: "):
+            events.append(json.loads(line[len(b"data: "):]))
+            first.set()
+    conn.close()
+
+
+def test_example_drains_and_stops_everything_on_sigterm(engine, tmp_path):
     http_port = _free_ports(1)[0]
     proc = subprocess.Popen([sys.executable, str(ROOT / "examples" / "triton_serve.py"), "--engine", str(engine),
                              "--repo", str(tmp_path / "repo"), "--port", str(http_port), "--max-tokens", "4",
-                             "--keep"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                             "--keep", "--drain-timeout", "2", "--model-name", "tiny"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
     lines: queue.Queue = queue.Queue()  # its output, then None at its end
     threading.Thread(target=lambda: [*map(lines.put, proc.stdout), lines.put(None)], daemon=True).start()
     output = []
@@ -434,14 +448,48 @@ def test_example_stops_everything_on_sigterm(engine, tmp_path):
         backends = re.search(r"--backend-directory\x00([^\x00]+)", Path(f"/proc/{server_pid}/cmdline").read_text())
         assert stubs and Path(backends.group(1)).is_dir()
 
+        events, first = [], threading.Event()
+        body = {"text_input": "hi", "max_tokens": 3000, "stream": True, **GREEDY}  # seconds of tokens
+        streamer = threading.Thread(target=_stream_events, args=(http_port, body, events, first), daemon=True)
+        streamer.start()
+        assert first.wait(60)
         proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=90) == 128 + signal.SIGTERM
+        time.sleep(0.5)
+        late = _post_status(f"http://127.0.0.1:{http_port}/v2/models/tiny/generate",
+                            {"text_input": "late", "max_tokens": 2})
+        ready = _get_status(f"http://127.0.0.1:{http_port}/v2/health/ready")
+        streamer.join(60)
+        assert proc.wait(timeout=90) == 0
+        assert late[0] != 200 and ready != 200, (late, ready)  # Triton refuses while it drains
+        assert events[-1]["finish_reason"] == "abort" and all(e["finish_reason"] == "" for e in events[:-1])
+        assert 1 < len(events) < 3000
     finally:
         if proc.poll() is None:
             proc.kill()
     assert not _alive(server_pid) and not any(_alive(pid) for pid in stubs)
     assert not Path(backends.group(1)).exists()
     assert _listening(http_port) == []
+
+
+def _post_status(url: str, body: dict) -> tuple[int, str]:
+    req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            return resp.status, resp.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+    except OSError as e:  # refused: the listener is gone
+        return -1, repr(e)
+
+
+def _get_status(url: str) -> int:
+    try:
+        with urllib.request.urlopen(url, timeout=30) as resp:
+            return resp.status
+    except urllib.error.HTTPError as e:
+        return e.code
+    except OSError:
+        return -1
 
 
 def test_failed_start_leaves_nothing(tmp_path, monkeypatch):
