@@ -166,7 +166,7 @@ class GrammarRuntime:
             elif spec.regex is not None:
                 g = c.compile_regex(spec.regex)
             elif spec.structural_tag is not None:
-                g = c.compile_structural_tag(json.dumps(spec.structural_tag))
+                g = c.compile_structural_tag(json.dumps(self._compact_json_regions(spec.structural_tag)))
             else:
                 g = c.compile_grammar(spec.grammar)
         except Exception as e:  # noqa: BLE001 - xgrammar raises RuntimeError / its own types for bad input
@@ -176,6 +176,19 @@ class GrammarRuntime:
         if len(self._cache) > MAX_CACHED_GRAMMARS:
             self._cache.popitem(last=False)
         return g
+
+    def _compact_json_regions(self, node):
+        """A structural tag whose JSON-schema regions are EBNF grammars of compact JSON (as `json`
+        compiles: the tag's own json_schema format lets whitespace run between tokens) with the
+        length-bounded-string fix."""
+        if isinstance(node, list):
+            return [self._compact_json_regions(x) for x in node]
+        if not isinstance(node, dict):
+            return node
+        if node.get("type") == "json_schema" and "json_schema" in node:
+            schema = json.dumps(_bounded_strings_as_patterns(node["json_schema"]))
+            return {"type": "grammar", "grammar": str(self._xgr.Grammar.from_json_schema(schema, any_whitespace=False))}
+        return {k: self._compact_json_regions(v) for k, v in node.items()}
 
     def matcher(self, spec: StructuredOutputsParams):
         """A fresh matcher of spec's grammar for one request."""

@@ -121,6 +121,8 @@ def test_plans_of_each_tool_choice():
         req = ToolCallPlan.of([WEATHER, TIME], "required", template)
         tag = req.structured_outputs.structural_tag["format"]
         assert req.fmt == fmt and tag["at_least_one"] and tag["tags"][0]["begin"].startswith(begin)
+        one = ToolCallPlan.of([WEATHER, TIME], "required", template, parallel=False)  # parallel_tool_calls false
+        assert one.structured_outputs.structural_tag["format"] == {"type": "or", "elements": tag["tags"]}
 
 
 @pytest.mark.parametrize("tools, choice, template, needle", [

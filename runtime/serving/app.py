@@ -17,6 +17,7 @@ last chunk whose finish_reason is "abort" and [DONE] when streaming, or an error
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import time
 from importlib.metadata import PackageNotFoundError, version
@@ -34,6 +35,7 @@ from infhip.runtime.serving.async_engine import AsyncEngine, ClientGone, EngineF
 from infhip.runtime.serving.lifecycle import Lifecycle, Refused, Ticket
 from infhip.runtime.serving.metrics import CONTENT_TYPE, ServerMetrics
 from infhip.runtime.serving.shapes import ChatShape, CompletionShape, token_strings
+from infhip.runtime.serving.tool_calls import ToolCallPlan
 
 ENDPOINTS = ("POST /v1/completions", "POST /v1/chat/completions", "GET /v1/models", "POST /tokenize",
              "POST /detokenize", "GET /health", "GET /health/live", "GET /health/ready", "GET /metrics",
@@ -151,14 +153,32 @@ def make_app(engine: AsyncEngine, metrics: ServerMetrics, model_name: str | list
             body = P.parse_body(P.ChatCompletionRequest, await read_body(request, limits))
             model = served(body.model)
             params = body.sampling_params(body.max_new_tokens, engine.limits)
-            text, ids = await engine.encode_chat([m.for_template() for m in body.messages])
+            tools, params = _tool_plan(body, engine, params)
+            text, ids = await engine.encode_chat([m.for_template() for m in body.messages],
+                                                 tools.tools if tools is not None else None)
             shape = ChatShape(P.new_meta("chatcmpl", model), token_str, [], params.n,
-                              discard=body.max_new_tokens == 0)
+                              discard=body.max_new_tokens == 0, tools=tools)
             return await _generate(engine, lifecycle, ticket, request, [(text, ids)], params, shape, body)
         finally:
             ticket.release_unless_streaming()
 
     return app
+
+
+def _tool_plan(body: P.ChatCompletionRequest, engine: AsyncEngine, params):
+    """(the request's ToolCallPlan or None, params with the grammar that forces its calls)."""
+    template = getattr(engine.tokenizer, "chat_template", None)
+    try:
+        plan = ToolCallPlan.of(body.tools, body.tool_choice, template if isinstance(template, str) else None,
+                               parallel=body.parallel_tool_calls is not False)
+    except ValueError as e:
+        raise P.BadRequest(str(e)) from None
+    if plan is None or plan.structured_outputs is None:
+        return plan, params
+    if params.structured_outputs is not None:
+        raise P.BadRequest("tool_choice \"required\" or a named function is itself an output constraint; "
+                           "send response_format / structured_outputs without it")
+    return plan, dataclasses.replace(params, structured_outputs=plan.structured_outputs)
 
 
 async def read_body(request: Request, limits: HttpLimits) -> bytes:

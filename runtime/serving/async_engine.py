@@ -126,16 +126,18 @@ class AsyncEngine:
             raise BadRequest("this engine has no tokenizer (built with --random-weights from a config)")
         return await self._off_thread(lambda: self.tokenizer.decode(token_ids))
 
-    async def encode_chat(self, messages: list[dict]) -> tuple[str, list[int]]:
+    async def encode_chat(self, messages: list[dict], tools: list[dict] | None = None) -> tuple[str, list[int]]:
         """(rendered text, token ids) of a conversation through the engine's chat template,
-        ending with the assistant's turn. The template writes the special tokens (BOS, role
-        markers), so the text is tokenized without adding any."""
+        ending with the assistant's turn, with `tools` (OpenAI function tools) rendered as the
+        template renders them. The template writes the special tokens (BOS, role markers), so
+        the text is tokenized without adding any."""
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
             raise BadRequest("this engine's tokenizer has no chat template; use POST /v1/completions")
 
         def render():
             try:
-                text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+                text = self.tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
+                                                          add_generation_prompt=True)
             except Exception as e:  # noqa: BLE001 - jinja's errors (e.g. "roles must alternate") are the client's
                 raise BadRequest(f"the chat template refused the messages: {e}") from None
             return text, self.tokenizer(text, add_special_tokens=False)["input_ids"]

@@ -21,6 +21,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator, model_validator
 
 from infhip.runtime.sampling_params import SamplingParams
+from infhip.runtime.serving.tool_calls import template_messages
+from infhip.runtime.structured_output import StructuredOutputsParams
 
 MAX_STOP_STRINGS = 16  # each stop string is searched for on every new token's text
 MAX_STOP_TOKEN_IDS = 1024  # checked against every sampled token
@@ -82,6 +84,14 @@ class _Common(BaseModel):
     logit_bias: dict[str, float] | None = None
     bad_words: list[str] | None = None
     priority: int | None = None
+    # Structured output (runtime/structured_output.py), one source per request: OpenAI's
+    # response_format, vLLM's structured_outputs object, or vLLM's older guided_* fields.
+    response_format: dict | None = None
+    structured_outputs: dict | None = None
+    guided_json: Any = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
     # Our extension: seconds from the request's arrival after which it is aborted (queue time
     # counts); capped by the server's --request-timeout. docs/serving.md, "Lifecycle".
     timeout: float | None = None
@@ -159,15 +169,53 @@ class _Common(BaseModel):
                      stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos, seed=self.seed, n=self.n,
                      presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
                      repetition_penalty=self.repetition_penalty, min_tokens=self.min_tokens, logit_bias=bias,
-                     bad_words=self.bad_words, priority=self.priority, **self._logprobs())
+                     bad_words=self.bad_words, priority=self.priority, structured_outputs=self._structured(),
+                     **self._logprobs())
         try:
             return SamplingParams(**{k: v for k, v in given.items() if v is not None})
         except ValueError as e:
             raise BadRequest(str(e).replace("SamplingParams.", "")) from None
 
+    def _structured(self) -> StructuredOutputsParams | None:
+        """The body's output constraint: response_format (text | json_object | json_schema),
+        structured_outputs {json | json_object | regex | choice | grammar | structural_tag}, or
+        guided_json / guided_regex / guided_choice / guided_grammar; at most one of them."""
+        guided = {k: getattr(self, "guided_" + k) for k in ("json", "regex", "choice", "grammar")
+                  if getattr(self, "guided_" + k) is not None}
+        rf = self.response_format if self.response_format not in (None, {"type": "text"}) else None
+        given = [n for n, v in (("response_format", rf), ("structured_outputs", self.structured_outputs),
+                                *((f"guided_{k}", v) for k, v in guided.items())) if v is not None]
+        if len(given) > 1:
+            raise BadRequest(f"give one output constraint, not {', '.join(given)}")
+        try:
+            if rf is not None:
+                return _response_format(rf)
+            if self.structured_outputs is not None:
+                return StructuredOutputsParams(**self.structured_outputs)
+            return StructuredOutputsParams(**guided) if guided else None
+        except TypeError:
+            raise BadRequest(f"structured_outputs takes json, json_object, regex, choice, grammar or structural_tag; "
+                             f"got {sorted(self.structured_outputs)}") from None
+        except ValueError as e:
+            raise BadRequest(str(e).replace("StructuredOutputsParams.", f"{given[0]}: ")) from None
+
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
+
+
+def _response_format(rf: dict) -> StructuredOutputsParams:
+    """OpenAI's response_format (not "text") as a constraint; BadRequest for other shapes."""
+    kind = rf.get("type")
+    if kind == "json_object":
+        return StructuredOutputsParams(json_object=True)
+    if kind == "json_schema":
+        js = rf.get("json_schema")
+        if not isinstance(js, dict) or not isinstance(js.get("schema"), dict):
+            raise BadRequest("response_format json_schema needs {\"type\": \"json_schema\", \"json_schema\": "
+                             "{\"name\": ..., \"schema\": {JSON schema}}}")
+        return StructuredOutputsParams(json=js["schema"])
+    raise BadRequest(f"response_format type must be \"text\", \"json_object\" or \"json_schema\", got {kind!r}")
 
 
 class CompletionRequest(_Common):
@@ -215,14 +263,30 @@ class ContentPart(BaseModel):
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[ContentPart]
-    name: str | None = None
+    """A chat message; an assistant's may hold tool_calls instead of content, a "tool" message
+    answers one (tool_call_id)."""
 
-    def for_template(self) -> dict[str, str]:
-        text = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
-        return {"role": self.role, "content": text}
+    model_config = ConfigDict(extra="forbid", strict=True)
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[dict] | None = None
+    tool_call_id: str | None = None
+
+    @model_validator(mode="after")
+    def _has_content(self):
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError(f"a {self.role} message needs content (only an assistant's with tool_calls may omit it)")
+        return self
+
+    def for_template(self) -> dict:
+        """The message as chat templates read it (tool-call arguments as objects)."""
+        text = self.content if isinstance(self.content, str) or self.content is None else \
+            "".join(p.text for p in self.content)
+        m = {"role": self.role, "content": text}
+        m.update({k: v for k, v in (("name", self.name), ("tool_calls", self.tool_calls),
+                                    ("tool_call_id", self.tool_call_id)) if v is not None})
+        return template_messages([m])[0]
 
 
 class ChatCompletionRequest(_Common):
@@ -235,7 +299,6 @@ class ChatCompletionRequest(_Common):
     top_logprobs: int | None = None
     tools: list[dict] | None = None
     tool_choice: str | dict | None = None
-    response_format: dict | None = None
     parallel_tool_calls: bool | None = None
     audio: Any = None
     modalities: Any = None
@@ -260,9 +323,7 @@ class ChatCompletionRequest(_Common):
         return v
 
     def _unsupported(self) -> dict[str, bool]:
-        return {**super()._unsupported(), "echo": self.echo,
-                "tools": bool(self.tools), "tool_choice": self.tool_choice not in (None, "none"),
-                "response_format": self.response_format not in (None, {"type": "text"})}
+        return {**super()._unsupported(), "echo": self.echo}
 
     def _logprobs(self) -> dict:
         if self.top_logprobs is not None and not self.logprobs:

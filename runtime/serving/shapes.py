@@ -15,6 +15,7 @@ import functools
 from dataclasses import dataclass, field
 
 from infhip.runtime.serving import protocol as P
+from infhip.runtime.serving.tool_calls import ToolCallPlan
 
 
 def token_strings(tokenizer):
@@ -108,13 +109,45 @@ class CompletionShape(Shape):
 
 
 class ChatShape(Shape):
+    """tools: the request's ToolCallPlan (runtime/serving/tool_calls.py) or None: with one, each
+    choice's text is read for tool calls (content and `tool_calls`; streams: delta items)."""
+
     chunk_object = "chat.completion.chunk"
+
+    def __init__(self, *args, tools: ToolCallPlan | None = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.tools = tools
+        self._streams = {}  # choice index -> its ToolCallStream
 
     def chunk(self, delta, prompt_index: int = 0) -> dict:
         first = (prompt_index * self.n + delta.index) not in self._acc
         c = self._take(delta, prompt_index).choice
+        if self.tools is not None:
+            return P.chat_chunk(self.meta, c, self._tool_delta(c, first), self.token_str)
         d = {"role": "assistant", "content": c.text} if first else {"content": c.text} if c.text else {}
         return P.chat_chunk(self.meta, c, d, self.token_str)
 
+    def _tool_delta(self, c: P.Choice, first: bool) -> dict:
+        """The delta of choice c's new text through its streaming tool-call parser (its
+        finish_reason becomes "tool_calls" when it called tools)."""
+        stream = self._streams.setdefault(c.index, self.tools.stream())
+        content, items = stream.feed(c.text)
+        if c.finish_reason is not None:
+            more, last = stream.finish()
+            content, items = content + more, items + last
+            c.finish_reason = self.tools.finish_reason([None] * stream.calls, c.finish_reason)
+        d = {"role": "assistant"} if first else {}
+        if content or first:
+            d["content"] = content
+        if items:
+            d["tool_calls"] = items
+        return d
+
     def whole(self, use: dict) -> dict:
-        return P.chat_completion(self.meta, self.choices, self.token_str, use)
+        out = P.chat_completion(self.meta, self.choices, self.token_str, use)
+        if self.tools is not None:
+            for ch in out["choices"]:
+                content, calls = self.tools.parse(ch["message"]["content"])
+                ch["message"] = {"role": "assistant", "content": content, **({"tool_calls": calls} if calls else {})}
+                ch["finish_reason"] = self.tools.finish_reason(calls, ch["finish_reason"])
+        return out

@@ -13,7 +13,7 @@ tool_choice:
   "auto"       tools rendered; the output is parsed (text that is not a call stays content); needs
                a chat template that renders tools
   "required"   tools rendered; a grammar forces one or more calls in the model's format (hermes
-               when the template has none)
+               when the template has none); exactly one with parallel_tool_calls false
   {"type": "function", "function": {"name": N}}  a grammar forces N's arguments: the whole
                output is the arguments object (vLLM's way), answered as one call of N
 Forced calls use structured output (runtime/structured_output.py), so "required" and a named
@@ -110,9 +110,11 @@ class ToolCallPlan:
     structured_outputs: StructuredOutputsParams | None = None  # the grammar forcing a call
 
     @classmethod
-    def of(cls, tools: list[dict] | None, tool_choice, chat_template: str | None) -> ToolCallPlan | None:
+    def of(cls, tools: list[dict] | None, tool_choice, chat_template: str | None,
+           parallel: bool = True) -> ToolCallPlan | None:
         """The plan of a request's tools / tool_choice, None if it has no tools to handle;
-        ValueError (the client's mistake, with what to send) for bad ones."""
+        ValueError (the client's mistake, with what to send) for bad ones. parallel: OpenAI's
+        parallel_tool_calls (False: "required" forces exactly one call)."""
         if tool_choice is not None and not tools:
             raise ValueError("tool_choice needs tools: send \"tools\" with it, or leave tool_choice out")
         if not tools:
@@ -137,7 +139,7 @@ class ToolCallPlan:
             return cls(tools, fmt)
         if choice == "required":
             fmt = fmt or HERMES
-            return cls(tools, fmt, None, StructuredOutputsParams(structural_tag=_forced_calls(funcs, fmt)))
+            return cls(tools, fmt, None, StructuredOutputsParams(structural_tag=_forced_calls(funcs, fmt, parallel)))
         raise ValueError(f"tool_choice must be \"none\", \"auto\", \"required\" or a named function, got {choice!r}")
 
     def parse(self, text: str) -> tuple[str | None, list[dict]]:
@@ -170,17 +172,18 @@ def _check_tools(tools) -> dict[str, dict]:
     return funcs
 
 
-def _forced_calls(funcs: dict[str, dict], fmt: str) -> dict:
-    """An xgrammar structural tag: one or more calls of these functions in fmt, nothing else."""
+def _forced_calls(funcs: dict[str, dict], fmt: str, parallel: bool) -> dict:
+    """An xgrammar structural tag: one or more calls (one if not parallel) of these functions in
+    fmt, nothing else."""
     if fmt == HERMES:
         begin, end, sep = '<tool_call>\n{{"name": "{}", "arguments": ', "}\n</tool_call>", "\n"
     else:
         begin, end, sep = '{{"name": "{}", "parameters": ', "}", "; "
     tags = [{"type": "tag", "begin": begin.format(name), "end": end,
-             "content": {"type": "json_schema", "json_schema": schema, "max_whitespace_cnt": 1}}
-            for name, schema in funcs.items()]
-    return {"type": "structural_tag", "format": {"type": "tags_with_separator", "tags": tags, "separator": sep,
-                                                  "at_least_one": True, "stop_after_first": False}}
+             "content": {"type": "json_schema", "json_schema": schema}} for name, schema in funcs.items()]
+    fmt = ({"type": "tags_with_separator", "tags": tags, "separator": sep, "at_least_one": True} if parallel
+           else {"type": "or", "elements": tags})
+    return {"type": "structural_tag", "format": fmt}
 
 
 class ToolCallStream:
