@@ -12,9 +12,10 @@ import torch
 from infhip.plugins.infinitehip import (PAD, block_key_mask, mask_heads, plan_query_blocks, pruning_stage,
                                         pruning_stage_ref, select_rep_scores, select_rep_scores_ref,
                                         sparse_attention_ref, sparse_decode_attention, sparse_prefill_attention)
+from infhip.plugins.infinitehip.raw_keys import unrotate_keys
 from infhip.plugins.paged_kv import PagedKV
 
-from .test_infinitehip_common import DEVICE, PagedSeqs, inv_freq, random_rows, rel_err
+from .test_infinitehip_common import DEVICE, PagedSeqs, inv_freq, quantize_seqs, random_rows, rel_err
 
 N_SINK, N_STREAM = 4, 8
 GROUPS = [(3, 3), (4, 2), (7, 1)]  # Hq, Hkv: GQA groups 1, 2, 7
@@ -134,6 +135,33 @@ def test_decode_pruning_and_streaming_rope_attention(layout):
                                    rope_group=4, **opts)
     assert rel_err(out, sparse_attention_ref(q, seqs.k_cache, seqs.v_cache, tables, q_start, lens, ends, sel,
                                              **opts)) < 1e-5
+
+
+def test_q_head_from_fp8_raw_keys_at_a_query_stride():
+    """The prefill path past the window, per q head: keys un-rotated once from an fp8 cache
+    (raw_keys.py), RELATIVE pruning at query stride 4, then STREAMING attention over the fp8
+    cache == the float64 references on the dequantized cache (representatives where the
+    tournament is not a near-tie)."""
+    Hq, Hkv, D = 4, 2, 16
+    seqs, q, (q_start, lens, ends, tables), seq = setup(Hq, Hkv, D, seed=9, dyadic=False)
+    fp8 = quantize_seqs(seqs)
+    freq = inv_freq(D)
+    raw = unrotate_keys(fp8.paged, seqs.block_tables, seqs.context_lens.tolist(), freq, seq.long(), dtype=q.dtype)
+    kw = dict(chunk_size=8, n_sink=N_SINK, n_stream=N_STREAM, mask_layout="q_head", rope_style="relative",
+              inv_freq=freq, query_stride=4)
+    scores, reps = select_rep_scores(q, fp8.paged, tables, q_start, lens, ends, block_q=BLOCK_Q, store_reps=True,
+                                     raw_keys=raw, **kw)
+    ref_scores, ref_reps, margins = select_rep_scores_ref(q, seqs.k_cache, tables, q_start, lens, ends,
+                                                          max_candidates=scores.shape[-1] * 8, **kw)
+    assert torch.allclose(scores.double().cpu(), ref_scores, rtol=1e-5, atol=1e-5)
+    clear = margins > 1e-4
+    assert clear.float().mean() > 0.9 and torch.equal(reps.cpu()[clear], ref_reps[clear])
+    sel, _ = pruning_stage(q, fp8.paged, tables, q_start, lens, ends, block_q=BLOCK_Q, k=24, raw_keys=raw, **kw)
+    opts = dict(n_sink=N_SINK, n_stream=N_STREAM, scale=0.25, rope_style="streaming", inv_freq=freq)
+    out = sparse_prefill_attention(q, fp8.paged, tables, q_start, lens, ends, sel, block_q=BLOCK_Q, rope_group=8,
+                                   **opts)
+    ref = sparse_attention_ref(q, seqs.k_cache, seqs.v_cache, tables, q_start, lens, ends, sel, **opts)
+    assert rel_err(out, ref) < 1e-5
 
 
 def test_a_quiet_q_head_keeps_its_chunk_with_its_own_budget():
