@@ -271,7 +271,7 @@ qwen-parity)  # issue 32: the authors' InfiniteHiP mask (hip-attn 1.2.9, the whe
   qwen_setup
   python3 -m zipfile -e .whl/hip_attn-1.2.9-py3-none-any.whl /tmp/hip-attn-1.2.9
   python3 benchmarks/parity_infinitehip.py --hip-attn /tmp/hip-attn-1.2.9 --lengths 32768,131072 \
-      --prompts niah_single_2:0,niah_single_2:1,passkey:0.5 --template chat --layers all --query-blocks 4 \
+      --prompts niah_single_2:0,niah_single_2:1,passkey:0.5 --template chat --layers all --query-blocks 4 --ref-per-head \
       --out $OUT
   ;;
 *) echo "usage: bash benchmarks/gpu_quality.sh smol|gemma|smol-chunk-score|smol-query-stride|smol-stage3-stride|smol-layer-bisect|qwen|qwen-knobs|qwen-knobs-passkey|qwen-budget|qwen-rope|qwen-special|qwen-parity" >&2; exit 2 ;;

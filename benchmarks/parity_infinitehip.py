@@ -23,6 +23,8 @@ blocks of 64 queries:
   as rope_off_in_trained_window does), then sink + survivors + stream (blocks.block_key_mask);
   one mask per --layouts entry that our pruning_stage accepts (`mask_layout`; "shared" always).
   On CUDA our Triton kernels run; on CPU their float64 reference (pruning_ref.py, same contract).
+* with --ref-per-head, also their mask with HIP_HEAD_REDUCE=0: their chunk scores are not maxed
+  over heads, so each query head keeps its own chunks (their default, 1, shares one selection).
   Our masks are those the engine would use at this length even where dense_threshold (33K) would
   run the layer dense (as the issue's gates force InfiniteHiP on at 32K).
 
@@ -197,7 +199,7 @@ def needle_stats(q_last, k, needle: list[int], keeps: dict[str, torch.Tensor], s
 
 
 def run_one(hip, tok, model, spec: str, length: int, layers: list[int], nb: int, layouts: list[str], log,
-            template: str = "base"):
+            template: str = "base", ref_per_head: bool = False):
     ids, answers = prompt_ids(tok, spec, length, template)
     T, C = len(ids), nb * BLOCK_Q
     needle = needle_tokens(tok, ids, answers)
@@ -223,6 +225,15 @@ def run_one(hip, tok, model, spec: str, length: int, layers: list[int], nb: int,
         ref_keep = torch.stack([ref.keep(b, int(e), T) for b, e in enumerate(ends.tolist())])  # [NB, Hq, T]
         qC = q[-C:]
         masks = {"reference": ref_keep, **{f"ours_{n}": m for n, m in ours.items()}}
+        if ref_per_head:  # their code with HIP_HEAD_REDUCE=0: each query head keeps its own chunks
+            prev = os.environ.get("HIP_HEAD_REDUCE")
+            os.environ["HIP_HEAD_REDUCE"] = "0"
+            try:
+                ph = hip_attn_ref.reference_mask(hip, q, k, layer, C, model_context_length=trained,
+                                                 cos=cos[0], sin=sin[0], scale=scale)
+            finally:
+                os.environ.pop("HIP_HEAD_REDUCE") if prev is None else os.environ.update(HIP_HEAD_REDUCE=prev)
+            masks["reference_q_head"] = torch.stack([ph.keep(b, int(e), T) for b, e in enumerate(ends.tolist())])
         entry = {name: compare(qC, k, m, ref_keep, scale, ends, T) for name, m in masks.items()}
         entry["keys_kept_last_block"] = {name: m[-1].sum(-1).tolist() for name, m in masks.items()}
         entry["needle"] = needle_stats(q[-1], k, needle, {n: m[-1] for n, m in masks.items()}, scale, T)
@@ -273,6 +284,8 @@ def main() -> None:
     ap.add_argument("--layers", default="all", help="comma-separated 0-based layers, or all")
     ap.add_argument("--query-blocks", type=int, default=4, help="newest query blocks of 64 measured (>= 2)")
     ap.add_argument("--layouts", default="shared,kv_head,q_head", help="our mask layouts, where supported")
+    ap.add_argument("--ref-per-head", action="store_true",
+                    help="also their mask with HIP_HEAD_REDUCE=0 (one selection per query head; their default is 1)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     a = ap.parse_args()
@@ -293,7 +306,7 @@ def main() -> None:
     for length in [int(x) for x in a.lengths.split(",")]:
         for spec in a.prompts.split(","):
             runs.append(run_one(hip, tok, model, spec, length, layers, a.query_blocks, a.layouts.split(","), log,
-                                a.template))
+                                a.template, a.ref_per_head))
             meta = {"command": " ".join(sys.argv), "hip_attn": hip.version, "torch": torch.__version__,
                     "device": a.device if a.device == "cpu" else torch.cuda.get_device_name(),
                     "machine": platform.node(), "interpret": os.environ.get("TRITON_INTERPRET", "0"),
