@@ -145,7 +145,8 @@ def walk(root: Requirement, machine: dict, find_wheel, excluded: dict | None = N
     edges = [e for e in edges if e[0].split("[")[0] in live]
     there = {n: [f"{spec} (from {who})" for spec, who in v if who.split("[")[0] in live]
              for n, v in check_there.items()}
-    return {"wheels": wheels, "edges": edges, "conflicts": conflicts, "check_there": {n: v for n, v in there.items() if v}}
+    return {"wheels": wheels, "edges": edges, "conflicts": conflicts,
+            "check_there": {n: v for n, v in there.items() if v}}
 
 
 def _who(parent: tuple | None) -> str:
