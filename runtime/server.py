@@ -105,7 +105,7 @@ class HttpServer:
     async def _drain(self) -> None:
         finished = await self.lifecycle.drain(self.policy.drain_timeout_s)
         if not finished:
-            _say(f"drain timeout: the server ended the requests still running")
+            _say("drain timeout: the server ended the requests still running")
         self._uvicorn.should_exit = True  # uvicorn closes the listener and idle connections, then returns
 
 
@@ -180,7 +180,8 @@ def make_parser():
     life.add_argument("--request-timeout", type=float, default=d.request_timeout_s,
                       help="default and cap of a request's deadline in seconds, from its arrival (default 0 = none)")
     life.add_argument("--header-timeout", type=float, default=d.header_timeout_s,
-                      help=f"seconds for a request line and headers to arrive, else 408 (default {d.header_timeout_s:g}; 0 = none)")
+                      help="seconds for a request line and headers to arrive, else 408 "
+                           f"(default {d.header_timeout_s:g}; 0 = none)")
     life.add_argument("--stall-timeout", type=float, default=d.stall_timeout_s,
                       help=f"/health/live answers 503 once one engine step runs longer (default {d.stall_timeout_s:g})")
     life.add_argument("--api-key", default=os.environ.get("INFHIP_API_KEY"),

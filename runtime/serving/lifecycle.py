@@ -185,7 +185,8 @@ class Lifecycle:
             return f"the engine thread is not running ({self.loop.death!r})"
         started = self.loop.turn_started
         if started is not None and time.monotonic() - started > self.policy.stall_timeout_s:
-            return f"one engine step has run for {time.monotonic() - started:.0f} s (> {self.policy.stall_timeout_s:g} s)"
+            return (f"one engine step has run for {time.monotonic() - started:.0f} s "
+                    f"(> {self.policy.stall_timeout_s:g} s, --stall-timeout)")
         return None
 
     def ready(self) -> str | None:
