@@ -94,10 +94,12 @@ def _empty_cuda_cache() -> None:
         torch.cuda.empty_cache()
 
 
-def start_server(engine: str, device: str | None) -> tuple[subprocess.Popen, str]:
-    """infhip-serve on a free loopback port; (process, base URL) once it listens."""
+def start_server(engine: str, device: str | None, max_clients: int) -> tuple[subprocess.Popen, str]:
+    """infhip-serve on a free loopback port, admitting every client (no 429: the benchmark sends
+    all requests at once); (process, base URL) once it listens."""
     argv = [sys.executable, "-m", "infhip.runtime.server", "--engine", engine, "--port", "0",
-            "--backlog", "4096"] + (["--device", device] if device else [])
+            "--backlog", "4096", "--max-waiting-requests", str(max_clients), "--max-waiting-tokens", str(1 << 40)]
+    argv += ["--device", device] if device else []
     proc = subprocess.Popen(argv, stderr=subprocess.PIPE, text=True)
     for line in proc.stderr:
         sys.stderr.write(line)
@@ -157,7 +159,7 @@ def main(argv=None) -> int:
     prompts = {n: make_prompts(args.engine, n, args.prompt_tokens, args.prompt_token_ids, seed=n) for n in clients}
 
     off = offline(args.engine, args.device, prompts, args.max_tokens)
-    proc, url = start_server(args.engine, args.device)
+    proc, url = start_server(args.engine, args.device, max(clients))
     try:
         srv = {}
         for n in clients:

@@ -141,7 +141,8 @@ def server_cmds(ckpt: Path, engine: Path) -> dict[str, list[str]]:
     return {"vllm": vllm_cmd("serve", str(ckpt), "--served-model-name", NAME, "--port", str(PORT),
                              "--dtype", "bfloat16", "--seed", "0"),
             "infhip": [sys.executable, "-m", "infhip.runtime.server", "--engine", str(engine),
-                       "--served-model-name", NAME, "--port", str(PORT), "--backlog", "4096"]}
+                       "--served-model-name", NAME, "--port", str(PORT), "--backlog", "4096",
+                       "--max-waiting-requests", "100000", "--max-waiting-tokens", str(1 << 40)]}  # no 429: vLLM has none
 
 
 def serving(ckpt: Path, engine: Path, out: Path, rows: list) -> dict:
