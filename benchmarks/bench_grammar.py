@@ -38,6 +38,7 @@ SCHEMA = {
     "additionalProperties": False,
 }
 ANSWERS = {
+    # compact separators (", " and ": "): what runtime/structured_output.py compiles JSON to
     "json_object": json.dumps({"title": "Genesis", "verses": [1, 2, 3], "ok": True, "note": None}),
     "json_schema": json.dumps({"name": "Ada Lovelace", "age": 36, "email": "ada@example.org",
                                "tags": ["math", "engines"], "address": {"city": "London", "zip": "W1"},
@@ -55,26 +56,26 @@ def _pct(xs: list[float], q: float) -> float:
 
 
 class Xgr:
+    """xgrammar as runtime/structured_output.py runs it (GrammarRuntime: compact JSON, its cache
+    cleared before each compile)."""
+
     name = "xgrammar"
 
     def __init__(self, tok, vocab_size: int):
-        import xgrammar as xgr
-        self.xgr, self.vocab_size = xgr, vocab_size
-        self.info = xgr.TokenizerInfo.from_huggingface(tok, vocab_size=vocab_size)
+        from infhip.runtime.structured_output import GrammarRuntime
+        self.rt = GrammarRuntime(tok, vocab_size, (tok.eos_token_id,))
 
     def compile(self, kind: str):
-        c = self.xgr.GrammarCompiler(self.info, cache_enabled=False)
-        if kind == "json_object":
-            return c.compile_builtin_json_grammar()
-        if kind == "json_schema":
-            return c.compile_json_schema(json.dumps(SCHEMA))
-        if kind == "regex":
-            return c.compile_regex(REGEX)
-        return c.compile_regex("(" + "|".join(CHOICES) + ")")
+        from infhip.runtime.structured_output import StructuredOutputsParams as S
+        spec = {"json_object": S(json_object=True), "json_schema": S(json=SCHEMA), "regex": S(regex=REGEX),
+                "choice": S(choice=CHOICES)}[kind]
+        self.rt._cache.clear()
+        return self.rt.compile(spec)
 
     def walk(self, grammar, tokens: list[int]) -> list[float]:
-        m = self.xgr.GrammarMatcher(grammar)
-        mask = self.xgr.allocate_token_bitmask(1, self.vocab_size)
+        import xgrammar as xgr
+        m = xgr.GrammarMatcher(grammar)
+        mask = xgr.allocate_token_bitmask(1, self.rt.vocab_size)
         times = []
         for t in tokens:
             t0 = time.perf_counter()
