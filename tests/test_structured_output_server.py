@@ -144,6 +144,11 @@ def test_tool_round_trip_is_accepted(client):
 
 
 # -- Qwen2.5-Coder-0.5B: its own template renders the tools, its <tool_call> format is parsed ------
+QWEN_WEATHER = {"type": "function", "function": {**WEATHER["function"], "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}, "unit": {"enum": ["C", "F"]}},
+    "required": ["city", "unit"]}}}
+
+
 @pytest.mark.slow
 def test_qwen_streamed_tool_call_in_its_own_format(tmp_path):
     from infhip.builder import registry
@@ -158,7 +163,7 @@ def test_qwen_streamed_tool_call_in_its_own_format(tmp_path):
         calls, finish, text = {}, None, ""
         for chunk in client.chat.completions.create(
                 model="infhip", messages=[{"role": "user", "content": "What is the weather in Paris, in C?"}],
-                tools=[WEATHER], tool_choice="required", temperature=0, max_tokens=40, stream=True):
+                tools=[QWEN_WEATHER], tool_choice="required", temperature=0, max_tokens=40, stream=True):
             d = chunk.choices[0].delta
             text += d.content or ""
             finish = chunk.choices[0].finish_reason or finish
