@@ -235,3 +235,27 @@ def test_priority_admits_a_short_request_during_a_long_prefill(root):
     while not late.seq.output_token_ids:
         llm.step()
     assert long.seq.output_token_ids
+
+
+def test_back_to_back_decode_steps_equal_single_steps(root, llm):
+    """num_decode_steps 4 (the GPU default's path, run eagerly here): penalties and min_tokens
+    advance on the device between steps, logprobs are read once after the run; all equal to one
+    step at a time."""
+    multi = LLM(root / "engine", num_decode_steps=4)
+    sps = [SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, logprobs=2, repetition_penalty=1.4,
+                          frequency_penalty=0.6, presence_penalty=0.3),
+           SamplingParams(max_tokens=10, temperature=0.8, seed=9, min_tokens=6, logit_bias={llm.eos_token_ids[0]: 50},
+                          logprobs=0),
+           SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)]
+    prompts = [PROMPT, PROMPT[:20], PROMPT[5:30]]
+    one = llm.generate(prompt_token_ids=prompts, sampling_params=sps)
+    runs, run = [], multi.runner.execute_decode_steps
+    multi.runner.execute_decode_steps = lambda out, k, sample: runs.append(k) or run(out, k, sample)
+    four = multi.generate(prompt_token_ids=prompts, sampling_params=sps)
+    assert runs and set(runs) == {4}  # the back-to-back path ran
+    for a, b in zip(one, four):
+        assert a.token_ids == b.token_ids and a.finish_reason == b.finish_reason
+        if a.logprobs is not None:
+            assert [r.token_id for r in a.logprobs] == [r.token_id for r in b.logprobs]
+            assert [r.logprob for r in a.logprobs] == pytest.approx([r.logprob for r in b.logprobs], abs=1e-5)
+    assert len(one[1].token_ids) == 7 and one[1].finish_reason == "stop"  # EOS held back until 6 were out
