@@ -1,7 +1,7 @@
 """UniPrefill token dropping in the runtime (paper 004; kernels in plugins/token_drop).
 
 What a *prefill pass* is here: one scheduler chunk of one sequence. Its observation window is
-the chunk's last n = obs_window queries; they score every key the anchor layer holds for the
+the chunk's last n = obs_window queries; they score every key the drop layer holds for the
 sequence (earlier chunks' kept keys, gathered from the cache, and all of the chunk's own), with
 the softmax over all of them. Only the chunk's own blocks can be dropped (earlier chunks' KV is
 final); top-p keeps the smallest set of the chunk's blocks holding fraction p of the mass the
@@ -10,25 +10,32 @@ the chunk), so a chunk starting mid-block selects that block as a whole and keep
 than min_prompt_len or it has fewer than G droppable tokens (after sinks and the kept tail);
 decode rows never drop. One step may mix decodes, dropping and non-dropping prefill chunks.
 
-Where the drop happens, at an anchor (every full-attention layer):
+The schedule (TokenDropConfig drop_layers / drop_point / reenter; resolve_drop_layers): drops
+happen at the *drop layers* (full-attention layers). At a drop layer, with the rows flowing now
+(the whole batch, or the rows kept by earlier drops):
 
-    x (stream into the anchor) -> input norm -> q, k, v of ALL rows; RoPE at original positions
+    x -> input norm -> q, k, v of the current rows; RoPE at original positions
     -> importance: the chunk's last n queries vs every key the layer holds (its earlier kept keys
-       and this chunk's keys of all rows) -> top-p keep set S
-    -> K/V of S only written; attention of S over the layer's earlier keys + S (causal)
-    -> o_proj and the rest of the layer on S; every later layer on S, until the next anchor,
-       where the dropped rows re-enter with x (their stream at this anchor's input).
+       and the chunk's current keys), blocks of G over that key list -> top-p keep set S
+    after_attention (default, the authors' vLLM code):
+       K/V of all current rows written; their attention and o_proj; then only S continues:
+       the layer's MLP and every later layer
+    before_attention (the paper's Eq. 8):
+       K/V of S only written; attention of S over the layer's earlier keys + S (causal); the
+       rest of the layer and every later layer on S
+    reenter=False (default, the authors' code): dropped rows never come back (the kept set only
+    shrinks); reenter=True (the paper): they re-enter at the next drop layer with their stream
+    as it was when dropped (before: at the drop layer's input; after: after its attention), and
+    that layer chooses again among all rows.
 
-This is the paper's Eq. 8 (a dropped token skips its whole block, the anchor's attention update
-included, and re-enters with its pre-block state) with its remark that keys are restricted to
-the kept set as well ("dropped tokens should not be attended to": attention costs |S| x |S|).
-Dropping "after the anchor's attention" would give the same kept rows only if that attention
-ran over all keys; here the anchor's attention already sees S only, so its cost falls with rho.
-The stream is carried as (hidden, residual); a dropped row's saved state is x = hidden +
-residual at the anchor's input.
+Full-attention layers that are not drop layers run the current rows (compact after a drop).
+The paper's remark that dropped tokens are not attended to holds in both: a layer's keys are the
+rows that ran it. The stream is carried as (hidden, residual); a dropped row's saved state is
+hidden + residual at the point of the drop.
 
 KV, per layer:
-* A token dropped at anchor l writes no KV at l nor at the layers until the next anchor. A
+* A token writes KV exactly at the layers whose attention it runs: dropped at layer l before
+  attention, none at l; after attention, at l and not after (until it re-enters). A
   full-attention layer stores the keys it holds contiguously in the sequence's page table
   (compact slot = position - tokens that layer dropped before), so each (sequence, layer) has
   its own length. `Sequence.dropped` is the drop history (per layer), and steps with such a
@@ -49,7 +56,7 @@ KV, per layer:
 With InfiniteHiP layers (token-drop prefill, sparse decode):
 * A step with a dropping chunk runs no sparse attention: token drop's kernels attend densely at
   the layers it handles (its own kept rows, and the step's decode rows and other prefill chunks
-  at the anchors), every other layer takes the dense path; the mask caches of the step's decode
+  at the layers it handles), every other layer takes the dense path; the mask caches of the step's decode
   rows are invalidated (their next sparse step recomputes every stage).
 * Afterwards each InfiniteHiP layer prunes and attends over the keys it holds: its compacted KV,
   whose length is the request's context minus what that layer dropped (the ends the sparse
@@ -352,7 +359,7 @@ class TokenDropStep:
         return keep.index_copy_(0, drop_rows_t, kept)
 
     def _compact(self, attn, q, k, v, ctx) -> torch.Tensor:
-        """A sliding layer between anchors: the compact rows only."""
+        """A sliding layer after a drop: the compact rows only."""
         meta, W = ctx.groups[attn.kv_group], attn.window
         DENSE.rope_and_write(attn, q, k, v, self.positions, self.slots[attn.kv_group])
         out = torch.empty_like(q)
@@ -375,13 +382,13 @@ class DropStats:
     """What the drops of the steps so far leave behind, recorded after each dropping step:
     each dropping sequence's drop history (``Sequence.dropped``: tokens each layer did not
     write, read by the next steps' per-layer KV) and, per sequence, kept / total tokens per
-    anchor summed over the chunks of its latest prefill (``retention``, the latest 256
-    sequences). Tests set ``record_kept_positions`` to also keep the kept positions per chunk."""
+    full-attention layer (tokens that ran its MLP) summed over the chunks of its latest prefill
+    (``retention``, the latest 256 sequences). Tests set ``record_kept_positions`` to also keep the kept positions per chunk."""
 
     def __init__(self) -> None:
-        self.retention: dict[int, dict[int, list[int]]] = {}  # seq_id -> {anchor: [kept, total]}
+        self.retention: dict[int, dict[int, list[int]]] = {}  # seq_id -> {layer: [kept, total]}
         self.record_kept_positions = False
-        self.kept_positions: dict[int, dict[int, list[torch.Tensor]]] = {}  # seq_id -> {anchor: [positions]}
+        self.kept_positions: dict[int, dict[int, list[torch.Tensor]]] = {}  # seq_id -> {layer: [positions]}
 
     def record(self, seqs: list, td: TokenDropStep, num_layers: int) -> None:
         """seqs: the step's sequences in batch order; td: the step's drop state."""

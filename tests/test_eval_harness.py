@@ -206,7 +206,10 @@ def test_token_drop_flag(tiny, tmp_path):
     assert ppl("--token-drop", "off") == base
     assert ppl("--token-drop", "p=1,min_prompt_len=0") == pytest.approx(base, rel=1e-9)
     assert ppl("--max-num-batched-tokens", "64", chunk=64) == pytest.approx(base, rel=1e-4)  # chunked: exact
-    assert ppl("--token-drop", "obs_window=8,block_size=8,num_sink=8,min_prompt_len=0,spare_anchors=0",
+    # every full layer drops before its attention: the tiny Gemma's one global layer (5) drops its
+    # keys (the authors' schedule drops after layer 5's attention, which leaves the decode's keys whole)
+    assert ppl("--token-drop", "obs_window=8,block_size=8,num_sink=8,min_prompt_len=0,spare_anchors=0,"
+               "drop_layers=every,drop_point=before_attention,reenter=true",
                "--retention", "0.3") != pytest.approx(base, rel=1e-3)
     assert cli.main(["ppl", "--engine", str(engine), "--lengths", "64", "--token-drop", "q=1"]) == 2
     assert cli.main(["ppl", "--engine", str(engine), "--lengths", "64", "--token-drop", "spare_anchors=-1"]) == 2
