@@ -88,6 +88,8 @@ class HttpServer:
 
     def drain(self) -> None:
         """What SIGTERM does, from any thread: the first call drains, a second ends everything now."""
+        if self._event_loop is None:
+            raise RuntimeError("the server is not serving yet: call drain() after start() / serve_forever()")
         self._event_loop.call_soon_threadsafe(self._on_signal, None)
 
     # -- drain (on the server's event loop) -----------------------------------------------------

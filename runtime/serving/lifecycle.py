@@ -40,15 +40,21 @@ class ServingPolicy:
         for name in ("drain_timeout_s", "request_timeout_s", "header_timeout_s", "stall_timeout_s"):
             v = getattr(self, name)
             if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v) or v < 0:
-                raise ValueError(f"ServingPolicy.{name} must be a finite number >= 0, got {v!r}")
+                raise ValueError(f"ServingPolicy.{name} ({_flag(name)}) must be a finite number >= 0, got {v!r}")
         for name in ("max_waiting_requests", "max_waiting_tokens"):
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
-                raise ValueError(f"ServingPolicy.{name} must be an int >= 0 or None (derived), got {v!r}")
+                raise ValueError(f"ServingPolicy.{name} ({_flag(name)}) must be an int >= 0 or None (derived), "
+                                 f"got {v!r}")
         if isinstance(self.retry_after_s, bool) or not isinstance(self.retry_after_s, int) or self.retry_after_s < 1:
             raise ValueError(f"ServingPolicy.retry_after_s must be an int >= 1, got {self.retry_after_s!r}")
         if self.api_key is not None and not self.api_key:
             raise ValueError("ServingPolicy.api_key must be a non-empty string or None")
+
+
+def _flag(field: str) -> str:
+    """infhip-serve's flag of a ServingPolicy field (drain_timeout_s -> --drain-timeout)."""
+    return "--" + field.removesuffix("_s").replace("_", "-")
 
 
 class Refused(Exception):
