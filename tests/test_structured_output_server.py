@@ -4,8 +4,9 @@ official openai client: `chat.completions.parse` with a pydantic model returns t
 object; response_format, structured_outputs and guided_* constrain chat and completions; tool
 calls forced by tool_choice "required" / a named function come back as `tool_calls`, whole and
 as streamed deltas, and a tool round trip renders; bad constraints and tools get a 400 that
-says why. The tiny chat template renders no tools, so its calls are all forced; Qwen2.5-Coder's
-own template and format: the last test (skipped unless its parts are installed)."""
+says why. The tiny chat template renders no tools, so its calls are all forced; tool_choice
+"auto" runs on a tiny engine given a hermes-style template (a regex makes it write a call);
+Qwen2.5-Coder's own template and format: the last test (skipped unless its parts are installed)."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from pydantic import BaseModel, Field
 
 from infhip import LLM
 from tests._serving import error_of, post, running_server, sse_events
-from tests._tiny import build_tiny_api_engine
+from tests._tiny import build_tiny_api_engine, write_tiny_hf_checkpoint
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city",
@@ -141,6 +142,48 @@ def test_tool_round_trip_is_accepted(client):
         {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21"}]
     out = client.chat.completions.create(model="infhip", messages=messages, max_tokens=4, temperature=0)
     assert out.choices[0].finish_reason in ("stop", "length")
+
+
+# -- tool_choice "auto": a template that renders tools in the hermes format ------------------------
+HERMES_TEMPLATE = ("{% if tools %}<s>system: call a tool as <tool_call>{\"name\": ..., \"arguments\": ...}</tool_call>: "
+                   "{% for t in tools %}{{ t.function.name }} {% endfor %}</s>{% endif %}"
+                   "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}</s>{% endfor %}"
+                   "{% if add_generation_prompt %}<s>assistant: {% endif %}")
+# What a model trained on that format would write; here a regex makes the random weights write it.
+ANSWER = r'Sure\.\n<tool_call>\n\{"name": "get_time", "arguments": \{"zone": "(UTC|CET)"\}\}\n</tool_call>'
+
+
+@pytest.fixture(scope="module")
+def hermes_server(tmp_path_factory):
+    from infhip.builder.build import build_engine
+    root = tmp_path_factory.mktemp("so_hermes")
+    write_tiny_hf_checkpoint(root / "hf", "llama", tokenizer=True)
+    engine = build_engine(checkpoint=root / "hf", output_dir=root / "engine", dtype="float32", device="cpu",
+                          max_seq_len=256, max_batch_size=2, progress=False)  # room for the tools and the call
+    (engine / "tokenizer" / "chat_template.jinja").write_text(HERMES_TEMPLATE)
+    with running_server(LLM(engine)) as srv:
+        yield srv
+
+
+def test_auto_tool_calls_parsed_from_the_models_text(hermes_server):
+    client = openai.OpenAI(base_url=hermes_server.url + "/v1", api_key="none", max_retries=0, timeout=120)
+    kw = dict(model="infhip", messages=USER, temperature=1.0, max_tokens=150, seed=8,
+              extra_body={"structured_outputs": {"regex": ANSWER}})
+    plain = client.chat.completions.create(**kw)  # no tools: the same text is content
+    assert re.fullmatch(ANSWER, plain.choices[0].message.content) and not plain.choices[0].message.tool_calls
+    out = client.chat.completions.create(tools=[WEATHER, TIME], **kw)
+    assert out.usage.prompt_tokens > plain.usage.prompt_tokens  # the template rendered the tools
+    msg = out.choices[0].message
+    assert out.choices[0].finish_reason == "tool_calls" and msg.content == "Sure." and len(msg.tool_calls) == 1
+    check_call(msg.tool_calls[0])
+    content, calls, finish = "", [], None
+    for chunk in client.chat.completions.create(tools=[WEATHER, TIME], stream=True, **kw):
+        content += chunk.choices[0].delta.content or ""
+        calls += chunk.choices[0].delta.tool_calls or []
+        finish = chunk.choices[0].finish_reason or finish
+    assert content == "Sure." and finish == "tool_calls" and len(calls) == 1  # one delta item: the whole call
+    assert calls[0].function.arguments == msg.tool_calls[0].function.arguments  # same seed, same call
+    check_call(calls[0])
 
 
 # -- Qwen2.5-Coder-0.5B: its own template renders the tools, its <tool_call> format is parsed ------
