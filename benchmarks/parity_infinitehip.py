@@ -277,7 +277,7 @@ def markdown(runs) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--hip-attn", required=True, help="hip-attention checkout, unpacked wheel or site-packages")
+    ap.add_argument("--hip-attn", help="hip-attention checkout, unpacked wheel or site-packages")
     ap.add_argument("--lengths", default="32768,131072")
     ap.add_argument("--prompts", default="niah_single_2:0,niah_single_2:1,passkey:0.5")
     ap.add_argument("--template", default="base", choices=("base", "chat"), help="RULER prompt template")
@@ -288,7 +288,13 @@ def main() -> None:
                     help="also their mask with HIP_HEAD_REDUCE=0 (one selection per query head; their default is 1)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--table-from", nargs="+", metavar="JSON", help="only print the table of earlier runs' raw JSON")
     a = ap.parse_args()
+    if a.table_from:
+        print(markdown([r for f in a.table_from for r in json.loads(Path(f).read_text())["runs"]]))
+        return
+    if not a.hip_attn:
+        ap.error("--hip-attn is required (a hip-attention checkout, unpacked wheel or site-packages)")
     if a.query_blocks < 2:
         ap.error("--query-blocks must be >= 2: their landmark scan runs for more than one query block")
     hip = hip_attn_ref.load(a.hip_attn)
