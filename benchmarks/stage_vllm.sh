@@ -19,7 +19,7 @@
 # note for when that is safe). vLLM's extensions need libcudart.so.13, the machine's CUDA 13
 # runtime (readelf NEEDED of vllm/_C.abi3.so and the FA3 library), so no CUDA wheel travels.
 # Device calls: back to back (the machine keeps ignored files only while warm, 30 s idle), each
-# carrying one part; the last also runs `bash benchmarks/stage_vllm.sh --unpack && ...`.
+# carrying one part; the last runs `bash benchmarks/gpu_vs_vllm.sh --parts offline`, which unpacks.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 WHEELS=.whl/vllm
@@ -96,7 +96,7 @@ for p in "$@"; do
   if [ $i -lt $n ]; then
     echo "  $i/$n: carry [$carry]; command: ls -l $STAGE/parts"
   else
-    echo "  $i/$n: carry [$carry]; command: bash benchmarks/stage_vllm.sh --unpack && <the benchmark call>"
+    echo "  $i/$n: carry [$carry]; command: bash benchmarks/gpu_vs_vllm.sh --parts offline (unpacks first)"
   fi
   i=$((i + 1))
 done
