@@ -16,8 +16,9 @@
    (one shared 30K-token document, many 256-token questions). Request throughput, TTFT, TPOT
    mean / p50 / p99.
 4. cold: a fresh process to its first token (vLLM twice: an empty compile cache, then its own).
-5. memory: KV capacity (tokens) of each at its default memory use, bf16 and fp8 KV; decode at 128K:
-   infhip `3k-flash` fp8 KV beside vLLM dense fp8 KV.
+5. memory: KV capacity (tokens) of each at its default memory use, bf16 and fp8 KV; decode at 130,816
+   tokens (128K less the 256 that vLLM's 131072-token window keeps for the output): infhip
+   `3k-flash` fp8 KV beside vLLM dense fp8 KV.
 
 Raw JSON under --out (one file per child and per `vllm bench serve` row, and bench_vs_vllm.json);
 the table is printed last. --dry-run (CPU): builds a tiny checkpoint and engine, runs our side of
@@ -44,6 +45,7 @@ SIDES = HERE / "vs_vllm_sides.py"
 NAME = "llama8b"  # the served model name on both servers
 PORT = free_port()  # both servers, in turn
 LEN_128K = 131008  # 128K less room for the output inside Llama-3.1's 131072 positions
+LEN_DECODE = 130816  # memory rows' decode context: + 144 generated tokens stays inside vLLM's 131072
 RANDOM_1K = ["--dataset-name", "random", "--random-input-len", "1024", "--random-output-len", "128"]
 SERVING_ROWS = [  # (row, dataset args, max concurrency, number of prompts)
     ("random_1k_c1", RANDOM_1K, 1, 16),
@@ -243,7 +245,7 @@ def main(argv=None) -> int:
     print(f"[bench_vs_vllm] checkpoint and engines ready in {res['setup_s']} s", flush=True)
     scale = ["--scale", "8", "--device", "cpu"] if tiny else []
     lens = "256,512,1024" if tiny else f"8192,32768,{LEN_128K}"
-    ctx = "1024" if tiny else str(LEN_128K)
+    ctx = "1024" if tiny else str(LEN_DECODE)
     would = []  # the vLLM commands of a dry run
 
     def both(tag, task, infhip_model, extra_i, extra_v, env_v=None):
