@@ -22,6 +22,7 @@ engine step (one prefill chunk; the last also samples the first token) is cut in
   gpu_other     the step's GPU span (events at runner.execute's ends) less all of the above:
                 embedding, final norm, sampling, and gaps where the GPU waited for the host
   host          the step's wall time less its GPU span (scheduling, planning, the token's sync)
+  (outside)     generate() before the first step and after the last: one figure per prompt
 
 CUDA events around each call (wrapping the runtime's functions and modules in this process
 only; nothing in runtime/ or plugins/ changes), read once per step after a synchronize. The
@@ -229,6 +230,8 @@ def child(engine: str, lens: list[int], plain: bool) -> dict:
         run["ttft_instrumented_s"] = round(ttft(llm, n, seed=n + 1), 3)
         run["steps"] = bd.rows
         run["totals_s"] = {c: round(sum(r[c] for r in bd.rows) / 1e3, 3) for c in CATEGORIES}
+        # generate() before the first step (the request, its 1M ids) and after the last one
+        run["outside_steps_s"] = round(run["ttft_instrumented_s"] - sum(r["wall_ms"] for r in bd.rows) / 1e3, 3)
     return res
 
 
@@ -251,7 +254,8 @@ def table(name: str, n: int, run: dict, every: int) -> str:
     rows = run["steps"]
     head = f"{'chunk':>5} {'ctx end':>9} {'wall':>8} " + " ".join(f"{c:>10}" for c in CATEGORIES)
     lines = [f"\n{name}, {n} tokens: TTFT plain {run.get('ttft_plain_s', '-')} s, instrumented "
-             f"{run['ttft_instrumented_s']} s; per step (ms):", head]
+             f"{run['ttft_instrumented_s']} s ({run['outside_steps_s']} s of it outside the engine steps); "
+             "per step (ms):", head]
     for i, r in enumerate(rows):
         if i % every == 0 or i == len(rows) - 1:
             lines.append(f"{i:>5} {r['chunk_end']:>9} {r['wall_ms']:>8.1f} "
