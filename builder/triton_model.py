@@ -90,6 +90,7 @@ _FLUSH_S = 0.25  # how often the metrics reach Triton (each metric update is a c
 # The buckets of infhip-serve's histograms (seconds).
 _TTFT_BUCKETS = [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300]
 _ITL_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5]
+_REQUEST_BUCKETS = [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800]
 
 
 class BadInput(ValueError):
@@ -201,7 +202,9 @@ class _Clock:
 
     def __init__(self):
         self.submitted = time.monotonic()
+        self.first_token: float | None = None
         self.last_token: float | None = None  # when the last delta with tokens came; None before the first
+        self.num_tokens = 0
 
 
 class _Pending:
@@ -211,6 +214,9 @@ class _Pending:
         self.prompt_tokens = self.generation_tokens = self.aborts = 0
         self.ttft: list[float] = []
         self.itl: list[float] = []
+        self.e2e: list[float] = []
+        self.decode: list[float] = []
+        self.tpot: list[float] = []
         self.finished: Counter = Counter()  # finish_reason -> requests
         self.errors: Counter = Counter()  # scope -> requests
 
@@ -247,9 +253,21 @@ class _Metrics:
             self._pending.generation_tokens += n
             if clock.last_token is None:
                 self._pending.ttft.append(now - clock.submitted)
+                clock.first_token = now
             else:
                 self._pending.itl += [(now - clock.last_token) / n] * n
         clock.last_token = now
+        clock.num_tokens += n
+
+    def ended(self, clock: _Clock) -> None:
+        """A request's end (however it ended): its e2e latency, decode time and time per output token."""
+        now = time.monotonic()
+        with self._lock:
+            self._pending.e2e.append(now - clock.submitted)
+            if clock.first_token is not None:
+                self._pending.decode.append(clock.last_token - clock.first_token)
+                if clock.num_tokens > 1:
+                    self._pending.tpot.append((clock.last_token - clock.first_token) / (clock.num_tokens - 1))
 
     def finished(self, reason: str, aborted: bool = False, error_scope: str | None = None) -> None:
         """An accepted request ended: finish_reason stop | length | abort | error; aborted when
@@ -291,6 +309,9 @@ class _Metrics:
         for reason, n in p.finished.items():
             self._counter("infhip_requests_finished_total", "Requests that ended, by finish reason", n,
                           finish_reason=reason)
+            if reason in ("stop", "length"):
+                self._counter("infhip_request_success_total", "Requests that ended by themselves, by finish reason",
+                              n, finish_reason=reason)
         for scope, n in p.errors.items():
             self._counter("infhip_request_errors_total", "Requests failed by the engine: alone (scope=request) "
                           "or with a whole step (scope=engine)", n, scope=scope)
@@ -303,6 +324,15 @@ class _Metrics:
                            _ITL_BUCKETS)
         for v in p.itl:
             itl.observe(v)
+        for family, what, values, buckets in (
+                ("infhip_e2e_request_latency_seconds", "From the hand-in to the engine to the request's end",
+                 p.e2e, _REQUEST_BUCKETS),
+                ("infhip_request_decode_time_seconds", "From the first token to the last", p.decode, _REQUEST_BUCKETS),
+                ("infhip_time_per_output_token_seconds",
+                 "A request's decode time / (its output tokens - 1), requests of 2+ tokens", p.tpot, _ITL_BUCKETS)):
+            metric = self._metric(family, "HISTOGRAM", what, buckets)
+            for v in values:
+                metric.observe(v)
         self._sample_engine()
 
     def _sample_engine(self) -> None:
@@ -320,6 +350,9 @@ class _Metrics:
                              group=group, memory=memory).set(total - free)
                 self._metric("infhip_kv_pages_free", "GAUGE", "KV cache pages free",
                              group=group, memory=memory).set(free)
+            total, free = pools[0][1:]
+            self._metric("infhip_kv_cache_usage_ratio", "GAUGE", "Fraction of a KV group's GPU pages in use (0..1)",
+                         group=group).set((total - free) / total)
 
     def _run(self) -> None:
         while not self._stop.wait(_FLUSH_S):
@@ -408,19 +441,21 @@ class TritonPythonModel:
     def _serve(self, request, send, can_stream: bool) -> None:
         """Generate for one request, answering through send(response, final) exactly once with
         final=True; never raises (everything wrong becomes an error response)."""
-        outbox = None
+        outbox = clock = None  # clock: set once the engine accepted the request
         try:
             text, ids, params, stream = parse_request(request, self._sampling_params)
             if stream and not can_stream:
                 raise BadInput("stream=true needs the decoupled model (export without --no-decoupled)")
-            clock = _Clock()
+            submitted = _Clock()
             outbox = self.loop.submit(text, ids, params)
             watch = _Watch(request, outbox)
             accepted = self._next(watch)
             if isinstance(accepted, Exception):  # the engine refused it (prompt too long, bad token id)
                 raise BadInput(str(accepted)) if isinstance(accepted, ValueError) else accepted
             self.metrics.accepted(accepted.prompt_tokens)
+            clock = submitted
             self.metrics.finished(self._answer(watch, clock, send, stream))
+            self.metrics.ended(clock)
             return
         except BadInput as e:
             self._fail(send, str(e), "INVALID_ARG")
@@ -432,6 +467,8 @@ class TritonPythonModel:
             self._fail(send, str(e), "INTERNAL")
         except Exception as e:  # noqa: BLE001 - the client learns why; Triton keeps serving
             self._fail(send, f"{type(e).__name__}: {e}", "INTERNAL")
+        if clock is not None:
+            self.metrics.ended(clock)
         if outbox is not None:  # not answered in full: the engine must forget it (a no-op if it did)
             self.loop.cancel(outbox)
 

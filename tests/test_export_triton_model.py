@@ -187,7 +187,8 @@ def test_metrics_count_what_happened(model, pb, reference):
     prompts, max_tokens = ["hello world", "The quick brown fox"], [6, 9]
     want = reference.generate(prompts, [SamplingParams(**{**GREEDY, "max_tokens": n}) for n in max_tokens])
     names = ["infhip_prompt_tokens_total", "infhip_generation_tokens_total", "infhip_time_to_first_token_seconds",
-             "infhip_inter_token_latency_seconds"]
+             "infhip_inter_token_latency_seconds", "infhip_e2e_request_latency_seconds",
+             "infhip_request_decode_time_seconds", "infhip_time_per_output_token_seconds"]
     before = {n: fake_metric(pb, n) for n in names}
     length = fake_metric(pb, "infhip_requests_finished_total", finish_reason="length")
     reqs = [FakeRequest(text_input=p, stream=i == 0, **{**GREEDY, "max_tokens": n})
@@ -198,12 +199,16 @@ def test_metrics_count_what_happened(model, pb, reference):
     expected = {"infhip_prompt_tokens_total": sum(len(w.prompt_token_ids) for w in want),
                 "infhip_generation_tokens_total": sum(max_tokens),
                 "infhip_time_to_first_token_seconds": 2,  # one observation per request
-                "infhip_inter_token_latency_seconds": sum(max_tokens) - 2}  # one per later token
+                "infhip_inter_token_latency_seconds": sum(max_tokens) - 2,  # one per later token
+                "infhip_e2e_request_latency_seconds": 2, "infhip_request_decode_time_seconds": 2,
+                "infhip_time_per_output_token_seconds": 2}  # one per request
     until(lambda: {n: fake_metric(pb, n) - before[n] for n in names} == expected)
     assert fake_metric(pb, "infhip_requests_finished_total", finish_reason="length") == length + 2
+    assert fake_metric(pb, "infhip_request_success_total", finish_reason="length") == length + 2
     until(lambda: fake_metric(pb, "infhip_requests_running") == fake_metric(pb, "infhip_kv_pages_used") == 0)
     kv = model.loop.llm.runner.kv
     assert fake_metric(pb, "infhip_kv_pages_free", group="global", memory="gpu") == kv.groups["global"].num_pages - 1
+    assert fake_metric(pb, "infhip_kv_cache_usage_ratio", group="global") == 0
     [family] = [pb.MetricFamily.families["infhip_requests_waiting"]]
     assert {"model": "tiny", "version": "1"} in [m.labels for m in family.metrics]
 
