@@ -42,7 +42,9 @@ MARKER_ENV = {"python_version": "3.12", "python_full_version": "3.12.3", "sys_pl
               "platform_system": "Linux", "platform_machine": "x86_64", "os_name": "posix",
               "implementation_name": "cpython", "platform_python_implementation": "CPython",
               "platform_release": "", "platform_version": "", "implementation_version": "3.12.3"}
-GLIBC_MINOR = 39  # Ubuntu 24.04's glibc 2.39 under the image's Python 3.12.3 (manylinux_2_N, N <= 39)
+# glibc 2.39 is assumed (the image's Python 3.12.3 is Ubuntu 24.04's; not read there); the staged
+# set needs 2.35 at most (vllm's manylinux_2_35), which --unpack's pip install proves or refutes.
+GLIBC_MINOR = 39
 PIP_PLATFORM = ["--only-binary=:all:", "--python-version", "3.12", "--implementation", "cp"] + [
     a for n in (39, 35, 34, 31, 28, 27, 24, 17) for a in ("--platform", f"manylinux_2_{n}_x86_64")] + [
     "--platform", "manylinux2014_x86_64", "--platform", "manylinux1_x86_64"]
