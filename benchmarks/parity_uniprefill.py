@@ -9,7 +9,8 @@ Columns (any subset, each run on every prompt):
 
 * ``dense``: our engine (``--engine``, a float32 CPU engine of the model) without token drop;
 * ``NAME=KNOBS``: our engine with ``--token-drop KNOBS`` laid over the engine's knobs;
-* ``authors``: transformers' Qwen2 / Llama (the GGUF of ``--model``, float32) driven layer by layer
+* ``authors`` (give it first: the engine columns then report the rows per layer that differ
+  from its): transformers' Qwen2 / Llama (the GGUF of ``--model``, float32) driven layer by layer
   here, with the AUTHORS' ``topselectionvarlen`` (imported from ``--peer``'s
   ``vllm/model_executor/layers/fused_top_p_selection_tp_pd.py``; its Triton kernels run under
   TRITON_INTERPRET=1) called in the authors' schedule (``LlamaModel.forward`` /
@@ -122,11 +123,15 @@ class AuthorsModel:
         return q[0].transpose(0, 1), k[0].transpose(0, 1), v  # [T, H, D] post-RoPE
 
     def _attend(self, q, k, v, q_pos, k_pos):
+        """Causal attention of q over k, v (GQA); prefill (the same rows) takes SDPA's causal
+        path, which never holds the [H, T, T] scores (14 x 8K x 8K floats: 3.6 GB)."""
         g = self.hq // self.hkv
         kk, vv = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
-        mask = k_pos[None, :] <= q_pos[:, None]
-        o = F.scaled_dot_product_attention(q.transpose(0, 1), kk.transpose(0, 1), vv.transpose(0, 1),
-                                           attn_mask=mask[None])
+        args = (q.transpose(0, 1), kk.transpose(0, 1), vv.transpose(0, 1))
+        if q.shape[0] == k.shape[0] and torch.equal(q_pos, k_pos):
+            o = F.scaled_dot_product_attention(*args, is_causal=True)
+        else:
+            o = F.scaled_dot_product_attention(*args, attn_mask=(k_pos[None, :] <= q_pos[:, None])[None])
         return o.transpose(0, 1).reshape(q.shape[0], -1)
 
     @torch.no_grad()
@@ -193,19 +198,20 @@ def engine_forced(llm, ids: list[int], gold: list[int]):
 
 def summarize(lps, arg, gold, kept: dict[int, torch.Tensor], n: int, needle: list[int], num_layers: int, tok):
     """One cell of the table: kept[l] = prompt positions that ran layer l's MLP (absent: all)."""
-    counts, gone = [], []
+    counts, gone, sets = [], [], []
     have = set(range(n))
     for layer in range(num_layers):
         if layer in kept:
             have = set(kept[layer].tolist())
         counts.append(len(have))
+        sets.append(have)
         if needle and not set(needle) <= have:
             gone.append(layer)
     j = next((i for i, (a, g) in enumerate(zip(arg, gold)) if a != g), len(gold))
     greedy = arg[:j + 1]
     return {"log_p_gold": sum(lps), "greedy_is_gold": j == len(gold), "greedy_prefix": tok.decode(greedy),
             "kept_per_layer": counts, "needle_gone_after_layers": gone,
-            "retention": sum(counts) / (num_layers * n)}
+            "retention": sum(counts) / (num_layers * n)}, sets
 
 
 def main() -> None:
@@ -242,10 +248,20 @@ def main() -> None:
     authors_layers = (list(default_drop_layers(full, num_layers)) if args.authors_layers == "auto"
                       else [int(x) for x in args.authors_layers.split(",") if x.strip()])
 
-    columns = []  # (name, runner)
+    from infhip.config import TokenDropConfig
+    engine = None  # one engine for every engine column (float32 weights are 2.4 GB each): the
+    # column's token drop is switched on its runner before each prompt (ModelRunner.set_token_drop)
+    columns = []  # (name, runner, token-drop config or None)
     for spec in args.column:
-        if spec == "dense":
-            columns.append(("dense", LLM(str(args.engine))))
+        if spec == "dense" or "=" in spec:
+            if engine is None:
+                engine = LLM(str(args.engine))
+                engine.runner.drop_stats.record_kept_positions = True
+            if spec == "dense":
+                columns.append(("dense", engine, None))
+            else:
+                name, knobs = spec.split("=", 1)
+                columns.append((name, engine, TokenDropConfig().replace(**parse_token_drop_knobs(knobs))))
         elif spec == "authors":
             if args.peer is None:
                 raise SystemExit("parity_uniprefill: the authors column needs --peer (a UniPrefill checkout)")
@@ -255,13 +271,8 @@ def main() -> None:
             gguf = registry.resolve_model(args.model).path
             hf = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32).eval()
             cfg = dict(block_size=64, attention_sink=128, last_q=128, p=args.p)
-            columns.append(("authors", AuthorsModel(hf, select, authors_layers, cfg)))
+            columns.append(("authors", AuthorsModel(hf, select, authors_layers, cfg), None))
             print(f"authors: {path}, drop layers {authors_layers}, {cfg}", flush=True)
-        elif "=" in spec:
-            name, knobs = spec.split("=", 1)
-            llm = LLM(str(args.engine), token_drop=parse_token_drop_knobs(knobs))
-            llm.runner.drop_stats.record_kept_positions = True
-            columns.append((name, llm))
         else:
             raise SystemExit(f"parity_uniprefill: --column {spec!r}: dense, authors or NAME=knobs")
 
@@ -277,9 +288,10 @@ def main() -> None:
             offs = tok(p.text, return_offsets_mapping=True, add_special_tokens=False)["offset_mapping"]
             c0 = p.text.find(ans)
             needle = [i for i, (a, b) in enumerate(offs) if c0 >= 0 and a < c0 + len(ans) and b > c0]
+            authors_sets = None  # the authors column's rows per layer (compared when it ran first)
             print(f"\n== {task} {args.length} sample {s}: {len(ids)} tokens, answer {ans!r}, needle tokens "
                   f"{needle[:1]}..{needle[-1:]}", flush=True)
-            for name, runner in columns:
+            for name, runner, td in columns:
                 t0 = time.time()
                 if name == "authors":
                     last, kept_l, cache = runner.prefill(ids)
@@ -288,15 +300,22 @@ def main() -> None:
                     arg = logits.argmax(-1).tolist()
                     kept = dict(enumerate(kept_l))
                 else:
+                    runner.runner.set_token_drop(td)
                     lps, arg, kept = engine_forced(runner, ids, gold)
-                cell = summarize(lps, arg, gold, kept, len(ids), needle, num_layers, tok)
+                cell, sets = summarize(lps, arg, gold, kept, len(ids), needle, num_layers, tok)
+                if name == "authors":
+                    authors_sets = sets
+                elif authors_sets is not None:  # per layer: |ours xor authors'| rows that ran the MLP
+                    cell["rows_differing_from_authors"] = [len(a ^ b) for a, b in zip(sets, authors_sets)]
                 cell.update(task=task, sample=s, column=name, num_tokens=len(ids), answer=ans,
                             needle_tokens=needle, seconds=round(time.time() - t0, 1))
                 records.append(cell)
                 print(f"{name:>14}: greedy = gold {cell['greedy_is_gold']!s:5}  log p(gold) {cell['log_p_gold']:8.3f}  "
                       f"retention {cell['retention']:.3f}  needle gone after layers {cell['needle_gone_after_layers']}  "
                       f"greedy {cell['greedy_prefix']!r}  ({cell['seconds']:.0f} s)\n{'':16}kept per layer "
-                      f"{cell['kept_per_layer']}", flush=True)
+                      f"{cell['kept_per_layer']}" + (f"\n{'':16}rows differing from the authors' per layer "
+                      f"{cell['rows_differing_from_authors']}" if "rows_differing_from_authors" in cell else ""),
+                      flush=True)
                 if args.json:
                     args.json.parent.mkdir(parents=True, exist_ok=True)
                     args.json.write_text(json.dumps({"meta": meta, "records": records}, indent=1))
