@@ -37,6 +37,7 @@ import itertools
 import logging
 import math
 import operator
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -163,6 +164,7 @@ class LLM:
         self.load_report = self._load_report(t0, t_engine)
         self.sampler = Sampler()
         self._grammars: GrammarRuntime | None = None  # structured output: made at its first request
+        self._grammars_lock = threading.Lock()  # the server may make it on its tokenizer thread
         self.tokenizer = self.engine.tokenizer
         self.eos_token_ids = tuple(self.engine.config.model.eos_token_ids)
         self._ids = itertools.count()
@@ -360,8 +362,10 @@ class LLM:
     @property
     def grammars(self) -> GrammarRuntime:
         """The engine's structured-output compiler (made on first use: it reads the vocabulary)."""
-        if self._grammars is None:
-            self._grammars = GrammarRuntime(self.tokenizer, self.engine.config.model.vocab_size, self.eos_token_ids)
+        with self._grammars_lock:
+            if self._grammars is None:
+                self._grammars = GrammarRuntime(self.tokenizer, self.engine.config.model.vocab_size,
+                                                self.eos_token_ids)
         return self._grammars
 
     def _sample(self, logits: torch.Tensor, out: SchedulerOutput,

@@ -30,6 +30,7 @@ ends with finish_reason "stop".
 from __future__ import annotations
 
 import json
+import threading
 import weakref
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -145,16 +146,20 @@ class GrammarRuntime:
                                                   stop_token_ids=list(eos_token_ids))
         self._compiler = xgr.GrammarCompiler(info, cache_enabled=False)  # our cache below: bounded
         self._cache: OrderedDict[tuple[str, str], object] = OrderedDict()
+        self._lock = threading.Lock()  # guards _cache only (compiles run outside it)
         self._host: torch.Tensor | None = None  # [max rows, ceil(V / 32)] int32, pinned on CUDA hosts
         # Sequence -> [matcher, output tokens consumed]; weak: a finished, dropped sequence's goes too.
         self._live: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
     def compile(self, spec: StructuredOutputsParams):
-        """The compiled grammar of spec (cached); ValueError with the library's reason."""
+        """The compiled grammar of spec (cached); ValueError with the library's reason. Thread
+        safe: the server compiles on its tokenizer thread ahead of the engine thread's _add (two
+        threads compiling one new grammar at once both compile it; one result is kept)."""
         key = spec.key
-        if key in self._cache:
-            self._cache.move_to_end(key)
-            return self._cache[key]
+        with self._lock:
+            if key in self._cache:
+                self._cache.move_to_end(key)
+                return self._cache[key]
         c = self._compiler
         try:
             if spec.json is not None:
@@ -172,9 +177,10 @@ class GrammarRuntime:
         except Exception as e:  # noqa: BLE001 - xgrammar raises RuntimeError / its own types for bad input
             raise ValueError(f"structured output: the {key[0]} grammar does not compile: "
                              f"{type(e).__name__}: {str(e).strip()[:500]}") from None
-        self._cache[key] = g
-        if len(self._cache) > MAX_CACHED_GRAMMARS:
-            self._cache.popitem(last=False)
+        with self._lock:
+            g = self._cache.setdefault(key, g)
+            if len(self._cache) > MAX_CACHED_GRAMMARS:
+                self._cache.popitem(last=False)
         return g
 
     def _compact_json_regions(self, node):

@@ -215,3 +215,22 @@ def test_qwen_streamed_tool_call_in_its_own_format(tmp_path):
     assert finish == "tool_calls" and text == "" and len(calls) == 1, (calls, text)
     call = calls[0]
     assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Paris", "unit": "C"}
+
+
+def test_new_grammars_compile_off_the_engine_thread(server, monkeypatch):
+    """A new grammar compiles on the server's tokenizer thread (AsyncEngine.compile_grammar), not
+    on the engine thread where it would stall every running request; _add then finds it cached."""
+    import threading
+    runtime = server.loop.llm.grammars
+    compiled_on = []
+    real = type(runtime).compile
+
+    def spy(self, spec):
+        if spec.key not in self._cache:
+            compiled_on.append(threading.current_thread().name)
+        return real(self, spec)
+
+    monkeypatch.setattr(type(runtime), "compile", spy)
+    status, data = post(server, {"prompt": "x", "max_tokens": 8, "guided_regex": "[a-z]{3}q"})
+    assert status == 200 and re.fullmatch("[a-z]{3}q", json.loads(data)["choices"][0]["text"]), data
+    assert compiled_on and all(name.startswith("infhip-tokenize") for name in compiled_on), compiled_on

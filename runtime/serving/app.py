@@ -208,6 +208,11 @@ async def read_body(request: Request, limits: HttpLimits) -> bytes:
 async def _generate(engine: AsyncEngine, lifecycle: Lifecycle, ticket: Ticket, request: Request, prompts,
                     params, shape, body) -> Response:
     """prompts: (text or None, token ids) each, one engine request apiece (one when streaming)."""
+    if params.structured_outputs is not None:  # off the engine thread (AsyncEngine.compile_grammar)
+        try:
+            await engine.compile_grammar(params.structured_outputs)
+        except ValueError as e:
+            raise ApiError(400, str(e)) from None
     ticket.add_prompt(sum(len(ids) for _, ids in prompts))
     lifecycle.check_not_ending()
     gens = [Generation(engine.loop, request.receive) for _ in prompts]
