@@ -176,10 +176,10 @@ def _forced_calls(funcs: dict[str, dict], fmt: str, parallel: bool) -> dict:
     """An xgrammar structural tag: one or more calls (one if not parallel) of these functions in
     fmt, nothing else."""
     if fmt == HERMES:
-        begin, end, sep = '<tool_call>\n{{"name": "{}", "arguments": ', "}\n</tool_call>", "\n"
+        begin, end, sep = '<tool_call>\n{{"name": {}, "arguments": ', "}\n</tool_call>", "\n"
     else:
-        begin, end, sep = '{{"name": "{}", "parameters": ', "}", "; "
-    tags = [{"type": "tag", "begin": begin.format(name), "end": end,
+        begin, end, sep = '{{"name": {}, "parameters": ', "}", "; "
+    tags = [{"type": "tag", "begin": begin.format(json.dumps(name, ensure_ascii=False)), "end": end,
              "content": {"type": "json_schema", "json_schema": schema}} for name, schema in funcs.items()]
     fmt = ({"type": "tags_with_separator", "tags": tags, "separator": sep, "at_least_one": True} if parallel
            else {"type": "or", "elements": tags})
