@@ -122,17 +122,18 @@ class AuthorsModel:
         q, k = self.rope(q.transpose(0, 1)[None], k.transpose(0, 1)[None], cos, sin)
         return q[0].transpose(0, 1), k[0].transpose(0, 1), v  # [T, H, D] post-RoPE
 
-    def _attend(self, q, k, v, q_pos, k_pos):
-        """Causal attention of q over k, v (GQA); prefill (the same rows) takes SDPA's causal
-        path, which never holds the [H, T, T] scores (14 x 8K x 8K floats: 3.6 GB)."""
+    def _attend(self, q, k, v, q_pos, k_pos, rows: int = 1024):
+        """Causal attention (by position) of q over k, v (GQA), `rows` queries at a time: the
+        scores of all 8K queries at once ([H, T, T] floats, 3.6 GB at 8K) were OOM-killed here."""
         g = self.hq // self.hkv
-        kk, vv = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
-        args = (q.transpose(0, 1), kk.transpose(0, 1), vv.transpose(0, 1))
-        if q.shape[0] == k.shape[0] and torch.equal(q_pos, k_pos):
-            o = F.scaled_dot_product_attention(*args, is_causal=True)
-        else:
-            o = F.scaled_dot_product_attention(*args, attn_mask=(k_pos[None, :] <= q_pos[:, None])[None])
-        return o.transpose(0, 1).reshape(q.shape[0], -1)
+        kk = k.repeat_interleave(g, 1).transpose(0, 1).contiguous()
+        vv = v.repeat_interleave(g, 1).transpose(0, 1).contiguous()
+        out = []
+        for r0 in range(0, q.shape[0], rows):
+            qb, pb = q[r0:r0 + rows].transpose(0, 1), q_pos[r0:r0 + rows]
+            mask = (k_pos[None, :] <= pb[:, None])[None]
+            out.append(F.scaled_dot_product_attention(qb, kk, vv, attn_mask=mask).transpose(0, 1))
+        return torch.cat(out).reshape(q.shape[0], -1)
 
     @torch.no_grad()
     def prefill(self, ids: list[int]):
