@@ -379,17 +379,18 @@ class LLM:
             return {}, {}
         try:
             so = self.sampler.sample(logits, self._batch(forks))
-            tokens = so.tokens.tolist()
-            return ({f.seq.seq_id: t for f, t in zip(forks, tokens)},
-                    _logprob_records(so, [f.seq for f in forks], tokens))
+            [tokens], [lps] = _read_samples([so])  # the step's one host read
+            return {f.seq.seq_id: t for f, t in zip(forks, tokens)}, _logprob_records(so, [f.seq for f in forks],
+                                                                                      tokens, lps)
         except Exception:  # noqa: BLE001 - find the request(s) at fault below
             _log.warning("batched sampling failed; sampling each request alone", exc_info=True)
         sampled, lps = {}, {}
         for i, f in enumerate(forks):
             try:
                 so = self.sampler.sample(logits[i:i + 1], self._batch([f]))
-                sampled[f.seq.seq_id] = so.tokens.item()
-                lps.update(_logprob_records(so, [f.seq], [sampled[f.seq.seq_id]]))
+                [tokens], [flat] = _read_samples([so])
+                sampled[f.seq.seq_id] = tokens[0]
+                lps.update(_logprob_records(so, [f.seq], tokens, flat))
             except Exception as e:  # noqa: BLE001 - this request fails alone
                 self._fail(f, "while sampling its token", e, touched)
         return sampled, lps
@@ -489,10 +490,10 @@ class LLM:
             outs.append(self.sampler.sample(logits, batch))
             return outs[-1].tokens
 
-        steps = self.runner.execute_decode_steps(out, num_steps, sample)
-        tokens = torch.stack(steps).tolist()  # the one host sync of the whole run
+        self.runner.execute_decode_steps(out, num_steps, sample)
+        tokens, flats = _read_samples(outs)  # the one host read of the whole run
         seqs = [f.seq for f in forks]
-        return tokens, [_logprob_records(so, seqs, row) for so, row in zip(outs, tokens)]
+        return tokens, [_logprob_records(so, seqs, row, flat) for so, row, flat in zip(outs, tokens, flats)]
 
     def _commit_decode_steps(self, out: SchedulerOutput, tokens: list[list[int]], logprobs: list[dict],
                              touched: dict[int, _Request]) -> None:
@@ -702,17 +703,38 @@ def _unpack_logprobs(flat: list[float], chosen: list[int], k: int) -> list[Token
     return out
 
 
-def _logprob_records(so: SamplerOutput, seqs: list[Sequence], tokens: list[int]) -> dict[int, TokenLogprobs]:
+def _read_samples(outs: list[SamplerOutput]) -> tuple[list[list[int]], list[list[float] | None]]:
+    """The tokens of each SamplerOutput and its packed logprobs (`_logprob_records`' input, None
+    where no row asked), read to the host in one copy: float64 holds token ids, ranks and the
+    float32 logprobs exactly."""
+    parts = [torch.stack([so.tokens for so in outs]).flatten().double()]
+    sizes = []
+    for so in outs:
+        if so.logprob_rows:
+            k = so.top_ids.shape[1] if so.top_ids is not None else 0
+            cols = [so.logprobs[:, None], so.ranks[:, None].float()] + ([so.top_logprobs, so.top_ids.float()] if k else [])
+            parts.append(torch.cat(cols, dim=1).flatten().double())
+            sizes.append(parts[-1].numel())
+        else:
+            sizes.append(0)
+    flat = torch.cat(parts).tolist()
+    b = outs[0].tokens.numel()
+    tokens = [[int(t) for t in flat[j * b:(j + 1) * b]] for j in range(len(outs))]
+    at, lps = len(outs) * b, []
+    for n in sizes:
+        lps.append(flat[at:at + n] if n else None)
+        at += n
+    return tokens, lps
+
+
+def _logprob_records(so: SamplerOutput, seqs: list[Sequence], tokens: list[int],
+                     flat: list[float] | None) -> dict[int, TokenLogprobs]:
     """seq_id -> the sampled token's TokenLogprobs (top cut to the row's own k) for the rows of
-    ``so`` that computed them; tokens: so.tokens as read by the host (this copy comes after)."""
+    ``so`` that computed them; tokens and flat: as `_read_samples` read them."""
     if not so.logprob_rows:
         return {}
     k = so.top_ids.shape[1] if so.top_ids is not None else 0
-    flat = [so.logprobs[:, None], so.ranks[:, None].float()]
-    if k:
-        flat += [so.top_logprobs, so.top_ids.float()]
-    chosen = [tokens[row] for row in so.logprob_rows]
-    recs = _unpack_logprobs(torch.cat(flat, dim=1).flatten().tolist(), chosen, k)
+    recs = _unpack_logprobs(flat, [tokens[row] for row in so.logprob_rows], k)
     out = {}
     for row, r in zip(so.logprob_rows, recs):
         seq = seqs[row]
