@@ -260,7 +260,9 @@ class LLM:
         """Fork `index` of req: its own params (seed + index; logprobs computed when best_of
         ranks by them; the prompt's logprobs are fork 0's), sequence, detokenizer, generator."""
         p = req.params
-        seed = None if p.seed is None else (p.seed + index if p.seed + index < SEED_RANGE[1] else p.seed + index - (1 << 64))
+        seed = None if p.seed is None else p.seed + index
+        if seed is not None and seed >= SEED_RANGE[1]:
+            seed -= 1 << 64  # the same 64-bit seed, in range
         logprobs = p.logprobs if p.logprobs is not None else (0 if p.needs_logprobs else None)
         fp = dataclasses.replace(p, n=1, best_of=None, seed=seed, logprobs=logprobs,
                                  prompt_logprobs=p.prompt_logprobs if index == 0 else None)
@@ -712,7 +714,8 @@ def _read_samples(outs: list[SamplerOutput]) -> tuple[list[list[int]], list[list
     for so in outs:
         if so.logprob_rows:
             k = so.top_ids.shape[1] if so.top_ids is not None else 0
-            cols = [so.logprobs[:, None], so.ranks[:, None].float()] + ([so.top_logprobs, so.top_ids.float()] if k else [])
+            cols = [so.logprobs[:, None], so.ranks[:, None].float()]
+            cols += [so.top_logprobs, so.top_ids.float()] if k else []
             parts.append(torch.cat(cols, dim=1).flatten().double())
             sizes.append(parts[-1].numel())
         else:

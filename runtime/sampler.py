@@ -183,7 +183,8 @@ class SamplingBatch:
             if toks_p:
                 seen[t(rows_p, torch.int64), t(toks_p, torch.int64)] = True
             self.penalties = (t(self.pen_rows, torch.int64), counts, seen,
-                              t([p.presence_penalty for p in pr])[:, None], t([p.frequency_penalty for p in pr])[:, None],
+                              t([p.presence_penalty for p in pr])[:, None],
+                              t([p.frequency_penalty for p in pr])[:, None],
                               t([p.repetition_penalty for p in pr])[:, None])
 
     @property

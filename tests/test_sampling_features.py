@@ -174,7 +174,8 @@ def test_n_forks_share_the_prompt_pages_and_equal_seeded_requests(llm):
     assert [o.index for o in out.outputs] == list(range(n))
     assert [o.token_ids for o in out.outputs] == [a.token_ids for a in alone]
     assert len({tuple(o.token_ids) for o in out.outputs}) > 1
-    streamed = list(llm.generate_stream(prompt_token_ids=PROMPT, sampling_params=SamplingParams(n=n, seed=seed, **base)))
+    streamed = list(llm.generate_stream(prompt_token_ids=PROMPT,
+                                        sampling_params=SamplingParams(n=n, seed=seed, **base)))
     for i in range(n):
         assert [t for d in streamed if d.index == i for t in d.token_ids] == alone[i].token_ids
         assert [d.finish_reason for d in streamed if d.index == i][-1] == "length"
@@ -198,8 +199,8 @@ def test_penalties_and_bias_on_the_engine(llm):
     banned = llm.generate(prompt_token_ids=[PROMPT], sampling_params=SamplingParams(
         bad_words_token_ids=[[plain.token_ids[0]]], **greedy))[0]
     assert plain.token_ids[0] not in banned.token_ids
-    rep = llm.generate(prompt_token_ids=[PROMPT], sampling_params=SamplingParams(presence_penalty=2, frequency_penalty=2,
-                                                                              **greedy))[0]
+    rep = llm.generate(prompt_token_ids=[PROMPT],
+                       sampling_params=SamplingParams(presence_penalty=2, frequency_penalty=2, **greedy))[0]
     assert len(set(rep.token_ids)) >= len(set(plain.token_ids))
     eos = llm.eos_token_ids[0]
     early = llm.generate(prompt_token_ids=[PROMPT], sampling_params=SamplingParams(

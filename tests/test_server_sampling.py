@@ -63,7 +63,8 @@ def _chat_ids(llm, messages):
 @pytest.mark.parametrize("stream", [True, False])
 @pytest.mark.parametrize("name, body", [("vllm-completions", VLLM_COMPLETIONS),
                                         ("vllm-completions-sampling", {**VLLM_COMPLETIONS, **VLLM_SAMPLING}),
-                                        ("vllm-chat", VLLM_CHAT), ("vllm-chat-sampling", {**VLLM_CHAT, **VLLM_SAMPLING}),
+                                        ("vllm-chat", VLLM_CHAT),
+                                        ("vllm-chat-sampling", {**VLLM_CHAT, **VLLM_SAMPLING}),
                                         ("sglang-completions", SGLANG_COMPLETIONS), ("sglang-chat", SGLANG_CHAT)])
 def test_benchmark_bodies_are_answered(server, reference, name, body, stream):
     body = {**body, "stream": stream}

@@ -138,8 +138,10 @@ def make_app(engine: AsyncEngine, metrics: ServerMetrics, model_name: str | list
             params = body.sampling_params(body.max_tokens, engine.limits)
             prompts = []  # (text or None, token ids)
             for p in body.prompts:
-                prompts.append((p, await engine.encode(p, body.add_special_tokens)) if isinstance(p, str) else (None, p))
-            echoed = [(t if t is not None else await engine.decode(ids), ids) for t, ids in prompts] if body.echo else []
+                ids = await engine.encode(p, body.add_special_tokens) if isinstance(p, str) else p
+                prompts.append((p if isinstance(p, str) else None, ids))
+            echoed = ([(t if t is not None else await engine.decode(ids), ids) for t, ids in prompts]
+                      if body.echo else [])
             shape = CompletionShape(P.new_meta("cmpl", model), token_str, echoed, params.n, body.echo,
                                     discard=body.max_tokens == 0)
             return await _generate(engine, lifecycle, ticket, request, prompts, params, shape, body)

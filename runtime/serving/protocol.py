@@ -35,7 +35,8 @@ NEUTRAL_ONLY: dict[str, tuple] = {
     "skip_special_tokens": (True,), "spaces_between_special_tokens": (True,), "truncate_prompt_tokens": (),
     "allowed_token_ids": (), "return_tokens_as_token_ids": (False,), "store": (False,), "suffix": ("",),
     "audio": (), "modalities": (["text"],), "prediction": (), "reasoning_effort": (), "web_search_options": (),
-    "function_call": ("none",), "functions": ([],), "add_generation_prompt": (True,), "continue_final_message": (False,),
+    "function_call": ("none",), "functions": ([],), "add_generation_prompt": (True,),
+    "continue_final_message": (False,),
     "chat_template": (), "chat_template_kwargs": ({},), "documents": ([],), "verbosity": (),
 }
 # Fields that change nothing here whatever their value (routing hints, tags, ids).
