@@ -31,8 +31,9 @@ blocks of 64 queries:
 Reported per head and block: `overlap` = share of the reference's kept keys that ours keeps
 (last query of the block), `jaccard` of the two key sets, the attention-mass recall of each
 against exact float64 attention (mean over the block's queries; plugins' attention_recall), and
-per layer the needle tokens kept by the last query (share, worst head) and the needle's dense
-attention mass (the head that reads it most). Raw JSON per run under --out (default $OUT, else
+per layer the share of needle tokens the last query keeps (in each head) and the needle's dense
+attention mass (the head that reads it most; the table shows the share that head's mask keeps,
+the JSON also the worst head's). Raw JSON per run under --out (default $OUT, else
 the current folder); a markdown table of per-layer means is printed last.
 """
 
@@ -260,14 +261,14 @@ def markdown(runs) -> str:
     names = [n for n in runs[0]["layers"][next(iter(runs[0]["layers"]))] if isinstance(
         runs[0]["layers"][next(iter(runs[0]["layers"]))][n], list)]
     head = "| prompt | T | layer | " + " | ".join(f"{n} recall" for n in names) + " | " + \
-        " | ".join(f"{n} overlap" for n in names[1:]) + " | needle kept (worst head): " + \
+        " | ".join(f"{n} overlap" for n in names[1:]) + " | needle kept by the reading head: " + \
         ", ".join(names) + " | needle mass (reading head) |"
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for run in runs:
         for layer, entry in run["layers"].items():
             s = summary_row(entry)
             nd = entry["needle"]
-            kept = ", ".join(f"{nd[n]['kept_worst_head']:.2f}" for n in names) if nd else "—"
+            kept = ", ".join(f"{nd[n]['kept_reading_head']:.2f}" for n in names) if nd else "—"
             mass = f"{max(nd['needle_mass_per_head']):.3f} (h{nd['reading_head']})" if nd else "—"
             lines.append(f"| {run['prompt']} | {run['length']} | {layer} | "
                          + " | ".join(f"{s[n]['recall']:.3f}" for n in names) + " | "
