@@ -60,7 +60,8 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--token-drop", nargs="?", const="", default=None, metavar="SPEC",
                    help="UniPrefill token dropping in prefill at the full-attention layers: bare for "
                         "the defaults, or key=value,... with the knobs' names (p, obs_window, block_size, "
-                        "num_sink, min_prompt_len, spare_anchors; e.g. p=0.98,block_size=32); composes with --preset")
+                        "num_sink, min_prompt_len, drop_layers, drop_point, reenter, spare_anchors; e.g. "
+                        "p=0.98,block_size=32 or drop_layers=5:8:11); composes with --preset")
     p.add_argument("--dtype", default="bfloat16", choices=DTYPES, help="weight dtype (default bfloat16)")
     p.add_argument("--kv-dtype", choices=KV_DTYPES,
                    help="KV-cache dtype: --dtype (the default) or fp8 (e4m3 with a scale per token and kv "
