@@ -5,11 +5,14 @@
 * with a forced retention, prefill + decode logits equal a plain-torch reference that masks the
   dropped keys per layer (tests/_td_reference.py), and that reference is sensitive: the same
   logits differ from a reference without the drop;
-* with top-p, the engine's kept sets at every anchor and its logits equal the reference choosing
-  its own sets by the spec (tests/_td_reference.reference_select) from its own stream;
+* with top-p, the engine's kept sets at every drop layer and its logits equal the reference
+  choosing its own sets by the spec (tests/_td_reference.reference_select) from its own stream;
+* both checks for each drop schedule that matters (SCHEDULES: the paper's, the authors' code,
+  and the two mixes of drop point and re-entry), whole and chunked prefill;
 * a batch (two dropping prompts, one too short to drop, mixed with decodes) equals each alone;
-* Llama (every layer an anchor) and a Gemma-3 with global layers 1 and 4 (sliding layers after
-  an anchor get compact rows), old engines load, bad specs give one-line errors.
+* Llama (every layer full attention) and a Gemma-3 with global layers 1 and 4 (sliding layers
+  after a drop get compact rows), old engines load with the earlier schedule, bad specs and
+  drop layers that are not full-attention layers give one-line errors.
 """
 
 from __future__ import annotations
