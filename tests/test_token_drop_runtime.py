@@ -233,11 +233,12 @@ def test_build_flag_config_round_trip_and_old_engines(engine, tmp_path):
     (tmp_path / "c" / "config.json").write_text(json.dumps(cfg))
     assert EngineConfig.load(tmp_path / "c").plan.token_drop == TokenDropConfig(spare_anchors=0, **old["paper"])
     assert LLM(tmp_path / "c", token_drop=False).runner.token_drop is None
-    # an explicit list round-trips through config.json as a list
-    rc = build_main(["--checkpoint", str(hf), "--output", str(tmp_path / "d"), "--dtype", "float32",
-                     "--device", "cpu", "--quiet", "--token-drop", "drop_layers=2:0,reenter=true"])
-    assert rc == 0 and json.loads((tmp_path / "d" / "config.json").read_text())["plan"]["token_drop"]["drop_layers"] == [0, 2]
-    assert EngineConfig.load(tmp_path / "d").plan.token_drop == TokenDropConfig(drop_layers=(0, 2), reenter=True)
+    # an explicit list round-trips through config.json as a list (Llama: layers 0 and 2; Gemma: its globals)
+    full = [lp.index for lp in src.plan.layers if lp.window is None][-2:]
+    rc = build_main(["--checkpoint", str(hf), "--output", str(tmp_path / "d"), "--dtype", "float32", "--device",
+                     "cpu", "--quiet", "--token-drop", f"drop_layers={full[1]}:{full[0]},reenter=true"])
+    assert rc == 0 and json.loads((tmp_path / "d" / "config.json").read_text())["plan"]["token_drop"]["drop_layers"] == full
+    assert EngineConfig.load(tmp_path / "d").plan.token_drop == TokenDropConfig(drop_layers=tuple(full), reenter=True)
 
 
 def test_retention_is_a_benchmark_setting_not_an_engine_knob(engine, tmp_path):
