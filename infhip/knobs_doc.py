@@ -38,7 +38,7 @@ BUILD_FLAGS = """## Build flags
 | flag | default | what | measurement |
 |---|---|---|---|
 | `--model NAME` / `--checkpoint PATH` | — (one is required) | an alias (`builder/registry.py`) or a Hugging Face repo id in the local cache; or an HF directory, a `.gguf`, or a `config.json` with `--random-weights` | — |
-| `--output DIR` | — (required) | the engine directory ([design/engine_format.md](design/engine_format.md)) | — |
+| `--output DIR` | `engines/<model>[-<preset>]` | the engine directory ([design/engine_format.md](design/engine_format.md)); the default is under the current directory, `<model>` the alias / repo id's last part / checkpoint's name | — |
 | `--preset` | `dense` | `dense`, or InfiniteHiP on the full-attention layers: `3k`, `3k-fast`, `3k-flash`, `5k` ([presets](#presets)) | [benchmarks.md](benchmarks.md) |
 | `--infinitehip-overrides KEY=VALUE,...` | none | any [InfiniteHiP knob](#infinitehip-knobs) of the preset | — |
 | `--token-drop [KEY=VALUE,...]` | off | UniPrefill token drop ([token-drop knobs](#token-drop-knobs)); bare = the defaults | — |
