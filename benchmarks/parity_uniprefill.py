@@ -161,8 +161,10 @@ class AuthorsModel:
     @torch.no_grad()
     def forced(self, cache, start: int, tokens: list[int]) -> torch.Tensor:
         """Logits [len(tokens), vocab] of `tokens` decoded after the prompt (causal among them)."""
+        if not tokens:  # a one-token answer: the prefill's logits are all there is
+            return torch.empty(0, self.hf.config.vocab_size)
         pos = torch.arange(start, start + len(tokens))
-        x = self.hf.model.embed_tokens(torch.tensor(tokens))
+        x = self.hf.model.embed_tokens(torch.tensor(tokens, dtype=torch.int64))
         for layer, (ck, cv, cpos) in zip(self.layers, cache):
             q, k, v = self._qkv(layer, x, pos)
             o = self._attend(q, torch.cat([ck, k]), torch.cat([cv, v]), pos, torch.cat([cpos, pos]))
