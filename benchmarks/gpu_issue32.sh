@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# Issue 32's two GPU measurements in one device call, side by side on the H200 (a 0.5B model leaves
+# it mostly idle): UniPrefill RULER (dense / the authors' schedule / our earlier schedule, the
+# columns of benchmarks/gpu_uniprefill.sh) and InfiniteHiP mask parity with hip-attn 1.2.9 at 32K
+# then 128K (the qwen-parity case of benchmarks/gpu_quality.sh). Staged first, here:
+#   bash benchmarks/stage_qwen.sh; pip download hip-attn==1.2.9 --no-deps -d .whl
+# and carried by the calls as stage_qwen.sh says (the last call adds .whl/hip_attn-1.2.9-py3-none-any.whl).
+# RULER runs one process per (column, length), so a step cut at the deadline loses only its own
+# JSON. Everything comes back as $OUT/issue32.tar.gz (at most 8 files come back) + the tables.
+#   bash benchmarks/gpu_issue32.sh [DEADLINE_S=540]
+set -o pipefail
+OUT=${OUT:-/tmp/infhip-out}; mkdir -p "$OUT"
+DEADLINE=${1:-540}
+W=/tmp/issue32; mkdir -p $W engines
+trap 'tar -czf $OUT/issue32.tar.gz -C $W .' EXIT
+export PYTHONUNBUFFERED=1
+python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . 2>&1 | tail -3
+tar -xzf .stage/qwen-pylib.tar.gz -C .stage  # -> .stage/pylib-qwen: gguf, wonderwords, RULER data
+export PYTHONPATH=$PWD/.stage/pylib-qwen:$PYTHONPATH INFHIP_CACHE=$PWD/.stage/cache
+[ -f .stage/cache/qwen2.5-coder-0.5b-instruct.gguf ] || \
+  python3 -m infhip.eval.stage join-file .stage/qwen05 .stage/cache/qwen2.5-coder-0.5b-instruct.gguf || exit 1
+python3 -m zipfile -e .whl/hip_attn-1.2.9-py3-none-any.whl /tmp/hip-attn-1.2.9
+[ -d engines/q05-dense ] || infhip-build --model qwen2.5-coder-0.5b --preset dense --dtype bfloat16 \
+  --max-seq-len 33024 --device cuda --output engines/q05-dense --force --quiet || exit 1
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader > $W/gpu.txt
+python3 -c "import torch, triton, transformers as t; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', t.__version__)" >> $W/gpu.txt
+echo "setup done at ${SECONDS}s"
+
+left() { echo $((DEADLINE - SECONDS)); }
+G="--device cuda --kv-cache-memory-bytes 8GiB"
+ALL=niah_single_1,niah_single_2,niah_multikey_1,niah_multivalue,niah_multiquery,vt,cwe,fwe,qa_1
+TD="p=0.99,min_prompt_len=4096"  # min_prompt_len 4096: the default 8192 leaves "8K" prompts whole
+OLD="$TD,drop_layers=every,drop_point=before_attention,reenter=true,spare_anchors=1"
+ruler() {  # ruler NAME LENGTH [--token-drop SPEC]
+  timeout $(left) infhip-eval ruler --engine engines/q05-dense $G "${@:3}" --template chat --tasks $ALL \
+    --lengths $2 --samples 5 --json $W/ruler_$1_$2.json --markdown $W/ruler_$1_$2.md > $W/ruler_$1_$2.log 2>&1 \
+    || echo "ruler $1 $2 exited $? at ${SECONDS}s" >> $W/cut.txt
+}
+(for L in 8k 16k 32k; do
+   ruler dense $L & ruler td_default $L --token-drop $TD & ruler td_old $L --token-drop $OLD & wait
+   echo "ruler $L done at ${SECONDS}s"
+ done) &
+
+sleep 5
+parity() {  # parity LENGTH
+  timeout $(left) python3 benchmarks/parity_infinitehip.py --hip-attn /tmp/hip-attn-1.2.9 --lengths $1 \
+    --prompts niah_single_2:0,niah_single_2:1,passkey:0.5 --template chat --layers all --query-blocks 4 \
+    --ref-per-head --out $W > $W/parity_$1.log 2>&1 || echo "parity $1 exited $? at ${SECONDS}s" >> $W/cut.txt
+  echo "parity $1 done at ${SECONDS}s"
+}
+parity 32768
+parity 131072
+wait
+echo "all done at ${SECONDS}s"; cat $W/cut.txt 2>/dev/null
+for f in $W/ruler_*.md; do echo "== $(basename $f)"; tail -n 14 $f; done
+for f in $W/parity_*.log; do echo "== $(basename $f)"; tail -n 40 $f; done
