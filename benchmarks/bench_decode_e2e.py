@@ -49,7 +49,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
-import inspect
 import json
 import math
 import statistics
@@ -99,11 +98,10 @@ def resident_probe(engine_dir: Path) -> dict:
     banks for that length - 1 GiB) gives one sequence all of its pages. Loads the weights as LLM
     does, sizes, frees them again; allocates no KV."""
     from infhip.runtime import kv_budget
-    from infhip.runtime.llm import load_rank
-    from infhip.runtime.model_runner import ModelRunner
+    from infhip.runtime.load import load_rank
     from infhip.runtime.options import LoadOptions
 
-    utilization = inspect.signature(ModelRunner.__init__).parameters["gpu_memory_utilization"].default
+    utilization = LoadOptions().gpu_memory_utilization
     gc.collect()
     torch.cuda.empty_cache()  # what the build left cached would count as used
     engine = load_rank(engine_dir, LoadOptions(max_num_seqs=1))
@@ -169,7 +167,7 @@ def synthetic_request(llm, n: int):
 
     vocab = llm.engine.config.model.vocab_size
     ids = torch.randint(10, vocab, (n,), generator=torch.Generator().manual_seed(n)).tolist()
-    req = llm._add(None, ids, SamplingParams(max_tokens=1 << 20, temperature=0.0, ignore_eos=True))
+    req = llm.core.add_request(None, ids, SamplingParams(max_tokens=1 << 20, temperature=0.0, ignore_eos=True))
     seq, sched = req.seq, llm.scheduler
     sched.waiting.remove(seq)
     sched.kv.append(seq.seq_id, 0, n - 1)
@@ -180,21 +178,21 @@ def synthetic_request(llm, n: int):
 
 
 def step_times_ms(llm, num_steps: int) -> list[float]:
-    llm.num_decode_steps = 1
+    llm.core.num_decode_steps = 1
     times = []
     for _ in range(num_steps):
         t = time.perf_counter()
-        llm.step()  # ends with the sampled token on the host (a sync)
+        llm.core.step()  # ends with the sampled token on the host (a sync)
         times.append((time.perf_counter() - t) * 1e3)
     return times
 
 
 def fused_tok_s(llm, num_tokens: int, fused: int = 8) -> float:
-    llm.num_decode_steps = fused
+    llm.core.num_decode_steps = fused
     torch.cuda.synchronize()
     t = time.perf_counter()
     for _ in range(num_tokens // fused):
-        llm.step()
+        llm.core.step()
     torch.cuda.synchronize()
     return (num_tokens // fused) * fused / (time.perf_counter() - t)
 

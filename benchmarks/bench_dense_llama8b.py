@@ -176,10 +176,10 @@ def main() -> None:
     # 3. Decode. First how much fusing more decode steps per host sync buys at batch 1 (the
     # engine default is 8: up to 7 tokens past a stop string are computed and thrown away).
     for steps in (8, 16, 32):
-        llm.num_decode_steps = steps
+        llm.core.num_decode_steps = steps
         res[f"decode_b1_steps{steps}_tok_s"] = decode_tok_s(llm, SamplingParams, 1)
         print(f"decode b=1, {steps} steps per sync: {res[f'decode_b1_steps{steps}_tok_s']:.1f} tok/s", flush=True)
-    llm.num_decode_steps = 8
+    llm.core.num_decode_steps = 8
     for b in (1, 16):
         res[f"decode_b{b}_tok_s"] = decode_tok_s(llm, SamplingParams, b)
         res[f"hf_decode_b{b}_tok_s"] = hf_decode_tok_s(hf, b)

@@ -61,7 +61,7 @@ def grown_request(llm, n: int, chunk: int = 32768, computed: int | None = None):
 
     vocab = llm.engine.config.model.vocab_size
     ids = torch.randint(10, vocab, (n,), generator=torch.Generator().manual_seed(n)).tolist()
-    req = llm._add(None, ids, SamplingParams(max_tokens=1 << 20, temperature=0.0, ignore_eos=True))
+    req = llm.core.add_request(None, ids, SamplingParams(max_tokens=1 << 20, temperature=0.0, ignore_eos=True))
     seq, sched = req.seq, llm.scheduler
     sched.waiting.remove(seq)
     computed = n - 1 if computed is None else computed
@@ -85,7 +85,7 @@ def prefill_ms(llm, n: int, chunk: int = 32768) -> float:
         seq = grown_request(llm, n, computed=n - chunk)
         torch.cuda.synchronize()
         t = time.perf_counter()
-        llm.step()  # the chunk (32 layers of pruning + block-sparse attention), then its sampled token
+        llm.core.step()  # the chunk (32 layers of pruning + block-sparse attention), then its sampled token
         torch.cuda.synchronize()
         times.append((time.perf_counter() - t) * 1e3)
         llm.scheduler.finish(seq, "abort")

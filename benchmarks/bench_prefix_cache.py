@@ -96,21 +96,21 @@ def ask(llm, prompt: list[int], max_tokens: int, deadline: Deadline) -> dict:
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     sync()
     t0 = time.perf_counter()
-    req = llm._add(None, prompt, params)
+    req = llm.core.add_request(None, prompt, params)
     seq = req.seq
     t_first = t_last = None
     while not seq.is_finished:
         if deadline.left() < 0:
-            llm._abort(req)
+            llm.core.abort(req)
             return {"prompt_tokens": len(prompt), "aborted": "deadline", "computed": seq.num_computed_tokens,
                     "seconds": round(time.perf_counter() - t0, 2)}
-        llm.step()  # ends with the sampled tokens on the host
+        llm.core.step()  # ends with the sampled tokens on the host
         n = len(seq.output_token_ids)
         if n and t_first is None:
             t_first = time.perf_counter()
         t_last = time.perf_counter()
     n = len(seq.output_token_ids)
-    llm._requests.pop(seq.seq_id, None)
+    llm.core.abort(req)  # finished: the core forgets it
     return {"prompt_tokens": len(prompt), "cached_tokens": seq.num_cached_tokens, "ttft_s": round(t_first - t0, 3),
             "output_tokens": n,
             "decode_tok_s": round((n - 1) / (t_last - t_first), 1) if n > 1 and t_last > t_first else None}

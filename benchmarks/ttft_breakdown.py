@@ -124,7 +124,7 @@ class Breakdown:
 
 def instrument(llm, bd: Breakdown):
     """Wrap the runtime's calls in this process (module globals, the DENSE instance, a class
-    method, hooks, the LLM's own step and runner). Returns a function that undoes all of it."""
+    method, hooks, the engine core's step and the runner). Returns a function that undoes all of it."""
     import infhip.runtime.attention.infinitehip as ih
     from infhip.runtime.attention.dense import DENSE
     from infhip.runtime.models.common import Attention, GatedMLP, RMSNorm
@@ -175,7 +175,7 @@ def instrument(llm, bd: Breakdown):
         bd.end_step((time.perf_counter() - t0) * 1e3, ch.start + ch.num_tokens, out.num_tokens)
         return logits
     patch(runner, "execute", timed_execute)
-    step = llm.step
+    step = llm.core.step
 
     def timed_step():  # host time outside execute: the scheduler, the sampler, the token's commit
         t0 = time.perf_counter()
@@ -186,7 +186,7 @@ def instrument(llm, bd: Breakdown):
             bd.rows[-1]["host"] += wall - bd.rows[-1]["wall_ms"]
             bd.rows[-1]["wall_ms"] = wall
         return got
-    patch(llm, "step", timed_step)
+    patch(llm.core, "step", timed_step)
 
     def restore() -> None:
         for h in handles:

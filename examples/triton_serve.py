@@ -5,7 +5,7 @@ bundles (CPU is enough for a small engine) on --host (loopback by default), then
 ``/v2/models/<m>/generate`` and ``/generate_stream`` and prints the answers. With --keep it
 keeps serving until SIGINT (Ctrl-C) or SIGTERM. Either signal drains: tritonserver refuses new
 requests (UNAVAILABLE), running ones get --drain-timeout seconds, then the launcher ends the rest
-(a last "abort" response; builder/triton_launch.py), tritonserver unloads the model and ends its
+(a last "abort" response; runtime/serving/triton/launch.py), tritonserver unloads the model and ends its
 Python-backend stub; the launcher removes the temporary backend folder and exits 0. A second
 signal ends the running requests at once (the same way).
 
@@ -24,8 +24,8 @@ import sys
 import threading
 import urllib.request
 
-from infhip.builder.export_triton import export_triton_repo
-from infhip.builder.triton_launch import numpy_ok, running_server
+from infhip.runtime.serving.triton.export import export_triton_repo
+from infhip.runtime.serving.triton.launch import numpy_ok, running_server
 
 
 class Terminated(Exception):

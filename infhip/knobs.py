@@ -4,7 +4,7 @@ drop (:class:`TokenDropConfig`), part of engine format v1 (infhip/config.py re-e
 Each knob is a dataclass field whose metadata is its one description (:func:`knob`): meaning,
 whether a load may change it (``runtime``), and the measurement behind its value. From it come
 :data:`RUNTIME_KNOBS` (what ``LLM(..., infinitehip_overrides=...)`` may change) and
-docs/knobs.md (``python -m infhip.knobs_doc > docs/knobs.md``; a test keeps it in sync). The
+docs/knobs.md (``python -m infhip.builder.knobs_doc > docs/knobs.md``; a test keeps it in sync). The
 dataclass defaults are preset ``3k``; builder/presets.py writes the other presets as differences.
 """
 
@@ -50,7 +50,7 @@ REMOVED_INFINITEHIP_KNOBS = frozenset({"solo_last_query"})
 
 def knob(default: Any, doc: str, *, runtime: bool = False, measured: str = "") -> Any:
     """A knob field. Its metadata is the one description of the knob (docs/knobs.md is generated
-    from it: ``python -m infhip.knobs_doc``): ``doc`` its meaning in one line; ``runtime`` whether
+    from it: ``python -m infhip.builder.knobs_doc``): ``doc`` its meaning in one line; ``runtime`` whether
     a load may change it (``LLM(..., infinitehip_overrides=...)``, ``--infinitehip-overrides``)
     or only a rebuild; ``measured`` the measurement behind its value, with markdown links
     relative to docs/ ("not measured" when none chose it)."""

@@ -124,18 +124,19 @@ class _Drain:
 def _stream(llm, prompt: str, params, drain: _Drain):
     """LLM.generate_stream, one step at a time, stopping with a last "abort" delta when the
     drain is due (looked at between steps, prefill chunks included)."""
-    req = llm._add(prompt, None, params)
+    core = llm.core
+    req = core.add_request(prompt, None, params)
     try:
         while not req.seq.is_finished:
             if drain.due:
-                llm._abort(req)  # finish_reason "abort"; pages freed
+                core.abort(req)  # finish_reason "abort"; pages freed
             else:
-                llm.step()
-            delta = llm._delta(req)
+                core.step()
+            delta = core.delta(req)
             if delta is not None:
                 yield delta
     finally:
-        llm._abort(req)
+        core.abort(req)
 
 
 if __name__ == "__main__":

@@ -1,8 +1,8 @@
 """The engine thread shared by `infhip-serve` (runtime/serving/) and the Triton model
-(builder/triton_model.py): one thread owns the `LLM` and steps it; other threads hand it
-requests and read each request's messages from its outbox.
+(runtime/serving/triton/model.py): one thread owns the `EngineCore` (runtime/engine_core.py) and steps
+it; other threads hand it requests and read each request's messages from its outbox.
 
-    loop = EngineLoop(llm).start()
+    loop = EngineLoop(llm.core).start()
     outbox = loop.submit("Once upon a time", None, SamplingParams(max_tokens=8))
     first = outbox.get()            # _Accepted(prompt_tokens), or an Exception (ValueError: bad input)
     while (msg := outbox.get()) is not None:
@@ -18,8 +18,8 @@ that ran out of time).
 
 An outbox is anything with ``put(message)`` called from the engine thread (default a
 `queue.Queue`; the HTTP server passes one that forwards into an asyncio queue). A request that
-fails alone (the LLM finished it with finish_reason "error") gets its final `StreamDelta` like any
-other, whose ``error`` attribute says why; when `LLM.step` itself raises, every live request gets
+fails alone (the core finished it with finish_reason "error") gets its final `StreamDelta` like any
+other, whose ``error`` attribute says why; when `EngineCore.step` itself raises, every live request gets
 that exception and the loop keeps serving. If the thread dies anyway, every live and later request
 gets the reason at once (`alive` turns False).
 """
@@ -30,9 +30,12 @@ import logging
 import queue
 import threading
 import time
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from infhip.runtime.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from infhip.runtime.engine_core import EngineCore
 
 _log = logging.getLogger("infhip.engine_loop")
 
@@ -58,17 +61,17 @@ class EngineObserver(Protocol):
     def delta(self, req, delta) -> None: ...
     def gone(self, req, aborted: bool, cause: str = "client") -> None: ...
     def step_failed(self, num_requests: int) -> None: ...
-    def sample(self, llm) -> None: ...
+    def sample(self, core) -> None: ...
 
 
 class EngineLoop:
-    """The engine thread: takes requests from other threads, steps the LLM, hands out deltas.
+    """The engine thread: takes requests from other threads, steps the core, hands out deltas.
 
     Each request's outbox receives `_Accepted`, then `StreamDelta`s (the last with its finish
     reason), then None; or one exception if the engine refused the request."""
 
-    def __init__(self, llm, observer: EngineObserver | None = None):
-        self.llm = llm
+    def __init__(self, core: EngineCore, observer: EngineObserver | None = None):
+        self.core = core
         self.observer = observer
         self._inbox: queue.Queue = queue.Queue()
         self._live: dict[int, tuple[object, Outbox]] = {}  # id(outbox) -> (request, outbox)
@@ -126,7 +129,7 @@ class EngineLoop:
         if msg[0] == "add":
             _, prompt, token_ids, params, outbox, submitted, deadline = msg
             try:
-                req = self.llm._add(prompt, token_ids, params)
+                req = self.core.add_request(prompt, token_ids, params)
             except Exception as e:  # noqa: BLE001 - handed to the caller, which answers 400 for a ValueError
                 outbox.put(e)
                 return
@@ -140,7 +143,7 @@ class EngineLoop:
             self._deadlines.pop(id(msg[1]), None)
             live = self._live.pop(id(msg[1]), None)
             if live is not None:
-                self.llm._abort(live[0])
+                self.core.abort(live[0])
                 if self.observer is not None:
                     self.observer.gone(live[0], aborted=True)
         else:  # end_all
@@ -152,8 +155,8 @@ class EngineLoop:
         (finish_reason "abort", with any text the detokenizer still held) and None."""
         req, outbox = self._live.pop(key)
         self._deadlines.pop(key, None)
-        self.llm._abort(req)
-        deltas = self.llm._deltas(req)  # one per completion (n > 1: several)
+        self.core.abort(req)
+        deltas = self.core.deltas(req)  # one per completion (n > 1: several)
         if self.observer is not None:
             for delta in deltas:
                 self.observer.delta(req, delta)
@@ -193,18 +196,18 @@ class EngineLoop:
         mail, self._ended = self._ended, []
         mail += self._step() if self._live and not self._stop.is_set() else []
         if self.observer is not None:
-            self.observer.sample(self.llm)
+            self.observer.sample(self.core)
         for outbox, message in mail:
             outbox.put(message)
 
     def _step(self) -> list[tuple[Outbox, object]]:
-        """One LLM step; the (outbox, message) pairs it produced."""
+        """One core step; the (outbox, message) pairs it produced."""
         try:
-            touched = {id(r) for r in self.llm.step()}
+            touched = {id(r) for r in self.core.step()}
         except Exception as e:  # noqa: BLE001 - every live request learns why and is freed
             mail = [(outbox, e) for _, outbox in self._live.values()]
             for req, _ in self._live.values():
-                self.llm._abort(req)
+                self.core.abort(req)
             if self.observer is not None:
                 self.observer.step_failed(len(self._live))
             self._live.clear()
@@ -214,12 +217,12 @@ class EngineLoop:
         for key, (req, outbox) in list(self._live.items()):
             if id(req) not in touched and not req.is_finished:
                 continue  # nothing new (e.g. still prefilling): no detokenizer work
-            for delta in self.llm._deltas(req):  # one per completion that moved (n > 1: several)
+            for delta in self.core.deltas(req):  # one per completion that moved (n > 1: several)
                 if self.observer is not None:
                     self.observer.delta(req, delta)
                 mail.append((outbox, delta))
             if req.is_finished:  # every completion of it
-                self.llm._abort(req)  # forget it: its pages are already free
+                self.core.abort(req)  # forget it: its pages are already free
                 if self.observer is not None:
                     self.observer.gone(req, aborted=False)
                 mail.append((outbox, None))
@@ -234,9 +237,9 @@ class EngineLoop:
         error = RuntimeError(f"the engine thread died: {e!r}")
         for req, outbox in self._live.values():
             outbox.put(error)
-            try:  # free its KV pages if the LLM still can
-                self.llm._abort(req)
-            except Exception:  # noqa: BLE001 - the LLM may be what broke
+            try:  # free its KV pages if the core still can
+                self.core.abort(req)
+            except Exception:  # noqa: BLE001 - the core may be what broke
                 _log.exception("aborting a request of the dead engine thread failed")
         self._live.clear()
         while True:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 from infhip.config import check_runtime_knobs
 from infhip.knob_specs import add_renamed_flag, parse_knobs, parse_token_drop_option
@@ -41,13 +41,16 @@ class LoadOptions:
         None, "token budget of one step, i.e. the prefill chunk (default: the engine's)", "int", "N",
         "see the build flag")
     kv_cache_memory_bytes: int | None = _option(
-        None, "KV cache size (default on GPU: free memory - 10 % of total - other buffers (activations, key "
+        None, "KV cache size (default on GPU: free memory - (1 - `gpu_memory_utilization`) x total - other buffers (activations, key "
         "bank, raw-keys scratch, staging) - 1 GiB; CPU: 2 GiB)", "size", "SIZE")
     kv_offload_bytes: int = _option(
         0, "pinned host memory for the KV pages between sink and stream of a request once its context passes "
         "max(`dense_threshold`, trained window + 1) (with `rope_off_in_trained_window`; else `dense_threshold`). "
         "InfiniteHiP engines whose full-attention layers all run it, no token drop; 0: off", "size", "SIZE",
         "1M: decode 0.77×, prefill 0.95× of resident ([benchmarks](benchmarks.md#kv-offload-pinned-host-memory))")
+    gpu_memory_utilization: float = _option(
+        0.9, "share of GPU memory the default KV budget plans for (not read with `kv_cache_memory_bytes`, nor on CPU)", "float",
+        "F", "not measured")
     enforce_eager: bool = _option(False, "never use CUDA graphs", "flag")
     num_decode_steps: int | None = _option(
         None, "decode steps run back to back on the device before the host reads tokens, when a step is all "
@@ -71,11 +74,17 @@ class LoadOptions:
         "silently (and runs on a GPU other than the target); default `$INFHIP_JIT`, else `warn`", "choice",
         "|".join(JIT_POLICIES), "[design/aot.md](design/aot.md)")
 
+    # num_decode_steps when none is given, per device type (the GPU's: the measurement above).
+    DEFAULT_DECODE_STEPS: ClassVar[dict[str, int]] = {"cuda": 8, "cpu": 1}
+
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "num_decode_steps", "kv_cache_memory_bytes"):
             v = getattr(self, name)
             if v is not None and (not _is_int(v) or v < 1):
                 raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
+        u = self.gpu_memory_utilization
+        if isinstance(u, bool) or not isinstance(u, (int, float)) or not 0 < u <= 1:
+            raise ValueError(f"gpu_memory_utilization must be a number in (0, 1], got {u!r}")
         if not _is_int(self.kv_offload_bytes) or self.kv_offload_bytes < 0:
             raise ValueError(f"kv_offload_bytes must be an integer >= 0, got {self.kv_offload_bytes!r}")
         for name in ("enforce_eager", "prefix_caching"):
@@ -95,6 +104,11 @@ class LoadOptions:
         elif self.token_drop is not None and not isinstance(self.token_drop, bool):
             raise TypeError(f"token_drop must be None, a bool or a dict of knobs, got "
                             f"{type(self.token_drop).__name__}")
+
+    def decode_steps_on(self, device_type: str) -> int:
+        """Decode steps run back to back on a device of this type (`num_decode_steps` or the
+        device's default)."""
+        return self.num_decode_steps or self.DEFAULT_DECODE_STEPS.get(device_type, 1)
 
     @classmethod
     def of(cls, options: "LoadOptions | None" = None, **kwargs: Any) -> "LoadOptions":
@@ -162,6 +176,8 @@ def load_options(args: argparse.Namespace) -> LoadOptions:
         try:
             if kind == "int":
                 values[f.name] = int(raw)
+            elif kind == "float":
+                values[f.name] = float(raw)
             elif kind == "size":
                 values[f.name] = parse_size(raw)
             elif kind == "knobs":

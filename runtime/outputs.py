@@ -1,4 +1,4 @@
-"""What `LLM.generate` and `LLM.generate_stream` hand back."""
+"""What `LLM.generate` and `LLM.generate_stream` hand back, and `LLM.stats()`."""
 
 from __future__ import annotations
 
@@ -64,3 +64,24 @@ class StreamDelta:
     index: int = 0  # which of the n completions
     logprobs: list[TokenLogprobs] | None = None  # of token_ids, with SamplingParams.logprobs
     prompt_logprobs: list[TokenLogprobs | None] | None = None  # on a request's first delta only
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """A snapshot of the engine's load: counters only, cheap enough to read every scrape.
+    Page counts are per KV group ("global", and "sliding" for Gemma-3); the null page is not
+    counted, pages set aside for the offload page cache count as used."""
+
+    num_running: int  # requests holding KV pages (prefilling or decoding)
+    num_waiting: int  # queued: new, or preempted and to be recomputed
+    kv_pages_used: dict[str, int]
+    kv_pages_free: dict[str, int]
+    host_pages_used: dict[str, int]  # groups with a host pool (kv_offload_bytes) only
+    host_pages_free: dict[str, int]
+    # Prefix caching (zero when off): cached pages held by no request (counted in kv_pages_free),
+    # and since start: prompt tokens looked up at admission, of them found cached, pages evicted.
+    kv_pages_cached: dict[str, int] = field(default_factory=dict)
+    host_pages_cached: dict[str, int] = field(default_factory=dict)  # (counted in host_pages_free)
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    prefix_cache_evictions: int = 0

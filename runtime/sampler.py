@@ -3,7 +3,7 @@
 A step builds one `SamplingBatch` on the host (`SamplingBatch.build`: the rows' parameters as
 device tensors, and for rows with penalties their token counts); `Sampler.sample(logits, batch)`
 then only launches kernels: no host sync, no host-to-device copy, so a run of back-to-back
-decode steps (LLM._decode_steps, after each CUDA-graph replay: the graphs end at the logits,
+decode steps (EngineCore._decode_steps, after each CUDA-graph replay: the graphs end at the logits,
 sampling is outside them) calls it once per step and the batch's device state (output counts,
 output lengths) advances on the device with the sampled tokens.
 

@@ -5,7 +5,7 @@
     curl localhost:8000/v1/chat/completions -d '{"messages": [{"role": "user", "content": "Hi"}], "stream": true}'
 
 Endpoints, flags, limits and metric names: docs/serving.md. One engine thread
-(`EngineLoop`, runtime/engine_loop.py, also the Triton model's) owns the `LLM` and batches every
+(`EngineLoop`, runtime/engine_loop.py, also the Triton model's) owns the `EngineCore` and batches every
 live request; the app (runtime/serving/) hands requests in and reads their deltas.
 
 SIGTERM / SIGINT drain the server (runtime/serving/lifecycle.py): new requests get 503 and
@@ -24,7 +24,7 @@ import socket
 import sys
 import threading
 
-from infhip.runtime.engine_loop import EngineLoop, _Accepted  # noqa: F401 - the Triton model imports them from here
+from infhip.runtime.engine_loop import EngineLoop
 
 DEFAULT_BACKLOG = 2048  # pending connections the kernel queues (capped by net.core.somaxconn)
 

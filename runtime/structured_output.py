@@ -16,7 +16,7 @@ tens, with millisecond tails; its compile (milliseconds here) is cached per gram
 
 How it runs (one `GrammarRuntime` per engine, made lazily: an engine that never sees a grammar
 never builds the tokenizer's grammar view):
-  - `LLM._add`: `runtime.matcher(params)` compiles the grammar (cached by its text) and makes the
+  - `EngineCore.add_request`: `runtime.matcher(params)` compiles the grammar (cached by its text) and makes the
     request's matcher; a grammar the library refuses is the request's ValueError (HTTP 400).
   - each step: `runtime.bitmask(matchers, device)` fills one int32 row [ceil(V / 32)] per batch row
     (all bits set for rows without a grammar), copies it to the device once, and the sampler
@@ -153,7 +153,7 @@ class GrammarRuntime:
 
     def compile(self, spec: StructuredOutputsParams):
         """The compiled grammar of spec (cached); ValueError with the library's reason. Thread
-        safe: the server compiles on its tokenizer thread ahead of the engine thread's _add (two
+        safe: the server compiles on its tokenizer thread ahead of the engine thread's add_request (two
         threads compiling one new grammar at once both compile it; one result is kept)."""
         key = spec.key
         with self._lock:

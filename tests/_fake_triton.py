@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from infhip import LLM
-from infhip.builder.triton_model import INPUTS
+from infhip.runtime.serving.triton.model import INPUTS
 from tests._tiny import build_tiny_api_engine
 
 FINAL = 1

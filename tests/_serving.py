@@ -57,9 +57,9 @@ def kv_free_pages(llm) -> dict[str, int]:
 
 
 def engine_is_idle(server, free_pages: dict[str, int]) -> bool:
-    llm = server.loop.llm
-    return (not server.loop._live and not llm._requests and not llm.scheduler.has_unfinished()
-            and kv_free_pages(llm) == free_pages)
+    core = server.loop.core
+    return (not server.loop._live and not core.num_requests and not core.scheduler.has_unfinished()
+            and kv_free_pages(core) == free_pages)
 
 
 def wait_for(condition, timeout_s: float) -> bool:

@@ -1,4 +1,4 @@
-"""Run an infhip CLI with every `LLM.step` slowed, so a test can signal a real process while its
+"""Run an infhip CLI with every `EngineCore.step` slowed, so a test can signal a real process while its
 requests are still generating (tests/test_server_drain.py):
 
     python tests/_slowed_cli.py 0.05 infhip.runtime.server --engine DIR --port 0 ...
@@ -12,13 +12,13 @@ import importlib
 import sys
 import time
 
-from infhip.runtime.llm import LLM
+from infhip.runtime.engine_core import EngineCore
 
 
 def main() -> int:
     delay_s, module, argv = float(sys.argv[1]), sys.argv[2], sys.argv[3:]
-    step = LLM.step
-    LLM.step = lambda self: time.sleep(delay_s) or step(self)
+    step = EngineCore.step
+    EngineCore.step = lambda self: time.sleep(delay_s) or step(self)
     return importlib.import_module(module).main(argv)
 
 

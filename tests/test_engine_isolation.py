@@ -1,6 +1,6 @@
-"""One request's fault is that request's alone (runtime/llm.py's rule), on the tiny API engine
+"""One request's fault is that request's alone (runtime/engine_core.py's rule), on the tiny API engine
 (vocab 300, max_seq_len 128, 4 sequences): bad requests raise ValueError before anything is
-queued; a fault injected into one request in flight (fault_hook, sampling, detokenizing)
+queued; a fault injected into one request in flight (StepHooks.before_forward, sampling, detokenizing)
 finishes it with finish_reason "error" while the others produce exactly the tokens they produce
 alone; a failing batched forward fails that step's requests and the engine goes on. Afterwards
 no request is left and every KV page is free."""
@@ -46,7 +46,7 @@ def free_pages(llm):
 
 def assert_idle(llm, free):
     """No request left anywhere and every KV page free again."""
-    assert not llm.scheduler.has_unfinished() and not llm._requests
+    assert not llm.scheduler.has_unfinished() and not llm.core.num_requests
     assert free_pages(llm) == free
 
 
@@ -54,13 +54,13 @@ def run(llm, reqs):
     """Step until every request finished; the requests each step returned, per step."""
     returned = []
     while not all(r.seq.is_finished for r in reqs):
-        returned.append(llm.step())
+        returned.append(llm.core.step())
     return returned
 
 
 def seed_mutated():
     p = SamplingParams(seed=1)
-    p.seed = 10**40  # after construction: _add checks every field again
+    p.seed = 10**40  # after construction: add_request checks every field again
     return p
 
 
@@ -104,15 +104,15 @@ def test_params_at_the_edges_are_served(llm):
         out = llm.generate(["hi"], SamplingParams(max_tokens=3, seed=seed, top_k=300, ignore_eos=True))[0]
         assert len(out.token_ids) == 3 and out.error is None
     huge = SamplingParams(max_tokens=10**40, temperature=0.0, ignore_eos=True)
-    req = llm._add(None, [7] * 120, huge)
+    req = llm.core.add_request(None, [7] * 120, huge)
     assert req.seq.params.max_tokens == 8 and huge.max_tokens == 10**40  # a copy; the caller's is untouched
     run(llm, [req])
     assert len(req.seq.output_token_ids) == 8 and req.seq.finish_reason == "length"
-    llm._abort(req)
+    llm.core.abort(req)
 
 
 @pytest.mark.parametrize("num_decode_steps", [1, 4])
-def test_fault_hook_fails_one_request_while_the_others_go_on(engine, alone, num_decode_steps):
+def test_before_forward_hook_fails_one_request_while_the_others_go_on(engine, alone, num_decode_steps):
     """Request 1 fails in the first step that finds it with 3 or more tokens (mid-decode, the
     others in flight): its 4th with single steps (3 tokens), its 3rd with fused decode steps of 4
     (1 + 4 tokens). The others' tokens are those they produce alone."""
@@ -125,8 +125,8 @@ def test_fault_hook_fails_one_request_while_the_others_go_on(engine, alone, num_
         if seq.prompt_token_ids == PROMPTS[1] and seq.num_output_tokens >= 3:
             raise Injected("fault injected into request 1")
 
-    llm.fault_hook = hook
-    reqs = [llm._add(None, p, GREEDY) for p in PROMPTS]
+    llm.core.hooks.before_forward = hook
+    reqs = [llm.core.add_request(None, p, GREEDY) for p in PROMPTS]
     returned = run(llm, reqs)
     bad = reqs[1]
     assert bad.seq.finish_reason == "error" and bad.error.endswith("Injected: fault injected into request 1")
@@ -137,10 +137,10 @@ def test_fault_hook_fails_one_request_while_the_others_go_on(engine, alone, num_
     for r, want in zip(reqs, alone):
         if r is not bad:
             assert r.seq.output_token_ids == want and r.seq.finish_reason == "length" and r.error is None
-    final = llm._delta(bad)
+    final = llm.core.delta(bad)
     assert final.finish_reason == "error" and final.error == bad.error
     for r in reqs:
-        llm._abort(r)
+        llm.core.abort(r)
     assert_idle(llm, free)
 
 
@@ -149,7 +149,7 @@ def test_faults_in_sampling_and_detokenizing_fail_only_their_request(engine, alo
     row, and only request 0's row raises); request 2's detokenizer raises at its 5th token."""
     llm = LLM(engine)
     free = free_pages(llm)
-    sample = llm.sampler.sample
+    sample = llm.core.sampler.sample
     marked = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, top_k=7)  # top_k: a mark only
 
     def sampler(logits, batch):
@@ -157,8 +157,8 @@ def test_faults_in_sampling_and_detokenizing_fail_only_their_request(engine, alo
             raise Injected("sampler fault")
         return sample(logits, batch)
 
-    llm.sampler.sample = sampler
-    reqs = [llm._add(None, PROMPTS[0], marked), llm._add(None, PROMPTS[1], GREEDY), llm._add(None, PROMPTS[2], GREEDY)]
+    llm.core.sampler.sample = sampler
+    reqs = [llm.core.add_request(None, PROMPTS[0], marked), llm.core.add_request(None, PROMPTS[1], GREEDY), llm.core.add_request(None, PROMPTS[2], GREEDY)]
     detok = reqs[2].forks[0].detok
     update = detok.update
 
@@ -174,7 +174,7 @@ def test_faults_in_sampling_and_detokenizing_fail_only_their_request(engine, alo
     assert reqs[2].seq.finish_reason == "error" and "detokenizer fault" in reqs[2].error
     assert reqs[2].seq.output_token_ids == alone[2][:5]
     assert reqs[1].seq.output_token_ids == alone[1] and reqs[1].error is None
-    outputs = [llm._output(r) for r in reqs]
+    outputs = [llm.core.output(r) for r in reqs]
     assert [o.finish_reason for o in outputs] == ["error", "length", "error"]
     assert outputs[2].error == reqs[2].error and outputs[1].error is None
     assert_idle(llm, free)
@@ -194,7 +194,7 @@ def test_failed_batched_forward_fails_that_step_and_the_engine_goes_on(engine, a
         return execute(out)
 
     llm.runner.execute = failing_execute
-    reqs = [llm._add(None, p, GREEDY) for p in PROMPTS]
+    reqs = [llm.core.add_request(None, p, GREEDY) for p in PROMPTS]
     run(llm, reqs)
     assert calls[2] == 2
     for r in reqs[:2]:
@@ -202,7 +202,7 @@ def test_failed_batched_forward_fails_that_step_and_the_engine_goes_on(engine, a
         assert len(r.seq.output_token_ids) == 2
     assert reqs[2].seq.output_token_ids == alone[2] and reqs[2].error is None
     for r in reqs:
-        llm._abort(r)
+        llm.core.abort(r)
     assert_idle(llm, free)
     assert llm.generate(prompt_token_ids=[PROMPTS[1]], sampling_params=GREEDY)[0].token_ids == alone[1]
 
@@ -215,18 +215,18 @@ def test_stream_ends_with_an_error_delta(engine, alone):
         if seq.num_output_tokens == 4:
             raise Injected("stream fault")
 
-    llm.fault_hook = hook
+    llm.core.hooks.before_forward = hook
     deltas = list(llm.generate_stream(prompt_token_ids=PROMPTS[0], sampling_params=GREEDY))
     assert [t for d in deltas for t in d.token_ids] == alone[0][:4]
     assert deltas[-1].finish_reason == "error" and "stream fault" in deltas[-1].error
     assert all(d.finish_reason is None and d.error is None for d in deltas[:-1])
     assert_idle(llm, free)
-    llm.fault_hook = None
+    llm.core.hooks.before_forward = None
     assert llm.generate(prompt_token_ids=[PROMPTS[0]], sampling_params=GREEDY)[0].token_ids == alone[0]
 
 
 def test_a_sequence_queued_behind_llms_back_does_not_break_it(llm, alone):
-    """A sequence put on the scheduler directly (not through _add) has no request to answer: it
+    """A sequence put on the scheduler directly (not through add_request) has no request to answer: it
     is finished with "error" instead of failing every later step (the KeyError of issue 19)."""
     free = free_pages(llm)
     orphan = Sequence(seq_id=10**6, prompt_token_ids=[5, 6], params=GREEDY)
@@ -242,9 +242,9 @@ def test_stats_count_requests_and_pages(engine):
     total = {g: idle.kv_pages_used[g] + idle.kv_pages_free[g] for g in idle.kv_pages_free}
     assert (idle.num_running, idle.num_waiting) == (0, 0) and set(idle.kv_pages_used.values()) == {0}
     assert idle.host_pages_used == idle.host_pages_free == {}  # no host pool without kv_offload_bytes
-    reqs = [llm._add(None, [5] * 40, GREEDY), llm._add(None, PROMPTS[0], GREEDY)]
+    reqs = [llm.core.add_request(None, [5] * 40, GREEDY), llm.core.add_request(None, PROMPTS[0], GREEDY)]
     assert (llm.num_running, llm.num_waiting) == (0, 2)
-    llm.step()
+    llm.core.step()
     busy = llm.stats()
     assert (busy.num_running, busy.num_waiting) == (1, 1)
     assert all(busy.kv_pages_used[g] == 3 and busy.kv_pages_used[g] + busy.kv_pages_free[g] == total[g]

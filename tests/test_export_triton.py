@@ -9,8 +9,8 @@ import re
 import pytest
 
 from infhip.builder.errors import BuildError
-from infhip.builder.export_triton import export_triton_repo, main
-from infhip.builder.triton_model import OUTPUTS, PARAMETERS
+from infhip.runtime.serving.triton.export import export_triton_repo, main
+from infhip.runtime.serving.triton.model import OUTPUTS, PARAMETERS
 from tests._fake_triton import engine, parse_pbtxt  # noqa: F401 (engine: a fixture)
 
 
@@ -36,7 +36,7 @@ def test_config_pbtxt(engine, tmp_path):
     assert "device" not in params
     # the engine stays where it is; the model file is this package's template
     assert not (out / "1" / "rank0.safetensors").exists()
-    from infhip.builder import triton_model
+    from infhip.runtime.serving.triton import model as triton_model
     assert (out / "1" / "model.py").read_text() == open(triton_model.__file__).read()
 
     cfg = parse_pbtxt((export_triton_repo(engine, tmp_path / "repo", model_name="tiny2", decoupled=False,
@@ -66,7 +66,7 @@ def test_force_and_atomicity(engine, tmp_path, monkeypatch):
     assert (out / "marker").read_text() == "old"
 
     # a failure while writing leaves the old model untouched and no temporary folder behind
-    import infhip.builder.export_triton as ex
+    import infhip.runtime.serving.triton.export as ex
 
     def broken_copy(*a, **k):
         raise OSError("disk full")

@@ -14,7 +14,7 @@ import time
 import pytest
 
 from infhip import SamplingParams
-from infhip.builder.export_triton import export_triton_repo
+from infhip.runtime.serving.triton.export import export_triton_repo
 from tests._fake_triton import (FINAL, FakeRequest, engine, fake_metric, fake_pb_utils,  # noqa: F401 (fixtures)
                                 model_config_json, outputs, parse_pbtxt, reference, until, wait)
 
@@ -120,16 +120,16 @@ def test_bad_request_gets_invalid_arg(model, pb, inputs, message):
     [(resp, flags)] = wait(req)
     assert flags == FINAL and resp.has_error() and message in resp.error().message()
     assert resp.error().code() == pb.TritonError.INVALID_ARG  # HTTP 400, not 500
-    assert not model.loop.llm._requests  # it never stayed in the engine
+    assert not model.loop.core.num_requests  # it never stayed in the engine
 
 
 def slow_steps(model, seconds):
-    step = model.loop.llm.step
+    step = model.loop.core.step
 
     def slow():
         time.sleep(seconds)
         return step()
-    model.loop.llm.step = slow
+    model.loop.core.step = slow
     return step
 
 
@@ -148,19 +148,19 @@ def test_cancelled_request_is_aborted(model, pb):
         assert resp.error().code() == pb.TritonError.CANCELLED
         assert 1 <= sum(len(outputs(r)["ids"]) for r, _ in sent[:-1]) < 100
         deadline = time.monotonic() + 10
-        while model.loop.llm._requests and time.monotonic() < deadline:
+        while model.loop.core.num_requests and time.monotonic() < deadline:
             time.sleep(0.01)
-        assert not model.loop.llm._requests  # aborted in the engine: its KV pages are free
+        assert not model.loop.core.num_requests  # aborted in the engine: its KV pages are free
         until(lambda: fake_metric(pb, "infhip_request_aborts_total") == aborts + 1)
     finally:
-        model.loop.llm.step = step
+        model.loop.core.step = step
 
 
 def test_request_failed_alone(model, pb, reference):
     """A request the engine fails alone (its last delta carries `error`) gets an INTERNAL error;
     the others go on."""
     errors = fake_metric(pb, "infhip_request_errors_total", scope="request")
-    deltas = model.loop.llm._deltas
+    deltas = model.loop.core.deltas
 
     def failing_deltas(req):
         out = deltas(req)
@@ -168,7 +168,7 @@ def test_request_failed_alone(model, pb, reference):
             if req.prompt == "fail me" and d.token_ids:
                 d.finish_reason, d.error = "error", "out of pages"
         return out
-    model.loop.llm._deltas = failing_deltas
+    model.loop.core.deltas = failing_deltas
     try:
         want = reference.generate(["hello world"], SamplingParams(**GREEDY))[0]
         bad, good = FakeRequest(text_input="fail me", **GREEDY), FakeRequest(text_input="hello world", **GREEDY)
@@ -178,8 +178,8 @@ def test_request_failed_alone(model, pb, reference):
         assert "the engine failed this request: out of pages" in resp.error().message()
         assert outputs(wait(good)[0][0])["ids"] == want.token_ids
     finally:
-        model.loop.llm._deltas = deltas
-    until(lambda: not model.loop.llm._requests)  # the failed one is forgotten too
+        model.loop.core.deltas = deltas
+    until(lambda: not model.loop.core.num_requests)  # the failed one is forgotten too
     until(lambda: fake_metric(pb, "infhip_request_errors_total", scope="request") == errors + 1)
 
 
@@ -206,7 +206,7 @@ def test_metrics_count_what_happened(model, pb, reference):
     assert fake_metric(pb, "infhip_requests_finished_total", finish_reason="length") == length + 2
     assert fake_metric(pb, "infhip_request_success_total", finish_reason="length") == length + 2
     until(lambda: fake_metric(pb, "infhip_requests_running") == fake_metric(pb, "infhip_kv_pages_used") == 0)
-    kv = model.loop.llm.runner.kv
+    kv = model.loop.core.runner.kv
     assert fake_metric(pb, "infhip_kv_pages_free", group="global", memory="gpu") == kv.groups["global"].num_pages - 1
     assert fake_metric(pb, "infhip_kv_cache_usage_ratio", group="global") == 0
     [family] = [pb.MetricFamily.families["infhip_requests_waiting"]]

@@ -149,10 +149,10 @@ def test_parse_size():
 def test_knobs_doc_is_up_to_date_and_its_links_resolve():
     import re
 
-    from infhip.knobs_doc import markdown
+    from infhip.builder.knobs_doc import markdown
     text = markdown()
     assert (ROOT / "docs" / "knobs.md").read_text() == text, \
-        "docs/knobs.md is out of date: python -m infhip.knobs_doc > docs/knobs.md"
+        "docs/knobs.md is out of date: python -m infhip.builder.knobs_doc > docs/knobs.md"
 
     def slug(heading: str) -> str:  # GitHub's anchors
         return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")

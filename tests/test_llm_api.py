@@ -115,8 +115,8 @@ def test_multi_step_decode_equals_single_step(engine, llm):
     give exactly what single steps give, stops included (tokens past a stop are discarded)."""
     multi = LLM(engine, num_decode_steps=4)
     fused_runs = []
-    run_fused = multi._decode_steps
-    multi._decode_steps = lambda out, k: fused_runs.append(k) or run_fused(out, k)
+    run_fused = multi.core._decode_steps
+    multi.core._decode_steps = lambda out, k: fused_runs.append(k) or run_fused(out, k)
     whole = llm.generate(["stop here"], GREEDY)[0]
     cases = [
         (["a", "bbbbbbbbbb", "hello there"], SamplingParams(max_tokens=11, temperature=0.0, ignore_eos=True)),
@@ -147,6 +147,6 @@ def test_rejected_or_abandoned_requests_leave_nothing_behind(engine):
     stream = llm.generate_stream("hello", SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True))
     next(stream)
     stream.close()
-    assert not llm.scheduler.has_unfinished() and not llm._requests
+    assert not llm.scheduler.has_unfinished() and not llm.core.num_requests
     assert {g: llm.runner.kv.num_free_pages(g) for g in llm.runner.kv.groups} == free
     assert len(llm.generate(["ok"], GREEDY)[0].token_ids) == 12

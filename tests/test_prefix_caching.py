@@ -374,16 +374,16 @@ def test_refcounts_under_abort(llama):
     ref = LLM(llama, prefix_caching=False).generate(prompt_token_ids=[doc + [5, 6]], sampling_params=GREEDY)[0]
     llm.generate(prompt_token_ids=[doc + [9]], sampling_params=GREEDY)
     # aborted mid-prefill (its first chunk starts at the cached 48 tokens), and mid-decode
-    req = llm._add(None, doc + ids(51, 40), GREEDY)
-    llm.step()
+    req = llm.core.add_request(None, doc + ids(51, 40), GREEDY)
+    llm.core.step()
     assert req.seq.num_cached_tokens == 48 and 48 < req.seq.num_computed_tokens < 89
-    other = llm._add(None, doc + [5, 6], GREEDY)
+    other = llm.core.add_request(None, doc + [5, 6], GREEDY)
     for _ in range(3):
-        llm.step()
-    llm._abort(req)
+        llm.core.step()
+    llm.core.abort(req)
     while not other.seq.is_finished:
-        llm.step()
-    assert llm._output(other).token_ids == ref.token_ids
+        llm.core.step()
+    assert llm.core.output(other).token_ids == ref.token_ids
     stream = llm.generate_stream(prompt_token_ids=doc + [7], sampling_params=GREEDY)
     assert next(stream).num_cached_tokens == 48
     stream.close()  # the client left after its first token

@@ -67,7 +67,7 @@ def ask(llm: LLM, prompt: list[int], params=GREEDY, chunk_ends=()) -> tuple[list
     tokens). chunk_ends: positions where a prefill chunk must end (the scheduler's budget is cut
     for the step that reaches one): an uncached run "with a chunk boundary at c"."""
     sched, budget = llm.scheduler, llm.scheduler.max_num_batched_tokens
-    req = llm._add(None, prompt, params)
+    req = llm.core.add_request(None, prompt, params)
     seq, logits = req.seq, []
     real = llm.runner.execute
 
@@ -82,10 +82,10 @@ def ask(llm: LLM, prompt: list[int], params=GREEDY, chunk_ends=()) -> tuple[list
             done = seq.num_computed_tokens
             cut = [e - done for e in chunk_ends if e > done]
             sched.max_num_batched_tokens = min([budget] + cut)
-            llm.step()
+            llm.core.step()
     finally:
         llm.runner.execute, sched.max_num_batched_tokens = real, budget
-    llm._requests.pop(seq.seq_id, None)
+    llm.core.abort(req)  # finished: the core forgets it
     return list(seq.output_token_ids), torch.stack(logits), seq.num_cached_tokens
 
 
@@ -298,12 +298,12 @@ def test_abort_releases_host_pages(engines, small_batches):
     on, _ = pair(engines["3k"], PAST, kv_offload_bytes=4 * MiB)
     doc = ids(50, 96)
     ask(on, doc + [1])
-    req = on._add(None, doc + ids(51, 60), GREEDY)
+    req = on.core.add_request(None, doc + ids(51, 60), GREEDY)
     for _ in range(2):
-        on.step()
+        on.core.step()
     assert req.seq.num_cached_tokens == 96 and req.seq.num_computed_tokens > 96
     assert any(e < 0 for e in on.runner.kv.block_table(req.seq.seq_id, "global"))
-    on._abort(req)
+    on.core.abort(req)
     kv = on.runner.kv
     assert on.stats().host_pages_used == {"global": 0}
     for g, pool in [*kv._alloc.items(), *kv._host.items()]:

@@ -212,14 +212,14 @@ def test_penalties_and_bias_on_the_engine(llm):
 
 def test_priority_admits_a_short_request_during_a_long_prefill(root):
     llm = LLM(root / "engine", max_num_batched_tokens=8, max_num_seqs=4)
-    long = llm._add(None, list(range(3, 103)), SamplingParams(max_tokens=2, temperature=0))  # 13 chunks of 8
+    long = llm.core.add_request(None, list(range(3, 103)), SamplingParams(max_tokens=2, temperature=0))  # 13 chunks of 8
     for _ in range(3):
-        llm.step()
+        llm.core.step()
     assert 0 < long.seq.num_computed_tokens < 90
-    short = llm._add(None, [5, 6, 7], SamplingParams(max_tokens=4, temperature=0, priority=-1))
+    short = llm.core.add_request(None, [5, 6, 7], SamplingParams(max_tokens=4, temperature=0, priority=-1))
     short_first = long_done = None
     for step in range(40):
-        llm.step()
+        llm.core.step()
         if short_first is None and short.seq.output_token_ids:
             short_first = step
         if long_done is None and long.seq.output_token_ids:
@@ -229,12 +229,12 @@ def test_priority_admits_a_short_request_during_a_long_prefill(root):
     assert short_first is not None and long_done is not None and short_first < long_done
     assert short.is_finished and short.seq.num_output_tokens == 4
     # without the priority the short one waits for the long prefill (FIFO: the old behaviour)
-    long = llm._add(None, list(range(150, 250)), SamplingParams(max_tokens=2, temperature=0))  # not cached
+    long = llm.core.add_request(None, list(range(150, 250)), SamplingParams(max_tokens=2, temperature=0))  # not cached
     for _ in range(3):
-        llm.step()
-    late = llm._add(None, [5, 6, 7], SamplingParams(max_tokens=4, temperature=0))
+        llm.core.step()
+    late = llm.core.add_request(None, [5, 6, 7], SamplingParams(max_tokens=4, temperature=0))
     while not late.seq.output_token_ids:
-        llm.step()
+        llm.core.step()
     assert long.seq.output_token_ids
 
 

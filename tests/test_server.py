@@ -217,10 +217,10 @@ def test_protocol_errors_then_a_correct_answer(server, reference):
 def slow_steps(server, monkeypatch):
     """Steps take >= 20 ms (100 tokens >= 2 s), so a request is still generating when its client
     leaves; yields the requests the engine accepted."""
-    llm, added = server.loop.llm, []
-    step, add = llm.step, llm._add
-    monkeypatch.setattr(llm, "_add", lambda *a: added.append(add(*a)) or added[-1])
-    monkeypatch.setattr(llm, "step", lambda: time.sleep(0.02) or step())
+    core, added = server.loop.core, []
+    step, add = core.step, core.add_request
+    monkeypatch.setattr(core, "add_request", lambda *a: added.append(add(*a)) or added[-1])
+    monkeypatch.setattr(core, "step", lambda: time.sleep(0.02) or step())
     return added
 
 
@@ -229,7 +229,7 @@ LONG = {"prompt": "abc", "max_tokens": 100, "temperature": 0, "ignore_eos": True
 
 @pytest.mark.parametrize("stream", [True, False])
 def test_client_leaving_frees_its_request(server, slow_steps, monkeypatch, stream):
-    free = kv_free_pages(server.loop.llm)
+    free = kv_free_pages(server.loop.core)
     body = json.dumps({**LONG, "stream": stream}).encode()
     first_token, delta = threading.Event(), server.metrics.delta
     monkeypatch.setattr(server.metrics, "delta", lambda req, d: first_token.set() or delta(req, d))
@@ -241,18 +241,18 @@ def test_client_leaving_frees_its_request(server, slow_steps, monkeypatch, strea
     assert req.seq.finish_reason == "abort" and len(req.seq.output_token_ids) < 100
 
 
-def inject_fault(llm, monkeypatch, target: list[int], message: str) -> None:
-    """Make the engine fail the request whose prompt is `target` alone (LLM.fault_hook)."""
+def inject_fault(core, monkeypatch, target: list[int], message: str) -> None:
+    """Make the engine fail the request whose prompt is `target` alone (StepHooks.before_forward)."""
     def hook(seq):
         if seq.prompt_token_ids == target:
             raise RuntimeError(message)
-    monkeypatch.setattr(llm, "fault_hook", hook)
+    monkeypatch.setattr(core.hooks, "before_forward", hook)
 
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_request_failing_in_the_engine_fails_alone(server, reference, monkeypatch, stream):
     target = [5, 6, 7, 8]
-    inject_fault(server.loop.llm, monkeypatch, target, "injected fault")
+    inject_fault(server.loop.core, monkeypatch, target, "injected fault")
     prompts = ["one two", target, "three", [9, 10]]
     results = {}
 
@@ -283,9 +283,9 @@ def test_request_failing_in_the_engine_fails_alone(server, reference, monkeypatc
 
 
 def test_failing_step_fails_the_live_requests_and_serving_goes_on(server, reference, monkeypatch):
-    llm, step = server.loop.llm, server.loop.llm.step
+    core, step = server.loop.core, server.loop.core.step
     calls = iter(range(10 ** 6))
-    monkeypatch.setattr(llm, "step", lambda: step() if next(calls) != 2 else 1 / 0)  # the 3rd step raises
+    monkeypatch.setattr(core, "step", lambda: step() if next(calls) != 2 else 1 / 0)  # the 3rd step raises
     status, data = post(server, {"prompt": "one two", **GREEDY})
     assert status == 500 and "ZeroDivisionError: division by zero" in error_of(data)["message"]
     status, data = post(server, {"prompt": "one two", **GREEDY})
@@ -297,7 +297,7 @@ def test_dead_engine_thread_makes_health_503(engine):
     llm = LLM(engine)
     with running_server(llm) as srv:
         assert request(srv, "GET", "/health") == (200, b'{"status":"ok"}')
-        llm._deltas = lambda req: 1 / 0  # outside step(): nothing in the loop catches it
+        llm.core.deltas = lambda req: 1 / 0  # outside step(): nothing in the loop catches it
         status, data = post(srv, {"prompt": "one two", **GREEDY})
         assert status == 500 and "engine thread died" in error_of(data)["message"]
         status, data = request(srv, "GET", "/health")
@@ -326,7 +326,7 @@ def test_metrics(server):
     assert metric(text, "infhip_inter_token_latency_seconds_count") - \
         metric(before, "infhip_inter_token_latency_seconds_count") == 9
     assert metric(text, "infhip_requests_running") == 0 and metric(text, "infhip_requests_waiting") == 0
-    kv = server.loop.llm.runner.kv
+    kv = server.loop.core.runner.kv
     for group, spec in kv.groups.items():  # idle: every page but the null page is free
         assert f'infhip_kv_pages_free{{group="{group}",memory="gpu"}} {float(spec.num_pages - 1)}' in text
         assert f'infhip_kv_pages_used{{group="{group}",memory="gpu"}} 0.0' in text

@@ -36,8 +36,8 @@ def reference(engine):
 
 
 def slowed(llm: LLM, delay_s: float = STEP_DELAY_S) -> LLM:
-    step = llm.step
-    llm.step = lambda: time.sleep(delay_s) or step()
+    step = llm.core.step
+    llm.core.step = lambda: time.sleep(delay_s) or step()
     return llm
 
 
@@ -174,7 +174,7 @@ LONG = {"prompt": "abc", "max_tokens": 100, **GREEDY}  # >= 3 s at the slowed st
 @pytest.mark.parametrize("stream", [False, True])
 def test_deadline_aborts_and_frees_pages(slow_server, reference, stream):
     server = slow_server
-    free = kv_free_pages(server.loop.llm)
+    free = kv_free_pages(server.loop.core)
     before = server.metrics.timeouts._value.get()
     start = time.monotonic()
     status, data = post(server, {**LONG, "timeout": 0.6, "stream": stream})
@@ -199,7 +199,7 @@ def test_deadline_counts_queue_time(slow_server, reference):
     """Four long requests fill the engine's 4 slots; a fifth with a deadline shorter than their
     generation waits in the queue the whole time and is aborted there, with no token."""
     server = slow_server
-    free = kv_free_pages(server.loop.llm)
+    free = kv_free_pages(server.loop.core)
     results = {}
 
     def long_one(i):
@@ -207,7 +207,7 @@ def test_deadline_counts_queue_time(slow_server, reference):
     threads = [threading.Thread(target=long_one, args=(i,)) for i in range(4)]
     for t in threads:
         t.start()
-    assert wait_for(lambda: server.loop.llm.scheduler.num_running == 4, 10)
+    assert wait_for(lambda: server.loop.core.scheduler.num_running == 4, 10)
     status, data = post(server, {**LONG, "timeout": 0.4})
     assert status == 504 and "after 0 generated tokens" in error_of(data)["message"]
     for t in threads:
@@ -247,8 +247,8 @@ def test_health_live_ready_and_drain(engine, reference):
 
 def test_live_turns_503_when_a_step_stalls(engine):
     llm = LLM(engine)
-    step, gate = llm.step, threading.Event()
-    llm.step = lambda: gate.wait(30) and step()
+    step, gate = llm.core.step, threading.Event()
+    llm.core.step = lambda: gate.wait(30) and step()
     with running_server(llm, policy=ServingPolicy(stall_timeout_s=0.3)) as server:
         worker = threading.Thread(target=lambda: post(server, {"prompt": "a", "max_tokens": 2}))
         worker.start()

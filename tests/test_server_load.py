@@ -100,11 +100,11 @@ async def leave_mid_request(server, stream: bool, generating: asyncio.Event) -> 
 
 
 def test_64_clients_leaving_mid_request_free_everything(server, alone, monkeypatch):
-    llm, metrics = server.loop.llm, server.metrics
-    free = kv_free_pages(llm)
+    core, metrics = server.loop.core, server.metrics
+    free = kv_free_pages(core)
     aborts = metrics.aborts._value.get()
-    step, delta = llm.step, metrics.delta
-    monkeypatch.setattr(llm, "step", lambda: time.sleep(0.02) or step())  # 110 tokens >= 2.2 s: still generating
+    step, delta = core.step, metrics.delta
+    monkeypatch.setattr(core, "step", lambda: time.sleep(0.02) or step())  # 110 tokens >= 2.2 s: still generating
 
     async def storm():
         loop, generating, started = asyncio.get_running_loop(), asyncio.Event(), set()

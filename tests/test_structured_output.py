@@ -97,7 +97,7 @@ def test_bad_grammar_is_a_value_error_and_queues_nothing(llm):
                          (StructuredOutputsParams(grammar="root ::= undefined_rule"), "grammar grammar does not compile")):
         with pytest.raises(ValueError, match=needle):
             llm.generate(["x"], SamplingParams(structured_outputs=spec))
-        assert not llm._requests and not llm.scheduler.has_unfinished()
+        assert not llm.core.num_requests and not llm.scheduler.has_unfinished()
     with pytest.raises(ValueError, match="exactly one of"):
         StructuredOutputsParams(regex="a", choice=["b"])
     with pytest.raises(ValueError, match="not JSON"):
@@ -110,11 +110,11 @@ def test_rows_without_a_grammar_pay_nothing(engine):
     fresh = LLM(engine)
     plain = [SamplingParams(max_tokens=12, temperature=1.0, seed=s, ignore_eos=True) for s in (7, 8)]
     alone = [o.token_ids for o in fresh.generate(["In the beginning"] * 2, plain)]
-    assert fresh._grammars is None  # no grammar request: the grammar compiler was never built
+    assert fresh.core._grammars is None  # no grammar request: the grammar compiler was never built
     spec = StructuredOutputsParams(json=SCHEMA)
     mixed = fresh.generate(["In the beginning"] * 3,
                            plain + [SamplingParams(max_tokens=80, temperature=1.0, seed=1, structured_outputs=spec)])
     assert [o.token_ids for o in mixed[:2]] == alone  # their rows are all-ones in the bitmask
     assert matches_schema(json.loads(mixed[2].text))
-    batch = fresh._batch([])  # a batch without grammar rows gets no bitmask
+    batch = fresh.core._batch([])  # a batch without grammar rows gets no bitmask
     assert batch.token_bitmask is None and not batch.host_each_step

@@ -219,9 +219,9 @@ def test_qwen_streamed_tool_call_in_its_own_format(tmp_path):
 
 def test_new_grammars_compile_off_the_engine_thread(server, monkeypatch):
     """A new grammar compiles on the server's tokenizer thread (AsyncEngine.compile_grammar), not
-    on the engine thread where it would stall every running request; _add then finds it cached."""
+    on the engine thread where it would stall every running request; add_request then finds it cached."""
     import threading
-    runtime = server.loop.llm.grammars
+    runtime = server.loop.core.grammars
     compiled_on = []
     real = type(runtime).compile
 

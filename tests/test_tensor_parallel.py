@@ -259,7 +259,7 @@ def test_a_worker_that_fails_surfaces_on_rank0(llama_tp2, tmp_path):
         LLM(broken)
     with LLM(llama_tp2) as llm:
         assert llm.generate(prompt_token_ids=[PROMPTS[2]], sampling_params=GREEDY)[0].finish_reason == "length"
-        worker = llm._tp.procs[0]
+        worker = llm.core._tp.procs[0]
         os.kill(worker.pid, signal.SIGKILL)
         worker.join(timeout=10)
         out = llm.generate(prompt_token_ids=[PROMPTS[2]], sampling_params=GREEDY)[0]

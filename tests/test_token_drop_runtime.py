@@ -188,12 +188,12 @@ def test_batch_equals_each_alone(engine):
     assert batch == alone
     # decodes mixed into the dropping prefills' steps: the short prompt starts first
     llm2 = LLM(engine, token_drop=knobs, max_num_batched_tokens=256)
-    reqs = [llm2._add(None, prompts[2], sp)]
-    llm2.step()
+    reqs = [llm2.core.add_request(None, prompts[2], sp)]
+    llm2.core.step()
     assert reqs[0].seq.num_output_tokens == 1
-    reqs += [llm2._add(None, p, sp) for p in prompts[:2]]
+    reqs += [llm2.core.add_request(None, p, sp) for p in prompts[:2]]
     while not all(r.seq.is_finished for r in reqs):
-        llm2.step()
+        llm2.core.step()
     assert [r.seq.output_token_ids for r in reqs] == [alone[2], alone[0], alone[1]]
 
 

@@ -1,6 +1,6 @@
 """The Triton model's end of a drain, in-process against the fake `triton_python_backend_utils`
 (tests/_fake_triton.py) on the tiny engine: once the launcher writes END_MARKER into the model's
-directory (builder/triton_launch.py `end_requests`), a running streaming request ends with a last
+directory (runtime/serving/triton/launch.py `end_requests`), a running streaming request ends with a last
 response whose finish_reason is "abort" (flagged final, its tokens a prefix of the full answer),
 a running whole request with UNAVAILABLE, and the engine is idle. The real tritonserver's drain
 (SIGTERM to examples/triton_serve.py): tests/test_triton_server.py."""
@@ -14,8 +14,8 @@ import time
 import pytest
 
 from infhip import SamplingParams
-from infhip.builder.export_triton import export_triton_repo
-from infhip.builder.triton_launch import end_requests
+from infhip.runtime.serving.triton.export import export_triton_repo
+from infhip.runtime.serving.triton.launch import end_requests
 from tests._fake_triton import (FINAL, FakeRequest, engine, fake_pb_utils, model_config_json,  # noqa: F401
                                 outputs, parse_pbtxt, reference, wait)
 
@@ -46,8 +46,8 @@ def test_end_marker_ends_running_requests(pb, engine, reference, tmp_path):
     model_dir = export_triton_repo(engine, repo, model_name="tiny")
     model, module = load(model_dir, "tiny")
     try:
-        step = model.loop.llm.step
-        model.loop.llm.step = lambda: time.sleep(0.03) or step()  # 100 tokens take > 3 s
+        step = model.loop.core.step
+        model.loop.core.step = lambda: time.sleep(0.03) or step()  # 100 tokens take > 3 s
         streamed = FakeRequest(text_input="hello", stream=True, **LONG)
         whole = FakeRequest(text_input="hello", **LONG)
         model.execute([streamed, whole])
@@ -67,9 +67,9 @@ def test_end_marker_ends_running_requests(pb, engine, reference, tmp_path):
         assert flags == FINAL and resp.has_error() and "shutting down" in resp.error().message()
         assert resp.error().code() == pb.TritonError.UNAVAILABLE
         deadline = time.monotonic() + 5
-        while model.loop.llm._requests and time.monotonic() < deadline:
+        while model.loop.core.num_requests and time.monotonic() < deadline:
             time.sleep(0.01)
-        assert not model.loop.llm._requests  # the engine is idle: both were aborted there
+        assert not model.loop.core.num_requests  # the engine is idle: both were aborted there
     finally:
         model.finalize()
     # a model loaded again over the same folder removes the old marker and serves

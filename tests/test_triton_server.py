@@ -32,11 +32,11 @@ import numpy as np
 import pytest
 
 from infhip import LLM, SamplingParams
-from infhip.builder.export_triton import export_triton_repo
+from infhip.runtime.serving.triton.export import export_triton_repo
 
 
 def _skip_reason() -> str | None:
-    from infhip.builder.triton_launch import TritonNotFound, numpy_ok, pytriton_dist
+    from infhip.runtime.serving.triton.launch import TritonNotFound, numpy_ok, pytriton_dist
     try:
         pytriton_dist()
     except TritonNotFound as e:
@@ -157,7 +157,7 @@ def engine(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(engine, tmp_path_factory):
-    from infhip.builder.triton_launch import running_server
+    from infhip.runtime.serving.triton.launch import running_server
     root = tmp_path_factory.mktemp("triton_repo")
     export_triton_repo(engine, root / "repo", model_name="tiny")
     log_path = root / "server.log"
@@ -495,7 +495,7 @@ def _get_status(url: str) -> int:
 def test_failed_start_leaves_nothing(tmp_path, monkeypatch):
     """A server that cannot start (here: a config.pbtxt Triton cannot parse) raises, and its
     temporary backend folder is removed all the same."""
-    from infhip.builder import triton_launch
+    from infhip.runtime.serving.triton import launch as triton_launch
     made = []
     mkdtemp = triton_launch.tempfile.mkdtemp
     monkeypatch.setattr(triton_launch.tempfile, "mkdtemp", lambda **kw: made.append(mkdtemp(**kw)) or made[-1])

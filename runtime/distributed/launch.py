@@ -1,7 +1,7 @@
 """Rank 0's side of a tensor-parallel engine: start the other ranks, form the group, stop them.
 
     session = start_ranks(engine_dir, opts)   # None for a one-rank engine; else workers start loading
-    engine = load_rank(engine_dir, opts)      # rank 0 loads its own shard meanwhile (runtime/llm.py)
+    engine = load_rank(engine_dir, opts)      # rank 0 loads its own shard meanwhile (runtime/load.py)
     session.join(engine)                      # workers loaded -> process group -> engine.tp
     ...                                       # steps: the runner publishes each plan (TPGroup)
     session.close()                           # LLM.close / interpreter exit: workers stop

@@ -25,7 +25,7 @@ def run_rank(rank: int, tp: int, init_method: str, engine_dir: str, opts, errors
     """The whole life of worker `rank` (the target of the spawned process, or a torchrun rank's
     LLM()). errors: rank 0's queue for "ready" and "error" reports (None under torchrun)."""
     from infhip.runtime.distributed.launch import join_group
-    from infhip.runtime.llm import load_rank
+    from infhip.runtime.load import load_rank
 
     def report(kind: str, text: str = "") -> None:
         if errors is not None:
@@ -53,7 +53,7 @@ def serve(engine, opts, group) -> None:
     """Make the runner (its collectives meet rank 0's), then run published steps until "stop"."""
     from infhip.runtime.distributed.group import attach
     from infhip.runtime.kernel_store import serving
-    from infhip.runtime.llm import make_runner
+    from infhip.runtime.load import make_runner
 
     engine.tp = group
     attach(engine.model, group)

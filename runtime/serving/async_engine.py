@@ -102,7 +102,7 @@ class AsyncEngine:
         self.llm = llm
         self.limits = EngineLimits(vocab_size=llm.engine.config.model.vocab_size,
                                    max_seq_len=llm.scheduler.max_seq_len)
-        self.loop = EngineLoop(llm, observer).start()
+        self.loop = EngineLoop(llm.core, observer).start()
         self._tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="infhip-tokenize")
 
     def close(self) -> None:
@@ -114,7 +114,7 @@ class AsyncEngine:
         return self.llm.tokenizer
 
     async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """Token ids of a completion prompt, as `LLM._add` would tokenize it."""
+        """Token ids of a completion prompt, as `EngineCore.add_request` would tokenize it."""
         if self.tokenizer is None:
             raise BadRequest("this engine has no tokenizer (built with --random-weights from a config); "
                              "send \"prompt\" as a list of token ids")
@@ -145,7 +145,7 @@ class AsyncEngine:
 
     async def compile_grammar(self, spec) -> None:
         """Compile a request's grammar (StructuredOutputsParams) on the tokenizer thread, into
-        the engine's cache, so that LLM._add on the engine thread finds it: a new schema's
+        the engine's cache, so that EngineCore.add_request on the engine thread finds it: a new schema's
         compile (up to ~0.15 s) and the first grammar's vocabulary setup (~0.3-0.8 s) would
         stall every running request there. ValueError: it does not compile."""
         await self._off_thread(lambda: self.llm.grammars.compile(spec))

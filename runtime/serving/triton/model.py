@@ -21,8 +21,8 @@ with ``{"text_input": ..., "max_tokens": ...}`` works):
 Every response carries ``text_output``, the new ``output_ids`` and ``finish_reason`` ("" until
 the last one).
 
-One engine thread (`infhip.runtime.server.EngineLoop`, the same one `infhip-serve` runs) owns the
-`LLM` and steps all live requests together (continuous batching). In decoupled mode (the
+One engine thread (`infhip.runtime.engine_loop.EngineLoop`, the same one `infhip-serve` runs) owns the
+`EngineCore` and steps all live requests together (continuous batching). In decoupled mode (the
 default) `execute` hands each request to a small responder thread and returns at once; the
 responder sends the deltas (``stream`` true) or one whole answer through the request's response
 sender, the last response flagged ``TRITONSERVER_RESPONSE_COMPLETE_FINAL``. A request Triton
@@ -32,7 +32,7 @@ cancelled CANCELLED, model unloading UNAVAILABLE (503), the engine failing INTER
 
 Drain (docs/serving_triton.md, "Stopping"): on SIGTERM tritonserver itself stops taking new
 requests and waits up to ``--exit-timeout-secs`` for running ones; it has no way to tell a model
-that the wait is over. So the launcher (builder/triton_launch.py), once its drain timeout has
+that the wait is over. So the launcher (runtime/serving/triton/launch.py), once its drain timeout has
 passed, writes the file `END_MARKER` into the model's directory; a watcher thread here sees it
 within _POLL_S and ends every running request: a streaming one with a last response whose
 finish_reason is "abort" (flagged final), a whole one with UNAVAILABLE. Triton then finds
@@ -189,7 +189,7 @@ def _import_infhip(site_dirs: str):
     try:
         from infhip.runtime.llm import LLM
         from infhip.runtime.sampling_params import SamplingParams
-        from infhip.runtime.server import EngineLoop
+        from infhip.runtime.engine_loop import EngineLoop
     except ImportError as e:
         raise ImportError(f"infhip is not importable in Triton's Python backend ({e}); install it in the "
                           "Python environment the stub runs, or set PYTHONPATH for tritonserver") from e
@@ -380,7 +380,7 @@ class TritonPythonModel:
         if params.get("max_num_seqs"):
             kwargs["max_num_seqs"] = int(params["max_num_seqs"])
         llm = LLM(params["engine_dir"], **kwargs)
-        self.loop = EngineLoop(llm).start()
+        self.loop = EngineLoop(llm.core).start()
         self.metrics = _Metrics(llm, {"model": args["model_name"], "version": args["model_version"]})
         self._closing = threading.Event()
         self._ending = threading.Event()  # the launcher's drain ran out: every request ends now
@@ -427,7 +427,7 @@ class TritonPythonModel:
         self._closing.set()
         self.loop.close()
         self.metrics.close()
-        self.loop.llm.close()  # a tensor-parallel engine's worker processes (a no-op otherwise)
+        self.loop.core.close()  # a tensor-parallel engine's worker processes (a no-op otherwise)
 
     # -- one request ------------------------------------------------------------------------------
     def _sender(self, request):

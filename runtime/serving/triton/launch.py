@@ -23,11 +23,11 @@ then kills whatever is left of that group, so no Python-backend stub outlives it
 
 Stopping is a drain: SIGTERM makes tritonserver refuse new requests (UNAVAILABLE) and wait for
 the running ones; after `drain_timeout_s` (or at once when `end_now` is set: a second signal)
-the launcher writes the model's END_MARKER (builder/triton_model.py), which ends every running
+the launcher writes the model's END_MARKER (runtime/serving/triton/model.py), which ends every running
 request with a last "abort" response, so Triton unloads the model in order instead of giving
 up on it at its --exit-timeout-secs.
 
-    >>> from infhip.builder.triton_launch import running_server     # doctest: +SKIP
+    >>> from infhip.runtime.serving.triton.launch import running_server     # doctest: +SKIP
     >>> with running_server("triton_repo", http_port=8000) as server:
     ...     print(server.url)                                     # http://127.0.0.1:8000
 """
@@ -179,7 +179,7 @@ def running_server(repo_dir: str | os.PathLike, host: str = "127.0.0.1", http_po
 def end_requests(repo_dir: str | os.PathLike) -> None:
     """Write END_MARKER into every model folder of repo_dir: the infhip models there end their
     running requests ("abort") within 0.1 s."""
-    from infhip.builder.triton_model import END_MARKER
+    from infhip.runtime.serving.triton.model import END_MARKER
     for config in Path(repo_dir).glob("*/config.pbtxt"):
         (config.parent / END_MARKER).touch()
 

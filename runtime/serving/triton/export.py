@@ -4,12 +4,12 @@
     tritonserver --model-repository triton_repo        # see docs/serving_triton.md (CPU: nvidia-pytriton)
     curl localhost:8000/v2/models/smollm2-135m/generate -d '{"text_input": "Hi", "max_tokens": 8}'
 
-    >>> from infhip.builder.export_triton import export_triton_repo
+    >>> from infhip.runtime.serving.triton.export import export_triton_repo
     >>> export_triton_repo("engines/smollm2-135m", "triton_repo")     # doctest: +SKIP
     PosixPath('triton_repo/smollm2-135m')
 
 Writes ``<repo>/<model>/config.pbtxt`` and ``<repo>/<model>/1/model.py`` (a copy of
-`infhip.builder.triton_model`, served by Triton's Python backend). The engine is not copied:
+`infhip.runtime.serving.triton.model`, served by Triton's Python backend). The engine is not copied:
 config.pbtxt names its absolute path (``parameters.engine_dir``), so the repository is small and
 the engine must stay where it is. The model is decoupled by default (streaming; Triton's
 ``/generate_stream`` and gRPC streams), batching happens inside the engine (Triton's
@@ -36,7 +36,7 @@ from infhip.builder.build import install_dir
 from infhip.builder.cli import _positive_int
 from infhip.builder.errors import BuildError
 
-_MODEL_SOURCE = Path(__file__).with_name("triton_model.py")
+_MODEL_SOURCE = Path(__file__).with_name("model.py")
 # Triton model names are folder names (and URL path segments): keep them plain.
 _NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}")
 
@@ -68,7 +68,7 @@ def render_config(model_name: str, params: dict[str, str], decoupled: bool) -> s
     """config.pbtxt of the model (protobuf text format of Triton's ModelConfig). Every input is
     optional: the model checks that exactly one of text_input / input_ids is given."""
     from infhip import __version__
-    from infhip.builder.triton_model import INPUTS, OUTPUTS, PARAMETERS
+    from infhip.runtime.serving.triton.model import INPUTS, OUTPUTS, PARAMETERS
 
     head = (f"# An infhip engine served by Triton's Python backend (1/model.py); written by "
             f"infhip-export-triton {__version__}.\n"

@@ -1,0 +1,80 @@
+"""One load of an engine, shared by rank 0 (`EngineCore`, runtime/engine_core.py) and every
+tensor-parallel worker (runtime/distributed/worker.py): the rank's engine with the load's plan
+changes, its ModelRunner, and the prefix-caching rule of its plan."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from pathlib import Path
+
+from infhip.config import TokenDropConfig, apply_runtime_overrides
+from infhip.runtime.engine import load_engine
+from infhip.runtime.kernel_store import serving
+from infhip.runtime.model_runner import ModelRunner
+from infhip.runtime.options import LoadOptions
+
+
+def load_rank(engine_dir: str | Path, opts: LoadOptions, rank: int = 0):
+    """Rank `rank`'s engine (its weight shard, its view of the model) with the load's plan
+    changes applied (runtime knobs, token drop on/off): what EngineCore and each TP worker serve."""
+    engine = load_engine(engine_dir, opts.device, opts.jit, rank=rank)
+    config = engine.config
+    plan = apply_runtime_overrides(config.plan, opts.infinitehip_overrides)
+    if opts.token_drop is not None:
+        plan = dataclasses.replace(plan, token_drop=_token_drop_override(plan.token_drop, opts.token_drop))
+    engine.config = dataclasses.replace(config, plan=plan)
+    return engine
+
+
+def make_runner(engine, opts: LoadOptions) -> tuple[ModelRunner, int, int, int]:
+    """(runner, max_num_seqs, token budget per step, decode steps run back to back) of a load;
+    every TP rank makes the same one (runtime/distributed/worker.py)."""
+    num_decode_steps = opts.decode_steps_on(engine.device.type)
+    build = engine.config.build
+    max_num_seqs = opts.max_num_seqs or build.max_batch_size
+    budget = opts.max_num_batched_tokens or build.max_num_batched_tokens
+    if budget < max_num_seqs:
+        raise ValueError(f"max_num_batched_tokens ({budget}) must be >= max_num_seqs ({max_num_seqs})")
+    with serving(engine.kernels):  # graph capture launches every decode kernel once
+        runner = ModelRunner(engine, max_num_seqs, budget, opts.kv_cache_memory_bytes,
+                             gpu_memory_utilization=opts.gpu_memory_utilization, enforce_eager=opts.enforce_eager,
+                             max_decode_steps=num_decode_steps, kv_offload_bytes=opts.kv_offload_bytes)
+    return runner, max_num_seqs, budget, num_decode_steps
+
+
+def prefix_caching_rule(plan, page_size: int) -> dict:
+    """KVCacheManager.enable_prefix_caching's arguments for ``plan`` (docs/design/prefix_caching.md,
+    "Exactness per plan"; token drop's rule is the scheduler's prefix_filter). InfiniteHiP prefill is
+    block-causal (a query block of ``block_q`` reads only keys before its end), and no state but
+    K/V survives a prefill (mask caches and key banks are decode state, rebuilt at the first
+    sparse decode step; the raw-keys scratch lives one step): so a reused prefix is a multiple of
+    lcm(page_size, block_q), which keeps the suffix's query blocks on the prefix's grid, and pages
+    that sparse decode steps filled are not named (prefill would compute them otherwise)."""
+    ih = plan.infinitehip
+    if ih is None:
+        return {}
+    return dict(granule=math.lcm(page_size, ih.block_q), cache_decode_pages=False)
+
+
+def load_report(engine, runner: ModelRunner, t0: float, t_engine: float) -> dict:
+    """Where a load spent its time (t0: its start, t_engine: the engine loaded): reading weights,
+    verifying the engine's compiled kernels, capturing the decode graphs (kernels load on their
+    first launch, in the graphs' warm-ups)."""
+    kernels = engine.kernels
+    graphs = runner.graphs.report if runner.graphs is not None else {"graphs": 0, "seconds": 0.0}
+    total = time.perf_counter() - t0
+    verify = kernels.load_seconds if kernels is not None else 0.0
+    return {"total_s": round(total, 3), "weights_s": round(t_engine - t0 - verify, 3),
+            "kernels_verify_s": round(verify, 3), "kernels": len(kernels.variants) if kernels else 0,
+            "graphs": graphs["graphs"], "graphs_s": round(graphs["seconds"], 3),
+            "graph_pool_bytes": graphs.get("pool_bytes", 0),
+            "other_s": round(total - (t_engine - t0) - graphs["seconds"], 3)}
+
+
+def _token_drop_override(built, value):
+    """The token-drop config of a load: `value` (bool or dict of knobs) over the engine's `built`."""
+    if isinstance(value, bool):
+        return (built or TokenDropConfig()) if value else None
+    return (built or TokenDropConfig()).replace(**value)  # a dict (LoadOptions checked the type)
