@@ -147,6 +147,10 @@ class EngineCore(SampleAndCommit):
             prefix_cache_queries=kv.prefix_cache_queries, prefix_cache_hits=kv.prefix_cache_hits,
             prefix_cache_evictions=kv.prefix_cache_evictions)
 
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix page (pages held by requests stay theirs)."""
+        self.runner.kv.clear_prefix_cache()
+
     @property
     def grammars(self) -> GrammarRuntime:
         """The engine's structured-output compiler (made on first use: it reads the vocabulary)."""

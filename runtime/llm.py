@@ -26,7 +26,8 @@ from infhip.runtime.sampling_params import SamplingParams
 
 
 def _of_core(name: str, doc: str) -> property:
-    return property(lambda self: getattr(self.core, name), doc=doc)
+    """LLM.<name> reads (and sets) llm.core.<name>."""
+    return property(lambda self: getattr(self.core, name), lambda self, v: setattr(self.core, name, v), doc=doc)
 
 
 class LLM:
@@ -45,7 +46,7 @@ class LLM:
         self.options = LoadOptions.of(options, **kwargs)
         self.core = EngineCore(engine_dir, self.options)
 
-    # The loaded parts, read from the core (read-only here; EngineCore documents them).
+    # The loaded parts, the core's (EngineCore documents them).
     engine = _of_core("engine", "The LoadedEngine (runtime/engine.py): config, model, kernels, tokenizer.")
     runner = _of_core("runner", "The ModelRunner (runtime/model_runner.py).")
     scheduler = _of_core("scheduler", "The Scheduler (runtime/scheduler.py).")
@@ -54,6 +55,7 @@ class LLM:
     eos_token_ids = _of_core("eos_token_ids", "The model's end-of-sequence token ids.")
     max_num_seqs = _of_core("max_num_seqs", "Most sequences in one step.")
     num_decode_steps = _of_core("num_decode_steps", "Decode steps run back to back when a step allows it.")
+    sampler = _of_core("sampler", "The Sampler (runtime/sampler.py).")
     grammars = _of_core("grammars", "The structured-output compiler (runtime/structured_output.py).")
     prefix_caching = _of_core("prefix_caching", "Whether prefix caching is on (the option and an exact plan).")
     num_running = _of_core("num_running", "Requests holding KV pages.")
@@ -62,6 +64,14 @@ class LLM:
     def stats(self) -> EngineStats:
         """Requests and KV pages now (read-only; safe to call between steps)."""
         return self.core.stats()
+
+    def step(self):
+        """One engine step (`EngineCore.step`): for callers that add requests through `llm.core`."""
+        return self.core.step()
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix page (pages held by requests stay theirs)."""
+        self.core.reset_prefix_cache()
 
     def close(self) -> None:
         """Stop a tensor-parallel engine's worker processes (also at interpreter exit); a no-op

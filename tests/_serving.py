@@ -51,9 +51,8 @@ def error_of(data: bytes) -> dict:
     return err
 
 
-def kv_free_pages(llm) -> dict[str, int]:
-    kv = llm.runner.kv
-    return {g: kv.num_free_pages(g) for g in kv.groups}
+def kv_free_pages(core) -> dict[str, int]:
+    return core.stats().kv_pages_free
 
 
 def engine_is_idle(server, free_pages: dict[str, int]) -> bool:

@@ -41,7 +41,7 @@ def llm(engine):
 
 
 def free_pages(llm):
-    return {g: llm.runner.kv.num_free_pages(g) for g in llm.runner.kv.groups}
+    return llm.stats().kv_pages_free
 
 
 def assert_idle(llm, free):

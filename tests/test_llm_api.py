@@ -141,12 +141,12 @@ def test_rejected_or_abandoned_requests_leave_nothing_behind(engine):
     """A batch with one bad prompt queues none of them; a stream the caller stops early frees its
     request: afterwards no sequence is left and every KV page is free again."""
     llm = LLM(engine)
-    free = {g: llm.runner.kv.num_free_pages(g) for g in llm.runner.kv.groups}
+    free = llm.stats().kv_pages_free
     with pytest.raises(ValueError, match="max_seq_len"):
         llm.generate(prompt_token_ids=[[5] * 10, [6] * 200], sampling_params=GREEDY)
     stream = llm.generate_stream("hello", SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True))
     next(stream)
     stream.close()
     assert not llm.scheduler.has_unfinished() and not llm.core.num_requests
-    assert {g: llm.runner.kv.num_free_pages(g) for g in llm.runner.kv.groups} == free
+    assert llm.stats().kv_pages_free == free
     assert len(llm.generate(["ok"], GREEDY)[0].token_ids) == 12

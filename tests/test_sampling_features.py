@@ -164,11 +164,10 @@ def test_logprobs_and_prompt_logprobs_equal_transformers(llm, hf):
 def test_n_forks_share_the_prompt_pages_and_equal_seeded_requests(llm):
     n, seed = 3, 11
     base = dict(max_tokens=8, temperature=1.0, ignore_eos=True)
-    kv = llm.runner.kv
-    kv.clear_prefix_cache()
-    hits = kv.prefix_cache_hits
+    llm.reset_prefix_cache()
+    hits = llm.stats().prefix_cache_hits
     out = llm.generate(prompt_token_ids=[PROMPT], sampling_params=SamplingParams(n=n, seed=seed, **base))[0]
-    assert kv.prefix_cache_hits - hits == (n - 1) * 32  # each fork reused the two full pages
+    assert llm.stats().prefix_cache_hits - hits == (n - 1) * 32  # each fork reused the two full pages
     alone = [llm.generate(prompt_token_ids=[PROMPT], sampling_params=SamplingParams(seed=seed + i, **base))[0]
              for i in range(n)]
     assert [o.index for o in out.outputs] == list(range(n))

@@ -120,7 +120,7 @@ def test_64_clients_leaving_mid_request_free_everything(server, alone, monkeypat
                                                 for i in range(64))), 60)
     asyncio.run(storm())
     left = time.monotonic()
-    assert wait_for(lambda: engine_is_idle(server, free), 2.0), (len(server.loop._live), kv_free_pages(llm), free)
+    assert wait_for(lambda: engine_is_idle(server, free), 2.0), (len(server.loop._live), kv_free_pages(core), free)
     assert time.monotonic() - left < 2.0
     assert metrics.aborts._value.get() - aborts == 64
     monkeypatch.undo()

@@ -31,6 +31,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from infhip.runtime.serving import protocol as P
+from infhip.runtime.serving import responses as R
 from infhip.runtime.serving.async_engine import AsyncEngine, ClientGone, EngineFailure, Generation
 from infhip.runtime.serving.lifecycle import Lifecycle, Refused, Ticket
 from infhip.runtime.serving.metrics import CONTENT_TYPE, ServerMetrics
@@ -142,7 +143,7 @@ def make_app(engine: AsyncEngine, metrics: ServerMetrics, model_name: str | list
                 prompts.append((p if isinstance(p, str) else None, ids))
             echoed = ([(t if t is not None else await engine.decode(ids), ids) for t, ids in prompts]
                       if body.echo else [])
-            shape = CompletionShape(P.new_meta("cmpl", model), token_str, echoed, params.n, body.echo,
+            shape = CompletionShape(R.new_meta("cmpl", model), token_str, echoed, params.n, body.echo,
                                     discard=body.max_tokens == 0)
             return await _generate(engine, lifecycle, ticket, request, prompts, params, shape, body)
         finally:
@@ -158,7 +159,7 @@ def make_app(engine: AsyncEngine, metrics: ServerMetrics, model_name: str | list
             tools, params = _tool_plan(body, engine, params)
             text, ids = await engine.encode_chat([m.for_template() for m in body.messages],
                                                  tools.tools if tools is not None else None)
-            shape = ChatShape(P.new_meta("chatcmpl", model), token_str, [], params.n,
+            shape = ChatShape(R.new_meta("chatcmpl", model), token_str, [], params.n,
                               discard=body.max_new_tokens == 0, tools=tools)
             return await _generate(engine, lifecycle, ticket, request, [(text, ids)], params, shape, body)
         finally:
@@ -304,7 +305,7 @@ async def _whole(gens: list[Generation], shape, prompt_tokens: int, ended: _Ende
         return error_response(500, _request_error(next(d for d in lasts if d.finish_reason == "error")))
     if "abort" in reasons:  # not the client's doing: it is still here
         return ended.response(shape.num_tokens)
-    use = P.usage(prompt_tokens, shape.num_tokens, sum(cached))
+    use = R.usage(prompt_tokens, shape.num_tokens, sum(cached))
     return JSONResponse(shape.whole(use))
 
 
@@ -323,7 +324,7 @@ async def _events(gen: Generation, ticket: Ticket, shape, prompt_tokens: int,
                 return
             yield _sse(shape.chunk(delta))
         if include_usage:
-            yield _sse(P.usage_chunk(shape.meta, shape.chunk_object, P.usage(prompt_tokens, shape.num_tokens, cached)))
+            yield _sse(R.usage_chunk(shape.meta, shape.chunk_object, R.usage(prompt_tokens, shape.num_tokens, cached)))
         yield b"data: [DONE]\n\n"
     except EngineFailure as e:
         yield _sse(error_body(500, f"the engine failed: {e}"))

@@ -1,5 +1,5 @@
 """How the generating routes turn a request's StreamDeltas into OpenAI's shapes: the choices of a
-whole response, or one chunk per delta when streaming (protocol.py builds the JSON).
+whole response, or one chunk per delta when streaming (responses.py builds the JSON).
 
 A completions request may hold several prompts (each its own engine request) and each may ask
 n completions: choice ``prompt_index * n + delta.index``. With `echo` the prompt's text (and its
@@ -14,7 +14,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass, field
 
-from infhip.runtime.serving import protocol as P
+from infhip.runtime.serving import responses as R
 from infhip.runtime.serving.tool_calls import ToolCallPlan
 
 
@@ -29,11 +29,11 @@ def token_strings(tokenizer):
 class _Acc:
     """One choice being collected (whole responses) or streamed (its offsets, its first chunk)."""
 
-    choice: P.Choice
+    choice: R.Choice
     pieces: list[str] = field(default_factory=list)
     started: bool = False  # a chunk of it went out (streams)
     offset: int = 0  # characters of it sent so far (completions' text_offset)
-    whole: P.Choice | None = None  # all of it so far (whole responses)
+    whole: R.Choice | None = None  # all of it so far (whole responses)
 
 
 class Shape:
@@ -54,12 +54,12 @@ class Shape:
         index = prompt_index * self.n + delta.index
         acc = self._acc.get(index)
         if acc is None:
-            acc = self._acc[index] = _Acc(P.Choice(index, "", [], None))
+            acc = self._acc[index] = _Acc(R.Choice(index, "", [], None))
         text, ids, lps = delta.text, list(delta.token_ids), delta.logprobs
         if self.discard:
             text, ids, lps = "", [], ([] if lps is not None else None)
         self.num_tokens += len(ids)
-        c = P.Choice(index, text, ids, "length" if self.discard and delta.finish_reason not in (None, "error", "abort")
+        c = R.Choice(index, text, ids, "length" if self.discard and delta.finish_reason not in (None, "error", "abort")
                      else delta.finish_reason, lps)
         if self.echo and not acc.started:
             prompt_text, prompt_ids = self.prompts[prompt_index]
@@ -87,7 +87,7 @@ class Shape:
             w.logprobs = (w.logprobs or []) + piece.logprobs
 
     @property
-    def choices(self) -> list[P.Choice]:
+    def choices(self) -> list[R.Choice]:
         return [self._acc[i].whole for i in sorted(self._acc)]
 
     # -- streams -----------------------------------------------------------------------------
@@ -100,12 +100,12 @@ class CompletionShape(Shape):
 
     def chunk(self, delta, prompt_index: int = 0) -> dict:
         acc = self._take(delta, prompt_index)
-        out = P.completion_chunk(self.meta, acc.choice, self.token_str, acc.offset)
+        out = R.completion_chunk(self.meta, acc.choice, self.token_str, acc.offset)
         acc.offset += len(acc.choice.text)
         return out
 
     def whole(self, use: dict) -> dict:
-        return P.completion(self.meta, self.choices, self.token_str, use)
+        return R.completion(self.meta, self.choices, self.token_str, use)
 
 
 class ChatShape(Shape):
@@ -123,11 +123,11 @@ class ChatShape(Shape):
         first = (prompt_index * self.n + delta.index) not in self._acc
         c = self._take(delta, prompt_index).choice
         if self.tools is not None:
-            return P.chat_chunk(self.meta, c, self._tool_delta(c, first), self.token_str)
+            return R.chat_chunk(self.meta, c, self._tool_delta(c, first), self.token_str)
         d = {"role": "assistant", "content": c.text} if first else {"content": c.text} if c.text else {}
-        return P.chat_chunk(self.meta, c, d, self.token_str)
+        return R.chat_chunk(self.meta, c, d, self.token_str)
 
-    def _tool_delta(self, c: P.Choice, first: bool) -> dict:
+    def _tool_delta(self, c: R.Choice, first: bool) -> dict:
         """The delta of choice c's new text through its streaming tool-call parser (its
         finish_reason becomes "tool_calls" when it called tools)."""
         stream = self._streams.setdefault(c.index, self.tools.stream())
@@ -144,7 +144,7 @@ class ChatShape(Shape):
         return d
 
     def whole(self, use: dict) -> dict:
-        out = P.chat_completion(self.meta, self.choices, self.token_str, use)
+        out = R.chat_completion(self.meta, self.choices, self.token_str, use)
         if self.tools is not None:
             for ch in out["choices"]:
                 content, calls = self.tools.parse(ch["message"]["content"])

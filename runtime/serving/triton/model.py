@@ -38,8 +38,8 @@ within _POLL_S and ends every running request: a streaming one with a last respo
 finish_reason is "abort" (flagged final), a whole one with UNAVAILABLE. Triton then finds
 nothing running and unloads the model in order.
 
-Metrics: `_Metrics` reports infhip-serve's ``/metrics`` families through Triton's custom-metrics
-API, on Triton's metrics port.
+Metrics: `TritonMetrics` (runtime/serving/triton/metrics.py, imported with infhip) reports
+infhip-serve's ``/metrics`` families through Triton's custom-metrics API, on Triton's metrics port.
 
 ``triton_python_backend_utils`` exists only inside Triton's stub (or a test's fake), so it is
 imported in `TritonPythonModel.initialize`, not at import time.
@@ -53,7 +53,6 @@ import queue
 import site
 import threading
 import time
-from collections import Counter
 
 import numpy as np
 
@@ -86,11 +85,6 @@ OUTPUTS: tuple[tuple[str, str, list[int], str], ...] = (
 END_MARKER = "infhip-end-requests"  # written by the launcher into the model's directory: end what runs
 _ACCEPTED = sorted([name for name, *_ in INPUTS] + [name for name, *_ in PARAMETERS])
 _POLL_S = 0.1  # how often a responder looks for cancellation while it waits for the engine
-_FLUSH_S = 0.25  # how often the metrics reach Triton (each metric update is a call to the server)
-# The buckets of infhip-serve's histograms (seconds).
-_TTFT_BUCKETS = [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300]
-_ITL_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5]
-_REQUEST_BUCKETS = [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800]
 
 
 class BadInput(ValueError):
@@ -177,7 +171,7 @@ def parse_request(request, sampling_params_cls):
 
 
 def _import_infhip(site_dirs: str):
-    """LLM, SamplingParams and EngineLoop. The stub's interpreter may not see the environment
+    """LLM, SamplingParams, EngineLoop and the metrics module (runtime/serving/triton/metrics.py). The stub's interpreter may not see the environment
     infhip was installed in; then the exporter's site-packages (parameters.python_site_dirs)
     are added, .pth files included (an editable install needs them)."""
     try:
@@ -190,174 +184,11 @@ def _import_infhip(site_dirs: str):
         from infhip.runtime.llm import LLM
         from infhip.runtime.sampling_params import SamplingParams
         from infhip.runtime.engine_loop import EngineLoop
+        from infhip.runtime.serving.triton import metrics
     except ImportError as e:
         raise ImportError(f"infhip is not importable in Triton's Python backend ({e}); install it in the "
                           "Python environment the stub runs, or set PYTHONPATH for tritonserver") from e
-    return LLM, SamplingParams, EngineLoop
-
-
-# -- metrics ------------------------------------------------------------------------------------
-class _Clock:
-    """One request's token timing, kept by its responder thread."""
-
-    def __init__(self):
-        self.submitted = time.monotonic()
-        self.first_token: float | None = None
-        self.last_token: float | None = None  # when the last delta with tokens came; None before the first
-        self.num_tokens = 0
-
-
-class _Pending:
-    """What the responders recorded since the last flush."""
-
-    def __init__(self):
-        self.prompt_tokens = self.generation_tokens = self.aborts = 0
-        self.ttft: list[float] = []
-        self.itl: list[float] = []
-        self.e2e: list[float] = []
-        self.decode: list[float] = []
-        self.tpot: list[float] = []
-        self.finished: Counter = Counter()  # finish_reason -> requests
-        self.errors: Counter = Counter()  # scope -> requests
-
-
-class _Metrics:
-    """infhip-serve's /metrics through Triton's custom metrics (``pb_utils.MetricFamily``):
-    the same family names, meanings and histogram buckets, each metric labelled with the
-    Triton model and version. Responder threads record under a lock; one thread hands the
-    records to Triton every _FLUSH_S and samples the engine's queue and KV gauges (every Triton
-    metric call is a round trip to the server process, kept off the responders' path)."""
-
-    def __init__(self, llm, labels: dict[str, str]):
-        self._llm, self._labels = llm, labels
-        self._families: dict[str, object] = {}
-        self._metrics: dict[tuple, object] = {}  # (family, label values) -> Metric
-        self._lock = threading.Lock()
-        self._pending = _Pending()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="infhip-triton-metrics", daemon=True)
-        self._thread.start()
-
-    # -- recording (responder threads) ---------------------------------------------------------
-    def accepted(self, prompt_tokens: int) -> None:
-        with self._lock:
-            self._pending.prompt_tokens += prompt_tokens
-
-    def tokens(self, clock: _Clock, n: int) -> None:
-        """A delta of n tokens: the first token's latency, or n gaps of (time since the last
-        delta) / n."""
-        if not n:
-            return
-        now = time.monotonic()
-        with self._lock:
-            self._pending.generation_tokens += n
-            if clock.last_token is None:
-                self._pending.ttft.append(now - clock.submitted)
-                clock.first_token = now
-            else:
-                self._pending.itl += [(now - clock.last_token) / n] * n
-        clock.last_token = now
-        clock.num_tokens += n
-
-    def ended(self, clock: _Clock) -> None:
-        """A request's end (however it ended): its e2e latency, decode time and time per output token."""
-        now = time.monotonic()
-        with self._lock:
-            self._pending.e2e.append(now - clock.submitted)
-            if clock.first_token is not None:
-                self._pending.decode.append(clock.last_token - clock.first_token)
-                if clock.num_tokens > 1:
-                    self._pending.tpot.append((clock.last_token - clock.first_token) / (clock.num_tokens - 1))
-
-    def finished(self, reason: str, aborted: bool = False, error_scope: str | None = None) -> None:
-        """An accepted request ended: finish_reason stop | length | abort | error; aborted when
-        its client left; error_scope when the engine failed it."""
-        with self._lock:
-            self._pending.finished[reason] += 1
-            self._pending.aborts += aborted
-            if error_scope is not None:
-                self._pending.errors[error_scope] += 1
-
-    def close(self) -> None:
-        """Flush what is left, then drop the metrics (each before its family, as Triton asks)."""
-        self._stop.set()
-        self._thread.join()
-        self._metrics.clear()
-        self._families.clear()
-
-    # -- reporting (the metrics thread) ----------------------------------------------------------
-    def _metric(self, family: str, kind: str, what: str, buckets: list[float] | None = None, **labels):
-        key = (family, tuple(sorted(labels.items())))
-        if key not in self._metrics:
-            if family not in self._families:
-                F = pb_utils.MetricFamily
-                self._families[family] = F(name=family, description=what, kind=getattr(F, kind))
-            self._metrics[key] = self._families[family].Metric(labels={**self._labels, **labels}, buckets=buckets)
-        return self._metrics[key]
-
-    def _counter(self, family: str, what: str, value: int, **labels) -> None:
-        metric = self._metric(family, "COUNTER", what, **labels)  # created at 0 even before its first event
-        if value:
-            metric.increment(value)
-
-    def _flush(self) -> None:
-        with self._lock:
-            p, self._pending = self._pending, _Pending()
-        self._counter("infhip_prompt_tokens_total", "Prompt tokens of accepted requests", p.prompt_tokens)
-        self._counter("infhip_generation_tokens_total", "Tokens generated", p.generation_tokens)
-        self._counter("infhip_request_aborts_total", "Requests aborted because their client left", p.aborts)
-        for reason, n in p.finished.items():
-            self._counter("infhip_requests_finished_total", "Requests that ended, by finish reason", n,
-                          finish_reason=reason)
-            if reason in ("stop", "length"):
-                self._counter("infhip_request_success_total", "Requests that ended by themselves, by finish reason",
-                              n, finish_reason=reason)
-        for scope, n in p.errors.items():
-            self._counter("infhip_request_errors_total", "Requests failed by the engine: alone (scope=request) "
-                          "or with a whole step (scope=engine)", n, scope=scope)
-        ttft = self._metric("infhip_time_to_first_token_seconds", "HISTOGRAM",
-                            "From the hand-in to the engine to the first token", _TTFT_BUCKETS)
-        for v in p.ttft:
-            ttft.observe(v)
-        itl = self._metric("infhip_inter_token_latency_seconds", "HISTOGRAM",
-                           "Time between tokens of a request (a delta of k tokens counts k times its gap / k)",
-                           _ITL_BUCKETS)
-        for v in p.itl:
-            itl.observe(v)
-        for family, what, values, buckets in (
-                ("infhip_e2e_request_latency_seconds", "From the hand-in to the engine to the request's end",
-                 p.e2e, _REQUEST_BUCKETS),
-                ("infhip_request_decode_time_seconds", "From the first token to the last", p.decode, _REQUEST_BUCKETS),
-                ("infhip_time_per_output_token_seconds",
-                 "A request's decode time / (its output tokens - 1), requests of 2+ tokens", p.tpot, _ITL_BUCKETS)):
-            metric = self._metric(family, "HISTOGRAM", what, buckets)
-            for v in values:
-                metric.observe(v)
-        self._sample_engine()
-
-    def _sample_engine(self) -> None:
-        """Gauges read from the engine thread's objects without a lock: list lengths, which
-        may be one step old."""
-        sched, kv = self._llm.scheduler, self._llm.runner.kv
-        self._metric("infhip_requests_running", "GAUGE", "Requests holding KV pages (scheduled)").set(sched.num_running)
-        self._metric("infhip_requests_waiting", "GAUGE", "Requests queued, new or preempted").set(sched.num_waiting)
-        for group, spec in kv.groups.items():
-            pools = [("gpu", spec.num_pages - 1, kv.num_free_pages(group))]  # page 0 is the null page
-            if spec.offload is not None:
-                pools.append(("host", spec.offload.host_pages, kv.num_free_host_pages(group)))
-            for memory, total, free in pools:
-                self._metric("infhip_kv_pages_used", "GAUGE", "KV cache pages in use",
-                             group=group, memory=memory).set(total - free)
-                self._metric("infhip_kv_pages_free", "GAUGE", "KV cache pages free",
-                             group=group, memory=memory).set(free)
-            total, free = pools[0][1:]
-            self._metric("infhip_kv_cache_usage_ratio", "GAUGE", "Fraction of a KV group's GPU pages in use (0..1)",
-                         group=group).set((total - free) / total)
-
-    def _run(self) -> None:
-        while not self._stop.wait(_FLUSH_S):
-            self._flush()
-        self._flush()
+    return LLM, SamplingParams, EngineLoop, metrics
 
 
 # -- the model ----------------------------------------------------------------------------------
@@ -373,7 +204,7 @@ class TritonPythonModel:
         self.decoupled = bool(config.get("model_transaction_policy", {}).get("decoupled", False))
         if "engine_dir" not in params:
             raise ValueError("config.pbtxt has no parameters.engine_dir; re-export with infhip-export-triton")
-        LLM, self._sampling_params, EngineLoop = _import_infhip(params.get("python_site_dirs", ""))
+        LLM, self._sampling_params, EngineLoop, metrics = _import_infhip(params.get("python_site_dirs", ""))
         kwargs = {}
         if params.get("device"):
             kwargs["device"] = params["device"]
@@ -381,7 +212,8 @@ class TritonPythonModel:
             kwargs["max_num_seqs"] = int(params["max_num_seqs"])
         llm = LLM(params["engine_dir"], **kwargs)
         self.loop = EngineLoop(llm.core).start()
-        self.metrics = _Metrics(llm, {"model": args["model_name"], "version": args["model_version"]})
+        self.metrics = metrics.TritonMetrics(llm, {"model": args["model_name"], "version": args["model_version"]})
+        self._clock = metrics.Clock
         self._closing = threading.Event()
         self._ending = threading.Event()  # the launcher's drain ran out: every request ends now
         self._final = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
@@ -446,7 +278,7 @@ class TritonPythonModel:
             text, ids, params, stream = parse_request(request, self._sampling_params)
             if stream and not can_stream:
                 raise BadInput("stream=true needs the decoupled model (export without --no-decoupled)")
-            submitted = _Clock()
+            submitted = self._clock()
             outbox = self.loop.submit(text, ids, params)
             watch = _Watch(request, outbox)
             accepted = self._next(watch)
@@ -472,7 +304,7 @@ class TritonPythonModel:
         if outbox is not None:  # not answered in full: the engine must forget it (a no-op if it did)
             self.loop.cancel(outbox)
 
-    def _answer(self, watch: "_Watch", clock: _Clock, send, stream: bool) -> str:
+    def _answer(self, watch: "_Watch", clock, send, stream: bool) -> str:
         """Send the request's deltas (stream) or its whole completion; return its finish reason."""
         pieces, tokens = [], []
         for delta in self._deltas(watch, clock):
@@ -490,7 +322,7 @@ class TritonPythonModel:
                 return delta.finish_reason
         raise RuntimeError("the engine ended the request without a finish reason")
 
-    def _deltas(self, watch: "_Watch", clock: _Clock):
+    def _deltas(self, watch: "_Watch", clock):
         """The request's StreamDeltas up to its last (finish_reason set); _Failed when the
         engine failed it."""
         while (delta := self._next(watch)) is not None:
