@@ -23,7 +23,7 @@ _REQUEST_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 12
 
 @dataclass
 class _Timing:
-    req: object  # the LLM's _Request
+    req: object  # the EngineCore's Request (runtime/requests.py)
     submitted: float  # monotonic time of EngineLoop.submit
     scheduled: float | None = None  # when the step that first gave it KV pages began (~ the sample before it)
     first_token: float | None = None
