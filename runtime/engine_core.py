@@ -32,6 +32,7 @@ Faults stay with the request that has them:
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import threading
@@ -146,6 +147,26 @@ class EngineCore(SampleAndCommit):
             host_pages_cached={g: kv.num_cached_host_pages(g) for g in host},
             prefix_cache_queries=kv.prefix_cache_queries, prefix_cache_hits=kv.prefix_cache_hits,
             prefix_cache_evictions=kv.prefix_cache_evictions)
+
+    def debug_view(self) -> dict:
+        """What the core holds now, JSON-able, for tests and debugging (read between steps): the
+        live requests with each completion's sequence (status, prompt / computed / cached /
+        output tokens, finish reason, KV pages held per group), the scheduler's queues (seq ids,
+        in order) and `stats()`. Idle: no requests, nothing running or waiting."""
+        kv = self.runner.kv
+
+        def seq_view(seq: Sequence) -> dict:
+            return {"seq_id": seq.seq_id, "status": seq.status.value, "prompt_tokens": seq.num_prompt_tokens,
+                    "computed_tokens": seq.num_computed_tokens, "cached_tokens": seq.num_cached_tokens or 0,
+                    "output_tokens": len(seq.output_token_ids), "finish_reason": seq.finish_reason,
+                    "kv_pages": {g: kv.num_pages_held(seq.seq_id, g) for g in kv.groups}}
+
+        return {"requests": {rid: {"finished": r.is_finished, "error": r.error,
+                                   "completions": [seq_view(f.seq) for f in r.forks]}
+                             for rid, r in self._requests.items()},
+                "running": [seq.seq_id for seq in self.scheduler.running],
+                "waiting": [seq.seq_id for seq in self.scheduler.waiting],
+                "stats": dataclasses.asdict(self.stats())}
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix page (pages held by requests stay theirs)."""

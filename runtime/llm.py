@@ -65,6 +65,10 @@ class LLM:
         """Requests and KV pages now (read-only; safe to call between steps)."""
         return self.core.stats()
 
+    def debug_view(self) -> dict:
+        """What the engine holds now: live requests, queues, stats (`EngineCore.debug_view`)."""
+        return self.core.debug_view()
+
     def step(self):
         """One engine step (`EngineCore.step`): for callers that add requests through `llm.core`."""
         return self.core.step()

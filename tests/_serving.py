@@ -56,9 +56,9 @@ def kv_free_pages(core) -> dict[str, int]:
 
 
 def engine_is_idle(server, free_pages: dict[str, int]) -> bool:
-    core = server.loop.core
-    return (not server.loop._live and not core.num_requests and not core.scheduler.has_unfinished()
-            and kv_free_pages(core) == free_pages)
+    view = server.loop.core.debug_view()
+    return (not server.loop._live and (view["requests"], view["running"], view["waiting"]) == ({}, [], [])
+            and view["stats"]["kv_pages_free"] == free_pages)
 
 
 def wait_for(condition, timeout_s: float) -> bool:

@@ -8,6 +8,7 @@ no request is left and every KV page is free."""
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 
@@ -46,7 +47,8 @@ def free_pages(llm):
 
 def assert_idle(llm, free):
     """No request left anywhere and every KV page free again."""
-    assert not llm.scheduler.has_unfinished() and not llm.core.num_requests
+    view = llm.debug_view()
+    assert (view["requests"], view["running"], view["waiting"]) == ({}, [], [])
     assert free_pages(llm) == free
 
 
@@ -253,3 +255,22 @@ def test_stats_count_requests_and_pages(engine):
     after = llm.stats()  # idle again; the prefix cache keeps the full pages (counted as free)
     assert after.prefix_cache_queries == 40 + len(PROMPTS[0]) and sum(after.kv_pages_cached.values()) > 0
     assert dataclasses.replace(after, kv_pages_cached=idle.kv_pages_cached, prefix_cache_queries=0) == idle
+
+
+def test_debug_view_shows_requests_queues_and_pages(engine):
+    llm = LLM(engine, max_num_seqs=1)
+    first, second = llm.core.add_request(None, [5] * 40, GREEDY), llm.core.add_request(None, PROMPTS[0], GREEDY)
+    llm.core.step()
+    view = json.loads(json.dumps(llm.debug_view()))  # JSON-able (request ids become strings)
+    assert (view["running"], view["waiting"]) == ([first.request_id], [second.request_id])
+    [running] = view["requests"][str(first.request_id)]["completions"]
+    [waiting] = view["requests"][str(second.request_id)]["completions"]
+    assert (running["status"], running["prompt_tokens"], running["computed_tokens"], running["output_tokens"]) == \
+        ("running", 40, 40, 1)
+    assert running["kv_pages"] == view["stats"]["kv_pages_used"]  # the only request holding pages
+    assert waiting["status"] == "waiting" and set(waiting["kv_pages"].values()) == {0}
+    run(llm, [first, second])
+    for req in (first, second):
+        llm.core.output(req)
+    view = llm.debug_view()
+    assert (view["requests"], view["running"], view["waiting"]) == ({}, [], [])

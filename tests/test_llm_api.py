@@ -147,6 +147,7 @@ def test_rejected_or_abandoned_requests_leave_nothing_behind(engine):
     stream = llm.generate_stream("hello", SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True))
     next(stream)
     stream.close()
-    assert not llm.scheduler.has_unfinished() and not llm.core.num_requests
+    view = llm.debug_view()
+    assert (view["requests"], view["running"], view["waiting"]) == ({}, [], [])
     assert llm.stats().kv_pages_free == free
     assert len(llm.generate(["ok"], GREEDY)[0].token_ids) == 12

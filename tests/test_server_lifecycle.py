@@ -207,7 +207,7 @@ def test_deadline_counts_queue_time(slow_server, reference):
     threads = [threading.Thread(target=long_one, args=(i,)) for i in range(4)]
     for t in threads:
         t.start()
-    assert wait_for(lambda: server.loop.core.scheduler.num_running == 4, 10)
+    assert wait_for(lambda: server.loop.core.num_running == 4, 10)
     status, data = post(server, {**LONG, "timeout": 0.4})
     assert status == 504 and "after 0 generated tokens" in error_of(data)["message"]
     for t in threads:

@@ -97,7 +97,8 @@ def test_bad_grammar_is_a_value_error_and_queues_nothing(llm):
                          (StructuredOutputsParams(grammar="root ::= undefined_rule"), "grammar grammar does not compile")):
         with pytest.raises(ValueError, match=needle):
             llm.generate(["x"], SamplingParams(structured_outputs=spec))
-        assert not llm.core.num_requests and not llm.scheduler.has_unfinished()
+        view = llm.debug_view()
+        assert (view["requests"], view["running"], view["waiting"]) == ({}, [], [])
     with pytest.raises(ValueError, match="exactly one of"):
         StructuredOutputsParams(regex="a", choice=["b"])
     with pytest.raises(ValueError, match="not JSON"):
