@@ -275,7 +275,7 @@ def main() -> None:
         for name, knobs in [c for c in CONFIGS if c[0] in wanted]:
             knobs = knobs if knobs is not None else dict(dense_threshold=1 << 40)
             ih = apply_runtime_overrides(plan, knobs).infinitehip
-            runner.set_infinitehip(ih)
+            runner.set_backend("infinitehip", ih)
             cycle = ih.refresh_intervals[0] if name != "dense" else 8
             t = time.perf_counter()
             step_times_ms(llm, cycle + 8)  # warm-up: the first full refresh, every pattern's graph
@@ -285,7 +285,7 @@ def main() -> None:
             med = statistics.median(times)
             rows[name] = {"median_ms": med, "p99_ms": p99(times), "max_ms": max(times), "mean_ms": statistics.mean(times),
                           "p99_over_median": p99(times) / med, "fused8_tok_s": tok_s, "warmup_s": warm_s,
-                          "sparse_graphs": sum(key.sparse is not None for _, key in runner.graphs.graphs), "step_ms": times}
+                          "sparse_graphs": sum(key.of("infinitehip") is not None for _, key in runner.graphs.graphs), "step_ms": times}
             print(f"{n:>8} {name:<14} median {med:7.2f} ms  P99 {p99(times):7.2f}  max {max(times):7.2f}  "
                   f"fused {tok_s:7.1f} tok/s  (warm-up {warm_s:.1f} s, {rows[name]['sparse_graphs']} sparse graphs)",
                   flush=True)

@@ -56,7 +56,7 @@ from infhip.plugins.kv_offload import HostKV, copy_pages
 from infhip.plugins.paged_kv import PagedKV
 from infhip.plugins.infinitehip import (MASK_LAYOUTS, plan_query_blocks, pruning_stage, sparse_decode_attention,
                                         sparse_prefill_attention, unrotate_keys, write_key_bank)
-from infhip.runtime.mask_cache import refresh_from
+from infhip.runtime.attention.infinitehip.mask_cache import refresh_from
 
 HQ, HKV, D, PAGE = 32, 8, 128, 16
 TRAINED_WINDOW = 131072

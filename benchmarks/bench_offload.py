@@ -99,7 +99,7 @@ def measure(llm, configs: list[str], plan, with_dense: bool) -> dict:
     todo = ([("dense", dict(dense_threshold=1 << 40))] if with_dense else []) + [(c, config_knobs(c)) for c in configs]
     for name, knobs in todo:
         ih = apply_runtime_overrides(plan, knobs).infinitehip
-        llm.runner.set_infinitehip(ih)
+        llm.runner.set_backend("infinitehip", ih)
         cycle = ih.refresh_intervals[0] if name != "dense" else 8
         step_times_ms(llm, cycle + 8)  # warm-up: every refresh pattern's graph
         times = step_times_ms(llm, max(64, 2 * cycle))  # whole cycles: the mean is the amortized step
@@ -191,7 +191,7 @@ def main() -> None:
             out[mode] = {"gpu_kv_gib": gpu_b / GiB, "host_kv_gib": host_b / GiB, "gpu_allocated_gib": gpu_used,
                          "request_gpu_kv_gib": request_gib, "rows": rows, "prefill_ms": {}}
             if args.prefill_chunk:  # one chunk at context n, 3k-flash (the engine's preset)
-                llm.runner.set_infinitehip(plan.infinitehip)
+                llm.runner.set_backend("infinitehip", plan.infinitehip)
                 variants = ({"resident": True} if mode == "resident" else
                             {"staged": True, "in place": False} if n <= args.in_place_max else {"staged": True})
                 for name, staged in variants.items():

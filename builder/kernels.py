@@ -29,27 +29,39 @@ from infhip.plugins.aot import KernelVariant, LaunchSpace, Target, compile_varia
 INDEX_FORMAT = 1
 
 
-def plugin_modules() -> tuple[str, ...]:
-    """Every plugin module with Triton kernels (each defines aot_launches(space), which enumerates
-    what the engine's plan lets it launch): the model blocks' and every attention backend's.
-    Imported here, not at module level: compile workers import this module before they drop
-    TRITON_INTERPRET, and importing the kernels first would make them interpreted functions."""
-    from infhip.runtime.attention import DenseBackend, InfiniteHipBackend
+def _block_modules() -> tuple[str, ...]:
+    """The plugin modules of the model blocks, the dense backend and token drop."""
+    from infhip.runtime.attention import DenseBackend
     from infhip.runtime.models.common import PLUGIN_MODULES
     from infhip.runtime.token_drop import TokenDropStep
 
-    return (PLUGIN_MODULES + DenseBackend.plugin_modules + InfiniteHipBackend.plugin_modules
-            + TokenDropStep.plugin_modules)
+    return tuple(dict.fromkeys(PLUGIN_MODULES + DenseBackend.plugin_modules + TokenDropStep.plugin_modules))
+
+
+def plugin_modules() -> tuple[str, ...]:
+    """Every plugin module with Triton kernels (each defines aot_launches(space), which enumerates
+    what the engine's plan lets it launch): the model blocks' and every attention backend's
+    (runtime/attention/backend.py registry). Imported here, not at module level: compile
+    workers import this module before they drop TRITON_INTERPRET, and importing the kernels
+    first would make them interpreted functions."""
+    from infhip.runtime.attention import backends
+
+    return tuple(dict.fromkeys(_block_modules() + tuple(m for cls in backends() for m in cls.plugin_modules)))
 
 
 def enumerate_variants(config, target: Target) -> dict[KernelVariant, tuple]:
-    """variant -> what triton.compile needs, for every launch the engine's plan allows."""
+    """variant -> what triton.compile needs, for every launch the engine's plan allows: the
+    blocks' plugins' aot_launches, then each registered attention backend's launch_space."""
+    from infhip.runtime.attention import backends
+
     space = LaunchSpace(config, target)
     with record(target, launch=False) as rec:
-        for name in plugin_modules():
+        for name in _block_modules():
             launches = getattr(importlib.import_module(f"infhip.plugins.{name}"), "aot_launches", None)
             if launches is not None:
                 launches(space)
+        for cls in backends():
+            cls.launch_space(space)
     return rec.packed
 
 

@@ -403,21 +403,19 @@ def aot_launches(space) -> None:
     context lengths that sizes the split count — the short-context buckets some context of the
     engine can fall in, and the table width (always for the graphs captured at start-up; for
     eager steps when contexts can pass the last bucket or InfiniteHiP steps use it:
-    runtime/cuda_graphs.decode_len_bound) — with each layer's window (sliding layers cap the keys).
+    runtime/cuda_graphs.decode_len_bound, plugins/plan_rules.py) — with each layer's window (sliding layers cap the keys).
     NUM_SPLITS = choose_num_splits(B, Hkv, blocks of the bound, 132 SMs) is the only
     step-dependent constexpr; q is a slice of the step's q (qkv view or q-norm output), out of
     ``empty_like(q)``."""
     import math
 
-    from infhip.runtime.cuda_graphs import DECODE_LEN_BUCKETS
-
     from ._aot_shapes import attention_qkv, paged_kv
+    from .plan_rules import DECODE_LEN_BUCKETS, reachable_len_buckets
 
     m, b = space.model, space.build
     kv = paged_kv(space)
     table_tokens = math.ceil(b.max_seq_len / b.page_size) * b.page_size
-    # a bucket is used when some context (<= max_seq_len) lies above the previous bucket
-    buckets = [x for x, prev in zip(DECODE_LEN_BUCKETS, (0,) + DECODE_LEN_BUCKETS) if b.max_seq_len > prev]
+    buckets = reachable_len_buckets(b.max_seq_len)
     eager_table = b.max_seq_len > DECODE_LEN_BUCKETS[-1] or space.plan.infinitehip is not None
     eager_bounds = set(buckets) | ({table_tokens} if eager_table else set())
     graph_sizes = {s for s in b.cuda_graph_batch_sizes if s <= b.max_batch_size}

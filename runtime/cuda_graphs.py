@@ -7,15 +7,16 @@ captured size >= B; rows B.. are padding: slot -1 (the cache write skips it), co
 
 Every graph is captured at load (``capture_planned``: the keys of ``planned_keys``), none on the
 request path; a key nobody listed is still captured when first needed, with a warning, and
-counted in ``report["on_request"]``. A key is a GraphKey (sparse key, drop histories, length
-bucket); GraphKey() is the dense graph sized for max_seq_len:
+counted in ``report["on_request"]``. A key is a GraphKey (length bucket, drop histories, each
+attention backend's key); GraphKey() is the dense graph sized for max_seq_len:
 
-- InfiniteHiP decode steps (contexts past ``dense_threshold``, every row sparse and refreshing
-  alike) replay the graph of their SparseStepHost.graph_key: which pruning stages each layer
-  group recomputes this step (the refresh pattern; runtime/mask_cache.py aligns the layers'
-  phases so a cycle has n_refresh(0) / n_refresh(-1) + 2 patterns), the stage-1 candidate
-  capacity (fixed: the engine's longest context), and whether dynamic RoPE is on. Padding rows
-  point at the mask cache's and the key bank's scratch rows, which nothing reads.
+- Steps with rows of a registered attention backend (runtime/attention/backend.py) replay the
+  graph of the backend's ``graph_key`` of the step (None: the step runs eagerly); the backend
+  lists the keys captured at load (``graph_keys``), the per-step rows its graphs read
+  (``graph_rows``: their padding values; ``graph_fill`` writes a step's) and builds the meta a
+  graph reads from them (``graph_state``, ``graph_meta``). E.g. InfiniteHiP's key is the refresh
+  pattern, the candidate capacity and the RoPE mode; its per-step row, each row's mask-cache
+  slot (padding rows point at the scratch slot, which nothing reads).
 - Decode steps of requests with a UniPrefill drop history (full-attention layers hold only
   their kept keys, runtime/token_drop.py): each global layer's context lengths and compact KV
   slots are computed inside the graph from the per-layer dropped counts, which travel with the
@@ -23,7 +24,8 @@ bucket); GraphKey() is the dense graph sized for max_seq_len:
 - Short contexts: the dense decode kernel's split count is fixed at capture from the
   block-table width (max_seq_len), which for a few hundred tokens means dozens of idle splits
   and a merge kernel. Decode steps whose contexts are all <= a bucket of DECODE_LEN_BUCKETS
-  replay a graph captured with that bound (fewer splits; one and no merge up to 512 tokens).
+  replay a graph captured with that bound (fewer splits; one and no merge up to 512 tokens;
+  plugins/plan_rules.py, which the dense plugin's AOT enumeration reads too).
 
 All graphs share one memory pool and write their logits into one shared buffer.
 """
@@ -31,19 +33,20 @@ All graphs share one memory pool and write their logits into one shared buffer.
 from __future__ import annotations
 
 import bisect
+import itertools
 import logging
 import time
 from dataclasses import dataclass
+from typing import Hashable
 
 import torch
 
-from infhip.runtime.attention.infinitehip import InfiniteHipBackend
-from infhip.runtime.attention.sparse_plan import SparseGraphKey
+from infhip.plugins.plan_rules import DECODE_LEN_BUCKETS, len_bucket
 from infhip.runtime.forward_context import ForwardContext, KVGroupMetadata, LayerKV, compact_slots, forward_context
 
-log = logging.getLogger("infhip.graphs")
+__all__ = ["DECODE_LEN_BUCKETS", "DecodeGraphs", "GraphKey", "decode_len_bound", "len_bucket", "step_len_bucket"]
 
-_MASK_SLOT_ROW = 3  # the row of `rows` that holds each decode row's mask-cache slot
+log = logging.getLogger("infhip.graphs")
 
 
 @dataclass(frozen=True)
@@ -51,23 +54,21 @@ class GraphKey:
     """Which graph a pure decode step of a batch size replays. GraphKey(): the dense graph sized
     for the block-table width (every context up to max_seq_len)."""
 
-    sparse: SparseGraphKey | None = None  # InfiniteHiP rows (all sparse, one refresh pattern)
+    # (name, key) of each attention backend with rows in the step, in registration order
+    backends: tuple[tuple[str, Hashable], ...] = ()
     layer_kv: bool = False  # some request has a drop history (per-layer KV lengths in the graph)
     len_bucket: int | None = None  # dense rows all <= this bucket (fewer decode splits)
 
-DECODE_LEN_BUCKETS = (512, 2048, 8192)  # context-length bounds of the short-context dense graphs
-
-
-def len_bucket(max_context: int) -> int | None:
-    """The smallest bucket holding max_context, None past the largest (the start-up graphs)."""
-    return next((b for b in DECODE_LEN_BUCKETS if max_context <= b), None)
+    def of(self, name: str):
+        """Backend ``name``'s key, None when the step has no row of it."""
+        return dict(self.backends).get(name)
 
 
 def step_len_bucket(p, table_tokens: int) -> int | None:
-    """The short-context bucket of a StepPlan's decode rows (None: sparse rows, too long, or a
+    """The short-context bucket of a StepPlan's decode rows (None: a backend's rows, too long, or a
     bucket no shorter than the block-table width of table_tokens: the start-up graphs are that
     bound)."""
-    if p.has_sparse or not p.num_decodes:
+    if p.has_backend_rows or not p.num_decodes:
         return None
     bucket = len_bucket(max(p.ctx_lens[:p.num_decodes]))
     return bucket if bucket is not None and bucket < table_tokens else None
@@ -87,22 +88,26 @@ class DecodeGraphs:
         max_bs, dev = self.sizes[-1], runner.device
         self.groups = list(runner.groups)
         # The inputs of up to max_steps decode steps travel in one pinned int64 block, one
-        # host-to-device copy: per step, rows = input_ids, positions, context_lens, mask-cache
-        # slots (InfiniteHiP), one KV slot row per group, then per full-attention layer the
+        # host-to-device copy: per step, rows = input_ids, positions, context_lens, each
+        # backend's graph_rows, one KV slot row per group, then per full-attention layer the
         # tokens it dropped (UniPrefill drop histories). Before each replay the step's rows are
         # copied (on the device) into `rows`, which the graphs read.
         self.global_layers = list(runner.global_layers) if "global" in self.groups else []
-        self.drop_row = 4 + len(self.groups)
+        self.backend_rows: dict[str, slice] = {}
+        row = 3
+        for name, backend in runner.backends.items():
+            self.backend_rows[name] = slice(row, row + len(backend.graph_rows))
+            row += len(backend.graph_rows)
+        self.slot_row = row
+        self.drop_row = self.slot_row + len(self.groups)
         num_rows = self.drop_row + len(self.global_layers)
         self.host_steps = torch.zeros((max_steps, num_rows, max_bs), dtype=torch.int64).pin_memory()
         self.host_steps_np = self.host_steps.numpy()
         self.steps = torch.zeros_like(self.host_steps, device=dev)
         self.rows = torch.zeros((num_rows, max_bs), dtype=torch.int64, device=dev)
-        sparse = runner.infinitehip is not None
-        self.scratch_slot = runner.infinitehip.planner.slots.scratch if sparse else 0
         self._pad_rows(self.rows)  # rows never used write nothing (also while capturing)
         self.input_ids, self.positions = self.rows[0], self.rows[1]
-        self.slots = {g: self.rows[4 + i] for i, g in enumerate(self.groups)}
+        self.slots = {g: self.rows[self.slot_row + i] for i, g in enumerate(self.groups)}
         # The attention kernels want int32 lengths: converted on the device inside the graph.
         self.context_lens = torch.zeros(max_bs, dtype=torch.int32, device=dev)
         self.cu_seqlens_q = torch.arange(max_bs + 1, dtype=torch.int32, device=dev)
@@ -121,38 +126,36 @@ class DecodeGraphs:
         num_global = len(self.global_layers)
         self.layer_slots = torch.full((num_global, max_bs), -1, dtype=torch.int64, device=dev)
         self.layer_ctx = torch.zeros((num_global, max_bs), dtype=torch.int32, device=dev)
-        # constant index buffers the InfiniteHiP graphs' SparseStep views (InfiniteHipBackend.graph_step)
-        self.sparse_buffers = {"arange64": self.arange,
-                               "arange32": torch.arange(max_bs, dtype=torch.int32, device=dev),
-                               "ones32": torch.ones(max_bs, dtype=torch.int32, device=dev),
-                               "none64": torch.zeros(0, dtype=torch.int64, device=dev),
-                               "none32": torch.zeros(0, dtype=torch.int32, device=dev)} if sparse else {}
+        # each backend's graph state (its constant buffers, views of its rows)
+        self.states = {name: backend.graph_state(max_bs, self.rows[self.backend_rows[name]])
+                       for name, backend in runner.backends.items()}
         # captured at load (graphs, seconds, pool bytes) and on the request path (should stay 0)
         self.report = {"graphs": 0, "seconds": 0.0, "pool_bytes": 0, "on_request": 0}
 
     def _pad_rows(self, rows) -> None:
-        """Padding values of a [num_rows, n] block: token 0 at position 0, no context, the scratch
-        mask slot, no KV write."""
+        """Padding values of a [num_rows, n] block: token 0 at position 0, no context, each
+        backend's padding (graph_rows), no KV write."""
         rows[0:3] = 0
-        rows[_MASK_SLOT_ROW] = self.scratch_slot
-        rows[4:self.drop_row] = -1
+        for name, backend in self.runner.backends.items():
+            for r, pad in zip(range(self.backend_rows[name].start, self.backend_rows[name].stop), backend.graph_rows):
+                rows[r] = pad
+        rows[self.slot_row:self.drop_row] = -1
         rows[self.drop_row:] = 0
 
     def _context(self, bs: int, key: GraphKey) -> ForwardContext:
         """The forward context a graph of (bs, key) captures: views of the static buffers."""
-        sparse = None
-        if key.sparse is not None:
-            sparse = InfiniteHipBackend.graph_step(key.sparse, self.context_lens[:bs], self.rows[_MASK_SLOT_ROW, :bs],
-                                                   self.sparse_buffers)
-        return ForwardContext(
+        ctx = ForwardContext(
             positions=self.positions[:bs], context_lens=self.context_lens[:bs],
             cu_seqlens_q=self.cu_seqlens_q[:bs + 1], num_decodes=bs,
             groups={g: KVGroupMetadata(self.slots[g][:bs], self.tables[g][:bs]) for g in self.slots},
-            cu_seqlens_q_list=list(range(bs + 1)), context_lens_list=[0] * bs, sparse=sparse,
+            cu_seqlens_q_list=list(range(bs + 1)), context_lens_list=[0] * bs,
             layer_kv=LayerKV(rows={l: i for i, l in enumerate(self.global_layers)},
                              slot_mapping=self.layer_slots[:, :bs], context_lens=self.layer_ctx[:, :bs],
                              context_lens_list=[[0] * bs] * len(self.global_layers)) if key.layer_kv else None,
             decode_len_bound=key.len_bucket or self.runner.table_tokens)
+        backends = self.runner.backends
+        ctx.meta = {name: backends[name].graph_meta(k, bs, self.states[name], ctx) for name, k in key.backends}
+        return ctx
 
     def _forward(self, bs: int, layer_kv: bool = False) -> torch.Tensor:
         self.context_lens[:bs].copy_(self.rows[2, :bs])
@@ -173,7 +176,8 @@ class DecodeGraphs:
         warmed = set()
         for bs, key in todo:
             # one warm-up per batch size and kind of step (its kernels load outside any capture)
-            kind = (bs, key.sparse is not None and key.sparse.dynamic_rope, key.layer_kv, key.len_bucket)
+            kind = (bs, tuple((name, self.runner.backends[name].graph_warm_kind(k)) for name, k in key.backends),
+                    key.layer_kv, key.len_bucket)
             self._capture(bs, key, warm_up=kind not in warmed)
             warmed.add(kind)
         torch.cuda.synchronize()
@@ -212,18 +216,24 @@ class DecodeGraphs:
 
     def planned_keys(self) -> list[GraphKey]:
         """Every key the runner's plan can replay: the dense graph sized for max_seq_len,
-        short-context length buckets, drop histories (token drop on), and the InfiniteHiP keys
-        (refresh patterns x dynamic RoPE). All are captured at load, none on the request path."""
+        short-context length buckets, drop histories (token drop on), and each combination of
+        the backends' keys (graph_keys), with drop histories where every backend's key allows
+        them. All are captured at load, none on the request path."""
         runner = self.runner
         buckets = [b for b in DECODE_LEN_BUCKETS if b < runner.table_tokens]
         drops = runner.token_drop is not None and self.supports_layer_kv
         keys = [GraphKey()] + [GraphKey(len_bucket=b) for b in buckets]
         if drops:
             keys += [GraphKey(layer_kv=True, len_bucket=b) for b in buckets + [None]]
-        for sparse in runner.infinitehip.graph_keys() if runner.infinitehip is not None else []:
-            keys.append(GraphKey(sparse=sparse))
-            if drops and not sparse.dynamic_rope:  # requests drop tokens only inside the trained window
-                keys.append(GraphKey(sparse=sparse, layer_kv=True))
+        names = list(runner.backends)
+        with_drops = {name: set(runner.backends[name].graph_keys(layer_kv=True)) for name in names}
+        for combo in itertools.product(*([None] + runner.backends[n].graph_keys() for n in names)):
+            if all(k is None for k in combo):
+                continue
+            backends = tuple((n, k) for n, k in zip(names, combo) if k is not None)
+            keys.append(GraphKey(backends=backends))
+            if drops and all(k in with_drops[n] for n, k in backends):
+                keys.append(GraphKey(backends=backends, layer_kv=True))
         return keys
 
     def capture_planned(self) -> None:
@@ -235,18 +245,20 @@ class DecodeGraphs:
 
     def replays(self, p, num_seqs: int) -> bool:
         """Whether StepPlan p (num_seqs sequences) replays a graph: a pure decode step, of a
-        captured batch size, dense or keyed by its sparse key (InfiniteHiP rows, all sparse and
-        refreshing alike) and/or by drop histories (per-layer KV lengths computed in the graph)."""
+        captured batch size, whose backends all give it a graph key, and/or with drop histories
+        (per-layer KV lengths computed in the graph)."""
         if p.num_decodes != num_seqs or num_seqs > self.sizes[-1]:
             return False
         if p.layer_dropped is not None and not self.supports_layer_kv:
             return False
-        return not p.has_sparse or p.sparse.graph_key is not None
+        backends = self.runner.backends
+        return all(backends[name].graph_key(h) is not None for name, h in p.backends.items())
 
     def key_of(self, p) -> GraphKey:
         """The key of the graph StepPlan p replays."""
-        return GraphKey(sparse=p.sparse.graph_key if p.has_sparse else None, layer_kv=p.layer_dropped is not None,
-                        len_bucket=step_len_bucket(p, self.runner.table_tokens))
+        backends = self.runner.backends
+        return GraphKey(backends=tuple((name, backends[name].graph_key(h)) for name, h in p.backends.items()),
+                        layer_kv=p.layer_dropped is not None, len_bucket=step_len_bucket(p, self.runner.table_tokens))
 
     def load(self, plans: list) -> int:
         """Stage the host-planned inputs of len(plans) consecutive decode steps of one batch (step
@@ -258,10 +270,10 @@ class DecodeGraphs:
             if j == 0:
                 rows[0, :n] = p.input_ids
             rows[1, :n], rows[2, :n] = p.positions, p.ctx_lens
-            if p.sparse is not None and p.sparse.decode_rows:
-                rows[_MASK_SLOT_ROW, :n] = p.sparse.decode_slots
+            for name, h in p.backends.items():  # a backend without rows: no graph of the step reads its rows
+                self.runner.backends[name].graph_fill(h, rows[self.backend_rows[name]])
             for i, g in enumerate(self.groups):
-                rows[4 + i, :n] = p.slots[g]
+                rows[self.slot_row + i, :n] = p.slots[g]
             if p.layer_dropped is not None:
                 rows[self.drop_row:, :n] = p.layer_dropped
             else:

@@ -3,9 +3,10 @@
 `forward` of a model block takes tensors only (SPEC §8.2); what an attention layer needs to know
 about the step — where to write K/V, which pages to read, how long each sequence is — is planned
 once per step on the host (`ModelRunner.prepare` -> `ModelRunner._context`, or `DecodeGraphs`
-for a graph's static buffers) and read here by each layer. The context also picks each layer's
-attention backend (runtime/attention/): the layer's own (dense or InfiniteHiP) or, in a step
-that drops tokens, token drop's (runtime/token_drop.py) for the layers it handles.
+for a graph's static buffers) and read here by each layer: the common fields below, plus each
+attention backend's own device meta under its name (``meta``). The context also picks each
+layer's attention backend (runtime/attention/): the layer's own or, in a step that drops tokens,
+token drop's (runtime/token_drop.py) for the layers it handles.
 
 Token layout of a step (packed, variable length): the rows of the B_dec decode sequences come
 first (one query row each), then the prefill chunks of the other sequences, back to back.
@@ -16,12 +17,11 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 if TYPE_CHECKING:
-    from infhip.runtime.attention.sparse_plan import SparseStep
     from infhip.runtime.token_drop import TokenDropStep
 
 
@@ -43,11 +43,12 @@ class ForwardContext:
     # Host copies, so prefill attention can loop over sequences without a device sync.
     cu_seqlens_q_list: list[int]
     context_lens_list: list[int]
-    # InfiniteHiP decisions of the step (which rows go sparse, which stages refresh); None when
-    # the engine has no InfiniteHiP layers or no sequence reaches its dense_threshold.
-    sparse: SparseStep | None = None
-    # UniPrefill drop state of the step (runtime/token_drop.py); None when no chunk drops.
-    token_drop: TokenDropStep | None = None
+    # backend name -> its device meta of the step (runtime/attention/backend.py upload /
+    # graph_meta); a backend with no row in the step has none.
+    meta: dict[str, Any] = dataclasses.field(default_factory=dict)
+    # The step's transform (UniPrefill token drop, runtime/token_drop.py: it routes rows through
+    # the layer loop and runs the layers it handles); None when no chunk drops.
+    transform: TokenDropStep | None = None
     # Per-layer KV of global layers, for steps with a sequence whose drop history makes a layer
     # hold fewer tokens than its positions; None otherwise (the shared metadata above is exact).
     layer_kv: LayerKV | None = None
@@ -73,8 +74,13 @@ class ForwardContext:
     def backend_for(self, attn):
         """The backend that runs layer `attn` this step: token drop's at the layers a dropping
         step hands it, else the layer's own (runtime/attention/)."""
-        td = self.token_drop
-        return td if td is not None and td.handles_layer(attn.layer_index) else attn.backend
+        tf = self.transform
+        return tf if tf is not None and tf.handles_layer(attn.layer_index) else attn.backend
+
+    def run_attention(self, attn, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Layer ``attn``'s attention of the step: its backend's run with the backend's meta."""
+        backend = self.backend_for(attn)
+        return backend.run(attn, q, k, v, self, self.meta.get(backend.name))
 
 
 @dataclass

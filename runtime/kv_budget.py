@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from infhip.runtime.attention.infinitehip import InfiniteHipBackend
+from infhip.runtime.attention import Limits, backends
 from infhip.runtime.attention.paged_kv import PagedKV
 from infhip.runtime.kv_cache import KVCacheManager, KVGroupSpec, OffloadSpec
 from infhip.runtime.offload.policy import offload_spec
@@ -29,12 +29,12 @@ GiB = 1 << 30
 
 def reserved_bytes(config, max_num_seqs: int, max_num_batched_tokens: int, value_banks: bool = False) -> int:
     """Device memory besides KV pages: a few [T, hidden] / [T, 2I] float32 activations of the
-    largest step, plus the InfiniteHiP backend's scratch and banks (value banks: offloading)."""
+    largest step, plus what each attention backend the engine uses keeps (scratch, banks;
+    value_banks: the runner offloads KV pages)."""
     cfg = config.model
     act = max_num_batched_tokens * (8 * cfg.hidden_size + 6 * cfg.intermediate_size) * 4
-    if config.plan.infinitehip is not None:
-        act += InfiniteHipBackend.reserved_bytes(config, max_num_seqs, value_banks)
-    return act
+    limits = Limits(max_num_seqs, offloading=value_banks)
+    return act + sum(cls.reserved_bytes(config, limits) for cls in backends() if cls.knobs_of(config) is not None)
 
 
 def default_budget(config, device: torch.device, max_num_seqs: int, max_num_batched_tokens: int,

@@ -6,8 +6,9 @@ model's forward only launches kernels. KV memory is sized and allocated at load 
 runtime/kv_budget.py; pages are handed out by the scheduler (KVCacheManager), never here. A step
 made only of decodes whose batch size has a captured graph copies its inputs into the graph's
 static buffers (padding with sentinels: slot -1 writes nothing, context length 0 reads nothing)
-and replays it; with InfiniteHiP rows the graph of its refresh pattern, with drop histories
-the per-layer-KV graph (runtime/cuda_graphs.py).
+and replays it; keyed by the registered backends' graph keys (runtime/attention/backend.py) and,
+with drop histories, the per-layer-KV graph (runtime/cuda_graphs.py). The runner names no
+attention backend: it attaches every registered one whose knobs the engine's plan has.
 """
 
 from __future__ import annotations
@@ -19,8 +20,7 @@ import torch
 
 from infhip.knobs import resolve_drop_layers
 from infhip.runtime import kv_budget
-from infhip.runtime.attention.infinitehip import InfiniteHipBackend
-from infhip.runtime.attention.sparse_plan import SparseStepHost
+from infhip.runtime.attention import AttachEnv, AttentionBackend, Limits, backend_class, backends
 from infhip.runtime.cuda_graphs import DecodeGraphs, decode_len_bound
 from infhip.runtime.engine import LoadedEngine
 from infhip.runtime.forward_context import (ForwardContext, KVGroupMetadata, LayerKV, forward_context, upload,
@@ -30,7 +30,8 @@ from infhip.runtime.offload.policy import PageMover
 from infhip.runtime.offload.staging import PrefillStaging
 from infhip.runtime.scheduler import SchedulerOutput
 from infhip.runtime.step_plan import StepPlan
-from infhip.runtime.token_drop import DropStats, TokenDropStep, drop_histories, keep_tail, plan_drops
+from infhip.runtime.drop_stats import DropStats
+from infhip.runtime.token_drop import TokenDropStep, drop_histories, keep_tail, plan_drops
 
 
 class ModelRunner:
@@ -64,9 +65,14 @@ class ModelRunner:
         self.page_mover = PageMover(self.kv, self.offload_layers, self._tensor)
         self.groups = sorted(layout.specs)
 
-        self.infinitehip: InfiniteHipBackend | None = None  # the "infinitehip" layers' backend
+        # name -> the attached backend of each registered one the engine's plan uses, in
+        # registration order (runtime/attention/backend.py)
+        self.backends: dict[str, AttentionBackend] = {}
         self.graphs = None
-        self.set_infinitehip(engine.config.plan.infinitehip)
+        for cls in backends():
+            knobs = cls.knobs_of(engine.config)
+            if knobs is not None:
+                self.set_backend(cls.name, knobs)
 
         # UniPrefill token drop (runtime/token_drop.py): drops happen at full-attention layers.
         self.full_layers = frozenset(lp.index for lp in engine.config.plan.layers if lp.window is None)
@@ -83,7 +89,7 @@ class ModelRunner:
             sizes = [b for b in build.cuda_graph_batch_sizes if b <= max_num_seqs]
             self.graphs = DecodeGraphs(self, sizes, max_decode_steps)
             self.graphs.capture_planned()
-        self.loaded = True  # from now on set_infinitehip / set_token_drop reach every TP rank
+        self.loaded = True  # from now on set_backend / set_token_drop reach every TP rank
 
     def _mirror(self, kind: str, *args) -> None:
         """Tensor parallelism: a change to a loaded runner (benchmarks re-plan live runners) is
@@ -91,29 +97,30 @@ class ModelRunner:
         if getattr(self, "loaded", False):
             self.tp.publish(kind, *args)
 
-    def set_infinitehip(self, ih) -> None:
-        """(Re)configure the InfiniteHiP layers from an InfiniteHipConfig (the engine's, or one
-        with runtime knobs changed): a host planner (mask-cache slots, refresh schedule) and, per
-        layer, the run side with its mask cache of max_num_seqs slots. Masks cached so far and
-        sparse CUDA graphs are dropped: the next sparse decode step recomputes every stage."""
-        if self.engine.config.plan.infinitehip is None:
-            if ih is not None:
-                raise ValueError("this engine has no InfiniteHiP layers; build it with --preset")
+    def set_backend(self, name: str, knobs) -> None:
+        """(Re)attach the registered backend ``name`` under ``knobs`` (the engine's, or with
+        runtime knobs changed): its host planner and per-layer state
+        are made anew, so its cached state and CUDA graphs are dropped (the prefix cache too:
+        pages computed under the old knobs, prefix_caching.md)."""
+        cls = backend_class(name)
+        if cls.knobs_of(self.engine.config) is None:
+            if knobs is not None:
+                raise ValueError(f"this engine has no {name} layers; build it with --preset")
             return
-        self._mirror("set_infinitehip", ih)
+        self._mirror("set_backend", name, knobs)
         offload = self.kv.groups["global"].offload if "global" in self.kv.groups else None
-        self.kv.clear_prefix_cache()  # pages computed under the old knobs (prefix_caching.md)
+        self.kv.clear_prefix_cache()
+        env = AttachEnv(Limits(self.max_num_seqs, offload is not None), self.device, offload, self.staging)
         layers = [layer.self_attn for layer in self.model.layers]
-        self.infinitehip = InfiniteHipBackend.attach(self.engine.config, ih, layers, self.max_num_seqs, self.device,
-                                                     offload)
+        self.backends[name] = cls.attach(self.engine.config, knobs, layers, env)
         if self.graphs is not None:
-            self.graphs.drop(lambda key: key.sparse is None)
+            self.graphs.drop(lambda key: key.of(name) is None)
             self.graphs.capture_planned()
 
     def set_token_drop(self, cfg) -> None:
-        """Turn token drop on (a TokenDropConfig) or off (None) from the next step on. With
-        InfiniteHiP layers, only requests that stay inside the trained window drop
-        (runtime/token_drop.py says why)."""
+        """Turn token drop on (a TokenDropConfig) or off (None) from the next step on. Only
+        requests whose context stays within every backend's max_drop_context drop
+        (runtime/token_drop.py says why for InfiniteHiP)."""
         if cfg is not None and self.offload_layers:
             raise ValueError("token drop cannot be turned on while KV pages are offloaded")
         self._mirror("set_token_drop", cfg)
@@ -123,8 +130,8 @@ class ModelRunner:
         self.token_drop = cfg
         if newly_on and self.graphs is not None:
             self.graphs.capture_planned()
-        self.drop_max_context = (self.engine.config.model.max_position_embeddings
-                                 if self.engine.config.plan.infinitehip is not None else None)
+        limits = [c for b in self.backends.values() if (c := b.max_drop_context(self.engine.config)) is not None]
+        self.drop_max_context = min(limits, default=None)
         windows = [layer.self_attn.window for layer in self.model.layers]
         self.drop_tail = keep_tail(cfg, windows) if cfg is not None else 0
         self.drop_at = (frozenset(resolve_drop_layers(cfg, self.global_layers, len(self.model.layers)))
@@ -136,29 +143,25 @@ class ModelRunner:
         drops = (plan_drops(out.chunks, self.token_drop, self.drop_tail, self.drop_max_context)
                  if self.token_drop else None)
         p.drops, p.layer_dropped = drops or None, drop_histories(out.chunks, self.global_layers)
-        p.sparse = self._plan_sparse([ch.seq for ch in out.chunks], p.ctx_lens, p.num_decodes, dense=bool(drops))
+        p.backends = self._plan_backends(p, [ch.seq for ch in out.chunks], dense=bool(drops))
         p.forced_retention = self.forced_retention
         return p
 
-    def _plan_sparse(self, seqs: list, ctx_lens: list[int], num_decodes: int,
-                     dense: bool = False) -> SparseStepHost | None:
-        """The step's InfiniteHiP plan; dense=True (a step that drops tokens runs no sparse
-        attention): none, and the requests' cached masks are invalidated."""
-        if self.infinitehip is None:
-            return None
+    def _plan_backends(self, p: StepPlan, seqs: list, dense: bool = False) -> dict:
+        """Each backend's host meta of step p (those with rows in it); dense=True (a step that
+        drops tokens runs its layers densely): none, and the backends are told (skip)."""
         if dense:
-            self.infinitehip.planner.skip(seqs)
-            return None
-        return self.infinitehip.plan(seqs, ctx_lens, num_decodes)
+            for b in self.backends.values():
+                b.skip(seqs)
+            return {}
+        hosts = {name: b.plan(p, seqs) for name, b in self.backends.items()}
+        return {name: h for name, h in hosts.items() if h is not None}
 
     def _tensor(self, values, dtype) -> torch.Tensor:
         return upload(values, dtype, self.device)
 
     # -- run ------------------------------------------------------------------------------------
     def _context(self, p: StepPlan) -> ForwardContext:
-        sparse = self.infinitehip.to_device(p.sparse, p.cu, p.ctx_lens, self._tensor) if p.has_sparse else None
-        if sparse is not None and self.staging is not None:
-            sparse.staged = self.staging.stage(p.tables["global"], p.sparse.prefill_seqs)
         tables = {g: upload_tables(p.tables[g], self.device) for g in self.groups}
         return ForwardContext(
             positions=self._tensor(p.positions, torch.int64),
@@ -167,8 +170,8 @@ class ModelRunner:
             num_decodes=p.num_decodes,
             groups={g: KVGroupMetadata(self._tensor(p.slots[g], torch.int64), tables[g]) for g in self.groups},
             cu_seqlens_q_list=p.cu, context_lens_list=p.ctx_lens,
-            sparse=sparse,
-            token_drop=TokenDropStep(self.token_drop, p.drops, self.full_layers, self.drop_at, self.drop_tail,
+            meta={name: self.backends[name].upload(h, p) for name, h in p.backends.items()},
+            transform=TokenDropStep(self.token_drop, p.drops, self.full_layers, self.drop_at, self.drop_tail,
                                      p.forced_retention) if p.drops else None,
             layer_kv=(LayerKV.of_step(p, self.global_layers, tables["global"], self.page_size, self.device)
                       if p.layer_dropped is not None else None),
@@ -205,8 +208,8 @@ class ModelRunner:
             hidden = self.model(self._tensor(p.input_ids, torch.int64))
         self.hidden_out = hidden[self._tensor(p.hidden_rows, torch.int64)] if p.hidden_rows else None
         if not self.tp.is_driver:  # the LM head is replicated: only rank 0 needs logits
-            return None, ctx.token_drop
-        return self.model.compute_logits(hidden[self._tensor(p.logits_rows, torch.int64)]), ctx.token_drop
+            return None, ctx.transform
+        return self.model.compute_logits(hidden[self._tensor(p.logits_rows, torch.int64)]), ctx.transform
 
     @torch.inference_mode()
     def execute_decode_steps(self, out: SchedulerOutput, num_steps: int, sample) -> list[torch.Tensor]:
@@ -218,7 +221,7 @@ class ModelRunner:
         seqs = [ch.seq for ch in out.chunks]
         for j in range(1, num_steps):  # the same batch, one position further per step
             p = plans[0].next_decode(j, out.chunks, self.kv)
-            p.sparse = self._plan_sparse(seqs, p.ctx_lens, len(seqs))
+            p.backends = self._plan_backends(p, seqs)
             plans.append(p)
         tokens = self.run_decode_plans(plans, sample)
         self.move_pages(*self.page_mover.plan((seq, ctx) for seq, ctx in zip(seqs, plans[-1].ctx_lens)))

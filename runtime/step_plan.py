@@ -1,7 +1,7 @@
 """StepPlan: the host-side inputs of one step, in batch order (decodes first).
 
 ``ModelRunner.prepare`` builds one per step from the scheduler's chunks (``StepPlan.of_chunks``
-the flat lists; the backends' and token drop's host decisions on top); a run of back-to-back
+the flat lists; the attention backends' and token drop's host decisions on top); a run of back-to-back
 decode steps derives the later ones with ``next_decode``. Nothing here touches the device: the
 runner uploads a plan into a ForwardContext (eager) or DecodeGraphs loads it (graph replay).
 """
@@ -11,7 +11,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from infhip.runtime.attention.sparse_plan import SparseStepHost
+from typing import Any
+
 from infhip.runtime.token_drop import DropChunk
 
 
@@ -28,7 +29,9 @@ class StepPlan:
     slots: dict[str, list[int]]
     tables: dict[str, list[list[int]]]  # the cache manager's live page lists (read-only, this step)
     num_decodes: int
-    sparse: SparseStepHost | None = None  # InfiniteHiP decisions (engines with such layers)
+    # backend name -> its host meta of the step (runtime/attention/backend.py plan); a backend
+    # with no row in the step has none
+    backends: dict[str, Any] = dataclasses.field(default_factory=dict)
     drops: list[DropChunk] | None = None  # UniPrefill: the chunks that drop tokens this step
     # Drop histories: [global layer][b] tokens that layer lacks of sequence b's computed ones;
     # None when no sequence of the step has one (every layer then holds every position).
@@ -37,9 +40,9 @@ class StepPlan:
     hidden_rows: list[int] | None = None  # rows whose hidden states the runner keeps (prompt logprobs)
 
     @property
-    def has_sparse(self) -> bool:
-        s = self.sparse
-        return s is not None and bool(s.decode_rows or s.prefill_seqs)
+    def has_backend_rows(self) -> bool:
+        """Whether some registered backend serves rows of this step (else every layer runs dense)."""
+        return bool(self.backends)
 
     @classmethod
     def of_chunks(cls, chunks, kv, groups: list[str]) -> "StepPlan":
@@ -70,9 +73,9 @@ class StepPlan:
 
     def next_decode(self, j: int, chunks, kv) -> "StepPlan":
         """Step j of a run of decode steps whose first is this plan (the same batch, j positions
-        further; its pages already allocated); the caller plans its sparse rows."""
+        further; its pages already allocated); the caller plans its backends' rows."""
         starts = [ch.start for ch in chunks]
         slots = {g: [kv.slot_mapping(ch.seq.seq_id, g, s + j, s + j + 1)[0] for ch, s in zip(chunks, starts)]
                  for g in self.slots}
         return dataclasses.replace(self, positions=[s + j for s in starts], ctx_lens=[s + j + 1 for s in starts],
-                                   slots=slots, sparse=None)
+                                   slots=slots, backends={})

@@ -151,7 +151,6 @@ class TokenDropStep:
     drop_at: frozenset[int]  # the layers that drop (resolve_drop_layers: spared ones left out)
     tail: int
     forced_retention: float | None = None  # benchmarks: a fixed share of blocks kept instead of top-p
-    layer: int = -1
     idx: torch.Tensor | None = None  # [M] int64 kept rows; None = the full batch flows
     saved: torch.Tensor | None = None  # [T, hidden] stream of the rows dropped so far, when dropped
     pending: tuple | None = None  # the drop the current layer chose, applied after its attention
@@ -174,7 +173,6 @@ class TokenDropStep:
     def enter_layer(self, i: int, hidden: torch.Tensor, residual: torch.Tensor | None):
         """Before layer i: with re-entry, the dropped rows come back at a drop layer (Eq. 8).
         A full-attention layer the full batch runs on its own backend is recorded as kept-all."""
-        self.layer = i
         if self.cfg.reenter and i in self.drop_at and self.idx is not None:
             hidden, residual = self.reconstitute(hidden, residual)
         if i in self.full and not self.handles_layer(i):
@@ -217,14 +215,13 @@ class TokenDropStep:
     def handles_layer(self, layer: int) -> bool:
         """Drop layers and every layer while rows are dropped take this backend; the layers
         before the first drop (and spared drop layers) run the full batch on their own."""
-        assert layer == self.layer, "the model loop enters each layer first (enter_layer)"
         return layer in self.drop_at or self.idx is not None
 
-    def run(self, attn, q, k, v, ctx) -> torch.Tensor:
+    def run(self, attn, q, k, v, ctx, meta=None) -> torch.Tensor:
         """Attention of one layer in a dropping step (ctx: the layer's view of the forward
-        context, ForwardContext.for_layer): writes K/V, returns [rows out, Hq, D]."""
+        context, ForwardContext.for_layer; meta: none): writes K/V, returns [rows out, Hq, D]."""
         if attn.window is None:
-            return self._full_layer(attn, q, k, v, ctx, select=self.layer in self.drop_at)
+            return self._full_layer(attn, q, k, v, ctx, select=attn.layer_index in self.drop_at)
         return self._compact(attn, q, k, v, ctx)
 
     def _dense_rows(self, attn, q, k, v, out, ctx, meta, cu: list[int], cu_t: torch.Tensor) -> None:
@@ -300,7 +297,7 @@ class TokenDropStep:
                 torch.tensor([ctx_len], dtype=torch.int32, device=dev), [0, n], [ctx_len]))
             self.kept_pos[d.b] = cur[kept]
             record[d.b] = (n, kept.numel(), d.end - d.start, self.kept_pos[d.b])
-        self.records.append((self.layer, record))
+        self.records.append((attn.layer_index, record))
         if keep_host is None or bool(keep_host.all()):  # nothing dropped: the same rows flow on
             return out
         sel = torch.nonzero(keep_host).flatten().to(dev)  # current rows kept
@@ -378,39 +375,4 @@ class TokenDropStep:
         return out
 
 
-class DropStats:
-    """What the drops of the steps so far leave behind, recorded after each dropping step:
-    each dropping sequence's drop history (``Sequence.dropped``: tokens each layer did not
-    write, read by the next steps' per-layer KV) and, per sequence, kept / total tokens per
-    full-attention layer (tokens that ran its MLP) summed over the chunks of its latest prefill
-    (``retention``, the latest 256 sequences). Tests set ``record_kept_positions`` to also keep the kept positions per chunk."""
-
-    def __init__(self) -> None:
-        self.retention: dict[int, dict[int, list[int]]] = {}  # seq_id -> {layer: [kept, total]}
-        self.record_kept_positions = False
-        self.kept_positions: dict[int, dict[int, list[torch.Tensor]]] = {}  # seq_id -> {layer: [positions]}
-
-    def record(self, seqs: list, td: TokenDropStep, num_layers: int) -> None:
-        """seqs: the step's sequences in batch order; td: the step's drop state."""
-        for d in td.drops:
-            seq = seqs[d.b]
-            if seq.dropped is None:
-                seq.dropped = [0] * num_layers
-            for layer, rec in td.records:
-                seq.dropped[layer] += rec[d.b][2] - rec[d.b][0]  # tokens that wrote no KV there
-            if not any(seq.dropped):  # kept everything: no history, shared metadata and graphs
-                seq.dropped = None
-            per_layer = self.retention.pop(seq.seq_id, {}) if d.start else {}
-            self.retention[seq.seq_id] = per_layer  # newest last
-            while len(self.retention) > 256:  # bounded: the latest sequences only
-                self.retention.pop(next(iter(self.retention)))
-            for layer, rec in td.records:
-                _, kept, total, positions = rec[d.b]
-                acc = per_layer.setdefault(layer, [0, 0])
-                acc[0] += kept
-                acc[1] += total
-                if self.record_kept_positions and positions is not None:
-                    self.kept_positions.setdefault(seq.seq_id, {}).setdefault(layer, []).append(positions)
-
-
-__all__ = ["DropChunk", "DropStats", "TokenDropStep", "keep_tail", "never_drops", "plan_drops"]
+__all__ = ["DropChunk", "TokenDropStep", "keep_tail", "never_drops", "plan_drops"]

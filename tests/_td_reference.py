@@ -156,3 +156,23 @@ def reference_logits(model, ids: list[int], num_prompt: int, kept: dict[int, tor
     if cfg.final_logit_softcapping:
         logits = torch.tanh(logits / cfg.final_logit_softcapping) * cfg.final_logit_softcapping
     return logits
+
+
+def record_kept_positions(llm) -> dict[int, dict[int, list[torch.Tensor]]]:
+    """Test-side hook (production keeps no positions): from now on, collect per sequence id and
+    full-attention layer the positions each dropping chunk kept there, from each step's
+    TokenDropStep records, as the runner's DropStats records the step. Returns the live dict."""
+    kept: dict[int, dict[int, list[torch.Tensor]]] = {}
+    stats = llm.runner.drop_stats
+    real = stats.record
+
+    def record(seqs: list, td, num_layers: int) -> None:
+        real(seqs, td, num_layers)
+        for d in td.drops:
+            for layer, rec in td.records:
+                positions = rec[d.b][3]
+                if positions is not None:
+                    kept.setdefault(seqs[d.b].seq_id, {}).setdefault(layer, []).append(positions)
+
+    stats.record = record
+    return kept

@@ -16,7 +16,7 @@ from infhip.builder.build import build_engine
 from infhip.eval.common import set_forced_retention
 from infhip.plugins.dense_attention import dense_attention_ref
 from infhip.plugins.token_drop.attention import kept_attention_triton
-from tests._td_reference import reference_logits
+from tests._td_reference import record_kept_positions, reference_logits
 from tests._tiny import write_tiny_hf_checkpoint
 from tests.test_token_drop_attention import kept_positions
 from tests.test_token_drop_runtime import GEMMA_TYPES, TINY, prompt, run_greedy
@@ -47,9 +47,9 @@ def test_engine_on_gpu_equals_masked_reference(arch, tmp_path):
                           progress=False)
     ids = prompt(2, 200)
     llm = set_forced_retention(LLM(engine, max_num_batched_tokens=100, token_drop=TINY, enforce_eager=True), 0.3)
-    llm.runner.drop_stats.record_kept_positions = True
+    kept_positions = record_kept_positions(llm)
     tokens, logits, sid = run_greedy(llm, ids, 5)
-    kept = {layer: torch.cat(c) for layer, c in llm.runner.drop_stats.kept_positions[sid].items()}
+    kept = {layer: torch.cat(c) for layer, c in kept_positions[sid].items()}
     layers = llm.engine.config.plan.layers
     ref = reference_logits(llm.runner.model, ids + tokens[:-1], len(ids), kept, layers)[len(ids) - 1:]
     assert (logits.double() - ref).abs().max().item() < 1e-3
@@ -67,7 +67,7 @@ def test_drop_history_decode_through_cuda_graphs_equals_eager(arch, tmp_path):
                           progress=False)
     prompts = [prompt(s, n) for s, n in ((2, 200), (3, 150), (4, 170))]
     graphed, eager, keys = graphed_and_eager(engine, prompts, 0.3, max_num_batched_tokens=100, token_drop=TINY)
-    assert any(k.layer_kv and k.sparse is None for k in keys)
+    assert any(k.layer_kv and k.of("infinitehip") is None for k in keys)
     assert graphed == eager
 
 
@@ -83,7 +83,7 @@ def test_token_drop_with_infinitehip_graphs_equal_eager(tmp_path):
                           token_drop=TINY, progress=False)
     prompts = [prompt(s, n) for s, n in ((5, 150), (6, 97), (7, 181))]
     graphed, eager, keys = graphed_and_eager(engine, prompts, 0.4, max_num_batched_tokens=64, token_drop=TINY)
-    assert any(k.layer_kv and k.sparse is not None for k in keys)
+    assert any(k.layer_kv and k.of("infinitehip") is not None for k in keys)
     assert graphed == eager
 
 

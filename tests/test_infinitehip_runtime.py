@@ -12,8 +12,8 @@ import shutil
 
 import pytest
 
-import infhip.runtime.attention.infinitehip as sa
-import infhip.runtime.attention.sparse_plan as sparse_plan
+import infhip.runtime.attention.infinitehip.layer as sa
+import infhip.runtime.attention.infinitehip.planner as sparse_plan
 from infhip.runtime import kv_budget
 from infhip import LLM, SamplingParams
 from infhip.builder.build import build_engine
@@ -182,7 +182,7 @@ def test_dynamic_rope_runs(engines, calls):
 
 def test_gemma3_sliding_layers_stay_dense(engines, calls):
     llm = LLM(engines["gemma-3k"], max_num_batched_tokens=64)
-    sparse_layers = [i for i, layer in enumerate(llm.runner.model.layers) if layer.self_attn.sparse is not None]
+    sparse_layers = [i for i, layer in enumerate(llm.runner.model.layers) if layer.self_attn.backend_state is not None]
     assert sparse_layers == [5]  # the one full-attention layer of the tiny Gemma-3
     assert generate(engines["gemma-3k"], NEVER) == generate(engines["gemma-dense"])
     generate(engines["gemma-3k"], LOW)
@@ -272,18 +272,18 @@ def test_key_bank_memory_is_reserved(engines):
     final_ks = [ih.stages_of(lp.index)[-1].k for lp in plan.layers if lp.plugin == "infinitehip"]
     expected = sum((3 + 1) * k * cfg.num_kv_heads * cfg.head_dim * 4 for k in final_ks)  # float32 KV
     assert kv_budget.reserved_bytes(on.engine.config, 3, 64) - kv_budget.reserved_bytes(off.engine.config, 3, 64) == expected > 0
-    banks = [layer.self_attn.sparse.cache.bank for layer in on.model.layers if layer.self_attn.sparse]
+    banks = [layer.self_attn.backend_state.cache.bank for layer in on.model.layers if layer.self_attn.backend_state]
     assert sum(b.numel() * b.element_size() for b in banks) == expected
     # key_bank_slots below max_num_seqs bounds it: (slots + 1) rows
     few = LLM(engines["3k"], max_num_seqs=3, infinitehip_overrides=dict(past_window, key_bank_slots=1)).runner
     assert kv_budget.reserved_bytes(few.engine.config, 3, 64) - kv_budget.reserved_bytes(off.engine.config, 3, 64) == expected // 2
-    banks = [layer.self_attn.sparse.cache.bank for layer in few.model.layers if layer.self_attn.sparse]
+    banks = [layer.self_attn.backend_state.cache.bank for layer in few.model.layers if layer.self_attn.backend_state]
     assert sum(b.numel() * b.element_size() for b in banks) == expected // 2
 
     inside = LLM(engines["3k"], max_num_seqs=3, infinitehip_overrides={"key_bank": True}).runner
     assert inside.max_seq_len <= cfg.max_position_embeddings  # the test engine fits its window
     assert kv_budget.reserved_bytes(inside.engine.config, 3, 64) == kv_budget.reserved_bytes(off.engine.config, 3, 64)
-    assert all(layer.self_attn.sparse.cache.bank is None for layer in inside.model.layers if layer.self_attn.sparse)
+    assert all(layer.self_attn.backend_state.cache.bank is None for layer in inside.model.layers if layer.self_attn.backend_state)
 
 
 def test_engine_naming_a_removed_knob_loads(engines, tmp_path):

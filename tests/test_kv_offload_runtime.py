@@ -78,7 +78,7 @@ def test_offloaded_decode_reads_the_value_bank(engines, small_batches, monkeypat
     """Dynamic RoPE on (the key bank's case): with offloading, last-stage refreshes also copy the
     selected values into a value bank and decode reads both banks; the tokens equal the
     resident run's (interpreted kernels: the banks are a kernel path; pruning by its reference)."""
-    import infhip.runtime.attention.infinitehip as sa
+    import infhip.runtime.attention.infinitehip.layer as sa
 
     seen = []
     real = sa.sparse_decode_attention
@@ -105,7 +105,7 @@ def test_offloading_starts_past_the_window_when_rope_is_off_inside_it(engines):
     assert inside.kv.groups["global"].offload.min_context == window + 1
     past = LLM(engines["3k"], infinitehip_overrides=PAST, kv_offload_bytes=4 * MiB).runner
     assert past.kv.groups["global"].offload.min_context == PAST["dense_threshold"]
-    assert past.infinitehip.planner.offloading and not LLM(engines["3k"]).runner.infinitehip.planner.offloading
+    assert past.backends["infinitehip"].planner.offloading and not LLM(engines["3k"]).runner.backends["infinitehip"].planner.offloading
 
 
 def test_offloading_is_refused_where_dense_kernels_would_read_host_pages(engines):

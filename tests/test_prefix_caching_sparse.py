@@ -26,6 +26,7 @@ from infhip.config import apply_runtime_overrides
 from infhip.eval.common import set_forced_retention
 from infhip.runtime.prefix_cache import PagePool
 from infhip.runtime.serving.metrics import ServerMetrics
+from tests._td_reference import record_kept_positions
 from tests._tiny import write_tiny_hf_checkpoint
 
 from .test_infinitehip_runtime import LOW, TINY
@@ -103,13 +104,14 @@ def pair(engine, overrides, budget=32, **kw) -> tuple[LLM, LLM]:
 def sparse_prefills(llm: LLM) -> list[int]:
     """Count the steps whose plan has sparse prefill chunks (a live list of one int)."""
     n = [0]
-    real = llm.runner._plan_sparse
+    backend = llm.runner.backends["infinitehip"]
+    real = backend.plan
 
     def counted(*a, **k):
         h = real(*a, **k)
         n[0] += bool(h is not None and h.prefill_seqs)
         return h
-    llm.runner._plan_sparse = counted
+    backend.plan = counted  # this runner's backend only (set_backend would attach a new one)
     return n
 
 
@@ -209,7 +211,7 @@ def test_runtime_knob_change_forgets_the_cache(engines):
     ask(on, doc + [5])
     assert on.stats().kv_pages_cached["global"] > 0
     plan = apply_runtime_overrides(on.engine.config.plan, dict(refresh_intervals=(8, 4, 2)))
-    on.runner.set_infinitehip(plan.infinitehip)
+    on.runner.set_backend("infinitehip", plan.infinitehip)
     assert on.stats().kv_pages_cached["global"] == 0 and ask(on, doc + [6])[2] == 0
 
 
@@ -348,12 +350,12 @@ def test_token_drop_history_depends_on_the_suffix(td_engine):
     by the observation window at the chunk's end (here the prompt's: one chunk), so two prompts
     with the same first 160 tokens keep different positions of them (their compacted pages differ)."""
     llm = set_forced_retention(LLM(td_engine, token_drop=TD), 0.3)  # keep the top 30 % of blocks by importance
-    llm.runner.drop_stats.record_kept_positions = True
+    kept_positions = record_kept_positions(llm)
     doc = ids(60, 160)
     for i in range(2):
         out = llm.generate(prompt_token_ids=[doc + ids(61 + i, 40)], sampling_params=GREEDY)[0]
         assert out.num_cached_tokens == 0
-    kept = list(llm.runner.drop_stats.kept_positions.values())  # per sequence: {anchor: [positions]}
+    kept = list(kept_positions.values())  # per sequence: {anchor: [positions]}
     assert len(kept) == 2
     prefix = [{layer: [p for p in torch.cat(v).tolist() if p < 160] for layer, v in k.items()} for k in kept]
     assert any(len(p) < 160 for p in prefix[0].values()), "the prefix itself was dropped from"

@@ -25,7 +25,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import infhip.runtime.attention.infinitehip as sa
+import infhip.runtime.attention.infinitehip.layer as sa
 import infhip.runtime.offload.policy as offload_policy
 from infhip import LLM, SamplingParams
 from infhip.builder.build import build_engine

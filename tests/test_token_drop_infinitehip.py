@@ -15,7 +15,7 @@ from infhip import LLM, SamplingParams
 from infhip.builder.build import build_engine
 from infhip.builder.presets import infinitehip_config
 from infhip.eval.common import set_forced_retention
-from infhip.runtime.attention.sparse_plan import SparsePlanner
+from infhip.runtime.attention.infinitehip.planner import SparsePlanner
 from tests._tiny import write_tiny_hf_checkpoint
 from tests.test_infinitehip_runtime import COVER, TINY
 from tests.test_infinitehip_runtime import calls  # noqa: F401 (fixture: sparse attention launch counts)

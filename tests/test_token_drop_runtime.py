@@ -31,7 +31,7 @@ from infhip.config import EngineConfig, TokenDropConfig
 from infhip.eval.common import set_forced_retention
 from infhip.knob_specs import parse_token_drop
 from infhip.runtime.sequence import Sequence
-from tests._td_reference import reference_logits
+from tests._td_reference import record_kept_positions, reference_logits
 from tests._tiny import write_tiny_hf_checkpoint
 
 TINY = dict(obs_window=8, block_size=8, num_sink=8, min_prompt_len=0, spare_anchors=0)  # knobs scaled to ~200-token prompts
@@ -122,9 +122,9 @@ def test_decode_after_drop_equals_masked_reference(engine, budget, schedule):
     ids = prompt(2, 200)
     llm = set_forced_retention(LLM(engine, max_num_batched_tokens=budget,
                                    token_drop=dict(TINY, **schedule_knobs(engine, schedule))), 0.3)
-    llm.runner.drop_stats.record_kept_positions = True
+    kept_positions = record_kept_positions(llm)
     tokens, logits, sid = run_greedy(llm, ids, 5)
-    kept = {layer: torch.cat(chunks) for layer, chunks in llm.runner.drop_stats.kept_positions[sid].items()}
+    kept = {layer: torch.cat(chunks) for layer, chunks in kept_positions[sid].items()}
     layers = llm.engine.config.plan.layers
     sched = reference_schedule(llm)
     assert set(sched["layers"]) <= set(kept) <= {lp.index for lp in layers if lp.window is None}
@@ -152,9 +152,9 @@ def test_top_p_selection_equals_reference(engine, p, spare, schedule):
     and record no drop."""
     ids = prompt(6, 203)
     llm = LLM(engine, token_drop=dict(TINY, p=p, spare_anchors=spare, **schedule_knobs(engine, schedule)))
-    llm.runner.drop_stats.record_kept_positions = True
+    kept_positions = record_kept_positions(llm)
     tokens, logits, sid = run_greedy(llm, ids, 4)
-    kept = {layer: torch.cat(chunks) for layer, chunks in llm.runner.drop_stats.kept_positions[sid].items()}
+    kept = {layer: torch.cat(chunks) for layer, chunks in kept_positions[sid].items()}
     layers = llm.engine.config.plan.layers
     cfg = llm.runner.token_drop
     chosen: dict[int, torch.Tensor] = {}
@@ -313,10 +313,10 @@ def test_drop_over_fp8_cache_tracks_the_float32_one(engine, tmp_path):
     logits, kept = [], []
     for e in (engine, fp8):
         llm = set_forced_retention(LLM(e, max_num_batched_tokens=100, token_drop=TINY), 0.3)
-        llm.runner.drop_stats.record_kept_positions = True
+        kept_positions = record_kept_positions(llm)
         _, lg, sid = run_greedy(llm, ids, 1)
         logits.append(lg[0])
-        kept.append({layer: torch.cat(chunks).tolist() for layer, chunks in llm.runner.drop_stats.kept_positions[sid].items()})
+        kept.append({layer: torch.cat(chunks).tolist() for layer, chunks in kept_positions[sid].items()})
     assert llm.runner.model.layers[0].self_attn.kv.k.dtype == torch.float8_e4m3fn
     assert kept[1].keys() == kept[0].keys() and all(len(v) < 0.6 * len(ids) for v in kept[1].values())
     for layer, want in kept[0].items():  # the same drop, up to a few tokens at the boundary

@@ -1,7 +1,8 @@
 """The InfiniteHiP launch space of one engine, for the plugins' ``aot_launches`` (plugins/aot.py).
 
-runtime/attention/sparse_plan.py decides per step what the sparse kernels see; this module restates
-those decisions as the *classes* of launches an engine's plan and build limits allow, so that
+runtime/attention/infinitehip/planner.py decides per step what the sparse kernels see, by the
+rules of plugins/plan_rules.py; this module applies the same rules to list the *classes* of
+launches an engine's plan and build limits allow, so that
 pruning.py, sparse_attention.py, key_bank.py, raw_keys.py and kv_offload.py enumerate exactly
 what serving launches, on fake (meta) tensors shaped as the runtime shapes them:
 
@@ -11,8 +12,8 @@ what serving launches, on fake (meta) tensors shaped as the runtime shapes them:
   pruning style, ``attention_rope`` in attention). Dynamic steps exist when
   ``rope_off_in_trained_window`` is off or ``max_seq_len`` exceeds the trained window; static
   ones when some sparse context fits the window with ``rope_off_in_trained_window`` on;
-* stage-1 candidate capacities (runtime.attention.sparse_plan.candidate_capacity: powers of two
-  >= 1024) per mode: a dynamic step's longest sparse context is past the window (with
+* stage-1 candidate capacities (plan_rules.candidate_capacity: powers of two >= 1024) per
+  mode: a dynamic step's longest sparse context is past the window (with
   ``rope_off_in_trained_window``), a static step's inside it;
 * batch shapes: sparse decode rows 1..max_batch_size (CUDA graphs pad to a captured size, which
   is in that range too), prefill query blocks 1..max_num_batched_tokens / block_q (+ one partial
@@ -41,21 +42,13 @@ import torch
 
 from infhip.config import InfiniteHipConfig, PruningStage
 
-MIN_CAPACITY = 1024  # runtime.attention.sparse_plan.candidate_capacity: a power of two >= 1024
-
+from ..plan_rules import candidate_capacity, rope_modes, uses_key_bank
 
 def mask_layout_of(cfg: InfiniteHipConfig) -> str:
     """The mask layout an engine's InfiniteHiP layers select with: the config's ``mask_layout``
     where it has one (issue 32: the runtime gains the knob in its own refactor), else "shared",
-    the only layout runtime/attention/infinitehip.py launches today."""
+    the only layout runtime/attention/infinitehip/ launches today."""
     return getattr(cfg, "mask_layout", "shared")
-
-
-def capacity_of(end: int, n_sink: int, n_stream: int) -> int:
-    """runtime.attention.sparse_plan.candidate_capacity (imported there from the runtime would pull
-    the runtime into the plugins; this is the same formula, checked equal by the tests)."""
-    middle = max(0, max(min(n_sink, end), end - n_stream) - n_sink)
-    return 1 << max(10, (middle - 1).bit_length())
 
 
 def representatives(lo: int, hi: int, key: Callable[[int], object]) -> list[int]:
@@ -99,7 +92,7 @@ class SparseSpace:
     kinds: tuple[LayerKind, ...]
     modes: tuple[Mode, ...]
     mask_layout: str  # blocks.MASK_LAYOUTS
-    bank: bool  # the layers keep a rotated key bank (runtime.attention.sparse_plan.uses_key_bank)
+    bank: bool  # the layers keep a rotated key bank (plan_rules.uses_key_bank)
     bank_for_all: bool  # every decode row can own a bank row (max_batch_size <= key_bank_slots)
     offload: tuple[bool, ...]  # without / with a host twin
     max_decode_rows: int
@@ -176,21 +169,11 @@ def sparse_space(space) -> SparseSpace | None:
         return None  # no context goes sparse
     layers = [lp.index for lp in space.plan.layers if lp.plugin == "infinitehip"]
     kinds = tuple(dict.fromkeys(LayerKind(cfg.stages_of(i), cfg.pruning_rope_of(i)) for i in layers))
-    cap = lambda end: capacity_of(end, cfg.n_sink, cfg.n_stream)  # noqa: E731
+    cap = lambda end: candidate_capacity(end, cfg.n_sink, cfg.n_stream)  # noqa: E731
     buckets = lambda lo, hi: tuple(c for c in (1 << b for b in range(10, 63)) if cap(lo) <= c <= cap(hi))  # noqa: E731
-    modes = []
-    # SparsePlanner.plan: dynamic = not rope_off_in_trained_window or max(sparse ends) > window
-    if cfg.rope_off_in_trained_window and cfg.dense_threshold <= min(window, max_len):
-        modes.append(Mode(False, buckets(cfg.dense_threshold, min(window, max_len))))
-    if not cfg.rope_off_in_trained_window:
-        modes.append(Mode(True, buckets(cfg.dense_threshold, max_len)))
-    elif max_len > window:
-        modes.append(Mode(True, buckets(max(window + 1, cfg.dense_threshold), max_len)))
-    # runtime.attention.sparse_plan.uses_key_bank
-    dynamic_possible = not cfg.rope_off_in_trained_window or max_len > window
+    modes = [Mode(dynamic, buckets(lo, hi)) for dynamic, lo, hi in rope_modes(cfg, max_len, window)]
     layout = mask_layout_of(cfg)
-    # the bank holds one selection per block: shared only (sparse_attention.block_sparse_attention)
-    bank = cfg.key_bank and cfg.attention_rope == "streaming" and dynamic_possible and layout == "shared"
+    bank = uses_key_bank(cfg, max_len, window, layout)
     bq = cfg.block_q
     # plan_query_blocks: per chunk ceil(q_len / block_q) blocks; the chunks of a step share
     # max_num_batched_tokens, at most max_batch_size chunks (one partial block each)

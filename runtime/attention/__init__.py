@@ -1,46 +1,24 @@
 """Attention backends: how one attention layer turns q, k, v of a step into its output.
 
-Every backend keeps to one contract (SPEC §8.5, vLLM's attention-backend shape):
+Every backend keeps to one contract (backend.py: AttentionBackend; SPEC §8.5, vLLM's shape):
+host-side ``plan`` once per step, ``upload`` of its host meta into device meta, per layer
+``run(layer, q, k, v, ctx, meta)`` (launches only, so a CUDA graph captures it), graph keys and
+static graph metadata, the memory it reserves and the kernels it launches (``launch_space``).
+The runner, DecodeGraphs, kv_budget, the builder and the serving metrics loop over the
+registered backends (``backends()``) and name none.
 
-* ``plan`` — host side, once per step, before any kernel: decides which rows the backend serves
-  and how, into a metadata object the forward context carries (dense: the context's own
-  fields, built by ModelRunner._context; InfiniteHiP: ``InfiniteHipBackend.plan`` ->
-  SparseStepHost -> ``to_device`` -> SparseStep; token drop: ``plan_drops`` -> TokenDropStep).
-* ``run(layer, q, k, v, ctx) -> out`` — per layer, launches only (no host sync, no allocation
-  that depends on data), so a CUDA graph captures it. ``layer`` is the Attention module: its
-  PagedKV (``layer.kv``), scale, window, RoPE table and, for InfiniteHiP, its per-layer state
-  (``layer.sparse``). ``ctx`` is the layer's view of the step's ForwardContext.
-* graph keys — typed frozen dataclasses: ``SparseGraphKey`` (refresh pattern, capacity, dynamic
-  RoPE, bank), folded with the dense length bucket and drop histories into
-  runtime/cuda_graphs.GraphKey; ``InfiniteHipBackend.graph_step(key, ...)`` builds the static
-  metadata a graph of one key reads, from the graph's fixed buffers.
-* ``plugin_modules`` — the plugins whose ``aot_launches(space)`` enumerate every kernel variant
-  the backend can launch for an engine's plan (builder/kernels.py compiles their union).
-
-Which backend runs a layer is decided in one place, ``ForwardContext.backend_for``: the layer's
-own (``layer.backend``: DENSE, or the runner's InfiniteHipBackend on "infinitehip" layers), or
-token drop's at the layers a dropping step hands it (runtime/token_drop.py).
+The dense backend (dense.py, ``DENSE``) serves every layer no registered backend claims and the
+dense rows of the others. Which backend runs a layer is decided in one place,
+``ForwardContext.backend_for``: the layer's own (``layer.backend``) or, in a step that drops
+tokens, token drop's at the layers it handles (runtime/token_drop.py).
 """
 
 from __future__ import annotations
 
-from typing import Protocol
-
-import torch
-
+from infhip.runtime.attention.backend import (AttachEnv, AttentionBackend, Limits, RequestCounter, backend_class,
+                                              backends, register, unregister)
 from infhip.runtime.attention.dense import DENSE, DenseBackend
-from infhip.runtime.attention.infinitehip import InfiniteHipBackend
-from infhip.runtime.attention.sparse_plan import SparseGraphKey
 from infhip.runtime.attention.paged_kv import PagedKV
 
-
-class AttentionBackend(Protocol):
-    name: str
-    plugin_modules: tuple[str, ...]
-
-    def run(self, layer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx) -> torch.Tensor:
-        """q [T, Hq, D], k/v [T, Hkv, D] (not yet rotated) -> out [rows, Hq, D]; writes K/V."""
-        ...
-
-
-__all__ = ["AttentionBackend", "DENSE", "DenseBackend", "InfiniteHipBackend", "PagedKV", "SparseGraphKey"]
+__all__ = ["AttachEnv", "AttentionBackend", "DENSE", "DenseBackend", "Limits", "PagedKV", "RequestCounter",
+           "backend_class", "backends", "register", "unregister"]

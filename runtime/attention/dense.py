@@ -1,8 +1,8 @@
 """The dense attention backend: exact causal attention over the paged cache
-(plugins/dense_attention.py), for every layer without InfiniteHiP and for the rows of an
-InfiniteHiP layer that stay dense.
+(plugins/dense_attention.py), for every layer no registered backend claims and for the rows of
+another backend's layer that stay dense.
 
-Its public calls are what the other backends reuse for their dense rows (InfiniteHiP's short
+Its public calls are what the other backends reuse for their dense rows (a sparse backend's short
 requests, token drop's decode rows and non-dropping chunks):
 
 * ``rope_and_write(layer, q, k, v, positions, slots)`` rotates q and k and writes k, v;
@@ -10,8 +10,8 @@ requests, token drop's decode rows and non-dropping chunks):
 * ``prefill(layer, q, k, v, block_tables, cu, ctx_lens, cu_list, ctx_lens_list)`` — packed
   chunks, causal over each sequence's cached context + chunk; returns [rows, Hq, D].
 
-``run`` is what a step launches for a dense layer; it reads only the step's ForwardContext and
-the layer's PagedKV, so a CUDA graph captures it as is.
+``run(layer, q, k, v, ctx, meta=None)`` is what a step launches for a dense layer; it reads only the
+step's ForwardContext and the layer's PagedKV, so a CUDA graph captures it as is.
 """
 
 from __future__ import annotations
@@ -23,17 +23,19 @@ from infhip.plugins.rope import rope_and_write_kv
 
 
 class DenseBackend:
+    """Not registered: it claims no layer, it is what every unclaimed layer runs (meta: none)."""
+
     name = "dense"
     plugin_modules = ("rope", "dense_attention", "kv_quant")
 
-    def run(self, layer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx) -> torch.Tensor:
+    def run(self, layer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx, meta=None) -> torch.Tensor:
         """q [T, Hq, D], k/v [T, Hkv, D] of the step's rows (decodes first) -> out [T, Hq, D]."""
-        meta = ctx.groups[layer.kv_group]
-        self.rope_and_write(layer, q, k, v, ctx.positions, meta.slot_mapping)
+        paging = ctx.groups[layer.kv_group]
+        self.rope_and_write(layer, q, k, v, ctx.positions, paging.slot_mapping)
         out = torch.empty_like(q)
         nd, num_seqs = ctx.num_decodes, len(ctx.context_lens_list)
         if nd:
-            self.decode(layer, q[:nd], out[:nd], meta.block_tables[:nd], ctx.context_lens[:nd], ctx.decode_len_bound)
+            self.decode(layer, q[:nd], out[:nd], paging.block_tables[:nd], ctx.context_lens[:nd], ctx.decode_len_bound)
         if nd < num_seqs:
             self.prefill_run(layer, q, k, v, out, ctx, nd, num_seqs)
         return out

@@ -123,11 +123,11 @@ class Attention(nn.Module):
         self.layer_index = plan.index
         self.rope = [rope]  # a list: not a submodule (its buffer is owned by the model's `rope` dict)
         # Set by the ModelRunner after loading: the layer's paged cache, its attention backend
-        # (runtime/attention/: dense, or InfiniteHiP on "infinitehip" layers) and, on those, the
-        # backend's per-layer state (an InfiniteHipLayer: stages, RoPE styles, mask cache).
+        # (runtime/attention/: dense, or the registered backend that claims the layer) and that
+        # backend's per-layer state, if it keeps one (its attach sets it).
         self.kv: PagedKV | None = None
         self.backend = DENSE
-        self.sparse = None
+        self.backend_state = None
         self.tp = SINGLE  # the tensor-parallel group (runtime/distributed/; set at load), a no-op at 1
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -141,7 +141,7 @@ class Attention(nn.Module):
         if self.qk_norm:
             q = self.q_norm(q.contiguous())
             k = self.k_norm(k.contiguous())
-        out = ctx.backend_for(self).run(self, q, k, v, ctx)  # [rows out, Hq, D]: fewer if token drop keeps fewer
+        out = ctx.run_attention(self, q, k, v)  # [rows out, Hq, D]: fewer if token drop keeps fewer
         return self.tp.all_reduce(self.o_proj(out.view(out.shape[0], -1)))
 
 
@@ -191,7 +191,7 @@ class CausalLM(nn.Module):
         # UniPrefill (runtime/token_drop.py): in a step that drops tokens, the loop below is the
         # only place rows leave and re-enter the stream: after a drop layer's attention the router
         # keeps the chosen rows; with re-entry they come back at the next drop layer, and at the end.
-        router = get_forward_context().token_drop
+        router = get_forward_context().transform
         hidden, residual = self.embed(input_ids), None
         for i, layer in enumerate(self.layers):
             if router is None:

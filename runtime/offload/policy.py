@@ -1,12 +1,14 @@
 """When KV pages move to host memory, and the step-end mover that copies them there.
 
-A request's pages move once its context reaches the InfiniteHiP threshold (every later step of
-it runs the sparse kernels, which read host pages in place), keeping the sink and stream
-tokens' pages on the GPU — and, when RoPE stays off inside the trained window, only past that
-window: there prefill prunes from the raw-keys scratch (each offloaded key crosses PCIe once per
-chunk), while inside it every query block's stages would read the host pages again (a 32K chunk
-at 128K keys: 23 -> 398 ms per layer, measured). Needs every full-attention layer to run
-InfiniteHiP (dense kernels do not follow host entries) and no token drop.
+A request's pages move once its context reaches the attention backend's ``offload_window``
+(runtime/attention/backend.py): from then on every step of it runs that backend's kernels,
+which read host pages in place, and the window's head and tail tokens' pages stay on the GPU.
+For InfiniteHiP that is its dense threshold — and, when RoPE stays off inside the trained
+window, only past that window: there prefill prunes from the raw-keys scratch (each offloaded key
+crosses PCIe once per chunk), while inside it every query block's stages would read the host
+pages again (a 32K chunk at 128K keys: 23 -> 398 ms per layer, measured); sink and stream stay.
+Needs every full-attention layer to run such a backend (dense kernels do not follow host
+entries) and no token drop.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from infhip.plugins.kv_offload import copy_pages
+from infhip.runtime.attention import backends
 from infhip.runtime.kv_cache import KVCacheManager, OffloadSpec
 
 # Pages of a request move once at least this many tokens' pages are eligible: fewer copy
@@ -29,10 +32,13 @@ def offload_spec(config, nbytes: int, page_bytes: int, num_global_layers: int) -
     if not nbytes:
         return None
     plan = config.plan
-    ih = plan.infinitehip
-    if ih is None or any(lp.plugin != "infinitehip" for lp in plan.layers if lp.attention == "global"):
-        raise ValueError("KV offloading needs an engine whose full-attention layers all run InfiniteHiP "
-                         "(build it with --preset 3k | 3k-fast | 3k-flash | 5k)")
+    full = {lp.index for lp in plan.layers if lp.attention == "global"}
+    windows = [w for cls in backends() if cls.knobs_of(config) is not None and full <= set(cls.layers_of(config))
+               and (w := cls.offload_window(config)) is not None]
+    if not windows:
+        hints = "; ".join(cls.offload_hint for cls in backends() if cls.offload_hint)
+        raise ValueError("KV offloading needs an engine whose full-attention layers all run an attention backend "
+                         f"that reads host pages ({hints})")
     if plan.token_drop is not None:
         raise ValueError("KV offloading and token drop cannot be combined yet (token drop's gathers "
                          "read pages directly); load with token_drop=False")
@@ -40,9 +46,8 @@ def offload_spec(config, nbytes: int, page_bytes: int, num_global_layers: int) -
     if host_pages < 1:
         raise ValueError(f"kv_offload_bytes={nbytes} holds no page of the {num_global_layers} "
                          f"full-attention layers ({page_bytes * num_global_layers} bytes per page)")
-    window = config.model.max_position_embeddings
-    min_context = max(ih.dense_threshold, window + 1) if ih.rope_off_in_trained_window else ih.dense_threshold
-    return OffloadSpec(host_pages=host_pages, head_tokens=ih.n_sink, tail_tokens=ih.n_stream,
+    min_context, head, tail = windows[0]
+    return OffloadSpec(host_pages=host_pages, head_tokens=head, tail_tokens=tail,
                        min_context=min_context, batch_pages=max(1, OFFLOAD_BATCH_TOKENS // config.build.page_size))
 
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from infhip.runtime.attention import backends
 from infhip.runtime.sequence import SequenceStatus
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -103,12 +104,12 @@ class ServerMetrics:
             self.rejected.labels(reason=reason)
         self._prefix_seen = (0, 0, 0)
         self._timing: dict[int, _Timing] = {}  # seq_id -> timing of a live request
-        plan = llm.engine.config.plan
-        self._dense_threshold = plan.infinitehip.dense_threshold if plan.infinitehip is not None else None
-        if self._dense_threshold is not None:
-            self.sparse_requests = Counter(
-                "infhip_infinitehip_sparse_requests",
-                "Finished requests whose context reached InfiniteHiP's dense_threshold (decoded sparse)", registry=r)
+        config = llm.engine.config
+        plan = config.plan
+        # the attention backends' own counters of finished requests (runtime/attention/backend.py)
+        self.backend_counters = [(Counter(rc.name, rc.help, registry=r), rc.counts)
+                                 for cls in backends() if cls.knobs_of(config) is not None
+                                 for rc in cls.request_counters(config)]
         self._token_drop = plan.token_drop is not None
         if self._token_drop:
             self.drop_requests = Counter("infhip_token_drop_requests",
@@ -154,8 +155,9 @@ class ServerMetrics:
             self.success.labels(finish_reason=reason).inc()
         if timing is not None:
             self._request_times(timing)
-        if self._dense_threshold is not None and seq.num_tokens >= self._dense_threshold:
-            self.sparse_requests.inc()
+        for counter, counts in self.backend_counters:
+            if counts(seq):
+                counter.inc()
         if self._token_drop and seq.dropped and any(seq.dropped):
             self.drop_requests.inc()
             self.dropped_kv.inc(sum(seq.dropped))

@@ -10,7 +10,8 @@ prefill chunks as runs of consecutive dense chunks. A step of sparse decode rows
 refreshing the same stages (every request past its first sparse step: one refresh clock), has a
 ``graph_key`` (refresh pattern, stage-1 candidate capacity, dynamic RoPE, bank); with the batch
 size it selects the CUDA graph that replays the step (runtime/cuda_graphs.py). Other steps run
-eagerly. The run side is runtime/attention/infinitehip.py.
+eagerly. The run side is layer.py; the rules the plugins' AOT enumeration shares (capacity,
+RoPE modes, key bank) are plugins/plan_rules.py.
 """
 
 from __future__ import annotations
@@ -22,7 +23,13 @@ import torch
 
 from infhip.config import InfiniteHipConfig
 from infhip.plugins.infinitehip import plan_query_blocks
-from infhip.runtime.mask_cache import MaskSlots, layer_offsets, refresh_from
+from infhip.plugins.plan_rules import (candidate_capacity, dynamic_rope_possible, static_rope_possible,
+                                       step_dynamic_rope, uses_key_bank)
+
+from .mask_cache import MaskSlots, layer_offsets, refresh_from
+
+__all__ = ["SparseGraphKey", "SparseStepHost", "SparseStep", "SparsePlanner", "candidate_capacity",
+           "uses_key_bank", "RAW_KEYS_MIN_BLOCKS"]
 
 if TYPE_CHECKING:
     from infhip.runtime.offload.staging import StagedStep
@@ -94,18 +101,6 @@ class SparseStep:
 RAW_KEYS_MIN_BLOCKS = 32
 
 
-def candidate_capacity(end: int, n_sink: int, n_stream: int) -> int:
-    """Stage-1 candidate capacity for contexts up to ``end`` tokens: the middle (neither sink
-    nor stream) rounded up to a power of two >= 1024, so that it, and with it the kernels' grid
-    and a CUDA graph's key, changes only when the context doubles.
-
-        >>> candidate_capacity(100, 4, 8), candidate_capacity(5000, 256, 1024)
-        (1024, 4096)
-    """
-    middle = max(0, max(min(n_sink, end), end - n_stream) - n_sink)
-    return 1 << max(10, (middle - 1).bit_length())
-
-
 class SparsePlanner:
     """Host side: decides per step which rows go sparse and which stages they recompute."""
 
@@ -134,7 +129,6 @@ class SparsePlanner:
         # None: the step's own capacity (tests of the planner alone).
         self.graph_capacity = (candidate_capacity(max_seq_len, cfg.n_sink, cfg.n_stream)
                                if max_seq_len is not None else None)
-        self.trained_window_rope_off = cfg.rope_off_in_trained_window
         self.max_seq_len = max_seq_len
 
     def plan(self, seqs: list, ctx_lens: list[int], num_decodes: int) -> SparseStepHost:
@@ -158,8 +152,7 @@ class SparsePlanner:
             self.slots.invalidate(seq.seq_id)  # not a sparse decode step: masks go stale
         self.clock += bool(rows)
         sparse_ends = ends + [ctx_lens[b] for b in prefill]
-        dynamic = bool(sparse_ends) and (not cfg.rope_off_in_trained_window
-                                         or max(sparse_ends) > self.trained_window)
+        dynamic = bool(sparse_ends) and step_dynamic_rope(cfg, max(sparse_ends), self.trained_window)
         refresh = tuple(tuple(any(f[g] <= i for f in firsts) for i in range(n))
                         for g in range(len(self.group_offsets)))
         capacity = candidate_capacity(max(sparse_ends, default=0), cfg.n_sink, cfg.n_stream)
@@ -186,11 +179,9 @@ class SparsePlanner:
         for clock in range(cfg.refresh_intervals[0]):
             firsts = [refresh_from(1, clock + o, cfg.refresh_intervals) for o in self.group_offsets]
             patterns.add(tuple(tuple(f <= i for i in range(n)) for f in firsts))
-        dynamic = []
-        if self.trained_window_rope_off and cfg.dense_threshold <= self.trained_window:
-            dynamic.append(False)
-        if not self.trained_window_rope_off or self.max_seq_len is None or self.max_seq_len > self.trained_window:
-            dynamic.append(True)
+        max_len = self.max_seq_len if self.max_seq_len is not None else 1 << 62  # None: no limit
+        dynamic = [d for d, possible in ((False, static_rope_possible), (True, dynamic_rope_possible))
+                   if possible(cfg, max_len, self.trained_window)]
         return [SparseGraphKey(refresh, self.graph_capacity, d, True) for d in dynamic for refresh in sorted(patterns)]
 
     def skip(self, seqs: list) -> None:
@@ -217,12 +208,10 @@ class SparsePlanner:
         for rows in lists:
             bounds.append(bounds[-1] + len(rows))
         views = [flat[bounds[x]:bounds[x + 1]] for x in range(len(lists))]
-        return SparseStep(
-            decode_rows=tensor(h.decode_rows, torch.int64), decode_q_start=tensor(h.decode_rows, torch.int32),
-            decode_q_lens=tensor([1] * len(h.decode_rows), torch.int32),
-            decode_ends=tensor(h.decode_ends, torch.int32), decode_slots=tensor(h.decode_slots, torch.int64),
-            stage_rows=[views[g * S:(g + 1) * S] for g in range(len(self.group_offsets))],
-            refresh=h.refresh, max_middle=h.capacity,
+        decode = DecodeTensors(rows=tensor(h.decode_rows, torch.int64), q_start=tensor(h.decode_rows, torch.int32),
+                               q_lens=tensor([1] * len(h.decode_rows), torch.int32),
+                               ends=tensor(h.decode_ends, torch.int32), slots=tensor(h.decode_slots, torch.int64))
+        prefill = dict(
             prefill_q_start=tensor([s + d for s, d in zip(starts.tolist(), shift)], torch.int32),
             prefill_q_lens=tensor(lens.tolist(), torch.int32), prefill_ends=tensor(ends.tolist(), torch.int32),
             prefill_seqs=tensor([h.prefill_seqs[s] for s in seq_of], torch.int64),
@@ -230,15 +219,68 @@ class SparsePlanner:
             prefill_seq_ends=[ctx_lens[b] for b in h.prefill_seqs],
             prefill_block_seq=tensor(seq_of, torch.int64),
             raw_keys=(h.dynamic_rope and (self.offloading or len(seq_of) >= RAW_KEYS_MIN_BLOCKS)
-                      and sum(ctx_lens[b] for b in h.prefill_seqs) <= self.raw_keys_max_tokens),
-            dense_decode_lens=tensor(h.dense_decode_lens, torch.int32),
-            num_dense_decodes=sum(1 for x in h.dense_decode_lens if x), dense_prefill_runs=h.dense_prefill_runs,
-            dynamic_rope=h.dynamic_rope, bank_ok=h.bank_ok)
+                      and sum(ctx_lens[b] for b in h.prefill_seqs) <= self.raw_keys_max_tokens))
+        return sparse_step(h, decode, [views[g * S:(g + 1) * S] for g in range(len(self.group_offsets))],
+                           prefill, tensor(h.dense_decode_lens, torch.int32))
+
+    def graph_step(self, key: SparseGraphKey, bs: int, state: "GraphBuffers", ends: torch.Tensor) -> SparseStep:
+        """The SparseStep a CUDA graph of ``key`` reads, through the constructor to_device uses:
+        every row of the batch is a sparse decode row (row b = batch index b) recomputing the
+        stages the key names; ends [bs] int32 and the mask slots (state.slots) are views of the
+        graph's static inputs, filled before each replay."""
+        h = SparseStepHost(decode_rows=list(range(bs)), decode_ends=[], decode_slots=[], decode_first_stage=[],
+                           prefill_seqs=[], dense_decode_lens=[], dense_prefill_runs=[],
+                           dynamic_rope=key.dynamic_rope, bank_ok=key.bank_ok, refresh=key.refresh,
+                           capacity=key.capacity, graph_key=key)
+        rows, none64, none32 = state.arange64[:bs], state.none64, state.none32
+        decode = DecodeTensors(rows=rows, q_start=state.arange32[:bs], q_lens=state.ones32[:bs], ends=ends,
+                               slots=state.slots[:bs])
+        prefill = dict(prefill_q_start=none32, prefill_q_lens=none32, prefill_ends=none32, prefill_seqs=none64,
+                       prefill_seq_rows=none64, prefill_seq_ends=[], prefill_block_seq=none64, raw_keys=False)
+        return sparse_step(h, decode, [[rows if r else none64 for r in group] for group in key.refresh], prefill,
+                           none32)
 
 
-def uses_key_bank(cfg: InfiniteHipConfig, max_seq_len: int, trained_window: int) -> bool:
-    """Whether the layers keep a rotated key bank: it serves the streaming attention style, and
-    only steps with dynamic RoPE read it, so a runner whose sequences all fit the trained window
-    (with ``rope_off_in_trained_window``) does not spend the memory."""
-    dynamic_possible = not cfg.rope_off_in_trained_window or max_seq_len > trained_window
-    return cfg.key_bank and cfg.attention_rope == "streaming" and dynamic_possible
+@dataclass
+class DecodeTensors:
+    """The device tensors of a step's sparse decode rows (SparseStep's decode_* fields)."""
+
+    rows: torch.Tensor
+    q_start: torch.Tensor
+    q_lens: torch.Tensor
+    ends: torch.Tensor
+    slots: torch.Tensor
+
+
+@dataclass
+class GraphBuffers:
+    """What InfiniteHiP's graphs read besides the common inputs: constant index buffers of
+    length max_bs, empty ones, and the per-step row of mask-cache slots."""
+
+    arange64: torch.Tensor
+    arange32: torch.Tensor
+    ones32: torch.Tensor
+    none64: torch.Tensor
+    none32: torch.Tensor
+    slots: torch.Tensor  # int64 [max_bs] view of the graphs' per-step rows
+
+    @classmethod
+    def of(cls, max_bs: int, slots: torch.Tensor) -> "GraphBuffers":
+        dev = slots.device
+        return cls(arange64=torch.arange(max_bs, dtype=torch.int64, device=dev),
+                   arange32=torch.arange(max_bs, dtype=torch.int32, device=dev),
+                   ones32=torch.ones(max_bs, dtype=torch.int32, device=dev),
+                   none64=torch.zeros(0, dtype=torch.int64, device=dev),
+                   none32=torch.zeros(0, dtype=torch.int32, device=dev), slots=slots)
+
+
+def sparse_step(h: SparseStepHost, decode: DecodeTensors, stage_rows: list[list[torch.Tensor]], prefill: dict,
+                dense_decode_lens: torch.Tensor) -> SparseStep:
+    """The one constructor of SparseStep (eager steps and CUDA graphs): the host plan's decisions
+    with the device tensors of its rows."""
+    return SparseStep(
+        decode_rows=decode.rows, decode_q_start=decode.q_start, decode_q_lens=decode.q_lens,
+        decode_ends=decode.ends, decode_slots=decode.slots, stage_rows=stage_rows, refresh=h.refresh,
+        max_middle=h.capacity, **prefill, dense_decode_lens=dense_decode_lens,
+        num_dense_decodes=sum(1 for x in h.dense_decode_lens if x), dense_prefill_runs=h.dense_prefill_runs,
+        dynamic_rope=h.dynamic_rope, bank_ok=h.bank_ok)

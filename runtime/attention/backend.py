@@ -1,0 +1,214 @@
+"""The attention-backend contract and its registry.
+
+A backend owns the attention of some decoder layers: what it plans per step, the device
+metadata its layers read, the state of its CUDA graphs, the memory it keeps besides KV pages,
+the kernels it launches (for the builder) and its serving metrics. The runner, DecodeGraphs,
+kv_budget, the builder and the metrics loop over the registered backends; none names one.
+
+Life of a backend (every method below; the default does nothing or says "none"):
+
+* at load, ``knobs_of(config)`` (None: the engine has no layers of the backend; it is skipped),
+  ``layers_of(config)`` the layers it claims, ``offload_window(config)`` whether (and from
+  which context) its layers read offloaded pages in place (runtime/offload/policy.py),
+  ``reserved_bytes(config, limits)`` (kv_budget), then ``attach(config, knobs, layers, env)``
+  returns the instance that sets ``attn.backend = self`` on the layers it claims;
+* per step, on the host: ``plan(step, seqs) -> host meta`` (None: no row of this step is the
+  backend's; its layers then run the dense backend), or ``skip(seqs)`` when a step transform
+  (token drop) runs its layers densely;
+* eager: ``upload(host, step) -> device meta``; per layer ``run(layer, q, k, v, ctx, meta)``,
+  launches only (no host sync), so a CUDA graph captures it;
+* CUDA graphs of pure decode steps: ``graph_key(host)`` (None: the step runs eagerly),
+  ``graph_keys(layer_kv)`` the keys captured at load, ``graph_rows`` the padding value of each
+  per-step int64 row its graphs read, staged with the step's tokens (``graph_fill(host, rows)``
+  writes one step's), ``graph_state(max_bs, rows)`` constant buffers and the rows' device view,
+  ``graph_meta(key, bs, state, common)`` the device meta a graph reads (common: the graph's
+  ForwardContext), built by the code ``upload`` uses; ``graph_warm_kind(key)`` which graphs
+  share their kernels (one warm-up run each);
+* token drop: ``max_drop_context(config)``, the longest context at which requests may drop;
+* ahead of time: ``launch_space(space)`` launches every kernel variant the engine's plan allows
+  on fake tensors (builder/kernels.py records them); by default each of ``plugin_modules``'
+  ``aot_launches(space)``;
+* serving: ``request_counters(config)`` — Prometheus counters of finished requests
+  (runtime/serving/metrics.py).
+
+Registration: ``register(cls)`` (a decorator) under ``cls.name``; the registry imports the
+built-in backends' modules (BUILTIN) on first use. Registration order is the order in which
+backends attach (a later one may claim a layer an earlier one took).
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import Any, Callable, ClassVar, Hashable
+
+import torch
+
+# the modules of the built-in backends, each of which registers its backend on import
+BUILTIN = ("infhip.runtime.attention.infinitehip",)
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Load-time limits a backend sizes its memory by."""
+
+    max_num_seqs: int
+    offloading: bool = False  # KV pages of the global group move to host memory
+
+
+@dataclass
+class AttachEnv:
+    """What ``attach`` gets besides the config: the runner's limits, device, the global group's
+    OffloadSpec (None: pages stay on the GPU) and the staged-prefill buffers (offloading)."""
+
+    limits: Limits
+    device: torch.device
+    offload: Any = None
+    staging: Any = None
+
+
+@dataclass(frozen=True)
+class RequestCounter:
+    """A counter of finished requests a backend adds to /metrics: ``counts(seq)`` says whether a
+    finished request counts."""
+
+    name: str
+    help: str
+    counts: Callable[[Any], bool]
+
+
+class AttentionBackend:
+    """Base class of the backends that claim layers (the dense backend serves the others)."""
+
+    name: ClassVar[str]
+    plugin_modules: ClassVar[tuple[str, ...]] = ()
+    offload_hint: ClassVar[str] = ""  # how to build an engine whose layers it serves offloaded
+    graph_rows: tuple[int, ...] = ()  # padding value of each per-step row its graphs read
+
+    # -- load ------------------------------------------------------------------------------------
+    @classmethod
+    def knobs_of(cls, config):
+        """The backend's knobs in an engine's config; None: the engine has no layers of it."""
+        return None
+
+    @classmethod
+    def layers_of(cls, config) -> list[int]:
+        """The indexes of the layers it claims in an engine's plan."""
+        return []
+
+    @classmethod
+    def offload_window(cls, config) -> tuple[int, int, int] | None:
+        """(min_context, head_tokens, tail_tokens): its layers read host pages of requests from
+        min_context tokens on, all but the first head and last tail tokens' (runtime/offload/);
+        None: its kernels read GPU pages only."""
+        return None
+
+    @classmethod
+    def reserved_bytes(cls, config, limits: Limits) -> int:
+        """Device memory the backend keeps besides KV pages (scratch, banks)."""
+        return 0
+
+    @classmethod
+    def attach(cls, config, knobs, layers: list, env: AttachEnv) -> "AttentionBackend":
+        """An instance serving its layers of ``layers`` (Attention modules, with their PagedKV):
+        it sets ``attn.backend = self`` (and any per-layer state) on each it claims."""
+        raise NotImplementedError
+
+    # -- one step (host) ---------------------------------------------------------------------------
+    def plan(self, step, seqs: list):
+        """Host meta of StepPlan ``step`` (seqs: its sequences, batch order), None: no row is this
+        backend's."""
+        return None
+
+    def skip(self, seqs: list) -> None:
+        """A step whose rows a transform runs densely on this backend's layers (token drop)."""
+
+    # -- eager -------------------------------------------------------------------------------------
+    def upload(self, host, step):
+        """Device meta of host meta ``host`` of StepPlan ``step`` (non-blocking uploads)."""
+        return host
+
+    def run(self, layer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx, meta) -> torch.Tensor:
+        """q [T, Hq, D], k/v [T, Hkv, D] (not yet rotated) -> out [T, Hq, D]; writes K/V. ctx:
+        the layer's view of the step's ForwardContext; meta: this backend's device meta (None:
+        no row of the step is the backend's)."""
+        raise NotImplementedError
+
+    # -- CUDA graphs of pure decode steps ----------------------------------------------------------
+    def graph_key(self, host) -> Hashable | None:
+        """The key of a step's graph (with the batch size), None: the step runs eagerly."""
+        return None
+
+    def graph_keys(self, layer_kv: bool = False) -> list[Hashable]:
+        """Every key captured at load (layer_kv: of steps with drop histories)."""
+        return []
+
+    def graph_state(self, max_bs: int, rows: torch.Tensor):
+        """Buffers the graphs read besides ``rows`` (the device view [len(graph_rows), max_bs] of
+        the per-step rows, filled before each replay)."""
+        return rows
+
+    def graph_meta(self, key, bs: int, state, common):
+        """The device meta a graph of (bs, key) reads: views of ``state``."""
+        raise NotImplementedError
+
+    def graph_fill(self, host, rows) -> None:
+        """Write one step's per-step rows (numpy int64 [len(graph_rows), >= n]), columns 0..n-1."""
+
+    def graph_warm_kind(self, key) -> Hashable:
+        """The part of a key that decides which kernels its graph loads: the first graph of each
+        kind (and batch size) runs once before its capture, so that kernels load outside it."""
+        return key
+
+    @classmethod
+    def max_drop_context(cls, config) -> int | None:
+        """The longest context at which a request may still drop tokens (token drop) in an
+        engine with this backend's layers; None: no limit."""
+        return None
+
+    # -- ahead of time and serving -------------------------------------------------------------------
+    @classmethod
+    def launch_space(cls, space) -> None:
+        """Launch every kernel variant the engine's plan allows (plugins/aot.py LaunchSpace)."""
+        for name in cls.plugin_modules:
+            launches = getattr(importlib.import_module(f"infhip.plugins.{name}"), "aot_launches", None)
+            if launches is not None:
+                launches(space)
+
+    @classmethod
+    def request_counters(cls, config) -> list[RequestCounter]:
+        return []
+
+
+_REGISTRY: dict[str, type[AttentionBackend]] = {}
+_loaded = False
+
+
+def register(cls: type[AttentionBackend]) -> type[AttentionBackend]:
+    """Register a backend class under its ``name`` (a decorator); a second one of a name raises."""
+    if _REGISTRY.get(cls.name, cls) is not cls:
+        raise ValueError(f"an attention backend named {cls.name!r} is already registered")
+    _REGISTRY[cls.name] = cls
+    return cls
+
+
+def unregister(name: str) -> None:
+    """Remove a registered backend (tests)."""
+    _REGISTRY.pop(name, None)
+
+
+def backends() -> list[type[AttentionBackend]]:
+    """The registered backend classes, in registration order (the built-in ones first)."""
+    global _loaded
+    if not _loaded:
+        _loaded = True
+        for module in BUILTIN:
+            importlib.import_module(module)
+    return list(_REGISTRY.values())
+
+
+def backend_class(name: str) -> type[AttentionBackend]:
+    for cls in backends():
+        if cls.name == name:
+            return cls
+    raise KeyError(f"no attention backend {name!r}; registered: {[c.name for c in backends()]}")
