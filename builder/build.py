@@ -17,37 +17,31 @@ in its own, so it is never taken for such a leftover). An existing engine is rep
 from __future__ import annotations
 
 import dataclasses
-import fcntl
 import json
 import os
 import shutil
-import sys
 import tempfile
 import time
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
 from infhip import __version__
-from infhip.config import DTYPES, KV_DTYPES, WEIGHT_DTYPES, BuildConfig, EngineConfig, EngineFormatError, is_engine_dir
+from infhip.config import DTYPES, KV_DTYPES, WEIGHT_DTYPES, BuildConfig, EngineConfig, EngineFormatError
 from infhip.builder.checkpoint import GGUFCheckpoint, HFDirCheckpoint
 from infhip.builder.convert import convert_weights, random_weights, unused_tensors, weight_specs
 from infhip.builder.errors import BuildError
 from infhip.builder.hf_config import model_config_from_hf
+from infhip.builder.output_dir import (TMP_LOCK, check_apart, check_output, dir_size, install_dir, lock_tmp,
+                                       remove_leftovers, umask)
 from infhip.builder.presets import PRESETS, make_plan
 from infhip.knob_specs import token_drop_config
 from infhip.builder.registry import ModelSource, resolve_model
 from infhip.builder.tokenizer import save_tokenizer
 
 MAX_DEFAULT_SEQ_LEN = 131072
-# A running build holds an exclusive flock on this file in its temporary folder; the kernel drops
-# the lock when the process dies, however it dies.
-_TMP_LOCK = ".infhip-build.lock"
-# A temporary folder without the lock file is a leftover once this old: one written before the
-# lock existed (a build holds its lock from right after mkdtemp until right before the rename).
-_UNLOCKED_GRACE_S = 60.0
 
 
 def _resolve_source(source: str | os.PathLike | ModelSource) -> ModelSource:
@@ -95,101 +89,6 @@ def _graph_batch_sizes(max_batch_size: int) -> tuple[int, ...]:
     """Powers of two up to max_batch_size, plus max_batch_size itself."""
     sizes = {1 << k for k in range(max_batch_size.bit_length()) if 1 << k <= max_batch_size}
     return tuple(sorted(sizes | {max_batch_size}))
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
-
-
-def _dir_size(path: Path) -> int:
-    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
-
-
-def _check_output(out: Path, force: bool) -> None:
-    if not out.exists():
-        return
-    if not force:
-        raise BuildError(f"{out} already exists; pass --force to replace it")
-    if not out.is_dir():
-        raise BuildError(f"{out} exists and is not a directory; remove it or choose another --output")
-    # --force replaces engines, never arbitrary folders (think --output ~ --force) or checkpoints.
-    if any(out.iterdir()) and not is_engine_dir(out):
-        raise BuildError(f"refusing to replace {out}: it is not an infhip engine directory (no engine "
-                         "config.json); choose another --output, or remove it yourself")
-
-
-def _check_apart(out: Path, source: Path) -> None:
-    """The output (replaced as a whole) must not be the checkpoint, hold it, or lie inside it."""
-    o, s = out.resolve(), source.resolve()
-    if o == s or s.is_relative_to(o):
-        where = "is" if o == s else "contains"
-        raise BuildError(f"--output {out} {where} the checkpoint {source}: writing the engine there would "
-                         "replace the checkpoint; choose an --output outside it")
-    if o.is_relative_to(s):
-        raise BuildError(f"--output {out} lies inside the checkpoint {source}; choose an --output outside it")
-
-
-def _lock_tmp(tmp: Path) -> int:
-    """Mark tmp as a running build's (see _TMP_LOCK); returns the fd that holds the lock."""
-    fd = os.open(tmp / _TMP_LOCK, os.O_CREAT | os.O_WRONLY, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:  # a filesystem without locks: the build goes on; its leftovers then stay
-        pass
-    return fd
-
-
-def _is_leftover(tmp: Path) -> bool:
-    """Is tmp a temporary folder whose build is gone (its lock free, or no lock and old)?"""
-    try:
-        fd = os.open(tmp / _TMP_LOCK, os.O_RDONLY)
-    except FileNotFoundError:
-        return time.time() - tmp.stat().st_mtime > _UNLOCKED_GRACE_S
-    except OSError:  # not ours to open (another user's build): leave it
-        return False
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        return True
-    except OSError:  # a build is writing it (or no locks here, so nobody can tell): leave it
-        return False
-    finally:
-        os.close(fd)
-
-
-def _remove_leftovers(out: Path) -> None:
-    """Remove the temporary folders of killed builds of out (siblings .<name>.tmp-*), saying so."""
-    prefix = f".{out.name}.tmp-"
-    found = [p for p in out.parent.iterdir()
-             if p.name.startswith(prefix) and p.is_dir() and not p.is_symlink() and _is_leftover(p)]
-    if not found:
-        return
-    size = sum(_dir_size(p) for p in found)
-    for p in found:
-        shutil.rmtree(p, ignore_errors=True)
-    print(f"infhip-build: removed {len(found)} unfinished folder(s) left by killed builds of {out} "
-          f"({size / 2**20:.1f} MiB): {', '.join(p.name for p in found)}", file=sys.stderr)
-
-
-def install_dir(tmp: Path, out: Path, check_existing: Callable[[Path], None]) -> None:
-    """Rename the finished folder tmp to out; an existing out is first re-checked with
-    check_existing (it may have appeared while tmp was written), moved aside, and deleted only
-    after the rename succeeded (restored if it failed). Used by the builder and the exporters."""
-    old = None
-    if out.exists():
-        check_existing(out)
-        old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
-        os.rename(out, old / out.name)
-    try:
-        os.rename(tmp, out)
-    except OSError:
-        if old is not None:
-            os.rename(old / out.name, out)
-        raise
-    finally:
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
 
 
 def build_engine(
@@ -263,8 +162,8 @@ def build_engine(
         src = ModelSource(str(checkpoint), Path(checkpoint).expanduser())
     else:
         src = resolve_model(str(model)) if model is not None else _resolve_source(source)
-    _check_apart(out, src.path)
-    _check_output(out, force)
+    check_apart(out, src.path)
+    check_output(out, force)
     ckpt = src.open()
     warnings.extend(ckpt.notes)
     t = lap("open_source", t)
@@ -305,17 +204,17 @@ def build_engine(
         engine = EngineConfig(model=mcfg, plan=plan, build=build, infhip_version=__version__)
 
         out.parent.mkdir(parents=True, exist_ok=True)
-        _remove_leftovers(out)
+        remove_leftovers(out)
         tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
         lock = None
         try:
-            lock = _lock_tmp(tmp)
-            os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes it 0700; the engine is a normal folder
+            lock = lock_tmp(tmp)
+            os.chmod(tmp, 0o777 & ~umask())  # mkdtemp makes it 0700; the engine is a normal folder
             _write_engine(tmp, engine, ckpt, src, inv_freqs, device, seed, progress, warnings, timings, t)
             timings["total"] = round(time.perf_counter() - t_start, 3)
             _finish_report(tmp, timings)
-            os.unlink(tmp / _TMP_LOCK)  # not part of the engine; the fd keeps the lock until the end
-            install_dir(tmp, out, lambda o: _check_output(o, force))
+            os.unlink(tmp / TMP_LOCK)  # not part of the engine; the fd keeps the lock until the end
+            install_dir(tmp, out, lambda o: check_output(o, force))
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
@@ -352,7 +251,7 @@ def _save_weights(tmp: Path, engine: EngineConfig, tensors: dict[str, torch.Tens
     for rank, part in enumerate(parts):
         path = tmp / f"rank{rank}.safetensors"
         save_file(part, str(path), metadata={"format": "pt"})
-        os.chmod(path, 0o666 & ~_umask())  # save_file creates it 0600
+        os.chmod(path, 0o666 & ~umask())  # save_file creates it 0600
         sizes[path.name] = path.stat().st_size
     return sizes
 
@@ -428,7 +327,7 @@ def _write_engine(tmp: Path, engine: EngineConfig, ckpt, src: ModelSource, inv_f
         "num_parameters": num_parameters,
         "tp": build.tp,
         "sizes_bytes": {**weight_sizes,
-                        "tokenizer": _dir_size(tmp / "tokenizer") if has_tokenizer else 0},
+                        "tokenizer": dir_size(tmp / "tokenizer") if has_tokenizer else 0},
         "kernels": kernels,
         "timings_s": timings,
         "warnings": warnings,
@@ -463,5 +362,5 @@ def _finish_report(tmp: Path, timings: dict[str, float]) -> None:
     path = tmp / "build_report.json"
     report = json.loads(path.read_text())
     report["timings_s"] = timings
-    report["sizes_bytes"]["total"] = _dir_size(tmp)
+    report["sizes_bytes"]["total"] = dir_size(tmp)
     path.write_text(json.dumps(report, indent=2) + "\n")

@@ -70,8 +70,9 @@ class EngineCore(SampleAndCommit):
     """Load an engine (rank 0 of a tensor-parallel one) and run its requests step by step.
 
     Public: `add_request`, `step`, `deltas` / `delta`, `output`, `abort`; `stats()`,
-    `num_running`, `num_waiting`, `num_requests`; `hooks`; the loaded parts `engine`, `runner`,
-    `scheduler`, `tokenizer`, `options`, `load_report`; `close()`."""
+    `debug_view()`, `num_running`, `num_waiting`, `num_requests`, `reset_prefix_cache()`;
+    `hooks`; the loaded parts `engine`, `runner`, `scheduler`, `tokenizer`, `options`,
+    `load_report`; `close()`."""
 
     def __init__(self, engine_dir: str | Path, options: LoadOptions):
         t0 = time.perf_counter()

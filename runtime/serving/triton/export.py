@@ -32,7 +32,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from infhip.builder.build import install_dir
+from infhip.builder.output_dir import install_dir
 from infhip.builder.cli import _positive_int
 from infhip.builder.errors import BuildError
 
