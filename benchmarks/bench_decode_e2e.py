@@ -7,7 +7,7 @@ One random-weight engine (preset 3k-flash) is built and loaded once. Its KV cach
 random keys and values, and a request whose first N - 1 tokens count as already computed
 decodes from there (a prefill of 512K tokens would take minutes; decode time does not depend
 on what the keys hold, only on how many there are). The same request then decodes under each
-configuration, switched on the same runner (`ModelRunner.set_infinitehip`, runtime knobs only):
+configuration, switched on the same runner (`ModelRunner.set_backend`, runtime knobs only):
 
 - dense: dense_threshold above the context, so every layer runs the dense paged decode kernel
   (the strongest decode baseline we have: flash-decoding over the paged cache, in a CUDA graph);

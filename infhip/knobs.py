@@ -83,7 +83,8 @@ class InfiniteHipConfig:
     read (plugins/infinitehip/key_bank.py; memory: (min(max_num_seqs, key_bank_slots) + 1) x
     layers x final k x kv heads x head_dim in the KV dtype, about 1.2 GiB for Llama-8B with 8 + 1
     rows, reserved only when max_seq_len exceeds the trained window); a decode step whose
-    request owns no bank row (runtime/mask_cache.py) rotates keys instead: the same tokens, slower.
+    request owns no bank row (runtime/attention/infinitehip/mask_cache.py) rotates keys instead:
+    the same tokens, slower.
     """
 
     n_sink: int = knob(256, "first tokens every query attends (attention sinks)", measured=_PAPER)

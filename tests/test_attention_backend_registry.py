@@ -11,6 +11,7 @@ import torch
 from infhip import LLM, SamplingParams
 from infhip.plugins.dense_attention import dense_attention_ref
 from infhip.runtime.attention import backends, register, unregister
+from tests._graph_sim import simulate_graphs
 from tests._tiny import build_tiny_api_engine
 from tests._toy_backend import SinkWindowBackend, SinkWindowKnobs
 
@@ -108,6 +109,17 @@ def test_aot_enumeration_consults_its_launch_space(engine, toy, monkeypatch):
     config = EngineConfig.load(engine)
     variants = enumerate_variants(config, Target())
     assert len(asked) == 1 and asked[0].plan == config.plan and variants
+
+
+def test_graph_inputs_read_eagerly_equal_eager_steps(engine, toy, monkeypatch):
+    """The CUDA-graph path without CUDA (tests/_graph_sim.py): every pure decode step staged for
+    a graph of the toy's key and run on the context that graph would capture gives the eager
+    steps' tokens, and every key was planned at load."""
+    eager = tokens(LLM(engine))
+    llm = LLM(engine)
+    keys, planned = simulate_graphs(llm, monkeypatch)
+    assert tokens(llm) == eager
+    assert keys and all(key.of("sink_window") == "all" and key in planned for key in keys)
 
 
 @pytest.mark.gpu

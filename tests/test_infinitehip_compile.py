@@ -99,7 +99,7 @@ def _compile_attention(rope_style: int, num_splits: int, bank: bool = False, fp8
     ptrs.update(q_ptr="*bf16", out_ptr="*bf16", inv_freq_ptr="*fp32", part_out_ptr="*fp32",
                 part_lse_ptr="*fp32", scale_log2="fp32", **banks, **_cache_ptrs(fp8, "k", "v"), **_HOST_DELTAS,
                 v_host_delta="i64", vs_host_delta="i64")
-    # the runtime keeps a value bank beside the key bank when it offloads (runtime/attention/infinitehip.py)
+    # the runtime keeps a value bank beside the key bank when it offloads (runtime/attention/infinitehip/)
     ce = dict(PAGE_SIZE=16, BLOCK_Q=64, BLOCK_N=64, BLOCK_D=128, NUM_SPLITS=num_splits, SEL_BLOCK=1024,
               DECODE=num_splits > 1, ROPE_STYLE=rope_style, ROPE_GROUP=8, BANK=bank, DOT_F32=False,
               PREFETCH=rope_style == 3,  # the prefetching loop with every key path

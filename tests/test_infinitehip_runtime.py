@@ -18,6 +18,7 @@ from infhip.runtime import kv_budget
 from infhip import LLM, SamplingParams
 from infhip.builder.build import build_engine
 from infhip.config import EngineConfig
+from tests._graph_sim import simulate_graphs
 from tests._tiny import write_tiny_hf_checkpoint
 
 # Test-only knobs: n_sink 4, n_stream 8, stages (8, 4, 32) -> (8, 2, 16) -> (8, 1, 8).
@@ -178,6 +179,18 @@ def test_fp8_cache_kernels_equal_references_in_the_runtime(engines, monkeypatch)
 def test_dynamic_rope_runs(engines, calls):
     out = generate(engines["3k"], dict(LOW, rope_off_in_trained_window=False), PROMPTS[:1])
     assert len(out[0]) == GREEDY.max_tokens and calls["decode"] > 0
+
+
+def test_sparse_graph_inputs_read_eagerly_equal_eager_steps(engines, monkeypatch):
+    """The CUDA-graph path without CUDA (tests/_graph_sim.py): sparse decode steps staged for the
+    graph of their refresh pattern (mask-cache slots in the backend's graph rows) and run on the
+    context that graph would capture give the eager tokens; every key was planned at load."""
+    eager = generate(engines["3k"], LOW)
+    llm = LLM(engines["3k"], max_num_batched_tokens=64, infinitehip_overrides=LOW)
+    keys, planned = simulate_graphs(llm, monkeypatch)
+    assert [o.token_ids for o in llm.generate(prompt_token_ids=PROMPTS, sampling_params=GREEDY)] == eager
+    sparse = {key.of("infinitehip") for key in keys} - {None}
+    assert len(sparse) >= 2 and all(key in planned for key in keys)  # several refresh patterns
 
 
 def test_gemma3_sliding_layers_stay_dense(engines, calls):

@@ -107,11 +107,13 @@ class InfiniteHipBackend(AttentionBackend):
     def upload(self, h: SparseStepHost, step) -> SparseStep:
         """The SparseStep of host plan h of StepPlan step (with its sparse prefill chunks' host
         pages staged, runtime/offload/staging.py, when pages are offloaded)."""
-        sparse = self.planner.to_device(h, step.cu, step.ctx_lens, lambda values, dtype: upload(values, dtype,
-                                                                                                  self.device))
+        sparse = self.planner.to_device(h, step.cu, step.ctx_lens, self._tensor)
         if self.staging is not None:
             sparse.staged = self.staging.stage(step.tables["global"], h.prefill_seqs)
         return sparse
+
+    def _tensor(self, values, dtype: torch.dtype) -> torch.Tensor:
+        return upload(values, dtype, self.device)
 
     def run(self, layer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx, sparse) -> torch.Tensor:
         if sparse is None:  # no row of the step reaches dense_threshold
