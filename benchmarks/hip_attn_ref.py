@@ -52,6 +52,14 @@ class _Inert:
         return iter(())
 
 
+def _stub_attr(attr: str):
+    # Dunder lookups must fail as on a real module: inspect.getmodule (torch.library, reached via
+    # transformers -> torchvision on the GPU machine) reads every module's __file__ as a path.
+    if attr.startswith("__"):
+        raise AttributeError(attr)
+    return _Inert()
+
+
 def _stub_module(name: str) -> None:
     if name in sys.modules:
         return
@@ -61,7 +69,7 @@ def _stub_module(name: str) -> None:
     except Exception:  # noqa: BLE001 - missing or broken (e.g. numba.cuda without CUDA): stand in
         pass
     mod = types.ModuleType(name)
-    mod.__getattr__ = lambda attr: _Inert()  # type: ignore[attr-defined]
+    mod.__getattr__ = _stub_attr  # type: ignore[attr-defined]
     mod.__all__ = []
     sys.modules[name] = mod
     parent, _, child = name.rpartition(".")
