@@ -7,10 +7,12 @@
 # and carried by the calls as stage_qwen.sh says (the last call adds .whl/hip_attn-1.2.9-py3-none-any.whl).
 # RULER runs one process per (column, length), so a step cut at the deadline loses only its own
 # JSON. Everything comes back as $OUT/issue32.tar.gz (at most 8 files come back) + the tables.
-#   bash benchmarks/gpu_issue32.sh [DEADLINE_S=540]
+#   bash benchmarks/gpu_issue32.sh [ruler-parity|td-sweep] [DEADLINE_S=540]
+# td-sweep: the UniPrefill knobs that might close the gap to dense (p, later drop layers, finer
+# blocks, drop point), every column at once per length, dense beside them.
 set -o pipefail
 OUT=${OUT:-/tmp/infhip-out}; mkdir -p "$OUT"
-DEADLINE=${1:-540}
+MODE=${1:-ruler-parity}; DEADLINE=${2:-540}
 W=/tmp/issue32; mkdir -p $W engines
 trap 'tar -czf $OUT/issue32.tar.gz -C $W .' EXIT
 export PYTHONUNBUFFERED=1
@@ -36,18 +38,37 @@ ruler() {  # ruler NAME LENGTH [--token-drop SPEC]
     --lengths $2 --samples 5 --json $W/ruler_$1_$2.json --markdown $W/ruler_$1_$2.md > $W/ruler_$1_$2.log 2>&1 \
     || echo "ruler $1 $2 exited $? at ${SECONDS}s" >> $W/cut.txt
 }
-(for L in 8k 16k 32k; do
-   ruler dense $L & ruler td_default $L --token-drop $TD & ruler td_old $L --token-drop $OLD & wait
-   echo "ruler $L done at ${SECONDS}s"
- done) &
-
-sleep 5
 parity() {  # parity LENGTH
   timeout $(left) python3 benchmarks/parity_infinitehip.py --hip-attn /tmp/hip-attn-1.2.9 --lengths $1 \
     --prompts niah_single_2:0,niah_single_2:1,passkey:0.5 --template chat --layers all --query-blocks 4 \
     --ref-per-head --out $W > $W/parity_$1.log 2>&1 || echo "parity $1 exited $? at ${SECONDS}s" >> $W/cut.txt
   echo "parity $1 done at ${SECONDS}s"
 }
+if [ "$MODE" = td-sweep ]; then
+  parity 32768 &  # hip-attn parity at 32K beside the sweep
+  declare -A COLS=([dense]="" [p995]="p=0.995,min_prompt_len=4096" [p999]="p=0.999,min_prompt_len=4096"
+    [late4]="$TD,drop_layers=11:14:17:20" [late2]="$TD,drop_layers=17:20" [block16]="$TD,block_size=16"
+    [before]="$TD,drop_point=before_attention")
+  for L in 8k 16k 32k; do
+    for c in "${!COLS[@]}"; do
+      if [ -z "${COLS[$c]}" ]; then ruler $c $L & else ruler $c $L --token-drop "${COLS[$c]}" & fi
+    done
+    wait $(jobs -p | tail -n ${#COLS[@]}); echo "sweep $L done at ${SECONDS}s"
+  done
+  wait; cat $W/cut.txt 2>/dev/null
+  for f in $W/ruler_*.md; do  # one line per column and length: mean over the 9 tasks, retention
+    echo "$(basename $f .md) $(grep -E 'mean|retention' $f | awk -F'|' '{printf "%s ", $4}')"
+  done
+  for f in $W/ruler_*.md; do echo "== $(basename $f)"; tail -n 12 $f; done
+  grep -v -E "Warn|it/s]" $W/parity_32768.log | tail -n 40
+  exit 0
+fi
+(for L in 8k 16k 32k; do
+   ruler dense $L & ruler td_default $L --token-drop $TD & ruler td_old $L --token-drop $OLD & wait
+   echo "ruler $L done at ${SECONDS}s"
+ done) &
+
+sleep 5
 parity 32768
 parity 131072
 wait
