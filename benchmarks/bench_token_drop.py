@@ -47,6 +47,8 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--gemma-layers", type=int, default=None, help="default: all 48 (24 halves the time)")
     p.add_argument("--spare-anchors", default="0", help="spare_anchors values to time each rho with (e.g. 0,1: the "
                    "first anchor keeps every token, the quality remedy of docs/quality.md)")
+    p.add_argument("--drop-layers", default="auto", help="drop_layers schedules to time each rho with, comma-"
+                   "separated (each 'auto', 'every' or layers joined by ':', e.g. auto,15:19:23:27)")
     p.add_argument("--reps", type=int, default=2, help="best of this many runs below 128K")
     p.add_argument("--dry-run", action="store_true", help="print the plan and exit (no GPU needed)")
     return p
@@ -65,6 +67,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.spare_anchors = [int(x) for x in args.spare_anchors.split(",") if x.strip()]
     if not args.spare_anchors or any(n < 0 for n in args.spare_anchors):
         raise SystemExit(f"bench_token_drop: --spare-anchors takes anchor counts >= 0, got {args.spare_anchors}")
+    args.drop_layers = [x.strip() for x in args.drop_layers.split(",") if x.strip()] or ["auto"]
     return args
 
 
@@ -122,11 +125,12 @@ def run_model(args, model: str, res: dict) -> None:
         "num_layers": num_layers, "drop_layers": sorted(llm.runner.drop_at),
         "truncated": layers_of(args, model) is not None, "chunk": cfg.build.max_num_batched_tokens,
         "setup_s": time.perf_counter() - t0, "runs": []})
-    print(f"{model}: {num_layers} layers ({len(info['anchors'])} anchors), built+loaded in "
+    print(f"{model}: {num_layers} layers (drop layers {info['drop_layers']}), built+loaded in "
           f"{info['setup_s']:.0f} s{' — TRUNCATED' if info['truncated'] else ''}", flush=True)
     vocab = cfg.model.vocab_size
-    configs = [("dense", None, None)] + [(name, TokenDropConfig(min_prompt_len=0, spare_anchors=n), r)
-                                         for name, r, n in drop_configs(args)]
+    configs = [("dense", None, None)] + [
+        (name, TokenDropConfig(min_prompt_len=0, spare_anchors=n, drop_layers=d), r)
+        for name, r, n, d in drop_configs(args)]
     warm = [(i * 7919) % (vocab - 10) + 10 for i in range(4096)]
     for _, td, rho in configs:  # compile the Triton kernels of every path once
         llm.runner.set_token_drop(td)
@@ -152,10 +156,10 @@ def run_model(args, model: str, res: dict) -> None:
     torch.cuda.empty_cache()
 
 
-def drop_configs(args) -> list[tuple[str, float, int]]:
-    """(name, retention, spare_anchors) of every token-drop run."""
-    return [(f"rho={r:g}" + (f" spare_anchors={n}" if n else ""), r, n) for n in args.spare_anchors
-            for r in args.retention]
+def drop_configs(args) -> list[tuple[str, float, int, str]]:
+    """(name, retention, spare_anchors, drop_layers) of every token-drop run."""
+    return [(f"rho={r:g}" + (f" spare_anchors={n}" if n else "") + (f" layers={d}" if d != "auto" else ""), r, n, d)
+            for d in args.drop_layers for n in args.spare_anchors for r in args.retention]
 
 
 def table(res: dict, names: list[str]) -> str:
@@ -171,7 +175,7 @@ def table(res: dict, names: list[str]) -> str:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    names = [name for name, _, _ in drop_configs(args)]
+    names = [name for name, *_ in drop_configs(args)]
     plan = [(m, layers_of(args, m) or "all", args.lengths, ["dense"] + names) for m in args.models]
     if args.dry_run:
         for m, layers, lengths, configs in plan:

@@ -52,6 +52,14 @@ class _Inert:
         return iter(())
 
 
+def _stub_attr(attr: str):
+    # Dunder lookups must fail as on a real module: inspect.getmodule (torch.library, reached via
+    # transformers -> torchvision on the GPU machine) reads every module's __file__ as a path.
+    if attr.startswith("__"):
+        raise AttributeError(attr)
+    return _Inert()
+
+
 def _stub_module(name: str) -> None:
     if name in sys.modules:
         return
@@ -61,7 +69,7 @@ def _stub_module(name: str) -> None:
     except Exception:  # noqa: BLE001 - missing or broken (e.g. numba.cuda without CUDA): stand in
         pass
     mod = types.ModuleType(name)
-    mod.__getattr__ = lambda attr: _Inert()  # type: ignore[attr-defined]
+    mod.__getattr__ = _stub_attr  # type: ignore[attr-defined]
     mod.__all__ = []
     sys.modules[name] = mod
     parent, _, child = name.rpartition(".")
@@ -223,10 +231,14 @@ def reference_mask(hip: HipAttn, q: torch.Tensor, k: torch.Tensor, layer: int, n
     k_cache[:T, 0] = k
     q = (q * scale).to(q.dtype)  # forward_paged_hip passes query * sm_scale
     positions = torch.arange(T, device=q.device)[None]
+    # On CUDA their keys go in contiguous (k, v arguments): Triton 3.6 refuses to compile the paged
+    # branch of compute_scores_landmark.py:260 ("mask type matches ptr type"); the interpreter runs
+    # both, and on the CPU the paged branch is the one checked against ours.
+    paged = q.device.type != "cuda"
+    cache = dict(k_cache=k_cache, v_cache=k_cache, block_table=torch.arange(padded, device=q.device)[None],
+                 cache_seq_lens=torch.tensor([T], device=q.device)) if paged else {}
     args = hip.metadata.HiPAttentionArgs(
-        k_cache=k_cache, v_cache=k_cache,
-        block_table=torch.arange(padded, device=q.device)[None],
-        cache_seq_lens=torch.tensor([T], device=q.device),
+        **cache,
         position_ids=positions[:, T - num_queries:],
         query_for_landmark=q[None].contiguous(),
         position_ids_for_landmark=positions,
@@ -262,7 +274,8 @@ def reference_mask(hip: HipAttn, q: torch.Tensor, k: torch.Tensor, layer: int, n
     hip.module.get_block_sparse_backend = lambda *a, **kw: record_bsa
     try:
         with _cpu_cuda_calls(), torch.no_grad():
-            hip.module.dual_stage_quadratic_hip_attention(q[None, T - num_queries:].contiguous(), None, None, args)
+            kv = (None, None) if paged else (k[None], k[None])  # [1, T, Hkv, D]; v is never read for the mask
+            hip.module.dual_stage_quadratic_hip_attention(q[None, T - num_queries:].contiguous(), *kv, args)
     finally:
         hip.module.get_block_sparse_backend = saved
     a = seen["args"]

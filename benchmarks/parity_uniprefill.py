@@ -3,7 +3,7 @@
     python benchmarks/parity_uniprefill.py --peer /path/to/UniPrefill --engine engines/q05-dense \
         --tasks niah_single_2,niah_multikey_1 --length 8192 --samples 0 \
         --column dense --column "ours-old=p=0.99,min_prompt_len=0,drop_layers=every,drop_point=before_attention,reenter=true" \
-        --column "ours-authors=p=0.99,min_prompt_len=0,drop_layers=auto" --column authors --json out.json
+        --column "ours-authors=p=0.99,min_prompt_len=0,drop_layers=5:8:11:14:17:20" --column authors --json out.json
 
 Columns (any subset, each run on every prompt):
 
@@ -228,7 +228,7 @@ def main() -> None:
     ap.add_argument("--template", default="chat")
     ap.add_argument("--column", action="append", default=[], help="dense | authors | NAME=token-drop knobs (repeat)")
     ap.add_argument("--authors-layers", default="auto", help="drop layers of the authors column: comma list, or "
-                    "auto = TokenDropConfig's default rule for this model")
+                    "auto = the authors' Llama-3.1-8B list as a depth rule (knobs.AUTHORS_LLAMA_EIGHTHS)")
     ap.add_argument("--p", type=float, default=0.99, help="the authors column's top-p")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--json", type=Path, help="write the records here (rewritten after every cell)")
@@ -240,7 +240,7 @@ def main() -> None:
     from infhip import LLM
     from infhip.eval.ruler_prompts import ruler_prompt
     from infhip.knob_specs import parse_token_drop_knobs
-    from infhip.knobs import default_drop_layers
+    from infhip.knobs import AUTHORS_LLAMA_EIGHTHS, default_drop_layers
     from infhip.runtime.engine import load_tokenizer
     from infhip.config import EngineConfig
 
@@ -248,7 +248,7 @@ def main() -> None:
     plan = EngineConfig.load(args.engine).plan
     num_layers = len(plan.layers)
     full = [lp.index for lp in plan.layers if lp.window is None]
-    authors_layers = (list(default_drop_layers(full, num_layers)) if args.authors_layers == "auto"
+    authors_layers = (list(default_drop_layers(full, num_layers, AUTHORS_LLAMA_EIGHTHS)) if args.authors_layers == "auto"
                       else [int(x) for x in args.authors_layers.split(",") if x.strip()])
 
     from infhip.config import TokenDropConfig

@@ -33,7 +33,7 @@ from infhip.config import DTYPES, KV_DTYPES, WEIGHT_DTYPES, BuildConfig, EngineC
 from infhip.builder.checkpoint import GGUFCheckpoint, HFDirCheckpoint
 from infhip.builder.convert import convert_weights, random_weights, unused_tensors, weight_specs
 from infhip.builder.errors import BuildError
-from infhip.builder.hf_config import model_config_from_hf
+from infhip.builder.hf_config import model_config_from_hf, with_rope_scaling
 from infhip.builder.output_dir import (TMP_LOCK, check_apart, check_output, dir_size, install_dir, lock_tmp,
                                        remove_leftovers, umask)
 from infhip.builder.presets import PRESETS, make_plan
@@ -115,6 +115,7 @@ def build_engine(
     weight_dtype: str = "bf16",
     quantize_lm_head: bool = False,
     tp: int = 1,
+    rope_scaling: str | None = None,
 ) -> Path:
     """Build an engine from ``source`` (a checkpoint path, a model alias or a cached HF repo id;
     or say which with ``checkpoint=PATH`` / ``model=NAME``, as the CLI does) into ``output_dir``
@@ -131,7 +132,8 @@ def build_engine(
     layers' weights in float8_e4m3fn with per-output-channel scales (plugins/fp8_linear.py), the
     LM head too with ``quantize_lm_head``; "bf16" (default) keeps them in ``dtype``. ``tp`` > 1
     writes a tensor-parallel engine: the weights cut into ``rank0..rank{tp-1}.safetensors``
-    (builder/shard.py), the kernels compiled for one rank's shapes."""
+    (builder/shard.py), the kernels compiled for one rank's shapes. ``rope_scaling`` ("yarn:4",
+    "linear:2") scales RoPE as a model card's long-context recipe does (hf_config.with_rope_scaling)."""
     given = [x for x in (source, checkpoint, model) if x is not None]
     if len(given) != 1 or output_dir is None:
         raise TypeError("build_engine needs output_dir and exactly one of source, checkpoint=, model=")
@@ -172,7 +174,11 @@ def build_engine(
             raise BuildError(src.weights_hint or f"{src.path} holds no weights; pass --random-weights "
                              "to build a random-weight engine of its shape")
         where = str(src.path / "config.json") if src.path.is_dir() else str(src.path)
-        mcfg, inv_freqs = model_config_from_hf(ckpt.config, where)
+        hf = ckpt.config
+        if rope_scaling is not None:
+            hf, note = with_rope_scaling(hf, rope_scaling, where)
+            warnings.append(note)
+        mcfg, inv_freqs = model_config_from_hf(hf, where)
         t = lap("read_config", t)
         _check_tp(mcfg, tp, preset)
 

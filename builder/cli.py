@@ -62,6 +62,9 @@ def make_parser() -> argparse.ArgumentParser:
                         "the defaults, or key=value,... with the knobs' names (p, obs_window, block_size, "
                         "num_sink, min_prompt_len, drop_layers, drop_point, reenter, spare_anchors; e.g. "
                         "p=0.98,block_size=32 or drop_layers=5:8:11); composes with --preset")
+    p.add_argument("--rope-scaling", default=None, metavar="TYPE:FACTOR",
+                   help="scale RoPE as a model card's long-context recipe does: yarn:4 (Qwen2.5's recipe for "
+                        "128K) or linear:F; the trained window becomes FACTOR times the checkpoint's")
     p.add_argument("--dtype", default="bfloat16", choices=DTYPES, help="weight dtype (default bfloat16)")
     p.add_argument("--kv-dtype", choices=KV_DTYPES,
                    help="KV-cache dtype: --dtype (the default) or fp8 (e4m3 with a scale per token and kv "
@@ -137,7 +140,8 @@ def main(argv: list[str] | None = None) -> int:
             max_num_batched_tokens=args.max_num_batched_tokens, device=args.device,
             random_weights=args.random_weights, seed=args.seed, force=args.force, progress=not args.quiet,
             token_drop=token_drop, infinitehip_overrides=infinitehip, target=args.target,
-            weight_dtype=args.weight_dtype, quantize_lm_head=args.quantize_lm_head, tp=args.tp)
+            weight_dtype=args.weight_dtype, quantize_lm_head=args.quantize_lm_head, tp=args.tp,
+            rope_scaling=args.rope_scaling)
     except BuildError as e:
         print(f"infhip-build: error: {e}", file=sys.stderr)
         return 1

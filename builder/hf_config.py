@@ -141,6 +141,49 @@ def _eos_ids(value) -> tuple[int, ...]:
     return tuple(int(x) for x in value)
 
 
+ROPE_SCALING_TYPES = ("linear", "yarn")
+
+
+def with_rope_scaling(d: dict[str, Any], spec: str, where: str = "config.json") -> tuple[dict[str, Any], str]:
+    """A copy of HF config ``d`` with ``--rope-scaling TYPE:FACTOR`` applied, as a model card's
+    long-context recipe edits config.json (Qwen2.5: ``{"type": "yarn", "factor": 4.0,
+    "original_max_position_embeddings": 32768}``); and the build-report note. The trained window
+    becomes ``factor`` times the checkpoint's, so the engine treats the scaled length as inside
+    its window (dense + YaRN is the baseline past the window). BuildError on a bad spec, a
+    checkpoint that already scales RoPE, or Gemma-3 (RoPE per layer type)."""
+    kind, _, factor_s = spec.partition(":")
+    kind = kind.strip().lower()
+    try:
+        factor = float(factor_s)
+    except ValueError:
+        factor = float("nan")
+    if kind not in ROPE_SCALING_TYPES or not factor > 1.0:
+        raise BuildError(f"--rope-scaling takes TYPE:FACTOR with TYPE one of {', '.join(ROPE_SCALING_TYPES)} "
+                         f"and FACTOR > 1 (e.g. yarn:4), got {spec!r}")
+    if str(d.get("model_type", "")).startswith("gemma3"):
+        raise BuildError(f"{where}: --rope-scaling is not supported for Gemma-3 (its RoPE differs per layer "
+                         "type); set rope_scaling for its global layers in config.json instead")
+    have = d.get("rope_scaling") or {k: v for k, v in (d.get("rope_parameters") or {}).items()
+                                     if k in ("rope_type", "type") and v != "default"}
+    if have:
+        raise BuildError(f"{where}: the checkpoint already scales RoPE ({have}); --rope-scaling would replace "
+                         "its recipe: edit config.json instead")
+    original = int(d.get("max_position_embeddings") or 0)
+    if original <= 0:
+        raise BuildError(f"{where}: --rope-scaling needs max_position_embeddings in the config")
+    recipe = {"rope_type": kind, "factor": factor}
+    if kind == "yarn":
+        recipe["original_max_position_embeddings"] = original
+    out = dict(d)
+    if isinstance(d.get("rope_parameters"), dict):  # a transformers-5 config: rope_theta lives there
+        out["rope_parameters"] = {**d["rope_parameters"], **recipe}
+    else:
+        out["rope_scaling"] = recipe
+    out["max_position_embeddings"] = int(round(original * factor))
+    return out, (f"RoPE scaled by --rope-scaling {kind}:{factor:g}: trained window {original} -> "
+                 f"{out['max_position_embeddings']} tokens")
+
+
 def model_config_from_hf(d: dict[str, Any], where: str = "config.json") -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     """Normalised ModelConfig and ``{layer_type: inv_freq [head_dim // 2] float32}`` of a HF config dict."""
     cfg = hf_config_object(d, where)
