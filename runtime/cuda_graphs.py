@@ -17,10 +17,11 @@ attention backend's key); GraphKey() is the dense graph sized for max_seq_len:
   graph reads from them (``graph_state``, ``graph_meta``). E.g. InfiniteHiP's key is the refresh
   pattern, the candidate capacity and the RoPE mode; its per-step row, each row's mask-cache
   slot (padding rows point at the scratch slot, which nothing reads).
-- Decode steps of requests with a UniPrefill drop history (full-attention layers hold only
-  their kept keys, runtime/token_drop.py): each global layer's context lengths and compact KV
-  slots are computed inside the graph from the per-layer dropped counts, which travel with the
-  other per-step rows.
+- Decode steps whose step transforms shift per-layer KV (runtime/step_transform.py kv_shift:
+  e.g. requests with a UniPrefill drop history, whose full-attention layers hold only their
+  kept keys): each global layer's context lengths and compact KV slots are computed inside the
+  graph from the per-layer shifts, which travel with the other per-step rows; the transform
+  wraps them in its step object (graph_step).
 - Short contexts: the dense decode kernel's split count is fixed at capture from the
   block-table width (max_seq_len), which for a few hundred tokens means dozens of idle splits
   and a merge kernel. Decode steps whose contexts are all <= a bucket of DECODE_LEN_BUCKETS
@@ -56,7 +57,8 @@ class GraphKey:
 
     # (name, key) of each attention backend with rows in the step, in registration order
     backends: tuple[tuple[str, Hashable], ...] = ()
-    layer_kv: bool = False  # some request has a drop history (per-layer KV lengths in the graph)
+    # the transform whose per-layer KV shifts (kv_shift) the graph computes, None: no shift
+    layer_kv: str | None = None
     len_bucket: int | None = None  # dense rows all <= this bucket (fewer decode splits)
 
     def of(self, name: str):
@@ -90,7 +92,7 @@ class DecodeGraphs:
         # The inputs of up to max_steps decode steps travel in one pinned int64 block, one
         # host-to-device copy: per step, rows = input_ids, positions, context_lens, each
         # backend's graph_rows, one KV slot row per group, then per full-attention layer the
-        # tokens it dropped (UniPrefill drop histories). Before each replay the step's rows are
+        # keys it lacks (a transform's kv_shift). Before each replay the step's rows are
         # copied (on the device) into `rows`, which the graphs read.
         self.global_layers = list(runner.global_layers) if "global" in self.groups else []
         self.backend_rows: dict[str, slice] = {}
@@ -99,8 +101,8 @@ class DecodeGraphs:
             self.backend_rows[name] = slice(row, row + len(backend.graph_rows))
             row += len(backend.graph_rows)
         self.slot_row = row
-        self.drop_row = self.slot_row + len(self.groups)
-        num_rows = self.drop_row + len(self.global_layers)
+        self.shift_row = self.slot_row + len(self.groups)
+        num_rows = self.shift_row + len(self.global_layers)
         self.host_steps = torch.zeros((max_steps, num_rows, max_bs), dtype=torch.int64).pin_memory()
         self.host_steps_np = self.host_steps.numpy()
         self.steps = torch.zeros_like(self.host_steps, device=dev)
@@ -139,8 +141,8 @@ class DecodeGraphs:
         for name, backend in self.runner.backends.items():
             for r, pad in zip(range(self.backend_rows[name].start, self.backend_rows[name].stop), backend.graph_rows):
                 rows[r] = pad
-        rows[self.slot_row:self.drop_row] = -1
-        rows[self.drop_row:] = 0
+        rows[self.slot_row:self.shift_row] = -1
+        rows[self.shift_row:] = 0
 
     def _context(self, bs: int, key: GraphKey) -> ForwardContext:
         """The forward context a graph of (bs, key) captures: views of the static buffers."""
@@ -149,22 +151,24 @@ class DecodeGraphs:
             cu_seqlens_q=self.cu_seqlens_q[:bs + 1], num_decodes=bs,
             groups={g: KVGroupMetadata(self.slots[g][:bs], self.tables[g][:bs]) for g in self.slots},
             cu_seqlens_q_list=list(range(bs + 1)), context_lens_list=[0] * bs,
-            layer_kv=LayerKV(rows={l: i for i, l in enumerate(self.global_layers)},
-                             slot_mapping=self.layer_slots[:, :bs], context_lens=self.layer_ctx[:, :bs],
-                             context_lens_list=[[0] * bs] * len(self.global_layers)) if key.layer_kv else None,
             decode_len_bound=key.len_bucket or self.runner.table_tokens)
         backends = self.runner.backends
         ctx.meta = {name: backends[name].graph_meta(k, bs, self.states[name], ctx) for name, k in key.backends}
+        if key.layer_kv is not None:
+            layer_kv = LayerKV(rows={l: i for i, l in enumerate(self.global_layers)},
+                               slot_mapping=self.layer_slots[:, :bs], context_lens=self.layer_ctx[:, :bs],
+                               context_lens_list=[[0] * bs] * len(self.global_layers))
+            ctx.transforms = {key.layer_kv: self.runner.transforms[key.layer_kv].graph_step(layer_kv)}
         return ctx
 
-    def _forward(self, bs: int, layer_kv: bool = False) -> torch.Tensor:
+    def _forward(self, bs: int, layer_kv: str | None = None) -> torch.Tensor:
         self.context_lens[:bs].copy_(self.rows[2, :bs])
-        if layer_kv:  # each global layer's compact slots and lengths (padding rows write nothing)
-            dropped = self.rows[self.drop_row:, :bs]  # [Lg, bs]
-            slots = compact_slots(self.positions[:bs], self.arange[:bs], dropped,
+        if layer_kv is not None:  # each global layer's compact slots and lengths (padding rows write nothing)
+            shift = self.rows[self.shift_row:, :bs]  # [Lg, bs]
+            slots = compact_slots(self.positions[:bs], self.arange[:bs], shift,
                                   self.tables["global"][:bs].long(), self.runner.page_size)
             self.layer_slots[:, :bs].copy_(torch.where(self.slots["global"][None, :bs] < 0, -1, slots))
-            self.layer_ctx[:, :bs].copy_(self.rows[2, :bs][None, :] - dropped)
+            self.layer_ctx[:, :bs].copy_(self.rows[2, :bs][None, :] - shift)
         model = self.runner.model
         return model.compute_logits(model(self.input_ids[:bs]))
 
@@ -221,10 +225,10 @@ class DecodeGraphs:
         them. All are captured at load, none on the request path."""
         runner = self.runner
         buckets = [b for b in DECODE_LEN_BUCKETS if b < runner.table_tokens]
-        drops = runner.token_drop is not None and self.supports_layer_kv
+        shifts = [name for name, t in runner.transforms.items() if t.shifts_kv] if self.supports_layer_kv else []
         keys = [GraphKey()] + [GraphKey(len_bucket=b) for b in buckets]
-        if drops:
-            keys += [GraphKey(layer_kv=True, len_bucket=b) for b in buckets + [None]]
+        for name in shifts:
+            keys += [GraphKey(layer_kv=name, len_bucket=b) for b in buckets + [None]]
         names = list(runner.backends)
         with_drops = {name: set(runner.backends[name].graph_keys(layer_kv=True)) for name in names}
         for combo in itertools.product(*([None] + runner.backends[n].graph_keys() for n in names)):
@@ -232,8 +236,8 @@ class DecodeGraphs:
                 continue
             backends = tuple((n, k) for n, k in zip(names, combo) if k is not None)
             keys.append(GraphKey(backends=backends))
-            if drops and all(k in with_drops[n] for n, k in backends):
-                keys.append(GraphKey(backends=backends, layer_kv=True))
+            if all(k in with_drops[n] for n, k in backends):
+                keys += [GraphKey(backends=backends, layer_kv=name) for name in shifts]
         return keys
 
     def capture_planned(self) -> None:
@@ -249,16 +253,23 @@ class DecodeGraphs:
         (per-layer KV lengths computed in the graph)."""
         if p.num_decodes != num_seqs or num_seqs > self.sizes[-1]:
             return False
-        if p.layer_dropped is not None and not self.supports_layer_kv:
+        if self._shift(p)[0] is not None and not self.supports_layer_kv:
             return False
         backends = self.runner.backends
         return all(backends[name].graph_key(h) is not None for name, h in p.backends.items())
+
+    def _shift(self, p) -> tuple[str | None, list[list[int]] | None]:
+        """(the transform, [global layer][b] keys each layer lacks) of StepPlan p's per-layer KV
+        shift (a transform's kv_shift), or (None, None)."""
+        transforms = self.runner.transforms
+        return next(((name, s) for name, h in p.transforms.items() if (s := transforms[name].kv_shift(h)) is not None),
+                    (None, None))
 
     def key_of(self, p) -> GraphKey:
         """The key of the graph StepPlan p replays."""
         backends = self.runner.backends
         return GraphKey(backends=tuple((name, backends[name].graph_key(h)) for name, h in p.backends.items()),
-                        layer_kv=p.layer_dropped is not None, len_bucket=step_len_bucket(p, self.runner.table_tokens))
+                        layer_kv=self._shift(p)[0], len_bucket=step_len_bucket(p, self.runner.table_tokens))
 
     def load(self, plans: list) -> int:
         """Stage the host-planned inputs of len(plans) consecutive decode steps of one batch (step
@@ -274,10 +285,8 @@ class DecodeGraphs:
                 self.runner.backends[name].graph_fill(h, rows[self.backend_rows[name]])
             for i, g in enumerate(self.groups):
                 rows[self.slot_row + i, :n] = p.slots[g]
-            if p.layer_dropped is not None:
-                rows[self.drop_row:, :n] = p.layer_dropped
-            else:
-                rows[self.drop_row:, :n] = 0
+            shift = self._shift(p)[1]
+            rows[self.shift_row:, :n] = shift if shift is not None else 0
             self._pad_rows(rows[:, n:bs])
         k = len(plans)
         # Whole contiguous blocks (a few KB): a strided pinned copy could be staged through pageable memory.

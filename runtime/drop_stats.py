@@ -21,7 +21,7 @@ class DropStats:
         self.retention: dict[int, dict[int, list[int]]] = {}  # seq_id -> {layer: [kept, total]}
 
     def record(self, seqs: list, td: TokenDropStep, num_layers: int) -> None:
-        """seqs: the step's sequences in batch order; td: the step's drop state."""
+        """seqs: the step's sequences in batch order; td: the step's drop state (TokenDropStep)."""
         for d in td.drops:
             seq = seqs[d.b]
             if seq.dropped is None:

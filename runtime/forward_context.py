@@ -5,8 +5,8 @@ about the step — where to write K/V, which pages to read, how long each sequen
 once per step on the host (`ModelRunner.prepare` -> `ModelRunner._context`, or `DecodeGraphs`
 for a graph's static buffers) and read here by each layer: the common fields below, plus each
 attention backend's own device meta under its name (``meta``). The context also picks each
-layer's attention backend (runtime/attention/): the layer's own or, in a step that drops tokens,
-token drop's (runtime/token_drop.py) for the layers it handles.
+layer's attention backend (runtime/attention/): the layer's own, or a step transform's
+(runtime/step_transform.py, e.g. token drop) for the layers it handles.
 
 Token layout of a step (packed, variable length): the rows of the B_dec decode sequences come
 first (one query row each), then the prefill chunks of the other sequences, back to back.
@@ -17,12 +17,9 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
-
-if TYPE_CHECKING:
-    from infhip.runtime.token_drop import TokenDropStep
 
 
 @dataclass
@@ -46,36 +43,33 @@ class ForwardContext:
     # backend name -> its device meta of the step (runtime/attention/backend.py upload /
     # graph_meta); a backend with no row in the step has none.
     meta: dict[str, Any] = dataclasses.field(default_factory=dict)
-    # The step's transform (UniPrefill token drop, runtime/token_drop.py: it routes rows through
-    # the layer loop and runs the layers it handles); None when no chunk drops.
-    transform: TokenDropStep | None = None
-    # Per-layer KV of global layers, for steps with a sequence whose drop history makes a layer
-    # hold fewer tokens than its positions; None otherwise (the shared metadata above is exact).
-    layer_kv: LayerKV | None = None
+    # transform name -> its TransformStep of the step (runtime/step_transform.py): it may route
+    # rows through the layer loop, run the layers it handles and give layers their own view
+    # (layer_view); a transform that leaves the step untouched has none.
+    transforms: dict[str, Any] = dataclasses.field(default_factory=dict)
     # A bound on the decode rows' context lengths that sizes the decode kernel's split count
     # (cuda_graphs.decode_len_bound: eager steps and graphs use the same). None: the table width.
     decode_len_bound: int | None = None
-    # In a layer's view (for_layer) of a step with drop histories: int32 [B] tokens that layer
-    # lacks of each sequence (its key ranges end that much earlier); None: it holds them all.
-    dropped: torch.Tensor | None = None
+    # In a layer's view (for_layer) whose KV a transform compacted: int32 [B] keys that layer's
+    # cache lacks of each sequence (its key ranges end that much earlier); None: it holds them all.
+    key_shift: torch.Tensor | None = None
 
     def for_layer(self, layer: int, group: str) -> "ForwardContext":
-        """The context as layer `layer` of KV group `group` sees it: its own context lengths and
-        slots when it holds a compacted KV (LayerKV, after token drop), else this context."""
-        lk = self.layer_kv
-        if lk is None or layer not in lk.rows:
-            return self
-        r = lk.rows[layer]
-        groups = dict(self.groups)
-        groups[group] = KVGroupMetadata(lk.slot_mapping[r], self.groups[group].block_tables)
-        return dataclasses.replace(self, context_lens=lk.context_lens[r], context_lens_list=lk.context_lens_list[r],
-                                   groups=groups, dropped=self.context_lens - lk.context_lens[r])
+        """The context as layer `layer` of KV group `group` sees it: each transform's view
+        (its own context lengths and slots when it holds a compacted KV), else this context."""
+        ctx = self
+        for step in self.transforms.values():
+            ctx = step.layer_view(ctx, layer, group)
+        return ctx
 
     def backend_for(self, attn):
-        """The backend that runs layer `attn` this step: token drop's at the layers a dropping
-        step hands it, else the layer's own (runtime/attention/)."""
-        tf = self.transform
-        return tf if tf is not None and tf.handles_layer(attn.layer_index) else attn.backend
+        """The backend that runs layer `attn` this step: a transform's at the layers it handles
+        this step, else the layer's own (runtime/attention/)."""
+        for step in self.transforms.values():
+            backend = step.backend_for(attn.layer_index)
+            if backend is not None:
+                return backend
+        return attn.backend
 
     def run_attention(self, attn, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Layer ``attn``'s attention of the step: its backend's run with the backend's meta."""
@@ -95,16 +89,16 @@ class LayerKV:
     context_lens_list: list[list[int]]  # host copy [Lg][B]
 
     @classmethod
-    def of_step(cls, p, global_layers: list[int], tables: torch.Tensor, page_size: int,
+    def of_step(cls, p, shift: list[list[int]], global_layers: list[int], tables: torch.Tensor, page_size: int,
                 device: torch.device) -> "LayerKV":
-        """The LayerKV of StepPlan p (with drop histories p.layer_dropped [Lg][B]); tables: the
-        global group's block tables on the device. The token at position q of sequence b goes
-        to compact slot q - dropped[l][b] of b's table."""
-        dropped = upload(p.layer_dropped, torch.int64, device)  # [Lg, B]
+        """The LayerKV of StepPlan p whose global layers lack shift [Lg][B] keys of each
+        sequence; tables: the global group's block tables on the device. The token at position q
+        of sequence b goes to compact slot q - shift[l][b] of b's table."""
+        dropped = upload(shift, torch.int64, device)  # [Lg, B]
         lens = torch.tensor(p.cu[1:]) - torch.tensor(p.cu[:-1])
         seq_of_row = upload(torch.repeat_interleave(torch.arange(len(p.ctx_lens)), lens).tolist(), torch.int64, device)
         slots = compact_slots(upload(p.positions, torch.int64, device), seq_of_row, dropped, tables.long(), page_size)
-        ctx_lens = [[c - d for c, d in zip(p.ctx_lens, row)] for row in p.layer_dropped]
+        ctx_lens = [[c - d for c, d in zip(p.ctx_lens, row)] for row in shift]
         return cls(rows={l: i for i, l in enumerate(global_layers)}, slot_mapping=slots,
                    context_lens=upload(ctx_lens, torch.int32, device), context_lens_list=ctx_lens)
 

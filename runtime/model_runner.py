@@ -18,20 +18,18 @@ import math
 
 import torch
 
-from infhip.knobs import resolve_drop_layers
 from infhip.runtime import kv_budget
 from infhip.runtime.attention import AttachEnv, AttentionBackend, Limits, backend_class, backends
 from infhip.runtime.cuda_graphs import DecodeGraphs, decode_len_bound
 from infhip.runtime.engine import LoadedEngine
-from infhip.runtime.forward_context import (ForwardContext, KVGroupMetadata, LayerKV, forward_context, upload,
-                                            upload_tables)
+from infhip.runtime.forward_context import ForwardContext, KVGroupMetadata, forward_context, upload, upload_tables
 from infhip.runtime.kv_cache import KVCacheManager
 from infhip.runtime.offload.policy import PageMover
 from infhip.runtime.offload.staging import PrefillStaging
 from infhip.runtime.scheduler import SchedulerOutput
 from infhip.runtime.step_plan import StepPlan
-from infhip.runtime.drop_stats import DropStats
-from infhip.runtime.token_drop import TokenDropStep, drop_histories, keep_tail, plan_drops
+from infhip.runtime.step_transform import StepTransform, TransformStep
+from infhip.runtime.token_drop_transform import TokenDrop
 
 
 class ModelRunner:
@@ -74,15 +72,12 @@ class ModelRunner:
             if knobs is not None:
                 self.set_backend(cls.name, knobs)
 
-        # UniPrefill token drop (runtime/token_drop.py): drops happen at full-attention layers.
-        self.full_layers = frozenset(lp.index for lp in engine.config.plan.layers if lp.window is None)
-        self.global_layers = sorted(self.full_layers)  # the layers that hold compacted KV after a drop
-        self.token_drop = None
+        # Step transforms (runtime/step_transform.py), by name: UniPrefill token drop
+        # (runtime/token_drop_transform.py), present even when off (drop histories stay honoured).
+        drop = TokenDrop(engine.config, [layer.self_attn.window for layer in self.model.layers], self.page_size)
+        self.transforms: dict[str, StepTransform] = {drop.name: drop}
+        self.global_layers = drop.global_layers  # the layers that may hold compacted KV
         self.set_token_drop(engine.config.plan.token_drop)
-        # Benchmarks only (infhip.eval.common.set_forced_retention): keep this share of the blocks
-        # at every anchor instead of top-p; None = top-p (TokenDropConfig.p).
-        self.forced_retention: float | None = None
-        self.drop_stats = DropStats()  # drop histories of the requests, retention per anchor
         self.hidden_out: torch.Tensor | None = None  # execute(hidden_rows=...)'s kept hidden states
 
         if self.device.type == "cuda" and not enforce_eager:
@@ -127,29 +122,49 @@ class ModelRunner:
         newly_on = cfg is not None and self.token_drop is None
         if cfg is not None and self.kv.prefix_caching:  # running requests may hold shared pages and
             self.kv.disable_prefix_caching()  # would now drop over them (docs/design/prefix_caching.md)
-        self.token_drop = cfg
+        limits = [c for b in self.backends.values() if (c := b.max_drop_context(self.engine.config)) is not None]
+        self._drop.configure(cfg, min(limits, default=None))
         if newly_on and self.graphs is not None:
             self.graphs.capture_planned()
-        limits = [c for b in self.backends.values() if (c := b.max_drop_context(self.engine.config)) is not None]
-        self.drop_max_context = min(limits, default=None)
-        windows = [layer.self_attn.window for layer in self.model.layers]
-        self.drop_tail = keep_tail(cfg, windows) if cfg is not None else 0
-        self.drop_at = (frozenset(resolve_drop_layers(cfg, self.global_layers, len(self.model.layers)))
-                        if cfg is not None else frozenset())
+
+    # Token drop's state, read by the engine core (prefix-cache filter), evaluations and tests.
+    @property
+    def _drop(self) -> TokenDrop:
+        return self.transforms[TokenDrop.name]
+
+    @property
+    def token_drop(self):
+        """The TokenDropConfig in force, None: off."""
+        return self._drop.cfg
+
+    @property
+    def drop_max_context(self) -> int | None:
+        return self._drop.max_context
+
+    @property
+    def drop_tail(self) -> int:
+        return self._drop.tail
+
+    @property
+    def drop_at(self) -> frozenset[int]:
+        return self._drop.drop_at
+
+    @property
+    def drop_stats(self):
+        return self._drop.stats
 
     # -- plan: host-side, once per step -------------------------------------------------------
     def prepare(self, out: SchedulerOutput) -> StepPlan:
         p = StepPlan.of_chunks(out.chunks, self.kv, self.groups)
-        drops = (plan_drops(out.chunks, self.token_drop, self.drop_tail, self.drop_max_context)
-                 if self.token_drop else None)
-        p.drops, p.layer_dropped = drops or None, drop_histories(out.chunks, self.global_layers)
-        p.backends = self._plan_backends(p, [ch.seq for ch in out.chunks], dense=bool(drops))
-        p.forced_retention = self.forced_retention
+        hosts = {name: t.plan(p, out.chunks) for name, t in self.transforms.items()}
+        p.transforms = {name: h for name, h in hosts.items() if h is not None}
+        dense = any(self.transforms[name].runs_dense(h) for name, h in p.transforms.items())
+        p.backends = self._plan_backends(p, [ch.seq for ch in out.chunks], dense=dense)
         return p
 
     def _plan_backends(self, p: StepPlan, seqs: list, dense: bool = False) -> dict:
         """Each backend's host meta of step p (those with rows in it); dense=True (a step that
-        drops tokens runs its layers densely): none, and the backends are told (skip)."""
+        transform runs its layers densely): none, and the backends are told (skip)."""
         if dense:
             for b in self.backends.values():
                 b.skip(seqs)
@@ -163,19 +178,17 @@ class ModelRunner:
     # -- run ------------------------------------------------------------------------------------
     def _context(self, p: StepPlan) -> ForwardContext:
         tables = {g: upload_tables(p.tables[g], self.device) for g in self.groups}
-        return ForwardContext(
+        ctx = ForwardContext(
             positions=self._tensor(p.positions, torch.int64),
             context_lens=self._tensor(p.ctx_lens, torch.int32),
             cu_seqlens_q=self._tensor(p.cu, torch.int32),
             num_decodes=p.num_decodes,
             groups={g: KVGroupMetadata(self._tensor(p.slots[g], torch.int64), tables[g]) for g in self.groups},
             cu_seqlens_q_list=p.cu, context_lens_list=p.ctx_lens,
-            meta={name: self.backends[name].upload(h, p) for name, h in p.backends.items()},
-            transform=TokenDropStep(self.token_drop, p.drops, self.full_layers, self.drop_at, self.drop_tail,
-                                     p.forced_retention) if p.drops else None,
-            layer_kv=(LayerKV.of_step(p, self.global_layers, tables["global"], self.page_size, self.device)
-                      if p.layer_dropped is not None else None),
             decode_len_bound=decode_len_bound(p, self.table_tokens) if p.num_decodes else None)
+        ctx.meta = {name: self.backends[name].upload(h, p) for name, h in p.backends.items()}
+        ctx.transforms = {name: self.transforms[name].upload(h, p, ctx) for name, h in p.transforms.items()}
+        return ctx
 
     def _uses_graph(self, p: StepPlan, num_seqs: int) -> bool:
         return self.graphs is not None and self.graphs.replays(p, num_seqs)
@@ -188,28 +201,28 @@ class ModelRunner:
         prefill chunk of 2+ tokens, which never replays a decode graph)."""
         p = self.prepare(out)
         p.hidden_rows = hidden_rows or None
-        logits, drop = self.forward_plan(p)
-        if drop is not None:
-            self.drop_stats.record([ch.seq for ch in out.chunks], drop, len(self.model.layers))
+        logits, steps = self.forward_plan(p)
+        for name, step in steps.items():
+            self.transforms[name].after_step([ch.seq for ch in out.chunks], step)
         self.move_pages(*self.page_mover.plan((ch.seq, ch.end) for ch in out.chunks))
         return logits
 
     @torch.inference_mode()
-    def forward_plan(self, p: StepPlan) -> tuple[torch.Tensor | None, TokenDropStep | None]:
+    def forward_plan(self, p: StepPlan) -> tuple[torch.Tensor | None, dict[str, TransformStep]]:
         """The forward of one planned step, on every TP rank (rank 0 publishes the plan first;
         runtime/distributed/worker.py runs it on the others): (logits as execute returns them,
-        None off rank 0 in eager steps; the step's TokenDropStep or None)."""
+        None off rank 0 in eager steps; the step's transform steps by name, none in a graph)."""
         self.tp.publish("forward_plan", p)
         if self._uses_graph(p, len(p.ctx_lens)):
             bs = self.graphs.load([p])
             # a decode chunk always samples
-            return self.graphs.replay(0, bs, len(p.ctx_lens), key=self.graphs.key_of(p)), None
+            return self.graphs.replay(0, bs, len(p.ctx_lens), key=self.graphs.key_of(p)), {}
         with forward_context(self._context(p)) as ctx:
             hidden = self.model(self._tensor(p.input_ids, torch.int64))
         self.hidden_out = hidden[self._tensor(p.hidden_rows, torch.int64)] if p.hidden_rows else None
         if not self.tp.is_driver:  # the LM head is replicated: only rank 0 needs logits
-            return None, ctx.transform
-        return self.model.compute_logits(hidden[self._tensor(p.logits_rows, torch.int64)]), ctx.transform
+            return None, ctx.transforms
+        return self.model.compute_logits(hidden[self._tensor(p.logits_rows, torch.int64)]), ctx.transforms
 
     @torch.inference_mode()
     def execute_decode_steps(self, out: SchedulerOutput, num_steps: int, sample) -> list[torch.Tensor]:

@@ -1,7 +1,7 @@
 """StepPlan: the host-side inputs of one step, in batch order (decodes first).
 
 ``ModelRunner.prepare`` builds one per step from the scheduler's chunks (``StepPlan.of_chunks``
-the flat lists; the attention backends' and token drop's host decisions on top); a run of back-to-back
+the flat lists; the attention backends' and step transforms' host decisions on top); a run of back-to-back
 decode steps derives the later ones with ``next_decode``. Nothing here touches the device: the
 runner uploads a plan into a ForwardContext (eager) or DecodeGraphs loads it (graph replay).
 """
@@ -12,8 +12,6 @@ import dataclasses
 from dataclasses import dataclass
 
 from typing import Any
-
-from infhip.runtime.token_drop import DropChunk
 
 
 @dataclass
@@ -32,11 +30,9 @@ class StepPlan:
     # backend name -> its host meta of the step (runtime/attention/backend.py plan); a backend
     # with no row in the step has none
     backends: dict[str, Any] = dataclasses.field(default_factory=dict)
-    drops: list[DropChunk] | None = None  # UniPrefill: the chunks that drop tokens this step
-    # Drop histories: [global layer][b] tokens that layer lacks of sequence b's computed ones;
-    # None when no sequence of the step has one (every layer then holds every position).
-    layer_dropped: list[list[int]] | None = None
-    forced_retention: float | None = None  # benchmarks: ModelRunner.forced_retention at planning time
+    # transform name -> its host meta of the step (runtime/step_transform.py plan); a transform
+    # that leaves the step untouched has none. A run of decode steps shares the first's.
+    transforms: dict[str, Any] = dataclasses.field(default_factory=dict)
     hidden_rows: list[int] | None = None  # rows whose hidden states the runner keeps (prompt logprobs)
 
     @property

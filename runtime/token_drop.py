@@ -73,7 +73,9 @@ With InfiniteHiP layers (token-drop prefill, sparse decode):
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 import triton
@@ -81,9 +83,11 @@ import triton
 from infhip.config import TokenDropConfig
 from infhip.plugins.dense_attention import gather_kv
 from infhip.plugins.rope import apply_rope_, write_kv
-from infhip.plugins.token_drop import block_importance, force_retention, top_p_select
+from infhip.plugins.token_drop import block_importance
 from infhip.plugins.token_drop.attention import kept_attention
 from infhip.runtime.attention.dense import DENSE
+from infhip.runtime.forward_context import KVGroupMetadata, LayerKV
+from infhip.runtime.step_transform import TransformStep
 
 
 @dataclass(frozen=True)
@@ -138,19 +142,26 @@ def drop_histories(chunks, global_layers: list[int]) -> list[list[int]] | None:
 
 
 @dataclass
-class TokenDropStep:
-    """The drop state of one forward pass, read by the layers through the forward context.
+class TokenDropStep(TransformStep):
+    """Token drop's object of one forward pass (runtime/step_transform.py), read by the layer
+    loop and the layers through the forward context: the drops of the step's dropping chunks
+    (none in a step that only has drop histories) and the per-layer KV of the sequences with a
+    drop history.
 
     After a drop the batch is compact: rows `idx` (ascending) of the full batch, with their
     positions, slots and per-sequence offsets below. `records` collects, per full-attention
     layer, the tokens of each dropping chunk that wrote its KV and that ran its MLP."""
 
-    cfg: TokenDropConfig
+    cfg: TokenDropConfig | None  # None: token drop off (drop histories only, no drops)
     drops: list[DropChunk]
     full: frozenset[int]  # full-attention layers
     drop_at: frozenset[int]  # the layers that drop (resolve_drop_layers: spared ones left out)
     tail: int
-    forced_retention: float | None = None  # benchmarks: a fixed share of blocks kept instead of top-p
+    # (scores, cu_blocks, cu_ext, p, **kw) -> the selection (TokenDrop.keep_blocks: top-p)
+    keep_blocks: Callable
+    # per-layer context lengths and slots of the full-attention layers (some sequence of the
+    # step has a drop history); None: every layer holds every position
+    layer_kv: LayerKV | None = None
     idx: torch.Tensor | None = None  # [M] int64 kept rows; None = the full batch flows
     saved: torch.Tensor | None = None  # [T, hidden] stream of the rows dropped so far, when dropped
     pending: tuple | None = None  # the drop the current layer chose, applied after its attention
@@ -168,6 +179,22 @@ class TokenDropStep:
     @property
     def after(self) -> bool:
         return self.cfg.drop_point == "after_attention"
+
+    @property
+    def routes(self) -> bool:
+        return bool(self.drops)
+
+    def layer_view(self, ctx, layer: int, group: str):
+        """Layer `layer`'s own context lengths and slots when it holds a compacted KV (LayerKV),
+        its key_shift the tokens it lacks of each sequence; else ctx."""
+        lk = self.layer_kv
+        if lk is None or layer not in lk.rows:
+            return ctx
+        r = lk.rows[layer]
+        groups = dict(ctx.groups)
+        groups[group] = KVGroupMetadata(lk.slot_mapping[r], ctx.groups[group].block_tables)
+        return dataclasses.replace(ctx, context_lens=lk.context_lens[r], context_lens_list=lk.context_lens_list[r],
+                                   groups=groups, key_shift=ctx.context_lens - lk.context_lens[r])
 
     # -- the stream -------------------------------------------------------------------------
     def enter_layer(self, i: int, hidden: torch.Tensor, residual: torch.Tensor | None):
@@ -189,8 +216,8 @@ class TokenDropStep:
         self.kept_pos = {}
         return full, None
 
-    def after_attention(self, hidden: torch.Tensor, residual: torch.Tensor):
-        """At the layer that just chose a drop (`pending`): save the dropped rows' stream and
+    def after_attention(self, i: int, hidden: torch.Tensor, residual: torch.Tensor):
+        """After layer i's attention, at the layer that just chose a drop (`pending`): save the dropped rows' stream and
         continue with the kept rows only. before_attention: `hidden` (the attention output)
         has the kept rows already and the saved stream is the layer's input; after_attention:
         both are narrowed and the saved stream includes the layer's attention."""
@@ -213,9 +240,13 @@ class TokenDropStep:
 
     # -- attention: the backend of the layers it handles (ForwardContext.backend_for) ------------
     def handles_layer(self, layer: int) -> bool:
-        """Drop layers and every layer while rows are dropped take this backend; the layers
-        before the first drop (and spared drop layers) run the full batch on their own."""
-        return layer in self.drop_at or self.idx is not None
+        """In a step with drops, drop layers and every layer while rows are dropped take this
+        backend; the layers before the first drop (and spared drop layers) run the full batch
+        on their own."""
+        return bool(self.drops) and (layer in self.drop_at or self.idx is not None)
+
+    def backend_for(self, layer: int):
+        return self if self.handles_layer(layer) else None
 
     def run(self, attn, q, k, v, ctx, meta=None) -> torch.Tensor:
         """Attention of one layer in a dropping step (ctx: the layer's view of the forward
@@ -345,10 +376,7 @@ class TokenDropStep:
                 torch.tensor(cu_ext, dtype=torch.int32, device=dev))
         kw = dict(num_tokens=cu_ext[-1], max_seqlen=max(b - a for a, b in zip(cu_ext, cu_ext[1:])),
                   block_size=G, num_sink=0, obs_window=self.tail)
-        if self.forced_retention is not None:
-            sel = force_retention(*args, self.forced_retention, **kw)
-        else:
-            sel = top_p_select(*args, cfg.p, **kw)
+        sel = self.keep_blocks(*args, cfg.p, **kw)
         drop_rows_t = torch.cat(drop_rows)
         kept = sel.keep_mask.index_select(0, torch.cat(ext_rows))
         kept |= positions.index_select(0, drop_rows_t) < cfg.num_sink  # attention sinks

@@ -28,7 +28,7 @@ from infhip import LLM, SamplingParams
 from infhip.builder.build import build_engine
 from infhip.builder.cli import main as build_main
 from infhip.config import EngineConfig, TokenDropConfig
-from infhip.eval.common import set_forced_retention
+from infhip.eval.common import forced_retention, set_forced_retention
 from infhip.knob_specs import parse_token_drop
 from infhip.knobs import AUTHORS_LLAMA_EIGHTHS, default_drop_layers
 from infhip.runtime.sequence import Sequence
@@ -263,7 +263,8 @@ def test_retention_is_a_benchmark_setting_not_an_engine_knob(engine, tmp_path):
     llm = LLM(tmp_path / "td")
     with pytest.raises(EvalError, match=r"retention must be in \[0, 1\]"):
         set_forced_retention(llm, 2.0)
-    assert set_forced_retention(llm, 0.3).runner.forced_retention == 0.3
+    assert forced_retention(set_forced_retention(llm, 0.3)) == 0.3
+    assert forced_retention(set_forced_retention(llm, None)) is None  # top-p again
     with pytest.raises(EvalError, match="needs token drop"):
         set_forced_retention(LLM(engine), 0.3)
 

@@ -70,14 +70,40 @@ def load_llm(engine_dir: str | Path, device: str | None = None, need_tokenizer: 
 def set_forced_retention(llm, rho: float | None):
     """Benchmarks: token drop keeps the share ``rho`` of each dropping chunk's blocks at every
     anchor (the highest-scoring ones) instead of top-p; None restores top-p. Not an engine knob:
-    it measures cost and quality at a chosen retention (infhip-eval --retention). Returns llm."""
-    if rho is not None:
-        if not 0.0 <= rho <= 1.0:
-            raise EvalError(f"retention must be in [0, 1], got {rho}")
-        if llm.runner.token_drop is None:
-            raise EvalError("retention needs token drop: build with --token-drop or load with token_drop=True")
-    llm.runner.forced_retention = rho
+    it measures cost and quality at a chosen retention (infhip-eval --retention). It replaces
+    the selection of this runner's token drop transform (TokenDrop.keep_blocks), nothing on the
+    production path; single-rank engines only (the other ranks of a tensor-parallel engine keep
+    their own). Returns llm."""
+    drop = llm.runner.transforms["token_drop"]
+    if rho is None:
+        drop.__dict__.pop("keep_blocks", None)  # the class's top-p again
+        return llm
+    if not 0.0 <= rho <= 1.0:
+        raise EvalError(f"retention must be in [0, 1], got {rho}")
+    if drop.cfg is None:
+        raise EvalError("retention needs token drop: build with --token-drop or load with token_drop=True")
+    if llm.runner.tp.size > 1:
+        raise EvalError("a forced retention needs a single-rank engine (this one is tensor-parallel)")
+    drop.keep_blocks = _ForcedRetention(rho)
     return llm
+
+
+def forced_retention(llm) -> float | None:
+    """The share set_forced_retention forces on llm, None: top-p."""
+    forced = llm.runner.transforms["token_drop"].__dict__.get("keep_blocks")
+    return forced.rho if forced is not None else None
+
+
+class _ForcedRetention:
+    """TokenDrop.keep_blocks keeping the top share ``rho`` of each chunk's blocks (p unused)."""
+
+    def __init__(self, rho: float):
+        self.rho = rho
+
+    def __call__(self, scores, cu_blocks, cu_ext, p: float, **kw):
+        from infhip.plugins.token_drop import force_retention
+
+        return force_retention(scores, cu_blocks, cu_ext, self.rho, **kw)
 
 
 def check_fits(llm, length: int, extra: int = 0) -> None:
@@ -95,4 +121,4 @@ def engine_info(llm) -> dict:
             "max_seq_len": build.max_seq_len, "max_num_batched_tokens": llm.scheduler.max_num_batched_tokens,
             "device": str(llm.runner.device),
             "architecture": llm.engine.config.model.architecture,
-            **({"forced_retention": llm.runner.forced_retention} if llm.runner.forced_retention is not None else {})}
+            **({"forced_retention": rho} if (rho := forced_retention(llm)) is not None else {})}

@@ -188,21 +188,24 @@ class CausalLM(nn.Module):
         return hidden
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        # UniPrefill (runtime/token_drop.py): in a step that drops tokens, the loop below is the
-        # only place rows leave and re-enter the stream: after a drop layer's attention the router
-        # keeps the chosen rows; with re-entry they come back at the next drop layer, and at the end.
-        router = get_forward_context().transform
+        # Step transforms that route rows (runtime/step_transform.py; e.g. UniPrefill token drop,
+        # runtime/token_drop.py): the loop below is the only place rows leave and re-enter the
+        # stream: a router may keep fewer rows after a layer's attention and bring them back
+        # before a later layer, and at the end.
+        routers = [t for t in get_forward_context().transforms.values() if t.routes]
         hidden, residual = self.embed(input_ids), None
         for i, layer in enumerate(self.layers):
-            if router is None:
+            if not routers:
                 hidden, residual = layer(hidden, residual)
                 continue
-            hidden, residual = router.enter_layer(i, hidden, residual)
+            for r in routers:
+                hidden, residual = r.enter_layer(i, hidden, residual)
             hidden, residual = layer.attend(hidden, residual)
-            hidden, residual = router.after_attention(hidden, residual)
+            for r in routers:
+                hidden, residual = r.after_attention(i, hidden, residual)
             hidden, residual = layer.feed_forward(hidden, residual)
-        if router is not None:
-            hidden, residual = router.reconstitute(hidden, residual)
+        for r in routers:
+            hidden, residual = r.reconstitute(hidden, residual)
         return self.norm(hidden) if residual is None else self.norm(hidden, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

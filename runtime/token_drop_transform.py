@@ -1,0 +1,94 @@
+"""UniPrefill token drop as the runner's step transform (runtime/step_transform.py; what a drop
+does: runtime/token_drop.py).
+
+Per step: ``plan`` picks the chunks that drop (plan_drops) and lists the drop histories of the
+step's sequences (drop_histories) -> ``TokenDropHost``; ``upload`` makes the step's
+``TokenDropStep`` (its drops, and the per-layer KV of the sequences with a history); after an
+eager step ``after_step`` records what the drops leave (``stats``, DropStats). Decode graphs
+with drop histories compute the per-layer KV from ``kv_shift`` inside the graph.
+
+The selection of the kept blocks is ``keep_blocks`` (top-p); benchmarks replace it on the
+instance (infhip.eval.common.set_forced_retention), nothing in production does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from infhip.config import TokenDropConfig
+from infhip.knobs import resolve_drop_layers
+from infhip.plugins.token_drop import top_p_select
+from infhip.runtime.drop_stats import DropStats
+from infhip.runtime.forward_context import LayerKV
+from infhip.runtime.step_transform import StepTransform
+from infhip.runtime.token_drop import DropChunk, TokenDropStep, drop_histories, keep_tail, plan_drops
+
+
+@dataclass
+class TokenDropHost:
+    """Token drop's host meta of one step."""
+
+    drops: list[DropChunk]  # the chunks that drop tokens this step (maybe none)
+    # drop histories: [global layer][b] tokens that layer lacks of sequence b's computed ones;
+    # None when no sequence of the step has one (every layer then holds every position)
+    histories: list[list[int]] | None
+
+
+class TokenDrop(StepTransform):
+    """Token drop of one runner: its knobs (``configure``; None: off, drop histories are still
+    honoured), the layers it acts on and the drop statistics of the requests."""
+
+    name = "token_drop"
+
+    def __init__(self, config, windows: list[int | None], page_size: int):
+        """config: the engine's EngineConfig; windows: each layer's sliding window (None: full)."""
+        self.full = frozenset(lp.index for lp in config.plan.layers if lp.window is None)
+        self.global_layers = sorted(self.full)  # the layers that hold compacted KV after a drop
+        self.windows, self.page_size = windows, page_size
+        self.stats = DropStats()  # drop histories of the requests, retention per anchor
+        self.configure(None, None)
+
+    def configure(self, cfg: TokenDropConfig | None, max_context: int | None) -> None:
+        """Token drop on (cfg) or off (None) from the next step on; max_context: only requests
+        that stay within it drop (the backends' max_drop_context)."""
+        self.cfg, self.max_context = cfg, max_context
+        self.tail = keep_tail(cfg, self.windows) if cfg is not None else 0
+        self.drop_at = (frozenset(resolve_drop_layers(cfg, self.global_layers, len(self.windows)))
+                        if cfg is not None else frozenset())
+
+    @staticmethod
+    def keep_blocks(scores, cu_blocks, cu_ext, p: float, **kw):
+        """The kept blocks of the dropping chunks: top-p (plugins/token_drop/top_p.py)."""
+        return top_p_select(scores, cu_blocks, cu_ext, p, **kw)
+
+    def plan(self, p, chunks) -> TokenDropHost | None:
+        drops = plan_drops(chunks, self.cfg, self.tail, self.max_context) if self.cfg is not None else []
+        histories = drop_histories(chunks, self.global_layers)  # also ends the histories of fresh prefills
+        return TokenDropHost(drops, histories) if drops or histories is not None else None
+
+    def runs_dense(self, host: TokenDropHost) -> bool:
+        return bool(host.drops)  # a dropping step runs no sparse attention (token_drop.py)
+
+    def _step(self, drops: list[DropChunk], layer_kv: LayerKV | None) -> TokenDropStep:
+        return TokenDropStep(self.cfg, drops, self.full, self.drop_at, self.tail, self.keep_blocks, layer_kv)
+
+    def upload(self, host: TokenDropHost, p, ctx) -> TokenDropStep:
+        layer_kv = None
+        if host.histories is not None:
+            layer_kv = LayerKV.of_step(p, host.histories, self.global_layers, ctx.groups["global"].block_tables,
+                                       self.page_size, ctx.positions.device)
+        return self._step(host.drops, layer_kv)
+
+    def after_step(self, seqs: list, step: TokenDropStep) -> None:
+        if step.drops:
+            self.stats.record(seqs, step, len(self.windows))
+
+    @property
+    def shifts_kv(self) -> bool:
+        return self.cfg is not None
+
+    def kv_shift(self, host: TokenDropHost) -> list[list[int]] | None:
+        return host.histories
+
+    def graph_step(self, layer_kv: LayerKV) -> TokenDropStep:
+        return self._step([], layer_kv)
