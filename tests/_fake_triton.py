@@ -17,7 +17,7 @@ import pytest
 
 from infhip import LLM
 from infhip.runtime.serving.triton.model import INPUTS
-from tests._tiny import build_tiny_api_engine
+from tests._tiny import API_ENGINE
 
 FINAL = 1
 
@@ -88,8 +88,8 @@ def model_config_json(parsed: dict) -> str:
 
 
 @pytest.fixture(scope="module")
-def engine(tmp_path_factory):
-    return build_tiny_api_engine(tmp_path_factory.mktemp("triton"))
+def engine(tiny_engine):
+    return tiny_engine(**API_ENGINE)
 
 
 @pytest.fixture(scope="module")

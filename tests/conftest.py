@@ -37,6 +37,30 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture(scope="session")
+def tiny_engines(tmp_path_factory):
+    """The run's cache of tiny checkpoints and engines (tests/_tiny.py TinyEngines): a test or a
+    module fixture asking for an engine another module already built gets the same folder, so
+    each distinct engine is built once per session (per pytest-xdist worker). Read-only."""
+    from tests._tiny import TinyEngines
+    return TinyEngines(tmp_path_factory.mktemp("tiny"))
+
+
+@pytest.fixture(scope="session")
+def tiny_engine(tiny_engines):
+    """``tiny_engine(arch="llama", *, tokenizer=False, hf=None, **build_engine_kwargs) -> Path``:
+    a cached tiny engine (float32, CPU unless told); ``tiny_engine(**API_ENGINE)`` is the API and
+    server tests' engine."""
+    return tiny_engines.engine
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tiny_engines):
+    """``tiny_checkpoint(arch="llama", tokenizer=False, seed=0, **hf_overrides) -> Path``: the
+    cached tiny Hugging Face checkpoint folder the same-argument engines were built from."""
+    return tiny_engines.checkpoint
+
+
 @pytest.fixture
 def reference_pruning(monkeypatch):
     """Pruning stages through their float64 torch reference while every other plugin stays on

@@ -14,7 +14,7 @@ import pytest
 
 from infhip import LLM, SamplingParams
 from infhip.runtime.sequence import Sequence
-from tests._tiny import build_tiny_api_engine
+from tests._tiny import API_ENGINE
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
 PROMPTS = [[5, 6, 7, 8], [9, 10, 11, 12, 13, 14], [20, 21]]
@@ -25,8 +25,8 @@ class Injected(RuntimeError):
 
 
 @pytest.fixture(scope="module")
-def engine(tmp_path_factory):
-    return build_tiny_api_engine(tmp_path_factory.mktemp("isolation"))
+def engine(tiny_engine):
+    return tiny_engine(**API_ENGINE)
 
 
 @pytest.fixture(scope="module")

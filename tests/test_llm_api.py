@@ -11,12 +11,12 @@ import pytest
 from infhip import LLM, SamplingParams
 from infhip.config import EngineFormatError
 from infhip.runtime import cli as run_cli
-from tests._tiny import build_tiny_api_engine
+from tests._tiny import API_ENGINE
 
 
 @pytest.fixture(scope="module")
-def engine(tmp_path_factory):
-    return build_tiny_api_engine(tmp_path_factory.mktemp("api"))
+def engine(tiny_engine):
+    return tiny_engine(**API_ENGINE)
 
 
 @pytest.fixture(scope="module")

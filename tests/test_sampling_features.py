@@ -11,7 +11,7 @@ import torch
 
 from infhip import LLM, SamplingParams
 from infhip.runtime.sampler import Sampler, SamplingBatch, apply_token_bitmask
-from tests._tiny import build_tiny_api_engine
+from tests._tiny import API_ENGINE
 
 V = 37  # odd vocabulary
 EOS = (2,)
@@ -118,21 +118,19 @@ def test_feature_validation(kwargs, message):
 
 # -- on the tiny engine ---------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def root(tmp_path_factory):
-    root = tmp_path_factory.mktemp("features")
-    build_tiny_api_engine(root)
-    return root
+def engine(tiny_engine):
+    return tiny_engine(**API_ENGINE)
 
 
 @pytest.fixture(scope="module")
-def llm(root):
-    return LLM(root / "engine")
+def llm(engine):
+    return LLM(engine)
 
 
 @pytest.fixture(scope="module")
-def hf(root):
+def hf(tiny_checkpoint):
     import transformers
-    return transformers.AutoModelForCausalLM.from_pretrained(root / "hf", torch_dtype=torch.float32).eval()
+    return transformers.AutoModelForCausalLM.from_pretrained(tiny_checkpoint(tokenizer=True), torch_dtype=torch.float32).eval()
 
 
 PROMPT = list(range(3, 44))  # 41 tokens: two full pages of 16 and a partial one
@@ -209,8 +207,8 @@ def test_penalties_and_bias_on_the_engine(llm):
     assert early.finish_reason == "stop"
 
 
-def test_priority_admits_a_short_request_during_a_long_prefill(root):
-    llm = LLM(root / "engine", max_num_batched_tokens=8, max_num_seqs=4)
+def test_priority_admits_a_short_request_during_a_long_prefill(engine):
+    llm = LLM(engine, max_num_batched_tokens=8, max_num_seqs=4)
     long = llm.core.add_request(None, list(range(3, 103)), SamplingParams(max_tokens=2, temperature=0))  # 13 chunks of 8
     for _ in range(3):
         llm.core.step()
@@ -237,11 +235,11 @@ def test_priority_admits_a_short_request_during_a_long_prefill(root):
     assert long.seq.output_token_ids
 
 
-def test_back_to_back_decode_steps_equal_single_steps(root, llm):
+def test_back_to_back_decode_steps_equal_single_steps(engine, llm):
     """num_decode_steps 4 (the GPU default's path, run eagerly here): penalties and min_tokens
     advance on the device between steps, logprobs are read once after the run; all equal to one
     step at a time."""
-    multi = LLM(root / "engine", num_decode_steps=4)
+    multi = LLM(engine, num_decode_steps=4)
     sps = [SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, logprobs=2, repetition_penalty=1.4,
                           frequency_penalty=0.6, presence_penalty=0.3),
            SamplingParams(max_tokens=10, temperature=0.8, seed=9, min_tokens=6, logit_bias={llm.eos_token_ids[0]: 50},

@@ -19,15 +19,15 @@ from infhip import LLM, SamplingParams
 from infhip.runtime.serving.app import HttpLimits
 from tests._serving import (engine_is_idle, error_of, kv_free_pages, post, request, running_server, sse_events,
                             wait_for)
-from tests._tiny import build_tiny_api_engine
+from tests._tiny import API_ENGINE
 
 BODY_TIMEOUT_S = 0.5
 MAX_BODY = 64 << 10
 
 
 @pytest.fixture(scope="module")
-def engine(tmp_path_factory):
-    return build_tiny_api_engine(tmp_path_factory.mktemp("serve"))
+def engine(tiny_engine):
+    return tiny_engine(**API_ENGINE)
 
 
 @pytest.fixture(scope="module")

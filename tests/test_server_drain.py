@@ -28,7 +28,7 @@ import pytest
 
 from infhip import LLM, SamplingParams
 from tests._serving import sse_events
-from tests._tiny import build_tiny_api_engine
+from tests._tiny import API_ENGINE
 
 SLOWED = str(Path(__file__).with_name("_slowed_cli.py"))
 WORDS = "In the beginning God created the heaven and the earth and the earth was without form".split()
@@ -37,8 +37,8 @@ GREEDY = dict(temperature=0, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
-def engine(tmp_path_factory):
-    return build_tiny_api_engine(tmp_path_factory.mktemp("drain"), max_batch_size=32)
+def engine(tiny_engine):
+    return tiny_engine(**{**API_ENGINE, "max_batch_size": 32})
 
 
 @pytest.fixture(scope="module")

@@ -19,15 +19,15 @@ import pytest
 from infhip import LLM, SamplingParams
 from infhip.runtime.serving.lifecycle import Lifecycle, Refused, ServingPolicy, kv_capacity_tokens
 from tests._serving import engine_is_idle, error_of, kv_free_pages, post, request, running_server, sse_events, wait_for
-from tests._tiny import build_tiny_api_engine
+from tests._tiny import API_ENGINE
 
 GREEDY = dict(temperature=0, ignore_eos=True)
 STEP_DELAY_S = 0.03  # a slowed step: 30 tokens take >= 0.9 s
 
 
 @pytest.fixture(scope="module")
-def engine(tmp_path_factory):
-    return build_tiny_api_engine(tmp_path_factory.mktemp("lifecycle"))  # 4 sequences per step
+def engine(tiny_engine):
+    return tiny_engine(**API_ENGINE)  # 4 sequences per step
 
 
 @pytest.fixture(scope="module")

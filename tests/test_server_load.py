@@ -14,7 +14,7 @@ import pytest
 
 from infhip import LLM, SamplingParams
 from tests._serving import engine_is_idle, kv_free_pages, post, running_server, wait_for
-from tests._tiny import build_tiny_api_engine
+from tests._tiny import API_ENGINE
 
 WORDS = ("In the beginning God created the heaven and the earth and the earth was without form and void "
          "and darkness was upon the face of the deep").split()
@@ -23,8 +23,8 @@ GREEDY = dict(max_tokens=8, temperature=0, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
-def engine(tmp_path_factory):
-    return build_tiny_api_engine(tmp_path_factory.mktemp("load"), max_batch_size=64)
+def engine(tiny_engine):
+    return tiny_engine(**{**API_ENGINE, "max_batch_size": 64})
 
 
 @pytest.fixture(scope="module")

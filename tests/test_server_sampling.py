@@ -13,7 +13,7 @@ import pytest
 
 from infhip import LLM, SamplingParams
 from tests._serving import error_of, post, running_server, sse_events
-from tests._tiny import build_tiny_api_engine
+from tests._tiny import API_ENGINE
 
 # vllm/benchmarks/lib/endpoint_request_func.py (vllm-project/vllm @ 02cfb534),
 # async_request_openai_completions / _chat_completions with --ignore-eos, and the sampling
@@ -35,8 +35,8 @@ SGLANG_CHAT = {"model": "infhip", "messages": [{"role": "user", "content": "hell
 
 
 @pytest.fixture(scope="module")
-def engine(tmp_path_factory):
-    return build_tiny_api_engine(tmp_path_factory.mktemp("serve_sampling"))
+def engine(tiny_engine):
+    return tiny_engine(**API_ENGINE)
 
 
 @pytest.fixture(scope="module")

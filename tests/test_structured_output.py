@@ -15,7 +15,7 @@ import pytest
 
 from infhip import LLM, SamplingParams, StructuredOutputsParams
 from infhip.runtime.structured_output import choice_regex
-from tests._tiny import build_tiny_api_engine
+from tests._tiny import API_ENGINE
 
 SCHEMA = {
     "type": "object",
@@ -40,8 +40,8 @@ def matches_schema(obj) -> bool:
 
 
 @pytest.fixture(scope="module")
-def engine(tmp_path_factory):
-    return build_tiny_api_engine(tmp_path_factory.mktemp("structured"), max_batch_size=8)
+def engine(tiny_engine):
+    return tiny_engine(**{**API_ENGINE, "max_batch_size": 8})
 
 
 @pytest.fixture(scope="module")

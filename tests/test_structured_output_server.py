@@ -20,7 +20,7 @@ from pydantic import BaseModel, Field
 
 from infhip import LLM
 from tests._serving import error_of, post, running_server, sse_events
-from tests._tiny import build_tiny_api_engine, write_tiny_hf_checkpoint
+from tests._tiny import API_ENGINE, write_tiny_hf_checkpoint
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city",
@@ -40,8 +40,8 @@ class Verse(BaseModel):
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    with running_server(LLM(build_tiny_api_engine(tmp_path_factory.mktemp("so_server"), max_batch_size=8))) as srv:
+def server(tiny_engine):
+    with running_server(LLM(tiny_engine(**{**API_ENGINE, "max_batch_size": 8}))) as srv:
         yield srv
 
 
