@@ -13,39 +13,35 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from infhip import LLM
-from infhip.builder.build import build_engine
 from infhip.eval import cli
 from infhip.eval.agree import agreement
 from infhip.eval.common import load_llm
 from infhip.eval.forcing import target_log_probs
 from infhip.eval.ppl import PplConfig, run_ppl
 from infhip.eval.recall import NoSparseLayers, measure_recall, sparse_layer_params
-from tests._tiny import write_tiny_hf_checkpoint
 
 
-_BUILT: dict[str, tuple] = {}
+_HF: dict[str, torch.nn.Module] = {}
 
 
-def _tiny(arch: str, tmp_path_factory):
-    """A tiny random engine with a tokenizer (built once per arch per session)."""
-    if arch not in _BUILT:
-        root = tmp_path_factory.mktemp(f"eval-{arch}")
-        cfg = write_tiny_hf_checkpoint(root / "hf", arch, tokenizer=True, max_position_embeddings=1024)
-        engine = build_engine(checkpoint=root / "hf", output_dir=root / "engine", dtype="float32",
-                              device="cpu", max_seq_len=1024, max_batch_size=4)
-        hf = AutoModelForCausalLM.from_pretrained(root / "hf", dtype=torch.float32).eval()
-        _BUILT[arch] = (arch, cfg, engine, hf)
-    return _BUILT[arch]
+def _tiny(arch: str, tiny_engine, tiny_checkpoint):
+    """A tiny random engine with a tokenizer and 1024 positions (built once per arch per session)."""
+    hf_overrides = dict(max_position_embeddings=1024)
+    src = tiny_checkpoint(arch, tokenizer=True, **hf_overrides)
+    engine = tiny_engine(arch, tokenizer=True, hf=hf_overrides, max_seq_len=1024, max_batch_size=4)
+    if arch not in _HF:
+        _HF[arch] = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+    return arch, json.loads((src / "config.json").read_text()), engine, _HF[arch]
 
 
 @pytest.fixture(params=["llama", "gemma3"])  # Gemma-3: sliding + global layers, tied embeddings
-def tiny_any(request, tmp_path_factory):
-    return _tiny(request.param, tmp_path_factory)
+def tiny_any(request, tiny_engine, tiny_checkpoint):
+    return _tiny(request.param, tiny_engine, tiny_checkpoint)
 
 
 @pytest.fixture
-def tiny(tmp_path_factory):  # Gemma-3's mix of sliding and global layers exercises the most paths
-    return _tiny("gemma3", tmp_path_factory)
+def tiny(tiny_engine, tiny_checkpoint):  # Gemma-3's mix of sliding and global layers exercises the most paths
+    return _tiny("gemma3", tiny_engine, tiny_checkpoint)
 
 
 def _ids(seed: int, n: int, vocab: int) -> list[int]:
@@ -147,17 +143,15 @@ def test_recall_refuses_dense_plan_and_measures_explicit_params(tiny, capsys):
     assert not llm.scheduler.has_unfinished()
 
 
-def test_recall_on_an_infinitehip_engine(tmp_path):
+def test_recall_on_an_infinitehip_engine(tmp_path, tiny_engine):
     """The plan's own InfiniteHiP knobs drive the measurement (tiny stages, CPU references)."""
     from infhip.builder import presets
     if "3k" not in getattr(presets, "PRESETS", ()):
         pytest.skip("no InfiniteHiP presets in this tree yet")
-    write_tiny_hf_checkpoint(tmp_path / "hf", "llama", tokenizer=True, max_position_embeddings=1024)
     knobs = {"n_sink": 4, "n_stream": 16, "stages": [[8, 16, 64], [8, 4, 32]], "refresh_intervals": [2, 1],
              "special_layers": [0], "special_final_k": 16, "dense_threshold": 1000}  # prefill dense: fast
-    engine = build_engine(checkpoint=tmp_path / "hf", output_dir=tmp_path / "engine", preset="3k",
-                          dtype="float32", device="cpu", max_seq_len=1024, max_batch_size=2,
-                          infinitehip_overrides=knobs)
+    engine = tiny_engine("llama", tokenizer=True, hf=dict(max_position_embeddings=1024), preset="3k",
+                         max_seq_len=1024, max_batch_size=2, infinitehip_overrides=knobs)
     assert cli.main(["recall", "--engine", str(engine), "--lengths", "200", "--chunk", "8",
                      "--json", str(tmp_path / "r.json"), "--plot", str(tmp_path / "r.png")]) == 0
     recs = json.loads((tmp_path / "r.json").read_text())["records"]

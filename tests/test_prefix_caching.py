@@ -12,12 +12,10 @@ import pytest
 import torch
 
 from infhip import LLM, SamplingParams
-from infhip.builder.build import build_engine
 from infhip.runtime.kv_cache import NULL_PAGE, KVCacheManager, KVGroupSpec, OffloadSpec, OutOfPages
 from infhip.runtime.prefix_cache import PagePool, extend_chain
 from infhip.runtime.sequence import Sequence
 from tests._serving import post, request, running_server
-from tests._tiny import write_tiny_hf_checkpoint
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 
@@ -244,25 +242,22 @@ def test_host_cache_evicted_lru_under_pressure():
 
 
 # ---- engines ----------------------------------------------------------------------------------
-def _engine(root, arch: str, kv_dtype: str | None = None):
-    write_tiny_hf_checkpoint(root / "hf", arch)
-    return build_engine(checkpoint=root / "hf", output_dir=root / "engine", dtype="float32", device="cpu",
-                        max_seq_len=128, max_batch_size=3, kv_dtype=kv_dtype, progress=False)
+KW = dict(max_seq_len=128, max_batch_size=3)
 
 
 @pytest.fixture(scope="module")
-def llama(tmp_path_factory):
-    return _engine(tmp_path_factory.mktemp("pc_llama"), "llama")
+def llama(tiny_engine):
+    return tiny_engine("llama", **KW)
 
 
 @pytest.fixture(scope="module")
-def llama_fp8(tmp_path_factory):  # dense prefill reads fp8 keys back from the cache: reuse is exact too
-    return _engine(tmp_path_factory.mktemp("pc_llama_fp8"), "llama", kv_dtype="fp8")
+def llama_fp8(tiny_engine):  # dense prefill reads fp8 keys back from the cache: reuse is exact too
+    return tiny_engine("llama", kv_dtype="fp8", **KW)
 
 
 @pytest.fixture(scope="module")
-def gemma(tmp_path_factory):
-    return _engine(tmp_path_factory.mktemp("pc_gemma"), "gemma3")
+def gemma(tiny_engine):
+    return tiny_engine("gemma3", **KW)
 
 
 def _workload() -> list[list[int]]:

@@ -4,6 +4,8 @@ prefill), 32 greedy tokens, and a mixed batch through the scheduler equal to eac
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -11,19 +13,17 @@ from transformers import AutoModelForCausalLM
 from infhip import LLM, SamplingParams
 from infhip.builder.build import build_engine
 from infhip.runtime.sequence import Sequence
-from tests._tiny import write_tiny_hf_checkpoint
 
 ARCHS = ["llama", "mistral", "qwen2", "qwen3", "gemma3"]
 PROMPT_LEN = 101  # longer than the tiny Gemma-3's sliding window
 
 
 @pytest.fixture(scope="module", params=ARCHS)
-def tiny(request, tmp_path_factory):
-    root = tmp_path_factory.mktemp(request.param)
-    hf_cfg = write_tiny_hf_checkpoint(root / "hf", request.param)
-    engine = build_engine(checkpoint=root / "hf", output_dir=root / "engine", dtype="float32",
-                          device="cpu", max_seq_len=256, max_batch_size=4)
-    hf = AutoModelForCausalLM.from_pretrained(root / "hf", dtype=torch.float32).eval()
+def tiny(request, tiny_engine, tiny_checkpoint):
+    src = tiny_checkpoint(request.param)
+    hf_cfg = json.loads((src / "config.json").read_text())
+    engine = tiny_engine(request.param, max_seq_len=256, max_batch_size=4)
+    hf = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
     return request.param, hf_cfg, engine, hf
 
 

@@ -146,13 +146,8 @@ def idle(values: dict) -> bool:
 
 # -- the server ---------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def engine(tmp_path_factory):
-    from infhip.builder.build import build_engine
-    from tests._tiny import write_tiny_hf_checkpoint
-    root = tmp_path_factory.mktemp("triton_server")
-    write_tiny_hf_checkpoint(root / "hf", "llama", tokenizer=True)
-    return build_engine(checkpoint=root / "hf", output_dir=root / "engine", dtype="float32", device="cpu",
-                        max_seq_len=4096, max_batch_size=16, progress=False)
+def engine(tiny_engine):
+    return tiny_engine("llama", tokenizer=True, max_seq_len=4096, max_batch_size=16)
 
 
 @pytest.fixture(scope="module")
