@@ -16,6 +16,7 @@ from infhip.builder.build import build_engine
 from infhip.builder.presets import infinitehip_config
 from infhip.eval.common import set_forced_retention
 from infhip.runtime.attention.infinitehip.planner import SparsePlanner
+from tests._graph_sim import simulate_graphs
 from tests._tiny import write_tiny_hf_checkpoint
 from tests.test_infinitehip_runtime import COVER, TINY
 from tests.test_infinitehip_runtime import calls  # noqa: F401 (fixture: sparse attention launch counts)
@@ -56,6 +57,23 @@ def test_covering_sparse_over_compacted_kv_equals_dense(engines, calls, budget):
     assert calls["decode"] > 0
     assert composed == dense
     assert llm.runner.drop_stats.retention == dense_llm.runner.drop_stats.retention  # the same drops
+
+
+@pytest.mark.parametrize("engine", ["dense", "cover"])
+def test_decode_graphs_with_drop_histories_equal_eager(engines, monkeypatch, engine):
+    """The CUDA-graph path without CUDA (tests/_graph_sim.py): decode steps of requests with a
+    drop history replay the graph of the token-drop transform's per-layer KV (lengths and slots
+    computed from the staged shifts; with InfiniteHiP rows too) and give the eager tokens."""
+    overrides = LOW if engine == "cover" else None
+    eager, _ = run(engines[engine], overrides)
+    llm = set_forced_retention(LLM(engines[engine], max_num_batched_tokens=64, infinitehip_overrides=overrides,
+                                   token_drop=DROP), RHO)
+    keys, planned = simulate_graphs(llm, monkeypatch)
+    assert [o.token_ids for o in llm.generate(prompt_token_ids=PROMPTS, sampling_params=GREEDY)] == eager
+    shifted = [key for key in keys if key.layer_kv == "token_drop"]
+    assert shifted and all(key in planned for key in keys)
+    if engine == "cover":
+        assert any(key.of("infinitehip") is not None for key in shifted)
 
 
 def test_pruning_presets_run_after_drops(engines, calls):
