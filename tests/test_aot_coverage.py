@@ -19,12 +19,10 @@ from __future__ import annotations
 import pytest
 
 from infhip import LLM, SamplingParams
-from infhip.builder.build import build_engine
 from infhip.builder.kernels import enumerate_variants
 from infhip.config import EngineConfig
 import infhip.runtime.offload.policy as offload_policy
 from infhip.plugins.aot import Target, record
-from tests._tiny import write_tiny_hf_checkpoint
 
 # Stages small enough for contexts of ~100 tokens to go sparse (as tests/test_infinitehip_runtime.py).
 # Stage 1's chunks of 16: the candidate capacity is at least 1024 (64 chunks, 2 tiles of the
@@ -35,7 +33,7 @@ PAST = dict(TINY, rope_off_in_trained_window=False, key_bank_slots=2)  # dynamic
 PROMPTS = [[(7 * i + 3 * j) % 290 + 3 for j in range(n)] for i, n in enumerate((90, 41, 120, 5))]
 LONG = [(5 * j) % 290 + 3 for j in range(150)]
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
-KW = dict(dtype="float32", device="cpu", max_seq_len=200, max_batch_size=4, progress=False)
+KW = dict(max_seq_len=200, max_batch_size=4)
 MiB = 1 << 20
 
 # name -> (checkpoint arch, build options, LLM options[, run options: prompts, step token
@@ -62,20 +60,12 @@ SCENARIOS = {
 }
 
 
-@pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory):
-    root = tmp_path_factory.mktemp("aot")
-    for arch in ("llama", "gemma3"):
-        write_tiny_hf_checkpoint(root / arch, arch)
-    return root
-
-
 @pytest.mark.parametrize("name", sorted(SCENARIOS))
-def test_enumeration_covers_launches(checkpoints, tmp_path, monkeypatch, name):
+def test_enumeration_covers_launches(tiny_engine, monkeypatch, name):
     arch, build_kw, llm_kw, run = (*SCENARIOS[name], {})[:4]
     if run.get("small_batches"):  # move pages one at a time (tiny contexts)
         monkeypatch.setattr(offload_policy, "OFFLOAD_BATCH_TOKENS", 16)
-    engine = build_engine(checkpoint=checkpoints / arch, output_dir=tmp_path / name, **KW, **build_kw)
+    engine = tiny_engine(arch, **KW, **build_kw)
     target = Target()
     enumerated = set(enumerate_variants(EngineConfig.load(engine), target))
     with record(target, launch=True) as rec:

@@ -10,8 +10,6 @@ import pytest
 
 import infhip.runtime.offload.policy as offload_policy
 from infhip import LLM, SamplingParams
-from infhip.builder.build import build_engine
-from tests._tiny import write_tiny_hf_checkpoint
 
 from ._offload import count_moves, poison_host_during_staged_prefill
 
@@ -23,15 +21,11 @@ MiB = 1 << 20
 
 
 @pytest.fixture(scope="module")
-def engines(tmp_path_factory):
-    root = tmp_path_factory.mktemp("offload")
-    write_tiny_hf_checkpoint(root / "llama", "llama")
-    kw = dict(dtype="float32", device="cpu", max_seq_len=200, max_batch_size=4, progress=False)
-    return {"3k": build_engine(checkpoint=root / "llama", output_dir=root / "3k", preset="3k",
-                               infinitehip_overrides=TINY, **kw),
-            "3k-fp8": build_engine(checkpoint=root / "llama", output_dir=root / "3k-fp8", preset="3k",
-                                   infinitehip_overrides=TINY, kv_dtype="fp8", **kw),
-            "dense": build_engine(checkpoint=root / "llama", output_dir=root / "dense", **kw)}
+def engines(tiny_engine):  # the same engines as tests/test_infinitehip_runtime.py's (built once)
+    kw = dict(max_seq_len=200, max_batch_size=4)
+    return {"3k": tiny_engine("llama", preset="3k", infinitehip_overrides=TINY, **kw),
+            "3k-fp8": tiny_engine("llama", preset="3k", infinitehip_overrides=TINY, kv_dtype="fp8", **kw),
+            "dense": tiny_engine("llama", **kw)}
 
 
 # The tiny model's window (256) holds every context here: RoPE on in it, so pages move from the
@@ -44,9 +38,7 @@ def run(engine, offload_bytes, budget=48, overrides=PAST, prompts=PROMPTS, param
     llm = LLM(engine, max_num_batched_tokens=budget, infinitehip_overrides=overrides, kv_offload_bytes=offload_bytes)
     moved = count_moves(llm)
     out = [o.token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=params)]
-    spec = llm.runner.kv.groups["global"].offload
-    assert llm.runner.kv.num_free_host_pages("global") == (spec.host_pages if spec else 0), \
-        "finished requests return their host pages"
+    assert llm.stats().host_pages_used.get("global", 0) == 0, "finished requests return their host pages"
     return out, len(moved)
 
 

@@ -21,13 +21,11 @@ import torch
 
 import infhip.runtime.offload.policy as offload_policy
 from infhip import LLM, SamplingParams
-from infhip.builder.build import build_engine
 from infhip.config import apply_runtime_overrides
 from infhip.eval.common import set_forced_retention
 from infhip.runtime.prefix_cache import PagePool
 from infhip.runtime.serving.metrics import ServerMetrics
 from tests._td_reference import record_kept_positions
-from tests._tiny import write_tiny_hf_checkpoint
 
 from .test_infinitehip_runtime import LOW, TINY
 from .test_prefix_caching import assert_cache_costs_no_preemption
@@ -41,17 +39,12 @@ MiB = 1 << 20
 
 
 @pytest.fixture(scope="module")
-def engines(tmp_path_factory):
-    root = tmp_path_factory.mktemp("pc_sparse")
-    write_tiny_hf_checkpoint(root / "llama", "llama")
-    write_tiny_hf_checkpoint(root / "gemma3", "gemma3")
-    kw = dict(dtype="float32", device="cpu", max_seq_len=200, max_batch_size=4, progress=False)
-    ih = dict(preset="3k", infinitehip_overrides=TINY, **kw)
-    return {"3k": build_engine(checkpoint=root / "llama", output_dir=root / "3k", **ih),
-            "3k-fp8": build_engine(checkpoint=root / "llama", output_dir=root / "3k-fp8", kv_dtype="fp8", **ih),
-            "gemma-3k": build_engine(checkpoint=root / "gemma3", output_dir=root / "g3k", **ih),
-            "3k-b32": build_engine(checkpoint=root / "llama", output_dir=root / "3k-b32",
-                                   **dict(ih, infinitehip_overrides=BLOCK32))}
+def engines(tiny_engine):
+    ih = dict(preset="3k", infinitehip_overrides=TINY, max_seq_len=200, max_batch_size=4)
+    return {"3k": tiny_engine("llama", **ih),
+            "3k-fp8": tiny_engine("llama", kv_dtype="fp8", **ih),
+            "gemma-3k": tiny_engine("gemma3", **ih),
+            "3k-b32": tiny_engine("llama", **dict(ih, infinitehip_overrides=BLOCK32))}
 
 
 @pytest.fixture(autouse=True)
@@ -340,11 +333,8 @@ TD = dict(obs_window=8, block_size=8, num_sink=8, min_prompt_len=0, spare_anchor
 
 
 @pytest.fixture(scope="module")
-def td_engine(tmp_path_factory):
-    root = tmp_path_factory.mktemp("pc_td")
-    write_tiny_hf_checkpoint(root / "hf", "llama")
-    return build_engine(checkpoint=root / "hf", output_dir=root / "engine", dtype="float32", device="cpu",
-                        max_seq_len=256, max_batch_size=2, progress=False)
+def td_engine(tiny_engine):
+    return tiny_engine("llama", max_seq_len=256, max_batch_size=2)
 
 
 def test_token_drop_history_depends_on_the_suffix(td_engine):

@@ -326,9 +326,10 @@ def test_metrics(server):
     assert metric(text, "infhip_inter_token_latency_seconds_count") - \
         metric(before, "infhip_inter_token_latency_seconds_count") == 9
     assert metric(text, "infhip_requests_running") == 0 and metric(text, "infhip_requests_waiting") == 0
-    kv = server.loop.core.runner.kv
-    for group, spec in kv.groups.items():  # idle: every page but the null page is free
-        assert f'infhip_kv_pages_free{{group="{group}",memory="gpu"}} {float(spec.num_pages - 1)}' in text
+    stats = server.loop.core.stats()
+    for group, free in stats.kv_pages_free.items():  # idle: every page but the null page is free
+        assert stats.kv_pages_used[group] == 0
+        assert f'infhip_kv_pages_free{{group="{group}",memory="gpu"}} {float(free)}' in text
         assert f'infhip_kv_pages_used{{group="{group}",memory="gpu"}} 0.0' in text
     for name in ("infhip_preemptions_total", "infhip_request_aborts_total", "infhip_request_errors_total",
                  'infhip_requests_finished_total{finish_reason="length"}'):
