@@ -16,10 +16,8 @@ import infhip.runtime.attention.infinitehip.layer as sa
 import infhip.runtime.attention.infinitehip.planner as sparse_plan
 from infhip.runtime import kv_budget
 from infhip import LLM, SamplingParams
-from infhip.builder.build import build_engine
 from infhip.config import EngineConfig
 from tests._graph_sim import simulate_graphs
-from tests._tiny import write_tiny_hf_checkpoint
 
 # Test-only knobs: n_sink 4, n_stream 8, stages (8, 4, 32) -> (8, 2, 16) -> (8, 1, 8).
 TINY = dict(n_sink=4, n_stream=8, stages=[(8, 4, 32), (8, 2, 16), (8, 1, 8)], special_layers=[0],
@@ -35,26 +33,18 @@ GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
-def engines(tmp_path_factory):
-    root = tmp_path_factory.mktemp("ihip")
-    write_tiny_hf_checkpoint(root / "llama", "llama")
-    write_tiny_hf_checkpoint(root / "gemma3", "gemma3")
-    kw = dict(dtype="float32", device="cpu", max_seq_len=200, max_batch_size=4, progress=False)
-    e = {"dense": build_engine(checkpoint=root / "llama", output_dir=root / "dense", **kw),
-         "gemma-dense": build_engine(checkpoint=root / "gemma3", output_dir=root / "gd", **kw),
-         "gemma-3k": build_engine(checkpoint=root / "gemma3", output_dir=root / "g3k", preset="3k",
-                                  infinitehip_overrides=TINY, **kw),
-         "cover": build_engine(checkpoint=root / "llama", output_dir=root / "cover", preset="3k",
-                               infinitehip_overrides=COVER, **kw)}
+def engines(tiny_engine):
+    kw = dict(max_seq_len=200, max_batch_size=4)
+    e = {"dense": tiny_engine("llama", **kw),
+         "gemma-dense": tiny_engine("gemma3", **kw),
+         "gemma-3k": tiny_engine("gemma3", preset="3k", infinitehip_overrides=TINY, **kw),
+         "cover": tiny_engine("llama", preset="3k", infinitehip_overrides=COVER, **kw)}
     for preset in ("3k", "3k-fast", "3k-flash", "5k"):
-        e[preset] = build_engine(checkpoint=root / "llama", output_dir=root / preset, preset=preset,
-                                 infinitehip_overrides=TINY_5K if preset == "5k" else TINY, **kw)
+        e[preset] = tiny_engine("llama", preset=preset, infinitehip_overrides=TINY_5K if preset == "5k" else TINY, **kw)
     fp8 = dict(kw, kv_dtype="fp8")  # the same weights over an fp8 KV cache (plugins/kv_quant.py)
-    e["dense-fp8"] = build_engine(checkpoint=root / "llama", output_dir=root / "dense-fp8", **fp8)
-    e["cover-fp8"] = build_engine(checkpoint=root / "llama", output_dir=root / "cover-fp8", preset="3k",
-                                  infinitehip_overrides=COVER, **fp8)
-    e["3k-fp8"] = build_engine(checkpoint=root / "llama", output_dir=root / "3k-fp8", preset="3k",
-                               infinitehip_overrides=TINY, **fp8)
+    e["dense-fp8"] = tiny_engine("llama", **fp8)
+    e["cover-fp8"] = tiny_engine("llama", preset="3k", infinitehip_overrides=COVER, **fp8)
+    e["3k-fp8"] = tiny_engine("llama", preset="3k", infinitehip_overrides=TINY, **fp8)
     return e
 
 
