@@ -45,7 +45,8 @@ import torch
 from infhip.plugins.plan_rules import DECODE_LEN_BUCKETS, len_bucket
 from infhip.runtime.forward_context import ForwardContext, KVGroupMetadata, LayerKV, compact_slots, forward_context
 
-__all__ = ["DECODE_LEN_BUCKETS", "DecodeGraphs", "GraphKey", "decode_len_bound", "len_bucket", "step_len_bucket"]
+__all__ = ["DECODE_LEN_BUCKETS", "DecodeGraphs", "GraphKey", "GraphShape", "decode_len_bound", "len_bucket",
+           "step_len_bucket"]
 
 log = logging.getLogger("infhip.graphs")
 
@@ -83,21 +84,36 @@ def decode_len_bound(p, table_tokens: int) -> int:
     return step_len_bucket(p, table_tokens) or table_tokens
 
 
+@dataclass(frozen=True)
+class GraphShape:
+    """What the graphs' static buffers are sized by (the runner's KV layout)."""
+
+    device: torch.device
+    groups: tuple[str, ...]  # KV groups, sorted
+    global_layers: tuple[int, ...]  # the full-attention layers (per-layer KV shifts)
+    page_size: int
+    max_pages_per_seq: int  # block-table width
+    table_tokens: int  # tokens a block-table row addresses
+
+
 class DecodeGraphs:
-    def __init__(self, runner, batch_sizes: list[int], max_steps: int = 1):
-        self.runner = runner
+    def __init__(self, model, backends: dict, transforms: dict, shape: GraphShape, batch_sizes: list[int],
+                 max_steps: int = 1):
+        """model: the CausalLM; backends / transforms: the runner's attached attention backends
+        and step transforms by name (live dicts: set_backend replaces entries)."""
+        self.model, self.backends, self.transforms, self.shape = model, backends, transforms, shape
         self.sizes = sorted(set(batch_sizes))
-        max_bs, dev = self.sizes[-1], runner.device
-        self.groups = list(runner.groups)
+        max_bs, dev = self.sizes[-1], shape.device
+        self.groups = list(shape.groups)
         # The inputs of up to max_steps decode steps travel in one pinned int64 block, one
         # host-to-device copy: per step, rows = input_ids, positions, context_lens, each
         # backend's graph_rows, one KV slot row per group, then per full-attention layer the
         # keys it lacks (a transform's kv_shift). Before each replay the step's rows are
         # copied (on the device) into `rows`, which the graphs read.
-        self.global_layers = list(runner.global_layers) if "global" in self.groups else []
+        self.global_layers = list(shape.global_layers) if "global" in self.groups else []
         self.backend_rows: dict[str, slice] = {}
         row = 3
-        for name, backend in runner.backends.items():
+        for name, backend in backends.items():
             self.backend_rows[name] = slice(row, row + len(backend.graph_rows))
             row += len(backend.graph_rows)
         self.slot_row = row
@@ -113,10 +129,10 @@ class DecodeGraphs:
         # The attention kernels want int32 lengths: converted on the device inside the graph.
         self.context_lens = torch.zeros(max_bs, dtype=torch.int32, device=dev)
         self.cu_seqlens_q = torch.arange(max_bs + 1, dtype=torch.int32, device=dev)
-        self.host_tables = torch.zeros((len(self.groups), max_bs, runner.max_pages_per_seq),
+        self.host_tables = torch.zeros((len(self.groups), max_bs, shape.max_pages_per_seq),
                                        dtype=torch.int32).pin_memory()
         self.host_tables_np = self.host_tables.numpy()
-        self.tables = {g: torch.zeros(max_bs, runner.max_pages_per_seq, dtype=torch.int32, device=dev)
+        self.tables = {g: torch.zeros(max_bs, shape.max_pages_per_seq, dtype=torch.int32, device=dev)
                        for g in self.groups}
         # per group and row: (the page list last staged there, how many of its entries)
         self._staged = [[(None, 0)] * max_bs for _ in self.groups]
@@ -130,7 +146,7 @@ class DecodeGraphs:
         self.layer_ctx = torch.zeros((num_global, max_bs), dtype=torch.int32, device=dev)
         # each backend's graph state (its constant buffers, views of its rows)
         self.states = {name: backend.graph_state(max_bs, self.rows[self.backend_rows[name]])
-                       for name, backend in runner.backends.items()}
+                       for name, backend in backends.items()}
         # captured at load (graphs, seconds, pool bytes) and on the request path (should stay 0)
         self.report = {"graphs": 0, "seconds": 0.0, "pool_bytes": 0, "on_request": 0}
 
@@ -138,7 +154,7 @@ class DecodeGraphs:
         """Padding values of a [num_rows, n] block: token 0 at position 0, no context, each
         backend's padding (graph_rows), no KV write."""
         rows[0:3] = 0
-        for name, backend in self.runner.backends.items():
+        for name, backend in self.backends.items():
             for r, pad in zip(range(self.backend_rows[name].start, self.backend_rows[name].stop), backend.graph_rows):
                 rows[r] = pad
         rows[self.slot_row:self.shift_row] = -1
@@ -146,30 +162,32 @@ class DecodeGraphs:
 
     def _context(self, bs: int, key: GraphKey) -> ForwardContext:
         """The forward context a graph of (bs, key) captures: views of the static buffers."""
-        ctx = ForwardContext(
-            positions=self.positions[:bs], context_lens=self.context_lens[:bs],
-            cu_seqlens_q=self.cu_seqlens_q[:bs + 1], num_decodes=bs,
-            groups={g: KVGroupMetadata(self.slots[g][:bs], self.tables[g][:bs]) for g in self.slots},
-            cu_seqlens_q_list=list(range(bs + 1)), context_lens_list=[0] * bs,
-            decode_len_bound=key.len_bucket or self.runner.table_tokens)
-        backends = self.runner.backends
-        ctx.meta = {name: backends[name].graph_meta(k, bs, self.states[name], ctx) for name, k in key.backends}
+        def meta(name, k):
+            return lambda ctx: self.backends[name].graph_meta(k, bs, self.states[name], ctx)
+
+        steps = {}
         if key.layer_kv is not None:
             layer_kv = LayerKV(rows={l: i for i, l in enumerate(self.global_layers)},
                                slot_mapping=self.layer_slots[:, :bs], context_lens=self.layer_ctx[:, :bs],
                                context_lens_list=[[0] * bs] * len(self.global_layers))
-            ctx.transforms = {key.layer_kv: self.runner.transforms[key.layer_kv].graph_step(layer_kv)}
-        return ctx
+            steps[key.layer_kv] = lambda ctx: self.transforms[key.layer_kv].graph_step(layer_kv)
+        return ForwardContext.of_step(
+            {name: meta(name, k) for name, k in key.backends}, steps,
+            positions=self.positions[:bs], context_lens=self.context_lens[:bs],
+            cu_seqlens_q=self.cu_seqlens_q[:bs + 1], num_decodes=bs,
+            groups={g: KVGroupMetadata(self.slots[g][:bs], self.tables[g][:bs]) for g in self.slots},
+            cu_seqlens_q_list=list(range(bs + 1)), context_lens_list=[0] * bs,
+            decode_len_bound=key.len_bucket or self.shape.table_tokens)
 
     def _forward(self, bs: int, layer_kv: str | None = None) -> torch.Tensor:
         self.context_lens[:bs].copy_(self.rows[2, :bs])
         if layer_kv is not None:  # each global layer's compact slots and lengths (padding rows write nothing)
             shift = self.rows[self.shift_row:, :bs]  # [Lg, bs]
             slots = compact_slots(self.positions[:bs], self.arange[:bs], shift,
-                                  self.tables["global"][:bs].long(), self.runner.page_size)
+                                  self.tables["global"][:bs].long(), self.shape.page_size)
             self.layer_slots[:, :bs].copy_(torch.where(self.slots["global"][None, :bs] < 0, -1, slots))
             self.layer_ctx[:, :bs].copy_(self.rows[2, :bs][None, :] - shift)
-        model = self.runner.model
+        model = self.model
         return model.compute_logits(model(self.input_ids[:bs]))
 
     def capture(self, keys: list[GraphKey]) -> None:
@@ -180,7 +198,7 @@ class DecodeGraphs:
         warmed = set()
         for bs, key in todo:
             # one warm-up per batch size and kind of step (its kernels load outside any capture)
-            kind = (bs, tuple((name, self.runner.backends[name].graph_warm_kind(k)) for name, k in key.backends),
+            kind = (bs, tuple((name, self.backends[name].graph_warm_kind(k)) for name, k in key.backends),
                     key.layer_kv, key.len_bucket)
             self._capture(bs, key, warm_up=kind not in warmed)
             warmed.add(kind)
@@ -223,15 +241,14 @@ class DecodeGraphs:
         short-context length buckets, drop histories (token drop on), and each combination of
         the backends' keys (graph_keys), with drop histories where every backend's key allows
         them. All are captured at load, none on the request path."""
-        runner = self.runner
-        buckets = [b for b in DECODE_LEN_BUCKETS if b < runner.table_tokens]
-        shifts = [name for name, t in runner.transforms.items() if t.shifts_kv] if self.supports_layer_kv else []
+        buckets = [b for b in DECODE_LEN_BUCKETS if b < self.shape.table_tokens]
+        shifts = [name for name, t in self.transforms.items() if t.shifts_kv] if self.supports_layer_kv else []
         keys = [GraphKey()] + [GraphKey(len_bucket=b) for b in buckets]
         for name in shifts:
             keys += [GraphKey(layer_kv=name, len_bucket=b) for b in buckets + [None]]
-        names = list(runner.backends)
-        with_drops = {name: set(runner.backends[name].graph_keys(layer_kv=True)) for name in names}
-        for combo in itertools.product(*([None] + runner.backends[n].graph_keys() for n in names)):
+        names = list(self.backends)
+        with_drops = {name: set(self.backends[name].graph_keys(layer_kv=True)) for name in names}
+        for combo in itertools.product(*([None] + self.backends[n].graph_keys() for n in names)):
             if all(k is None for k in combo):
                 continue
             backends = tuple((n, k) for n, k in zip(names, combo) if k is not None)
@@ -255,21 +272,21 @@ class DecodeGraphs:
             return False
         if self._shift(p)[0] is not None and not self.supports_layer_kv:
             return False
-        backends = self.runner.backends
+        backends = self.backends
         return all(backends[name].graph_key(h) is not None for name, h in p.backends.items())
 
     def _shift(self, p) -> tuple[str | None, list[list[int]] | None]:
         """(the transform, [global layer][b] keys each layer lacks) of StepPlan p's per-layer KV
         shift (a transform's kv_shift), or (None, None)."""
-        transforms = self.runner.transforms
+        transforms = self.transforms
         return next(((name, s) for name, h in p.transforms.items() if (s := transforms[name].kv_shift(h)) is not None),
                     (None, None))
 
     def key_of(self, p) -> GraphKey:
         """The key of the graph StepPlan p replays."""
-        backends = self.runner.backends
+        backends = self.backends
         return GraphKey(backends=tuple((name, backends[name].graph_key(h)) for name, h in p.backends.items()),
-                        layer_kv=self._shift(p)[0], len_bucket=step_len_bucket(p, self.runner.table_tokens))
+                        layer_kv=self._shift(p)[0], len_bucket=step_len_bucket(p, self.shape.table_tokens))
 
     def load(self, plans: list) -> int:
         """Stage the host-planned inputs of len(plans) consecutive decode steps of one batch (step
@@ -282,7 +299,7 @@ class DecodeGraphs:
                 rows[0, :n] = p.input_ids
             rows[1, :n], rows[2, :n] = p.positions, p.ctx_lens
             for name, h in p.backends.items():  # a backend without rows: no graph of the step reads its rows
-                self.runner.backends[name].graph_fill(h, rows[self.backend_rows[name]])
+                self.backends[name].graph_fill(h, rows[self.backend_rows[name]])
             for i, g in enumerate(self.groups):
                 rows[self.slot_row + i, :n] = p.slots[g]
             shift = self._shift(p)[1]

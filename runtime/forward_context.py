@@ -54,6 +54,17 @@ class ForwardContext:
     # cache lacks of each sequence (its key ranges end that much earlier); None: it holds them all.
     key_shift: torch.Tensor | None = None
 
+    @classmethod
+    def of_step(cls, backend_meta: dict, transform_steps: dict, **common) -> "ForwardContext":
+        """The one constructor of a step's context (eager: ModelRunner._context, from the
+        uploaded StepPlan; graphs: DecodeGraphs._context, views of the static buffers): the
+        common fields, then each backend's device meta and each transform's step object, made
+        from it by backend_meta / transform_steps (name -> fn(ctx))."""
+        ctx = cls(**common)
+        ctx.meta = {name: make(ctx) for name, make in backend_meta.items()}
+        ctx.transforms = {name: make(ctx) for name, make in transform_steps.items()}
+        return ctx
+
     def for_layer(self, layer: int, group: str) -> "ForwardContext":
         """The context as layer `layer` of KV group `group` sees it: each transform's view
         (its own context lengths and slots when it holds a compacted KV), else this context."""

@@ -20,7 +20,7 @@ import torch
 
 from infhip.runtime import kv_budget
 from infhip.runtime.attention import AttachEnv, AttentionBackend, Limits, backend_class, backends
-from infhip.runtime.cuda_graphs import DecodeGraphs, decode_len_bound
+from infhip.runtime.cuda_graphs import DecodeGraphs, GraphShape, decode_len_bound
 from infhip.runtime.engine import LoadedEngine
 from infhip.runtime.forward_context import ForwardContext, KVGroupMetadata, forward_context, upload, upload_tables
 from infhip.runtime.kv_cache import KVCacheManager
@@ -81,10 +81,16 @@ class ModelRunner:
         self.hidden_out: torch.Tensor | None = None  # execute(hidden_rows=...)'s kept hidden states
 
         if self.device.type == "cuda" and not enforce_eager:
-            sizes = [b for b in build.cuda_graph_batch_sizes if b <= max_num_seqs]
-            self.graphs = DecodeGraphs(self, sizes, max_decode_steps)
+            self.graphs = self.make_graphs([b for b in build.cuda_graph_batch_sizes if b <= max_num_seqs],
+                                           max_decode_steps)
             self.graphs.capture_planned()
         self.loaded = True  # from now on set_backend / set_token_drop reach every TP rank
+
+    def make_graphs(self, batch_sizes: list[int], max_steps: int = 1) -> DecodeGraphs:
+        """A DecodeGraphs over this runner's model, backends, transforms and KV layout (none captured)."""
+        shape = GraphShape(self.device, tuple(self.groups), tuple(self.global_layers), self.page_size,
+                           self.max_pages_per_seq, self.table_tokens)
+        return DecodeGraphs(self.model, self.backends, self.transforms, shape, batch_sizes, max_steps)
 
     def _mirror(self, kind: str, *args) -> None:
         """Tensor parallelism: a change to a loaded runner (benchmarks re-plan live runners) is
@@ -178,7 +184,16 @@ class ModelRunner:
     # -- run ------------------------------------------------------------------------------------
     def _context(self, p: StepPlan) -> ForwardContext:
         tables = {g: upload_tables(p.tables[g], self.device) for g in self.groups}
-        ctx = ForwardContext(
+
+        def meta(name, host):
+            return lambda ctx: self.backends[name].upload(host, p)
+
+        def step(name, host):
+            return lambda ctx: self.transforms[name].upload(host, p, ctx)
+
+        return ForwardContext.of_step(
+            {name: meta(name, h) for name, h in p.backends.items()},
+            {name: step(name, h) for name, h in p.transforms.items()},
             positions=self._tensor(p.positions, torch.int64),
             context_lens=self._tensor(p.ctx_lens, torch.int32),
             cu_seqlens_q=self._tensor(p.cu, torch.int32),
@@ -186,9 +201,6 @@ class ModelRunner:
             groups={g: KVGroupMetadata(self._tensor(p.slots[g], torch.int64), tables[g]) for g in self.groups},
             cu_seqlens_q_list=p.cu, context_lens_list=p.ctx_lens,
             decode_len_bound=decode_len_bound(p, self.table_tokens) if p.num_decodes else None)
-        ctx.meta = {name: self.backends[name].upload(h, p) for name, h in p.backends.items()}
-        ctx.transforms = {name: self.transforms[name].upload(h, p, ctx) for name, h in p.transforms.items()}
-        return ctx
 
     def _uses_graph(self, p: StepPlan, num_seqs: int) -> bool:
         return self.graphs is not None and self.graphs.replays(p, num_seqs)

@@ -7,14 +7,14 @@ from __future__ import annotations
 
 import torch
 
-from infhip.runtime.cuda_graphs import DecodeGraphs, GraphKey
+from infhip.runtime.cuda_graphs import GraphKey
 from infhip.runtime.forward_context import forward_context
 
 
 def simulate_graphs(llm, monkeypatch, sizes=(1, 2, 4)) -> tuple[list[GraphKey], set[GraphKey]]:
     """Give llm's runner such a DecodeGraphs; returns (the keys replayed, live list; the planned keys)."""
     monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self, *a, **k: self)  # CPU: no pinned memory
-    graphs = DecodeGraphs(llm.runner, list(sizes))
+    graphs = llm.runner.make_graphs(list(sizes))
     keys: list[GraphKey] = []
 
     def replay(step, bs, n, input_ids=None, key=GraphKey()):
