@@ -94,7 +94,7 @@ class EngineCore(SampleAndCommit):
         plan = self.engine.config.plan
         if opts.prefix_caching:
             self.runner.kv.enable_prefix_caching(repr((plan, build.kv_dtype, build.dtype)),
-                                                 **prefix_caching_rule(plan, build.page_size))
+                                                 **prefix_caching_rule(self.engine.config, build.page_size))
             runner = self.runner  # token drop: only requests that never drop (read live: knobs may change)
             self.scheduler.prefix_filter = lambda seq: never_drops(seq, runner.token_drop, runner.drop_max_context)
         self.load_report = load_report(self.engine, self.runner, t0, t_engine)

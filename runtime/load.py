@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 from infhip.config import TokenDropConfig, apply_runtime_overrides
+from infhip.runtime.attention.backend import backends
 from infhip.runtime.engine import load_engine
 from infhip.runtime.kernel_store import serving
 from infhip.runtime.model_runner import ModelRunner
@@ -44,18 +45,16 @@ def make_runner(engine, opts: LoadOptions) -> tuple[ModelRunner, int, int, int]:
     return runner, max_num_seqs, budget, num_decode_steps
 
 
-def prefix_caching_rule(plan, page_size: int) -> dict:
-    """KVCacheManager.enable_prefix_caching's arguments for ``plan`` (docs/design/prefix_caching.md,
-    "Exactness per plan"; token drop's rule is the scheduler's prefix_filter). InfiniteHiP prefill is
-    block-causal (a query block of ``block_q`` reads only keys before its end), and no state but
-    K/V survives a prefill (mask caches and key banks are decode state, rebuilt at the first
-    sparse decode step; the raw-keys scratch lives one step): so a reused prefix is a multiple of
-    lcm(page_size, block_q), which keeps the suffix's query blocks on the prefix's grid, and pages
-    that sparse decode steps filled are not named (prefill would compute them otherwise)."""
-    ih = plan.infinitehip
-    if ih is None:
+def prefix_caching_rule(config, page_size: int) -> dict:
+    """KVCacheManager.enable_prefix_caching's arguments for an engine (docs/design/prefix_caching.md,
+    "Exactness per plan"; token drop's rule is the scheduler's prefix_filter): reused prefixes are
+    multiples of every attention backend's granule, and decode-filled pages are named only if
+    every backend allows it (no state but K/V survives a prefill)."""
+    used = [cls for cls in backends() if cls.knobs_of(config) is not None]
+    if not used:
         return {}
-    return dict(granule=math.lcm(page_size, ih.block_q), cache_decode_pages=False)
+    return dict(granule=math.lcm(page_size, *(cls.prefix_granule(config) for cls in used)),
+                cache_decode_pages=all(cls.caches_decode_pages(config) for cls in used))
 
 
 def load_report(engine, runner: ModelRunner, t0: float, t_engine: float) -> dict:

@@ -161,6 +161,19 @@ class AttentionBackend:
         return key
 
     @classmethod
+    def prefix_granule(cls, config) -> int:
+        """Prefix caching reuses prefixes that are multiples of this many tokens (and of the page
+        size), so a suffix's steps see the prefix as its own prefill would
+        (docs/design/prefix_caching.md, "Exactness per plan"); 1: any page boundary."""
+        return 1
+
+    @classmethod
+    def caches_decode_pages(cls, config) -> bool:
+        """Whether pages that decode steps filled may be named for reuse (False when a prefill
+        would compute them differently)."""
+        return True
+
+    @classmethod
     def max_drop_context(cls, config) -> int | None:
         """The longest context at which a request may still drop tokens (token drop) in an
         engine with this backend's layers; None: no limit."""

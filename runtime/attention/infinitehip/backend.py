@@ -152,6 +152,18 @@ class InfiniteHipBackend(AttentionBackend):
         rows[0, :len(h.decode_slots)] = h.decode_slots
 
     @classmethod
+    def prefix_granule(cls, config) -> int:
+        """Prefill is block-causal (a query block of block_q reads only keys before its end): a
+        reused prefix keeps the suffix's query blocks on the prefix's grid."""
+        return config.plan.infinitehip.block_q
+
+    @classmethod
+    def caches_decode_pages(cls, config) -> bool:
+        """Mask caches and key banks are decode state, rebuilt at the first sparse decode step:
+        pages sparse decode steps filled would differ from a prefill's."""
+        return False
+
+    @classmethod
     def max_drop_context(cls, config) -> int:
         """Requests drop tokens only inside the trained window (runtime/token_drop.py says why)."""
         return config.model.max_position_embeddings
