@@ -12,8 +12,8 @@
 #   bash benchmarks/gpu_issue32.sh [ruler-parity|td-sweep|ttft] [DEADLINE_S=540]
 # td-sweep: UniPrefill drop schedules beside dense, every column at once per length. 2026-12-05 it
 # measured p 0.995 / 0.999, block_size 16, before_attention and the later layers 11:14:17:20 and
-# 17:20 (docs/quality.md); now: the default (auto = 14, 17, 20 on this model, not yet measured),
-# its two measured neighbours again, and p = 0.98 with the default layers.
+# 17:20 (docs/quality.md); now: the default (auto = 17, 20 on this model) again, half depth,
+# the authors' Gemma rule by depth (14, 17, 20) and p = 0.98 with the default layers.
 set -o pipefail
 OUT=${OUT:-/tmp/infhip-out}; mkdir -p "$OUT"
 MODE=${1:-ruler-parity}; DEADLINE=${2:-540}
@@ -58,7 +58,7 @@ if [ "$MODE" = ttft ]; then  # 0.5B prefill is launch-bound on the H200: overhea
 fi
 if [ "$MODE" = td-sweep ]; then
   parity 32768 &  # hip-attn parity at 32K beside the sweep
-  declare -A COLS=([dense]="" [auto]="$TD" [late4]="$TD,drop_layers=11:14:17:20" [late2]="$TD,drop_layers=17:20"
+  declare -A COLS=([dense]="" [auto]="$TD" [late4]="$TD,drop_layers=11:14:17:20" [k5to7]="$TD,drop_layers=14:17:20"
     [auto_p98]="p=0.98,min_prompt_len=4096")
   for L in 8k 16k 32k; do
     for c in "${!COLS[@]}"; do

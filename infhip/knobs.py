@@ -258,23 +258,23 @@ DROP_LAYER_RULES = ("auto", "every")
 # Gemma-3-12B (29, 35, 41 of 48) and k = 2..7 on Llama-3.1-8B (7, 11, ..., 27 of 32). On
 # Qwen2.5-Coder-0.5B RULER at 8K/16K/32K (H200, 45 prompts per length, p = 0.99; docs/quality.md)
 # k = 2..7 lost 25 / 30 / 18 points to dense, k = 4..7 1.1 / 2.8 / 0.8 and k = 6..7 0.8 / 1.7 / -0.2:
-# the early drops lose the needles. k = 5..7 lies between the two that held (not itself measured).
-AUTO_DEPTH_EIGHTHS = (5, 6, 7)
+# the early drops lose the needles. The default is the measured k = 6..7 (within 2 points at each length).
+AUTO_DEPTH_EIGHTHS = (6, 7)
 AUTHORS_LLAMA_EIGHTHS = (2, 3, 4, 5, 6, 7)  # the authors' Llama-3.1-8B list (parity harness)
 
 
 def default_drop_layers(full_layers: list[int], num_layers: int,
                         eighths: tuple[int, ...] = AUTO_DEPTH_EIGHTHS) -> tuple[int, ...]:
     """drop_layers="auto": for k in ``eighths``, the first full-attention layer l with
-    (l + 1) >= k * L / 8 (L = num_layers). With the default k = 5..7 it is the authors'
-    Gemma-3-12B list exactly (29, 35, 41 of 48, global every 6th); on Llama-3.1-8B 19, 23, 27; on
-    Qwen2.5-0.5B (24 layers) 14, 17, 20. ``AUTHORS_LLAMA_EIGHTHS`` gives their Llama list.
+    (l + 1) >= k * L / 8 (L = num_layers). With the default k = 6..7: on Qwen2.5-0.5B (24
+    layers) 17, 20 (measured on RULER, docs/quality.md); on Llama-3.1-8B 23, 27; on Gemma-3-12B
+    35, 41 (the authors' list there is 29, 35, 41: k = 5..7). ``AUTHORS_LLAMA_EIGHTHS`` gives their Llama list.
 
     >>> default_drop_layers(list(range(32)), 32)
-    (19, 23, 27)
+    (23, 27)
     >>> default_drop_layers(list(range(32)), 32, AUTHORS_LLAMA_EIGHTHS)
     (7, 11, 15, 19, 23, 27)
-    >>> default_drop_layers(list(range(5, 48, 6)), 48)
+    >>> default_drop_layers(list(range(5, 48, 6)), 48, (5, 6, 7))  # the authors' Gemma-3-12B list
     (29, 35, 41)
     """
     out = []
@@ -337,8 +337,8 @@ class TokenDropConfig:
     over the kept ones only (``before_attention``, the paper's Eq. 8). With ``reenter`` the
     dropped tokens come back at the next drop layer with their saved stream (the paper's
     reconstitution); without it the kept set only shrinks (the authors' code). The defaults are
-    the authors' code (after attention, no re-entry) at the drop layers of their Gemma-3 list as
-    a depth rule (5/8, 6/8, 7/8 of the depth): on Qwen2.5-0.5B RULER their Llama list (from 2/8)
+    the authors' code (after attention, no re-entry) at the layers ending 6/8 and 7/8 of the
+    depth: on Qwen2.5-0.5B RULER their Llama list (from 2/8)
     lost 18-30 points to dense, drops from half depth on 0.8-2.8 (docs/quality.md).
     A prompt shorter than ``min_prompt_len`` is never dropped: below ~8K tokens prefill is short
     already, the estimate costs a few percent (paper: -5% at 4K on hybrids), and any drop can
@@ -356,8 +356,8 @@ class TokenDropConfig:
         measured="overhead with every block kept, Llama-8B: 21 % at 8K, 4.8 % at 32K, 2.6 % at 128K "
         "([benchmarks](benchmarks.md#token-drop-uniprefill-ttft-vs-dense))")
     drop_layers: Any = knob(
-        "auto", "layers that drop: 'auto' (the authors' Gemma-3-12B list by depth: the full-attention layer "
-        "ending the 5th, 6th and 7th eighth of the depth), 'every' (every full-attention layer), or layer "
+        "auto", "layers that drop: 'auto' (the full-attention layers ending the 6th and 7th eighth of the "
+        "depth: on Qwen2.5-0.5B RULER within 2 points of dense where the authors' Llama list lost 18-30), 'every' (every full-attention layer), or layer "
         "indices (a list; '5:8:11' on a command line); engines built before it: 'every'", runtime=True,
         measured=_PARITY)
     drop_point: str = knob(

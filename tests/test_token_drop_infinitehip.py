@@ -24,7 +24,8 @@ from tests.test_infinitehip_runtime_schedule import seq
 from tests.test_token_drop_runtime import TINY as TD_TINY
 from tests.test_token_drop_runtime import prompt
 
-DROP, RHO = TD_TINY, 0.4  # a forced retention of 40 % (set_forced_retention)
+# drop at every full layer of the tiny model (the deeper default rule leaves it one or none)
+DROP, RHO = dict(TD_TINY, drop_layers="every"), 0.4  # a forced retention of 40 % (set_forced_retention)
 LOW = {"dense_threshold": 30}
 PROMPTS = [prompt(11, 150), prompt(12, 97), prompt(13, 181)]
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
