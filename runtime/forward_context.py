@@ -21,6 +21,8 @@ from typing import Any
 
 import torch
 
+from infhip.runtime.attention.dense import DENSE
+
 
 @dataclass
 class KVGroupMetadata:
@@ -83,9 +85,14 @@ class ForwardContext:
         return attn.backend
 
     def run_attention(self, attn, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """Layer ``attn``'s attention of the step: its backend's run with the backend's meta."""
+        """Layer ``attn``'s attention of the step: its backend's run with the backend's meta, or
+        the dense backend's when the backend has no meta this step (its plan gave None: no row
+        of the step is its own; a graph whose key leaves it out)."""
         backend = self.backend_for(attn)
-        return backend.run(attn, q, k, v, self, self.meta.get(backend.name))
+        meta = self.meta.get(backend.name)
+        if meta is None:
+            backend = DENSE
+        return backend.run(attn, q, k, v, self, meta)
 
 
 @dataclass

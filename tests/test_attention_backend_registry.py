@@ -97,6 +97,20 @@ def test_a_window_covering_the_context_equals_dense(engine, toy, monkeypatch):
     assert errs and max(errs) < 1e-4
 
 
+def test_a_step_without_the_backends_meta_runs_its_layers_densely(engine, toy, monkeypatch):
+    """plan -> None (no row of the step is the backend's; so too a graph whose key leaves the
+    backend out, e.g. the dense graph captured at load): its layers run the dense backend, and
+    the engine gives the tokens of an engine without the toy."""
+    unregister(toy.name)
+    dense = tokens(LLM(engine, enforce_eager=True))
+    register(toy)
+    ran = []
+    monkeypatch.setattr(toy, "plan", lambda self, step, seqs: None)
+    monkeypatch.setattr(toy, "run", lambda self, *a: ran.append(1))
+    assert tokens(LLM(engine, enforce_eager=True)) == dense
+    assert not ran
+
+
 def test_aot_enumeration_consults_its_launch_space(engine, toy, monkeypatch):
     """The toy has no Triton kernel (torch only): the builder still asks its launch_space, with
     the engine's space, as it asks InfiniteHiP's (which launches its plugins' aot_launches)."""

@@ -19,7 +19,7 @@ from infhip.plugins.token_drop.attention import kept_attention_triton
 from tests._td_reference import record_kept_positions, reference_logits
 from tests._tiny import write_tiny_hf_checkpoint
 from tests.test_token_drop_attention import kept_positions
-from tests.test_token_drop_runtime import GEMMA_TYPES, TINY, prompt, run_greedy
+from tests.test_token_drop_runtime import GEMMA_TYPES, TINY, prompt, reference_schedule, run_greedy
 
 pytestmark = pytest.mark.gpu
 
@@ -51,7 +51,8 @@ def test_engine_on_gpu_equals_masked_reference(arch, tmp_path):
     tokens, logits, sid = run_greedy(llm, ids, 5)
     kept = {layer: torch.cat(c) for layer, c in kept_positions[sid].items()}
     layers = llm.engine.config.plan.layers
-    ref = reference_logits(llm.runner.model, ids + tokens[:-1], len(ids), kept, layers)[len(ids) - 1:]
+    ref = reference_logits(llm.runner.model, ids + tokens[:-1], len(ids), kept, layers,
+                           schedule=reference_schedule(llm))[len(ids) - 1:]
     assert (logits.double() - ref).abs().max().item() < 1e-3
 
 

@@ -130,8 +130,8 @@ class AttentionBackend:
 
     def run(self, layer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx, meta) -> torch.Tensor:
         """q [T, Hq, D], k/v [T, Hkv, D] (not yet rotated) -> out [T, Hq, D]; writes K/V. ctx:
-        the layer's view of the step's ForwardContext; meta: this backend's device meta (None:
-        no row of the step is the backend's)."""
+        the layer's view of the step's ForwardContext; meta: this backend's device meta (never
+        None: a step or graph without it runs the layer through the dense backend instead)."""
         raise NotImplementedError
 
     # -- CUDA graphs of pure decode steps ----------------------------------------------------------

@@ -116,8 +116,6 @@ class InfiniteHipBackend(AttentionBackend):
         return upload(values, dtype, self.device)
 
     def run(self, layer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx, sparse) -> torch.Tensor:
-        if sparse is None:  # no row of the step reaches dense_threshold
-            return DENSE.run(layer, q, k, v, ctx)
         meta = ctx.groups[layer.kv_group]
         DENSE.rope_and_write(layer, q, k, v, ctx.positions, meta.slot_mapping)
         out = torch.empty_like(q)
