@@ -75,24 +75,17 @@ class ForwardContext:
             ctx = step.layer_view(ctx, layer, group)
         return ctx
 
-    def backend_for(self, attn):
-        """The backend that runs layer `attn` this step: a transform's at the layers it handles
-        this step, else the layer's own (runtime/attention/)."""
+    def run_attention(self, attn, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Layer ``attn``'s attention of the step: a transform's backend at the layers it handles
+        this step; else the layer's own backend (runtime/attention/) with its meta, or the dense
+        backend when the layer's backend has no meta this step (its plan gave None: no row of
+        the step is its own; a graph whose key leaves it out)."""
         for step in self.transforms.values():
             backend = step.backend_for(attn.layer_index)
             if backend is not None:
-                return backend
-        return attn.backend
-
-    def run_attention(self, attn, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """Layer ``attn``'s attention of the step: its backend's run with the backend's meta, or
-        the dense backend's when the backend has no meta this step (its plan gave None: no row
-        of the step is its own; a graph whose key leaves it out)."""
-        backend = self.backend_for(attn)
-        meta = self.meta.get(backend.name)
-        if meta is None:
-            backend = DENSE
-        return backend.run(attn, q, k, v, self, meta)
+                return backend.run(attn, q, k, v, self, None)
+        meta = self.meta.get(attn.backend.name)
+        return (attn.backend if meta is not None else DENSE).run(attn, q, k, v, self, meta)
 
 
 @dataclass

@@ -238,7 +238,7 @@ class TokenDropStep(TransformStep):
         self.cu_t = torch.tensor(cu, dtype=torch.int32).to(sel.device)
         return hidden, residual.index_select(0, sel)
 
-    # -- attention: the backend of the layers it handles (ForwardContext.backend_for) ------------
+    # -- attention: the backend of the layers it handles (ForwardContext.run_attention) ------------
     def handles_layer(self, layer: int) -> bool:
         """In a step with drops, drop layers and every layer while rows are dropped take this
         backend; the layers before the first drop (and spared drop layers) run the full batch
