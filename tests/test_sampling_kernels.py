@@ -1,0 +1,137 @@
+"""The sampler's kernels (plugins/sampling.py) against their plain-torch references, under the
+Triton interpreter on CPU (compiled on a GPU), at small odd shapes: the fused stages (bitmask,
+sparse entries, penalties from table slots) exactly, for every combination of features and on
+a real SamplingBatch's packed arrays; the advance exactly; logprobs' chosen logprob and
+logsumexp within float32 rounding and its rank exactly (ties included); and the device penalty
+slots (runtime/penalty_slots.py) equal to counts rebuilt from the history across steps."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from infhip.plugins.sampling import (NEVER_DONE, advance_ref, advance_triton, logprobs_ref, logprobs_triton,
+                                     stages_ref, stages_triton)
+from infhip.runtime.penalty_slots import PenaltySlots
+from infhip.runtime.sampler import Sampler, SamplingBatch
+from infhip.runtime.sampling_params import SamplingParams
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+V, B, S = 37, 5, 6  # odd vocabulary (2 bitmask words, the last partial), 5 rows, 6 table slots
+NEG = float("-inf")
+
+
+def _inputs(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(B, V, generator=g) * 3).to(DEVICE)
+    mask = torch.randint(-2 ** 31, 2 ** 31 - 1, (B, (V + 31) // 32), generator=g, dtype=torch.int64)
+    mask = mask.to(torch.int32)
+    mask[0] = -1  # row 0: everything allowed
+    # row 1: a ban and a bias; row 2: none; row 3: min_tokens held (need 4 > 2) and a bias on
+    # the same token; row 4: min_tokens no longer held (need 1 <= 3), a bias
+    rows = [[(9, NEG, NEVER_DONE), (3, 5.5, NEVER_DONE)], [], [(6, NEG, 4), (6, 1.25, NEVER_DONE), (36, -7.0, NEVER_DONE)],
+            [(2, NEG, 1), (0, 2.0, NEVER_DONE)]]
+    rows = [[]] + rows
+    ptr = [0] + list(itertools.accumulate(len(r) for r in rows))
+    flat = [e for r in rows for e in r]
+    i32 = dict(dtype=torch.int32, device=DEVICE)
+    entries = (torch.tensor(ptr, **i32), torch.tensor([e[0] for e in flat], **i32),
+               torch.tensor([e[2] for e in flat], **i32), torch.tensor([e[1] for e in flat], device=DEVICE),
+               torch.tensor([0, 5, 1, 2, 3], **i32))
+    counts = torch.randint(0, 3, (S, V), generator=g, dtype=torch.int32).to(DEVICE)
+    seen = (torch.rand(S, V, generator=g) < 0.3).to(DEVICE)
+    slot = torch.tensor([-1, 4, 0, -1, 2], **i32)  # rows 0 and 3 without penalties, slots out of order
+    pen = torch.tensor([[1, 0, 0], [1.3, 0.4, -0.7], [0.7, 1.5, 0.0], [1, 0, 0], [1.1, 0.5, 0.5]], device=DEVICE)
+    return x, mask.to(DEVICE), entries, (slot, pen, counts, seen)
+
+
+@pytest.mark.parametrize("use", [c for c in itertools.product((0, 1), repeat=3) if any(c)])
+def test_stages_exact_for_every_feature_combination(use):
+    x, mask, entries, pens = _inputs()
+    args = (mask if use[0] else None, entries if use[1] else None, pens if use[2] else None)
+    got, want = stages_triton(x, *args), stages_ref(x, *args)
+    assert torch.equal(got, want)
+    assert not torch.equal(want, x)  # every feature changes something here
+    assert torch.equal(x, _inputs()[0])  # the logits (a graph's buffer) are never written
+
+
+def test_stages_and_advance_on_a_real_batch():
+    """The packed per-step copies of a SamplingBatch (views at odd offsets) through the kernels
+    equal the reference, over two steps of one batch (out_len and counts advance)."""
+    params = [SamplingParams(temperature=0),
+              SamplingParams(repetition_penalty=1.3, frequency_penalty=0.4, presence_penalty=-0.7, temperature=0),
+              SamplingParams(logit_bias={3: 5.5, 7: -100}, bad_words_token_ids=[[9]], temperature=0),
+              SamplingParams(min_tokens=4, stop_token_ids=[6], frequency_penalty=1.5, temperature=0)]
+    hist = [([1], [3]), ([5, 5, 8], [8, 8, 1, 30]), ([4], [1]), ([12], [2, 6])]
+    batch = SamplingBatch(params, [None] * 4, DEVICE, V, hist, (2,))
+    x, mask, _, _ = _inputs(1)
+    x = x[:4].contiguous()
+    batch.token_bitmask = mask[:4].contiguous()
+    for step in range(2):
+        want = stages_ref(x, batch.token_bitmask, batch.entries, batch.penalties)
+        assert torch.equal(stages_triton(x, batch.token_bitmask, batch.entries, batch.penalties), want)
+        assert torch.equal(Sampler().process(x, batch), want)
+        tokens = want.argmax(-1)
+        counts, out_len = batch.penalties[2].clone(), batch.out_len.clone()
+        advance_ref(tokens, batch.out_len, batch.penalties)
+        ref = (batch.penalties[2].clone(), batch.out_len.clone())
+        batch.penalties[2].copy_(counts)
+        batch.out_len.copy_(out_len)
+        advance_triton(tokens, batch.out_len, batch.penalties)
+        assert torch.equal(batch.penalties[2], ref[0]) and torch.equal(batch.out_len, ref[1])
+        assert batch.out_len.tolist() == [len(h[1]) + step + 1 for h in hist]
+
+
+@pytest.mark.parametrize("v", [37, 5001])  # one tile; three tiles, the last partial
+def test_logprobs_kernel_matches_log_softmax(v):
+    g = torch.Generator().manual_seed(v)
+    x = (torch.randn(4, v, generator=g) * 4).to(DEVICE)
+    x[2, : v // 2] = x[2, 0]  # many ties: rank counts strictly greater logits only
+    tokens = torch.tensor([0, v - 1, 0, 7], device=DEVICE)
+    rows = torch.tensor([0, 2, 3], device=DEVICE)
+    got, want = logprobs_triton(x, rows, tokens), logprobs_ref(x, rows, tokens)
+    assert torch.equal(got[:, 1], want[:, 1])
+    torch.testing.assert_close(got[:, [0, 2]], want[:, [0, 2]], rtol=0, atol=2e-5)
+    lp = torch.log_softmax(x[rows], -1)
+    torch.testing.assert_close(got[:, 0], lp.gather(1, tokens[rows][:, None])[:, 0], rtol=0, atol=2e-5)
+
+
+class _Seq:
+    """A sequence as PenaltySlots sees it: a key with is_finished."""
+    is_finished = False
+
+
+def test_penalty_slots_follow_the_committed_output():
+    """Slots advance on the device with the sampled tokens; a row whose host count disagrees
+    (tokens sampled but not committed) is rebuilt; finished sequences' slots are reused and the
+    tables grow when all are held."""
+    slots = PenaltySlots(V, DEVICE)
+    seqs = [_Seq() for _ in range(3)]
+    prompts, outs = [[1, 2, 2], [3], [4, 5]], [[7, 7], [], [8]]
+
+    def want(i):
+        return torch.bincount(torch.tensor(outs[i], dtype=torch.int64), minlength=V).to(torch.int32)
+
+    taken = slots.take([(s, p, o, True) for s, p, o in zip(seqs, prompts, outs)])
+    assert len(set(taken)) == 3
+    for i, s in enumerate(taken):
+        assert torch.equal(slots.counts[s].cpu(), want(i))
+        assert slots.seen[s].nonzero().flatten().tolist() == sorted(set(prompts[i]))
+    # a step samples 11, 12, 13; seqs 0 and 1 commit theirs, seq 2's is dropped and it takes 9
+    slots.counts[torch.tensor(taken, device=DEVICE), torch.tensor([11, 12, 13], device=DEVICE)] += 1
+    slots.folded(seqs)
+    outs[0].append(11)
+    outs[1].append(12)
+    outs[2].append(9)
+    outs[2].append(10)
+    again = slots.take([(s, p, o, True) for s, p, o in zip(seqs, prompts, outs)])
+    assert again == taken
+    for i, s in enumerate(taken):
+        assert torch.equal(slots.counts[s].cpu(), want(i))
+    seqs[1].is_finished = True
+    more = [_Seq() for _ in range(8)]
+    new = slots.take([(s, [], [i], False) for i, s in enumerate(more)])
+    assert taken[1] in new and slots.counts.shape[0] == 16  # reused, then grown by doubling
+    assert all(slots.counts[s].sum().item() == 1 and not slots.seen[s].any() for s in new)
