@@ -7,6 +7,7 @@ slots (runtime/penalty_slots.py) equal to counts rebuilt from the history across
 
 from __future__ import annotations
 
+import collections
 import itertools
 
 import pytest
@@ -135,3 +136,38 @@ def test_penalty_slots_follow_the_committed_output():
     new = slots.take([(s, [], [i], False) for i, s in enumerate(more)])
     assert taken[1] in new and slots.counts.shape[0] == 16  # reused, then grown by doubling
     assert all(slots.counts[s].sum().item() == 1 and not slots.seen[s].any() for s in new)
+
+
+def test_engine_enumerates_exactly_what_the_sampler_launches(tiny_engine):
+    """AOT (plugins/aot.py): a tiny engine's run with every stage, logprobs and penalties, its
+    launches recorded as on the GPU, launches only sampler variants that builder/kernels.py
+    enumerates for it (7 stage combinations, 3 advance, 1 logprobs); a plain greedy batch
+    launches none of them."""
+    from infhip import LLM
+    from infhip.builder.kernels import enumerate_variants
+    from infhip.config import EngineConfig
+    from infhip.plugins.aot import Target, record
+
+    engine = tiny_engine("llama", max_seq_len=64, max_batch_size=4)
+    target = Target()
+    enumerated = {v for v in enumerate_variants(EngineConfig.load(engine), target) if v.name in _SAMPLER_KERNELS}
+    assert collections.Counter(v.name for v in enumerated) == {"_stages_kernel": 7, "_advance_kernel": 3,
+                                                               "_logprobs_kernel": 1}
+    llm = LLM(engine)
+    prompts = [[5, 6, 7, 8], [9, 10, 11], [12, 13]]
+
+    def launched(params):
+        with record(target, launch=True) as rec:
+            llm.generate(prompt_token_ids=prompts, sampling_params=params)
+        return {v for v in rec.variants if v.name in _SAMPLER_KERNELS}
+
+    assert not launched(SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
+    got = launched([SamplingParams(max_tokens=3, temperature=0, ignore_eos=True, logprobs=2, repetition_penalty=1.2,
+                                   presence_penalty=0.5),
+                    SamplingParams(max_tokens=3, temperature=0, ignore_eos=True, logit_bias={3: 1.0}, min_tokens=2),
+                    SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)])
+    assert {v.name for v in got} == set(_SAMPLER_KERNELS)
+    assert got <= enumerated, sorted(v.describe() for v in got - enumerated)
+
+
+_SAMPLER_KERNELS = ("_stages_kernel", "_advance_kernel", "_logprobs_kernel")
