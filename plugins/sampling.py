@@ -14,10 +14,12 @@ decode step with sampling features costs one or two launches instead of a dozen 
                 penalty_slots.py), pen [B, 3] float32 = (repetition, frequency, presence).
   advance  after a step's draw: out_len[row] += 1, counts[slot[row], tokens[row]] += 1 (one
            program per row; slots are distinct, so no atomics).
-  logprobs per asked row: the raw logits' logsumexp, the chosen token's logprob and its rank
-           (1 + the count of logits strictly greater than the chosen one), in one pass over
-           the row; out [R, 3] float32 = (logprob, rank, logsumexp). The top-k is torch.topk
-           on the raw logits (the same order as on the logprobs) minus the logsumexp.
+  logprobs per asked row, in two launches (per row x vocab tile, then per row): the raw
+           logits' logsumexp, the chosen token's logprob, its rank (1 + the count of logits
+           strictly greater than the chosen one) and the top k (tl.topk of each tile on int64
+           keys holding the logit and its index, then of the tiles' candidates: the top k of
+           the logits are those of the logprobs); out [R, 2 + 2k] float32, the layout the
+           host reads (runtime/logprobs.py).
 
 Each has a plain-torch reference (`*_ref`: the sampler's eager code, the CPU path) and is
 tested against it under TRITON_INTERPRET=1 (tests/test_sampling_kernels.py). Unused inputs are
@@ -32,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._triton_utils import next_pow2
+from ._triton_utils import next_pow2, use_triton
 
 NEVER_DONE = 2 ** 31 - 1  # an entry's `need` that out_len never reaches: always applied
 _NEG_INF = float("-inf")
@@ -93,26 +95,61 @@ def _advance_kernel(tok_ptr, out_len_ptr, slot_ptr, counts_ptr, V,
             tl.store(at, tl.load(at) + 1)
 
 
+@triton.jit
+def _order_key(x, cols):
+    """int64 keys ordered as (x, then the lower index first): x's float bits made
+    sign-magnitude-orderable in the high word, 2**31 - 1 - index in the low word."""
+    bits = x.to(tl.int32, bitcast=True)
+    ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)
+    return (ordered.to(tl.int64) << 32) | (2147483647 - cols).to(tl.int64)
+
+
 @triton.jit(do_not_specialize_on_alignment=["rows_ptr"])
-def _logprobs_kernel(x_ptr, rows_ptr, tok_ptr, out_ptr, V, BLOCK: tl.constexpr):
+def _logprobs_part_kernel(x_ptr, rows_ptr, tok_ptr, part_ptr, keys_ptr, V, T,
+                          BLOCK: tl.constexpr, K: tl.constexpr):
     r = tl.program_id(0)
+    t = tl.program_id(1)
     row = tl.load(rows_ptr + r)
     base = x_ptr + row * V
     chosen = tl.load(base + tl.load(tok_ptr + row))
-    m = tl.max(tl.load(base + tl.arange(0, BLOCK), mask=tl.arange(0, BLOCK) < V, other=float("-inf")), axis=0)
-    s = tl.zeros((), dtype=tl.float32)
-    above = tl.zeros((), dtype=tl.int32)
-    for start in range(0, V, BLOCK):  # online logsumexp (the first tile sets m: no -inf - -inf)
-        cols = start + tl.arange(0, BLOCK)
-        x = tl.load(base + cols, mask=cols < V, other=float("-inf"))
-        m_new = tl.maximum(m, tl.max(x, axis=0))
-        s = s * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new), axis=0)
-        m = m_new
-        above += tl.sum((x > chosen).to(tl.int32), axis=0)
-    lse = m + tl.log(s)
-    tl.store(out_ptr + r * 3, chosen - lse)
-    tl.store(out_ptr + r * 3 + 1, (above + 1).to(tl.float32))
-    tl.store(out_ptr + r * 3 + 2, lse)
+    cols = t * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(base + cols, mask=cols < V, other=float("-inf"))
+    m = tl.max(x, axis=0)
+    at = part_ptr + (r * T + t) * 3
+    tl.store(at, m)
+    tl.store(at + 1, tl.sum(tl.exp(x - m), axis=0))
+    tl.store(at + 2, tl.sum((x > chosen).to(tl.int32), axis=0).to(tl.float32))
+    if K > 0:
+        top = tl.topk(_order_key(x, cols), K)
+        tl.store(keys_ptr + (r * T + t) * K + tl.arange(0, K), top)
+
+
+@triton.jit(do_not_specialize=["k", "width"], do_not_specialize_on_alignment=["rows_ptr"])
+def _logprobs_merge_kernel(x_ptr, rows_ptr, tok_ptr, part_ptr, keys_ptr, out_ptr, V, T, k, width,
+                           TP: tl.constexpr, K: tl.constexpr):
+    r = tl.program_id(0)
+    ts = tl.arange(0, TP)
+    ok = ts < T
+    at = part_ptr + (r * T + ts) * 3
+    m_t = tl.load(at, mask=ok, other=float("-inf"))
+    s_t = tl.load(at + 1, mask=ok, other=0.0)
+    m = tl.max(m_t, axis=0)
+    lse = m + tl.log(tl.sum(s_t * tl.exp(m_t - m), axis=0))
+    row = tl.load(rows_ptr + r)
+    chosen = tl.load(x_ptr + row * V + tl.load(tok_ptr + row))
+    out = out_ptr + r * width
+    tl.store(out, chosen - lse)
+    tl.store(out + 1, tl.sum(tl.load(at + 2, mask=ok, other=0.0), axis=0) + 1.0)
+    if K > 0:
+        ks = tl.arange(0, TP * K)
+        keys = tl.load(keys_ptr + r * T * K + ks, mask=ks < T * K, other=-9223372036854775807)  # below every key
+        top = tl.topk(keys, K)
+        ordered = (top >> 32).to(tl.int32)
+        val = (ordered ^ ((ordered >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
+        idx = 2147483647 - (top & 0xFFFFFFFF)
+        j = tl.arange(0, K)
+        tl.store(out + 2 + j, val - lse, mask=j < k)
+        tl.store(out + 2 + k + j, idx.to(tl.float32), mask=j < k)
 
 
 # -- launchers -------------------------------------------------------------------------------------
@@ -144,12 +181,22 @@ def advance_triton(tokens: torch.Tensor, out_len: torch.Tensor | None, penalties
                                         HAS_LEN=out_len is not None, HAS_PEN=penalties is not None, num_warps=1)
 
 
-def logprobs_triton(x: torch.Tensor, rows: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+def logprobs_triton(x: torch.Tensor, rows: torch.Tensor, tokens: torch.Tensor, k: int) -> torch.Tensor:
     """x [B, V] float32 contiguous (raw logits), rows [R] int64 (the asked rows), tokens [B]
-    int64 -> [R, 3] float32: (the chosen token's logprob, its rank, the row's logsumexp)."""
+    int64, k top logprobs (0..32) -> [R, 2 + 2k] float32 (the `logprobs` layout). Two launches:
+    per (row, vocab tile) its max, sum of exp, count above the chosen logit and top-k keys; per
+    row their merge (logsumexp, rank, the top k of the tiles' candidates)."""
     assert x.dtype == torch.float32 and x.is_contiguous(), "logits must be contiguous [B, V] float32"
-    out = torch.empty(rows.shape[0], 3, dtype=torch.float32, device=x.device)
-    _logprobs_kernel[(rows.shape[0],)](x, rows, tokens, out, x.shape[1], BLOCK=_block(x.shape[1]), num_warps=8)
+    assert 0 <= k <= 32, f"top logprobs k must be in [0, 32], got {k}"
+    (r, v), kp = (rows.shape[0], x.shape[1]), next_pow2(k) if k else 0
+    block = _block(v)
+    t = triton.cdiv(v, block)
+    part = torch.empty(r, t, 3, dtype=torch.float32, device=x.device)
+    keys = torch.empty(r, t, kp, dtype=torch.int64, device=x.device) if kp else None
+    out = torch.empty(r, 2 + 2 * k, dtype=torch.float32, device=x.device)
+    _logprobs_part_kernel[(r, t)](x, rows, tokens, part, keys, v, t, BLOCK=block, K=kp, num_warps=4)
+    _logprobs_merge_kernel[(r,)](x, rows, tokens, part, keys, out, v, t, k, 2 + 2 * k, TP=next_pow2(t), K=kp,
+                                 num_warps=4)
     return out
 
 
@@ -206,12 +253,25 @@ def advance_ref(tokens: torch.Tensor, out_len: torch.Tensor | None, penalties: t
                           accumulate=True)
 
 
-def logprobs_ref(x: torch.Tensor, rows: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    lp = torch.log_softmax(x[rows].float(), dim=-1)
-    chosen = lp.gather(1, tokens[rows][:, None])
-    rank = (lp > chosen).sum(dim=-1, keepdim=True).float() + 1
-    lse = x[rows].float().logsumexp(dim=-1, keepdim=True)
-    return torch.cat([chosen, rank, lse], dim=1)
+def logprobs_ref(x: torch.Tensor, rows: torch.Tensor, tokens: torch.Tensor, k: int) -> torch.Tensor:
+    """Plain torch, the same contract as `logprobs_triton` (the log-softmax, then gather and
+    topk on it; the rank on the raw logits)."""
+    raw = x[rows].float()
+    lp = torch.log_softmax(raw, dim=-1)
+    at = tokens[rows][:, None]
+    parts = [lp.gather(1, at), (raw > raw.gather(1, at)).sum(dim=-1, keepdim=True).float() + 1]
+    if k:
+        top_lp, top_ids = lp.topk(k, dim=-1)
+        parts += [top_lp, top_ids.float()]
+    return torch.cat(parts, dim=1)
+
+
+def logprobs(x: torch.Tensor, rows: torch.Tensor, tokens: torch.Tensor, k: int) -> torch.Tensor:
+    """[R, 2 + 2k] float32 per asked row: the chosen token's raw logprob, its rank (1 + the
+    logits strictly above it), the top k logprobs, their token ids (exact in float32 below
+    2**24): the layout the host reads in one copy (runtime/logprobs.py)."""
+    x = x if x.dtype == torch.float32 and x.is_contiguous() else x.float().contiguous()
+    return (logprobs_triton if use_triton(x) else logprobs_ref)(x, rows, tokens, k)
 
 
 def aot_launches(space) -> None:
@@ -235,4 +295,5 @@ def aot_launches(space) -> None:
     tokens = space.fake(1, dtype=torch.int64)
     for out_len, pen in ((entries[4], None), (None, pens), (entries[4], pens)):
         advance_triton(tokens, out_len, pen)
-    logprobs_triton(x, tokens, tokens)
+    for k in (0, 1, 2, 3, 5, 9, 17):  # every power-of-two K up to MAX_LOGPROBS (20)
+        logprobs_triton(x, tokens, tokens, k)

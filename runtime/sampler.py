@@ -7,7 +7,7 @@ output counts, runtime/penalty_slots.py, so nothing of size V is built on the ho
 copy, so a run of back-to-back decode steps (EngineCore._decode_steps, after each CUDA-graph
 replay: the graphs end at the logits, sampling is outside them) calls it once per step and the
 batch's device state (output counts, output lengths) advances on the device with the sampled
-tokens. On the GPU stages 1-5 are one launch, the advance one, logprobs one plus torch.topk
+tokens. On the GPU stages 1-5 are one launch, the advance one, logprobs two
 (plugins/sampling.py); elsewhere their plain-torch references run.
 
 What happens to a row's logits, in this order (vLLM's order); each stage runs only when some
@@ -44,8 +44,8 @@ from dataclasses import dataclass
 import torch
 
 from infhip.plugins._triton_utils import use_triton
-from infhip.plugins.sampling import (NEVER_DONE, advance_ref, advance_triton, apply_token_bitmask, logprobs_ref,
-                                     logprobs_triton, stages_ref, stages_triton)
+from infhip.plugins.sampling import (NEVER_DONE, advance_ref, advance_triton, apply_token_bitmask, logprobs, stages_ref,
+                                     stages_triton)
 from infhip.runtime.penalty_slots import PenaltySlots
 from infhip.runtime.sampling_params import SamplingParams
 
@@ -70,17 +70,15 @@ def make_generator(seed: int | None, device: torch.device | str) -> torch.Genera
 
 @dataclass
 class SamplerOutput:
-    """tokens [B] int64; for the rows ``logprob_rows`` (host list, batch order): the chosen
-    token's raw logprob [R] float32 and rank [R] float32 (exact; 1 = most likely), the top
-    ``top_ids`` / ``top_logprobs`` [R, K] (K = the largest logprobs asked in the batch; a row
-    asking fewer reads its first ones). All on the device until the caller reads them."""
+    """tokens [B] int64; for the rows ``logprob_rows`` (host list, batch order) ``logprobs``
+    [R, 2 + 2K] float32: the chosen token's raw logprob, its rank (1 = most likely), the top K
+    logprobs and their token ids (K = ``top_k``, the largest logprobs asked in the batch; a row
+    asking fewer reads its first ones; plugins/sampling.py). On the device until read."""
 
     tokens: torch.Tensor
     logprob_rows: list[int]
     logprobs: torch.Tensor | None = None
-    ranks: torch.Tensor | None = None
-    top_ids: torch.Tensor | None = None
-    top_logprobs: torch.Tensor | None = None
+    top_k: int = 0
 
 
 class SamplingBatch:
@@ -294,14 +292,7 @@ class Sampler:
 
     @staticmethod
     def _logprobs(logits: torch.Tensor, batch: SamplingBatch, out: SamplerOutput) -> None:
-        """Stage 0 for batch.logprob_rows: the raw logits' chosen-token logprob and rank in one
-        pass (plugins/sampling.py, logprobs: one launch on the GPU), the top-k by torch.topk
-        on the raw logits (the log-softmax's order) minus the row's logsumexp."""
-        x = logits if logits.dtype == torch.float32 and logits.is_contiguous() else logits.float().contiguous()
-        fn = logprobs_triton if use_triton(x) else logprobs_ref
-        lp = fn(x, batch.logprob_idx, out.tokens)
-        out.logprobs, out.ranks = lp[:, 0], lp[:, 1]
-        if batch.top_k_logprobs:
-            rows = x if len(batch.logprob_rows) == batch.size else x[batch.logprob_idx]
-            top, out.top_ids = rows.topk(batch.top_k_logprobs, dim=-1)
-            out.top_logprobs = top - lp[:, 2:3]
+        """Stage 0 for batch.logprob_rows, on the raw logits (plugins/sampling.py: two launches
+        on the GPU)."""
+        out.top_k = batch.top_k_logprobs
+        out.logprobs = logprobs(logits, batch.logprob_idx, out.tokens, out.top_k)

@@ -85,16 +85,23 @@ def test_stages_and_advance_on_a_real_batch():
         assert batch.out_len.tolist() == [len(h[1]) + step + 1 for h in hist]
 
 
-@pytest.mark.parametrize("v", [37, 5001])  # one tile; three tiles, the last partial
-def test_logprobs_kernel_matches_log_softmax(v):
+@pytest.mark.parametrize("v,k", [(37, 0), (37, 3), (5001, 1), (5001, 20)])  # one tile; three, the last partial
+def test_logprobs_kernel_matches_log_softmax(v, k):
     g = torch.Generator().manual_seed(v)
     x = (torch.randn(4, v, generator=g) * 4).to(DEVICE)
     x[2, : v // 2] = x[2, 0]  # many ties: rank counts strictly greater logits only
+    x[3, 5] = x[3, 9] = x[3].max() + 1  # a tie at the top: the lower index first
     tokens = torch.tensor([0, v - 1, 0, 7], device=DEVICE)
     rows = torch.tensor([0, 2, 3], device=DEVICE)
-    got, want = logprobs_triton(x, rows, tokens), logprobs_ref(x, rows, tokens)
-    assert torch.equal(got[:, 1], want[:, 1])
-    torch.testing.assert_close(got[:, [0, 2]], want[:, [0, 2]], rtol=0, atol=2e-5)
+    got, want = logprobs_triton(x, rows, tokens, k), logprobs_ref(x, rows, tokens, k)
+    assert got.shape == (3, 2 + 2 * k)
+    assert torch.equal(got[:, 1], want[:, 1])  # ranks
+    torch.testing.assert_close(got[:, 0], want[:, 0], rtol=0, atol=2e-5)
+    torch.testing.assert_close(got[:, 2:2 + k], want[:, 2:2 + k], rtol=0, atol=2e-5)
+    top = x[rows].topk(k, dim=-1).values if k else x[rows][:, :0]
+    assert torch.equal(x[rows].gather(1, got[:, 2 + k:].long()), top)  # the ids point at the top logits
+    if k > 1:
+        assert got[2, 2 + k:4 + k].tolist() == [5, 9]  # row 3's tie, in index order
     lp = torch.log_softmax(x[rows], -1)
     torch.testing.assert_close(got[:, 0], lp.gather(1, tokens[rows][:, None])[:, 0], rtol=0, atol=2e-5)
 
@@ -141,7 +148,7 @@ def test_penalty_slots_follow_the_committed_output():
 def test_engine_enumerates_exactly_what_the_sampler_launches(tiny_engine):
     """AOT (plugins/aot.py): a tiny engine's run with every stage, logprobs and penalties, its
     launches recorded as on the GPU, launches only sampler variants that builder/kernels.py
-    enumerates for it (7 stage combinations, 3 advance, 1 logprobs); a plain greedy batch
+    enumerates for it (7 stage combinations, 3 advance, logprobs' two kernels for each power-of-two top k 0..32); a plain greedy batch
     launches none of them."""
     from infhip import LLM
     from infhip.builder.kernels import enumerate_variants
@@ -152,7 +159,8 @@ def test_engine_enumerates_exactly_what_the_sampler_launches(tiny_engine):
     target = Target()
     enumerated = {v for v in enumerate_variants(EngineConfig.load(engine), target) if v.name in _SAMPLER_KERNELS}
     assert collections.Counter(v.name for v in enumerated) == {"_stages_kernel": 7, "_advance_kernel": 3,
-                                                               "_logprobs_kernel": 1}
+                                                               "_logprobs_part_kernel": 7,
+                                                               "_logprobs_merge_kernel": 7}
     llm = LLM(engine)
     prompts = [[5, 6, 7, 8], [9, 10, 11], [12, 13]]
 
@@ -170,4 +178,4 @@ def test_engine_enumerates_exactly_what_the_sampler_launches(tiny_engine):
     assert got <= enumerated, sorted(v.describe() for v in got - enumerated)
 
 
-_SAMPLER_KERNELS = ("_stages_kernel", "_advance_kernel", "_logprobs_kernel")
+_SAMPLER_KERNELS = ("_stages_kernel", "_advance_kernel", "_logprobs_part_kernel", "_logprobs_merge_kernel")
