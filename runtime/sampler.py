@@ -12,15 +12,17 @@ tokens. On the GPU stages 1-5 are one launch, the advance one, logprobs two
 
 What happens to a row's logits, in this order (vLLM's order); each stage runs only when some
 row of the batch uses it, so a batch of plain requests pays for none of them:
-  0. logprobs: the raw model log-softmax (before everything below), the chosen token's
+  0. logprobs: of the raw model logits (before everything below), the chosen token's
      logprob, its rank and the top-k, for the rows with `logprobs` set (or best_of > n);
   1. token bitmask: ``batch.token_bitmask`` [B, ceil(V / 32)] int32, bit t % 32 of word t // 32
      set = token t allowed (xgrammar's layout; `apply_token_bitmask`). THE place for
      structured output: whoever constrains a row fills its bitmask row (all bits set = free)
      before `sample`, and sets ``batch.host_each_step`` (a grammar advances on the host after
-     every token, so the engine then runs one decode step at a time);
+     every token: between back-to-back decode steps the engine does that, and refills the
+     mask, while the next step's forward runs; EngineCore._decode_steps);
   2. bad words: single tokens always; a multi-token word bans its last token where the output
-     ends with the others (matched on the host at build: ``host_each_step``);
+     ends with the others (matched on the host at build: ``host_each_step``, and the engine
+     runs one decode step at a time);
   3. min_tokens: EOS (unless ignore_eos) and stop_token_ids get -inf while the output is shorter;
   4. logit_bias added;
   5. repetition_penalty (prompt and output tokens), frequency and presence penalties (output);
@@ -150,6 +152,7 @@ class SamplingBatch:
             ents[i] += [(tok, float(v), NEVER_DONE) for tok, v in (p.logit_bias or {}).items()]  # 4. logit_bias
         ints, floats = [], []  # the packed copies
         has_entries = any(ents)
+        self._min_tokens = any(e[2] != NEVER_DONE for row in ents for e in row)
         if has_entries:
             flat = [e for row in ents for e in row]
             ptr = [0]
@@ -186,8 +189,9 @@ class SamplingBatch:
 
     @property
     def out_len(self) -> torch.Tensor | None:
-        """[B] int32: each row's output length, advanced per decode step (with sparse entries)."""
-        return self.entries[4] if self.entries is not None else None
+        """[B] int32: each row's output length, advanced per decode step while a min_tokens
+        entry reads it (bans and biases hold whatever the length)."""
+        return self.entries[4] if self._min_tokens else None
 
     @property
     def processes(self) -> bool:
