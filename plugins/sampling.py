@@ -1,5 +1,6 @@
-"""The sampler's per-step device work (runtime/sampler.py) in three small kernels, so that a
-decode step with sampling features costs one or two launches instead of a dozen eager [B, V] ops.
+"""The sampler's per-step device work (runtime/sampler.py) in four small kernels, so that a
+decode step with sampling features costs a launch or two per feature group instead of a dozen
+or more eager [B, V] ops.
 
   stages   logits [B, V] float32 -> a new [B, V] float32 with stages 1-5 of runtime/sampler.py
            applied in one pass (one program per row x vocab tile):
