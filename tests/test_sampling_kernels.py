@@ -1,9 +1,10 @@
 """The sampler's kernels (plugins/sampling.py) against their plain-torch references, under the
 Triton interpreter on CPU (compiled on a GPU), at small odd shapes: the fused stages (bitmask,
-sparse entries, penalties from table slots) exactly (within a few ulps on a GPU), for every combination of features and on
-a real SamplingBatch's packed arrays; the advance exactly; logprobs' chosen logprob and
-logsumexp within float32 rounding and its rank exactly (ties included); and the device penalty
-slots (runtime/penalty_slots.py) equal to counts rebuilt from the history across steps."""
+sparse entries, penalties from table slots) exactly (within a few ulps on a GPU), for every
+combination of features and on a real SamplingBatch's packed arrays; the advance exactly;
+logprobs' chosen logprob and top logprobs within float32 rounding, its rank and top
+ids exactly (ties included); the device penalty slots (runtime/penalty_slots.py) equal to
+counts rebuilt from the history across steps; and the AOT enumeration covers the launches."""
 
 from __future__ import annotations
 
@@ -41,8 +42,8 @@ def _inputs(seed=0):
     mask[0] = -1  # row 0: everything allowed
     # row 1: a ban and a bias; row 2: none; row 3: min_tokens held (need 4 > 2) and a bias on
     # the same token; row 4: min_tokens no longer held (need 1 <= 3), a bias
-    rows = [[(9, NEG, NEVER_DONE), (3, 5.5, NEVER_DONE)], [], [(6, NEG, 4), (6, 1.25, NEVER_DONE), (36, -7.0, NEVER_DONE)],
-            [(2, NEG, 1), (0, 2.0, NEVER_DONE)]]
+    rows = [[(9, NEG, NEVER_DONE), (3, 5.5, NEVER_DONE)], [],
+            [(6, NEG, 4), (6, 1.25, NEVER_DONE), (36, -7.0, NEVER_DONE)], [(2, NEG, 1), (0, 2.0, NEVER_DONE)]]
     rows = [[]] + rows
     ptr = [0] + list(itertools.accumulate(len(r) for r in rows))
     flat = [e for r in rows for e in r]
@@ -157,8 +158,8 @@ def test_penalty_slots_follow_the_committed_output():
 def test_engine_enumerates_exactly_what_the_sampler_launches(tiny_engine):
     """AOT (plugins/aot.py): a tiny engine's run with every stage, logprobs and penalties, its
     launches recorded as on the GPU, launches only sampler variants that builder/kernels.py
-    enumerates for it (7 stage combinations, 3 advance, logprobs' two kernels for each power-of-two top k 0..32); a plain greedy batch
-    launches none of them."""
+    enumerates for it (7 stage combinations, 3 advance, logprobs' two kernels for each
+    power-of-two top k 0..32); a plain greedy batch launches none of them."""
     from infhip import LLM
     from infhip.builder.kernels import enumerate_variants
     from infhip.config import EngineConfig
