@@ -9,8 +9,10 @@ so every run prefills alike), greedy, ignore_eos, N tokens each; output tok/s = 
 time (the 128-token prefill is inside it, the same in every variant: small against N = 256
 decode steps on a GPU). Variants run interleaved, `--repeats` times, median
 kept; ratios are against plain in the same run. Variants: plain; logprobs=5 (the chosen token's
-logprob, rank and top 5, raw log-softmax on the device); penalties (repetition 1.1, frequency
-0.5, presence 0.5: output counts kept on the device across the back-to-back decode steps).
+logprob, rank and top 5 of the raw logits: two Triton launches per step, plugins/sampling.py);
+penalties (repetition 1.1, frequency 0.5, presence 0.5: output counts kept on the device across
+scheduler steps, runtime/penalty_slots.py, applied with the other stages in one launch and
+advanced in one).
 Prints a table and writes JSON to --out.
 """
 

@@ -6,9 +6,12 @@ schema >= 0.95x plain decode"): batch 1 and 16, greedy, short prompts, `--tokens
 
 The constrained rows use the JSON schema {"text": string}: on random weights the string never
 closes within --tokens (closing needs one given token), so every step runs the whole grammar
-path (matcher catch-up, bitmask fill on the host, one copy, the mask on the device) and the
-rows stay in the batch as long as the plain ones (ignore_eos on both). Grammar rows decode one
-step at a time (the host advances the matcher): that cost is part of what this measures.
+path (matcher advance, bitmask fill on the host, one copy, the mask on the device) and the
+rows stay in the batch as long as the plain ones (ignore_eos on both). Grammar rows run the
+back-to-back decode steps plain rows do; between two steps the host reads the last tokens,
+advances the matchers and fills the next mask while the next forward runs
+(runtime/structured_output.py): whatever of that does not hide under the forward is part of
+what this measures.
 Prints one row per batch size: plain and JSON tok/s (medians of --repeats), their ratio.
 """
 

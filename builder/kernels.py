@@ -30,12 +30,14 @@ INDEX_FORMAT = 1
 
 
 def _block_modules() -> tuple[str, ...]:
-    """The plugin modules of the model blocks, the dense backend and token drop."""
+    """The plugin modules of the model blocks, the dense backend, token drop and the sampler."""
     from infhip.runtime.attention import DenseBackend
     from infhip.runtime.models.common import PLUGIN_MODULES
+    from infhip.runtime.sampler import PLUGIN_MODULES as SAMPLER_MODULES
     from infhip.runtime.token_drop import TokenDropStep
 
-    return tuple(dict.fromkeys(PLUGIN_MODULES + DenseBackend.plugin_modules + TokenDropStep.plugin_modules))
+    return tuple(dict.fromkeys(PLUGIN_MODULES + DenseBackend.plugin_modules + TokenDropStep.plugin_modules
+                               + SAMPLER_MODULES))
 
 
 def plugin_modules() -> tuple[str, ...]:

@@ -46,6 +46,7 @@ from infhip.runtime.kernel_store import serving
 from infhip.runtime.load import load_rank, load_report, make_runner, prefix_caching_rule
 from infhip.runtime.options import LoadOptions
 from infhip.runtime.outputs import EngineStats, RequestOutput, StreamDelta
+from infhip.runtime.penalty_slots import PenaltySlots
 from infhip.runtime.requests import Fork, Request, prompt_ids
 from infhip.runtime.sample_commit import SampleAndCommit
 from infhip.runtime.sampler import Sampler
@@ -99,6 +100,8 @@ class EngineCore(SampleAndCommit):
             self.scheduler.prefix_filter = lambda seq: never_drops(seq, runner.token_drop, runner.drop_max_context)
         self.load_report = load_report(self.engine, self.runner, t0, t_engine)
         self.sampler = Sampler()
+        # penalized sequences' output counts, on the device across steps (runtime/penalty_slots.py)
+        self.penalty_slots = PenaltySlots(self.engine.config.model.vocab_size, self.runner.device)
         self._grammars: GrammarRuntime | None = None  # structured output: made at its first request
         self._grammars_lock = threading.Lock()  # the server may make it on its tokenizer thread
         self.tokenizer = self.engine.tokenizer

@@ -6,24 +6,13 @@ from __future__ import annotations
 
 import torch
 
+from infhip.plugins.sampling import logprobs
 from infhip.runtime.outputs import TokenLogprobs
 from infhip.runtime.sampler import SamplerOutput
 from infhip.runtime.scheduler import SchedulerOutput
 from infhip.runtime.sequence import Sequence
 
 PROMPT_LOGPROB_ROWS = 512  # prompt positions per LM-head slice ([rows, vocab] float32 at a time)
-
-
-def pack_logprobs(lp: torch.Tensor, chosen: torch.Tensor, k: int) -> torch.Tensor:
-    """One flat float32 tensor of rows' [logprob, rank, k top logprobs, k top ids] (ids and ranks
-    are exact in float32 below 2**24), so that the host reads them in one copy."""
-    c = lp.gather(1, chosen[:, None])
-    rank = (lp > c).sum(dim=-1, keepdim=True).float() + 1
-    parts = [c, rank]
-    if k:
-        top_lp, top_ids = lp.topk(k, dim=-1)
-        parts += [top_lp, top_ids.float()]
-    return torch.cat(parts, dim=1).flatten()
 
 
 def unpack_logprobs(flat: list[float], chosen: list[int], k: int) -> list[TokenLogprobs]:
@@ -42,14 +31,8 @@ def read_samples(outs: list[SamplerOutput]) -> tuple[list[list[int]], list[list[
     parts = [torch.stack([so.tokens for so in outs]).flatten().double()]
     sizes = []
     for so in outs:
-        if so.logprob_rows:
-            k = so.top_ids.shape[1] if so.top_ids is not None else 0
-            cols = [so.logprobs[:, None], so.ranks[:, None].float()]
-            cols += [so.top_logprobs, so.top_ids.float()] if k else []
-            parts.append(torch.cat(cols, dim=1).flatten().double())
-            sizes.append(parts[-1].numel())
-        else:
-            sizes.append(0)
+        parts += [so.logprobs.flatten().double()] if so.logprob_rows else []
+        sizes.append(so.logprobs.numel() if so.logprob_rows else 0)
     flat = torch.cat(parts).tolist()
     b = outs[0].tokens.numel()
     tokens = [[int(t) for t in flat[j * b:(j + 1) * b]] for j in range(len(outs))]
@@ -66,8 +49,7 @@ def logprob_records(so: SamplerOutput, seqs: list[Sequence], tokens: list[int],
     ``so`` that computed them; tokens and flat: as `read_samples` read them."""
     if not so.logprob_rows:
         return {}
-    k = so.top_ids.shape[1] if so.top_ids is not None else 0
-    recs = unpack_logprobs(flat, [tokens[row] for row in so.logprob_rows], k)
+    recs = unpack_logprobs(flat, [tokens[row] for row in so.logprob_rows], so.top_k)
     out = {}
     for row, r in zip(so.logprob_rows, recs):
         seq = seqs[row]
@@ -95,15 +77,17 @@ def prompt_rows(out: SchedulerOutput, request_of) -> tuple[list[int], list[tuple
 @torch.inference_mode()
 def record_prompt_logprobs(compute_logits, hidden: torch.Tensor, spans: list[tuple[object, int, int]]) -> None:
     """Fill req.prompt_logprobs[lo + 1 : hi + 1] from the hidden states of positions [lo, hi)
-    (in spans' order), LM head (``compute_logits``) and log-softmax a slice of rows at a time (a
-    long prompt's logits at once would be [tokens, vocab])."""
+    (in spans' order), LM head (``compute_logits``) and logprobs (plugins/sampling.py, as for
+    sampled tokens) a slice of rows at a time (a long prompt's logits at once would be
+    [tokens, vocab])."""
     targets = [t for req, lo, hi in spans for t in req.seq.prompt_token_ids[lo + 1:hi + 1]]
     k = max(req.params.prompt_logprobs for req, _, _ in spans)
     tgt = torch.tensor(targets, dtype=torch.int64, device=hidden.device)
     packed = []
     for i in range(0, len(targets), PROMPT_LOGPROB_ROWS):
-        lp = torch.log_softmax(compute_logits(hidden[i:i + PROMPT_LOGPROB_ROWS]).float(), -1)
-        packed.append(pack_logprobs(lp, tgt[i:i + PROMPT_LOGPROB_ROWS], k))
+        x = compute_logits(hidden[i:i + PROMPT_LOGPROB_ROWS])
+        rows = torch.arange(x.shape[0], device=x.device)
+        packed.append(logprobs(x, rows, tgt[i:i + PROMPT_LOGPROB_ROWS], k).flatten())
     recs = unpack_logprobs(torch.cat(packed).tolist(), targets, k)
     j = 0
     for req, lo, hi in spans:

@@ -10,6 +10,7 @@ import logging
 
 import torch
 
+from infhip.runtime.kernel_store import serving
 from infhip.runtime.logprobs import logprob_records, prompt_rows, read_samples, record_prompt_logprobs
 from infhip.runtime.outputs import TokenLogprobs
 from infhip.runtime.requests import Fork, Request
@@ -35,11 +36,13 @@ class SampleAndCommit:
         return logits
 
     def _batch(self, forks: list[Fork]) -> SamplingBatch:
-        """The sampler's view of these forks' rows for this step (runtime/sampler.py), with the
-        token bitmask of those under a grammar (runtime/structured_output.py)."""
+        """The sampler's view of these forks' rows for this step (runtime/sampler.py: penalized
+        rows keep their counts on the device in the core's penalty_slots), with the token
+        bitmask of those under a grammar (runtime/structured_output.py)."""
         batch = SamplingBatch([f.seq.params for f in forks], [f.generator for f in forks], self.runner.device,
                               self.engine.config.model.vocab_size,
-                              [(f.seq.prompt_token_ids, f.seq.output_token_ids) for f in forks], self.eos_token_ids)
+                              [(f.seq.prompt_token_ids, f.seq.output_token_ids) for f in forks], self.eos_token_ids,
+                              self.penalty_slots, [f.seq for f in forks])
         if self._grammars is not None:
             self._grammars.apply(batch, [f.seq for f in forks])
         return batch
@@ -54,7 +57,8 @@ class SampleAndCommit:
         if not forks:
             return {}, {}
         try:
-            so = self.sampler.sample(logits, self._batch(forks))
+            with serving(self.engine.kernels):  # the sampler's kernels are the engine's too
+                so = self.sampler.sample(logits, self._batch(forks))
             [tokens], [lps] = read_samples([so])  # the step's one host read
             return {f.seq.seq_id: t for f, t in zip(forks, tokens)}, logprob_records(so, [f.seq for f in forks],
                                                                                      tokens, lps)
@@ -63,7 +67,8 @@ class SampleAndCommit:
         sampled, lps = {}, {}
         for i, f in enumerate(forks):
             try:
-                so = self.sampler.sample(logits[i:i + 1], self._batch([f]))
+                with serving(self.engine.kernels):
+                    so = self.sampler.sample(logits[i:i + 1], self._batch([f]))
                 [tokens], [flat] = read_samples([so])
                 sampled[f.seq.seq_id] = tokens[0]
                 lps.update(logprob_records(so, [f.seq], tokens, flat))
@@ -111,14 +116,21 @@ class SampleAndCommit:
         device between steps."""
         forks = [self._forks[ch.seq.seq_id] for ch in out.chunks]
         batch, outs = self._batch(forks), []
+        seqs = [f.seq for f in forks]
+        # grammar rows: step j's tokens reach the host (pinned copy + event) while step j + 1's
+        # forward runs; the matchers advance and the next bitmask fills then (structured_output.py)
+        to_host = _TokensToHost(num_steps, len(forks), self.runner.device) if batch.token_bitmask is not None else None
 
         def sample(logits: torch.Tensor) -> torch.Tensor:
+            if to_host is not None and outs:  # this step's forward is queued: the host work overlaps it
+                self._grammars.advance(batch, seqs, to_host.read(len(outs) - 1))
             outs.append(self.sampler.sample(logits, batch))
+            if to_host is not None:
+                to_host.start(len(outs) - 1, outs[-1].tokens)
             return outs[-1].tokens
 
         self.runner.execute_decode_steps(out, num_steps, sample)
-        tokens, flats = read_samples(outs)  # the one host read of the whole run
-        seqs = [f.seq for f in forks]
+        tokens, flats = read_samples(outs)  # the one host read of the whole run (grammar rows: the last)
         return tokens, [logprob_records(so, seqs, row, flat) for so, row, flat in zip(outs, tokens, flats)]
 
     def _commit_decode_steps(self, out: SchedulerOutput, tokens: list[list[int]], logprobs: list[dict],
@@ -135,7 +147,30 @@ class SampleAndCommit:
 
 
 def _host_each_step(p: SamplingParams) -> bool:
-    """Whether a request's sampling needs the host between decode steps (then the engine runs
-    one at a time): a multi-token bad word is matched against the output on the host, a grammar
-    advances on the host with each token."""
-    return p.structured_outputs is not None or any(len(q) > 1 for q in p.bad_words_token_ids or ())
+    """Whether a request's sampling needs the host between decode steps in a way back-to-back
+    steps cannot give it (then the engine runs one at a time): a multi-token bad word is
+    matched against the committed output on the host. (A grammar advances on the host too, but
+    inside the run: `_decode_steps`.)"""
+    return any(len(q) > 1 for q in p.bad_words_token_ids or ())
+
+
+class _TokensToHost:
+    """Each step's sampled tokens [B] copied to the host as soon as they are drawn (a pinned
+    buffer and an event on CUDA), so that the host can wait for exactly them while the next
+    step's forward, queued after them, runs."""
+
+    def __init__(self, num_steps: int, b: int, device: torch.device):
+        self.cuda = torch.device(device).type == "cuda"
+        self.host = torch.empty(num_steps, b, dtype=torch.int64, pin_memory=self.cuda)
+        self.events: list = [None] * num_steps
+
+    def start(self, j: int, tokens: torch.Tensor) -> None:
+        self.host[j].copy_(tokens, non_blocking=self.cuda)
+        if self.cuda:
+            self.events[j] = torch.cuda.Event()
+            self.events[j].record()
+
+    def read(self, j: int) -> list[int]:
+        if self.events[j] is not None:
+            self.events[j].synchronize()
+        return self.host[j].tolist()

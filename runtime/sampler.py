@@ -1,23 +1,28 @@
 """Token sampling from the last-position logits of a batch, on the device, batched.
 
-A step builds one `SamplingBatch` on the host (`SamplingBatch.build`: the rows' parameters as
-device tensors, and for rows with penalties their token counts); `Sampler.sample(logits, batch)`
-then only launches kernels: no host sync, no host-to-device copy, so a run of back-to-back
-decode steps (EngineCore._decode_steps, after each CUDA-graph replay: the graphs end at the logits,
-sampling is outside them) calls it once per step and the batch's device state (output counts,
-output lengths) advances on the device with the sampled tokens.
+A step builds one `SamplingBatch` on the host (the rows' parameters as device tensors, two
+packed copies for stages 2-5; penalized rows name their slot in the engine's device tables of
+output counts, runtime/penalty_slots.py, so nothing of size V is built on the host);
+`Sampler.sample(logits, batch)` then only launches kernels: no host sync, no host-to-device
+copy, so a run of back-to-back decode steps (EngineCore._decode_steps, after each CUDA-graph
+replay: the graphs end at the logits, sampling is outside them) calls it once per step and the
+batch's device state (output counts, output lengths) advances on the device with the sampled
+tokens. On the GPU stages 1-5 are one launch, the advance one, logprobs two
+(plugins/sampling.py); elsewhere their plain-torch references run.
 
 What happens to a row's logits, in this order (vLLM's order); each stage runs only when some
 row of the batch uses it, so a batch of plain requests pays for none of them:
-  0. logprobs: the raw model log-softmax (before everything below), the chosen token's
+  0. logprobs: of the raw model logits (before everything below), the chosen token's
      logprob, its rank and the top-k, for the rows with `logprobs` set (or best_of > n);
   1. token bitmask: ``batch.token_bitmask`` [B, ceil(V / 32)] int32, bit t % 32 of word t // 32
      set = token t allowed (xgrammar's layout; `apply_token_bitmask`). THE place for
      structured output: whoever constrains a row fills its bitmask row (all bits set = free)
      before `sample`, and sets ``batch.host_each_step`` (a grammar advances on the host after
-     every token, so the engine then runs one decode step at a time);
+     every token: between back-to-back decode steps the engine does that, and refills the
+     mask, while the next step's forward runs; EngineCore._decode_steps);
   2. bad words: single tokens always; a multi-token word bans its last token where the output
-     ends with the others (matched on the host at build: ``host_each_step``);
+     ends with the others (matched on the host at build: ``host_each_step``, and the engine
+     runs one decode step at a time);
   3. min_tokens: EOS (unless ignore_eos) and stop_token_ids get -inf while the output is shorter;
   4. logit_bias added;
   5. repetition_penalty (prompt and output tokens), frequency and presence penalties (output);
@@ -40,7 +45,15 @@ from dataclasses import dataclass
 
 import torch
 
+from infhip.plugins._triton_utils import use_triton
+from infhip.plugins.sampling import (NEVER_DONE, advance_ref, advance_triton, apply_token_bitmask, logprobs, stages_ref,
+                                     stages_triton)
+from infhip.runtime.penalty_slots import PenaltySlots
 from infhip.runtime.sampling_params import SamplingParams
+
+__all__ = ["Sampler", "SamplerOutput", "SamplingBatch", "apply_token_bitmask", "make_generator"]
+
+PLUGIN_MODULES = ("sampling",)  # the sampler's kernels, compiled ahead of time (builder/kernels.py)
 
 # Temperatures below this are treated as greedy: logits / T would overflow float32 (and the
 # distribution is one-hot in float32 anyway for any real logit gap).
@@ -57,31 +70,17 @@ def make_generator(seed: int | None, device: torch.device | str) -> torch.Genera
     return g
 
 
-def apply_token_bitmask(x: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
-    """x [B, V] float with -inf where ``bitmask`` [B, ceil(V / 32)] int32 has the token's bit
-    clear (in place; returns x)."""
-    b, v = x.shape
-    if bitmask.shape != (b, (v + 31) // 32):
-        raise ValueError(f"token bitmask must be [{b}, {(v + 31) // 32}] for logits {tuple(x.shape)}, "
-                         f"got {tuple(bitmask.shape)}")
-    bits = torch.arange(32, device=x.device, dtype=torch.int32)
-    allowed = ((bitmask.to(torch.int32)[:, :, None] >> bits) & 1).bool().reshape(b, -1)[:, :v]
-    return x.masked_fill_(~allowed, _NEG_INF)
-
-
 @dataclass
 class SamplerOutput:
-    """tokens [B] int64; for the rows ``logprob_rows`` (host list, batch order): the chosen
-    token's raw logprob [R] float32 and rank [R] int64 (1 = most likely), the top
-    ``top_ids`` / ``top_logprobs`` [R, K] (K = the largest logprobs asked in the batch; a row
-    asking fewer reads its first ones). All on the device until the caller reads them."""
+    """tokens [B] int64; for the rows ``logprob_rows`` (host list, batch order) ``logprobs``
+    [R, 2 + 2K] float32: the chosen token's raw logprob, its rank (1 = most likely), the top K
+    logprobs and their token ids (K = ``top_k``, the largest logprobs asked in the batch; a row
+    asking fewer reads its first ones; plugins/sampling.py). On the device until read."""
 
     tokens: torch.Tensor
     logprob_rows: list[int]
     logprobs: torch.Tensor | None = None
-    ranks: torch.Tensor | None = None
-    top_ids: torch.Tensor | None = None
-    top_logprobs: torch.Tensor | None = None
+    top_k: int = 0
 
 
 class SamplingBatch:
@@ -90,12 +89,19 @@ class SamplingBatch:
 
     histories: per row (prompt token ids, output token ids so far), for penalties, min_tokens and
     bad words; None = empty (a row with none of those features needs none).
-    eos_token_ids: the model's EOS tokens (min_tokens holds them back unless ignore_eos)."""
+    eos_token_ids: the model's EOS tokens (min_tokens holds them back unless ignore_eos).
+    penalty_slots, keys: the engine's device penalty tables (runtime/penalty_slots.py) and each
+    row's key in them (its Sequence); None = tables of this batch alone, filled from histories.
+
+    Stages 2-5 reach the device as two packed copies (one int32, one float32) per step, sliced
+    into the stages kernel's arrays (plugins/sampling.py): the sparse entries (CSR per row) and
+    out_len, the rows' penalty slots and their (repetition, frequency, presence)."""
 
     def __init__(self, params: Seq[SamplingParams], generators: Seq[torch.Generator | None],
                  device: torch.device | str, vocab_size: int,
                  histories: Seq[tuple[list[int], list[int]]] | None = None,
-                 eos_token_ids: Seq[int] = ()):
+                 eos_token_ids: Seq[int] = (), penalty_slots: PenaltySlots | None = None,
+                 keys: Seq[object] | None = None):
         b = len(params)
         if len(generators) != b or (histories is not None and len(histories) != b):
             raise ValueError(f"SamplingBatch: {b} params but {len(generators)} generators and "
@@ -132,77 +138,78 @@ class SamplingBatch:
         self.token_bitmask: torch.Tensor | None = None
         self.host_each_step = False
 
-        # 2. bad words: (row, token) pairs banned this step
-        ban_r, ban_t = [], []
+        # 2-4. sparse entries per row: (token, value, applied while the output is shorter than need)
+        ents: list[list[tuple[int, float, int]]] = [[] for _ in range(b)]
         for i, (p, (_, out)) in enumerate(zip(params, hist)):
-            for q in p.bad_words_token_ids or ():
+            for q in p.bad_words_token_ids or ():  # 2. bad words
                 if len(q) > 1:
                     self.host_each_step = True
                 if len(q) == 1 or (len(out) >= len(q) - 1 and out[len(out) - len(q) + 1:] == q[:-1]):
-                    ban_r.append(i)
-                    ban_t.append(q[-1])
-        self.banned = (t(ban_r, torch.int64), t(ban_t, torch.int64)) if ban_r else None
-
-        # 3. min_tokens: (row, stop token) pairs and the row's threshold; out_len advances per step
-        mt_r, mt_t = [], []
-        for i, p in enumerate(params):
-            if p.min_tokens > len(hist[i][1]):
+                    ents[i].append((q[-1], _NEG_INF, NEVER_DONE))
+            if p.min_tokens > len(out):  # 3. min_tokens
                 stops = list(p.stop_token_ids) + ([] if p.ignore_eos else list(eos_token_ids))
-                for tok in dict.fromkeys(stops):
-                    mt_r.append(i)
-                    mt_t.append(tok)
-        self.min_tokens = None
-        if mt_r:
-            self.min_tokens = (t(mt_r, torch.int64), t(mt_t, torch.int64),
-                               t([params[i].min_tokens for i in mt_r], torch.int64))
-        self.out_len = t([len(h[1]) for h in hist], torch.int64) if mt_r else None
+                ents[i] += [(tok, _NEG_INF, p.min_tokens) for tok in dict.fromkeys(stops)]
+            ents[i] += [(tok, float(v), NEVER_DONE) for tok, v in (p.logit_bias or {}).items()]  # 4. logit_bias
+        ints, floats = [], []  # the packed copies
+        has_entries = any(ents)
+        self._min_tokens = any(e[2] != NEVER_DONE for row in ents for e in row)
+        if has_entries:
+            flat = [e for row in ents for e in row]
+            ptr = [0]
+            for row in ents:
+                ptr.append(ptr[-1] + len(row))
+            ints += ptr + [e[0] for e in flat] + [e[2] for e in flat] + [len(h[1]) for h in hist]
+            floats += [e[1] for e in flat]
 
-        # 4. logit_bias: (row, token, bias) triples
-        lb = [(i, tok, v) for i, p in enumerate(params) for tok, v in (p.logit_bias or {}).items()]
-        self.bias = (t([x[0] for x in lb], torch.int64), t([x[1] for x in lb], torch.int64),
-                     t([x[2] for x in lb])) if lb else None
-
-        # 5. penalties: the rows that have any, their output counts [Bp, V] and seen mask [Bp, V]
+        # 5. penalties: the rows' slots in the device tables (-1: none) and their factors
         self.pen_rows = [i for i, p in enumerate(params) if p.uses_penalties]
-        self.penalties = None
+        self._slots = None
         if self.pen_rows:
-            pr = [params[i] for i in self.pen_rows]
-            counts = torch.zeros(len(pr), vocab_size, dtype=torch.int32, device=self.device)
-            seen = torch.zeros(len(pr), vocab_size, dtype=torch.bool, device=self.device)
-            rows_o, toks_o, rows_p, toks_p = [], [], [], []
-            for j, i in enumerate(self.pen_rows):
-                prompt, out = hist[i]
-                rows_o += [j] * len(out)
-                toks_o += out
-                if pr[j].repetition_penalty != 1:
-                    rows_p += [j] * len(prompt)
-                    toks_p += prompt
-            if toks_o:
-                ro, to = t(rows_o, torch.int64), t(toks_o, torch.int64)
-                counts.index_put_((ro, to), torch.ones_like(to, dtype=torch.int32), accumulate=True)
-            if toks_p:
-                seen[t(rows_p, torch.int64), t(toks_p, torch.int64)] = True
-            self.penalties = (t(self.pen_rows, torch.int64), counts, seen,
-                              t([p.presence_penalty for p in pr])[:, None],
-                              t([p.frequency_penalty for p in pr])[:, None],
-                              t([p.repetition_penalty for p in pr])[:, None])
+            if penalty_slots is None:
+                penalty_slots, keys = PenaltySlots(vocab_size, self.device), list(range(b))
+            self._slots, self._pen_keys = penalty_slots, [keys[i] for i in self.pen_rows]
+            taken = penalty_slots.take([(keys[i], hist[i][0], hist[i][1], params[i].repetition_penalty != 1)
+                                        for i in self.pen_rows])
+            slot = [-1] * b
+            for i, s in zip(self.pen_rows, taken):
+                slot[i] = s
+            ints += slot
+            floats += [x for p in params for x in (p.repetition_penalty, p.frequency_penalty, p.presence_penalty)]
+
+        # one copy each; the kernels read the slices
+        iv = t(ints, torch.int32) if ints else None
+        fv = t(floats) if floats else None
+        self.entries = self.penalties = None
+        if has_entries:
+            e = len(flat)
+            ep, tok, need, out_len = torch.split(iv[:2 * b + 1 + 2 * e], [b + 1, e, e, b])
+            self.entries = (ep, tok, need, fv[:e], out_len)
+        if self.pen_rows:
+            self.penalties = (iv[-b:], fv[-3 * b:].view(b, 3), penalty_slots.counts, penalty_slots.seen)
+
+    @property
+    def out_len(self) -> torch.Tensor | None:
+        """[B] int32: each row's output length, advanced per decode step while a min_tokens
+        entry reads it (bans and biases hold whatever the length)."""
+        return self.entries[4] if self._min_tokens else None
 
     @property
     def processes(self) -> bool:
         """Whether any stage between the raw logits and the greedy argmax runs."""
-        return (self.token_bitmask is not None or self.banned is not None or self.min_tokens is not None
-                or self.bias is not None or self.penalties is not None)
+        return self.token_bitmask is not None or self.entries is not None or self.penalties is not None
 
     def advance(self, tokens: torch.Tensor) -> None:
-        """Fold one step's sampled tokens [B] (device) into the device state: output counts and
-        lengths (multi-token bad words and bitmasks are the host's: host_each_step)."""
-        if self.out_len is not None:
-            self.out_len += 1
-        if self.penalties is not None:
-            rows, counts = self.penalties[:2]
-            j = torch.arange(len(self.pen_rows), device=self.device)
-            tok = tokens[rows]
-            counts.index_put_((j, tok), torch.ones_like(tok, dtype=torch.int32), accumulate=True)
+        """Fold one step's sampled tokens [B] (device) into the device state: output lengths and
+        the penalty rows' counts (multi-token bad words and bitmasks are the host's:
+        host_each_step). One launch on the GPU, none for a batch without either."""
+        if self.out_len is None and self.penalties is None:
+            return
+        if use_triton(tokens):
+            advance_triton(tokens, self.out_len, self.penalties)
+        else:
+            advance_ref(tokens, self.out_len, self.penalties)
+        if self._slots is not None:
+            self._slots.folded(self._pen_keys)
 
 
 def _filter_top_k_top_p(x: torch.Tensor, k: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
@@ -236,27 +243,12 @@ class Sampler:
 
     def process(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         """Stages 1-5 (module docstring): float32 [B, V], a new tensor (logits may be a CUDA
-        graph's output buffer, which is never written)."""
-        x = logits.float().clone()
-        if batch.token_bitmask is not None:
-            apply_token_bitmask(x, batch.token_bitmask)
-        if batch.banned is not None:
-            x.index_put_(batch.banned, x.new_full((), _NEG_INF))
-        if batch.min_tokens is not None:
-            rows, toks, need = batch.min_tokens
-            held = batch.out_len[rows] < need
-            x[rows, toks] = torch.where(held, _NEG_INF, x[rows, toks])
-        if batch.bias is not None:
-            rows, toks, vals = batch.bias
-            x.index_put_((rows, toks), vals, accumulate=True)
-        if batch.penalties is not None:
-            rows, counts, seen, presence, frequency, repetition = batch.penalties
-            y = x[rows]
-            rep_seen = seen | (counts > 0)
-            y = torch.where(rep_seen, torch.where(y > 0, y / repetition, y * repetition), y)
-            y = y - frequency * counts.float() - presence * (counts > 0).float()
-            x[rows] = y
-        return x
+        graph's output buffer, which is never written). On the GPU one launch
+        (plugins/sampling.py, stages), elsewhere its plain-torch reference."""
+        if use_triton(logits):
+            x = logits if logits.dtype == torch.float32 and logits.is_contiguous() else logits.float().contiguous()
+            return stages_triton(x, batch.token_bitmask, batch.entries, batch.penalties)
+        return stages_ref(logits, batch.token_bitmask, batch.entries, batch.penalties)
 
     def sample(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         """logits [B, V] (any float dtype) -> SamplerOutput; advances the batch's device state."""
@@ -304,10 +296,7 @@ class Sampler:
 
     @staticmethod
     def _logprobs(logits: torch.Tensor, batch: SamplingBatch, out: SamplerOutput) -> None:
-        """Stage 0 for batch.logprob_rows: raw log-softmax, chosen token's logprob, rank, top-k."""
-        lp = torch.log_softmax(logits[batch.logprob_idx].float(), dim=-1)
-        chosen = out.tokens[batch.logprob_idx]
-        out.logprobs = lp.gather(1, chosen[:, None])[:, 0]
-        out.ranks = (lp > out.logprobs[:, None]).sum(dim=-1) + 1
-        if batch.top_k_logprobs:
-            out.top_logprobs, out.top_ids = lp.topk(batch.top_k_logprobs, dim=-1)
+        """Stage 0 for batch.logprob_rows, on the raw logits (plugins/sampling.py: two launches
+        on the GPU)."""
+        out.top_k = batch.top_k_logprobs
+        out.logprobs = logprobs(logits, batch.logprob_idx, out.tokens, out.top_k)

@@ -23,6 +23,12 @@ never builds the tokenizer's grammar view):
     masks the logits with it (`SamplingBatch.token_bitmask`, runtime/sampler.py). A step with
     no grammar row calls none of this.
   - after the step: `runtime.accept(matcher, token)` advances the matcher with the sampled token.
+  - back-to-back decode steps (EngineCore._decode_steps) run for grammar rows too: each step's
+    tokens go to the host in a small pinned copy right after their draw, and while the GPU
+    runs the next step's forward (already queued), the host waits for that copy, advances the
+    matchers (`runtime.advance`) and fills the next bitmask; the draw queues behind the
+    forward. The grammar's host work hides under the forward instead of costing a whole
+    scheduler step per token.
 When the grammar is complete its matcher allows only the engine's EOS tokens, so the request
 ends with finish_reason "stop".
 """
@@ -217,6 +223,20 @@ class GrammarRuntime:
                 r[1] += len(new)
         batch.token_bitmask = self.bitmask([r[0] if r else None for r in rows], batch.device)
         batch.host_each_step = True
+
+    def advance(self, batch, seqs: list, tokens: list[int]) -> None:
+        """Between back-to-back decode steps (EngineCore._decode_steps): advance each grammar
+        row's matcher with the token it just drew (``tokens``: the batch's, on the host), counted
+        as consumed (the engine commits exactly these, or finishes the sequence), and refill the
+        batch's bitmask for the next draw. A batch `apply` left unconstrained is left as is."""
+        if batch.token_bitmask is None:
+            return
+        rows = [self._live.get(s) if s.params.structured_outputs is not None else None for s in seqs]
+        for r, t in zip(rows, tokens):
+            if r is not None:
+                self.accept(r[0], t)
+                r[1] += 1
+        batch.token_bitmask = self.bitmask([r[0] if r else None for r in rows], batch.device)
 
     def _state(self, seq) -> list:
         """[matcher, tokens it has consumed] of seq, made on first use; forgotten with seq."""

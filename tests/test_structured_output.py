@@ -119,3 +119,24 @@ def test_rows_without_a_grammar_pay_nothing(engine):
     assert matches_schema(json.loads(mixed[2].text))
     batch = fresh.core._batch([])  # a batch without grammar rows gets no bitmask
     assert batch.token_bitmask is None and not batch.host_each_step
+
+
+def test_back_to_back_decode_steps_under_a_grammar_equal_single_steps(engine, llm):
+    """num_decode_steps 4 (the GPU default's path, eagerly here): grammar rows run back-to-back
+    steps, their matchers advanced between the steps from each step's tokens on the host (next
+    to a plain row and a penalized one); every output equals one step at a time and parses."""
+    multi = LLM(engine, num_decode_steps=4)
+    runs, run = [], multi.runner.execute_decode_steps
+    multi.runner.execute_decode_steps = lambda out, k, sample: runs.append(k) or run(out, k, sample)
+    spec = StructuredOutputsParams(json=SCHEMA)
+    params = [SamplingParams(max_tokens=80, temperature=1.0, seed=s, structured_outputs=spec) for s in (0, 1)]
+    params += [SamplingParams(max_tokens=30, temperature=1.0, seed=5, ignore_eos=True),
+               SamplingParams(max_tokens=30, temperature=0, frequency_penalty=0.5,
+                              structured_outputs=StructuredOutputsParams(regex=r"[a-c]{5,40}"))]
+    one = llm.generate(["In the beginning"] * 4, params)
+    four = multi.generate(["In the beginning"] * 4, params)
+    assert runs and set(runs) == {4}  # the back-to-back path ran, grammar rows in it
+    assert [o.token_ids for o in four] == [o.token_ids for o in one]
+    for o in four[:2]:
+        assert o.finish_reason == "stop" and matches_schema(json.loads(o.text)), o.text
+    assert re.fullmatch(r"[a-c]{5,40}", four[3].text), four[3].text
