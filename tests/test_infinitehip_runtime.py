@@ -2,8 +2,8 @@
 dense_threshold keeps the dense result token for token; below it the sparse path runs, and
 equals dense when the selected sets cover the whole context; sliding layers stay dense.
 
-Most tests run the plugins' torch references (TRITON_INTERPRET unset for them, fast); one runs
-the Triton launchers under the interpreter."""
+Most tests run the plugins' torch references (TRITON_INTERPRET unset for them, fast); a few run
+the Triton launchers under the interpreter, on 2-layer engines (fixture two_layer)."""
 
 from __future__ import annotations
 
@@ -45,6 +45,18 @@ def engines(tiny_engine):
     e["dense-fp8"] = tiny_engine("llama", **fp8)
     e["cover-fp8"] = tiny_engine("llama", preset="3k", infinitehip_overrides=COVER, **fp8)
     e["3k-fp8"] = tiny_engine("llama", preset="3k", infinitehip_overrides=TINY, **fp8)
+    return e
+
+
+@pytest.fixture(scope="module")
+def two_layer(tiny_engine):
+    """The interpreter tests' engines: the tiny Llama cut to 2 layers (the special layer 0 and one
+    regular InfiniteHiP layer: every kernel path of 3 layers, a third less interpreter time)."""
+    kw = dict(hf=dict(num_hidden_layers=2), max_seq_len=200, max_batch_size=4)
+    e = {"dense": tiny_engine("llama", **kw), "dense-fp8": tiny_engine("llama", kv_dtype="fp8", **kw)}
+    for name, knobs in (("3k", TINY), ("cover", COVER)):
+        e[name] = tiny_engine("llama", preset="3k", infinitehip_overrides=knobs, **kw)
+        e[name + "-fp8"] = tiny_engine("llama", preset="3k", infinitehip_overrides=knobs, kv_dtype="fp8", **kw)
     return e
 
 
@@ -116,13 +128,13 @@ def test_query_strides_reach_prefill_stages(engines, monkeypatch):
         LLM(engines["cover"], infinitehip_overrides={"query_strides": [4, 4]})
 
 
-def test_covering_sets_equal_dense_under_interpreter(engines):
+def test_covering_sets_equal_dense_under_interpreter(two_layer):
     """The Triton launchers (interpreted) in the runtime: one short request, sparse from the start."""
     prompts, params = [PROMPTS[1][:33]], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
-    assert generate(engines["cover"], LOW, prompts, params) == generate(engines["dense"], None, prompts, params)
+    assert generate(two_layer["cover"], LOW, prompts, params) == generate(two_layer["dense"], None, prompts, params)
 
 
-def test_raw_keys_in_prefill_under_interpreter(engines, monkeypatch):
+def test_raw_keys_in_prefill_under_interpreter(two_layer, monkeypatch):
     """Dynamic RoPE with >= RAW_KEYS_MIN_BLOCKS query blocks in a step: the interpreted kernels
     prune from keys un-rotated once per layer (unrotate_keys called), and generate the same
     tokens as re-rotating every loaded key in-kernel (threshold raised: no raw keys)."""
@@ -133,11 +145,11 @@ def test_raw_keys_in_prefill_under_interpreter(engines, monkeypatch):
     made = []
     real = sa.unrotate_keys
     monkeypatch.setattr(sa, "unrotate_keys", lambda *a, **k: made.append(1) or real(*a, **k))
-    with_raw = generate(engines["3k"], knobs, prompts, params)
+    with_raw = generate(two_layer["3k"], knobs, prompts, params)
     assert made
     monkeypatch.setattr(sparse_plan, "RAW_KEYS_MIN_BLOCKS", 10**9)
     made.clear()
-    assert generate(engines["3k"], knobs, prompts, params) == with_raw and not made
+    assert generate(two_layer["3k"], knobs, prompts, params) == with_raw and not made
 
 
 def test_fp8_cache_covering_sets_equal_fp8_dense(engines, calls):
@@ -147,7 +159,7 @@ def test_fp8_cache_covering_sets_equal_fp8_dense(engines, calls):
     assert calls["prefill"] > 0 and calls["decode"] > 0
 
 
-def test_fp8_cache_kernels_equal_references_in_the_runtime(engines, monkeypatch):
+def test_fp8_cache_kernels_equal_references_in_the_runtime(two_layer, monkeypatch):
     """The Triton launchers (interpreted) over an fp8 cache with real pruning, dynamic RoPE, raw
     keys (a 66-token prefill has >= RAW_KEYS_MIN_BLOCKS blocks) and the rotated key bank give the
     torch references' tokens; covering sets give fp8 dense's."""
@@ -159,11 +171,12 @@ def test_fp8_cache_kernels_equal_references_in_the_runtime(engines, monkeypatch)
     monkeypatch.setattr(sa, "unrotate_keys", lambda *a, **k: made.append(1) or real(*a, **k))
     monkeypatch.setattr(sa, "write_key_bank", lambda *a, **k: banked.append(1) or real_bank(*a, **k))
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    kernels = generate(engines["3k-fp8"], knobs, prompts, params)
+    kernels = generate(two_layer["3k-fp8"], knobs, prompts, params)
     assert made and banked
-    assert generate(engines["cover-fp8"], LOW, prompts, params) == generate(engines["dense-fp8"], None, prompts, params)
+    dense = generate(two_layer["dense-fp8"], None, prompts, params)
+    assert generate(two_layer["cover-fp8"], LOW, prompts, params) == dense
     monkeypatch.delenv("TRITON_INTERPRET")
-    assert generate(engines["3k-fp8"], knobs, prompts, params) == kernels
+    assert generate(two_layer["3k-fp8"], knobs, prompts, params) == kernels
 
 
 def test_dynamic_rope_runs(engines, calls):
@@ -174,7 +187,11 @@ def test_dynamic_rope_runs(engines, calls):
 def test_sparse_graph_inputs_read_eagerly_equal_eager_steps(engines, monkeypatch):
     """The CUDA-graph path without CUDA (tests/_graph_sim.py): sparse decode steps staged for the
     graph of their refresh pattern (mask-cache slots in the backend's graph rows) and run on the
-    context that graph would capture give the eager tokens; every key was planned at load."""
+    context that graph would capture give the eager tokens; every key was planned at load. The
+    plugins' torch references run (they take the graph rows the kernels take; staging is the
+    point here: interpreted, both runs took ~8 CPU minutes; the kernels replay real graphs in
+    test_gpu_infinitehip)."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     eager = generate(engines["3k"], LOW)
     llm = LLM(engines["3k"], max_num_batched_tokens=64, infinitehip_overrides=LOW)
     keys, planned = simulate_graphs(llm, monkeypatch)
@@ -227,7 +244,7 @@ def test_plugins_dispatch_to_torch_on_cpu(monkeypatch):
     torch.testing.assert_close(interpreted[2], ref[2], atol=1e-4, rtol=1e-4)
 
 
-def test_key_bank_matches_rotating_every_step(engines, monkeypatch, reference_pruning):
+def test_key_bank_matches_rotating_every_step(two_layer, monkeypatch, reference_pruning):
     """key_bank (dynamic RoPE on from the first sparse step): the last stage's refreshes write
     the bank, the cached steps attend with it, and the tokens equal those of rotating every key
     at every step. Interpreted kernels (the bank is a kernel path; pruning by its reference);
@@ -247,9 +264,9 @@ def test_key_bank_matches_rotating_every_step(engines, monkeypatch, reference_pr
         return real_attn(*a, **k)
     monkeypatch.setattr(sa, "write_key_bank", spy_write)
     monkeypatch.setattr(sa, "sparse_decode_attention", spy_attn)
-    rotating = generate(engines["3k"], dict(knobs, key_bank=False), prompts, params)
+    rotating = generate(two_layer["3k"], dict(knobs, key_bank=False), prompts, params)
     assert writes == [] and bank_calls and not any(bank_calls)
-    banked = generate(engines["3k"], dict(knobs, key_bank=True), prompts, params)
+    banked = generate(two_layer["3k"], dict(knobs, key_bank=True), prompts, params)
     assert writes and all(bank_calls[len(bank_calls) // 2:]), "every banked decode step reads the bank"
     assert banked == rotating
     # one bank row (key_bank_slots=1): while both requests decode, the second one's slot owns no
@@ -257,7 +274,7 @@ def test_key_bank_matches_rotating_every_step(engines, monkeypatch, reference_pr
     bank_calls.clear()
     short = [SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True),
              SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)]
-    mixed = generate(engines["3k"], dict(knobs, key_bank=True, key_bank_slots=1), prompts, short)
+    mixed = generate(two_layer["3k"], dict(knobs, key_bank=True, key_bank_slots=1), prompts, short)
     assert mixed == [rotating[0], rotating[1][:3]]
     assert bank_calls.count(False) >= 1 and bank_calls[-1], bank_calls
 

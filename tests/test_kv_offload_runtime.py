@@ -25,7 +25,11 @@ def engines(tiny_engine):  # the same engines as tests/test_infinitehip_runtime.
     kw = dict(max_seq_len=200, max_batch_size=4)
     return {"3k": tiny_engine("llama", preset="3k", infinitehip_overrides=TINY, **kw),
             "3k-fp8": tiny_engine("llama", preset="3k", infinitehip_overrides=TINY, kv_dtype="fp8", **kw),
-            "dense": tiny_engine("llama", **kw)}
+            "dense": tiny_engine("llama", **kw),
+            # the interpreted cases': 2 layers (special layer 0 and one regular, every kernel path
+            # of 3; test_infinitehip_runtime's two_layer["3k"])
+            "3k-2-layers": tiny_engine("llama", hf=dict(num_hidden_layers=2), preset="3k", infinitehip_overrides=TINY,
+                                       **kw)}
 
 
 # The tiny model's window (256) holds every context here: RoPE on in it, so pages move from the
@@ -49,7 +53,8 @@ def small_batches(monkeypatch):
 
 
 # fp8 kernels over host pages are covered by the plugin tests: one interpreted run is enough here
-@pytest.mark.parametrize("kernels,engine", [("references", "3k"), ("references", "3k-fp8"), ("interpreter", "3k")])
+@pytest.mark.parametrize("kernels,engine", [("references", "3k"), ("references", "3k-fp8"),
+                                            ("interpreter", "3k-2-layers")])
 def test_offloaded_pages_generate_the_same_tokens(engines, small_batches, monkeypatch, engine, kernels):
     """Prefill kernels run while the host pools are NaN: they read only the staged copies (the
     interpreted run: a twin at another address, reached by the same element offsets)."""
@@ -81,10 +86,10 @@ def test_offloaded_decode_reads_the_value_bank(engines, small_batches, monkeypat
     monkeypatch.setattr(sa, "sparse_decode_attention", spy)
     knobs = dict(PAST, refresh_intervals=[4, 2, 1])
     prompts = [PROMPTS[2]]
-    expected, _ = run(engines["3k"], 0, overrides=knobs, prompts=prompts, params=SHORT)
+    expected, _ = run(engines["3k-2-layers"], 0, overrides=knobs, prompts=prompts, params=SHORT)
     assert seen and not any(seen)
     seen.clear()
-    got, moved = run(engines["3k"], 4 * MiB, overrides=knobs, prompts=prompts, params=SHORT)
+    got, moved = run(engines["3k-2-layers"], 4 * MiB, overrides=knobs, prompts=prompts, params=SHORT)
     assert moved >= 4 and seen and all(seen)
     assert got == expected
 

@@ -44,7 +44,9 @@ def engines(tiny_engine):
     return {"3k": tiny_engine("llama", **ih),
             "3k-fp8": tiny_engine("llama", kv_dtype="fp8", **ih),
             "gemma-3k": tiny_engine("gemma3", **ih),
-            "3k-b32": tiny_engine("llama", **dict(ih, infinitehip_overrides=BLOCK32))}
+            "3k-b32": tiny_engine("llama", **dict(ih, infinitehip_overrides=BLOCK32)),
+            # the interpreted case's: 2 layers (special layer 0 and one regular, every kernel path of 3)
+            "3k-2-layers": tiny_engine("llama", hf=dict(num_hidden_layers=2), **ih)}
 
 
 @pytest.fixture(autouse=True)
@@ -127,7 +129,7 @@ def test_prefix_on_a_chunk_boundary_equals_no_cache(engines, engine, overrides):
 def test_prefix_on_a_chunk_boundary_under_the_interpreter(engines, monkeypatch):
     """The Triton kernels (interpreted) over a reused prefix: one 32-token chunk cached."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    on, off = pair(engines["3k"], LOW)
+    on, off = pair(engines["3k-2-layers"], LOW)
     doc, short = ids(4, 32), SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
     ask(on, doc + ids(5, 6), short)  # (its one decode step recomputes every stage: no clock to keep in step)
     got, want = ask(on, doc + ids(6, 9), short), ask(off, doc + ids(6, 9), short)

@@ -64,7 +64,9 @@ def test_covering_sparse_over_compacted_kv_equals_dense(engines, calls, budget):
 def test_decode_graphs_with_drop_histories_equal_eager(engines, monkeypatch, engine):
     """The CUDA-graph path without CUDA (tests/_graph_sim.py): decode steps of requests with a
     drop history replay the graph of the token-drop transform's per-layer KV (lengths and slots
-    computed from the staged shifts; with InfiniteHiP rows too) and give the eager tokens."""
+    computed from the staged shifts; with InfiniteHiP rows too) and give the eager tokens. The
+    plugins' torch references run (staging is the point; the GPU suite replays real graphs)."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     overrides = LOW if engine == "cover" else None
     eager, _ = run(engines[engine], overrides)
     llm = set_forced_retention(LLM(engines[engine], max_num_batched_tokens=64, infinitehip_overrides=overrides,
