@@ -73,10 +73,10 @@ class TokenDrop(StepTransform):
         self._set(cfg, min(limits, default=None))
 
     def _set(self, cfg: TokenDropConfig | None, max_context: int | None) -> None:
-        self.cfg, self.max_context = cfg, max_context
+        drop_at = (frozenset(resolve_drop_layers(cfg, self.global_layers, len(self.windows)))
+                   if cfg is not None else frozenset())  # may raise: before anything changes
+        self.cfg, self.max_context, self.drop_at = cfg, max_context, drop_at
         self.tail = keep_tail(cfg, self.windows) if cfg is not None else 0
-        self.drop_at = (frozenset(resolve_drop_layers(cfg, self.global_layers, len(self.windows)))
-                        if cfg is not None else frozenset())
 
     @staticmethod
     def keep_blocks(scores, cu_blocks, cu_ext, p: float, **kw):

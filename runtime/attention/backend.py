@@ -201,8 +201,20 @@ _REGISTRY: dict[str, type[AttentionBackend]] = {}
 _loaded = False
 
 
+def _load_builtins() -> None:
+    """Import the built-in modules once (each registers on import; a module being imported, the
+    one whose registration called this, is left to finish)."""
+    global _loaded
+    if not _loaded:
+        _loaded = True
+        for module in BUILTIN:
+            importlib.import_module(module)
+
+
 def register(cls: type[AttentionBackend]) -> type[AttentionBackend]:
-    """Register a backend class under its ``name`` (a decorator); a second one of a name raises."""
+    """Register a backend class under its ``name`` (a decorator); a second one of a name raises.
+    The built-in ones register first, whoever registers first."""
+    _load_builtins()
     if _REGISTRY.get(cls.name, cls) is not cls:
         raise ValueError(f"an attention backend named {cls.name!r} is already registered")
     _REGISTRY[cls.name] = cls
@@ -216,11 +228,7 @@ def unregister(name: str) -> None:
 
 def backends() -> list[type[AttentionBackend]]:
     """The registered backend classes, in registration order (the built-in ones first)."""
-    global _loaded
-    if not _loaded:
-        _loaded = True
-        for module in BUILTIN:
-            importlib.import_module(module)
+    _load_builtins()
     return list(_REGISTRY.values())
 
 
