@@ -122,7 +122,7 @@ def run_model(args, model: str, res: dict) -> None:
     cfg = llm.engine.config
     num_layers = cfg.model.num_layers
     info = res.setdefault("models", {}).setdefault(model, {
-        "num_layers": num_layers, "drop_layers": sorted(llm.runner.drop_at),
+        "num_layers": num_layers, "drop_layers": sorted(llm.runner.transforms["token_drop"].drop_at),
         "truncated": layers_of(args, model) is not None, "chunk": cfg.build.max_num_batched_tokens,
         "setup_s": time.perf_counter() - t0, "runs": []})
     print(f"{model}: {num_layers} layers (drop layers {info['drop_layers']}), built+loaded in "
@@ -133,7 +133,7 @@ def run_model(args, model: str, res: dict) -> None:
         for name, r, n, d in drop_configs(args)]
     warm = [(i * 7919) % (vocab - 10) + 10 for i in range(4096)]
     for _, td, rho in configs:  # compile the Triton kernels of every path once
-        llm.runner.set_token_drop(td)
+        llm.runner.set_transform("token_drop", td)
         set_forced_retention(llm, rho)
         ttft_s(llm, warm, 1)
     for length in args.lengths:
@@ -142,11 +142,11 @@ def run_model(args, model: str, res: dict) -> None:
         reps = 1 if n > 65536 else args.reps
         row = {"length": length, "prompt_tokens": n}
         for name, td, rho in configs:
-            llm.runner.set_token_drop(td)
+            llm.runner.set_transform("token_drop", td)
             set_forced_retention(llm, rho)
-            llm.runner.drop_stats.retention.clear()
+            llm.runner.transforms["token_drop"].stats.retention.clear()
             row[name] = ttft_s(llm, ids, reps)
-            kept = [v for per in llm.runner.drop_stats.retention.values() for v in per.values()]
+            kept = [v for per in llm.runner.transforms["token_drop"].stats.retention.values() for v in per.values()]
             if kept:
                 row[f"{name} kept"] = sum(k for k, _ in kept) / max(1, sum(t for _, t in kept))
             print(f"  {model} {n:>7} tokens {name:>8}: TTFT {row[name] * 1e3:9.1f} ms"

@@ -195,7 +195,8 @@ def engine_forced(llm, ids: list[int], gold: list[int]):
         else:
             llm.scheduler.update(out, {})
     llm.scheduler.finish(seq, "abort")
-    kept = {layer: torch.cat(c) for layer, c in llm.runner.drop_stats.kept_positions.get(seq.seq_id, {}).items()}
+    kept_positions = llm.runner.transforms["token_drop"].stats.kept_positions
+    kept = {layer: torch.cat(c) for layer, c in kept_positions.get(seq.seq_id, {}).items()}
     return lps, arg, kept
 
 
@@ -253,13 +254,13 @@ def main() -> None:
 
     from infhip.config import TokenDropConfig
     engine = None  # one engine for every engine column (float32 weights are 2.4 GB each): the
-    # column's token drop is switched on its runner before each prompt (ModelRunner.set_token_drop)
+    # column's token drop is switched on its runner before each prompt (ModelRunner.set_transform)
     columns = []  # (name, runner, token-drop config or None)
     for spec in args.column:
         if spec == "dense" or "=" in spec:
             if engine is None:
                 engine = LLM(str(args.engine))
-                engine.runner.drop_stats.record_kept_positions = True
+                engine.runner.transforms["token_drop"].stats.record_kept_positions = True
             if spec == "dense":
                 columns.append(("dense", engine, None))
             else:
@@ -303,7 +304,7 @@ def main() -> None:
                     arg = logits.argmax(-1).tolist()
                     kept = dict(enumerate(kept_l))
                 else:
-                    runner.runner.set_token_drop(td)
+                    runner.runner.set_transform("token_drop", td)
                     lps, arg, kept = engine_forced(runner, ids, gold)
                 cell, sets = summarize(lps, arg, gold, kept, len(ids), needle, num_layers, tok)
                 if name == "authors":

@@ -56,7 +56,8 @@ def main() -> None:
 
     def forced(llm, ids, gold):
         """Prefill ids, then force gold: (sum log p(gold), greedy would give gold, seq_id)."""
-        seq = Sequence(seq_id=20_000 + len(llm.runner.drop_stats.retention) + int(time.time() * 1000) % 10_000,
+        seen = len(llm.runner.transforms["token_drop"].stats.retention)
+        seq = Sequence(seq_id=20_000 + seen + int(time.time() * 1000) % 10_000,
                        prompt_token_ids=list(ids), params=SamplingParams(max_tokens=len(gold), ignore_eos=True))
         llm.scheduler.add(seq)
         lps, hits, j = [], [], 0
@@ -86,7 +87,7 @@ def main() -> None:
     tds = []
     for spec in args.td:
         llm = LLM(args.engine, token_drop=parse_token_drop_knobs(spec))
-        llm.runner.drop_stats.record_kept_positions = True
+        llm.runner.transforms["token_drop"].stats.record_kept_positions = True
         tds.append((spec, llm))
     for s in [int(x) for x in args.samples.split(",")]:
         p = ruler_prompt(tok, args.task, args.length, s, template=args.template)
@@ -108,7 +109,8 @@ def main() -> None:
             t0 = time.time()
             captured.clear()
             lp, hit, sid = forced(llm, ids, gold)
-            kept = {layer: torch.cat(c) for layer, c in llm.runner.drop_stats.kept_positions[sid].items()}
+            kept_positions = llm.runner.transforms["token_drop"].stats.kept_positions
+            kept = {layer: torch.cat(c) for layer, c in kept_positions[sid].items()}
             n = len(ids)
             ret = sum(len(v) for v in kept.values()) / max(1, len(kept)) / n
             miss = [layer for layer, v in sorted(kept.items()) if needle and not set(needle) <= set(v.tolist())]
@@ -117,7 +119,7 @@ def main() -> None:
             if args.layers:
                 print("   per anchor retention:", " ".join(f"{layer}:{len(v) / n:.2f}" for layer, v in sorted(kept.items())))
                 # the prefill's anchor calls come first (decode steps run none); one per dropping anchor
-                G = llm.runner.token_drop.block_size
+                G = llm.runner.transforms["token_drop"].cfg.block_size
                 nb = -(-n // G)
                 blocks = sorted({i // G for i in needle})
                 row = []

@@ -62,11 +62,11 @@ def main() -> None:
     from tests.test_token_drop_runtime import run_greedy
 
     llm = LLM(args.engine, token_drop=dict(p=args.p, min_prompt_len=0))
-    llm.runner.drop_stats.record_kept_positions = True
+    llm.runner.transforms["token_drop"].stats.record_kept_positions = True
     ctx, tgt = ppl_items(llm.tokenizer, args.length, args.chunk, args.sample + 1, 0)[args.sample]
     _, _, sid = run_greedy(llm, ctx, 1)
-    kept = {layer: torch.cat(c) for layer, c in llm.runner.drop_stats.kept_positions[sid].items()}
-    n_ctx, G = len(ctx), llm.runner.token_drop.block_size
+    kept = {layer: torch.cat(c) for layer, c in llm.runner.transforms["token_drop"].stats.kept_positions[sid].items()}
+    n_ctx, G = len(ctx), llm.runner.transforms["token_drop"].cfg.block_size
     print(f"{len(ctx)} context + {len(tgt)} scored tokens, {-(-n_ctx // G)} blocks of {G}; mean retention "
           f"over anchors: {sum(len(v) for v in kept.values()) / len(kept) / n_ctx:.3f}")
     for layer in sorted(kept)[:3]:
@@ -103,8 +103,8 @@ def main() -> None:
             print(f"{name:9} {ppl(variant(edits[name])['reference_logits'], kept):.3f}", flush=True)
 
     if args.spare:
-        cfg = llm.runner.token_drop
-        select = dict(p=args.p, n=cfg.obs_window, G=G, A=cfg.num_sink, tail=llm.runner.drop_tail)
+        cfg = llm.runner.transforms["token_drop"].cfg
+        select = dict(p=args.p, n=cfg.obs_window, G=G, A=cfg.num_sink, tail=llm.runner.transforms["token_drop"].tail)
         for spec in [""] + args.spare:
             spare = {int(s) for s in spec.split(",") if s}
             chosen: dict = {}

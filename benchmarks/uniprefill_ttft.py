@@ -71,7 +71,7 @@ def main() -> None:
                     sync()
                     best = min(best, time.perf_counter() - t0)
                 times.append(best)
-                per = next(reversed(llm.runner.drop_stats.retention.values()), {}) if knobs else {}
+                per = next(reversed(llm.runner.transforms["token_drop"].stats.retention.values()), {}) if knobs else {}
                 rets.append(sum(k / t for k, t in per.values()) / len(per) if per else 1.0)
             rows.append(dict(column=name, length=n, ttft_s=statistics.median(times), times_s=times,
                              retention=statistics.mean(rets), knobs=knobs))

@@ -30,14 +30,15 @@ INDEX_FORMAT = 1
 
 
 def _block_modules() -> tuple[str, ...]:
-    """The plugin modules of the model blocks, the dense backend, token drop and the sampler."""
+    """The plugin modules of the model blocks, the dense backend, every registered step transform
+    (runtime/step_transform.py: token drop) and the sampler."""
     from infhip.runtime.attention import DenseBackend
     from infhip.runtime.models.common import PLUGIN_MODULES
     from infhip.runtime.sampler import PLUGIN_MODULES as SAMPLER_MODULES
-    from infhip.runtime.token_drop import TokenDropStep
+    from infhip.runtime.step_transform import transforms
 
-    return tuple(dict.fromkeys(PLUGIN_MODULES + DenseBackend.plugin_modules + TokenDropStep.plugin_modules
-                               + SAMPLER_MODULES))
+    steps = tuple(m for cls in transforms() for m in cls.plugin_modules)
+    return tuple(dict.fromkeys(PLUGIN_MODULES + DenseBackend.plugin_modules + steps + SAMPLER_MODULES))
 
 
 def plugin_modules() -> tuple[str, ...]:

@@ -7,7 +7,7 @@ captured size >= B; rows B.. are padding: slot -1 (the cache write skips it), co
 
 Every graph is captured at load (``capture_planned``: the keys of ``planned_keys``), none on the
 request path; a key nobody listed is still captured when first needed, with a warning, and
-counted in ``report["on_request"]``. A key is a GraphKey (length bucket, drop histories, each
+counted in ``report["on_request"]``. A key is a GraphKey (length bucket, per-layer KV shift, each
 attention backend's key); GraphKey() is the dense graph sized for max_seq_len:
 
 - Steps with rows of a registered attention backend (runtime/attention/backend.py) replay the
@@ -58,8 +58,9 @@ class GraphKey:
 
     # (name, key) of each attention backend with rows in the step, in registration order
     backends: tuple[tuple[str, Hashable], ...] = ()
-    # the transform whose per-layer KV shifts (kv_shift) the graph computes, None: no shift
-    layer_kv: str | None = None
+    # the step transform whose per-layer KV shift (StepTransform.kv_shift) the graph carries and
+    # computes each full-attention layer's lengths and slots from, None: every layer holds every key
+    kv_shift: str | None = None
     len_bucket: int | None = None  # dense rows all <= this bucket (fewer decode splits)
 
     def of(self, name: str):
@@ -166,11 +167,11 @@ class DecodeGraphs:
             return lambda ctx: self.backends[name].graph_meta(k, bs, self.states[name], ctx)
 
         steps = {}
-        if key.layer_kv is not None:
+        if key.kv_shift is not None:
             layer_kv = LayerKV(rows={l: i for i, l in enumerate(self.global_layers)},
                                slot_mapping=self.layer_slots[:, :bs], context_lens=self.layer_ctx[:, :bs],
                                context_lens_list=[[0] * bs] * len(self.global_layers))
-            steps[key.layer_kv] = lambda ctx: self.transforms[key.layer_kv].graph_step(layer_kv)
+            steps[key.kv_shift] = lambda ctx: self.transforms[key.kv_shift].graph_step(layer_kv)
         return ForwardContext.of_step(
             {name: meta(name, k) for name, k in key.backends}, steps,
             positions=self.positions[:bs], context_lens=self.context_lens[:bs],
@@ -179,9 +180,9 @@ class DecodeGraphs:
             cu_seqlens_q_list=list(range(bs + 1)), context_lens_list=[0] * bs,
             decode_len_bound=key.len_bucket or self.shape.table_tokens)
 
-    def _forward(self, bs: int, layer_kv: str | None = None) -> torch.Tensor:
+    def _forward(self, bs: int, kv_shift: str | None = None) -> torch.Tensor:
         self.context_lens[:bs].copy_(self.rows[2, :bs])
-        if layer_kv is not None:  # each global layer's compact slots and lengths (padding rows write nothing)
+        if kv_shift is not None:  # each global layer's compact slots and lengths (padding rows write nothing)
             shift = self.rows[self.shift_row:, :bs]  # [Lg, bs]
             slots = compact_slots(self.positions[:bs], self.arange[:bs], shift,
                                   self.tables["global"][:bs].long(), self.shape.page_size)
@@ -199,7 +200,7 @@ class DecodeGraphs:
         for bs, key in todo:
             # one warm-up per batch size and kind of step (its kernels load outside any capture)
             kind = (bs, tuple((name, self.backends[name].graph_warm_kind(k)) for name, k in key.backends),
-                    key.layer_kv, key.len_bucket)
+                    key.kv_shift, key.len_bucket)
             self._capture(bs, key, warm_up=kind not in warmed)
             warmed.add(kind)
         torch.cuda.synchronize()
@@ -217,13 +218,13 @@ class DecodeGraphs:
         scratch mask slot); the caller stages the real inputs afterwards."""
         self._pad_rows(self.rows)
         with forward_context(self._context(bs, key)):
-            logits = self._forward(bs, key.layer_kv) if warm_up or self.logits is None else None
+            logits = self._forward(bs, key.kv_shift) if warm_up or self.logits is None else None
             if self.logits is None:
                 self.logits = torch.empty((self.sizes[-1], logits.shape[1]), dtype=logits.dtype, device=logits.device)
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool):
-                self.logits[:bs].copy_(self._forward(bs, key.layer_kv))
+                self.logits[:bs].copy_(self._forward(bs, key.kv_shift))
         if self.pool is None:
             self.pool = graph.pool()
         self.graphs[(bs, key)] = graph
@@ -238,23 +239,24 @@ class DecodeGraphs:
 
     def planned_keys(self) -> list[GraphKey]:
         """Every key the runner's plan can replay: the dense graph sized for max_seq_len,
-        short-context length buckets, drop histories (token drop on), and each combination of
-        the backends' keys (graph_keys), with drop histories where every backend's key allows
-        them. All are captured at load, none on the request path."""
+        short-context length buckets, per-layer KV shifts (each transform that shifts_kv, e.g.
+        token drop on), and each combination of the backends' keys (graph_keys), with the shifts
+        where every backend's key allows them (graph_keys(layer_kv=True)). All are captured at
+        load, none on the request path."""
         buckets = [b for b in DECODE_LEN_BUCKETS if b < self.shape.table_tokens]
         shifts = [name for name, t in self.transforms.items() if t.shifts_kv] if self.supports_layer_kv else []
         keys = [GraphKey()] + [GraphKey(len_bucket=b) for b in buckets]
         for name in shifts:
-            keys += [GraphKey(layer_kv=name, len_bucket=b) for b in buckets + [None]]
+            keys += [GraphKey(kv_shift=name, len_bucket=b) for b in buckets + [None]]
         names = list(self.backends)
-        with_drops = {name: set(self.backends[name].graph_keys(layer_kv=True)) for name in names}
+        with_shift = {name: set(self.backends[name].graph_keys(layer_kv=True)) for name in names}
         for combo in itertools.product(*([None] + self.backends[n].graph_keys() for n in names)):
             if all(k is None for k in combo):
                 continue
             backends = tuple((n, k) for n, k in zip(names, combo) if k is not None)
             keys.append(GraphKey(backends=backends))
-            if all(k in with_drops[n] for n, k in backends):
-                keys += [GraphKey(backends=backends, layer_kv=name) for name in shifts]
+            if all(k in with_shift[n] for n, k in backends):
+                keys += [GraphKey(backends=backends, kv_shift=name) for name in shifts]
         return keys
 
     def capture_planned(self) -> None:
@@ -266,8 +268,8 @@ class DecodeGraphs:
 
     def replays(self, p, num_seqs: int) -> bool:
         """Whether StepPlan p (num_seqs sequences) replays a graph: a pure decode step, of a
-        captured batch size, whose backends all give it a graph key, and/or with drop histories
-        (per-layer KV lengths computed in the graph)."""
+        captured batch size, whose backends all give it a graph key, and/or with a per-layer KV
+        shift (per-layer KV lengths computed in the graph)."""
         if p.num_decodes != num_seqs or num_seqs > self.sizes[-1]:
             return False
         if self._shift(p)[0] is not None and not self.supports_layer_kv:
@@ -286,7 +288,7 @@ class DecodeGraphs:
         """The key of the graph StepPlan p replays."""
         backends = self.backends
         return GraphKey(backends=tuple((name, backends[name].graph_key(h)) for name, h in p.backends.items()),
-                        layer_kv=self._shift(p)[0], len_bucket=step_len_bucket(p, self.shape.table_tokens))
+                        kv_shift=self._shift(p)[0], len_bucket=step_len_bucket(p, self.shape.table_tokens))
 
     def load(self, plans: list) -> int:
         """Stage the host-planned inputs of len(plans) consecutive decode steps of one batch (step

@@ -54,7 +54,6 @@ from infhip.runtime.sampling_params import SamplingParams
 from infhip.runtime.scheduler import Scheduler, SchedulerOutput
 from infhip.runtime.sequence import Sequence
 from infhip.runtime.structured_output import GrammarRuntime
-from infhip.runtime.token_drop import never_drops
 
 _log = logging.getLogger(__name__)
 
@@ -96,8 +95,9 @@ class EngineCore(SampleAndCommit):
         if opts.prefix_caching:
             self.runner.kv.enable_prefix_caching(repr((plan, build.kv_dtype, build.dtype)),
                                                  **prefix_caching_rule(self.engine.config, build.page_size))
-            runner = self.runner  # token drop: only requests that never drop (read live: knobs may change)
-            self.scheduler.prefix_filter = lambda seq: never_drops(seq, runner.token_drop, runner.drop_max_context)
+            # only requests whose prompts every step transform computes whole (token drop: those
+            # that never drop; read live: knobs may change)
+            self.scheduler.prefix_filter = self._keeps_prompt
         self.load_report = load_report(self.engine, self.runner, t0, t_engine)
         self.sampler = Sampler()
         # penalized sequences' output counts, on the device across steps (runtime/penalty_slots.py)
@@ -204,7 +204,7 @@ class EngineCore(SampleAndCommit):
         req = Request(prompt, params, spawned=params.num_forks == 1)
         fork = self._new_fork(req, 0, token_ids)
         if params.prompt_logprobs is not None:
-            if not never_drops(fork.seq, self.runner.token_drop, self.runner.drop_max_context):
+            if not self._keeps_prompt(fork.seq):
                 raise ValueError("prompt_logprobs needs every prompt position computed; this prompt would have "
                                  "tokens dropped (UniPrefill): load the engine with token_drop=False")
             req.prompt_logprobs = [None] * len(token_ids)
@@ -213,6 +213,11 @@ class EngineCore(SampleAndCommit):
         self._requests[fork.seq.seq_id] = req
         self._forks[fork.seq.seq_id] = fork
         return req
+
+    def _keeps_prompt(self, seq) -> bool:
+        """Whether every step transform computes seq's whole prompt as a plan without it would
+        (StepTransform.keeps_prompt; token drop: a prompt that never drops)."""
+        return all(t.keeps_prompt(seq) for t in self.runner.transforms.values())
 
     def _new_fork(self, req: Request, index: int, token_ids: list[int]) -> Fork:
         return req.new_fork(index, next(self._ids), token_ids, self.tokenizer, self.runner.device)

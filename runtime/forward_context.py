@@ -91,8 +91,9 @@ class ForwardContext:
 @dataclass
 class LayerKV:
     """Context lengths and new-token slots of each full-attention layer ("global" group) in a
-    step where some sequence has a drop history: layer l holds its kept keys contiguously, so a
-    token at position p goes to compact slot p - dropped[l] of the sequence's page table."""
+    step that a step transform's per-layer KV shift touches (token drop: some sequence has a drop
+    history): layer l holds its kept keys contiguously, so a token at position p goes to compact
+    slot p - dropped[l] of the sequence's page table."""
 
     rows: dict[int, int]  # layer index -> row of the tensors below
     slot_mapping: torch.Tensor  # [Lg, T] int64

@@ -7,8 +7,9 @@ runtime/kv_budget.py; pages are handed out by the scheduler (KVCacheManager), ne
 made only of decodes whose batch size has a captured graph copies its inputs into the graph's
 static buffers (padding with sentinels: slot -1 writes nothing, context length 0 reads nothing)
 and replays it; keyed by the registered backends' graph keys (runtime/attention/backend.py) and,
-with drop histories, the per-layer-KV graph (runtime/cuda_graphs.py). The runner names no
-attention backend: it attaches every registered one whose knobs the engine's plan has.
+with per-layer KV shifts, the transform's (runtime/cuda_graphs.py). The runner names no attention
+backend and no step transform: it attaches every registered backend whose knobs the engine's plan
+has and every registered transform (runtime/step_transform.py), and loops over them.
 """
 
 from __future__ import annotations
@@ -28,8 +29,7 @@ from infhip.runtime.offload.policy import PageMover
 from infhip.runtime.offload.staging import PrefillStaging
 from infhip.runtime.scheduler import SchedulerOutput
 from infhip.runtime.step_plan import StepPlan
-from infhip.runtime.step_transform import StepTransform, TransformStep
-from infhip.runtime.token_drop_transform import TokenDrop
+from infhip.runtime.step_transform import StepTransform, TransformEnv, TransformStep, transforms
 
 
 class ModelRunner:
@@ -72,19 +72,21 @@ class ModelRunner:
             if knobs is not None:
                 self.set_backend(cls.name, knobs)
 
-        # Step transforms (runtime/step_transform.py), by name: UniPrefill token drop
-        # (runtime/token_drop_transform.py), present even when off (drop histories stay honoured).
-        drop = TokenDrop(engine.config, [layer.self_attn.window for layer in self.model.layers], self.page_size)
-        self.transforms: dict[str, StepTransform] = {drop.name: drop}
-        self.global_layers = drop.global_layers  # the layers that may hold compacted KV
-        self.set_token_drop(engine.config.plan.token_drop)
+        # name -> every registered step transform (runtime/step_transform.py), attached even
+        # when off (what earlier knobs left must stay honoured), under the engine's knobs
+        self.transforms: dict[str, StepTransform] = {}
+        for cls in transforms():
+            self.transforms[cls.name] = cls.attach(engine.config)
+            self.set_transform(cls.name, cls.knobs_of(engine.config))
+        # the full-attention layers: those a transform may leave holding fewer keys (per-layer KV)
+        self.global_layers = [lp.index for lp in engine.config.plan.layers if lp.window is None]
         self.hidden_out: torch.Tensor | None = None  # execute(hidden_rows=...)'s kept hidden states
 
         if self.device.type == "cuda" and not enforce_eager:
             self.graphs = self.make_graphs([b for b in build.cuda_graph_batch_sizes if b <= max_num_seqs],
                                            max_decode_steps)
             self.graphs.capture_planned()
-        self.loaded = True  # from now on set_backend / set_token_drop reach every TP rank
+        self.loaded = True  # from now on set_backend / set_transform reach every TP rank
 
     def make_graphs(self, batch_sizes: list[int], max_steps: int = 1) -> DecodeGraphs:
         """A DecodeGraphs over this runner's model, backends, transforms and KV layout (none captured)."""
@@ -118,46 +120,22 @@ class ModelRunner:
             self.graphs.drop(lambda key: key.of(name) is None)
             self.graphs.capture_planned()
 
-    def set_token_drop(self, cfg) -> None:
-        """Turn token drop on (a TokenDropConfig) or off (None) from the next step on. Only
-        requests whose context stays within every backend's max_drop_context drop
-        (runtime/token_drop.py says why for InfiniteHiP)."""
-        if cfg is not None and self.offload_layers:
-            raise ValueError("token drop cannot be turned on while KV pages are offloaded")
-        self._mirror("set_token_drop", cfg)
-        newly_on = cfg is not None and self.token_drop is None
-        if cfg is not None and self.kv.prefix_caching:  # running requests may hold shared pages and
-            self.kv.disable_prefix_caching()  # would now drop over them (docs/design/prefix_caching.md)
-        limits = [c for b in self.backends.values() if (c := b.max_drop_context(self.engine.config)) is not None]
-        self._drop.configure(cfg, min(limits, default=None))
-        if newly_on and self.graphs is not None:
+    def set_transform(self, name: str, knobs) -> None:
+        """Set the registered step transform ``name``'s knobs (None: off) from the next step on,
+        on every TP rank (token drop: ``set_transform("token_drop", TokenDropConfig | None)``). A
+        transform that may now shift per-layer KV (``shifts_kv``) turns prefix caching off
+        (running requests may hold shared pages and would compact over them,
+        docs/design/prefix_caching.md) and gets its decode graphs captured."""
+        t = self.transforms.get(name)
+        if t is None:
+            raise KeyError(f"no step transform {name!r}; registered: {list(self.transforms)}")
+        shifted = t.shifts_kv
+        t.configure(knobs, TransformEnv(self.engine.config, self.backends, bool(self.offload_layers)))
+        self._mirror("set_transform", name, knobs)
+        if t.shifts_kv and self.kv.prefix_caching:
+            self.kv.disable_prefix_caching()
+        if t.shifts_kv and not shifted and self.graphs is not None:
             self.graphs.capture_planned()
-
-    # Token drop's state, read by the engine core (prefix-cache filter), evaluations and tests.
-    @property
-    def _drop(self) -> TokenDrop:
-        return self.transforms[TokenDrop.name]
-
-    @property
-    def token_drop(self):
-        """The TokenDropConfig in force, None: off."""
-        return self._drop.cfg
-
-    @property
-    def drop_max_context(self) -> int | None:
-        return self._drop.max_context
-
-    @property
-    def drop_tail(self) -> int:
-        return self._drop.tail
-
-    @property
-    def drop_at(self) -> frozenset[int]:
-        return self._drop.drop_at
-
-    @property
-    def drop_stats(self):
-        return self._drop.stats
 
     # -- plan: host-side, once per step -------------------------------------------------------
     def prepare(self, out: SchedulerOutput) -> StepPlan:

@@ -1,32 +1,52 @@
 """Step transforms: features that reshape a step around the attention backends instead of being
-one (UniPrefill token drop, runtime/token_drop_transform.py, is the one there is).
+one (UniPrefill token drop, runtime/token_drop_transform.py, is the built-in one), and their
+registry, which mirrors the attention backends' (runtime/attention/backend.py).
 
 A transform may (a) route rows through the layer loop (drop some after a layer's attention, bring
 them back later), (b) run the attention of the layers it handles in a step, and (c) leave some
 full-attention layers holding fewer keys of a sequence than its positions (per-layer KV,
 forward_context.LayerKV), which later steps, eager or in a CUDA graph, must honour. Its state
 travels by name, as the backends' does: host meta in ``StepPlan.transforms``, the step object in
-``ForwardContext.transforms``.
+``ForwardContext.transforms``. The runner, DecodeGraphs and the engine core loop over the
+registered transforms and name none.
 
-Per step: ``plan`` (host; None: the step is untouched) -> ``upload`` (a ``TransformStep``, read by
-the layer loop and each layer's context view) -> ``after_step`` (what the step leaves behind).
+Life of a transform:
+
+* at load, every registered one is attached (``attach(config)``: even one that is off may have to
+  honour what steps under earlier knobs left, as token drop's drop histories), then
+  ``configure(knobs_of(config), env)``; ``ModelRunner.set_transform(name, knobs)`` configures it
+  again later (benchmarks, tests), on every tensor-parallel rank;
+* per step: ``plan`` (host; None: the step is untouched) -> ``upload`` (a ``TransformStep``, read by
+  the layer loop and each layer's context view) -> ``after_step`` (what an eager step leaves);
+* CUDA graphs: ``shifts_kv``, ``kv_shift(host)``, ``graph_step(layer_kv)``;
+* ahead of time: ``plugin_modules`` (builder/kernels.py compiles what their aot_launches list);
+* the engine core: ``keeps_prompt(seq)`` (prefix caching and prompt logprobs).
+
+Registration: ``register(cls)`` (a decorator) under ``cls.name``; the registry imports the
+built-in transforms' modules (BUILTIN) on first use; registration order is the order in which the
+runner attaches them and the layer loop calls their steps.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import importlib
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 import torch
 
+# the modules of the built-in transforms, each of which registers its transform on import
+BUILTIN = ("infhip.runtime.token_drop_transform",)
+
 
 class TransformStep:
-    """A transform's object of one forward pass. The layer loop (runtime/models/common.py
-    CausalLM.forward) calls, when ``routes``: ``enter_layer(i, ...)`` before layer i,
-    ``after_attention(i, ...)`` between its attention and feed-forward halves, and
-    ``reconstitute`` at the end; every layer reads its context through ``layer_view`` and its
-    attention backend through ``backend_for``. The defaults change nothing."""
+    """A transform's object of one forward pass. The decoder layers (runtime/models/common.py
+    DecoderLayer.forward) call, when ``routes``: ``enter_layer(i, ...)`` before layer i and
+    ``after_attention(i, ...)`` between its ``attend`` and ``feed_forward`` halves; the layer loop
+    (CausalLM.forward) calls ``reconstitute`` at the end. Every layer reads its context through
+    ``layer_view`` and its attention backend through ``backend_for``. The defaults change nothing."""
 
-    routes = False  # whether the layer loop calls the three stream methods
+    routes = False  # whether the layers call the stream methods
 
     def enter_layer(self, i: int, hidden: torch.Tensor, residual: torch.Tensor | None):
         return hidden, residual
@@ -46,11 +66,44 @@ class TransformStep:
         return None
 
 
+@dataclass(frozen=True)
+class TransformEnv:
+    """What ``configure`` gets besides the knobs: the engine's EngineConfig, the runner's
+    attached attention backends by name, and whether KV pages are offloaded to the host."""
+
+    config: Any
+    backends: dict
+    offloading: bool = False
+
+
 class StepTransform:
     """A transform attached to the runner for the engine's life (runtime/model_runner.py)."""
 
-    name: str
+    name: ClassVar[str]
+    plugin_modules: ClassVar[tuple[str, ...]] = ()  # plugins/ modules whose kernels it launches
 
+    # -- load and knobs --------------------------------------------------------------------------
+    @classmethod
+    def knobs_of(cls, config):
+        """Its knobs in an engine's config (the plan's), None: off."""
+        return None
+
+    @classmethod
+    def attach(cls, config) -> "StepTransform":
+        """The instance of one runner of an engine with EngineConfig ``config``, off until
+        ``configure``."""
+        raise NotImplementedError
+
+    def configure(self, knobs, env: TransformEnv) -> None:
+        """Knobs ``knobs`` (None: off) from the next step on; raises ValueError, changing
+        nothing, when they cannot apply to this runner (``env``)."""
+
+    def keeps_prompt(self, seq) -> bool:
+        """Whether the transform computes every prompt position of Sequence ``seq`` as a plan
+        without it would (its pages may be named for prefix caching; prompt logprobs exist)."""
+        return True
+
+    # -- one step --------------------------------------------------------------------------------
     def plan(self, p, chunks) -> Any | None:
         """Host meta of StepPlan ``p`` (chunks: the scheduler's, batch order); None: untouched."""
         raise NotImplementedError
@@ -69,7 +122,9 @@ class StepTransform:
     # -- per-layer KV in CUDA graphs (runtime/cuda_graphs.py) ------------------------------------
     @property
     def shifts_kv(self) -> bool:
-        """Whether decode steps may carry per-layer KV shifts (their graphs are captured)."""
+        """Whether decode steps may carry per-layer KV shifts (their graphs are captured). Turning
+        it on also turns prefix caching off (ModelRunner.set_transform): running requests may
+        hold shared pages whose keys it would compact."""
         return False
 
     def kv_shift(self, host) -> list[list[int]] | None:
@@ -79,3 +134,38 @@ class StepTransform:
     def graph_step(self, layer_kv) -> TransformStep:
         """The step object a decode graph with per-layer KV (``layer_kv``: static views) reads."""
         raise NotImplementedError
+
+
+_REGISTRY: dict[str, type[StepTransform]] = {}
+_loaded = False
+
+
+def _load_builtins() -> None:
+    """Import the built-in modules once (each registers on import; a module being imported, the
+    one whose registration called this, is left to finish)."""
+    global _loaded
+    if not _loaded:
+        _loaded = True
+        for module in BUILTIN:
+            importlib.import_module(module)
+
+
+def register(cls: type[StepTransform]) -> type[StepTransform]:
+    """Register a transform class under its ``name`` (a decorator); a second one of a name raises.
+    The built-in ones register first, whoever registers first."""
+    _load_builtins()
+    if _REGISTRY.get(cls.name, cls) is not cls:
+        raise ValueError(f"a step transform named {cls.name!r} is already registered")
+    _REGISTRY[cls.name] = cls
+    return cls
+
+
+def unregister(name: str) -> None:
+    """Remove a registered transform (tests)."""
+    _REGISTRY.pop(name, None)
+
+
+def transforms() -> list[type[StepTransform]]:
+    """The registered transform classes, in registration order (the built-in ones first)."""
+    _load_builtins()
+    return list(_REGISTRY.values())

@@ -1,5 +1,9 @@
-"""UniPrefill token drop as the runner's step transform (runtime/step_transform.py; what a drop
-does: runtime/token_drop.py).
+"""UniPrefill token drop as a step transform (runtime/step_transform.py, registered under
+"token_drop"; what a drop does: runtime/token_drop.py).
+
+Callers read and set it through the runner's transforms by name: ``runner.transforms["token_drop"]``
+(``cfg`` the knobs in force, None: off; ``drop_at``, ``tail``, ``max_context``, ``stats``) and
+``runner.set_transform("token_drop", cfg)``.
 
 Per step: ``plan`` picks the chunks that drop (plan_drops) and lists the drop histories of the
 step's sequences (drop_histories) -> ``TokenDropHost``; ``upload`` makes the step's
@@ -20,8 +24,9 @@ from infhip.knobs import resolve_drop_layers
 from infhip.plugins.token_drop import top_p_select
 from infhip.runtime.drop_stats import DropStats
 from infhip.runtime.forward_context import LayerKV
-from infhip.runtime.step_transform import StepTransform
-from infhip.runtime.token_drop import DropChunk, TokenDropStep, drop_histories, keep_tail, plan_drops
+from infhip.runtime.step_transform import StepTransform, TransformEnv, register
+from infhip.runtime.token_drop import (DropChunk, TokenDropStep, drop_histories, keep_tail, never_drops,
+                                      plan_drops)
 
 
 @dataclass
@@ -34,32 +39,52 @@ class TokenDropHost:
     histories: list[list[int]] | None
 
 
+@register
 class TokenDrop(StepTransform):
     """Token drop of one runner: its knobs (``configure``; None: off, drop histories are still
     honoured), the layers it acts on and the drop statistics of the requests."""
 
     name = "token_drop"
+    plugin_modules = TokenDropStep.plugin_modules
 
-    def __init__(self, config, windows: list[int | None], page_size: int):
-        """config: the engine's EngineConfig; windows: each layer's sliding window (None: full)."""
-        self.full = frozenset(lp.index for lp in config.plan.layers if lp.window is None)
+    def __init__(self, windows: list[int | None], page_size: int):
+        """windows: each layer's sliding window (None: full attention)."""
+        self.full = frozenset(i for i, w in enumerate(windows) if w is None)
         self.global_layers = sorted(self.full)  # the layers that hold compacted KV after a drop
         self.windows, self.page_size = windows, page_size
         self.stats = DropStats()  # drop histories of the requests, retention per anchor
-        self.configure(None, None)
+        self._set(None, None)
 
-    def configure(self, cfg: TokenDropConfig | None, max_context: int | None) -> None:
-        """Token drop on (cfg) or off (None) from the next step on; max_context: only requests
-        that stay within it drop (the backends' max_drop_context)."""
-        self.cfg, self.max_context = cfg, max_context
+    @classmethod
+    def knobs_of(cls, config) -> TokenDropConfig | None:
+        return config.plan.token_drop
+
+    @classmethod
+    def attach(cls, config) -> "TokenDrop":
+        return cls([lp.window for lp in config.plan.layers], config.build.page_size)
+
+    def configure(self, cfg: TokenDropConfig | None, env: TransformEnv) -> None:
+        """Token drop on (cfg) or off (None) from the next step on. Only requests whose context
+        stays within every backend's max_drop_context drop (runtime/token_drop.py says why for
+        InfiniteHiP)."""
+        if cfg is not None and env.offloading:
+            raise ValueError("token drop cannot be turned on while KV pages are offloaded")
+        limits = [c for b in env.backends.values() if (c := b.max_drop_context(env.config)) is not None]
+        self._set(cfg, min(limits, default=None))
+
+    def _set(self, cfg: TokenDropConfig | None, max_context: int | None) -> None:
+        drop_at = (frozenset(resolve_drop_layers(cfg, self.global_layers, len(self.windows)))
+                   if cfg is not None else frozenset())  # may raise: before anything changes
+        self.cfg, self.max_context, self.drop_at = cfg, max_context, drop_at
         self.tail = keep_tail(cfg, self.windows) if cfg is not None else 0
-        self.drop_at = (frozenset(resolve_drop_layers(cfg, self.global_layers, len(self.windows)))
-                        if cfg is not None else frozenset())
 
     @staticmethod
     def keep_blocks(scores, cu_blocks, cu_ext, p: float, **kw):
         """The kept blocks of the dropping chunks: top-p (plugins/token_drop/top_p.py)."""
         return top_p_select(scores, cu_blocks, cu_ext, p, **kw)
+
+    def keeps_prompt(self, seq) -> bool:
+        return never_drops(seq, self.cfg, self.max_context)
 
     def plan(self, p, chunks) -> TokenDropHost | None:
         drops = plan_drops(chunks, self.cfg, self.tail, self.max_context) if self.cfg is not None else []

@@ -23,7 +23,7 @@ def simulate_graphs(llm, monkeypatch, sizes=(1, 2, 4)) -> tuple[list[GraphKey], 
         if input_ids is not None:
             graphs.input_ids[:n].copy_(input_ids)
         with forward_context(graphs._context(bs, key)):
-            return graphs._forward(bs, key.layer_kv)[:n]
+            return graphs._forward(bs, key.kv_shift)[:n]
 
     graphs.replay = replay
     llm.runner.graphs = graphs

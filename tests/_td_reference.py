@@ -163,7 +163,7 @@ def record_kept_positions(llm) -> dict[int, dict[int, list[torch.Tensor]]]:
     full-attention layer the positions each dropping chunk kept there, from each step's
     TokenDropStep records, as the runner's DropStats records the step. Returns the live dict."""
     kept: dict[int, dict[int, list[torch.Tensor]]] = {}
-    stats = llm.runner.drop_stats
+    stats = llm.runner.transforms["token_drop"].stats
     real = stats.record
 
     def record(seqs: list, td, num_layers: int) -> None:

@@ -72,7 +72,7 @@ def test_drop_history_decode_through_cuda_graphs_equals_eager(arch, tmp_path):
                           progress=False)
     prompts = [prompt(s, n) for s, n in ((2, 200), (3, 150), (4, 170))]
     graphed, eager, keys = graphed_and_eager(engine, prompts, 0.3, max_num_batched_tokens=100, token_drop=TINY)
-    assert any(k.layer_kv and k.of("infinitehip") is None for k in keys)
+    assert any(k.kv_shift and k.of("infinitehip") is None for k in keys)
     assert graphed == eager
 
 
@@ -88,7 +88,7 @@ def test_token_drop_with_infinitehip_graphs_equal_eager(tmp_path):
                           token_drop=TINY, progress=False)
     prompts = [prompt(s, n) for s, n in ((5, 150), (6, 97), (7, 181))]
     graphed, eager, keys = graphed_and_eager(engine, prompts, 0.4, max_num_batched_tokens=64, token_drop=TINY)
-    assert any(k.layer_kv and k.of("infinitehip") is not None for k in keys)
+    assert any(k.kv_shift and k.of("infinitehip") is not None for k in keys)
     assert graphed == eager
 
 
@@ -102,7 +102,7 @@ def graphed_and_eager(engine, prompts, retention, **llm_kwargs):
     for eager in (False, True):
         llm = set_forced_retention(LLM(engine, enforce_eager=eager, **llm_kwargs), retention)
         outs[eager] = [o.token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=sp)]
-        assert llm.runner.drop_stats.retention
+        assert llm.runner.transforms["token_drop"].stats.retention
         if not eager:
             keys = [key for _, key in llm.runner.graphs.graphs]
     return outs[False], outs[True], keys

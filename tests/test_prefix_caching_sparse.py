@@ -372,6 +372,7 @@ def test_token_drop_engine_reuses_prompts_that_never_drop(td_engine):
     want = [off.generate(prompt_token_ids=[p], sampling_params=GREEDY)[0] for p in prompts]
     assert [o.token_ids for o in got] == [w.token_ids for w in want]
     assert [o.num_cached_tokens for o in got] == [0, 64, 0, 0, 64]
-    assert len(on.runner.drop_stats.retention) == 2 and all(
-        kept < total for r in on.runner.drop_stats.retention.values() for kept, total in r.values()), \
+    retention = on.runner.transforms["token_drop"].stats.retention
+    assert len(retention) == 2 and all(
+        kept < total for r in retention.values() for kept, total in r.values()), \
         "the long prompts dropped"

@@ -103,14 +103,14 @@ def llama_tp2(llama_pair):
 
 def generate(engine, live_token_drop=None, **load):
     """(greedy tokens of PROMPTS, token drop's retention per sequence, pages moved to the host).
-    live_token_drop: turned on after the load (ModelRunner.set_token_drop, mirrored to the ranks)."""
+    live_token_drop: turned on after the load (ModelRunner.set_transform, mirrored to the ranks)."""
     with LLM(engine, max_num_batched_tokens=64, **load) as llm:
         if live_token_drop is not None:
-            llm.runner.set_token_drop(TokenDropConfig(**live_token_drop))
+            llm.runner.set_transform("token_drop", TokenDropConfig(**live_token_drop))
         moved, offload = [], llm.runner.kv.offload
         llm.runner.kv.offload = lambda *a: (lambda m: moved.extend(m[1]) or m)(offload(*a))
         tokens = [o.token_ids for o in llm.generate(prompt_token_ids=PROMPTS, sampling_params=GREEDY)]
-        return tokens, llm.runner.drop_stats.retention, len(moved)
+        return tokens, llm.runner.transforms["token_drop"].stats.retention, len(moved)
 
 
 @pytest.mark.parametrize("case", ["dense", "3k", "token_drop", "3k_offload"])

@@ -53,11 +53,12 @@ def run(engine, overrides=None, budget=64, prompts=PROMPTS, params=GREEDY):
 @pytest.mark.parametrize("budget", [64, 512])  # chunked prefill mixing drops and decodes; one pass each
 def test_covering_sparse_over_compacted_kv_equals_dense(engines, calls, budget):
     dense, dense_llm = run(engines["dense"], budget=budget)
-    assert dense_llm.runner.drop_stats.retention  # tokens were dropped
+    assert dense_llm.runner.transforms["token_drop"].stats.retention  # tokens were dropped
     composed, llm = run(engines["cover"], LOW, budget=budget)
     assert calls["decode"] > 0
     assert composed == dense
-    assert llm.runner.drop_stats.retention == dense_llm.runner.drop_stats.retention  # the same drops
+    assert (llm.runner.transforms["token_drop"].stats.retention
+            == dense_llm.runner.transforms["token_drop"].stats.retention)  # the same drops
 
 
 @pytest.mark.parametrize("engine", ["dense", "cover"])
@@ -73,7 +74,7 @@ def test_decode_graphs_with_drop_histories_equal_eager(engines, monkeypatch, eng
                                    token_drop=DROP), RHO)
     keys, planned = simulate_graphs(llm, monkeypatch)
     assert [o.token_ids for o in llm.generate(prompt_token_ids=PROMPTS, sampling_params=GREEDY)] == eager
-    shifted = [key for key in keys if key.layer_kv == "token_drop"]
+    shifted = [key for key in keys if key.kv_shift == "token_drop"]
     assert shifted and all(key in planned for key in keys)
     if engine == "cover":
         assert any(key.of("infinitehip") is not None for key in shifted)
@@ -82,7 +83,7 @@ def test_decode_graphs_with_drop_histories_equal_eager(engines, monkeypatch, eng
 def test_pruning_presets_run_after_drops(engines, calls):
     out, llm = run(engines["3k"], LOW)
     assert all(len(t) == GREEDY.max_tokens for t in out)
-    assert llm.runner.drop_stats.retention and calls["decode"] > 0
+    assert llm.runner.transforms["token_drop"].stats.retention and calls["decode"] > 0
 
 
 def test_requests_that_may_pass_the_trained_window_do_not_drop(engines, monkeypatch):
@@ -92,9 +93,9 @@ def test_requests_that_may_pass_the_trained_window_do_not_drop(engines, monkeypa
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     ids = prompt(14, 200)
     _, llm = run(engines["3k"], LOW, prompts=[ids], params=SamplingParams(max_tokens=57, ignore_eos=True))
-    assert not llm.runner.drop_stats.retention
+    assert not llm.runner.transforms["token_drop"].stats.retention
     _, llm = run(engines["3k"], LOW, prompts=[ids], params=SamplingParams(max_tokens=10, ignore_eos=True))
-    assert llm.runner.drop_stats.retention
+    assert llm.runner.transforms["token_drop"].stats.retention
 
 
 def test_a_step_without_sparse_attention_invalidates_cached_masks():

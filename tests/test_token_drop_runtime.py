@@ -59,7 +59,7 @@ def schedule_knobs(engine, name: str) -> dict:
 def reference_schedule(llm) -> dict:
     """The reference's schedule of a loaded engine's token drop (drop layers with the spared ones)."""
     from infhip.knobs import resolve_drop_layers
-    cfg = llm.runner.token_drop
+    cfg = llm.runner.transforms["token_drop"].cfg
     layers = resolve_drop_layers(dataclasses.replace(cfg, spare_anchors=0), llm.runner.global_layers,
                                  len(llm.runner.model.layers))
     return dict(layers=layers, point=cfg.drop_point.split("_")[0], reenter=cfg.reenter)
@@ -83,7 +83,7 @@ def prompt(seed: int, n: int) -> list[int]:
 def run_greedy(llm: LLM, ids: list[int], steps: int) -> tuple[list[int], torch.Tensor]:
     """Prefill + `steps` greedy decodes through scheduler and runner; (tokens, logits [steps, V])
     where logits[j] produced tokens[j]."""
-    seq = Sequence(seq_id=10_000 + len(llm.runner.drop_stats.retention), prompt_token_ids=list(ids),
+    seq = Sequence(seq_id=10_000 + len(llm.runner.transforms["token_drop"].stats.retention), prompt_token_ids=list(ids),
                    params=SamplingParams(max_tokens=steps, ignore_eos=True))
     llm.scheduler.add(seq)
     tokens, logits = [], []
@@ -109,7 +109,7 @@ def test_p_one_reproduces_dense(engine, budget):
     tok_t, log_t, sid = run_greedy(td, ids, 6)
     assert tok_t == tok_d
     assert (log_t - log_d).abs().max() < 1e-4
-    per_layer = td.runner.drop_stats.retention[sid]
+    per_layer = td.runner.transforms["token_drop"].stats.retention[sid]
     assert per_layer and all(kept == total for kept, total in per_layer.values())  # drop path ran
 
 
@@ -157,14 +157,14 @@ def test_top_p_selection_equals_reference(engine, p, spare, schedule):
     tokens, logits, sid = run_greedy(llm, ids, 4)
     kept = {layer: torch.cat(chunks) for layer, chunks in kept_positions[sid].items()}
     layers = llm.engine.config.plan.layers
-    cfg = llm.runner.token_drop
+    cfg = llm.runner.transforms["token_drop"].cfg
     chosen: dict[int, torch.Tensor] = {}
     sched = reference_schedule(llm)
     spared = set(sched["layers"][:spare])
     drops = set(sched["layers"]) - spared
-    assert drops == set(llm.runner.drop_at)
-    select = dict(p=p, n=cfg.obs_window, G=cfg.block_size, A=cfg.num_sink, tail=llm.runner.drop_tail,
-                  spare=spared)
+    assert drops == set(llm.runner.transforms["token_drop"].drop_at)
+    select = dict(p=p, n=cfg.obs_window, G=cfg.block_size, A=cfg.num_sink,
+                  tail=llm.runner.transforms["token_drop"].tail, spare=spared)
     ref = reference_logits(llm.runner.model, ids + tokens[:-1], len(ids), chosen, layers, select=select,
                            schedule=sched)
     assert set(chosen) == drops and drops <= set(kept) and not spared & set(kept)
@@ -180,7 +180,7 @@ def test_batch_equals_each_alone(engine):
     sp = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     llm = LLM(engine, token_drop=knobs, max_num_batched_tokens=256)
     batch = [o.token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=sp)]
-    batch_ret = [dict(v) for v in llm.runner.drop_stats.retention.values()]
+    batch_ret = [dict(v) for v in llm.runner.transforms["token_drop"].stats.retention.values()]
     assert len(batch_ret) == 2  # the short prompt never dropped
     alone = []
     for p in prompts:
@@ -233,7 +233,7 @@ def test_build_flag_config_round_trip_and_old_engines(engine, tmp_path):
     del cfg["plan"]["token_drop"]["spare_anchors"]
     (tmp_path / "c" / "config.json").write_text(json.dumps(cfg))
     assert EngineConfig.load(tmp_path / "c").plan.token_drop == TokenDropConfig(spare_anchors=0, **old["paper"])
-    assert LLM(tmp_path / "c", token_drop=False).runner.token_drop is None
+    assert LLM(tmp_path / "c", token_drop=False).runner.transforms["token_drop"].cfg is None
     # an explicit list round-trips through config.json as a list (Llama: layers 0 and 2; Gemma: its globals)
     full = [lp.index for lp in src.plan.layers if lp.window is None][-2:]
     rc = build_main(["--checkpoint", str(hf), "--output", str(tmp_path / "d"), "--dtype", "float32", "--device",
@@ -297,7 +297,8 @@ def test_drop_layers_must_be_full_attention_layers(engine):
         LLM(engine, token_drop=dict(TINY, drop_layers=[bad]))
     with pytest.raises(ValueError, match="drop_layers is empty"):
         LLM(engine, token_drop=dict(TINY, drop_layers=[]))
-    assert LLM(engine, token_drop=dict(TINY, drop_layers=[full[-1]])).runner.drop_at == {full[-1]}
+    one = LLM(engine, token_drop=dict(TINY, drop_layers=[full[-1]]))
+    assert one.runner.transforms["token_drop"].drop_at == {full[-1]}
 
 
 def test_drop_over_fp8_cache_tracks_the_float32_one(engine, tmp_path):

@@ -1,6 +1,6 @@
 """UniPrefill retention per anchor layer on real text: the share of a prompt's tokens each
 full-attention layer keeps (runtime/token_drop.py records it per sequence in
-``ModelRunner.drop_stats.retention``: anchor layer -> [kept, total] summed over the prompt's chunks).
+``runner.transforms["token_drop"].stats.retention``: anchor layer -> [kept, total] summed over the prompt's chunks).
 
     python -m infhip.eval.retention --engine engines/smollm2-135m-td99 --lengths 4k --samples 2
 
@@ -26,14 +26,14 @@ from infhip.runtime.sampling_params import SamplingParams
 def anchor_retention(llm, prompts: list[list[int]]) -> list[dict[int, float]]:
     """Prefill each prompt (one token generated); per prompt {anchor layer: kept / total}.
     A prompt that dropped nothing (shorter than min_prompt_len, or no token drop) gives {}."""
-    if llm.runner.token_drop is None:
+    if llm.runner.transforms["token_drop"].cfg is None:
         raise EvalError("engine has no token drop (build with --token-drop, or load with token_drop=True)")
     out = []
     for ids in prompts:
-        before = set(llm.runner.drop_stats.retention)
+        before = set(llm.runner.transforms["token_drop"].stats.retention)
         llm.generate(prompt_token_ids=[ids], sampling_params=SamplingParams(max_tokens=1, temperature=0.0))
-        new = [sid for sid in llm.runner.drop_stats.retention if sid not in before]
-        per_layer = llm.runner.drop_stats.retention[new[-1]] if new else {}
+        new = [sid for sid in llm.runner.transforms["token_drop"].stats.retention if sid not in before]
+        per_layer = llm.runner.transforms["token_drop"].stats.retention[new[-1]] if new else {}
         out.append({layer: kept / total for layer, (kept, total) in sorted(per_layer.items())})
     return out
 
@@ -41,7 +41,7 @@ def anchor_retention(llm, prompts: list[list[int]]) -> list[dict[int, float]]:
 def run_retention(engine: str, lengths: list[int], samples: int = 2, seed: int = 0,
                   device: str | None = None, **llm_kwargs) -> dict:
     llm = load_llm(engine, device, **llm_kwargs)
-    td = llm.runner.token_drop
+    td = llm.runner.transforms["token_drop"].cfg
     result = {"engine": engine_name(engine), "token_drop": None if td is None else vars(td), "lengths": {}}
     for length in lengths:
         check_fits(llm, length)

@@ -145,7 +145,7 @@ def run_ruler(engines: list[str], cfg: RulerConfig, device: str | None = None, l
                 for p, out in zip(batch, outs):
                     extra = {"answers": p.answers, "prediction": out.text, "prompt_tokens": len(p.ids),
                              "haystack_size": p.size, "prompt_sha256": _sha(p.text)}
-                    if llm.runner.token_drop is not None:
+                    if llm.runner.transforms["token_drop"].cfg is not None:
                         extra["retention"] = _retention(llm, out.request_id)
                     records.append(Record("ruler", name, length, score_prediction(out.text, p.answers, p.metric),
                                           metric="ruler", sample=p.sample, variant=task, extra=extra))
@@ -161,8 +161,8 @@ def run_ruler(engines: list[str], cfg: RulerConfig, device: str | None = None, l
 
 def _retention(llm, seq_id: int) -> float:
     """UniPrefill's measured retention of a finished prompt: the mean over anchor layers of the
-    share of its tokens each kept (ModelRunner.drop_stats.retention; 1.0 when it dropped nothing)."""
-    per_anchor = llm.runner.drop_stats.retention.get(seq_id, {})
+    share of its tokens each kept (runner.transforms["token_drop"].stats.retention; 1.0 when it dropped nothing)."""
+    per_anchor = llm.runner.transforms["token_drop"].stats.retention.get(seq_id, {})
     return sum(kept / total for kept, total in per_anchor.values()) / len(per_anchor) if per_anchor else 1.0
 
 

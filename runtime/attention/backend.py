@@ -14,17 +14,19 @@ Life of a backend (every method below; the default does nothing or says "none"):
   returns the instance that sets ``attn.backend = self`` on the layers it claims;
 * per step, on the host: ``plan(step, seqs) -> host meta`` (None: no row of this step is the
   backend's; its layers then run the dense backend), or ``skip(seqs)`` when a step transform
-  (token drop) runs its layers densely;
+  runs the step's rows densely (runtime/step_transform.py ``runs_dense``: token drop's drops);
 * eager: ``upload(host, step) -> device meta``; per layer ``run(layer, q, k, v, ctx, meta)``,
   launches only (no host sync), so a CUDA graph captures it;
 * CUDA graphs of pure decode steps: ``graph_key(host)`` (None: the step runs eagerly),
-  ``graph_keys(layer_kv)`` the keys captured at load, ``graph_rows`` the padding value of each
-  per-step int64 row its graphs read, staged with the step's tokens (``graph_fill(host, rows)``
-  writes one step's), ``graph_state(max_bs, rows)`` constant buffers and the rows' device view,
+  ``graph_keys(layer_kv)`` the keys captured at load (layer_kv: those also allowed in steps with
+  a transform's per-layer KV shift), ``graph_rows`` the padding value of each per-step int64 row
+  its graphs read, staged with the step's tokens (``graph_fill(host, rows)`` writes one step's),
+  ``graph_state(max_bs, rows)`` constant buffers and the rows' device view,
   ``graph_meta(key, bs, state, common)`` the device meta a graph reads (common: the graph's
   ForwardContext), built by the code ``upload`` uses; ``graph_warm_kind(key)`` which graphs
   share their kernels (one warm-up run each);
-* token drop: ``max_drop_context(config)``, the longest context at which requests may drop;
+* for the token-drop transform: ``max_drop_context(config)``, the longest context at which
+  requests may drop;
 * ahead of time: ``launch_space(space)`` launches every kernel variant the engine's plan allows
   on fake tensors (builder/kernels.py records them); by default each of ``plugin_modules``'
   ``aot_launches(space)``;
@@ -121,7 +123,8 @@ class AttentionBackend:
         return None
 
     def skip(self, seqs: list) -> None:
-        """A step whose rows a transform runs densely on this backend's layers (token drop)."""
+        """A step whose rows a step transform runs densely on this backend's layers (its
+        ``runs_dense``: token drop's drops); the backend plans nothing for it."""
 
     # -- eager -------------------------------------------------------------------------------------
     def upload(self, host, step):
@@ -140,7 +143,8 @@ class AttentionBackend:
         return None
 
     def graph_keys(self, layer_kv: bool = False) -> list[Hashable]:
-        """Every key captured at load (layer_kv: of steps with drop histories)."""
+        """Every key captured at load (layer_kv: those also allowed in steps with a step
+        transform's per-layer KV shift, GraphKey.kv_shift: e.g. after token drop)."""
         return []
 
     def graph_state(self, max_bs: int, rows: torch.Tensor):
@@ -197,8 +201,20 @@ _REGISTRY: dict[str, type[AttentionBackend]] = {}
 _loaded = False
 
 
+def _load_builtins() -> None:
+    """Import the built-in modules once (each registers on import; a module being imported, the
+    one whose registration called this, is left to finish)."""
+    global _loaded
+    if not _loaded:
+        _loaded = True
+        for module in BUILTIN:
+            importlib.import_module(module)
+
+
 def register(cls: type[AttentionBackend]) -> type[AttentionBackend]:
-    """Register a backend class under its ``name`` (a decorator); a second one of a name raises."""
+    """Register a backend class under its ``name`` (a decorator); a second one of a name raises.
+    The built-in ones register first, whoever registers first."""
+    _load_builtins()
     if _REGISTRY.get(cls.name, cls) is not cls:
         raise ValueError(f"an attention backend named {cls.name!r} is already registered")
     _REGISTRY[cls.name] = cls
@@ -212,11 +228,7 @@ def unregister(name: str) -> None:
 
 def backends() -> list[type[AttentionBackend]]:
     """The registered backend classes, in registration order (the built-in ones first)."""
-    global _loaded
-    if not _loaded:
-        _loaded = True
-        for module in BUILTIN:
-            importlib.import_module(module)
+    _load_builtins()
     return list(_REGISTRY.values())
 
 

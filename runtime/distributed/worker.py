@@ -18,7 +18,7 @@ import traceback
 import torch
 
 # What rank 0 may ask of a worker's runner (TPGroup.publish's kinds), besides "stop".
-STEP_KINDS = ("forward_plan", "run_decode_plans", "move_pages", "set_backend", "set_token_drop")
+STEP_KINDS = ("forward_plan", "run_decode_plans", "move_pages", "set_backend", "set_transform")
 
 
 def run_rank(rank: int, tp: int, init_method: str, engine_dir: str, opts, errors, threads: int | None = None) -> None:

@@ -160,14 +160,52 @@ class GatedMLP(nn.Module):
         return self.tp.all_reduce(self.down_proj(gated_act(self.gate_up_proj(x), self.act)))
 
 
+class DecoderLayer(nn.Module):
+    """One decoder layer as its two halves, ``attend`` and ``feed_forward``, each (hidden,
+    residual) -> (hidden, residual): the residual stream is hidden + residual, carried apart so
+    that each norm also performs the preceding residual add in one kernel (residual None: the
+    first layer, hidden is the whole stream). A family subclasses it with its norms; its
+    attention is ``self_attn`` (an Attention), which the runner reads too.
+
+    The seam between the halves is where step transforms that route rows act
+    (runtime/step_transform.py TransformStep; UniPrefill token drop, runtime/token_drop.py): before
+    the layer (``enter_layer``: dropped rows may come back) and after its attention
+    (``after_attention``: the rows attention returned; the residual may lose rows to match), so
+    ``feed_forward`` runs on the rows kept. Without routers the layer is its two halves, back to
+    back."""
+
+    self_attn: Attention
+
+    def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, routers=()):
+        """routers: the step's TransformSteps that route rows (``routes``), in registration order."""
+        if not routers:
+            return self.feed_forward(*self.attend(hidden, residual))
+        i = self.self_attn.layer_index
+        for r in routers:
+            hidden, residual = r.enter_layer(i, hidden, residual)
+        hidden, residual = self.attend(hidden, residual)
+        for r in routers:
+            hidden, residual = r.after_attention(i, hidden, residual)
+        return self.feed_forward(hidden, residual)
+
+    def attend(self, hidden: torch.Tensor, residual: torch.Tensor | None):
+        """The attention half: (stream) -> (attention output [rows attention returned, hidden],
+        residual)."""
+        raise NotImplementedError
+
+    def feed_forward(self, hidden: torch.Tensor, residual: torch.Tensor):
+        """The feed-forward half: (attention output, residual) -> (MLP output, residual)."""
+        raise NotImplementedError
+
+
 class CausalLM(nn.Module):
     """Shared top of every family: embeddings, decoder layers, final norm, LM head.
 
-    Subclasses set `layer_cls`. `forward(input_ids [T]) -> hidden [T, hidden]`;
+    Subclasses set `layer_cls` (a DecoderLayer). `forward(input_ids [T]) -> hidden [T, hidden]`;
     `compute_logits(hidden [N, hidden]) -> [N, vocab] float32`.
     """
 
-    layer_cls: type[nn.Module]
+    layer_cls: type[DecoderLayer]
 
     def __init__(self, cfg: ModelConfig, layers: tuple[LayerPlan, ...]):
         super().__init__()
@@ -189,21 +227,13 @@ class CausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         # Step transforms that route rows (runtime/step_transform.py; e.g. UniPrefill token drop,
-        # runtime/token_drop.py): the loop below is the only place rows leave and re-enter the
-        # stream: a router may keep fewer rows after a layer's attention and bring them back
-        # before a later layer, and at the end.
+        # runtime/token_drop.py) act only here and in DecoderLayer.forward: a router may keep
+        # fewer rows after a layer's attention and bring them back before a later layer, and at
+        # the end (reconstitute).
         routers = [t for t in get_forward_context().transforms.values() if t.routes]
         hidden, residual = self.embed(input_ids), None
-        for i, layer in enumerate(self.layers):
-            if not routers:
-                hidden, residual = layer(hidden, residual)
-                continue
-            for r in routers:
-                hidden, residual = r.enter_layer(i, hidden, residual)
-            hidden, residual = layer.attend(hidden, residual)
-            for r in routers:
-                hidden, residual = r.after_attention(i, hidden, residual)
-            hidden, residual = layer.feed_forward(hidden, residual)
+        for layer in self.layers:
+            hidden, residual = layer(hidden, residual, routers)
         for r in routers:
             hidden, residual = r.reconstitute(hidden, residual)
         return self.norm(hidden) if residual is None else self.norm(hidden, residual)[0]

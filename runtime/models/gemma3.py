@@ -6,10 +6,9 @@ embeddings scaled by sqrt(hidden). Sliding and global layers differ only in thei
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 from infhip.config import LayerPlan, ModelConfig
-from infhip.runtime.models.common import Attention, CausalLM, GatedMLP, RMSNorm, RopeTable
+from infhip.runtime.models.common import Attention, CausalLM, DecoderLayer, GatedMLP, RMSNorm, RopeTable
 
 
 class Gemma3Attention(Attention):
@@ -20,7 +19,9 @@ class Gemma3MLP(GatedMLP):
     pass
 
 
-class Gemma3DecoderLayer(nn.Module):
+class Gemma3DecoderLayer(DecoderLayer):
+    """transformers: h = h + post_attn_norm(attn(in_norm(h))); h = h + post_ff_norm(mlp(pre_ff_norm(h)))."""
+
     def __init__(self, cfg: ModelConfig, plan: LayerPlan, rope: RopeTable):
         super().__init__()
         eps = cfg.rms_norm_eps
@@ -31,15 +32,9 @@ class Gemma3DecoderLayer(nn.Module):
         self.mlp = Gemma3MLP(cfg)
         self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, eps)
 
-    def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None):
-        """(hidden, residual) -> (hidden, residual); the stream is hidden + residual.
-
-        transformers: h = h + post_attn_norm(attn(in_norm(h))); h = h + post_ff_norm(mlp(pre_ff_norm(h))).
-        """
-        return self.feed_forward(*self.attend(hidden, residual))
-
     def attend(self, hidden: torch.Tensor, residual: torch.Tensor | None):
-        """The attention half: (stream) -> (normed attention output, residual); see LlamaDecoderLayer."""
+        """in_norm (with the residual add), attention, post_attn_norm: (stream) -> (normed
+        attention output, residual)."""
         if residual is None:
             hidden, residual = self.input_layernorm(hidden), hidden
         else:
@@ -47,6 +42,7 @@ class Gemma3DecoderLayer(nn.Module):
         return self.post_attention_layernorm(self.self_attn(hidden)), residual
 
     def feed_forward(self, hidden: torch.Tensor, residual: torch.Tensor):
+        """pre_ff_norm (with the residual add), MLP, post_ff_norm."""
         hidden, residual = self.pre_feedforward_layernorm(hidden, residual)
         return self.post_feedforward_layernorm(self.mlp(hidden)), residual
 

@@ -8,10 +8,9 @@ The four differ only in flags of `ModelConfig` (attention_bias, qk_norm, rope) t
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 from infhip.config import LayerPlan, ModelConfig
-from infhip.runtime.models.common import Attention, CausalLM, GatedMLP, RMSNorm, RopeTable
+from infhip.runtime.models.common import Attention, CausalLM, DecoderLayer, GatedMLP, RMSNorm, RopeTable
 
 
 class LlamaAttention(Attention):
@@ -22,7 +21,7 @@ class LlamaMLP(GatedMLP):
     pass
 
 
-class LlamaDecoderLayer(nn.Module):
+class LlamaDecoderLayer(DecoderLayer):
     def __init__(self, cfg: ModelConfig, plan: LayerPlan, rope: RopeTable):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -30,13 +29,8 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = LlamaMLP(cfg)
 
-    def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None):
-        """(hidden, residual) -> (hidden, residual); the stream is hidden + residual."""
-        return self.feed_forward(*self.attend(hidden, residual))
-
     def attend(self, hidden: torch.Tensor, residual: torch.Tensor | None):
-        """The attention half: (stream) -> (attention output, residual). The model loop may keep
-        fewer residual rows before feed_forward (token drop keeps the rows attention returned)."""
+        """in_norm (with the residual add), attention: (stream) -> (attention output, residual)."""
         if residual is None:
             hidden, residual = self.input_layernorm(hidden), hidden
         else:
@@ -44,6 +38,7 @@ class LlamaDecoderLayer(nn.Module):
         return self.self_attn(hidden), residual
 
     def feed_forward(self, hidden: torch.Tensor, residual: torch.Tensor):
+        """post_attn_norm (with the residual add), MLP."""
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
 
