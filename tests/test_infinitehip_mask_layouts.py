@@ -12,6 +12,7 @@ import torch
 from infhip.plugins.infinitehip import (PAD, block_key_mask, mask_heads, plan_query_blocks, pruning_stage,
                                         pruning_stage_ref, select_rep_scores, select_rep_scores_ref,
                                         sparse_attention_ref, sparse_decode_attention, sparse_prefill_attention)
+from infhip.plugins.infinitehip.pruning import topk_chunks
 from infhip.plugins.infinitehip.raw_keys import unrotate_keys
 from infhip.plugins.paged_kv import PagedKV
 
@@ -226,3 +227,17 @@ def test_bad_layouts_are_refused_with_a_reason():
         sparse_decode_attention(q, seqs.paged, tables, ends, per_q, n_sink=N_SINK, n_stream=N_STREAM, scale=0.3,
                                 rope_style="streaming", inv_freq=inv_freq(D), bank=bank,
                                 bank_rows=torch.zeros(NB, dtype=torch.int32, device=DEVICE))
+
+
+def test_topk_rows_given_as_a_stride_0_view_read_their_own_lengths():
+    """pruning_stage's per-head rows of one query block: ends [1] expanded to H rows and reshaped
+    is a stride-0 view, which the kernel read as contiguous rows (row 1 read the next int32: here
+    0, so no candidate: the quiet head lost its chunk about half the time, depending on memory)."""
+    scores = torch.tensor([[0.0, 2.0, 1.0], [0.0, 1.0, 2.0]], device=DEVICE)  # [H = 2 rows, 3 chunks]
+    backing = torch.tensor([N_SINK + 12 + N_STREAM, 0], dtype=torch.int32, device=DEVICE)
+    ends = backing[:1].expand(2)  # stride 0: row 1 is backing[0] too, not backing[1]
+    kw = dict(chunk_size=4, k=4, n_sink=N_SINK, n_stream=N_STREAM)
+    got, n = topk_chunks(scores, None, None, ends=ends, **kw)
+    want, n_want = topk_chunks(scores, None, None, ends=ends.contiguous(), **kw)
+    assert n.tolist() == n_want.tolist() == [4, 4]
+    assert got.tolist() == want.tolist() == [[N_SINK + 4 + i for i in range(4)], [N_SINK + 8 + i for i in range(4)]]

@@ -558,6 +558,10 @@ def topk_chunks(scores, candidates, cand_lens, *, chunk_size: int, k: int, n_sin
     if C == 0:
         return out.fill_(PAD), lens.zero_()
     assert scores.stride(1) == 1
+    # the kernel reads row blk of these at ptr + blk: a per-head caller's rows may be a stride-0
+    # view (expand, then a reshape that one block turns into a view), which would read past them
+    cand_lens = cand_lens.contiguous() if cand_lens is not None else None
+    ends = ends.contiguous() if ends is not None else None
     kept = torch.empty((NB, max(K, 1)), dtype=torch.int32, device=scores.device)
     cand = kept if candidates is None else candidates
     block_all = next_pow2(C)
