@@ -29,11 +29,12 @@ runner attaches them and the layer loop calls their steps.
 
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
+
+from infhip.runtime.registry import Registry
 
 # the modules of the built-in transforms, each of which registers its transform on import
 BUILTIN = ("infhip.runtime.token_drop_transform",)
@@ -136,36 +137,11 @@ class StepTransform:
         raise NotImplementedError
 
 
-_REGISTRY: dict[str, type[StepTransform]] = {}
-_loaded = False
-
-
-def _load_builtins() -> None:
-    """Import the built-in modules once (each registers on import; a module being imported, the
-    one whose registration called this, is left to finish)."""
-    global _loaded
-    if not _loaded:
-        _loaded = True
-        for module in BUILTIN:
-            importlib.import_module(module)
-
-
-def register(cls: type[StepTransform]) -> type[StepTransform]:
-    """Register a transform class under its ``name`` (a decorator); a second one of a name raises.
-    The built-in ones register first, whoever registers first."""
-    _load_builtins()
-    if _REGISTRY.get(cls.name, cls) is not cls:
-        raise ValueError(f"a step transform named {cls.name!r} is already registered")
-    _REGISTRY[cls.name] = cls
-    return cls
-
-
-def unregister(name: str) -> None:
-    """Remove a registered transform (tests)."""
-    _REGISTRY.pop(name, None)
+_REGISTRY = Registry("a step transform", BUILTIN)
+register = _REGISTRY.register  # a decorator: the class under its ``name``; the built-in ones come first
+unregister = _REGISTRY.unregister  # (tests)
 
 
 def transforms() -> list[type[StepTransform]]:
-    """The registered transform classes, in registration order (the built-in ones first)."""
-    _load_builtins()
-    return list(_REGISTRY.values())
+    """The registered classes, in registration order (the built-in ones first)."""
+    return _REGISTRY.classes()

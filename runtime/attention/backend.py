@@ -46,6 +46,8 @@ from typing import Any, Callable, ClassVar, Hashable
 
 import torch
 
+from infhip.runtime.registry import Registry
+
 # the modules of the built-in backends, each of which registers its backend on import
 BUILTIN = ("infhip.runtime.attention.infinitehip",)
 
@@ -197,39 +199,14 @@ class AttentionBackend:
         return []
 
 
-_REGISTRY: dict[str, type[AttentionBackend]] = {}
-_loaded = False
-
-
-def _load_builtins() -> None:
-    """Import the built-in modules once (each registers on import; a module being imported, the
-    one whose registration called this, is left to finish)."""
-    global _loaded
-    if not _loaded:
-        _loaded = True
-        for module in BUILTIN:
-            importlib.import_module(module)
-
-
-def register(cls: type[AttentionBackend]) -> type[AttentionBackend]:
-    """Register a backend class under its ``name`` (a decorator); a second one of a name raises.
-    The built-in ones register first, whoever registers first."""
-    _load_builtins()
-    if _REGISTRY.get(cls.name, cls) is not cls:
-        raise ValueError(f"an attention backend named {cls.name!r} is already registered")
-    _REGISTRY[cls.name] = cls
-    return cls
-
-
-def unregister(name: str) -> None:
-    """Remove a registered backend (tests)."""
-    _REGISTRY.pop(name, None)
+_REGISTRY = Registry("an attention backend", BUILTIN)
+register = _REGISTRY.register  # a decorator: the class under its ``name``; the built-in ones come first
+unregister = _REGISTRY.unregister  # (tests)
 
 
 def backends() -> list[type[AttentionBackend]]:
-    """The registered backend classes, in registration order (the built-in ones first)."""
-    _load_builtins()
-    return list(_REGISTRY.values())
+    """The registered classes, in registration order (the built-in ones first)."""
+    return _REGISTRY.classes()
 
 
 def backend_class(name: str) -> type[AttentionBackend]:

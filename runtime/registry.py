@@ -1,0 +1,43 @@
+"""A registry of classes by their ``name``, whose built-in members register themselves on import:
+the attention backends' (runtime/attention/backend.py) and the step transforms'
+(runtime/step_transform.py)."""
+
+from __future__ import annotations
+
+import importlib
+
+
+class Registry:
+    """``kind`` names a member in errors ("an attention backend"); ``builtin`` are the modules
+    that register the built-in members on import, loaded on first use, so that they come first
+    whoever registers first."""
+
+    def __init__(self, kind: str, builtin: tuple[str, ...]):
+        self.kind, self.builtin = kind, builtin
+        self._classes: dict[str, type] = {}
+        self._loaded = False
+
+    def _load_builtins(self) -> None:
+        # once; a built-in module being imported (the one whose registration called this) is left
+        # to finish its import
+        if not self._loaded:
+            self._loaded = True
+            for module in self.builtin:
+                importlib.import_module(module)
+
+    def register(self, cls: type) -> type:
+        """Register a class under its ``name`` (a decorator); a second one of a name raises."""
+        self._load_builtins()
+        if self._classes.get(cls.name, cls) is not cls:
+            raise ValueError(f"{self.kind} named {cls.name!r} is already registered")
+        self._classes[cls.name] = cls
+        return cls
+
+    def unregister(self, name: str) -> None:
+        """Remove a registered class (tests)."""
+        self._classes.pop(name, None)
+
+    def classes(self) -> list[type]:
+        """The registered classes, in registration order (the built-in ones first)."""
+        self._load_builtins()
+        return list(self._classes.values())
