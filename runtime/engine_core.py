@@ -204,9 +204,10 @@ class EngineCore(SampleAndCommit):
         req = Request(prompt, params, spawned=params.num_forks == 1)
         fork = self._new_fork(req, 0, token_ids)
         if params.prompt_logprobs is not None:
-            if not self._keeps_prompt(fork.seq):
-                raise ValueError("prompt_logprobs needs every prompt position computed; this prompt would have "
-                                 "tokens dropped (UniPrefill): load the engine with token_drop=False")
+            for name, t in self.runner.transforms.items():
+                if not t.keeps_prompt(fork.seq):
+                    raise ValueError(f"prompt_logprobs needs every prompt position computed, and step transform "
+                                     f"{name!r} would not compute all of this prompt's: {t.prompt_hint}")
             req.prompt_logprobs = [None] * len(token_ids)
         self.scheduler.add(fork.seq)  # its checks (length, KV pages) come before it queues anything
         req.forks.append(fork)

@@ -20,7 +20,8 @@ Life of a transform:
   the layer loop and each layer's context view) -> ``after_step`` (what an eager step leaves);
 * CUDA graphs: ``shifts_kv``, ``kv_shift(host)``, ``graph_step(layer_kv)``;
 * ahead of time: ``plugin_modules`` (builder/kernels.py compiles what their aot_launches list);
-* the engine core: ``keeps_prompt(seq)`` (prefix caching and prompt logprobs).
+* the engine core: ``keeps_prompt(seq)`` (prefix caching and prompt logprobs; ``prompt_hint`` in
+  the error of a request it refuses).
 
 Registration: ``register(cls)`` (a decorator) under ``cls.name``; the registry imports the
 built-in transforms' modules (BUILTIN) on first use; registration order is the order in which the
@@ -82,6 +83,9 @@ class StepTransform:
 
     name: ClassVar[str]
     plugin_modules: ClassVar[tuple[str, ...]] = ()  # plugins/ modules whose kernels it launches
+    # what it does to a prompt and how a user keeps prompts whole (the error of a request that
+    # needs every prompt position, e.g. prompt_logprobs, when keeps_prompt says no)
+    prompt_hint: ClassVar[str] = "turn it off"
 
     # -- load and knobs --------------------------------------------------------------------------
     @classmethod

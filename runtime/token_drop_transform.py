@@ -46,6 +46,7 @@ class TokenDrop(StepTransform):
 
     name = "token_drop"
     plugin_modules = TokenDropStep.plugin_modules
+    prompt_hint = "it would drop tokens of this prompt (UniPrefill): load the engine with token_drop=False"
 
     def __init__(self, windows: list[int | None], page_size: int):
         """windows: each layer's sliding window (None: full attention)."""
@@ -65,11 +66,11 @@ class TokenDrop(StepTransform):
 
     def configure(self, cfg: TokenDropConfig | None, env: TransformEnv) -> None:
         """Token drop on (cfg) or off (None) from the next step on. Only requests whose context
-        stays within every backend's max_drop_context drop (runtime/token_drop.py says why for
-        InfiniteHiP)."""
+        stays within every backend's stored_rotation_context drop: a dropped layer's cache index
+        is no longer the key's position (runtime/token_drop.py says why for InfiniteHiP)."""
         if cfg is not None and env.offloading:
             raise ValueError("token drop cannot be turned on while KV pages are offloaded")
-        limits = [c for b in env.backends.values() if (c := b.max_drop_context(env.config)) is not None]
+        limits = [c for b in env.backends.values() if (c := b.stored_rotation_context(env.config)) is not None]
         self._set(cfg, min(limits, default=None))
 
     def _set(self, cfg: TokenDropConfig | None, max_context: int | None) -> None:

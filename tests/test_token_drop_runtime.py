@@ -301,6 +301,18 @@ def test_drop_layers_must_be_full_attention_layers(engine):
     assert one.runner.transforms["token_drop"].drop_at == {full[-1]}
 
 
+def test_prompt_logprobs_of_a_dropping_prompt_are_refused_with_the_way_out(engine):
+    """prompt_logprobs need every prompt position: a prompt that would drop is refused at
+    add_request with what drops it and how to keep it whole; one under min_prompt_len is served."""
+    llm = LLM(engine, token_drop=dict(TINY, min_prompt_len=64))
+    params = SamplingParams(max_tokens=1, prompt_logprobs=0)
+    with pytest.raises(ValueError, match="'token_drop'.*UniPrefill.*token_drop=False"):
+        llm.generate(prompt_token_ids=[prompt(1, 200)], sampling_params=params)
+    assert llm.debug_view()["requests"] == {}  # nothing queued
+    out = llm.generate(prompt_token_ids=[prompt(2, 40)], sampling_params=params)[0]
+    assert len(out.prompt_logprobs) == 40 and out.prompt_logprobs[0] is None and out.prompt_logprobs[1]
+
+
 def test_drop_over_fp8_cache_tracks_the_float32_one(engine, tmp_path):
     """UniPrefill over an fp8 KV cache (two chunks: the second gathers the first's compacted keys
     from the fp8 cache; Gemma's sliding layers between anchors gather theirs) keeps nearly the

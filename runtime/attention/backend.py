@@ -25,8 +25,9 @@ Life of a backend (every method below; the default does nothing or says "none"):
   ``graph_meta(key, bs, state, common)`` the device meta a graph reads (common: the graph's
   ForwardContext), built by the code ``upload`` uses; ``graph_warm_kind(key)`` which graphs
   share their kernels (one warm-up run each);
-* for the token-drop transform: ``max_drop_context(config)``, the longest context at which
-  requests may drop;
+* positions: ``stored_rotation_context(config)``, the longest context at which its layers read
+  every cached key at the rotation it was stored with (step transforms that compact a layer's
+  KV, as token drop, rely on it);
 * ahead of time: ``launch_space(space)`` launches every kernel variant the engine's plan allows
   on fake tensors (builder/kernels.py records them); by default each of ``plugin_modules``'
   ``aot_launches(space)``;
@@ -180,9 +181,11 @@ class AttentionBackend:
         return True
 
     @classmethod
-    def max_drop_context(cls, config) -> int | None:
-        """The longest context at which a request may still drop tokens (token drop) in an
-        engine with this backend's layers; None: no limit."""
+    def stored_rotation_context(cls, config) -> int | None:
+        """The longest context at which this backend's layers attend with every cached key at the
+        RoPE rotation it was stored with (its original position); None: at any context. Past it
+        a backend may re-rotate keys by their index in the layer's cache (InfiniteHiP's dynamic
+        RoPE), which differs from the original position once a layer's KV is compacted."""
         return None
 
     # -- ahead of time and serving -------------------------------------------------------------------

@@ -162,8 +162,10 @@ class InfiniteHipBackend(AttentionBackend):
         return False
 
     @classmethod
-    def max_drop_context(cls, config) -> int:
-        """Requests drop tokens only inside the trained window (runtime/token_drop.py says why)."""
+    def stored_rotation_context(cls, config) -> int:
+        """Inside the trained window keys keep their stored rotations; past it dynamic RoPE
+        rotates them by their index in the layer's cache (runtime/token_drop.py says what that
+        means for token drop)."""
         return config.model.max_position_embeddings
 
     # -- serving ------------------------------------------------------------------------------------
