@@ -241,7 +241,7 @@ def main() -> None:
     from infhip import LLM
     from infhip.eval.ruler_prompts import ruler_prompt
     from infhip.knob_specs import parse_token_drop_knobs
-    from infhip.knobs import AUTHORS_LLAMA_EIGHTHS, default_drop_layers
+    from infhip.token_drop_knobs import AUTHORS_LLAMA_EIGHTHS, default_drop_layers
     from infhip.runtime.engine import load_tokenizer
     from infhip.config import EngineConfig
 

@@ -3,7 +3,7 @@
 One place for the contract between `infhip.builder` and `infhip.runtime`. Everything here is
 plain data (dataclasses validated in ``__post_init__``) serialised to ``config.json``; values
 computed at load time (number of KV pages, CUDA-graph pools) live in runtime objects instead.
-The knobs of a plan (InfiniteHiP, token drop) are in infhip/knobs.py, with their descriptions.
+The knobs of a plan are in infhip/knobs.py (InfiniteHiP) and infhip/token_drop_knobs.py, with their descriptions.
 
 Engine directory (SPEC §3)::
 
@@ -45,7 +45,8 @@ from typing import Any
 
 from infhip.knobs import (  # noqa: F401 - the knobs are part of the engine format: re-exported
     ATTENTION_ROPE_STYLES, CHUNK_SCORES, PRUNING_ROPE_STYLES, REMOVED_INFINITEHIP_KNOBS, RUNTIME_KNOBS,
-    InfiniteHipConfig, PruningStage, TokenDropConfig, _check, check_runtime_knobs, resolve_drop_layers)
+    InfiniteHipConfig, PruningStage, check_runtime_knobs, require)
+from infhip.token_drop_knobs import TokenDropConfig, resolve_drop_layers  # noqa: F401 - re-exported
 
 FORMAT_VERSION = 1
 # config.json's "format": what tells an engine from other folders with a config.json (a Hugging
@@ -113,18 +114,18 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
-        _check(self.architecture in ARCHITECTURES,
+        require(self.architecture in ARCHITECTURES,
                f"unknown architecture {self.architecture!r}; supported: {', '.join(ARCHITECTURES)}")
-        _check(self.hidden_act in ACTIVATIONS, f"hidden_act {self.hidden_act!r} not in {ACTIVATIONS}")
-        _check(self.num_heads % self.num_kv_heads == 0,
+        require(self.hidden_act in ACTIVATIONS, f"hidden_act {self.hidden_act!r} not in {ACTIVATIONS}")
+        require(self.num_heads % self.num_kv_heads == 0,
                f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}")
-        _check(len(self.layer_types) == self.num_layers,
+        require(len(self.layer_types) == self.num_layers,
                f"{len(self.layer_types)} layer types for {self.num_layers} layers")
         for t in self.layer_types:
-            _check(t in LAYER_TYPES, f"layer type {t!r} not in {LAYER_TYPES}")
-            _check(t in self.rope, f"no RoPE parameters for layer type {t!r}")
+            require(t in LAYER_TYPES, f"layer type {t!r} not in {LAYER_TYPES}")
+            require(t in self.rope, f"no RoPE parameters for layer type {t!r}")
         if "sliding_attention" in self.layer_types:
-            _check(bool(self.sliding_window) and self.sliding_window > 0,
+            require(bool(self.sliding_window) and self.sliding_window > 0,
                    "sliding_attention layers need a positive sliding_window")
 
     @property
@@ -162,8 +163,8 @@ class LayerPlan:
     rope_group: str  # key into ModelConfig.rope
 
     def __post_init__(self) -> None:
-        _check(self.plugin in ATTENTION_PLUGINS, f"plugin {self.plugin!r} not in {ATTENTION_PLUGINS}")
-        _check(self.plugin != "infinitehip" or self.window is None,
+        require(self.plugin in ATTENTION_PLUGINS, f"plugin {self.plugin!r} not in {ATTENTION_PLUGINS}")
+        require(self.plugin != "infinitehip" or self.window is None,
                f"layer {self.index}: infinitehip runs on full-attention layers only")
 
 
@@ -178,7 +179,7 @@ class Plan:
 
     def __post_init__(self) -> None:
         uses = any(layer.plugin == "infinitehip" for layer in self.layers)
-        _check(uses == (self.infinitehip is not None),
+        require(uses == (self.infinitehip is not None),
                "a plan has infinitehip knobs exactly when some layer uses the infinitehip plugin")
         if self.token_drop is not None:  # an explicit drop_layers list names full-attention layers only
             resolve_drop_layers(self.token_drop, [lp.index for lp in self.layers if lp.window is None],
@@ -230,26 +231,26 @@ class BuildConfig:
     tp: int = 1  # tensor-parallel ranks (rank{r}.safetensors each; infhip/tensor_parallel.py); absent: 1
 
     def __post_init__(self) -> None:
-        _check(self.dtype in DTYPES, f"dtype {self.dtype!r} not in {DTYPES}")
-        _check(self.kv_dtype in KV_DTYPES, f"kv_dtype {self.kv_dtype!r} not in {KV_DTYPES}")
+        require(self.dtype in DTYPES, f"dtype {self.dtype!r} not in {DTYPES}")
+        require(self.kv_dtype in KV_DTYPES, f"kv_dtype {self.kv_dtype!r} not in {KV_DTYPES}")
         # the kernels dequantize an fp8 cache to the queries' dtype; any other KV dtype must be
         # the weights' own (the dots run in the queries' dtype)
-        _check(self.kv_dtype in (self.dtype, "fp8"), f"kv_dtype {self.kv_dtype!r} differs from dtype {self.dtype!r}; "
+        require(self.kv_dtype in (self.dtype, "fp8"), f"kv_dtype {self.kv_dtype!r} differs from dtype {self.dtype!r}; "
                "the KV cache is kept in the weights' dtype or in fp8: omit --kv-dtype or pass --kv-dtype fp8")
-        _check(self.max_seq_len > 0, f"max_seq_len must be positive, got {self.max_seq_len}")
-        _check(self.max_batch_size > 0, f"max_batch_size must be positive, got {self.max_batch_size}")
-        _check(self.page_size > 0 and self.page_size & (self.page_size - 1) == 0,
+        require(self.max_seq_len > 0, f"max_seq_len must be positive, got {self.max_seq_len}")
+        require(self.max_batch_size > 0, f"max_batch_size must be positive, got {self.max_batch_size}")
+        require(self.page_size > 0 and self.page_size & (self.page_size - 1) == 0,
                f"page_size must be a power of two, got {self.page_size}")
-        _check(self.max_num_batched_tokens >= self.max_batch_size,
+        require(self.max_num_batched_tokens >= self.max_batch_size,
                "max_num_batched_tokens must be at least max_batch_size")
-        _check(self.target == "cpu" or self.target.startswith("sm_"),
+        require(self.target == "cpu" or self.target.startswith("sm_"),
                f"target must be 'cpu' or 'sm_XY', got {self.target!r}")
-        _check(self.weight_dtype in WEIGHT_DTYPES,
+        require(self.weight_dtype in WEIGHT_DTYPES,
                f"weight_dtype {self.weight_dtype!r} not in {WEIGHT_DTYPES}")
-        _check(isinstance(self.quantize_lm_head, bool), f"quantize_lm_head must be true or false, "
+        require(isinstance(self.quantize_lm_head, bool), f"quantize_lm_head must be true or false, "
                f"got {self.quantize_lm_head!r}")
-        _check(isinstance(self.tp, int) and self.tp >= 1, f"tp must be a positive integer, got {self.tp!r}")
-        _check(not self.quantize_lm_head or self.weight_dtype == "fp8",
+        require(isinstance(self.tp, int) and self.tp >= 1, f"tp must be a positive integer, got {self.tp!r}")
+        require(not self.quantize_lm_head or self.weight_dtype == "fp8",
                "quantize_lm_head needs weight_dtype fp8 (--quantize-lm-head goes with --weight-dtype fp8)")
 
     @classmethod
@@ -331,9 +332,9 @@ class EngineConfig:
         from infhip.tensor_parallel import tp_problem
 
         problem = tp_problem(self.model, self.build.tp)
-        _check(problem is None, problem or "")
+        require(problem is None, problem or "")
         implied = json.loads(json.dumps(self._tp_record().get("tensor_parallel", {})))  # tuples as lists
-        _check((recorded or {}) == implied,
+        require((recorded or {}) == implied,
                "its tensor_parallel layout differs from the one build.tp implies")
 
 

@@ -1,5 +1,6 @@
 """Knobs on command lines: ``KEY=VALUE,...`` specs, shared by infhip-build, infhip-run,
-infhip-serve and infhip-eval. One name per knob: the field names of infhip/knobs.py.
+infhip-serve and infhip-eval. One name per knob: the field names of infhip/knobs.py and
+infhip/token_drop_knobs.py.
 
     --infinitehip-overrides chunk_score=max,refresh_intervals=[32,16,8]   parse_knobs
     --token-drop                                     the defaults (p=0.99,obs_window=128,block_size=64,
@@ -22,7 +23,7 @@ import dataclasses
 import json
 from typing import Any
 
-from infhip.knobs import RENAMED_TOKEN_DROP_KNOBS, RETENTION_MOVED, TokenDropConfig
+from infhip.token_drop_knobs import RENAMED_TOKEN_DROP_KNOBS, RETENTION_MOVED, TokenDropConfig
 
 _TOKEN_DROP_KEYS = tuple(f.name for f in dataclasses.fields(TokenDropConfig))
 _FLOATS = ("p",)

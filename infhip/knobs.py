@@ -1,5 +1,5 @@
-"""The knobs of an engine's plan: InfiniteHiP (:class:`InfiniteHipConfig`) and UniPrefill token
-drop (:class:`TokenDropConfig`), part of engine format v1 (infhip/config.py re-exports them).
+"""The InfiniteHiP knobs of an engine's plan (:class:`InfiniteHipConfig`), part of engine format v1
+(infhip/config.py re-exports them; UniPrefill token drop's are in infhip/token_drop_knobs.py).
 
 Each knob is a dataclass field whose metadata is its one description (:func:`knob`): meaning,
 whether a load may change it (``runtime``), and the measurement behind its value. From it come
@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 
-def _check(cond: bool, msg: str) -> None:
+def require(cond: bool, msg: str) -> None:
+    """ValueError(msg) unless cond: the engine format's checks (here, token_drop_knobs, config)."""
     if not cond:
         raise ValueError(msg)
 
@@ -34,10 +35,10 @@ class PruningStage:
     k: int
 
     def __post_init__(self) -> None:
-        _check(self.block_q > 0, f"block_q must be positive, got {self.block_q}")
-        _check(self.chunk_size > 0 and self.chunk_size & (self.chunk_size - 1) == 0,
+        require(self.block_q > 0, f"block_q must be positive, got {self.block_q}")
+        require(self.chunk_size > 0 and self.chunk_size & (self.chunk_size - 1) == 0,
                f"chunk_size must be a power of two, got {self.chunk_size}")
-        _check(self.k > 0 and self.k % self.chunk_size == 0,
+        require(self.k > 0 and self.k % self.chunk_size == 0,
                f"k ({self.k}) must be a positive multiple of chunk_size ({self.chunk_size})")
 
 
@@ -59,7 +60,7 @@ def knob(default: Any, doc: str, *, runtime: bool = False, measured: str = "") -
 
 _ONE_LAYER = "[one layer](benchmarks.md#decode-infinitehip-one-layer-vs-sdpa)"
 _WHOLE_MODEL = "[whole model](benchmarks.md#decode-infinitehip-whole-model-vs-the-dense-engine)"
-_PAPER = "not measured (paper)"
+NOT_MEASURED = "not measured (paper)"  # a knob taken from the paper, not measured here
 
 
 @dataclass(frozen=True)
@@ -87,8 +88,8 @@ class InfiniteHipConfig:
     the same tokens, slower.
     """
 
-    n_sink: int = knob(256, "first tokens every query attends (attention sinks)", measured=_PAPER)
-    n_stream: int = knob(1024, "newest tokens every query attends", measured=_PAPER)
+    n_sink: int = knob(256, "first tokens every query attends (attention sinks)", measured=NOT_MEASURED)
+    n_stream: int = knob(1024, "newest tokens every query attends", measured=NOT_MEASURED)
     stages: tuple[PruningStage, ...] = knob(
         (PruningStage(64, 256, 32768), PruningStage(64, 32, 8192), PruningStage(64, 8, 2048)),
         "pruning stages: query block, chunk size, keys kept", measured=_ONE_LAYER + "; retrieval vs dense: "
@@ -122,9 +123,9 @@ class InfiniteHipConfig:
         "relative", "RoPE style of the pruning stages past the window (`none`, `relative`, `chunk_indexed`)",
         measured="Qwen2.5-0.5B `5k` at 128K, RULER NIAH: `relative` 72.5, `chunk_indexed` 65.0, `none` 22.5 "
         "(n = 20; [quality](quality.md#knobs-and-budgets-on-the-h200-2026-12-03))")
-    special_pruning_rope: str = knob("chunk_indexed", "the same for the special layers", measured=_PAPER)
+    special_pruning_rope: str = knob("chunk_indexed", "the same for the special layers", measured=NOT_MEASURED)
     attention_rope: str = knob("streaming", "RoPE style of the block-sparse attention (`none`, `streaming`)",
-                               measured=_PAPER)
+                               measured=NOT_MEASURED)
     rope_off_in_trained_window: bool = knob(
         True, "dynamic RoPE only once a context passes the trained window", runtime=True,
         measured="the dynamic-RoPE cost it avoids inside the window, 1M keys: cached-step attention 23.5 µs "
@@ -153,40 +154,40 @@ class InfiniteHipConfig:
         "that owns none rotates keys instead (same tokens, slower)", runtime=True, measured="not measured")
 
     def __post_init__(self) -> None:
-        _check(self.n_sink >= 0 and self.n_stream > 0, "n_sink must be >= 0 and n_stream > 0")
-        _check(len(self.stages) > 0, "at least one pruning stage")
-        _check(len(self.refresh_intervals) == len(self.stages),
+        require(self.n_sink >= 0 and self.n_stream > 0, "n_sink must be >= 0 and n_stream > 0")
+        require(len(self.stages) > 0, "at least one pruning stage")
+        require(len(self.refresh_intervals) == len(self.stages),
                f"{len(self.refresh_intervals)} refresh intervals for {len(self.stages)} stages")
-        _check(all(n > 0 for n in self.refresh_intervals), "refresh intervals must be positive")
-        _check(len(self.query_strides) == len(self.stages),
+        require(all(n > 0 for n in self.refresh_intervals), "refresh intervals must be positive")
+        require(len(self.query_strides) == len(self.stages),
                f"{len(self.query_strides)} query strides for {len(self.stages)} stages")
-        _check(all(1 <= s <= self.stages[0].block_q for s in self.query_strides),
+        require(all(1 <= s <= self.stages[0].block_q for s in self.query_strides),
                f"query strides must be in [1, block_q={self.stages[0].block_q}], got {self.query_strides}")
         for a, b in zip(self.refresh_intervals, self.refresh_intervals[1:]):
-            _check(a % b == 0, f"refresh interval {a} is not a multiple of the next stage's {b}: a "
+            require(a % b == 0, f"refresh interval {a} is not a multiple of the next stage's {b}: a "
                    "stage's refresh must imply the later stages' refresh")
-        _check(len({s.block_q for s in self.stages}) == 1, "all stages share one block_q")
-        _check(self.n_stream >= self.stages[0].block_q, "n_stream must be >= block_q (a query sees itself)")
+        require(len({s.block_q for s in self.stages}) == 1, "all stages share one block_q")
+        require(self.n_stream >= self.stages[0].block_q, "n_stream must be >= block_q (a query sees itself)")
         for a, b in zip(self.stages, self.stages[1:]):
-            _check(b.k <= a.k, f"stage k must not grow: {a.k} then {b.k}")
+            require(b.k <= a.k, f"stage k must not grow: {a.k} then {b.k}")
         last = self.stages[-1]
         prev_k = self.stages[-2].k if len(self.stages) > 1 else None
-        _check(self.special_final_k % last.chunk_size == 0 and self.special_final_k > 0,
+        require(self.special_final_k % last.chunk_size == 0 and self.special_final_k > 0,
                f"special_final_k {self.special_final_k} must be a positive multiple of {last.chunk_size}")
-        _check(prev_k is None or self.special_final_k <= prev_k,
+        require(prev_k is None or self.special_final_k <= prev_k,
                f"special_final_k {self.special_final_k} exceeds the previous stage's k {prev_k}")
-        _check(all(i >= 0 for i in self.special_layers), "special_layers are 0-based layer indices")
-        _check(self.dense_threshold >= 1, "dense_threshold must be >= 1")
-        _check(self.pruning_rope in PRUNING_ROPE_STYLES and self.special_pruning_rope in PRUNING_ROPE_STYLES,
+        require(all(i >= 0 for i in self.special_layers), "special_layers are 0-based layer indices")
+        require(self.dense_threshold >= 1, "dense_threshold must be >= 1")
+        require(self.pruning_rope in PRUNING_ROPE_STYLES and self.special_pruning_rope in PRUNING_ROPE_STYLES,
                f"pruning RoPE styles must be in {PRUNING_ROPE_STYLES}")
-        _check(self.attention_rope in ATTENTION_ROPE_STYLES,
+        require(self.attention_rope in ATTENTION_ROPE_STYLES,
                f"attention_rope must be in {ATTENTION_ROPE_STYLES}")
-        _check(self.chunk_score in CHUNK_SCORES, f"chunk_score must be one of {CHUNK_SCORES}")
-        _check(isinstance(self.key_bank_slots, int) and not isinstance(self.key_bank_slots, bool)
+        require(self.chunk_score in CHUNK_SCORES, f"chunk_score must be one of {CHUNK_SCORES}")
+        require(isinstance(self.key_bank_slots, int) and not isinstance(self.key_bank_slots, bool)
                and self.key_bank_slots >= 1, f"key_bank_slots must be an integer >= 1, got {self.key_bank_slots!r}")
         for name in ("rope_off_in_trained_window", "stagger_refresh", "key_bank"):
             value = getattr(self, name)
-            _check(isinstance(value, bool), f"{name} must be true or false, got {value!r}")
+            require(isinstance(value, bool), f"{name} must be true or false, got {value!r}")
 
     @property
     def block_q(self) -> int:
@@ -205,7 +206,7 @@ class InfiniteHipConfig:
     def replace(self, **overrides: Any) -> "InfiniteHipConfig":
         """A validated copy with some knobs changed (lists accepted for tuple fields)."""
         unknown = set(overrides) - {f.name for f in dataclasses.fields(self)}
-        _check(not unknown, f"unknown InfiniteHiP knob(s): {', '.join(sorted(unknown))}")
+        require(not unknown, f"unknown InfiniteHiP knob(s): {', '.join(sorted(unknown))}")
         fixed = {k: tuple(v) if isinstance(v, list) else v for k, v in overrides.items()}
         if "stages" in fixed:
             fixed["stages"] = tuple(s if isinstance(s, PruningStage) else PruningStage(*s)
@@ -236,186 +237,9 @@ RUNTIME_KNOBS = tuple(f.name for f in dataclasses.fields(InfiniteHipConfig) if f
 def check_runtime_knobs(names) -> None:
     """ValueError naming the knobs of ``names`` that only a rebuild may change."""
     bad = sorted(set(names) - set(RUNTIME_KNOBS))
-    _check(not bad, f"infinitehip_overrides may change {', '.join(RUNTIME_KNOBS)} only; "
+    require(not bad, f"infinitehip_overrides may change {', '.join(RUNTIME_KNOBS)} only; "
            f"{', '.join(bad)} needs a rebuild (infhip-build --preset ... --infinitehip-overrides ...)")
 
 
-# Short names the token-drop knobs once had besides their field names: naming one is an error
-# that gives the field name (old command lines get a helpful message).
-RENAMED_TOKEN_DROP_KNOBS = {"n": "obs_window", "G": "block_size", "g": "block_size", "A": "num_sink",
-                            "a": "num_sink", "min_len": "min_prompt_len", "spare": "spare_anchors"}
-# retention (rho): a fixed share of blocks kept instead of top-p, a benchmark setting; no longer
-# in the engine format (engines that name it load without it).
-REMOVED_TOKEN_DROP_KNOBS = frozenset({"retention"})
-RETENTION_MOVED = ("retention (rho) is not a token-drop knob any more: it is a benchmark setting "
-                   "(infhip-eval --retention RHO; in Python infhip.eval.common.set_forced_retention(llm, rho))")
-
-
-DROP_POINTS = ("before_attention", "after_attention")
-DROP_LAYER_RULES = ("auto", "every")
-# drop_layers="auto" is a depth rule: for each k here, the first full-attention layer ending the
-# k-th eighth of the depth. The authors' configured lists (UniPrefill's vLLM fork) are k = 5..7 on
-# Gemma-3-12B (29, 35, 41 of 48) and k = 2..7 on Llama-3.1-8B (7, 11, ..., 27 of 32). On
-# Qwen2.5-Coder-0.5B RULER at 8K/16K/32K (H200, 45 prompts per length, p = 0.99; docs/quality.md)
-# k = 2..7 lost 25 / 30 / 18 points to dense, k = 4..7 1.1 / 2.8 / 0.8 and k = 6..7 0.8 / 1.7 / -0.2:
-# the early drops lose the needles. The default is the measured k = 6..7 (within 2 points at each length).
-AUTO_DEPTH_EIGHTHS = (6, 7)
-AUTHORS_LLAMA_EIGHTHS = (2, 3, 4, 5, 6, 7)  # the authors' Llama-3.1-8B list (parity harness)
-
-
-def default_drop_layers(full_layers: list[int], num_layers: int,
-                        eighths: tuple[int, ...] = AUTO_DEPTH_EIGHTHS) -> tuple[int, ...]:
-    """drop_layers="auto": for k in ``eighths``, the first full-attention layer l with
-    (l + 1) >= k * L / 8 (L = num_layers). With the default k = 6..7: on Qwen2.5-0.5B (24
-    layers) 17, 20 (measured on RULER, docs/quality.md); on Llama-3.1-8B 23, 27; on Gemma-3-12B
-    35, 41 (the authors' list there is 29, 35, 41: k = 5..7). ``AUTHORS_LLAMA_EIGHTHS`` gives their Llama list.
-
-    >>> default_drop_layers(list(range(32)), 32)
-    (23, 27)
-    >>> default_drop_layers(list(range(32)), 32, AUTHORS_LLAMA_EIGHTHS)
-    (7, 11, 15, 19, 23, 27)
-    >>> default_drop_layers(list(range(5, 48, 6)), 48, (5, 6, 7))  # the authors' Gemma-3-12B list
-    (29, 35, 41)
-    """
-    out = []
-    for k in eighths:
-        l = next((f for f in sorted(full_layers) if 8 * (f + 1) >= k * num_layers), None)
-        if l is not None and l not in out:
-            out.append(l)
-    return tuple(out)
-
-
-def resolve_drop_layers(cfg: "TokenDropConfig", full_layers: list[int], num_layers: int) -> tuple[int, ...]:
-    """The layers (ascending) at which a prefill pass drops tokens under ``cfg``, without the
-    first ``spare_anchors`` of them. ValueError when an explicit list names a layer that is not
-    a full-attention layer of the model."""
-    if cfg.drop_layers == "every":
-        layers = tuple(sorted(full_layers))
-    elif cfg.drop_layers == "auto":
-        layers = default_drop_layers(full_layers, num_layers)
-    else:
-        bad = sorted(set(cfg.drop_layers) - set(full_layers))
-        _check(not bad, f"token_drop drop_layers names {bad}, which are not full-attention layers of this "
-               f"model; drops happen at full-attention layers: {sorted(full_layers)}")
-        layers = tuple(sorted(cfg.drop_layers))
-    return layers[cfg.spare_anchors:]
-
-
-def parse_drop_layers(value: Any) -> str | tuple[int, ...]:
-    """drop_layers as given (API, config.json, command line): "auto", "every", a list of layer
-    indices, or on a command line indices joined by ':' ("5:8:11") -> "auto" | "every" | tuple."""
-    if isinstance(value, str):
-        v = value.strip().lower()
-        if v in DROP_LAYER_RULES:
-            return v
-        try:
-            value = [int(x) for x in v.replace(":", " ").split()]
-        except ValueError:
-            raise ValueError(f"token_drop drop_layers must be 'auto', 'every' or layer indices (a list, or "
-                             f"'5:8:11' on a command line), got {value!r}") from None
-    _check(isinstance(value, (list, tuple)) and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0
-                                                    for x in value),
-           f"token_drop drop_layers must be 'auto', 'every' or a list of layer indices >= 0, got {value!r}")
-    _check(len(value) > 0, "token_drop drop_layers is empty: turn token drop off instead (--token-drop off)")
-    return tuple(sorted(set(value)))
-
-
-_PARITY = ("[H200 RULER](quality.md#uniprefill-on-the-h200-ruler-at-8k32k-and-the-drop-schedule), "
-           "[parity table](quality.md#uniprefill-parity-with-the-authors-code)")
-
-
-@dataclass(frozen=True)
-class TokenDropConfig:
-    """UniPrefill token dropping in prefill (paper 004; runtime/token_drop.py).
-
-    At each *drop layer* (``drop_layers``: full-attention layers) of a prefill pass, the pass's
-    last ``obs_window`` queries score blocks of ``block_size`` of its current tokens; the smallest
-    set of blocks holding fraction ``p`` of the attention mass is kept, plus the first
-    ``num_sink`` tokens and the pass's last ``obs_window`` tokens (more on models with sliding
-    layers: see runtime/token_drop.py). ``drop_point`` says whether the drop layer's own
-    attention runs over all current tokens first (``after_attention``, the authors' code) or
-    over the kept ones only (``before_attention``, the paper's Eq. 8). With ``reenter`` the
-    dropped tokens come back at the next drop layer with their saved stream (the paper's
-    reconstitution); without it the kept set only shrinks (the authors' code). The defaults are
-    the authors' code (after attention, no re-entry) at the layers ending 6/8 and 7/8 of the
-    depth: on Qwen2.5-0.5B RULER their Llama list (from 2/8)
-    lost 18-30 points to dense, drops from half depth on 0.8-2.8 (docs/quality.md).
-    A prompt shorter than ``min_prompt_len`` is never dropped: below ~8K tokens prefill is short
-    already, the estimate costs a few percent (paper: -5% at 4K on hybrids), and any drop can
-    only lose quality. Every knob may be changed per load (``LLM(..., token_drop={...})``).
-    """
-
-    p: float = knob(0.99, "the smallest set of token blocks holding this share of the attention mass is kept",
-                    runtime=True, measured="Gemma-3-270M 4K, spare_anchors 1: p = 0.99 −0.03 %, p = 0.98 +0.19 % "
-                    "perplexity ([quality](quality.md#uniprefill-token-drop-issue-4))")
-    obs_window: int = knob(128, "last queries of the chunk that score the blocks", runtime=True, measured=_PAPER)
-    block_size: int = knob(64, "tokens per scored block", runtime=True, measured=_PAPER)
-    num_sink: int = knob(128, "first tokens always kept", runtime=True, measured=_PAPER)
-    min_prompt_len: int = knob(
-        8192, "shorter prompts never drop", runtime=True,
-        measured="overhead with every block kept, Llama-8B: 21 % at 8K, 4.8 % at 32K, 2.6 % at 128K "
-        "([benchmarks](benchmarks.md#token-drop-uniprefill-ttft-vs-dense))")
-    drop_layers: Any = knob(
-        "auto", "layers that drop: 'auto' (the full-attention layers ending the 6th and 7th eighth of the "
-        "depth: on Qwen2.5-0.5B RULER within 2 points of dense where the authors' Llama list lost 18-30), 'every' (every full-attention layer), or layer "
-        "indices (a list; '5:8:11' on a command line); engines built before it: 'every'", runtime=True,
-        measured=_PARITY)
-    drop_point: str = knob(
-        "after_attention", "'after_attention': the drop layer's attention runs over all current tokens, its "
-        "MLP and later layers over the kept ones (the authors' code); 'before_attention': its attention too "
-        "runs over the kept ones (the paper's Eq. 8); engines built before it: 'before_attention'",
-        runtime=True, measured=_PARITY)
-    reenter: bool = knob(
-        False, "dropped tokens re-enter at the next drop layer with their saved stream (the paper's "
-        "reconstitution); False: the kept set only shrinks (the authors' code); engines built before it: "
-        "True", runtime=True, measured=_PARITY)
-    spare_anchors: int = knob(
-        0, "the first N drop layers keep every token (they still score); engines built before drop_layers: "
-        "their stored value (0 before the knob existed)", runtime=True,
-        measured="with drop_layers='every': Gemma-3-270M p = 0.99: perplexity ×10.8 → −0.03 % at 4K; SmolLM2 "
-        "×6.8 → +30 % ([quality](quality.md#uniprefill-token-drop-issue-4)); not measured with 'auto'")
-
-    def __post_init__(self) -> None:
-        _check(0.0 < self.p <= 1.0, f"token_drop p must be in (0, 1], got {self.p}")
-        for name in ("obs_window", "block_size"):
-            v = getattr(self, name)
-            _check(isinstance(v, int) and v >= 1, f"token_drop {name} must be an int >= 1, got {v!r}")
-        for name in ("num_sink", "min_prompt_len", "spare_anchors"):
-            v = getattr(self, name)
-            _check(isinstance(v, int) and v >= 0, f"token_drop {name} must be an int >= 0, got {v!r}")
-        object.__setattr__(self, "drop_layers", parse_drop_layers(self.drop_layers))
-        _check(self.drop_point in DROP_POINTS,
-               f"token_drop drop_point must be one of {', '.join(DROP_POINTS)}, got {self.drop_point!r}")
-        _check(isinstance(self.reenter, bool), f"token_drop reenter must be true or false, got {self.reenter!r}")
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "TokenDropConfig":
-        # engines written before spare_anchors existed dropped at every anchor, and before
-        # drop_layers every full-attention layer was an anchor (drop before its attention, the
-        # dropped rows re-entering at the next): keep them so
-        d = {k: v for k, v in d.items() if k not in REMOVED_TOKEN_DROP_KNOBS}
-        if "drop_layers" not in d:
-            d = {"spare_anchors": 0, "drop_layers": "every", "drop_point": "before_attention", "reenter": True, **d}
-        return cls(**d)
-
-    def replace(self, **overrides: Any) -> "TokenDropConfig":
-        check_token_drop_keys(overrides)
-        return dataclasses.replace(self, **overrides)
-
-
-def check_token_drop_keys(names) -> None:
-    """ValueError for a name that is not a token-drop knob; an old short name gets its field name."""
-    fields = [f.name for f in dataclasses.fields(TokenDropConfig)]
-    for name in names:
-        if name in RENAMED_TOKEN_DROP_KNOBS:
-            raise ValueError(f"token_drop knob {name!r} is now called {RENAMED_TOKEN_DROP_KNOBS[name]!r} "
-                             f"(one name per knob: {', '.join(fields)})")
-        if name in ("rho",) or name in REMOVED_TOKEN_DROP_KNOBS:
-            raise ValueError(RETENTION_MOVED)
-    unknown = sorted(set(names) - set(fields))
-    _check(not unknown, f"unknown token_drop knob(s): {', '.join(unknown)}; known: {', '.join(fields)}")
-
-
-__all__ = ["CHUNK_SCORES", "DROP_POINTS", "RUNTIME_KNOBS", "InfiniteHipConfig", "PruningStage", "TokenDropConfig",
-           "default_drop_layers", "resolve_drop_layers", "AUTHORS_LLAMA_EIGHTHS",
-           "check_runtime_knobs", "check_token_drop_keys", "knob"]
+__all__ = ["CHUNK_SCORES", "RUNTIME_KNOBS", "InfiniteHipConfig", "PruningStage", "check_runtime_knobs", "knob",
+           "require"]

@@ -18,7 +18,7 @@ from typing import Any, ClassVar
 
 from infhip.config import check_runtime_knobs
 from infhip.knob_specs import add_renamed_flag, parse_knobs, parse_token_drop_option
-from infhip.knobs import TokenDropConfig
+from infhip.token_drop_knobs import TokenDropConfig
 
 JIT_POLICIES = ("forbid", "warn", "allow")
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}

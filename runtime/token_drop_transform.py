@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from infhip.config import TokenDropConfig
-from infhip.knobs import resolve_drop_layers
+from infhip.token_drop_knobs import resolve_drop_layers
 from infhip.plugins.token_drop import top_p_select
 from infhip.runtime.drop_stats import DropStats
 from infhip.runtime.forward_context import LayerKV

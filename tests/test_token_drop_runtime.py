@@ -30,7 +30,7 @@ from infhip.builder.cli import main as build_main
 from infhip.config import EngineConfig, TokenDropConfig
 from infhip.eval.common import forced_retention, set_forced_retention
 from infhip.knob_specs import parse_token_drop
-from infhip.knobs import AUTHORS_LLAMA_EIGHTHS, default_drop_layers
+from infhip.token_drop_knobs import AUTHORS_LLAMA_EIGHTHS, default_drop_layers
 from infhip.runtime.sequence import Sequence
 from tests._td_reference import record_kept_positions, reference_logits
 from tests._tiny import write_tiny_hf_checkpoint
@@ -58,7 +58,7 @@ def schedule_knobs(engine, name: str) -> dict:
 
 def reference_schedule(llm) -> dict:
     """The reference's schedule of a loaded engine's token drop (drop layers with the spared ones)."""
-    from infhip.knobs import resolve_drop_layers
+    from infhip.token_drop_knobs import resolve_drop_layers
     cfg = llm.runner.transforms["token_drop"].cfg
     layers = resolve_drop_layers(dataclasses.replace(cfg, spare_anchors=0), llm.runner.global_layers,
                                  len(llm.runner.model.layers))
