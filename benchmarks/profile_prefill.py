@@ -16,7 +16,7 @@ from __future__ import annotations
 import argparse
 
 import torch
-from bench_infinitehip import CHUNK, SCALE, PagedContext, parse_len, styles
+from one_layer import CHUNK, SCALE, PagedContext, parse_len, styles
 
 from infhip.builder.presets import infinitehip_config
 from infhip.plugins.infinitehip import plan_query_blocks, pruning_stage, sparse_prefill_attention, unrotate_keys
