@@ -3,7 +3,7 @@
 directory (runtime/serving/triton/launch.py `end_requests`), a running streaming request ends with a last
 response whose finish_reason is "abort" (flagged final, its tokens a prefix of the full answer),
 a running whole request with UNAVAILABLE, and the engine is idle. The real tritonserver's drain
-(SIGTERM to examples/triton_serve.py): tests/test_triton_server.py."""
+(SIGTERM to examples/triton_serve.py): tests/test_triton_launcher.py."""
 
 from __future__ import annotations
 
