@@ -1,5 +1,6 @@
 """InfiniteHiP pruning stage: the Triton SelectRep kernel (interpreter on CPU) against the float64
-torch reference, GQA, sink/stream exclusion, a 3-stage chain and the RoPE styles."""
+torch reference, GQA, sink/stream exclusion, a 3-stage chain, query strides, ties, head
+normalisation and fp8 keys. RoPE styles and raw keys: tests/test_infinitehip_pruning_rope.py."""
 
 from __future__ import annotations
 
@@ -14,46 +15,9 @@ from infhip.plugins.infinitehip import plan_query_blocks
 from infhip.plugins.infinitehip.raw_keys import unrotate_keys
 from infhip.plugins.paged_kv import PagedKV
 
-from .test_infinitehip_common import DEVICE, PagedSeqs, inv_freq, quantize_seqs, random_rows, rotate_by_ref
-
-N_SINK, N_STREAM = 4, 8
-
-
-def random_candidates(g, ends, keep=0.6):
-    """A random sorted subset of every block's middle, PAD-padded: (int32 [NB, w], lens [NB])."""
-    rows = []
-    for s in stream_starts(ends.cpu(), N_SINK, N_STREAM).tolist():
-        middle = torch.arange(N_SINK, max(s, N_SINK))
-        rows.append(middle[torch.rand(middle.numel(), generator=g) < keep])
-    width = max(r.numel() for r in rows) + 3  # trailing padding, like a real buffer
-    cand = torch.full((len(rows), width), PAD, dtype=torch.int32)
-    for i, r in enumerate(rows):
-        cand[i, :r.numel()] = r
-    return cand.to(DEVICE), torch.tensor([r.numel() for r in rows], dtype=torch.int32, device=DEVICE)
-
-
-def chosen_chunk_scores(selected, lens, candidates, scores, chunk_size):
-    """Per block, the sorted scores of the chunks a stage kept (tie-proof comparison of top-k)."""
-    out = []
-    for i in range(selected.shape[0]):
-        toks = selected[i, :int(lens[i])].long().cpu()
-        if candidates is None:
-            idx = toks - N_SINK
-        else:
-            idx = torch.searchsorted(candidates[i].long().cpu(), toks)
-        chunks = torch.unique(idx // chunk_size)
-        out.append(sorted(scores[i, chunks].tolist()))
-    return out
-
-
-def setup(Hq, Hkv, D, page_size, q_lens, block_q, seed, dyadic, contexts=(97, 203)):
-    seqs = PagedSeqs(list(contexts), Hkv, D, page_size, seed, dyadic=dyadic)
-    q = random_rows(seqs.generator, (sum(q_lens), Hq, D), dyadic).to(DEVICE)
-    return seqs, q, seqs.blocks(q_lens, block_q)
-
-
-SHAPES = [(6, 2, 16, 4), (4, 4, 32, 16)]  # Hq, Hkv, D, page_size
-QUERIES = [(1, [1, 1]), (8, [13, 20])]  # block_q, q_lens per sequence (decode, prefill blocks)
+from ._pruning_cases import (N_SINK, N_STREAM, QUERIES, SHAPES, chosen_chunk_scores, random_candidates, raw_keys_of,
+                             setup)
+from .test_infinitehip_common import DEVICE, PagedSeqs, inv_freq, quantize_seqs, rotate_by_ref
 
 
 @pytest.mark.parametrize("Hq,Hkv,D,page_size", SHAPES)
@@ -214,89 +178,6 @@ def test_three_stage_chain_keeps_k(block_q, q_lens):
     assert any(int(x) - N_SINK == 192 for x in s)  # the aligned case (context 204) was exercised
 
 
-@pytest.mark.parametrize("rope_style", ["relative", "chunk_indexed"])
-@pytest.mark.parametrize("block_q,q_lens", QUERIES)
-def test_select_rep_rope_styles_match_reference(rope_style, block_q, q_lens):
-    """Keys re-rotated in-kernel to the style's positions (float32 vs float64: representatives
-    compared where the reference tournament is not a near-tie)."""
-    Hq, Hkv, D = 6, 2, 32
-    seqs, q, (q_start, lens, ends, tables) = setup(Hq, Hkv, D, 16, q_lens, block_q, seed=5, dyadic=False)
-    kw = dict(chunk_size=8, n_sink=N_SINK, n_stream=N_STREAM, rope_style=rope_style, inv_freq=inv_freq(D))
-    scores, reps = select_rep_scores(q, seqs.paged, tables, q_start, lens, ends, block_q=block_q,
-                                     store_reps=True, **kw)
-    ref_scores, ref_reps, margins = select_rep_scores_ref(q, seqs.k_cache, tables, q_start, lens, ends, **kw)
-    assert torch.allclose(scores.double().cpu(), ref_scores, rtol=1e-5, atol=1e-5)
-    clear = margins > 1e-4
-    assert clear.float().mean() > 0.95 and torch.equal(reps.cpu()[clear], ref_reps[clear])
-    # the style matters: the same inputs without re-rotation pick differently somewhere
-    plain, _ = select_rep_scores(q, seqs.paged, tables, q_start, lens, ends, block_q=block_q,
-                                 chunk_size=8, n_sink=N_SINK, n_stream=N_STREAM)
-    assert not torch.allclose(plain, scores)
-
-
-def raw_keys_of(seqs, q_lens, block_q, freq):
-    """RawKeys of every sequence of seqs for the blocks of seqs.blocks(q_lens, block_q)."""
-    from infhip.plugins.infinitehip import plan_query_blocks
-    seq = plan_query_blocks(q_lens, seqs.context_lens.tolist(), block_q, DEVICE)[3]
-    return unrotate_keys(seqs.paged, seqs.block_tables, seqs.context_lens.tolist(), freq, seq.long())
-
-
-def test_unrotate_keys_moves_every_key_to_position_zero():
-    """keys[base_s + p] = R(-p) k_s[p] for every sequence (Triton under the interpreter and the
-    torch path agree with rotate_by_ref); block_base points each block at its sequence."""
-    seqs = PagedSeqs([37, 70], 2, 16, 4, seed=3)
-    freq = inv_freq(16)
-    raw = raw_keys_of(seqs, [5, 9], 4, freq)
-    want = torch.cat([rotate_by_ref(k.cpu(), -torch.arange(k.shape[0]), freq.cpu()) for k in seqs.keys])
-    assert torch.allclose(raw.keys.double().cpu(), want, atol=2e-5)
-    assert raw.block_base.tolist() == [0, 0, 37, 37, 37]
-
-
-@pytest.mark.parametrize("rope_style", ["relative", "chunk_indexed"])
-@pytest.mark.parametrize("block_q,q_lens,query_stride", [(1, [1, 1], 1), (8, [13, 20], 1), (8, [13, 20], 4)])
-@pytest.mark.parametrize("explicit", [False, True])
-def test_raw_keys_match_reference(rope_style, block_q, q_lens, query_stride, explicit):
-    """Pruning from un-rotated keys (relative: the branch offset moved onto a second query tile;
-    chunk_indexed: one sin/cos per chunk) == the float64 reference of the styles, like the
-    in-kernel rotation (representatives compared where the tournament is not a near-tie)."""
-    Hq, Hkv, D = 6, 2, 32
-    seqs, q, (q_start, lens, ends, tables) = setup(Hq, Hkv, D, 16, q_lens, block_q, seed=8, dyadic=False)
-    cand, cand_lens = random_candidates(seqs.generator, ends) if explicit else (None, None)
-    freq = inv_freq(D)
-    kw = dict(chunk_size=8, n_sink=N_SINK, n_stream=N_STREAM, rope_style=rope_style, inv_freq=freq,
-              query_stride=query_stride)
-    raw = raw_keys_of(seqs, q_lens, block_q, freq)
-    scores, reps = select_rep_scores(q, seqs.paged, tables, q_start, lens, ends, cand, cand_lens,
-                                     block_q=block_q, store_reps=True, raw_keys=raw, **kw)
-    ref_scores, ref_reps, margins = select_rep_scores_ref(
-        q, seqs.k_cache, tables, q_start, lens, ends, cand, cand_lens,
-        max_candidates=None if explicit else scores.shape[1] * 8, **kw)
-    assert torch.allclose(scores.double().cpu()[:, :ref_scores.shape[1]], ref_scores, rtol=1e-5, atol=1e-5)
-    clear = margins > 1e-4
-    assert clear.float().mean() > 0.9 and torch.equal(reps.cpu()[..., :ref_reps.shape[2]][clear], ref_reps[clear])
-
-
-@pytest.mark.parametrize("chunk_size", [1, 2, 16])
-def test_relative_tournament_lengths_match_reference(chunk_size):
-    """RELATIVE runs its last halving after the loop (no left re-score): l_c 1 (no halving), 2
-    (only the peeled one) and 16 (three in the loop) still pick the reference's representatives,
-    from un-rotated keys (prefill) and from re-rotated cached keys (decode)."""
-    Hq, Hkv, D, q_lens, block_q = 6, 2, 32, [13, 20], 8
-    seqs, q, (q_start, lens, ends, tables) = setup(Hq, Hkv, D, 16, q_lens, block_q, seed=17, dyadic=False)
-    cand, cand_lens = random_candidates(seqs.generator, ends)
-    freq = inv_freq(D)
-    kw = dict(chunk_size=chunk_size, n_sink=N_SINK, n_stream=N_STREAM, rope_style="relative", inv_freq=freq)
-    ref_scores, ref_reps, margins = select_rep_scores_ref(q, seqs.k_cache, tables, q_start, lens, ends, cand,
-                                                          cand_lens, **kw)
-    clear = margins > 1e-4
-    assert clear.float().mean() > 0.9
-    for raw in (None, raw_keys_of(seqs, q_lens, block_q, freq)):
-        scores, reps = select_rep_scores(q, seqs.paged, tables, q_start, lens, ends, cand, cand_lens,
-                                         block_q=block_q, store_reps=True, raw_keys=raw, **kw)
-        assert torch.allclose(scores.double().cpu()[:, :ref_scores.shape[1]], ref_scores, rtol=1e-5, atol=1e-5)
-        assert torch.equal(reps.cpu()[..., :ref_reps.shape[2]][clear], ref_reps[clear])
-
-
 def test_select_rep_causal_within_block():
     """n_stream < b_q: the newest candidates lie after the block's first queries, which must not
     score them (causal), exactly as in the reference."""
@@ -342,20 +223,6 @@ def test_query_stride_matches_reference(query_stride, n_stream):
     ref_sel, ref_n = pruning_stage_ref(q, seqs.k_cache, tables, q_start, lens, ends, k=8,
                                        query_stride=query_stride, **kw)
     assert torch.equal(n.cpu(), ref_n)
-
-
-def test_query_stride_with_relative_rope_matches_reference():
-    """Stride 4 with RELATIVE re-rotation (each sampled query rotated by its own offset)."""
-    Hq, Hkv, D = 6, 2, 32
-    seqs, q, (q_start, lens, ends, tables) = setup(Hq, Hkv, D, 16, [13, 20], 8, seed=6, dyadic=False)
-    kw = dict(chunk_size=8, n_sink=N_SINK, n_stream=N_STREAM, rope_style="relative", inv_freq=inv_freq(D),
-              query_stride=4)
-    scores, reps = select_rep_scores(q, seqs.paged, tables, q_start, lens, ends, block_q=8,
-                                     store_reps=True, **kw)
-    ref_scores, ref_reps, margins = select_rep_scores_ref(q, seqs.k_cache, tables, q_start, lens, ends, **kw)
-    assert torch.allclose(scores.double().cpu(), ref_scores, rtol=1e-5, atol=1e-5)
-    clear = margins > 1e-4
-    assert clear.float().mean() > 0.95 and torch.equal(reps.cpu()[clear], ref_reps[clear])
 
 
 def test_topk_ties_keep_lower_chunks_and_exactly_k():
