@@ -13,7 +13,7 @@ import torch
 
 from infhip import LLM, SamplingParams
 from infhip.runtime.kv_cache import NULL_PAGE, KVCacheManager, KVGroupSpec, OffloadSpec, OutOfPages
-from infhip.runtime.prefix_cache import PagePool, extend_chain
+from infhip.runtime.prefix_cache import PagePool
 from infhip.runtime.sequence import Sequence
 from tests._serving import post, request, running_server
 
@@ -37,9 +37,9 @@ def _run(kv: KVCacheManager, seq_id: int, tokens: list[int], chunk: int, start: 
 
 def _idle(kv: KVCacheManager) -> None:
     """No sequence holds a page: every page is free or cached, no reference left."""
-    for g, pool in kv._alloc.items():
-        assert pool.num_free == kv.groups[g].num_pages - 1, g
-        assert not any(pool.refs(p) for p in range(pool.num_pages)), g
+    for g, spec in kv.groups.items():
+        assert kv.num_free_pages(g) == spec.num_pages - 1, g
+        assert kv.held_pages(g) == {}, g
 
 
 def test_pages_shared_cached_and_evicted_lru():
@@ -55,7 +55,7 @@ def test_pages_shared_cached_and_evicted_lru():
     # a prompt of exactly the 5 pages reuses 4: its last token is computed for its logits
     assert kv.share(2, doc) == 16 and kv.block_table(2, "global") == held[:4]
     assert kv.share(3, doc[:8] + [99] * 9) == 8  # the longest common page-aligned prefix
-    assert [kv._alloc["global"].refs(p) for p in held[:3]] == [2, 2, 1]
+    assert [kv.page_refs("global", p) for p in held[:3]] == [2, 2, 1]
     kv.free(3)
     # a different plan (salt) never matches
     other = KVCacheManager(4, {"global": KVGroupSpec(num_pages=9, window=None)}, max_pages_per_seq=8)
@@ -97,7 +97,7 @@ def _window_ok(kv, chain, n) -> bool:
     ps = kv.page_size
     for g, spec in kv.groups.items():
         lo = max(0, n * ps - spec.window + 1) // ps if spec.window else 0
-        if any(kv._alloc[g].lookup(chain[j]) is None for j in range(lo, n)):
+        if any(kv.cached_page(g, chain[j]) is None for j in range(lo, n)):
             return False
     return True
 
@@ -120,7 +120,7 @@ def test_sliding_window_rule_random():
         assert kv.share(seq_id, tokens) == 4 * n
         for g in kv.groups:
             table = kv.block_table(seq_id, g)
-            assert [p for p in table if p != NULL_PAGE] == [kv._alloc[g].lookup(chain[j]) for j in
+            assert [p for p in table if p != NULL_PAGE] == [kv.cached_page(g, chain[j]) for j in
                                                            range(len(table) - sum(p != NULL_PAGE for p in table), n)]
         if not kv.can_append(seq_id, 4 * n, len(tokens)):
             kv.free(seq_id)
@@ -153,11 +153,10 @@ def _run_offloading(kv: KVCacheManager, seq_id: int, tokens: list[int], chunk: i
 
 def _flush_gpu_cache(kv: KVCacheManager, seq_id: int = 99) -> None:
     """Evict every cached GPU page (a sequence takes all free pages, then lets them go unnamed)."""
-    pool = kv._alloc["global"]
-    n = pool.num_free
+    n = kv.num_free_pages("global")
     kv.append(seq_id, 0, 4 * n)
     kv.free(seq_id)
-    assert pool.num_cached == 0
+    assert kv.num_cached_pages("global") == 0
 
 
 def test_offloaded_pages_stay_cached_on_the_host():
@@ -174,7 +173,7 @@ def test_offloaded_pages_stay_cached_on_the_host():
     chain = kv.cached_prefix(doc + [8])[1]
     assert kv.share(2, doc + [8]) == 32
     for j, e in enumerate(kv.block_table(2, "global")):
-        assert e == table[j] if e < 0 else kv._alloc["global"].digest_of(e) == chain[j]
+        assert e == table[j] if e < 0 else kv.page_digest("global", e) == chain[j]
     kv.free(2)
     _flush_gpu_cache(kv)  # now only the host copies are left
     assert kv.cached_prefix(doc + [8])[0] == 0, "page 0 (the head) was on the GPU only"
@@ -182,7 +181,7 @@ def test_offloaded_pages_stay_cached_on_the_host():
     kv.free(3)
     assert kv.share(2, doc + [8]) == 28  # page 7, the tail, was never on the host: evicted
     assert kv.block_table(2, "global") == [kv.block_table(2, "global")[0]] + table[1:7]
-    assert [kv._host["global"].refs(-e) for e in table[1:7]] == [1] * 6
+    assert [kv.page_refs("global", e) for e in table[1:7]] == [1] * 6
     kv.free(2)
     # a short prefix (below min_context, 12 tokens) takes GPU pages only: the head page
     assert kv.share(4, doc[:10]) == 4 and kv.block_table(4, "global")[0] > 0
@@ -211,9 +210,7 @@ def test_offload_shares_the_host_copy_of_a_cached_page():
     # the cached host pages it took leave the LRU (no longer free), plus one new page for page 7
     assert kv.num_free_host_pages("global") == free_host - len(gpu_middle) - len(dst)
     kv.free(2)
-    for g, pool in kv._alloc.items():
-        assert not any(pool.refs(p) for p in range(pool.num_pages)), g
-    assert not any(kv._host["global"].refs(p) for p in range(kv._host["global"].num_pages))
+    assert kv.held_pages("global") == {}  # GPU and host pages
 
 
 def test_host_cache_evicted_lru_under_pressure():
@@ -230,12 +227,11 @@ def test_host_cache_evicted_lru_under_pressure():
     assert len(held) == 6
     _flush_gpu_cache(kv)
     # doc 0 is freed last page first: its first host pages are the ones still cached
-    chain = []
-    extend_chain(chain, kv._root, docs[0], 4, 8)
-    assert [kv._host["global"].lookup(d) is not None for d in chain[1:7]] == [True] * 2 + [False] * 4
+    chain = kv.page_digests(docs[0], 8)
+    assert [kv.cached_page("global", d, host=True) is not None for d in chain[1:7]] == [True] * 2 + [False] * 4
     moves = _run_offloading(kv, 3, docs[2] + [1], chunk=8)
     assert sum(len(d) for _, d in moves) == 2  # only the 2 cached host pages could be taken
-    assert all(kv._host["global"].refs(h) == 1 for h in held)
+    assert all(kv.page_refs("global", -h) == 1 for h in held)
     assert sum(e > 0 for e in kv.block_table(3, "global")) == 9 - 2  # the rest stayed on the GPU
     kv.free(2)
     kv.free(3)
@@ -312,9 +308,10 @@ def last_logits(llm: LLM, prompt: list[int]) -> torch.Tensor:
 
 def _poison_free_pages(llm) -> None:
     """NaN into every page that is neither held nor cached (in every layer's K and V)."""
-    for g, pool in llm.runner.kv._alloc.items():
-        pages = list(pool._alloc._free)
-        for layer in llm.runner.model.layers:
+    kv_manager = llm.runner.kv
+    for g in kv_manager.groups:
+        pages = kv_manager.free_page_ids(g)
+        for layer in llm.engine.model.layers:
             kv = layer.self_attn.kv
             if layer.self_attn.kv_group == g and pages:
                 kv.k[pages] = float("nan")
@@ -328,16 +325,16 @@ def test_eviction_under_pressure_with_poisoned_pages(arch, kv_bytes, request, mo
     engine = request.getfixturevalue(arch)
     small = dict(max_num_batched_tokens=32, kv_cache_memory_bytes=kv_bytes, max_num_seqs=3)
     on, off = LLM(engine, **small), LLM(engine, prefix_caching=False, max_num_batched_tokens=32)
-    layers = on.runner.model.layers
-    group_of = {id(pool): g for g, pool in on.runner.kv._alloc.items()}
+    layers = on.engine.model.layers
     evict = PagePool.allocate
 
     def poisoning_allocate(pool):  # an evicted page is NaN until its new owner writes it
         before = pool.num_evictions
         page = evict(pool)
-        if pool.num_evictions != before and id(pool) in group_of:
+        if pool.num_evictions != before:  # only `on` evicts: `off` names no page
+            assert not pool.host
             for layer in layers:
-                if layer.self_attn.kv_group != group_of[id(pool)]:
+                if layer.self_attn.kv_group != pool.group:
                     continue
                 layer.self_attn.kv.k[page] = float("nan")
                 layer.self_attn.kv.v[page] = float("nan")
@@ -356,7 +353,7 @@ def test_eviction_under_pressure_with_poisoned_pages(arch, kv_bytes, request, mo
         assert not any(torch.isnan(torch.tensor(o.token_ids, dtype=torch.float)).any() for o in outs)
         _poison_free_pages(on)
     stats = on.stats()
-    assert stats.prefix_cache_evictions > 0 and stats.prefix_cache_hits > 0
+    assert stats.prefix_cache_evictions > 0 and stats.prefix_cache_hits > 0 and off.stats().prefix_cache_evictions == 0
     assert on.stats().kv_pages_free["global"] == 8
     # 8 pages in all: docs 0..2 are evicted by the time they come back; doc 3 keeps its first two
     # pages (its third one holds the first question's tokens)
@@ -383,9 +380,9 @@ def test_refcounts_under_abort(llama):
     assert next(stream).num_cached_tokens == 48
     stream.close()  # the client left after its first token
     kv = llm.runner.kv
-    for g, pool in kv._alloc.items():
-        assert pool.num_free == kv.groups[g].num_pages - 1 and pool.num_cached > 0
-        assert not any(pool.refs(p) for p in range(pool.num_pages))
+    for g, spec in kv.groups.items():
+        assert kv.num_free_pages(g) == spec.num_pages - 1 and kv.num_cached_pages(g) > 0
+        assert kv.held_pages(g) == {}
     assert llm.stats().kv_pages_used == {g: 0 for g in kv.groups}
 
 
