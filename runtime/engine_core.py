@@ -153,11 +153,23 @@ class EngineCore(SampleAndCommit):
             prefix_cache_evictions=kv.prefix_cache_evictions)
 
     def debug_view(self) -> dict:
-        """What the core holds now, JSON-able, for tests and debugging (read between steps): the
-        live requests with each completion's sequence (status, prompt / computed / cached /
-        output tokens, finish reason, KV pages held per group), the scheduler's queues (seq ids,
-        in order) and `stats()`. Idle: no requests, nothing running or waiting."""
-        kv = self.runner.kv
+        """What the core holds now, JSON-able, for tests and debugging (read between steps; a
+        copy, never live state):
+
+        - requests: the live requests with each completion's sequence (status, prompt / computed /
+          cached / output tokens, finish reason, KV pages held per group);
+        - running, waiting: the scheduler's queues (seq ids, in order); stats: `stats()`;
+        - transforms, backends: each attached step transform's and attention backend's own
+          `debug_view()` by name (their contracts, runtime/step_transform.py and
+          runtime/attention/backend.py, say what each shows);
+        - graphs: the captured decode graphs (batch size, each backend's key, the transform whose
+          per-layer KV shift it carries, the length bucket) and their report (count, seconds,
+          pool bytes, captured on request); None when steps run eagerly;
+        - grammar_compiler: whether the structured-output compiler was made (its first request);
+        - tp_worker_pids: the worker processes this core started (tensor parallelism; else []).
+
+        Idle: no requests, nothing running or waiting."""
+        kv, runner = self.runner.kv, self.runner
 
         def seq_view(seq: Sequence) -> dict:
             return {"seq_id": seq.seq_id, "status": seq.status.value, "prompt_tokens": seq.num_prompt_tokens,
@@ -165,12 +177,22 @@ class EngineCore(SampleAndCommit):
                     "output_tokens": len(seq.output_token_ids), "finish_reason": seq.finish_reason,
                     "kv_pages": {g: kv.num_pages_held(seq.seq_id, g) for g in kv.groups}}
 
+        graphs = None
+        if runner.graphs is not None:
+            graphs = {"captured": [{"batch_size": bs, "backends": {n: _jsonable(k) for n, k in key.backends},
+                                    "kv_shift": key.kv_shift, "len_bucket": key.len_bucket}
+                                   for bs, key in runner.graphs.graphs],
+                      "report": dict(runner.graphs.report)}
         return {"requests": {rid: {"finished": r.is_finished, "error": r.error,
                                    "completions": [seq_view(f.seq) for f in r.forks]}
                              for rid, r in self._requests.items()},
                 "running": [seq.seq_id for seq in self.scheduler.running],
                 "waiting": [seq.seq_id for seq in self.scheduler.waiting],
-                "stats": dataclasses.asdict(self.stats())}
+                "stats": dataclasses.asdict(self.stats()),
+                "transforms": {name: t.debug_view() for name, t in runner.transforms.items()},
+                "backends": {name: b.debug_view() for name, b in runner.backends.items()},
+                "graphs": graphs, "grammar_compiler": self._grammars is not None,
+                "tp_worker_pids": [p.pid for p in self._tp.procs] if self._tp is not None else []}
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix page (pages held by requests stay theirs)."""
@@ -328,3 +350,15 @@ class EngineCore(SampleAndCommit):
             self.scheduler.finish(fork.seq, "error")
         fork.req.spawned = True
         touched[fork.req.seq.seq_id] = fork.req
+
+
+def _jsonable(value):
+    """A graph key part as JSON can hold it: dataclasses as dicts, tuples as lists, other objects
+    by repr."""
+    if value is None or isinstance(value, (str, int, float, bool)):
+        return value
+    if dataclasses.is_dataclass(value):
+        return {f.name: _jsonable(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, (tuple, list)):
+        return [_jsonable(v) for v in value]
+    return repr(value)

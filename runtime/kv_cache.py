@@ -62,6 +62,9 @@ class PageAllocator:
     def num_free(self) -> int:
         return len(self._free)
 
+    def free_page_ids(self) -> list[int]:
+        return list(self._free)
+
     def allocate(self) -> int:
         if not self._free:
             raise OutOfPages(f"all {self._num_pages - 1} KV pages are in use")
@@ -146,9 +149,10 @@ class KVCacheManager(PrefixCaching):
         self.page_size = page_size
         self.groups = dict(groups)
         self.max_pages_per_seq = max_pages_per_seq
-        self._alloc = {name: PagePool(PageAllocator(spec.num_pages)) for name, spec in self.groups.items()}
+        self._alloc = {name: PagePool(PageAllocator(spec.num_pages), name)
+                       for name, spec in self.groups.items()}
         # Host pools: host page h is entry -(h + 1), so allocator page p (1..host_pages) is entry -p.
-        self._host = {name: PagePool(PageAllocator(spec.offload.host_pages + 1))
+        self._host = {name: PagePool(PageAllocator(spec.offload.host_pages + 1), name, host=True)
                       for name, spec in self.groups.items() if spec.offload is not None}
         self._tables: dict[str, dict[int, _Table]] = {name: {} for name in self.groups}
         self._init_prefix_cache()
@@ -276,6 +280,32 @@ class KVCacheManager(PrefixCaching):
         self._spec(group)
         t = self._tables[group].get(seq_id)
         return t.pages if t is not None else []
+
+    # ---- read-outs (tests, debugging): pages by block-table entry, > 0 GPU, < 0 host ----------
+    def _pool_of(self, group: str, entry: int) -> PagePool:
+        self._spec(group)
+        if entry < 0 and group not in self._host:
+            raise ValueError(f"KV group {group!r} has no host pool; entry {entry} names none of its pages")
+        return self._host[group] if entry < 0 else self._alloc[group]
+
+    def page_refs(self, group: str, entry: int) -> int:
+        """How many sequences hold the page a block-table entry of ``group`` names (entry > 0: a
+        GPU page; < 0: host page -1 - entry); 0 for a free or cached page."""
+        return self._pool_of(group, entry).refs(abs(entry))
+
+    def held_pages(self, group: str) -> dict[int, int]:
+        """Every page of ``group`` some sequence holds, by block-table entry (GPU pages, then host
+        entries < 0) -> its reference count; {} when no sequence holds a page."""
+        self._spec(group)
+        pools = [(1, self._alloc[group])] + ([(-1, self._host[group])] if group in self._host else [])
+        return {sign * p: pool.refs(p) for sign, pool in pools for p in range(pool.num_pages) if pool.refs(p)}
+
+    def free_page_ids(self, group: str, host: bool = False) -> list[int]:
+        """The pages of ``group`` that no sequence holds and the prefix cache does not keep, as
+        block-table entries: GPU pages, or with ``host`` the host pool's (entries < 0; host page
+        -1 - entry). In no particular order."""
+        pool = self._pool_of(group, -1 if host else 1)
+        return [-p for p in pool.free_page_ids()] if host else pool.free_page_ids()
 
     def num_pages_held(self, seq_id: int, group: str) -> int:
         self._spec(group)

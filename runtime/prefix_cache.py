@@ -55,9 +55,10 @@ class PagePool:
     """Pages 1..num_pages-1 of one KV group: reference counts, and the content-addressed cache
     of freed full pages (LRU). With nothing ever registered it behaves as a PageAllocator."""
 
-    def __init__(self, alloc):
-        """alloc: the group's PageAllocator (kv_cache.py), whose free list this pool draws on."""
-        self._alloc = alloc
+    def __init__(self, alloc, group: str = "", host: bool = False):
+        """alloc: the group's PageAllocator (kv_cache.py), whose free list this pool draws on;
+        group, host: whose pages these are (a label for readers: the KV group, its host pool)."""
+        self._alloc, self.group, self.host = alloc, group, host
         self._refs = [0] * alloc.num_pages
         self._page_of: dict[bytes, int] = {}  # digest -> page (held or cached)
         self._hash_of: dict[int, bytes] = {}  # page -> digest
@@ -80,6 +81,10 @@ class PagePool:
 
     def refs(self, page: int) -> int:
         return self._refs[page]
+
+    def free_page_ids(self) -> list[int]:
+        """The pages neither held nor cached (the free list; in no particular order)."""
+        return self._alloc.free_page_ids()
 
     def digest_of(self, page: int) -> bytes | None:
         return self._hash_of.get(page)
@@ -191,6 +196,27 @@ class PrefixCaching:
         """Host pages of ``group`` that hold cached content and no sequence (counted as free)."""
         self._spec(group)
         return self._host[group].num_cached if group in self._host else 0
+
+    def cached_page(self, group: str, digest: bytes, host: bool = False) -> int | None:
+        """The block-table entry of the page of ``group`` that ``digest`` names (held or cached):
+        its GPU page, or with ``host`` its host pool's entry (< 0); None if none is named so."""
+        self._spec(group)
+        if not host:
+            return self._alloc[group].lookup(digest)
+        h = self._host[group].lookup(digest) if group in self._host else None
+        return None if h is None else -h
+
+    def page_digest(self, group: str, entry: int) -> bytes | None:
+        """The digest naming the page a block-table entry of ``group`` names (entry > 0: a GPU
+        page, < 0: a host page); None: the page is not named."""
+        return self._pool_of(group, entry).digest_of(abs(entry))
+
+    def page_digests(self, tokens: list[int], num_pages: int) -> list[bytes]:
+        """The digests that name the first ``num_pages`` full pages of ``tokens`` under this
+        cache's plan (what register() names them by and cached_prefix() looks up)."""
+        chain: list[bytes] = []
+        extend_chain(chain, self._root, tokens, self.page_size, num_pages)
+        return chain
 
     def _lookup(self, group: str, digest: bytes, host: bool) -> int | None:
         """Table entry of a cached page: its GPU page (preferred), else with ``host`` its host

@@ -21,7 +21,10 @@ Life of a transform:
 * CUDA graphs: ``shifts_kv``, ``kv_shift(host)``, ``graph_step(layer_kv)``;
 * ahead of time: ``plugin_modules`` (builder/kernels.py compiles what their aot_launches list);
 * the engine core: ``keeps_prompt(seq)`` (prefix caching and prompt logprobs; ``prompt_hint`` in
-  the error of a request it refuses).
+  the error of a request it refuses);
+* read-outs: ``debug_view()``, a JSON-able dict of its state now (token drop: knobs, drop layers,
+  tail, retention per request), which ``EngineCore.debug_view()`` gathers under "transforms" by
+  name: what tests and debugging read instead of the transform's attributes.
 
 Registration: ``register(cls)`` (a decorator) under ``cls.name``; the registry imports the
 built-in transforms' modules (BUILTIN) on first use; registration order is the order in which the
@@ -107,6 +110,11 @@ class StepTransform:
         """Whether the transform computes every prompt position of Sequence ``seq`` as a plan
         without it would (its pages may be named for prefix caching; prompt logprobs exist)."""
         return True
+
+    def debug_view(self) -> dict:
+        """Its state now, JSON-able (tests, debugging; read between steps): a copy, never live
+        state. The default: nothing to show."""
+        return {}
 
     # -- one step --------------------------------------------------------------------------------
     def plan(self, p, chunks) -> Any | None:

@@ -1,9 +1,9 @@
 """UniPrefill token drop as a step transform (runtime/step_transform.py, registered under
 "token_drop"; what a drop does: runtime/token_drop.py).
 
-Callers read and set it through the runner's transforms by name: ``runner.transforms["token_drop"]``
-(``cfg`` the knobs in force, None: off; ``drop_at``, ``tail``, ``max_context``, ``stats``) and
-``runner.set_transform("token_drop", cfg)``.
+Callers set it through the runner by name, ``runner.set_transform("token_drop", cfg)``, and read
+it through ``debug_view()`` (``llm.debug_view()["transforms"]["token_drop"]``: the knobs in force,
+the drop layers, the tail, the context limit and the retention per request and anchor).
 
 Per step: ``plan`` picks the chunks that drop (plan_drops) and lists the drop histories of the
 step's sequences (drop_histories) -> ``TokenDropHost``; ``upload`` makes the step's
@@ -17,6 +17,7 @@ instance (infhip.eval.common.set_forced_retention), nothing in production does.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from infhip.config import TokenDropConfig
@@ -86,6 +87,22 @@ class TokenDrop(StepTransform):
 
     def keeps_prompt(self, seq) -> bool:
         return never_drops(seq, self.cfg, self.max_context)
+
+    def debug_view(self) -> dict:
+        """knobs: the TokenDropConfig in force as a dict (None: off); drop_layers: the layers that
+        drop (sorted; spared anchors excluded); tail: tokens a dropping chunk always keeps at its
+        end; max_context: the longest context a dropping request may reach (None: any);
+        retention: {seq_id: {full-attention layer: [kept, total]}} of the latest 256 sequences
+        that dropped, oldest first (DropStats.retention, copied)."""
+        knobs = None
+        if self.cfg is not None:
+            knobs = dataclasses.asdict(self.cfg)
+            if isinstance(knobs["drop_layers"], tuple):
+                knobs["drop_layers"] = list(knobs["drop_layers"])
+        return {"knobs": knobs, "drop_layers": sorted(self.drop_at), "tail": self.tail,
+                "max_context": self.max_context,
+                "retention": {sid: {layer: list(kt) for layer, kt in per.items()}
+                              for sid, per in self.stats.retention.items()}}
 
     def plan(self, p, chunks) -> TokenDropHost | None:
         drops = plan_drops(chunks, self.cfg, self.tail, self.max_context) if self.cfg is not None else []

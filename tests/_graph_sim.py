@@ -19,6 +19,7 @@ def simulate_graphs(llm, monkeypatch, sizes=(1, 2, 4)) -> tuple[list[GraphKey], 
 
     def replay(step, bs, n, input_ids=None, key=GraphKey()):
         keys.append(key)
+        graphs.graphs.setdefault((bs, key), None)  # "captured" on first use, as a real replay: debug_view lists it
         graphs.rows[:, :bs].copy_(graphs.steps[step, :, :bs])
         if input_ids is not None:
             graphs.input_ids[:n].copy_(input_ids)

@@ -6,20 +6,36 @@ from __future__ import annotations
 import contextlib
 import http.client
 import json
+import threading
 import time
+import weakref
 
 from infhip.runtime.server import make_server
+
+_THREADS: "weakref.WeakKeyDictionary[object, threading.Thread]" = weakref.WeakKeyDictionary()
 
 
 @contextlib.contextmanager
 def running_server(llm, **kwargs):
     """infhip-serve over llm on 127.0.0.1:<free port>, serving on a thread; stopped on exit."""
     server = make_server(llm, port=0, **kwargs)
-    server.start()
+    _THREADS[server] = server.start()
     try:
         yield server
     finally:
         server.shutdown()
+
+
+def server_thread(server) -> threading.Thread:
+    """The thread a running_server serves on (HttpServer.start's)."""
+    return _THREADS[server]
+
+
+def counter(metric, **labels) -> float:
+    """A Prometheus counter's value now (labels: those of the child), read through its public
+    collect()."""
+    return next(s.value for m in metric.collect() for s in m.samples
+                if s.name.endswith("_total") and s.labels == labels)
 
 
 def request(server, method: str, path: str, body=None, timeout: float = 60) -> tuple[int, bytes]:
@@ -57,7 +73,7 @@ def kv_free_pages(core) -> dict[str, int]:
 
 def engine_is_idle(server, free_pages: dict[str, int]) -> bool:
     view = server.loop.core.debug_view()
-    return (not server.loop._live and (view["requests"], view["running"], view["waiting"]) == ({}, [], [])
+    return (not server.loop.num_live and (view["requests"], view["running"], view["waiting"]) == ({}, [], [])
             and view["stats"]["kv_pages_free"] == free_pages)
 
 

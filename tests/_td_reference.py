@@ -158,6 +158,12 @@ def reference_logits(model, ids: list[int], num_prompt: int, kept: dict[int, tor
     return logits
 
 
+def td_view(llm) -> dict:
+    """Token drop's read-out of a loaded engine (TokenDrop.debug_view: knobs, drop_layers, tail,
+    max_context, retention per sequence and anchor)."""
+    return llm.debug_view()["transforms"]["token_drop"]
+
+
 def record_kept_positions(llm) -> dict[int, dict[int, list[torch.Tensor]]]:
     """Test-side hook (production keeps no positions): from now on, collect per sequence id and
     full-attention layer the positions each dropping chunk kept there, from each step's

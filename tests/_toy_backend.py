@@ -83,6 +83,9 @@ class SinkWindowBackend(AttentionBackend):
                 attn.backend = backend
         return backend
 
+    def debug_view(self) -> dict:
+        return {"layers": list(self.knobs.layers), "sink": self.knobs.sink, "window": self.knobs.window}
+
     def plan(self, step, seqs: list) -> SinkWindowHost:
         return SinkWindowHost([b for b in range(len(step.ctx_lens)) for _ in range(step.cu[b + 1] - step.cu[b])])
 

@@ -67,9 +67,9 @@ def test_registered_backend_runs_eagerly_on_its_layers(engine, toy, monkeypatch)
 
     monkeypatch.setattr(toy, "run", checked)
     llm = LLM(engine)
-    runner = llm.runner
-    assert isinstance(runner.backends["sink_window"], toy)
-    claimed = [layer.self_attn.layer_index for layer in runner.model.layers
+    # attached: the engine's read-out shows the toy's own (AttentionBackend.debug_view) by name
+    assert llm.debug_view()["backends"] == {"sink_window": {"layers": [1], "sink": 4, "window": 8}}
+    claimed = [layer.self_attn.layer_index for layer in llm.engine.model.layers
                if isinstance(layer.self_attn.backend, toy)]
     assert claimed == [1]
     tokens(llm)
@@ -149,5 +149,5 @@ def test_registered_backend_replays_in_cuda_graphs(tmp_path, toy):
     eager = tokens(LLM(gpu, enforce_eager=True))
     llm = LLM(gpu)
     assert tokens(llm) == eager
-    graphs = llm.runner.graphs
-    assert any(key.of("sink_window") == "all" for _, key in graphs.graphs) and graphs.report["on_request"] == 0
+    graphs = llm.debug_view()["graphs"]
+    assert any(g["backends"].get("sink_window") == "all" for g in graphs["captured"]) and graphs["report"]["on_request"] == 0

@@ -77,7 +77,7 @@ def test_cli_fp8_kv_cache(tiny, tmp_path, capsys):
     assert rc == 0, err
     build = EngineConfig.load(out).build
     assert (build.dtype, build.kv_dtype) == ("float32", "fp8")
-    attn = LLM(out).runner.model.layers[0].self_attn
+    attn = LLM(out).engine.model.layers[0].self_attn
     assert attn.kv.k.dtype == attn.kv.v.dtype == torch.float8_e4m3fn
     assert attn.kv.k_scale.dtype == torch.float32 and attn.kv.k_scale.shape == attn.kv.k.shape[:3]
     rc, err = run_cli(capsys, "--checkpoint", src, "--output", tmp_path / "x", "--kv-dtype", "int8")

@@ -80,7 +80,8 @@ _ENGINE_SCRIPT = textwrap.dedent('''
     outs = llm.generate(prompt_token_ids=prompts, sampling_params=SamplingParams(max_tokens=8, temperature=0,
                                                                                  ignore_eos=True))
     assert all(len(o.token_ids) == 8 for o in outs)
-    assert llm.runner.graphs.report["on_request"] == 0, llm.runner.graphs.report  # all captured at load
+    report = llm.debug_view()["graphs"]["report"]
+    assert report["on_request"] == 0, report  # all captured at load
     print("OK", llm.load_report)
 ''')
 

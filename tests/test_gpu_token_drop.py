@@ -16,7 +16,7 @@ from infhip.builder.build import build_engine
 from infhip.eval.common import set_forced_retention
 from infhip.plugins.dense_attention import dense_attention_ref
 from infhip.plugins.token_drop.attention import kept_attention_triton
-from tests._td_reference import record_kept_positions, reference_logits
+from tests._td_reference import record_kept_positions, reference_logits, td_view
 from tests._tiny import write_tiny_hf_checkpoint
 from tests.test_token_drop_attention import kept_positions
 from tests.test_token_drop_runtime import GEMMA_TYPES, TINY, prompt, reference_schedule, run_greedy
@@ -55,7 +55,7 @@ def test_engine_on_gpu_equals_masked_reference(arch, tmp_path):
     kept = {layer: torch.cat(c) for layer, c in kept_positions[sid].items()}
     assert all(len(kept[layer]) < 0.6 * len(ids) for layer in reference_schedule(llm)["layers"])  # really dropped
     layers = llm.engine.config.plan.layers
-    ref = reference_logits(llm.runner.model, ids + tokens[:-1], len(ids), kept, layers,
+    ref = reference_logits(llm.engine.model, ids + tokens[:-1], len(ids), kept, layers,
                            schedule=reference_schedule(llm))[len(ids) - 1:]
     assert (logits.double() - ref).abs().max().item() < 1e-3
 
@@ -72,7 +72,7 @@ def test_drop_history_decode_through_cuda_graphs_equals_eager(arch, tmp_path):
                           progress=False)
     prompts = [prompt(s, n) for s, n in ((2, 200), (3, 150), (4, 170))]
     graphed, eager, keys = graphed_and_eager(engine, prompts, 0.3, max_num_batched_tokens=100, token_drop=TINY)
-    assert any(k.kv_shift and k.of("infinitehip") is None for k in keys)
+    assert any(k["kv_shift"] and k["backends"].get("infinitehip") is None for k in keys)
     assert graphed == eager
 
 
@@ -88,13 +88,13 @@ def test_token_drop_with_infinitehip_graphs_equal_eager(tmp_path):
                           token_drop=TINY, progress=False)
     prompts = [prompt(s, n) for s, n in ((5, 150), (6, 97), (7, 181))]
     graphed, eager, keys = graphed_and_eager(engine, prompts, 0.4, max_num_batched_tokens=64, token_drop=TINY)
-    assert any(k.kv_shift and k.of("infinitehip") is not None for k in keys)
+    assert any(k["kv_shift"] and k["backends"].get("infinitehip") is not None for k in keys)
     assert graphed == eager
 
 
 def graphed_and_eager(engine, prompts, retention, **llm_kwargs):
     """Greedy tokens (40 each) through the CUDA graphs and eagerly (a forced retention), and the
-    lazy graph keys the graphed run captured; both runs must have dropped tokens."""
+    graphs the graphed run captured (EngineCore.debug_view); both runs must have dropped tokens."""
     from infhip import SamplingParams
 
     sp = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
@@ -102,7 +102,7 @@ def graphed_and_eager(engine, prompts, retention, **llm_kwargs):
     for eager in (False, True):
         llm = set_forced_retention(LLM(engine, enforce_eager=eager, **llm_kwargs), retention)
         outs[eager] = [o.token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=sp)]
-        assert llm.runner.transforms["token_drop"].stats.retention
+        assert td_view(llm)["retention"]
         if not eager:
-            keys = [key for _, key in llm.runner.graphs.graphs]
+            keys = llm.debug_view()["graphs"]["captured"]
     return outs[False], outs[True], keys

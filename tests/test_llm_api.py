@@ -114,9 +114,8 @@ def test_multi_step_decode_equals_single_step(engine, llm):
     """Decode steps run back to back on the device (tokens fed forward without a host look)
     give exactly what single steps give, stops included (tokens past a stop are discarded)."""
     multi = LLM(engine, num_decode_steps=4)
-    fused_runs = []
-    run_fused = multi.core._decode_steps
-    multi.core._decode_steps = lambda out, k: fused_runs.append(k) or run_fused(out, k)
+    fused_runs, run_fused = [], multi.runner.execute_decode_steps
+    multi.runner.execute_decode_steps = lambda out, k, sample: fused_runs.append(k) or run_fused(out, k, sample)
     whole = llm.generate(["stop here"], GREEDY)[0]
     cases = [
         (["a", "bbbbbbbbbb", "hello there"], SamplingParams(max_tokens=11, temperature=0.0, ignore_eos=True)),
@@ -151,3 +150,17 @@ def test_rejected_or_abandoned_requests_leave_nothing_behind(engine):
     assert (view["requests"], view["running"], view["waiting"]) == ({}, [], [])
     assert llm.stats().kv_pages_free == free
     assert len(llm.generate(["ok"], GREEDY)[0].token_ids) == 12
+
+
+def test_debug_view_is_json_and_gathers_the_contracts_read_outs(llm):
+    """EngineCore.debug_view: JSON-able; each attached step transform's and attention backend's
+    own view by name (a dense engine: token drop attached and off, no backend); no graphs on the
+    CPU; one rank, no worker process."""
+    llm.generate(["abc"], GREEDY)
+    view = json.loads(json.dumps(llm.debug_view()))
+    assert set(view) == {"requests", "running", "waiting", "stats", "transforms", "backends", "graphs",
+                         "grammar_compiler", "tp_worker_pids"}
+    assert view["transforms"] == {"token_drop": {"knobs": None, "drop_layers": [], "tail": 0, "max_context": None,
+                                                 "retention": {}}}
+    assert view["backends"] == {} and view["graphs"] is None and view["tp_worker_pids"] == []
+    assert view["stats"]["kv_pages_used"] == {"global": 0}

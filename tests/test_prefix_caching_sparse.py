@@ -221,14 +221,14 @@ def small_batches(monkeypatch):
 
 
 def host_twins(llm):
-    return [layer.self_attn.kv for layer in llm.runner.model.layers if layer.self_attn.kv.host is not None]
+    return [layer.self_attn.kv for layer in llm.engine.model.layers if layer.self_attn.kv.host is not None]
 
 
 def poison_unused_pages(llm) -> None:
     """NaN into every GPU and host page that no sequence holds and the cache does not keep."""
     kv = llm.runner.kv
-    gpu = list(kv._alloc["global"]._alloc._free)
-    host = [p - 1 for p in kv._host["global"]._alloc._free]  # host entry -p is twin page p - 1
+    gpu = kv.free_page_ids("global")
+    host = [-e - 1 for e in kv.free_page_ids("global", host=True)]  # host entry e is twin page -1 - e
     for cache in host_twins(llm):
         for t, pages in ((cache.k, gpu), (cache.v, gpu), (cache.host.k, host), (cache.host.v, host)):
             if pages:
@@ -256,8 +256,8 @@ def test_document_cached_in_host_memory(engines, small_batches, engine):
     kv.share = real
     assert shared[0] == 96 and any(e < 0 for e in shared[1]), "the follow-up started on host pages"
     assert got[2] == 96 and same(got, want)
-    for g, pool in [*kv._alloc.items(), *kv._host.items()]:
-        assert not any(pool.refs(p) for p in range(pool.num_pages)), g
+    for g in kv.groups:
+        assert kv.held_pages(g) == {}, g  # GPU and host pages
 
 
 def test_host_cache_eviction_with_poisoned_pages(engines, small_batches, monkeypatch):
@@ -266,13 +266,13 @@ def test_host_cache_eviction_with_poisoned_pages(engines, small_batches, monkeyp
     host_page_bytes = 16 * 2 * (2 * 16 * 4) * 3  # page x (K, V) x Hkv x D x float32 x 3 layers
     on, off = pair(engines["3k"], PAST, kv_offload_bytes=8 * host_page_bytes)
     assert on.runner.kv.groups["global"].offload.host_pages == 8
-    twins, host_pool = host_twins(on), on.runner.kv._host["global"]
+    twins = host_twins(on)
     evict = PagePool.allocate
 
-    def poisoning_allocate(pool):
+    def poisoning_allocate(pool):  # only `on` evicts: `off` names no page
         before = pool.num_evictions
         page = evict(pool)
-        if pool is host_pool and pool.num_evictions != before:
+        if pool.host and pool.group == "global" and pool.num_evictions != before:
             for cache in twins:
                 cache.host.k[page - 1] = float("nan")
                 cache.host.v[page - 1] = float("nan")
@@ -287,7 +287,7 @@ def test_host_cache_eviction_with_poisoned_pages(engines, small_batches, monkeyp
         assert got[0] == want[0], i
         assert torch.isfinite(got[1]).all()
         cached.append(got[2])
-    assert on.stats().prefix_cache_evictions > 0
+    assert on.stats().prefix_cache_evictions > 0 and off.stats().prefix_cache_evictions == 0
     assert cached[0] == cached[1] == 0 and cached[-1] == 96 and min(cached[2:4]) < 96, cached
 
 
@@ -303,8 +303,8 @@ def test_abort_releases_host_pages(engines, small_batches):
     on.core.abort(req)
     kv = on.runner.kv
     assert on.stats().host_pages_used == {"global": 0}
-    for g, pool in [*kv._alloc.items(), *kv._host.items()]:
-        assert not any(pool.refs(p) for p in range(pool.num_pages)), g
+    for g in kv.groups:
+        assert kv.held_pages(g) == {}, g  # GPU and host pages
     assert ask(on, doc + [2])[2] == 96
 
 
@@ -372,7 +372,7 @@ def test_token_drop_engine_reuses_prompts_that_never_drop(td_engine):
     want = [off.generate(prompt_token_ids=[p], sampling_params=GREEDY)[0] for p in prompts]
     assert [o.token_ids for o in got] == [w.token_ids for w in want]
     assert [o.num_cached_tokens for o in got] == [0, 64, 0, 0, 64]
-    retention = on.runner.transforms["token_drop"].stats.retention
+    retention = on.debug_view()["transforms"]["token_drop"]["retention"]
     assert len(retention) == 2 and all(
         kept < total for r in retention.values() for kept, total in r.values()), \
         "the long prompts dropped"

@@ -123,7 +123,7 @@ def test_fp8_kv_cache_matches_transformers_on_quantized_kv(tiny, tmp_path, hf_wi
                           device="cpu", max_seq_len=256, max_batch_size=4)
     ids = prompt_ids(0, PROMPT_LEN, hf_cfg["vocab_size"])
     llm = LLM(engine, max_num_batched_tokens=budget)
-    assert llm.runner.model.layers[0].self_attn.kv.k.dtype == torch.float8_e4m3fn
+    assert llm.engine.model.layers[0].self_attn.kv.k.dtype == torch.float8_e4m3fn
     ours = last_logits(llm, ids)
     hf_eager = AutoModelForCausalLM.from_pretrained(hf.name_or_path, dtype=torch.float32,
                                                     attn_implementation="eager").eval()

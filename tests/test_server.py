@@ -17,8 +17,8 @@ import pytest
 
 from infhip import LLM, SamplingParams
 from infhip.runtime.serving.app import HttpLimits
-from tests._serving import (engine_is_idle, error_of, kv_free_pages, post, request, running_server, sse_events,
-                            wait_for)
+from tests._serving import (counter, engine_is_idle, error_of, kv_free_pages, post, request, running_server,
+                            sse_events, wait_for)
 from tests._tiny import API_ENGINE
 
 BODY_TIMEOUT_S = 0.5
@@ -279,7 +279,7 @@ def test_request_failing_in_the_engine_fails_alone(server, reference, monkeypatc
             tokens = ([t for e in sse_events(data) for t in e["choices"][0]["token_ids"]] if stream
                       else json.loads(data)["choices"][0]["token_ids"])
             assert status == 200 and tokens == ids_alone(reference, p), p
-    assert server.metrics.errors.labels(scope="request")._value.get() >= 1
+    assert counter(server.metrics.errors, scope="request") >= 1
 
 
 def test_failing_step_fails_the_live_requests_and_serving_goes_on(server, reference, monkeypatch):

@@ -18,7 +18,8 @@ import pytest
 
 from infhip import LLM, SamplingParams
 from infhip.runtime.serving.lifecycle import Lifecycle, Refused, ServingPolicy, kv_capacity_tokens
-from tests._serving import engine_is_idle, error_of, kv_free_pages, post, request, running_server, sse_events, wait_for
+from tests._serving import (counter, engine_is_idle, error_of, kv_free_pages, post, request, running_server,
+                            server_thread, sse_events, wait_for)
 from tests._tiny import API_ENGINE
 
 GREEDY = dict(temperature=0, ignore_eos=True)
@@ -149,8 +150,8 @@ def test_admission_limits_and_deadlines_by_rule():
     with pytest.raises(Refused) as e:
         lc.admit()
     assert e.value.status == 429 and "--max-waiting-requests" in e.value.message
-    assert lc.metrics.rejected.labels(reason="prompt_tokens")._value.get() == 2
-    assert lc.metrics.rejected.labels(reason="queue_full")._value.get() == 1
+    assert counter(lc.metrics.rejected, reason="prompt_tokens") == 2
+    assert counter(lc.metrics.rejected, reason="queue_full") == 1
     t = second.arrived
     assert second.deadline(None) == t + 5 and second.deadline(2) == t + 2 and second.deadline(60) == t + 5
     no_cap = Lifecycle(ServingPolicy(), _FakeLLM, None, _FakeMetrics()).admit()
@@ -175,7 +176,7 @@ LONG = {"prompt": "abc", "max_tokens": 100, **GREEDY}  # >= 3 s at the slowed st
 def test_deadline_aborts_and_frees_pages(slow_server, reference, stream):
     server = slow_server
     free = kv_free_pages(server.loop.core)
-    before = server.metrics.timeouts._value.get()
+    before = counter(server.metrics.timeouts)
     start = time.monotonic()
     status, data = post(server, {**LONG, "timeout": 0.6, "stream": stream})
     took = time.monotonic() - start
@@ -192,7 +193,7 @@ def test_deadline_aborts_and_frees_pages(slow_server, reference, stream):
         err = error_of(data)
         assert status == 504 and err["type"] == "timeout" and "timeout=0.6 s" in err["message"], err
     assert wait_for(lambda: engine_is_idle(server, free), 2.0)
-    assert server.metrics.timeouts._value.get() == before + 1
+    assert counter(server.metrics.timeouts) == before + 1
 
 
 def test_deadline_counts_queue_time(slow_server, reference):
@@ -241,8 +242,8 @@ def test_health_live_ready_and_drain(engine, reference):
         worker.join()
         status, data = out["r"]  # the running request finished in full
         assert status == 200 and json.loads(data)["choices"][0]["token_ids"] == ids_alone(reference, "abc", 40)
-        server._thread.join(10)
-        assert not server._thread.is_alive()  # the drain ended the server by itself
+        server_thread(server).join(10)
+        assert not server_thread(server).is_alive()  # the drain ended the server by itself
 
 
 def test_live_turns_503_when_a_step_stalls(engine):

@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from infhip import LLM, SamplingParams
-from tests._serving import engine_is_idle, kv_free_pages, post, running_server, wait_for
+from tests._serving import counter, engine_is_idle, kv_free_pages, post, running_server, wait_for
 from tests._tiny import API_ENGINE
 
 WORDS = ("In the beginning God created the heaven and the earth and the earth was without form and void "
@@ -102,7 +102,7 @@ async def leave_mid_request(server, stream: bool, generating: asyncio.Event) -> 
 def test_64_clients_leaving_mid_request_free_everything(server, alone, monkeypatch):
     core, metrics = server.loop.core, server.metrics
     free = kv_free_pages(core)
-    aborts = metrics.aborts._value.get()
+    aborts = counter(metrics.aborts)
     step, delta = core.step, metrics.delta
     monkeypatch.setattr(core, "step", lambda: time.sleep(0.02) or step())  # 110 tokens >= 2.2 s: still generating
 
@@ -120,9 +120,9 @@ def test_64_clients_leaving_mid_request_free_everything(server, alone, monkeypat
                                                 for i in range(64))), 60)
     asyncio.run(storm())
     left = time.monotonic()
-    assert wait_for(lambda: engine_is_idle(server, free), 2.0), (len(server.loop._live), kv_free_pages(core), free)
+    assert wait_for(lambda: engine_is_idle(server, free), 2.0), (server.loop.num_live, kv_free_pages(core), free)
     assert time.monotonic() - left < 2.0
-    assert metrics.aborts._value.get() - aborts == 64
+    assert counter(metrics.aborts) - aborts == 64
     monkeypatch.undo()
     status, data = post(server, {"prompt": PROMPTS[3], **GREEDY})
     assert status == 200 and json.loads(data)["choices"][0]["token_ids"] == alone[PROMPTS[3]].token_ids

@@ -64,6 +64,9 @@ class TraceTransform(StepTransform):
     def after_step(self, seqs, step):
         self.after += 1
 
+    def debug_view(self):
+        return {"knobs": self.knobs, "calls": [list(c) for c in self.calls], "after": self.after}
+
 
 @pytest.fixture
 def trace():
@@ -81,9 +84,11 @@ def test_registered_transform_is_attached_configured_and_handed_the_stream(tiny_
     plain = tokens(LLM(engine, enforce_eager=True))
     llm = LLM(engine, enforce_eager=True)
     assert [cls.name for cls in transforms()] == ["token_drop", "trace"]  # built-in first
-    t = llm.runner.transforms["trace"]
-    assert isinstance(t, TraceTransform) and t.knobs is None
-    assert tokens(llm) == plain and t.calls == [] and t.after == 0  # off: every step untouched
+    def view():  # the attached TraceTransform's read-out (EngineCore.debug_view gathers it by name)
+        return llm.debug_view()["transforms"]["trace"]
+
+    assert view() == {"knobs": None, "calls": [], "after": 0}
+    assert tokens(llm) == plain and view() == {"knobs": None, "calls": [], "after": 0}  # off: every step untouched
 
     with pytest.raises(KeyError, match="no step transform 'nope'"):
         llm.runner.set_transform("nope", 1)
@@ -91,14 +96,15 @@ def test_registered_transform_is_attached_configured_and_handed_the_stream(tiny_
         llm.runner.set_transform("trace", -1)
     llm.runner.set_transform("trace", 1000)
     assert tokens(llm) == plain  # a transform that routes rows unchanged changes nothing
-    num_layers = len(llm.runner.model.layers)
+    num_layers, t = len(llm.engine.config.plan.layers), view()
+    assert t["knobs"] == 1000
     steps, step = [], []
-    for call in t.calls:
+    for call in t["calls"]:
         step.append(call)
         if call[0] == "reconstitute":
             steps.append(step)
             step = []
-    assert not step and len(steps) >= t.after > 0  # after_step: eager steps of execute (prefills)
+    assert not step and len(steps) >= t["after"] > 0  # after_step: eager steps of execute (prefills)
     for step in steps:  # per layer: enter, then after its attention, then the end, all rows each time
         assert [(kind, i) for kind, i, _ in step] == [
             (kind, i) for i in range(num_layers) for kind in ("enter", "after_attention")] + [("reconstitute", None)]

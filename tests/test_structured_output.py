@@ -107,18 +107,22 @@ def test_bad_grammar_is_a_value_error_and_queues_nothing(llm):
         StructuredOutputsParams(choice=[])
 
 
-def test_rows_without_a_grammar_pay_nothing(engine):
+def test_rows_without_a_grammar_pay_nothing(engine, monkeypatch):
     fresh = LLM(engine)
     plain = [SamplingParams(max_tokens=12, temperature=1.0, seed=s, ignore_eos=True) for s in (7, 8)]
     alone = [o.token_ids for o in fresh.generate(["In the beginning"] * 2, plain)]
-    assert fresh.core._grammars is None  # no grammar request: the grammar compiler was never built
+    assert not fresh.debug_view()["grammar_compiler"]  # no grammar request: the compiler was never built
     spec = StructuredOutputsParams(json=SCHEMA)
     mixed = fresh.generate(["In the beginning"] * 3,
                            plain + [SamplingParams(max_tokens=80, temperature=1.0, seed=1, structured_outputs=spec)])
     assert [o.token_ids for o in mixed[:2]] == alone  # their rows are all-ones in the bitmask
     assert matches_schema(json.loads(mixed[2].text))
-    batch = fresh.core._batch([])  # a batch without grammar rows gets no bitmask
-    assert batch.token_bitmask is None and not batch.host_each_step
+    batches, sample = [], fresh.sampler.sample  # the batches the sampler gets from now on
+    monkeypatch.setattr(fresh.sampler, "sample", lambda logits, batch: batches.append(batch) or sample(logits, batch))
+    assert fresh.debug_view()["grammar_compiler"]
+    assert [o.token_ids for o in fresh.generate(["In the beginning"] * 2, plain)] == alone
+    # batches without grammar rows get no bitmask, though the compiler exists now
+    assert batches and all(b.token_bitmask is None and not b.host_each_step for b in batches)
 
 
 def test_back_to_back_decode_steps_under_a_grammar_equal_single_steps(engine, llm):

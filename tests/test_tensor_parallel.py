@@ -19,6 +19,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -34,6 +35,8 @@ from infhip.config import EngineConfig, EngineFormatError, TokenDropConfig
 from infhip.runtime.distributed import check_resources
 from infhip.runtime.engine import load_engine
 from infhip.runtime.model_runner import ModelRunner
+from tests._offload import count_moves
+from tests._td_reference import td_view
 from tests._tiny import write_tiny_hf_checkpoint
 
 TD = dict(p=0.5, obs_window=8, block_size=8, num_sink=8, min_prompt_len=0, spare_anchors=0)  # top-p low enough to drop on random weights
@@ -107,10 +110,9 @@ def generate(engine, live_token_drop=None, **load):
     with LLM(engine, max_num_batched_tokens=64, **load) as llm:
         if live_token_drop is not None:
             llm.runner.set_transform("token_drop", TokenDropConfig(**live_token_drop))
-        moved, offload = [], llm.runner.kv.offload
-        llm.runner.kv.offload = lambda *a: (lambda m: moved.extend(m[1]) or m)(offload(*a))
+        moved = count_moves(llm)
         tokens = [o.token_ids for o in llm.generate(prompt_token_ids=PROMPTS, sampling_params=GREEDY)]
-        return tokens, llm.runner.transforms["token_drop"].stats.retention, len(moved)
+        return tokens, td_view(llm)["retention"], len(moved)
 
 
 @pytest.mark.parametrize("case", ["dense", "3k", "token_drop", "3k_offload"])
@@ -249,6 +251,20 @@ def test_too_few_devices_or_processes_is_one_line(llama_tp2, monkeypatch):
         ModelRunner(load_engine(engine), 4, 64)
 
 
+def wait_until_dead(pid: int, timeout_s: float) -> bool:
+    """Whether process pid has exited (a zombie: its parent, rank 0's TPSession, reaps it) within
+    timeout_s."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] in "ZX":
+                return True
+        except FileNotFoundError:
+            return True
+        time.sleep(0.01)
+    return False
+
+
 def test_a_worker_that_fails_surfaces_on_rank0(llama_tp2, tmp_path):
     """At load (its shard is missing): LLM() raises the worker's reason. In a step (the worker
     killed): the step's requests fail with a message naming the rank, and nothing hangs."""
@@ -259,9 +275,9 @@ def test_a_worker_that_fails_surfaces_on_rank0(llama_tp2, tmp_path):
         LLM(broken)
     with LLM(llama_tp2) as llm:
         assert llm.generate(prompt_token_ids=[PROMPTS[2]], sampling_params=GREEDY)[0].finish_reason == "length"
-        worker = llm.core._tp.procs[0]
-        os.kill(worker.pid, signal.SIGKILL)
-        worker.join(timeout=10)
+        [pid] = llm.debug_view()["tp_worker_pids"]
+        os.kill(pid, signal.SIGKILL)
+        assert wait_until_dead(pid, 10)
         out = llm.generate(prompt_token_ids=[PROMPTS[2]], sampling_params=GREEDY)[0]
         assert out.finish_reason == "error"
         assert "tensor parallelism broke down (rank 1 exited with code -9)" in out.error
@@ -289,10 +305,10 @@ def test_a_failed_step_on_rank0_ends_the_engine(llama_tp2):
         raise RuntimeError("boom")
 
     with LLM(llama_tp2) as llm:
-        llm.runner.model.compute_logits = boom
+        llm.engine.model.compute_logits = boom
         out = llm.generate(prompt_token_ids=[PROMPTS[2]], sampling_params=GREEDY)[0]
         assert out.finish_reason == "error" and "boom" in out.error
-        del llm.runner.model.compute_logits
+        del llm.engine.model.compute_logits
         out = llm.generate(prompt_token_ids=[PROMPTS[2]], sampling_params=GREEDY)[0]
         assert out.finish_reason == "error"
         assert "a step failed on rank 0 (RuntimeError: boom); the tensor-parallel ranks are out of step" in out.error

@@ -9,6 +9,8 @@ never wrote)."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from infhip import LLM, SamplingParams
@@ -17,6 +19,7 @@ from infhip.builder.presets import infinitehip_config
 from infhip.eval.common import set_forced_retention
 from infhip.runtime.attention.infinitehip.planner import SparsePlanner
 from tests._graph_sim import simulate_graphs
+from tests._td_reference import td_view
 from tests._tiny import write_tiny_hf_checkpoint
 from tests.test_infinitehip_runtime import COVER, TINY
 from tests.test_infinitehip_runtime import calls  # noqa: F401 (fixture: sparse attention launch counts)
@@ -53,12 +56,11 @@ def run(engine, overrides=None, budget=64, prompts=PROMPTS, params=GREEDY):
 @pytest.mark.parametrize("budget", [64, 512])  # chunked prefill mixing drops and decodes; one pass each
 def test_covering_sparse_over_compacted_kv_equals_dense(engines, calls, budget):
     dense, dense_llm = run(engines["dense"], budget=budget)
-    assert dense_llm.runner.transforms["token_drop"].stats.retention  # tokens were dropped
+    assert td_view(dense_llm)["retention"]  # tokens were dropped
     composed, llm = run(engines["cover"], LOW, budget=budget)
     assert calls["decode"] > 0
     assert composed == dense
-    assert (llm.runner.transforms["token_drop"].stats.retention
-            == dense_llm.runner.transforms["token_drop"].stats.retention)  # the same drops
+    assert td_view(llm)["retention"] == td_view(dense_llm)["retention"]  # the same drops
 
 
 @pytest.mark.parametrize("engine", ["dense", "cover"])
@@ -78,12 +80,16 @@ def test_decode_graphs_with_drop_histories_equal_eager(engines, monkeypatch, eng
     assert shifted and all(key in planned for key in keys)
     if engine == "cover":
         assert any(key.of("infinitehip") is not None for key in shifted)
+    # the engine's read-out of its graphs says the same (EngineCore.debug_view, JSON-able)
+    captured = json.loads(json.dumps(llm.debug_view()["graphs"]))["captured"]
+    assert {(g["kv_shift"], g["backends"].get("infinitehip") is not None) for g in captured} == {
+        (key.kv_shift, key.of("infinitehip") is not None) for key in keys}
 
 
 def test_pruning_presets_run_after_drops(engines, calls):
     out, llm = run(engines["3k"], LOW)
     assert all(len(t) == GREEDY.max_tokens for t in out)
-    assert llm.runner.transforms["token_drop"].stats.retention and calls["decode"] > 0
+    assert td_view(llm)["retention"] and calls["decode"] > 0
 
 
 def test_requests_that_may_pass_the_trained_window_do_not_drop(engines, monkeypatch):
@@ -93,9 +99,9 @@ def test_requests_that_may_pass_the_trained_window_do_not_drop(engines, monkeypa
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     ids = prompt(14, 200)
     _, llm = run(engines["3k"], LOW, prompts=[ids], params=SamplingParams(max_tokens=57, ignore_eos=True))
-    assert not llm.runner.transforms["token_drop"].stats.retention
+    assert not td_view(llm)["retention"]
     _, llm = run(engines["3k"], LOW, prompts=[ids], params=SamplingParams(max_tokens=10, ignore_eos=True))
-    assert llm.runner.transforms["token_drop"].stats.retention
+    assert td_view(llm)["retention"]
 
 
 def test_a_step_without_sparse_attention_invalidates_cached_masks():

@@ -30,9 +30,9 @@ from infhip.builder.cli import main as build_main
 from infhip.config import EngineConfig, TokenDropConfig
 from infhip.eval.common import forced_retention, set_forced_retention
 from infhip.knob_specs import parse_token_drop
-from infhip.token_drop_knobs import AUTHORS_LLAMA_EIGHTHS, default_drop_layers
 from infhip.runtime.sequence import Sequence
-from tests._td_reference import record_kept_positions, reference_logits
+from infhip.token_drop_knobs import AUTHORS_LLAMA_EIGHTHS, default_drop_layers
+from tests._td_reference import record_kept_positions, reference_logits, td_view
 from tests._tiny import write_tiny_hf_checkpoint
 
 TINY = dict(obs_window=8, block_size=8, num_sink=8, min_prompt_len=0, spare_anchors=0)  # knobs scaled to ~200-token prompts
@@ -59,9 +59,10 @@ def schedule_knobs(engine, name: str) -> dict:
 def reference_schedule(llm) -> dict:
     """The reference's schedule of a loaded engine's token drop (drop layers with the spared ones)."""
     from infhip.token_drop_knobs import resolve_drop_layers
-    cfg = llm.runner.transforms["token_drop"].cfg
-    layers = resolve_drop_layers(dataclasses.replace(cfg, spare_anchors=0), llm.runner.global_layers,
-                                 len(llm.runner.model.layers))
+    cfg = TokenDropConfig(**td_view(llm)["knobs"])
+    plan = llm.engine.config.plan.layers
+    layers = resolve_drop_layers(dataclasses.replace(cfg, spare_anchors=0),
+                                 [lp.index for lp in plan if lp.window is None], len(plan))
     return dict(layers=layers, point=cfg.drop_point.split("_")[0], reenter=cfg.reenter)
 GEMMA_TYPES = ["sliding_attention", "full_attention", "sliding_attention", "sliding_attention",
                "full_attention", "sliding_attention"]
@@ -83,7 +84,7 @@ def prompt(seed: int, n: int) -> list[int]:
 def run_greedy(llm: LLM, ids: list[int], steps: int) -> tuple[list[int], torch.Tensor]:
     """Prefill + `steps` greedy decodes through scheduler and runner; (tokens, logits [steps, V])
     where logits[j] produced tokens[j]."""
-    seq = Sequence(seq_id=10_000 + len(llm.runner.transforms["token_drop"].stats.retention), prompt_token_ids=list(ids),
+    seq = Sequence(seq_id=10_000 + len(td_view(llm)["retention"]), prompt_token_ids=list(ids),
                    params=SamplingParams(max_tokens=steps, ignore_eos=True))
     llm.scheduler.add(seq)
     tokens, logits = [], []
@@ -109,7 +110,7 @@ def test_p_one_reproduces_dense(engine, budget):
     tok_t, log_t, sid = run_greedy(td, ids, 6)
     assert tok_t == tok_d
     assert (log_t - log_d).abs().max() < 1e-4
-    per_layer = td.runner.transforms["token_drop"].stats.retention[sid]
+    per_layer = td_view(td)["retention"][sid]
     assert per_layer and all(kept == total for kept, total in per_layer.values())  # drop path ran
 
 
@@ -134,10 +135,10 @@ def test_decode_after_drop_equals_masked_reference(engine, budget, schedule):
         runs = [set(kept[layer].tolist()) for layer in sorted(kept)]
         assert all(b <= a for a, b in zip(runs, runs[1:]))
     full = ids + tokens[:-1]
-    ref = reference_logits(llm.runner.model, full, len(ids), kept, layers, schedule=sched)[len(ids) - 1:]
+    ref = reference_logits(llm.engine.model, full, len(ids), kept, layers, schedule=sched)[len(ids) - 1:]
     assert (logits.double() - ref).abs().max() < 1e-4
     # the reference can fail: without the drop it computes different logits
-    dense_ref = reference_logits(llm.runner.model, full, len(ids), {}, layers)[len(ids) - 1:]
+    dense_ref = reference_logits(llm.engine.model, full, len(ids), {}, layers)[len(ids) - 1:]
     assert (logits.double() - dense_ref).abs().max() > 1e-2
 
 
@@ -157,15 +158,15 @@ def test_top_p_selection_equals_reference(engine, p, spare, schedule):
     tokens, logits, sid = run_greedy(llm, ids, 4)
     kept = {layer: torch.cat(chunks) for layer, chunks in kept_positions[sid].items()}
     layers = llm.engine.config.plan.layers
-    cfg = llm.runner.transforms["token_drop"].cfg
+    view = td_view(llm)
+    cfg = view["knobs"]
     chosen: dict[int, torch.Tensor] = {}
     sched = reference_schedule(llm)
     spared = set(sched["layers"][:spare])
     drops = set(sched["layers"]) - spared
-    assert drops == set(llm.runner.transforms["token_drop"].drop_at)
-    select = dict(p=p, n=cfg.obs_window, G=cfg.block_size, A=cfg.num_sink,
-                  tail=llm.runner.transforms["token_drop"].tail, spare=spared)
-    ref = reference_logits(llm.runner.model, ids + tokens[:-1], len(ids), chosen, layers, select=select,
+    assert drops == set(view["drop_layers"])
+    select = dict(p=p, n=cfg["obs_window"], G=cfg["block_size"], A=cfg["num_sink"], tail=view["tail"], spare=spared)
+    ref = reference_logits(llm.engine.model, ids + tokens[:-1], len(ids), chosen, layers, select=select,
                            schedule=sched)
     assert set(chosen) == drops and drops <= set(kept) and not spared & set(kept)
     for layer in drops:
@@ -180,7 +181,7 @@ def test_batch_equals_each_alone(engine):
     sp = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     llm = LLM(engine, token_drop=knobs, max_num_batched_tokens=256)
     batch = [o.token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=sp)]
-    batch_ret = [dict(v) for v in llm.runner.transforms["token_drop"].stats.retention.values()]
+    batch_ret = list(td_view(llm)["retention"].values())
     assert len(batch_ret) == 2  # the short prompt never dropped
     alone = []
     for p in prompts:
@@ -233,7 +234,7 @@ def test_build_flag_config_round_trip_and_old_engines(engine, tmp_path):
     del cfg["plan"]["token_drop"]["spare_anchors"]
     (tmp_path / "c" / "config.json").write_text(json.dumps(cfg))
     assert EngineConfig.load(tmp_path / "c").plan.token_drop == TokenDropConfig(spare_anchors=0, **old["paper"])
-    assert LLM(tmp_path / "c", token_drop=False).runner.transforms["token_drop"].cfg is None
+    assert td_view(LLM(tmp_path / "c", token_drop=False))["knobs"] is None
     # an explicit list round-trips through config.json as a list (Llama: layers 0 and 2; Gemma: its globals)
     full = [lp.index for lp in src.plan.layers if lp.window is None][-2:]
     rc = build_main(["--checkpoint", str(hf), "--output", str(tmp_path / "d"), "--dtype", "float32", "--device",
@@ -298,7 +299,7 @@ def test_drop_layers_must_be_full_attention_layers(engine):
     with pytest.raises(ValueError, match="drop_layers is empty"):
         LLM(engine, token_drop=dict(TINY, drop_layers=[]))
     one = LLM(engine, token_drop=dict(TINY, drop_layers=[full[-1]]))
-    assert one.runner.transforms["token_drop"].drop_at == {full[-1]}
+    assert td_view(one)["drop_layers"] == [full[-1]]
 
 
 def test_prompt_logprobs_of_a_dropping_prompt_are_refused_with_the_way_out(engine):
@@ -337,7 +338,7 @@ def test_drop_over_fp8_cache_tracks_the_float32_one(engine, tmp_path):
         _, lg, sid = run_greedy(llm, ids, 1)
         logits.append(lg[0])
         kept.append({layer: torch.cat(chunks).tolist() for layer, chunks in kept_positions[sid].items()})
-    assert llm.runner.model.layers[0].self_attn.kv.k.dtype == torch.float8_e4m3fn
+    assert llm.engine.model.layers[0].self_attn.kv.k.dtype == torch.float8_e4m3fn
     assert kept[1].keys() == kept[0].keys() and all(len(v) < 0.6 * len(ids) for v in kept[1].values())
     for layer, want in kept[0].items():  # the same drop, up to a few tokens at the boundary
         got = set(kept[1][layer])

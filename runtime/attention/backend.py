@@ -32,7 +32,10 @@ Life of a backend (every method below; the default does nothing or says "none"):
   on fake tensors (builder/kernels.py records them); by default each of ``plugin_modules``'
   ``aot_launches(space)``;
 * serving: ``request_counters(config)`` — Prometheus counters of finished requests
-  (runtime/serving/metrics.py).
+  (runtime/serving/metrics.py);
+* read-outs: ``debug_view()``, a JSON-able dict of the instance's state now, which
+  ``EngineCore.debug_view()`` gathers under "backends" by name (tests and debugging read it
+  instead of the backend's attributes; the default shows nothing).
 
 Registration: ``register(cls)`` (a decorator) under ``cls.name``; the registry imports the
 built-in backends' modules (BUILTIN) on first use. Registration order is the order in which
@@ -200,6 +203,11 @@ class AttentionBackend:
     @classmethod
     def request_counters(cls, config) -> list[RequestCounter]:
         return []
+
+    def debug_view(self) -> dict:
+        """Its state now, JSON-able (tests, debugging; read between steps): a copy, never live
+        state."""
+        return {}
 
 
 _REGISTRY = Registry("an attention backend", BUILTIN)
