@@ -334,11 +334,25 @@ class DecodeGraphs:
         the shared buffer: valid until the next replay)."""
         graph = self.graphs.get((bs, key)) or self._capture_on_request(bs, key)
         logits = self.logits
+        self._stage(step, bs, n, input_ids)
+        graph.replay()
+        return logits[:n]
+
+    @torch.inference_mode()
+    def run_eagerly(self, step: int, bs: int, n: int, input_ids: torch.Tensor | None = None,
+                    key: GraphKey = GraphKey()) -> torch.Tensor:
+        """What ``replay`` computes, without a CUDA graph: stages step ``step`` into the same static
+        buffers and runs the model eagerly on the context the graph of (bs, key) captures. Its
+        tokens equal an eager step's exactly when staging (load, graph_fill, padding) and the
+        backends' graph metadata are right: the CPU check of the graph path (tests/_graph_sim.py)."""
+        self._stage(step, bs, n, input_ids)
+        with forward_context(self._context(bs, key)):
+            return self._forward(bs, key.kv_shift)[:n]
+
+    def _stage(self, step: int, bs: int, n: int, input_ids: torch.Tensor | None) -> None:
         self.rows[:, :bs].copy_(self.steps[step, :, :bs])
         if input_ids is not None:
             self.input_ids[:n].copy_(input_ids)
-        graph.replay()
-        return logits[:n]
 
 
 def _pool_bytes(pool) -> int:
