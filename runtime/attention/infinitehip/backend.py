@@ -8,6 +8,8 @@ metadata a graph of one key reads, built by the constructor eager steps use.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from infhip.config import InfiniteHipConfig
@@ -30,6 +32,8 @@ class InfiniteHipBackend(AttentionBackend):
         self.planner, self.device, self.staging = planner, device, staging
         # the graphs' per-step row of mask-cache slots; padding rows point at the scratch slot
         self.graph_rows = (planner.slots.scratch,)
+        # planned steps with sparse prefill chunks / sparse decode rows (debug_view)
+        self.steps = {"sparse_prefill": 0, "sparse_decode": 0}
 
     offload_hint = "InfiniteHiP: build it with --preset 3k | 3k-fast | 3k-flash | 5k"
 
@@ -99,6 +103,8 @@ class InfiniteHipBackend(AttentionBackend):
     def plan(self, step, seqs: list) -> SparseStepHost | None:
         """Host decisions of one step (SparsePlanner.plan); None when no row goes sparse."""
         h = self.planner.plan(seqs, step.ctx_lens, step.num_decodes)
+        self.steps["sparse_prefill"] += bool(h.prefill_seqs)
+        self.steps["sparse_decode"] += bool(h.decode_rows)
         return h if h.decode_rows or h.prefill_seqs else None
 
     def skip(self, seqs: list) -> None:
@@ -167,6 +173,14 @@ class InfiniteHipBackend(AttentionBackend):
         rotates them by their index in the layer's cache (runtime/token_drop.py says what that
         means for token drop)."""
         return config.model.max_position_embeddings
+
+    def debug_view(self) -> dict:
+        """knobs: the InfiniteHiP knobs in force (after load overrides) as a dict; offloading:
+        whether its layers read offloaded pages in place; clock: steps with sparse decode rows so
+        far (the refresh schedule's time); steps: planned steps with sparse prefill chunks and
+        with sparse decode rows, counted since attach."""
+        return {"knobs": dataclasses.asdict(self.planner.cfg), "offloading": self.planner.offloading,
+                "clock": self.planner.clock, "steps": dict(self.steps)}
 
     # -- serving ------------------------------------------------------------------------------------
     @classmethod
