@@ -14,13 +14,11 @@ import json
 import pytest
 
 from infhip import LLM, SamplingParams
-from infhip.builder.build import build_engine
 from infhip.builder.presets import infinitehip_config
 from infhip.eval.common import set_forced_retention
 from infhip.runtime.attention.infinitehip.planner import SparsePlanner
 from tests._graph_sim import simulate_graphs
 from tests._td_reference import td_view
-from tests._tiny import write_tiny_hf_checkpoint
 from tests.test_infinitehip_runtime import COVER, TINY
 from tests.test_infinitehip_runtime import calls  # noqa: F401 (fixture: sparse attention launch counts)
 from tests.test_infinitehip_runtime_schedule import seq
@@ -35,15 +33,10 @@ GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
-def engines(tmp_path_factory):
-    root = tmp_path_factory.mktemp("td_ihip")
-    write_tiny_hf_checkpoint(root / "hf", "llama")
-    kw = dict(dtype="float32", device="cpu", max_seq_len=400, max_batch_size=4, progress=False)
-    return {"dense": build_engine(checkpoint=root / "hf", output_dir=root / "dense", **kw),
-            "cover": build_engine(checkpoint=root / "hf", output_dir=root / "cover", preset="3k",
-                                  infinitehip_overrides=COVER, **kw),
-            "3k": build_engine(checkpoint=root / "hf", output_dir=root / "3k", preset="3k",
-                               infinitehip_overrides=TINY, **kw)}
+def engines(tiny_engine):
+    kw = dict(max_seq_len=400, max_batch_size=4)
+    return {"dense": tiny_engine(**kw), "cover": tiny_engine(preset="3k", infinitehip_overrides=COVER, **kw),
+            "3k": tiny_engine(preset="3k", infinitehip_overrides=TINY, **kw)}
 
 
 def run(engine, overrides=None, budget=64, prompts=PROMPTS, params=GREEDY):

@@ -33,7 +33,6 @@ from infhip.knob_specs import parse_token_drop
 from infhip.runtime.sequence import Sequence
 from infhip.token_drop_knobs import AUTHORS_LLAMA_EIGHTHS, default_drop_layers
 from tests._td_reference import record_kept_positions, reference_logits, td_view
-from tests._tiny import write_tiny_hf_checkpoint
 
 TINY = dict(obs_window=8, block_size=8, num_sink=8, min_prompt_len=0, spare_anchors=0)  # knobs scaled to ~200-token prompts
 # The drop schedules (TokenDropConfig drop_layers / drop_point / reenter) that matter: the paper's
@@ -69,12 +68,9 @@ GEMMA_TYPES = ["sliding_attention", "full_attention", "sliding_attention", "slid
 
 
 @pytest.fixture(scope="module", params=["llama", "gemma3"])
-def engine(request, tmp_path_factory):
-    root = tmp_path_factory.mktemp(request.param)
-    extra = dict(num_hidden_layers=6, layer_types=GEMMA_TYPES) if request.param == "gemma3" else {}
-    write_tiny_hf_checkpoint(root / "hf", request.param, **extra)
-    return build_engine(checkpoint=root / "hf", output_dir=root / "engine", dtype="float32",
-                        device="cpu", max_seq_len=256, max_batch_size=4, progress=False)
+def engine(request, tiny_engine):
+    hf = dict(num_hidden_layers=6, layer_types=GEMMA_TYPES) if request.param == "gemma3" else {}
+    return tiny_engine(request.param, hf=hf, max_seq_len=256, max_batch_size=4)
 
 
 def prompt(seed: int, n: int) -> list[int]:
