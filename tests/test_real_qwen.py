@@ -13,6 +13,7 @@ from transformers import AutoModelForCausalLM
 from infhip import LLM, SamplingParams
 from infhip.builder import registry
 from infhip.builder.build import build_engine
+from tests._real import one_gguf_parse
 from tests.test_runtime_vs_hf import last_logits, rel_err
 
 pytestmark = pytest.mark.slow
@@ -41,7 +42,8 @@ def test_qwen_matches_transformers(alias, tmp_path):
     assert gguf.stat().st_size == registry.SPLIT_GGUFS[alias].size
     engine = build_engine(model=alias, output_dir=tmp_path / alias, dtype="float32", device="cpu",
                           max_seq_len=1024, max_batch_size=2, progress=False)
-    hf = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32).eval()
+    with one_gguf_parse():  # (one parse of the file for transformers' two reads of it)
+        hf = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32).eval()
     llm = LLM(engine)
     ids = llm.tokenizer(PROMPT)["input_ids"]  # (the builder's tokenizer is transformers' GGUF one)
     assert llm.tokenizer.decode(ids) == PROMPT and 150 <= len(ids) <= 400
