@@ -8,7 +8,8 @@ own reader each open of Gemma-3-270M's 262K-token vocabulary took ~16 s (SmolLM2
 by :class:`~infhip.builder.gguf_reader.FastGGUFReader`, whose fields and tensors equal the stock
 reader's (test_builder_gguf.py::test_fast_gguf_reader_equals_gguf_reader), so transformers builds
 the same reference model and tokenizer from the same values; it still does its own
-dequantisation and conversion (the code the builder is compared against)."""
+dequantisation and conversion (the code the builder is compared against). gguf's tensor-name map
+(a pure function of architecture and layer count, rebuilt per module: ~4 s) is memoised too."""
 
 from __future__ import annotations
 
@@ -32,8 +33,10 @@ def one_gguf_parse():
         path = Path(path).resolve()
         return parsed(path, path.stat().st_mtime_ns)
 
-    saved, gguf.GGUFReader = gguf.GGUFReader, reader
+    saved = gguf.GGUFReader, gguf.get_tensor_name_map
+    gguf.GGUFReader = reader
+    gguf.get_tensor_name_map = functools.lru_cache(maxsize=None)(saved[1])  # as the builder does (~4 s)
     try:
         yield
     finally:
-        gguf.GGUFReader = saved
+        gguf.GGUFReader, gguf.get_tensor_name_map = saved
