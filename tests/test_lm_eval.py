@@ -89,7 +89,8 @@ def test_lm_eval_local_completions_equals_hf(smollm2, tasks):
             tasks, ["infhip_mc", "infhip_gen"])
     with one_gguf_parse():  # (one parse of the file for transformers' reads of it)
         hf = _evaluate("hf", {"pretrained": str(gguf.parent), "gguf_file": gguf.name, "dtype": "float32",
-                              "tokenizer": str(smollm2 / "tokenizer")}, tasks, ["infhip_mc"], device="cpu", batch_size=1)
+                              "tokenizer": str(smollm2 / "tokenizer")},
+                       tasks, ["infhip_mc"], device="cpu", batch_size=1)
     acc_ours, acc_hf = ours["results"]["infhip_mc"]["acc,none"], hf["results"]["infhip_mc"]["acc,none"]
     print(json.dumps({"acc_local_completions": acc_ours, "acc_hf": acc_hf,
                       "exact_match_gen": ours["results"]["infhip_gen"]["exact_match,none"]}))
