@@ -13,6 +13,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from infhip import LLM, SamplingParams
 from infhip.builder.build import build_engine
 from infhip.builder.registry import resolve_model
+from tests._real import one_gguf_parse
 
 pytestmark = pytest.mark.slow
 
@@ -42,11 +43,12 @@ def test_real_model_greedy_matches_transformers(alias, package, tmp_path):
     out = llm.generate([prompt], SamplingParams(max_tokens=NUM_TOKENS, temperature=0.0, ignore_eos=True))[0]
     assert 250 <= len(out.prompt_token_ids) <= 600
 
-    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    hf = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32).eval()
     ids = out.prompt_token_ids
-    if alias == "smollm2-135m":  # GPT-2 style BPE: transformers' GGUF tokenizer is the reference.
-        assert ids == tok(prompt)["input_ids"]  # (Gemma's is rebuilt by the builder: spm_tokenizer.py)
+    with one_gguf_parse():  # (one parse of the file for transformers' three reads of it)
+        if alias == "smollm2-135m":  # GPT-2 style BPE: transformers' GGUF tokenizer is the reference.
+            tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+            assert ids == tok(prompt)["input_ids"]  # (Gemma's is rebuilt by the builder: spm_tokenizer.py)
+        hf = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32).eval()
     ref, past, step_ids = [], None, torch.tensor([ids])
     with torch.no_grad():  # plain greedy with transformers' KV cache, logits of the last token only
         for _ in range(NUM_TOKENS):
