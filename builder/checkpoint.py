@@ -185,10 +185,10 @@ class GGUFCheckpoint(Checkpoint):
             raise BuildError("reading .gguf files needs the gguf package: pip install gguf accelerate") from e
         from transformers.modeling_gguf_pytorch_utils import (
             TENSOR_PROCESSORS, TensorProcessor, get_gguf_hf_weights_map, load_gguf_checkpoint, read_field)
-        from infhip.builder.gguf_reader import FastGGUFReader
+        from infhip.builder.gguf_reader import open_gguf
 
         try:
-            self._reader = FastGGUFReader(str(path))
+            self._reader = open_gguf(path)
             with self._shared_reader():
                 self.config = dict(load_gguf_checkpoint(str(path), return_tensors=False)["config"])
         except (ValueError, KeyError, IndexError, OSError) as e:

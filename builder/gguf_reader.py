@@ -15,16 +15,36 @@ and yields the same :class:`ReaderField` structure element for element (``parts`
 tensor by tensor. Byte-swapped files (a GGUF written on the other endianness) and nested
 arrays take the stock code paths.
 
-    >>> reader = FastGGUFReader("model.gguf")     # doctest: +SKIP
+It overrides two private methods of gguf's reader, so :func:`open_gguf` uses it only with the gguf
+releases it was compared on (``CHECKED_GGUF``) and gguf's own reader otherwise (slower, the same
+values).
+
+    >>> reader = open_gguf("model.gguf")          # doctest: +SKIP
     >>> reader.fields["general.architecture"]      # doctest: +SKIP
 """
 
 from __future__ import annotations
 
+import importlib.metadata
 import sys
 
 import numpy as np
 from gguf import GGUFReader, GGUFValueType
+
+# gguf releases (major.minor) whose reader FastGGUFReader was compared with, field by field
+# (tests/test_builder_gguf.py); with another release open_gguf falls back to gguf's reader.
+CHECKED_GGUF = ("0.19",)
+
+
+def fast_reader_checked() -> bool:
+    """Whether the installed gguf is a release FastGGUFReader was checked against."""
+    version = importlib.metadata.version("gguf")
+    return any(version == v or version.startswith(v + ".") for v in CHECKED_GGUF)
+
+
+def open_gguf(path) -> GGUFReader:
+    """A parsed GGUF file: FastGGUFReader with a checked gguf release, else gguf's GGUFReader."""
+    return (FastGGUFReader if fast_reader_checked() else GGUFReader)(str(path))
 
 
 class FastGGUFReader(GGUFReader):

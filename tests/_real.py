@@ -5,7 +5,7 @@ transformers opens a GGUF with ``gguf.GGUFReader`` on every call, twice per
 ``AutoModelForCausalLM.from_pretrained`` (config, then weights) and once per tokenizer; with gguf's
 own reader each open of Gemma-3-270M's 262K-token vocabulary took ~16 s (SmolLM2 ~7 s, Qwen2.5
 0.5B ~13 s, idle VM). Inside :func:`one_gguf_parse` every open of a path returns one parse of it
-by :class:`~infhip.builder.gguf_reader.FastGGUFReader`, whose fields and tensors equal the stock
+by :class:`~infhip.builder.gguf_reader.FastGGUFReader` (open_gguf), whose fields and tensors equal the stock
 reader's (test_builder_gguf.py::test_fast_gguf_reader_equals_gguf_reader), so transformers builds
 the same reference model and tokenizer from the same values; it still does its own
 dequantisation and conversion (the code the builder is compared against). gguf's tensor-name map
@@ -22,11 +22,11 @@ from pathlib import Path
 def one_gguf_parse():
     """``with one_gguf_parse(): AutoModelForCausalLM.from_pretrained(dir, gguf_file=name)``"""
     import gguf
-    from infhip.builder.gguf_reader import FastGGUFReader
+    from infhip.builder.gguf_reader import open_gguf
 
     @functools.lru_cache(maxsize=None)
-    def parsed(path: Path, mtime_ns: int) -> FastGGUFReader:
-        return FastGGUFReader(path)
+    def parsed(path: Path, mtime_ns: int):
+        return open_gguf(path)
 
     def reader(path, *args, **kwargs):
         assert not args and not kwargs, (args, kwargs)  # read-only opens (mode "r") only

@@ -73,6 +73,27 @@ def test_fast_gguf_reader_equals_gguf_reader(tmp_path):
     assert_same_reader(fast, stock)
 
 
+
+def test_open_gguf_uses_gguf_own_reader_with_an_unchecked_release(tmp_path, monkeypatch):
+    """FastGGUFReader overrides private methods of gguf's reader: only the releases it was
+    compared on (CHECKED_GGUF) get it; another release gets gguf's own reader, same values."""
+    import gguf
+    import numpy as np
+    from infhip.builder import gguf_reader
+    w = gguf.GGUFWriter(str(tmp_path / "t.gguf"), "llama")
+    w.add_token_list(["a", "b"])
+    w.add_tensor("t.weight", np.arange(4, dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    checked = gguf_reader.CHECKED_GGUF[0]
+    for version, fast in ((f"{checked}.0", True), (f"{checked}1.0", False), ("9.0.0", False)):
+        monkeypatch.setattr(gguf_reader.importlib.metadata, "version", lambda name, v=version: v)
+        reader = gguf_reader.open_gguf(tmp_path / "t.gguf")
+        assert isinstance(reader, gguf_reader.FastGGUFReader) == fast, version
+        assert reader.fields["tokenizer.ggml.tokens"].contents() == ["a", "b"]
+
 def llama_cpp_permute(w: torch.Tensor, n_head: int) -> torch.Tensor:
     """convert_hf_to_gguf.py's q/k row permutation (HF rotate-half -> GGML interleaved pairs)."""
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
