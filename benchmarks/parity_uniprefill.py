@@ -195,7 +195,8 @@ def engine_forced(llm, ids: list[int], gold: list[int]):
         else:
             llm.scheduler.update(out, {})
     llm.scheduler.finish(seq, "abort")
-    kept_positions = llm.runner.transforms["token_drop"].stats.kept_positions
+    from infhip.eval.common import record_kept_positions
+    kept_positions = record_kept_positions(llm)  # the dict recording since the engine was made
     kept = {layer: torch.cat(c) for layer, c in kept_positions.get(seq.seq_id, {}).items()}
     return lps, arg, kept
 
@@ -239,6 +240,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
 
     from infhip import LLM
+    from infhip.eval.common import record_kept_positions
     from infhip.eval.ruler_prompts import ruler_prompt
     from infhip.knob_specs import parse_token_drop_knobs
     from infhip.token_drop_knobs import AUTHORS_LLAMA_EIGHTHS, default_drop_layers
@@ -260,7 +262,7 @@ def main() -> None:
         if spec == "dense" or "=" in spec:
             if engine is None:
                 engine = LLM(str(args.engine))
-                engine.runner.transforms["token_drop"].stats.record_kept_positions = True
+                record_kept_positions(engine)
             if spec == "dense":
                 columns.append(("dense", engine, None))
             else:

@@ -45,6 +45,7 @@ def main() -> None:
     ap.add_argument("--layers", action="store_true", help="print per-anchor retention / coverage")
     args = ap.parse_args()
     from infhip import LLM, SamplingParams
+    from infhip.eval.common import record_kept_positions
     from infhip.knob_specs import parse_token_drop_knobs
     from infhip.eval.ruler import ruler_prompt
     from infhip.runtime.sequence import Sequence
@@ -87,7 +88,7 @@ def main() -> None:
     tds = []
     for spec in args.td:
         llm = LLM(args.engine, token_drop=parse_token_drop_knobs(spec))
-        llm.runner.transforms["token_drop"].stats.record_kept_positions = True
+        record_kept_positions(llm)
         tds.append((spec, llm))
     for s in [int(x) for x in args.samples.split(",")]:
         p = ruler_prompt(tok, args.task, args.length, s, template=args.template)
@@ -109,7 +110,7 @@ def main() -> None:
             t0 = time.time()
             captured.clear()
             lp, hit, sid = forced(llm, ids, gold)
-            kept_positions = llm.runner.transforms["token_drop"].stats.kept_positions
+            kept_positions = record_kept_positions(llm)
             kept = {layer: torch.cat(c) for layer, c in kept_positions[sid].items()}
             n = len(ids)
             ret = sum(len(v) for v in kept.values()) / max(1, len(kept)) / n

@@ -57,15 +57,16 @@ def main() -> None:
     if bad := set(wanted) - set(VARIANTS):
         ap.error(f"unknown variants {sorted(bad)}")
     from infhip import LLM
+    from infhip.eval.common import record_kept_positions
     from infhip.eval.ppl import ppl_items
     from tests import _td_reference as ref
     from tests.test_token_drop_runtime import run_greedy
 
     llm = LLM(args.engine, token_drop=dict(p=args.p, min_prompt_len=0))
-    llm.runner.transforms["token_drop"].stats.record_kept_positions = True
+    kept_positions = record_kept_positions(llm)
     ctx, tgt = ppl_items(llm.tokenizer, args.length, args.chunk, args.sample + 1, 0)[args.sample]
     _, _, sid = run_greedy(llm, ctx, 1)
-    kept = {layer: torch.cat(c) for layer, c in llm.runner.transforms["token_drop"].stats.kept_positions[sid].items()}
+    kept = {layer: torch.cat(c) for layer, c in kept_positions[sid].items()}
     n_ctx, G = len(ctx), llm.runner.transforms["token_drop"].cfg.block_size
     print(f"{len(ctx)} context + {len(tgt)} scored tokens, {-(-n_ctx // G)} blocks of {G}; mean retention "
           f"over anchors: {sum(len(v) for v in kept.values()) / len(kept) / n_ctx:.3f}")

@@ -15,7 +15,7 @@ class DropStats:
     write, read by the next steps' per-layer KV) and, per sequence, kept / total tokens per
     full-attention layer (tokens that ran its MLP) summed over the chunks of its latest prefill
     (``retention``, the latest 256 sequences). (Tests that want the kept positions wrap
-    ``record``: tests/_td_reference.record_kept_positions.)"""
+    ``record``: infhip.eval.common.record_kept_positions.)"""
 
     def __init__(self) -> None:
         self.retention: dict[int, dict[int, list[int]]] = {}  # seq_id -> {layer: [kept, total]}

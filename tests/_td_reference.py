@@ -162,23 +162,3 @@ def td_view(llm) -> dict:
     """Token drop's read-out of a loaded engine (TokenDrop.debug_view: knobs, drop_layers, tail,
     max_context, retention per sequence and anchor)."""
     return llm.debug_view()["transforms"]["token_drop"]
-
-
-def record_kept_positions(llm) -> dict[int, dict[int, list[torch.Tensor]]]:
-    """Test-side hook (production keeps no positions): from now on, collect per sequence id and
-    full-attention layer the positions each dropping chunk kept there, from each step's
-    TokenDropStep records, as the runner's DropStats records the step. Returns the live dict."""
-    kept: dict[int, dict[int, list[torch.Tensor]]] = {}
-    stats = llm.runner.transforms["token_drop"].stats
-    real = stats.record
-
-    def record(seqs: list, td, num_layers: int) -> None:
-        real(seqs, td, num_layers)
-        for d in td.drops:
-            for layer, rec in td.records:
-                positions = rec[d.b][3]
-                if positions is not None:
-                    kept.setdefault(seqs[d.b].seq_id, {}).setdefault(layer, []).append(positions)
-
-    stats.record = record
-    return kept

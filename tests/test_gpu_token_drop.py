@@ -13,10 +13,10 @@ import torch
 
 from infhip import LLM
 from infhip.builder.build import build_engine
-from infhip.eval.common import set_forced_retention
+from infhip.eval.common import record_kept_positions, set_forced_retention
 from infhip.plugins.dense_attention import dense_attention_ref
 from infhip.plugins.token_drop.attention import kept_attention_triton
-from tests._td_reference import record_kept_positions, reference_logits, td_view
+from tests._td_reference import reference_logits, td_view
 from tests._tiny import write_tiny_hf_checkpoint
 from tests.test_token_drop_attention import kept_positions
 from tests.test_token_drop_runtime import GEMMA_TYPES, TINY, prompt, reference_schedule, run_greedy

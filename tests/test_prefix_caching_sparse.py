@@ -24,10 +24,9 @@ import torch
 import infhip.runtime.offload.policy as offload_policy
 from infhip import LLM, SamplingParams
 from infhip.config import apply_runtime_overrides
-from infhip.eval.common import set_forced_retention
+from infhip.eval.common import record_kept_positions, set_forced_retention
 from infhip.runtime.prefix_cache import PagePool
 from infhip.runtime.serving.metrics import ServerMetrics
-from tests._td_reference import record_kept_positions
 
 from .test_infinitehip_runtime import LOW, TINY
 from .test_prefix_caching import assert_cache_costs_no_preemption

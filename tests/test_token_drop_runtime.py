@@ -28,11 +28,11 @@ from infhip import LLM, SamplingParams
 from infhip.builder.build import build_engine
 from infhip.builder.cli import main as build_main
 from infhip.config import EngineConfig, TokenDropConfig
-from infhip.eval.common import forced_retention, set_forced_retention
+from infhip.eval.common import forced_retention, record_kept_positions, set_forced_retention
 from infhip.knob_specs import parse_token_drop
 from infhip.runtime.sequence import Sequence
 from infhip.token_drop_knobs import AUTHORS_LLAMA_EIGHTHS, default_drop_layers
-from tests._td_reference import record_kept_positions, reference_logits, td_view
+from tests._td_reference import reference_logits, td_view
 
 TINY = dict(obs_window=8, block_size=8, num_sink=8, min_prompt_len=0, spare_anchors=0)  # knobs scaled to ~200-token prompts
 # The drop schedules (TokenDropConfig drop_layers / drop_point / reenter) that matter: the paper's
@@ -122,6 +122,7 @@ def test_decode_after_drop_equals_masked_reference(engine, budget, schedule):
                                    token_drop=dict(TINY, **schedule_knobs(engine, schedule))), 0.3)
     kept_positions = record_kept_positions(llm)
     tokens, logits, sid = run_greedy(llm, ids, 5)
+    assert record_kept_positions(llm) is kept_positions  # one recorder per engine (benchmarks ask again)
     kept = {layer: torch.cat(chunks) for layer, chunks in kept_positions[sid].items()}
     layers = llm.engine.config.plan.layers
     sched = reference_schedule(llm)

@@ -1,4 +1,5 @@
-"""Shared helpers of the tasks: length lists, engine loading, the no-tokenizer check.
+"""Shared helpers of the tasks: length lists, engine loading, the no-tokenizer check, and the
+benchmark hooks of token drop (a forced retention, the kept positions).
 
     >>> parse_lengths("1k,2K,3000")
     [1024, 2048, 3000]
@@ -93,6 +94,31 @@ def forced_retention(llm) -> float | None:
     forced = llm.runner.transforms["token_drop"].__dict__.get("keep_blocks")
     return forced.rho if forced is not None else None
 
+
+
+def record_kept_positions(llm) -> dict:
+    """Benchmarks and tests (production keeps no positions): from now on, collect per sequence id
+    and full-attention layer the prompt positions each dropping chunk kept there (int64 tensors,
+    one per chunk), from each step's TokenDropStep records, as the runner's DropStats records the
+    step. Returns the live dict ``{seq_id: {layer: [positions, ...]}}``; a second call on the same
+    engine returns the same dict. Single-rank engines (as set_forced_retention)."""
+    stats = llm.runner.transforms["token_drop"].stats
+    if hasattr(stats.record, "kept"):
+        return stats.record.kept
+    kept: dict[int, dict[int, list]] = {}
+    real = stats.record
+
+    def record(seqs: list, td, num_layers: int) -> None:
+        real(seqs, td, num_layers)
+        for d in td.drops:
+            for layer, rec in td.records:
+                positions = rec[d.b][3]
+                if positions is not None:
+                    kept.setdefault(seqs[d.b].seq_id, {}).setdefault(layer, []).append(positions)
+
+    record.kept = kept
+    stats.record = record
+    return kept
 
 class _ForcedRetention:
     """TokenDrop.keep_blocks keeping the top share ``rho`` of each chunk's blocks (p unused)."""
