@@ -1,19 +1,24 @@
 """Where does token drop lose quality? A CPU diagnostic on SmolLM2-135M (real weights, KJV).
 
     python benchmarks/token_drop_ablation.py [--length 2048] [--chunk 128] [--p 0.99] [--sample 0]
+        [--knobs drop_layers=every,drop_point=before_attention,reenter=true]
         [--variants dense,drop,keys-only,rows-only,nested] [--spare 0 --spare 0,1] [--probe]
 
 The engine prefills one KJV window (the `ppl` window of that sample: the first length - chunk
 tokens) with token drop and records the positions each anchor kept; the plain-torch reference
 (tests/_td_reference.py, which the engine matches) then scores the last `chunk` tokens under
-these semantics with those same kept sets:
+these semantics with those same kept sets, under the engine's drop schedule (drop layers, drop
+point, re-entry: TokenDropConfig; the engine's own unless --knobs changes them, e.g. the paper's
+schedule above, the one the variants below were written for; the default since 2026-12-04 is
+the authors' code's: a few layers, after attention, no re-entry):
 
     dense      no drop
     drop       the engine's semantics (dropped rows skip layers and write no KV there)
     keys-only  every row runs every layer; each layer's keys are its kept set (KV removal only)
     rows-only  dropped rows skip layers and re-enter stale, but every token keeps its KV (no removal)
     nested     no re-entry: a token dropped at an anchor stays dropped (kept sets intersected;
-               LazyLLM-like; the sets are still the ones the engine chose with re-entry)
+               LazyLLM-like; the sets are still the ones the engine chose, with re-entry if its
+               schedule has it)
 
 --spare L1,L2: the drop semantics with anchors L1, L2 dropping nothing, every other anchor
 choosing its own kept set from the stream it then receives (the reference's top-p,
@@ -48,6 +53,8 @@ def main() -> None:
     ap.add_argument("--length", type=int, default=2048)
     ap.add_argument("--chunk", type=int, default=128)
     ap.add_argument("--p", type=float, default=0.99)
+    ap.add_argument("--knobs", default="", help="more token-drop knobs (as infhip-eval --token-drop), "
+                    "e.g. drop_layers=every,drop_point=before_attention,reenter=true")
     ap.add_argument("--sample", type=int, default=0, help="ppl window index (seed 0)")
     ap.add_argument("--variants", default=",".join(VARIANTS), help="comma list of " + ", ".join(VARIANTS))
     ap.add_argument("--spare", action="append", default=[], help="anchors that drop nothing, e.g. 0,1 (repeat)")
@@ -59,10 +66,13 @@ def main() -> None:
     from infhip import LLM
     from infhip.eval.common import record_kept_positions
     from infhip.eval.ppl import ppl_items
+    from infhip.knob_specs import parse_token_drop_knobs
     from tests import _td_reference as ref
-    from tests.test_token_drop_runtime import run_greedy
+    from tests.test_token_drop_runtime import reference_schedule, run_greedy
 
-    llm = LLM(args.engine, token_drop=dict(p=args.p, min_prompt_len=0))
+    llm = LLM(args.engine, token_drop=dict(p=args.p, min_prompt_len=0, **parse_token_drop_knobs(args.knobs)))
+    schedule = reference_schedule(llm)  # the reference must drop where and how the engine did
+    print(f"drop schedule: {schedule}")
     kept_positions = record_kept_positions(llm)
     ctx, tgt = ppl_items(llm.tokenizer, args.length, args.chunk, args.sample + 1, 0)[args.sample]
     _, _, sid = run_greedy(llm, ctx, 1)
@@ -76,6 +86,7 @@ def main() -> None:
     model, layers, ids = llm.runner.model, llm.engine.config.plan.layers, ctx + tgt
 
     def ppl(fn, masks, **kw) -> float:
+        kw.setdefault("schedule", schedule)
         logits = fn(model, ids, n_ctx, masks, layers, **kw)[n_ctx - 1:-1]
         lp = logits.log_softmax(-1)[torch.arange(len(tgt)), torch.tensor(tgt)]
         return math.exp(-lp.mean().item())
@@ -91,17 +102,18 @@ def main() -> None:
         exec(compile(code, "td_reference_variant", "exec"), ns)
         return ns
 
-    edits = {"keys-only": [("x = torch.where(active[:, None], x1 + m, x)", "x = x1 + m")],
-             "rows-only": [("keys = active.clone()", "keys = torch.ones(L, dtype=torch.bool, device=dev)")],
-             "nested": [("            active = torch.ones(L, dtype=torch.bool, device=dev)  # reconstitution: every row re-enters\n",
-                         "            prev_active = active\n"),
-                        ("                active[num_prompt:] = True\n",
-                         "                active[num_prompt:] = True\n                active &= prev_active\n")]}
+    # keys-only: every row takes every layer's update; rows-only: every key stays visible; nested:
+    # no re-entry, and a drop layer's rows = its kept set within the rows still active (`keys`
+    # holds them when the layer does not re-enter)
+    edits = {"keys-only": [("x = torch.where(active[:, None], x1 + m, torch.where(keys[:, None], x1, x))", "x = x1 + m")],
+             "rows-only": [("visible = (pos[None, :] <= pos[:, None]) & keys[None, :]", "visible = pos[None, :] <= pos[:, None]")],
+             "nested": [("                active[kept[l]] = True\n", "                active[kept[l]] = keys[kept[l]]\n")]}
     for name in wanted:
         if name in ("dense", "drop"):
             print(f"{name:9} {ppl(ref.reference_logits, {} if name == 'dense' else kept):.3f}", flush=True)
         else:
-            print(f"{name:9} {ppl(variant(edits[name])['reference_logits'], kept):.3f}", flush=True)
+            kw = {"schedule": dict(schedule, reenter=False)} if name == "nested" else {}
+            print(f"{name:9} {ppl(variant(edits[name])['reference_logits'], kept, **kw):.3f}", flush=True)
 
     if args.spare:
         cfg = llm.runner.transforms["token_drop"].cfg
