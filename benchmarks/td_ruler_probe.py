@@ -132,9 +132,14 @@ def main() -> None:
                 print(f"   needle block(s) {blocks}: share of the window's mass / rank of {nb} blocks:", " ".join(row))
             if args.reference and spec == args.td[0]:
                 from tests import _td_reference as ref
+                from tests.test_token_drop_runtime import reference_schedule
                 src = Path(ref.__file__).read_text()
-                edits = {"keys-only": [("x = torch.where(active[:, None], x1 + m, x)", "x = x1 + m")],
-                         "rows-only": [("keys = active.clone()", "keys = torch.ones(L, dtype=torch.bool, device=dev)")]}
+                # as benchmarks/token_drop_ablation.py: every row takes every layer's update / every key stays visible
+                edits = {"keys-only": [("x = torch.where(active[:, None], x1 + m, torch.where(keys[:, None], x1, x))",
+                                        "x = x1 + m")],
+                         "rows-only": [("visible = (pos[None, :] <= pos[:, None]) & keys[None, :]",
+                                        "visible = pos[None, :] <= pos[:, None]")]}
+                schedule = reference_schedule(llm)  # where and how this engine dropped
                 full = list(ids) + gold
                 model, plan = llm.runner.model, llm.engine.config.plan.layers
                 for name in ("dense", "drop", "keys-only", "rows-only"):
@@ -142,14 +147,14 @@ def main() -> None:
                     if name in edits:
                         code = src
                         for old, new in edits[name]:
-                            assert old in code
+                            assert old in code, f"tests/_td_reference.py changed: {old!r} not found"
                             code = code.replace(old, new)
                         ns: dict = {}
                         exec(compile(code, "td_reference_variant", "exec"), ns)
                         fn = ns["reference_logits"]
                     else:
                         fn = ref.reference_logits
-                    logits = fn(model, full, n, {} if name == "dense" else kept, plan)[n - 1:-1]
+                    logits = fn(model, full, n, {} if name == "dense" else kept, plan, schedule=schedule)[n - 1:-1]
                     lpr = logits.log_softmax(-1)[torch.arange(len(gold)), torch.tensor(gold)].sum().item()
                     print(f"   reference {name:9}: log p(gold) {lpr:.3f}  ({time.time() - t0:.0f} s)", flush=True)
 
