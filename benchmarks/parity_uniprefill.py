@@ -272,7 +272,7 @@ def main() -> None:
             if args.peer is None:
                 raise SystemExit("parity_uniprefill: the authors column needs --peer (a UniPrefill checkout)")
             select, path = load_authors_selection(args.peer)
-            from builder import registry
+            from infhip.builder import registry
             from transformers import AutoModelForCausalLM
             gguf = registry.resolve_model(args.model).path
             hf = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32).eval()
