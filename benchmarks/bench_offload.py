@@ -54,7 +54,7 @@ def config_knobs(name: str) -> dict:
 
 def grown_request(llm, n: int, chunk: int = 32768, computed: int | None = None):
     """bench_decode_e2e.synthetic_request, but its pages are appended a chunk at a time and
-    offloaded after each (runner._offload, what a prefill step ends with). ``computed`` (default
+    offloaded after each (runner.page_mover, as ModelRunner.execute ends a step). ``computed`` (default
     n - 1) tokens count as computed: the next step prefills the rest."""
     from infhip import SamplingParams
     from infhip.runtime.sequence import SequenceStatus
