@@ -132,7 +132,7 @@ def main() -> None:
                 print(f"   needle block(s) {blocks}: share of the window's mass / rank of {nb} blocks:", " ".join(row))
             if args.reference and spec == args.td[0]:
                 from tests import _td_reference as ref
-                from tests.test_token_drop_runtime import reference_schedule
+                from tests._td_reference import reference_schedule
                 src = Path(ref.__file__).read_text()
                 # as benchmarks/token_drop_ablation.py: every row takes every layer's update / every key stays visible
                 edits = {"keys-only": [("x = torch.where(active[:, None], x1 + m, torch.where(keys[:, None], x1, x))",

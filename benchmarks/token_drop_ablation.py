@@ -68,9 +68,9 @@ def main() -> None:
     from infhip.eval.ppl import ppl_items
     from infhip.knob_specs import parse_token_drop_knobs
     from tests import _td_reference as ref
-    from tests.test_token_drop_runtime import reference_schedule, run_greedy
+    from tests._td_reference import reference_schedule, run_greedy
 
-    llm = LLM(args.engine, token_drop=dict(p=args.p, min_prompt_len=0, **parse_token_drop_knobs(args.knobs)))
+    llm = LLM(args.engine, token_drop={"p": args.p, "min_prompt_len": 0, **parse_token_drop_knobs(args.knobs)})
     schedule = reference_schedule(llm)  # the reference must drop where and how the engine did
     print(f"drop schedule: {schedule}")
     kept_positions = record_kept_positions(llm)

@@ -24,6 +24,7 @@ whole prompt is one prefill pass (one scheduler chunk).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -162,3 +163,37 @@ def td_view(llm) -> dict:
     """Token drop's read-out of a loaded engine (TokenDrop.debug_view: knobs, drop_layers, tail,
     max_context, retention per sequence and anchor)."""
     return llm.debug_view()["transforms"]["token_drop"]
+
+
+def reference_schedule(llm) -> dict:
+    """The reference's schedule of a loaded engine's token drop (drop layers with the spared ones):
+    what reference_logits(schedule=...) needs to drop as the engine does."""
+    from infhip.config import TokenDropConfig
+    from infhip.token_drop_knobs import resolve_drop_layers
+    cfg = TokenDropConfig(**td_view(llm)["knobs"])
+    plan = llm.engine.config.plan.layers
+    layers = resolve_drop_layers(dataclasses.replace(cfg, spare_anchors=0),
+                                 [lp.index for lp in plan if lp.window is None], len(plan))
+    return dict(layers=layers, point=cfg.drop_point.split("_")[0], reenter=cfg.reenter)
+
+
+def run_greedy(llm, ids: list[int], steps: int) -> tuple[list[int], torch.Tensor, int]:
+    """Prefill + `steps` greedy decodes through scheduler and runner; (tokens, logits [steps, V],
+    seq_id) where logits[j] produced tokens[j] (benchmarks/token_drop_ablation.py uses it too)."""
+    from infhip import SamplingParams
+    from infhip.runtime.sequence import Sequence
+    seq = Sequence(seq_id=10_000 + len(td_view(llm)["retention"]), prompt_token_ids=list(ids),
+                   params=SamplingParams(max_tokens=steps, ignore_eos=True))
+    llm.scheduler.add(seq)
+    tokens, logits = [], []
+    while len(tokens) < steps:
+        out = llm.scheduler.schedule()
+        step_logits = llm.runner.execute(out)
+        if out.chunks[0].needs_logits:
+            logits.append(step_logits[0])
+            tokens.append(int(step_logits[0].argmax()))
+            llm.scheduler.update(out, {seq.seq_id: tokens[-1]})
+        else:
+            llm.scheduler.update(out, {})
+    llm.scheduler.finish(seq, "abort")
+    return tokens, torch.stack(logits), seq.seq_id

@@ -17,7 +17,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import shutil
 
@@ -30,9 +29,8 @@ from infhip.builder.cli import main as build_main
 from infhip.config import EngineConfig, TokenDropConfig
 from infhip.eval.common import forced_retention, record_kept_positions, set_forced_retention
 from infhip.knob_specs import parse_token_drop
-from infhip.runtime.sequence import Sequence
 from infhip.token_drop_knobs import AUTHORS_LLAMA_EIGHTHS, default_drop_layers
-from tests._td_reference import reference_logits, td_view
+from tests._td_reference import reference_logits, reference_schedule, run_greedy, td_view
 
 TINY = dict(obs_window=8, block_size=8, num_sink=8, min_prompt_len=0, spare_anchors=0)  # knobs scaled to ~200-token prompts
 # The drop schedules (TokenDropConfig drop_layers / drop_point / reenter) that matter: the paper's
@@ -55,14 +53,6 @@ def schedule_knobs(engine, name: str) -> dict:
     return knobs
 
 
-def reference_schedule(llm) -> dict:
-    """The reference's schedule of a loaded engine's token drop (drop layers with the spared ones)."""
-    from infhip.token_drop_knobs import resolve_drop_layers
-    cfg = TokenDropConfig(**td_view(llm)["knobs"])
-    plan = llm.engine.config.plan.layers
-    layers = resolve_drop_layers(dataclasses.replace(cfg, spare_anchors=0),
-                                 [lp.index for lp in plan if lp.window is None], len(plan))
-    return dict(layers=layers, point=cfg.drop_point.split("_")[0], reenter=cfg.reenter)
 GEMMA_TYPES = ["sliding_attention", "full_attention", "sliding_attention", "sliding_attention",
                "full_attention", "sliding_attention"]
 
@@ -75,26 +65,6 @@ def engine(request, tiny_engine):
 
 def prompt(seed: int, n: int) -> list[int]:
     return torch.randint(3, 300, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
-def run_greedy(llm: LLM, ids: list[int], steps: int) -> tuple[list[int], torch.Tensor]:
-    """Prefill + `steps` greedy decodes through scheduler and runner; (tokens, logits [steps, V])
-    where logits[j] produced tokens[j]."""
-    seq = Sequence(seq_id=10_000 + len(td_view(llm)["retention"]), prompt_token_ids=list(ids),
-                   params=SamplingParams(max_tokens=steps, ignore_eos=True))
-    llm.scheduler.add(seq)
-    tokens, logits = [], []
-    while len(tokens) < steps:
-        out = llm.scheduler.schedule()
-        step_logits = llm.runner.execute(out)
-        if out.chunks[0].needs_logits:
-            logits.append(step_logits[0])
-            tokens.append(int(step_logits[0].argmax()))
-            llm.scheduler.update(out, {seq.seq_id: tokens[-1]})
-        else:
-            llm.scheduler.update(out, {})
-    llm.scheduler.finish(seq, "abort")
-    return tokens, torch.stack(logits), seq.seq_id
 
 
 @pytest.mark.parametrize("budget", [None, 100])  # 100: chunks [0, 100), [100, 200): mid-block start
