@@ -105,6 +105,16 @@ def _order_key(x, cols):
     return (ordered.to(tl.int64) << 32) | (2147483647 - cols).to(tl.int64)
 
 
+@triton.jit
+def _top(keys, K: tl.constexpr):
+    """keys [N] int64 -> its K largest [K], largest first. K == 1 is the max: Triton 3.6's
+    tl.topk cannot take K = 1 (its bitonic merge reduces the tile to a scalar, then reshapes it)."""
+    if K == 1:
+        return tl.max(keys, axis=0, keep_dims=True)
+    else:
+        return tl.topk(keys, K)
+
+
 @triton.jit(do_not_specialize_on_alignment=["rows_ptr"])
 def _logprobs_part_kernel(x_ptr, rows_ptr, tok_ptr, part_ptr, keys_ptr, V, T,
                           BLOCK: tl.constexpr, K: tl.constexpr):
@@ -121,7 +131,7 @@ def _logprobs_part_kernel(x_ptr, rows_ptr, tok_ptr, part_ptr, keys_ptr, V, T,
     tl.store(at + 1, tl.sum(tl.exp(x - m), axis=0))
     tl.store(at + 2, tl.sum((x > chosen).to(tl.int32), axis=0).to(tl.float32))
     if K > 0:
-        top = tl.topk(_order_key(x, cols), K)
+        top = _top(_order_key(x, cols), K)
         tl.store(keys_ptr + (r * T + t) * K + tl.arange(0, K), top)
 
 
@@ -144,7 +154,7 @@ def _logprobs_merge_kernel(x_ptr, rows_ptr, tok_ptr, part_ptr, keys_ptr, out_ptr
     if K > 0:
         ks = tl.arange(0, TP * K)
         keys = tl.load(keys_ptr + r * T * K + ks, mask=ks < T * K, other=-9223372036854775807)  # below every key
-        top = tl.topk(keys, K)
+        top = _top(keys, K)
         ordered = (top >> 32).to(tl.int32)
         val = (ordered ^ ((ordered >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
         idx = 2147483647 - (top & 0xFFFFFFFF)
