@@ -76,6 +76,16 @@ def _device_and_target(device: str | None, target: str | None) -> tuple[str, str
     return device, have
 
 
+def _check_kv_dtype_on_target(kv_dtype: str, target: str) -> None:
+    """An fp8 cache is e4m3 (Triton's fp8e4nv), which Triton compiles for sm_89+ only: on an
+    A100 every kernel reading the cache would fail to compile (builder/compile_matrix.py)."""
+    from infhip.plugins.fp8_linear import FP8_MIN_CAPABILITY
+
+    if kv_dtype == "fp8" and target != "cpu" and int(target[3:]) < FP8_MIN_CAPABILITY:
+        raise BuildError(f"--kv-dtype fp8 needs a GPU of sm_{FP8_MIN_CAPABILITY} or newer (Ada, Hopper): Triton has "
+                         f"no e4m3 type for {target}; build {target} engines with the default KV dtype")
+
+
 def _kernel_target(target: str, device: str):
     """The AOT compile target: the GPU's own SM count when building on it, else an H100/H200's."""
     from infhip.plugins.aot import Target
@@ -157,6 +167,7 @@ def build_engine(
         if value is not None and (not isinstance(value, int) or value <= 0):
             raise BuildError(f"{flag} must be a positive integer, got {value!r}")
     device, target = _device_and_target(device, target)
+    _check_kv_dtype_on_target(kv_dtype or dtype, target)
     out = Path(output_dir).expanduser()
 
     t = time.perf_counter()
