@@ -115,3 +115,22 @@ def test_aiperf_zero_errors(server, engine, tmp_path, flags):
     assert 8 <= generated <= 64  # 8 requests of up to 8 tokens (aiperf sends no ignore_eos: EOS may come early)
     if flags:  # it reports the server's counts (by default it re-tokenizes the text itself: other numbers)
         assert (report["total_isl"]["avg"], report["total_osl"]["avg"]) == (after[0] - before[0], generated)
+
+
+def test_vllm_request_fields_accepted_or_refused_by_name(server):
+    """vLLM's extensions a client may send: ignored ones answer normally, the ones this engine does
+    not implement are accepted at their neutral value and otherwise a 400 that names them."""
+    base = {"prompt": "hi", "max_tokens": 2}
+    extras = {"cache_salt": "s" * 43, "kv_transfer_params": {"x": 1}, "vllm_xargs": {"k": 1}, "include_reasoning": False,
+              "guided_decoding_backend": "xgrammar", "mm_processor_kwargs": {}, "return_token_ids": True,
+              "prompt_logprobs": None, "logits_processors": [], "stream": True,
+              "stream_options": {"include_usage": True, "include_obfuscation": False}}
+    status, data = post(server, {**base, **extras})
+    assert status == 200 and sse_events(data)[-1]["usage"]["completion_tokens"] == 2
+    for field, value in (("prompt_logprobs", 1), ("logits_processors", ["my.Proc"]), ("structural_tag", "{}")):
+        status, data = post(server, {**base, field: value})
+        assert status == 400 and field in json.loads(data)["error"]["message"], data
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    status, data = post(server, {**chat, "add_special_tokens": True}, "/v1/chat/completions")
+    assert status == 400 and "add_special_tokens" in json.loads(data)["error"]["message"]
+    assert post(server, {**chat, "add_special_tokens": False}, "/v1/chat/completions")[0] == 200
