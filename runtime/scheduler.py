@@ -3,8 +3,10 @@
 Every step requests join and leave. ``schedule()`` gives, within a token budget
 (``max_num_batched_tokens``) and ``max_num_seqs`` running sequences:
   1. one decode chunk to each RUNNING sequence with exactly one uncomputed token (oldest
-     first). Without a free page the most recently arrived RUNNING sequence is preempted
-     (pages freed, back to the FRONT of the waiting queue, recomputed from scratch later);
+     first). Without a free page a RUNNING sequence is preempted (pages freed, back to the
+     FRONT of its priority in the waiting queue, recomputed from scratch later): the one of
+     the worst priority (highest ``SamplingParams.priority``), the most recently arrived among
+     those (vLLM's rule: an urgent request never loses its KV to a less urgent one);
   2. prefill chunks to partially prefilled RUNNING sequences, then to WAITING ones (in
      priority order, FIFO within a priority: ``SamplingParams.priority``, lower first), each
      ``min(uncomputed, remaining budget)`` tokens. A waiting sequence that does not fit stays
@@ -96,6 +98,11 @@ class _Step:
                     self.budget += c.num_tokens
                     del lst[i]
                     return
+
+
+def _victim_key(seq: Sequence) -> tuple[int, int]:
+    """Preemption order: the largest key goes first (worst priority, then the newest)."""
+    return seq.params.priority, seq.arrival
 
 
 def _queue_key(seq: Sequence) -> tuple[int, int]:
@@ -204,6 +211,10 @@ class Scheduler:
         step.preempted.append(victim)
         self.num_preemptions += 1
 
+    def _victim(self) -> Sequence:
+        """The running sequence to preempt next (_victim_key)."""
+        return max(self.running, key=_victim_key)
+
     def _alone_error(self, seq: Sequence, end: int) -> RuntimeError:
         free = {g: self.kv.num_free_pages(g) for g in self.kv.groups}
         return RuntimeError(
@@ -229,7 +240,8 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         step = _Step(self.max_num_batched_tokens)
 
-        # 1. Decodes, oldest first; a missing page preempts the newest running sequence.
+        # 1. Decodes, oldest first; a missing page preempts the worst-priority, newest running
+        # sequence (possibly seq itself: then it waits for the others).
         for seq in list(self.running):
             if seq.status is not SequenceStatus.RUNNING or seq.num_uncomputed_tokens != 1:
                 continue
@@ -237,7 +249,7 @@ class Scheduler:
                 break
             start = seq.num_computed_tokens
             while not self.kv.can_append(seq.seq_id, start, start + 1):
-                victim = self.running[-1]
+                victim = self._victim()
                 if victim is seq and len(self.running) == 1:
                     raise self._alone_error(seq, start + 1)
                 self._preempt(victim, step)
@@ -267,10 +279,10 @@ class Scheduler:
             start = seq.num_computed_tokens
             want = start + min(seq.num_uncomputed_tokens, step.budget)
             end = self._fit(seq, start, want)
-            while end == start and self.running[-1] is not seq:
-                self._preempt(self.running[-1], step)  # newer (even if scheduled) yields to older
+            while end == start and (victim := self._victim()) is not seq:
+                self._preempt(victim, step)  # worse priority / newer (even if scheduled) yields
                 end = self._fit(seq, start, want)
-            if end == start:  # seq is the newest: wait, holding its pages, for older ones
+            if end == start:  # seq is the next victim itself: wait, holding its pages, for the others
                 if len(self.running) == 1:
                     raise self._alone_error(seq, start + 1)
                 continue

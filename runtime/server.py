@@ -36,9 +36,11 @@ class HttpServer:
     the engine thread."""
 
     def __init__(self, llm, host: str = "127.0.0.1", port: int = 8000, model_name: str = "infhip",
-                 limits=None, keep_alive_s: float = 5.0, backlog: int = DEFAULT_BACKLOG, policy=None):
+                 limits=None, keep_alive_s: float = 5.0, backlog: int = DEFAULT_BACKLOG, policy=None,
+                 access_log: bool = True):
         import uvicorn
 
+        from infhip.runtime.serving.admission import WorkMeter
         from infhip.runtime.serving.app import HttpLimits, error_body, make_app
         from infhip.runtime.serving.async_engine import AsyncEngine
         from infhip.runtime.serving.header_timeout import header_timeout_protocol
@@ -51,12 +53,13 @@ class HttpServer:
         self.limits = limits or HttpLimits()
         self.policy = policy or ServingPolicy()
         self.lifecycle = Lifecycle(self.policy, llm, self.loop, self.metrics)
+        self.metrics.meter = WorkMeter(self.lifecycle.throughput, lambda: self.loop.turn_started)
         self.app = make_app(self.engine, self.metrics, model_name, self.limits, self.lifecycle)
         self._socket = _listen(host, port, backlog)
         self.server_address = self._socket.getsockname()[:2]
         self._thread: threading.Thread | None = None  # set by start()
         self._uvicorn = _uvicorn_server(self, uvicorn.Config(
-            Gate(self.app, self.lifecycle, error_body), log_level="warning", access_log=False, lifespan="off",
+            _with_access_log(Gate(self.app, self.lifecycle, error_body), access_log), log_level="warning", access_log=False, lifespan="off",
             backlog=backlog, timeout_keep_alive=keep_alive_s, timeout_graceful_shutdown=5,
             http=header_timeout_protocol(self.policy.header_timeout_s) if self.policy.header_timeout_s else "h11"))
         self._event_loop: asyncio.AbstractEventLoop | None = None  # the server's, once it runs
@@ -109,6 +112,12 @@ class HttpServer:
         if not finished:
             _say("drain timeout: the server ended the requests still running")
         self._uvicorn.should_exit = True  # uvicorn closes the listener and idle connections, then returns
+
+
+def _with_access_log(app, on: bool):
+    """app behind the access log layer (runtime/serving/access_log.py) when on."""
+    from infhip.runtime.serving.access_log import AccessLog
+    return AccessLog(app) if on else app
 
 
 def _say(message: str) -> None:
@@ -176,9 +185,15 @@ def make_parser():
     life.add_argument("--drain-timeout", type=float, default=d.drain_timeout_s,
                       help=f"on SIGTERM/SIGINT, seconds running requests may go on (default {d.drain_timeout_s:g})")
     life.add_argument("--max-waiting-requests", type=int, default=None,
-                      help="requests held beyond the engine's batch before 429 (default 2 x max-num-seqs)")
+                      help="requests held beyond the engine's batch before 429 (default: no count limit; "
+                           "--max-queue-wait decides)")
     life.add_argument("--max-waiting-tokens", type=int, default=None,
-                      help="prompt tokens held beyond the KV cache's capacity before 429 (default: that capacity)")
+                      help="prompt tokens held beyond the KV cache's capacity before 429 "
+                           "(default: 16M or that capacity, whichever is larger)")
+    life.add_argument("--max-queue-wait", type=float, default=None,
+                      help="past 256 requests in the server, 429 once the expected wait for the work in it "
+                           "(tokens over the measured throughput) passes this many seconds (default: "
+                           "--request-timeout if set, else 600)")
     life.add_argument("--request-timeout", type=float, default=d.request_timeout_s,
                       help="default and cap of a request's deadline in seconds, from its arrival (default 0 = none)")
     life.add_argument("--header-timeout", type=float, default=d.header_timeout_s,
@@ -189,6 +204,9 @@ def make_parser():
     life.add_argument("--api-key", default=os.environ.get("INFHIP_API_KEY"),
                       help="require 'Authorization: Bearer KEY' on /v1/*, /tokenize, /detokenize "
                            "(default $INFHIP_API_KEY; unset = no key)")
+    p.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=True,
+                   help="one line per request on stderr: client, method, path, status, latency, tokens "
+                        "(default on; --no-access-log: off)")
     add_load_options(p)  # LLM's options, same names (runtime/options.py)
     return p
 
@@ -202,10 +220,12 @@ def main(argv=None) -> int:
 
     from infhip.config import EngineFormatError
     from infhip.runtime.llm import LLM
+    from infhip.runtime.serving.admission import FLOOR
     from infhip.runtime.serving.lifecycle import ServingPolicy
     try:
         policy = ServingPolicy(drain_timeout_s=args.drain_timeout, max_waiting_requests=args.max_waiting_requests,
-                               max_waiting_tokens=args.max_waiting_tokens, request_timeout_s=args.request_timeout,
+                               max_waiting_tokens=args.max_waiting_tokens, max_queue_wait_s=args.max_queue_wait,
+                               request_timeout_s=args.request_timeout,
                                header_timeout_s=args.header_timeout, stall_timeout_s=args.stall_timeout,
                                api_key=args.api_key or None)
         for name in ("body_timeout", "keep_alive_timeout"):
@@ -217,17 +237,34 @@ def main(argv=None) -> int:
         llm = LLM(args.engine, load_options(args))
         server = make_server(llm, args.host, args.port, model_name=args.served_model_name or Path(args.engine).name,
                              limits=HttpLimits(args.max_body_bytes, args.body_timeout),
-                             keep_alive_s=args.keep_alive_timeout, backlog=args.backlog, policy=policy)
+                             keep_alive_s=args.keep_alive_timeout, backlog=args.backlog, policy=policy,
+                             access_log=args.access_log)
     except (ValueError, EngineFormatError, MemoryError, OSError) as e:
         print(f"infhip-serve: error: {e}", file=sys.stderr)
         return 2
     lc = server.lifecycle
+    if args.access_log:
+        _print_access_log()
+    count = (f"up to {lc.max_requests} requests" if lc.max_requests is not None else
+             f"any number of requests while the work in it is under {lc.max_queue_wait_s:g} s (always {FLOOR})")
     print(f"infhip-serve: {args.engine} on {server.url} (POST /v1/completions, /v1/chat/completions; "
-          "GET /v1/models, /health, /metrics); admits up to "
-          f"{lc.max_requests} requests and {lc.max_prompt_tokens} prompt tokens", file=sys.stderr, flush=True)
+          f"GET /v1/models, /health, /metrics); admits {count} and {lc.max_prompt_tokens} prompt tokens",
+          file=sys.stderr, flush=True)
     server.serve_forever()
     _say("stopped")
     return 0
+
+
+def _print_access_log() -> None:
+    """The access log's lines on stderr, each whole (logging writes a record in one call)."""
+    import logging
+
+    from infhip.runtime.serving.access_log import LOGGER
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("infhip-serve: %(message)s"))
+    LOGGER.addHandler(handler)
+    LOGGER.setLevel(logging.INFO)
+    LOGGER.propagate = False
 
 
 if __name__ == "__main__":

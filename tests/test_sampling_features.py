@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from infhip import LLM, SamplingParams
+from infhip.runtime.sequence import SequenceStatus
 from infhip.runtime.sampler import Sampler, SamplingBatch, apply_token_bitmask
 from tests._tiny import API_ENGINE
 
@@ -233,6 +234,28 @@ def test_priority_admits_a_short_request_during_a_long_prefill(engine):
     while not late.seq.output_token_ids:
         llm.core.step()
     assert long.seq.output_token_ids
+
+
+def test_kv_pressure_preempts_the_worst_priority_first(engine, llm):
+    """Three greedy requests growing to 108 tokens (7 pages of 16 each) in a 12-page cache: the
+    priority-2 request, second by arrival, loses its KV first (the arrival-only rule took the
+    newest, request 2); every answer still equals the request run alone."""
+    page_bytes = 3 * 2 * 2 * 16 * 16 * 4  # layers x (K, V) x kv heads x head_dim x page size x float32
+    small = LLM(engine, kv_cache_memory_bytes=13 * page_bytes, max_num_seqs=4)
+    assert small.runner.kv.groups["global"].num_pages == 13
+    params = [SamplingParams(max_tokens=100, temperature=0, ignore_eos=True, priority=p) for p in (0, 2, 0)]
+    reqs = [small.core.add_request(None, [10 + i] * 8, p) for i, p in enumerate(params)]
+    evicted = []
+    for _ in range(1000):
+        running = [r for r in reqs if r.seq.status is SequenceStatus.RUNNING]
+        small.core.step()
+        evicted += [reqs.index(r) for r in running if r.seq.status is SequenceStatus.WAITING]
+        if all(r.is_finished for r in reqs):
+            break
+    assert evicted and evicted[0] == 1, evicted
+    for i, r in enumerate(reqs):
+        alone = llm.generate(prompt_token_ids=[[10 + i] * 8], sampling_params=params[i])[0]
+        assert r.seq.output_token_ids == alone.token_ids
 
 
 def test_back_to_back_decode_steps_equal_single_steps(engine, llm):

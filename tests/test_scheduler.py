@@ -298,3 +298,40 @@ def test_sequence_too_long_for_cache_alone_raises():
     with pytest.raises(RuntimeError, match="even with every other sequence preempted"):
         for _ in range(40):
             step(sched, model)
+
+
+def test_preemption_evicts_the_worst_priority_first():
+    # 12 usable pages of 4 tokens; three sequences of 8 prompt tokens growing to 32 need 24.
+    # seq 1 has the worst priority but is not the newest: the arrival-only rule would evict seq 2.
+    prio = {0: 0, 1: 2, 2: 0}
+    seqs = [new_seq(i, 8, max_tokens=24, priority=prio[i]) for i in range(3)]
+    sched, model = make(num_pages=13, budget=64, max_num_seqs=4, max_seq_len=64)
+    outs = run_all(sched, model, seqs)
+    preempted = [s.seq_id for o in outs for s in o.preempted]
+    assert preempted and preempted[0] == 1, preempted
+    # while seq 1 runs, no priority-0 sequence loses its KV (it would be the victim first)
+    for o in outs:
+        running_low = any(c.seq.seq_id == 1 for c in o.chunks) or 1 in [s.seq_id for s in o.preempted]
+        if running_low:
+            assert [s.seq_id for s in o.preempted] in ([], [1]), o.preempted
+    for s in seqs:
+        assert (s.output_token_ids, s.finish_reason) == alone(s)
+    assert sched.kv.num_free_pages("global") == 12
+
+
+def test_a_decode_of_the_worst_priority_preempts_itself():
+    # the lone priority-5 sequence is the oldest: when the cache runs out on its decode, it goes
+    # back to the queue rather than take the pages of the urgent ones
+    seqs = [new_seq(0, 8, max_tokens=24, priority=5)] + [new_seq(i, 8, max_tokens=24) for i in (1, 2)]
+    sched, model = make(num_pages=13, budget=64, max_num_seqs=4, max_seq_len=64)
+    sched.add(seqs[0])
+    step(sched, model)  # seq 0 runs first, alone
+    for s in seqs[1:]:
+        sched.add(s)
+    while not (out := step(sched, model)[0]).preempted:
+        pass
+    assert [s.seq_id for s in out.preempted] == [0]
+    assert seqs[1].status is SequenceStatus.RUNNING and seqs[2].status is SequenceStatus.RUNNING
+    run_all(sched, model, [])
+    for s in seqs:
+        assert (s.output_token_ids, s.finish_reason) == alone(s)

@@ -171,6 +171,10 @@ def test_sigterm_lets_32_streams_finish_then_exits_0(engine, reference):
         assert time.monotonic() - signalled < 15, (time.monotonic() - signalled, served.log)
         log = "".join(served.lines)
         assert "SIGTERM: draining 32 request(s)" in log and "drain timeout" not in log
+        # the access log, on by default: one line per stream (24 tokens each) and the 503 in the drain
+        streams = [ln for ln in served.lines if '"POST /v1/completions HTTP/1.1" 200 ' in ln]
+        assert len(streams) == 32 and all(ln.rstrip().endswith("completion_tokens=24") for ln in streams), log
+        assert any('"POST /v1/completions HTTP/1.1" 503 ' in ln for ln in served.lines), log
     finally:
         served.stop()
 

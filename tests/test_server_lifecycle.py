@@ -94,8 +94,8 @@ def test_overload_gets_429_and_the_admitted_get_full_answers(engine, reference):
         for p, out in ok:
             assert out["choices"][0]["token_ids"] == ids_alone(reference, p, 30)
         for headers, data in refused:
-            err = error_of(data)
-            assert headers["retry-after"] == "1" and err["code"] == 429 and "--max-waiting-requests" in err["message"]
+            err = error_of(data)  # Retry-After: the expected wait (checked in tests/test_server_admission.py)
+            assert int(headers["retry-after"]) >= 1 and err["code"] == 429 and "--max-waiting-requests" in err["message"]
         assert ready_while_full == [503]
         assert request(server, "GET", "/health/ready")[0] == 200  # emptied again
         assert b'infhip_requests_rejected_total{reason="queue_full"} 3.0' in request(server, "GET", "/metrics")[1]
@@ -128,7 +128,9 @@ def test_admission_limits_and_deadlines_by_rule():
     request alone always gets in), the deadline's cap."""
     assert kv_capacity_tokens(_FakeLLM) == 10 * 16  # the full-attention group's 10 pages, not the window's
     lc = Lifecycle(ServingPolicy(), _FakeLLM, None, _FakeMetrics())
-    assert (lc.max_requests, lc.max_prompt_tokens) == (3 + 6, 2 * 160)
+    # no count limit by default (the time rule: tests/test_server_admission.py); queued prompts
+    # may hold 16M tokens past the cache (host memory only)
+    assert (lc.max_requests, lc.max_prompt_tokens) == (None, 160 + (1 << 24))
     lc = Lifecycle(ServingPolicy(max_waiting_requests=1, max_waiting_tokens=40, request_timeout_s=5), _FakeLLM,
                    None, _FakeMetrics())
     assert (lc.max_requests, lc.max_prompt_tokens) == (4, 200)
@@ -157,7 +159,7 @@ def test_admission_limits_and_deadlines_by_rule():
     no_cap = Lifecycle(ServingPolicy(), _FakeLLM, None, _FakeMetrics()).admit()
     assert no_cap.deadline(None) is None and no_cap.deadline(60) == no_cap.arrived + 60
     for bad in (dict(drain_timeout_s=-1), dict(max_waiting_requests=-1), dict(request_timeout_s=float("inf")),
-                dict(retry_after_s=0), dict(api_key="")):
+                dict(retry_after_s=0), dict(api_key=""), dict(max_queue_wait_s=0), dict(max_queue_wait_s=True)):
         with pytest.raises(ValueError, match="ServingPolicy"):
             ServingPolicy(**bad)
 

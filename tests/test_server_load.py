@@ -86,6 +86,35 @@ def test_128_concurrent_streaming_clients(server, alone):
     assert elapsed < 60
 
 
+def test_256_concurrent_streaming_clients_all_answered_by_default(server):
+    """The official client with max_retries=0, 256 streams at once on the default admission
+    (the old default, batch + 2 x batch = 192 here, refused 64 of them with 429)."""
+    import openai
+    assert server.lifecycle.max_requests is None  # default policy: the time rule
+    rejected = counter(server.metrics.rejected, reason="queue_wait"), counter(server.metrics.rejected, reason="queue_full")
+
+    async def one(client, i: int):
+        stream = await client.completions.create(model="infhip",
+                                                 prompt=PROMPTS[i % len(PROMPTS)], max_tokens=2, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True},
+                                                 extra_body={"ignore_eos": True})
+        chunks = [c async for c in stream]
+        return chunks[-1].usage.completion_tokens
+
+    async def run():
+        async with openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0,
+                                      timeout=120) as client:
+            return await asyncio.gather(*(one(client, i) for i in range(256)), return_exceptions=True)
+    start = time.monotonic()
+    results = asyncio.run(run())
+    failed = [r for r in results if isinstance(r, BaseException)]
+    assert not failed, f"{len(failed)} of 256 failed, e.g. {failed[0]!r}"
+    assert results == [2] * 256
+    assert (counter(server.metrics.rejected, reason="queue_wait"),
+            counter(server.metrics.rejected, reason="queue_full")) == rejected
+    assert time.monotonic() - start < 120
+
+
 async def leave_mid_request(server, stream: bool, generating: asyncio.Event) -> None:
     """Send a long request, leave once every request of the storm is generating."""
     body = json.dumps({"prompt": "In the beginning", "stream": stream, "max_tokens": 110, "temperature": 0,

@@ -176,14 +176,20 @@ def test_auto_tool_calls_parsed_from_the_models_text(hermes_server):
     msg = out.choices[0].message
     assert out.choices[0].finish_reason == "tool_calls" and msg.content == "Sure." and len(msg.tool_calls) == 1
     check_call(msg.tool_calls[0])
-    content, calls, finish = "", [], None
-    for chunk in client.chat.completions.create(tools=[WEATHER, TIME], stream=True, **kw):
-        content += chunk.choices[0].delta.content or ""
-        calls += chunk.choices[0].delta.tool_calls or []
-        finish = chunk.choices[0].finish_reason or finish
-    assert content == "Sure." and finish == "tool_calls" and len(calls) == 1  # one delta item: the whole call
-    assert calls[0].function.arguments == msg.tool_calls[0].function.arguments  # same seed, same call
-    check_call(calls[0])
+    # the official client's streaming accumulator: the call opens with its name, then its
+    # arguments arrive in pieces (growing), and the assembled message equals the whole answer's
+    pieces = []
+    with client.chat.completions.stream(tools=[WEATHER, TIME], **kw) as stream:
+        for event in stream:
+            if event.type == "tool_calls.function.arguments.delta":
+                pieces.append(event.arguments_delta)
+        final = stream.get_final_completion()
+    streamed = final.choices[0].message
+    assert streamed.content == "Sure." and final.choices[0].finish_reason == "tool_calls"
+    assert len(streamed.tool_calls) == 1 and streamed.tool_calls[0].function.name == "get_time"
+    assert streamed.tool_calls[0].function.arguments == msg.tool_calls[0].function.arguments  # same seed, same call
+    assert len([p for p in pieces if p]) >= 3, pieces  # token by token, not one delta at the end
+    check_call(streamed.tool_calls[0])
 
 
 # -- Qwen2.5-Coder-0.5B: its own template renders the tools, its <tool_call> format is parsed ------

@@ -98,6 +98,24 @@ def test_stream_equals_whole_parse_at_every_split(fmt, cases):
             assert calls_of(got_calls) == calls, pieces
 
 
+def test_hermes_call_streams_its_arguments_as_they_grow():
+    """Qwen2.5's output fed a few characters at a time: the call opens with its name once the
+    head has come, its arguments follow in several pieces, none is the block's own `}`."""
+    plan = ToolCallPlan([WEATHER, TIME], HERMES)
+    text = 'Sure.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "C"}}\n</tool_call>'
+    stream, out = plan.stream(), []
+    for i in range(0, len(text), 3):
+        out.append(stream.feed(text[i:i + 3]))
+    out.append(stream.finish())
+    items = [it for _, its in out for it in its]
+    head, *rest = items
+    assert head["function"] == {"name": "get_weather", "arguments": ""} and head["index"] == 0
+    pieces = [it["function"]["arguments"] for it in rest]
+    assert len(pieces) >= 5 and all(set(it) == {"index", "function"} and it["index"] == 0 for it in rest)
+    assert "".join(pieces) == '{"city": "Paris", "unit": "C"}'
+    assert "".join(c for c, _ in out) == "Sure."
+
+
 def test_named_function_streams_its_arguments():
     plan = ToolCallPlan.of([WEATHER, TIME], {"type": "function", "function": {"name": "get_weather"}}, None)
     assert plan.structured_outputs.json == WEATHER["function"]["parameters"]

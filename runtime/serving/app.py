@@ -32,6 +32,7 @@ from starlette.requests import ClientDisconnect
 
 from infhip.runtime.serving import protocol as P
 from infhip.runtime.serving import responses as R
+from infhip.runtime.serving.access_log import AccessTokens, tokens_of
 from infhip.runtime.serving.async_engine import AsyncEngine, ClientGone, EngineFailure, Generation
 from infhip.runtime.serving.lifecycle import Lifecycle, Refused, Ticket
 from infhip.runtime.serving.metrics import CONTENT_TYPE, ServerMetrics
@@ -234,11 +235,15 @@ async def _generate(engine: AsyncEngine, lifecycle: Lifecycle, ticket: Ticket, r
         _close(gens)
         raise ApiError(503 if not engine.loop.alive else 500, f"the engine failed: {type(e).__name__}: {e}") from None
     ended = _Ended(lifecycle, deadline, body.timeout)
+    ticket.start(prompt_tokens, len(gens) * (params.best_of or params.n) * params.max_tokens)
+    logged = tokens_of(request.scope)  # the access log's line (access_log.py)
+    logged.prompt_tokens, logged.completion_tokens = prompt_tokens, 0
     if body.stream:
         ticket.streaming = True  # released when the stream ends
-        return _Stream(gens[0], ticket, _events(gens[0], ticket, shape, prompt_tokens, body.include_usage))
+        return _Stream(gens[0], ticket, _events(gens[0], ticket, shape, prompt_tokens, body.include_usage,
+                                                body.continuous_usage, logged))
     try:
-        return await _whole(gens, shape, prompt_tokens, ended)
+        return await _whole(gens, ticket, shape, prompt_tokens, ended, logged)
     finally:
         _close(gens)
 
@@ -284,13 +289,16 @@ class _Ended:
                                    "generated tokens; send it to another replica", retry)
 
 
-async def _whole(gens: list[Generation], shape, prompt_tokens: int, ended: _Ended) -> Response:
+async def _whole(gens: list[Generation], ticket: Ticket, shape, prompt_tokens: int, ended: _Ended,
+                 logged: AccessTokens) -> Response:
     """One JSON response of every prompt's choices (gens[i]: prompt i's engine request)."""
     lasts, cached = [], [0] * len(gens)
 
     async def collect(i: int, gen: Generation) -> None:
         async for delta in gen.deltas():
+            ticket.work.generated(len(delta.token_ids))
             shape.add(delta, i)
+            logged.completion_tokens = shape.num_tokens
             lasts.append(delta)
             cached[i] = delta.num_cached_tokens
 
@@ -310,11 +318,11 @@ async def _whole(gens: list[Generation], shape, prompt_tokens: int, ended: _Ende
 
 
 async def _events(gen: Generation, ticket: Ticket, shape, prompt_tokens: int,
-                  include_usage: bool) -> AsyncIterator[bytes]:
+                  include_usage: bool, continuous_usage: bool, logged: AccessTokens) -> AsyncIterator[bytes]:
     """The SSE body: one chunk per delta (a chat choice's first carries its role with its first
-    token), the usage chunk if asked, then [DONE]; a failed request ends with one error event
-    instead. A request the server ended (deadline, drain) ends like any other: its last chunk
-    has finish_reason "abort"."""
+    token; with continuous_usage each carries the usage so far, as vLLM's do), the usage chunk
+    if asked, then [DONE]; a failed request ends with one error event instead. A request the
+    server ended (deadline, drain) ends like any other: its last chunk has finish_reason "abort"."""
     try:
         cached = 0
         async for delta in gen.deltas():
@@ -322,7 +330,12 @@ async def _events(gen: Generation, ticket: Ticket, shape, prompt_tokens: int,
             if delta.finish_reason == "error":
                 yield _sse(error_body(500, _request_error(delta)))
                 return
-            yield _sse(shape.chunk(delta))
+            ticket.work.generated(len(delta.token_ids))
+            chunk = shape.chunk(delta)
+            logged.completion_tokens = shape.num_tokens
+            if continuous_usage:
+                chunk["usage"] = R.usage(prompt_tokens, shape.num_tokens, cached)
+            yield _sse(chunk)
         if include_usage:
             yield _sse(R.usage_chunk(shape.meta, shape.chunk_object, R.usage(prompt_tokens, shape.num_tokens, cached)))
         yield b"data: [DONE]\n\n"

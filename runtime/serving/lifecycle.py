@@ -17,9 +17,14 @@ from dataclasses import dataclass
 
 from fastapi.responses import JSONResponse
 
+from infhip.runtime.serving import admission as A
+
 # Paths answered whatever the state (probes, scrapes): never 503 for draining nor 401.
 OPEN_PATHS = frozenset({"/health", "/health/live", "/health/ready", "/metrics", "/version"})
 END_GRACE_S = 5.0  # after ending every request, how long their handlers get to write the last event
+# Prompt tokens held beyond the KV cache's capacity by default: queued prompts cost host memory
+# only (token lists, ~40 bytes a token: 16M tokens ~ 0.7 GB); the time rule bounds the wait.
+DEFAULT_WAITING_TOKENS = 1 << 24
 
 
 @dataclass(frozen=True)
@@ -28,12 +33,13 @@ class ServingPolicy:
     engine" (`Lifecycle` says how); 0 for request_timeout_s means no server-side deadline."""
 
     drain_timeout_s: float = 30.0  # SIGTERM/SIGINT: how long running requests may go on
-    max_waiting_requests: int | None = None  # requests beyond the engine's batch; None: 2 x max_num_seqs
-    max_waiting_tokens: int | None = None  # prompt tokens beyond what the KV cache holds; None: that much again
+    max_waiting_requests: int | None = None  # requests beyond the engine's batch; None: no count limit
+    max_waiting_tokens: int | None = None  # prompt tokens beyond what the KV cache holds; None: DEFAULT_WAITING_TOKENS
+    max_queue_wait_s: float | None = None  # backlog wait past which (over FLOOR requests) 429; None: derived
     request_timeout_s: float = 0.0  # default (and cap of) a request's "timeout"; 0 = none
     header_timeout_s: float = 10.0  # request line + headers must arrive within this, else 408 and closed
     stall_timeout_s: float = 120.0  # /health/live: 503 once one engine turn has run this long
-    retry_after_s: int = 1  # Retry-After of a 429 or a draining 503
+    retry_after_s: int = 1  # Retry-After of a draining 503 (a 429's is the expected wait)
     api_key: str | None = None  # Bearer token required on /v1/*, /tokenize, /detokenize
 
     def __post_init__(self) -> None:
@@ -46,6 +52,11 @@ class ServingPolicy:
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
                 raise ValueError(f"ServingPolicy.{name} ({_flag(name)}) must be an int >= 0 or None (derived), "
                                  f"got {v!r}")
+        if self.max_queue_wait_s is not None and not (isinstance(self.max_queue_wait_s, (int, float))
+                                                      and not isinstance(self.max_queue_wait_s, bool)
+                                                      and 0 < self.max_queue_wait_s < math.inf):
+            raise ValueError(f"ServingPolicy.max_queue_wait_s (--max-queue-wait) must be a finite number > 0 or "
+                             f"None (derived), got {self.max_queue_wait_s!r}")
         if isinstance(self.retry_after_s, bool) or not isinstance(self.retry_after_s, int) or self.retry_after_s < 1:
             raise ValueError(f"ServingPolicy.retry_after_s must be an int >= 1, got {self.retry_after_s!r}")
         if self.api_key is not None and not self.api_key:
@@ -81,6 +92,7 @@ class Ticket:
     def __init__(self, lifecycle: "Lifecycle", arrived: float):
         self._lc, self.arrived, self.prompt_tokens, self._done = lifecycle, arrived, 0, False
         self.streaming = False  # the answer is a stream: released when it ends, not when the handler returns
+        self.work = A.Work()  # its work left, for the expected waits (admission.py)
 
     def add_prompt(self, num_tokens: int) -> None:
         """Count the tokenized prompt; Refused (429) when the prompt-token budget is full. A
@@ -91,9 +103,13 @@ class Ticket:
             lc.metrics.rejected.labels(reason="prompt_tokens").inc()
             raise Refused(429, f"the server holds {others} prompt tokens; this prompt's {num_tokens} would pass "
                                f"the limit of {lc.max_prompt_tokens} (--max-waiting-tokens); retry later",
-                          lc.policy.retry_after_s)
+                          A.retry_after(lc.first_leave_s()))
         self.prompt_tokens = num_tokens
         lc.prompt_tokens_in += num_tokens
+
+    def start(self, prompt_tokens: int, max_output_tokens: int) -> None:
+        """The request goes to the engine: its work is known."""
+        self.work.start(prompt_tokens, max_output_tokens)
 
     def deadline(self, requested_s: float | None) -> float | None:
         """The request's monotonic deadline: its own timeout, capped by --request-timeout."""
@@ -110,6 +126,7 @@ class Ticket:
             lc = self._lc
             lc.requests_in -= 1
             lc.prompt_tokens_in -= self.prompt_tokens
+            lc.works.discard(self.work)
             if lc.requests_in == 0:
                 lc._empty.set()
 
@@ -117,19 +134,23 @@ class Ticket:
 class Lifecycle:
     """Admission, drain and health of one server (event-loop state; see the module docstring).
 
-    Derived defaults: at most max_num_seqs + max_waiting_requests requests in the server
-    (running + queued; max_waiting_requests defaults to 2 x max_num_seqs), and at most
-    kv_capacity_tokens + max_waiting_tokens prompt tokens (max_waiting_tokens defaults to the KV
-    capacity, so the prompts in the server fill the cache at most twice over)."""
+    Defaults (admission.py): no count limit; past FLOOR requests, a new one is refused when the
+    backlog wait passes max_queue_wait (the request timeout if set, else 600 s). Prompt tokens:
+    at most kv_capacity_tokens + max_waiting_tokens (default DEFAULT_WAITING_TOKENS: host memory).
+    An explicit max_waiting_requests W: at most max_num_seqs + W requests in the server."""
 
     def __init__(self, policy: ServingPolicy, llm, loop, metrics):
         self.policy, self.loop, self.metrics = policy, loop, metrics  # loop: the EngineLoop
-        batch = llm.scheduler.max_num_seqs
+        self.batch = batch = llm.scheduler.max_num_seqs
         kv_tokens = kv_capacity_tokens(llm)
-        self.max_waiting_requests = 2 * batch if policy.max_waiting_requests is None else policy.max_waiting_requests
-        self.max_waiting_tokens = kv_tokens if policy.max_waiting_tokens is None else policy.max_waiting_tokens
-        self.max_requests = batch + self.max_waiting_requests
+        self.max_waiting_requests = policy.max_waiting_requests  # None: no count limit (the time rule)
+        self.max_waiting_tokens = (max(kv_tokens, DEFAULT_WAITING_TOKENS) if policy.max_waiting_tokens is None
+                                   else policy.max_waiting_tokens)
+        self.max_requests = None if self.max_waiting_requests is None else batch + self.max_waiting_requests
         self.max_prompt_tokens = kv_tokens + self.max_waiting_tokens
+        self.max_queue_wait_s = policy.max_queue_wait_s or policy.request_timeout_s or A.DEFAULT_MAX_QUEUE_WAIT_S
+        self.throughput = A.Throughput(A.cold_tokens_per_s(batch))
+        self.works: set[A.Work] = set()  # of the tickets out
         self.requests_in = 0
         self.prompt_tokens_in = 0
         self.draining = False  # set by drain(): new requests get 503, /health/ready 503
@@ -144,14 +165,34 @@ class Lifecycle:
             self.metrics.rejected.labels(reason="draining").inc()
             raise Refused(503, "the server is shutting down; send the request to another replica",
                           self.policy.retry_after_s)
-        if self.requests_in >= self.max_requests:
+        if self.max_requests is not None and self.requests_in >= self.max_requests:
             self.metrics.rejected.labels(reason="queue_full").inc()
+            wait = self.first_leave_s()
             raise Refused(429, f"the server holds {self.requests_in} requests, its limit (the engine's batch + "
-                               f"{self.max_waiting_requests} waiting, --max-waiting-requests); retry later",
-                          self.policy.retry_after_s)
+                               f"{self.max_waiting_requests} waiting, --max-waiting-requests); retry in about "
+                               f"{wait:.1f} s", A.retry_after(wait))
+        if self.max_requests is None and self.requests_in >= A.FLOOR:
+            wait = self.backlog_wait_s()
+            if wait > self.max_queue_wait_s:
+                self.metrics.rejected.labels(reason="queue_wait").inc()
+                raise Refused(429, f"the server holds {self.requests_in} requests, about {wait:.0f} s of work at "
+                                   f"{self.throughput.tokens_per_s:.0f} tokens/s, more than its bound of "
+                                   f"{self.max_queue_wait_s:g} s (--max-queue-wait); retry in about "
+                                   f"{wait - self.max_queue_wait_s:.0f} s",
+                              A.retry_after(wait - self.max_queue_wait_s))
         self.requests_in += 1
         self._empty.clear()
-        return Ticket(self, time.monotonic())
+        ticket = Ticket(self, time.monotonic())
+        self.works.add(ticket.work)
+        return ticket
+
+    def backlog_wait_s(self) -> float:
+        """Seconds of work in the server at the engine's throughput (admission.py)."""
+        return A.backlog_wait_s(self.works, self.throughput)
+
+    def first_leave_s(self) -> float:
+        """Seconds until the running request nearest its end finishes (admission.py)."""
+        return A.first_leave_s(self.works, self.batch, self.throughput)
 
     def check_not_ending(self) -> None:
         """Before handing a request to the engine: once the drain has ended everything, nothing
@@ -201,8 +242,10 @@ class Lifecycle:
             return "draining: the server is shutting down"
         if (why := self.live()) is not None:
             return why
-        if self.requests_in >= self.max_requests:
+        if self.max_requests is not None and self.requests_in >= self.max_requests:
             return f"full: {self.requests_in} requests (limit {self.max_requests})"
+        if self.requests_in >= A.FLOOR and self.backlog_wait_s() > self.max_queue_wait_s:
+            return f"full: {self.backlog_wait_s():.0f} s of work queued (bound {self.max_queue_wait_s:g} s)"
         return None
 
 

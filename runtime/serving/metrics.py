@@ -73,8 +73,8 @@ class ServerMetrics:
                               ["group"], registry=r)
         # Lifecycle (docs/serving.md, "Lifecycle"): requests refused at the door, and ended by the server.
         self.rejected = Counter("infhip_requests_rejected",
-                                "Requests refused before the engine: reason=queue_full or prompt_tokens (429), "
-                                "draining (503)", ["reason"], registry=r)
+                                "Requests refused before the engine: reason=queue_full, queue_wait or "
+                                "prompt_tokens (429), draining (503)", ["reason"], registry=r)
         self.timeouts = Counter("infhip_request_timeouts", "Requests aborted because their deadline passed",
                                 registry=r)
         self.shutdown_aborts = Counter("infhip_request_shutdown_aborts",
@@ -100,10 +100,11 @@ class ServerMetrics:
         self._last_sample = time.monotonic()
         for reason in ("stop", "length"):
             self.success.labels(finish_reason=reason)
-        for reason in ("queue_full", "prompt_tokens", "draining"):
+        for reason in ("queue_full", "queue_wait", "prompt_tokens", "draining"):
             self.rejected.labels(reason=reason)
         self._prefix_seen = (0, 0, 0)
         self._timing: dict[int, _Timing] = {}  # seq_id -> timing of a live request
+        self.meter = None  # admission.WorkMeter: the engine's measured throughput (set by the server)
         config = llm.engine.config
         plan = config.plan
         # the attention backends' own counters of finished requests (runtime/attention/backend.py)
@@ -132,6 +133,8 @@ class ServerMetrics:
         if n and timing is not None:
             now = time.monotonic()
             if timing.last_token is None:
+                if self.meter is not None:  # the prefill is done: its tokens were work
+                    self.meter.add(req.seq.num_prompt_tokens - (delta.num_cached_tokens or 0))
                 self.ttft.observe(now - timing.submitted)
                 self._scheduled(timing)
                 timing.first_token = now
@@ -141,6 +144,8 @@ class ServerMetrics:
             timing.last_token = now
             timing.num_tokens += n
         self.generation_tokens.inc(n)
+        if self.meter is not None:
+            self.meter.add(n)
         if delta.finish_reason == "error":
             self.errors.labels(scope="request").inc()
 
@@ -190,6 +195,8 @@ class ServerMetrics:
             if timing.scheduled is None and timing.req.seq.status is not SequenceStatus.WAITING:
                 self._scheduled(timing)
         self._last_sample = time.monotonic()
+        if self.meter is not None:
+            self.meter.turn_done()
         self.running.set(sched.num_running)
         self.waiting.set(sched.num_waiting)
         self.preemptions.inc(sched.num_preemptions - self._preemptions_seen)

@@ -36,9 +36,18 @@ NEUTRAL_ONLY: dict[str, tuple] = {
     "function_call": ("none",), "functions": ([],), "add_generation_prompt": (True,),
     "continue_final_message": (False,),
     "chat_template": (), "chat_template_kwargs": ({},), "documents": ([],), "verbosity": (),
+    # vLLM's extensions this engine does not implement (vllm/entrypoints/openai/protocol.py)
+    "prompt_logprobs": (), "logits_processors": ([],), "guided_whitespace_pattern": (), "structural_tag": (),
+    "prompt_embeds": (),
 }
 # Fields that change nothing here whatever their value (routing hints, tags, ids).
-IGNORED = ("user", "metadata", "service_tier", "prompt_cache_key", "safety_identifier", "request_id")
+# vLLM's: cache_salt (this server's prefix cache is not shared across tenants by name; docs/serving.md
+# says so), kv_transfer_params (disaggregated serving), vllm_xargs (its plugins'), guided_decoding_backend
+# (one backend here), mm_processor_kwargs (text only), include_reasoning (no reasoning parser: the
+# text is returned as written), return_token_ids (every choice has token_ids already).
+IGNORED = ("user", "metadata", "service_tier", "prompt_cache_key", "safety_identifier", "request_id",
+           "cache_salt", "kv_transfer_params", "vllm_xargs", "guided_decoding_backend", "mm_processor_kwargs",
+           "include_reasoning", "return_token_ids")
 SEED_RANGE = (-(1 << 63), (1 << 64) - 1)  # what torch.Generator.manual_seed takes
 
 
@@ -55,8 +64,14 @@ class EngineLimits:
 
 
 class StreamOptions(BaseModel):
+    """include_usage: a last chunk with the usage (OpenAI). continuous_usage_stats: every chunk
+    carries the usage so far (vLLM's; guidellm and aiperf's --per-chunk-usage send it).
+    include_obfuscation: OpenAI's random padding field, which this server never adds."""
+
     model_config = ConfigDict(extra="forbid", strict=True)
-    include_usage: bool = False
+    include_usage: bool | None = False
+    continuous_usage_stats: bool | None = False
+    include_obfuscation: bool | None = None
 
 
 class _Common(BaseModel):
@@ -110,6 +125,18 @@ class _Common(BaseModel):
     prompt_cache_key: Any = None
     safety_identifier: Any = None
     request_id: Any = None
+    cache_salt: Any = None
+    kv_transfer_params: Any = None
+    vllm_xargs: Any = None
+    guided_decoding_backend: Any = None
+    mm_processor_kwargs: Any = None
+    include_reasoning: Any = None
+    return_token_ids: Any = None
+    prompt_logprobs: Any = None
+    logits_processors: Any = None
+    guided_whitespace_pattern: Any = None
+    structural_tag: Any = None
+    prompt_embeds: Any = None
 
     @field_validator("timeout")
     @classmethod
@@ -200,7 +227,12 @@ class _Common(BaseModel):
 
     @property
     def include_usage(self) -> bool:
-        return self.stream_options is not None and self.stream_options.include_usage
+        return self.stream_options is not None and bool(self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        """Every stream chunk carries the usage so far (stream_options.continuous_usage_stats)."""
+        return self.stream_options is not None and bool(self.stream_options.continuous_usage_stats)
 
 
 def _response_format(rf: dict) -> StructuredOutputsParams:
@@ -313,6 +345,7 @@ class ChatCompletionRequest(_Common):
     chat_template_kwargs: Any = None
     documents: Any = None
     echo: bool = False  # vLLM's chat extension; only false
+    add_special_tokens: bool = False  # vLLM's; only false (the chat template writes the special tokens)
 
     @field_validator("messages")
     @classmethod
@@ -322,7 +355,7 @@ class ChatCompletionRequest(_Common):
         return v
 
     def _unsupported(self) -> dict[str, bool]:
-        return {**super()._unsupported(), "echo": self.echo}
+        return {**super()._unsupported(), "echo": self.echo, "add_special_tokens": self.add_special_tokens}
 
     def _logprobs(self) -> dict:
         if self.top_logprobs is not None and not self.logprobs:

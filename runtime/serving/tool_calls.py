@@ -27,6 +27,7 @@ function work on any engine with a tokenizer.
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from dataclasses import dataclass
 
@@ -35,6 +36,9 @@ from infhip.runtime.structured_output import StructuredOutputsParams
 HERMES, LLAMA3 = "hermes", "llama3_json"
 _OPEN, _CLOSE = "<tool_call>", "</tool_call>"
 _PYTHON_TAG = "<|python_tag|>"
+# The head of a hermes call block up to its arguments' value: once it has come, the call opens
+# (id, name) and the arguments stream as they grow.
+_HERMES_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"arguments"\s*:\s*')
 
 
 def detect_format(chat_template: str | None) -> str | None:
@@ -191,13 +195,21 @@ class ToolCallStream:
     each returns (content text to send now, OpenAI tool_calls delta items).
 
     hermes: text goes out as content until `<tool_call>` (a tail that may begin one is held
-    back); a call goes out whole as one delta when its `</tool_call>` arrives. llama3_json: an
+    back); a call opens (index, id, name, arguments "") as soon as its head `{"name": ...,
+    "arguments": ` has come, then its arguments object streams as it grows (vLLM's hermes parser
+    does the same), holding back a tail that may be the block's own closing `}` or
+    `</tool_call>`; at `</tool_call>` the rest of the arguments' text goes out. A block whose
+    head never matches goes out whole at its end, as a call or (not JSON) as content; one that
+    opened and then is not JSON ends the call with the arguments sent so far. llama3_json: an
     answer whose first non-blank character starts a call is held to the end, then parsed. A
     named function: the first delta opens the call (id, name), the text follows as arguments."""
 
     def __init__(self, plan: ToolCallPlan):
         self.plan, self.buf, self.calls = plan, "", 0
         self.in_call, self.ws, self.skip_ws = False, "", False  # hermes (_hermes)
+        self.opened: int | None = None  # hermes: index of the call streaming its arguments now
+        self.args_start = 0  # where its arguments' value starts in self.buf
+        self.args_sent = ""  # of its arguments' text, what went out
         self.held: bool | None = None  # llama3_json: holding the whole answer (None: undecided)
 
     def _item(self, call: dict) -> dict:
@@ -238,6 +250,7 @@ class ToolCallStream:
             if self.in_call:
                 body, closed, after = self.buf.partition(_CLOSE)
                 if not closed:
+                    items += self._grow()
                     break
                 items += self._close(body + closed, out)
                 self.buf = after
@@ -258,10 +271,44 @@ class ToolCallStream:
                 break
         return "".join(out), items
 
+    def _grow(self) -> list[dict]:
+        """The open call block's head (once) and the arguments' text that came since."""
+        items = []
+        if self.opened is None:
+            head = _HERMES_HEAD.match(self.buf)
+            if head is None or not self.buf[head.end():].lstrip().startswith("{"):
+                return []  # not (yet) a call whose arguments are an object: wait for its end
+            try:
+                name = json.loads(head.group(1))
+            except json.JSONDecodeError:
+                return []
+            items.append(self._item(_call(name, "")))
+            self.opened, self.args_start, self.args_sent = self.calls - 1, head.end(), ""
+        raw = self.buf[self.args_start:]
+        raw = raw[:len(raw) - _partial_suffix(raw, _CLOSE)].rstrip()
+        if raw.endswith("}"):  # may be the block's own closing brace: held until more comes
+            raw = raw[:-1].rstrip()
+        if len(raw) > len(self.args_sent) and raw.startswith(self.args_sent):
+            items.append({"index": self.opened, "function": {"arguments": raw[len(self.args_sent):]}})
+            self.args_sent = raw
+        return items
+
     def _close(self, block: str, out: list[str]) -> list[dict]:
         """A call block read to its end (block: after <tool_call>, with </tool_call> if it came)."""
         self.in_call = False
         content, calls = parse_hermes(_OPEN + block)
+        opened, self.opened = self.opened, None
+        if opened is not None:  # its head and part of its arguments went out already
+            items = []
+            try:
+                _, end = json.JSONDecoder().raw_decode(block, self.args_start)
+                rest = block[self.args_start:end][len(self.args_sent):]
+            except json.JSONDecodeError:
+                rest = ""  # not JSON after all: the call keeps what was sent
+            if rest:
+                items.append({"index": opened, "function": {"arguments": rest}})
+            self.ws, self.skip_ws = "", True
+            return items + [self._item(c) for c in calls[1:]]
         if not calls:  # not a call: the held blanks and the block are content
             out.append(self.ws + _OPEN + block)
         self.ws, self.skip_ws = "", bool(calls)
