@@ -1,13 +1,9 @@
 """Dense paged attention over an fp8 KV cache (row-scaled e4m3): the Triton decode kernel
 (interpreter on CPU), gather and the prefill path against attention on the dequantized and on
-the original keys / values; the KV kernels compiled for sm_90. The float caches:
-tests/test_plugins_dense_attention.py."""
+the original keys / values. The float caches: tests/test_plugins_dense_attention.py; compiled for
+the GPU: builder/compile_matrix.py (tests/run.sh)."""
 
 import math
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -179,64 +175,3 @@ def test_decode_reads_what_rope_writes_fp8(dtype):
     pos = torch.arange(ctx, device=DEVICE)
     original = dense_attention_ref(q, k, v, pos[-1:], pos, D ** -0.5)
     assert torch.isfinite(got).all() and rel_err(got, original) < FP8_CLOSE
-
-
-def _compile_sm90(fn, pointers, constexprs, num_warps=4):
-    """fn compiled to a cubin for an H100/H200 (sm_90) through triton.compile, no GPU needed (as
-    tests/test_infinitehip_compile.py: the interpreter accepts what the compiler may reject)."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-
-    sig = {n: "constexpr" if n in constexprs else pointers.get(n, "i32") for n in fn.arg_names}
-    src = triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=constexprs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps))
-
-
-def _compile_kv_kernels():
-    """Every KV-cache variant of the decode kernel and of the rope / KV-write kernel, bf16 queries
-    over a bf16 or an fp8 (scaled) cache."""
-    from infhip.plugins import rope
-
-    for scaled in (False, True):
-        cache = "*fp8e4nv" if scaled else "*bf16"
-        scales = dict(k_scale_ptr="*fp32" if scaled else cache, v_scale_ptr="*fp32" if scaled else cache,
-                      k_cache_ptr=cache, v_cache_ptr=cache)
-        ptrs = dict(q_ptr="*bf16", block_tables_ptr="*i32", context_lens_ptr="*i32", out_ptr="*bf16",
-                    part_out_ptr="*fp32", part_lse_ptr="*fp32", scale_log2="fp32", **scales)
-        for splits in (1, 4):
-            _compile_sm90(dense_attention._decode_split_kernel, ptrs, dict(
-                PAGE_SIZE=16, BLOCK_N=128, BLOCK_G=16, BLOCK_D=128, NUM_SPLITS=splits, DOT_PRECISION="tf32",
-                DOT_F32=False, KV_SCALED=scaled))
-        ptrs = dict(q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", positions_ptr="*i64", inv_freq_ptr="*fp32",
-                    slot_mapping_ptr="*i64", attention_scaling="fp32", **scales)
-        for apply_rope in (False, True):
-            _compile_sm90(rope._rope_kv_kernel, ptrs, dict(BLOCK_HQ=8, BLOCK_HKV=8, BLOCK_HALF=64,
-                                                           APPLY_ROPE=apply_rope, WRITE_KV=True, KV_SCALED=scaled))
-
-
-@pytest.mark.slow
-def test_kv_kernels_compile_for_sm90():
-    """The fp8 (and unscaled) decode and KV-write kernels compile for sm_90: this file run as a
-    script with TRITON_INTERPRET=0 (about 10 s); skipped where the NVIDIA backend cannot compile."""
-    result = subprocess.run([sys.executable, "-m", "tests.test_plugins_dense_attention_fp8", "compile"],
-                            env=dict(os.environ, TRITON_INTERPRET="0"), cwd=Path(__file__).resolve().parent.parent,
-                            capture_output=True, text=True, timeout=600)
-    if result.returncode == 3:
-        pytest.skip(f"the NVIDIA backend cannot compile here: {result.stderr.strip()[-300:]}")
-    assert result.returncode == 0, result.stderr[-3000:]
-
-
-if __name__ == "__main__" and sys.argv[1:] == ["compile"]:
-    try:  # can this Triton compile for sm_90 at all?
-        import triton
-        import triton.language as tl
-
-        @triton.jit
-        def _trivial(x_ptr):
-            tl.store(x_ptr + tl.arange(0, 16), tl.arange(0, 16))
-
-        _compile_sm90(_trivial, {"x_ptr": "*i32"}, {})
-    except Exception as e:  # noqa: BLE001
-        print(repr(e), file=sys.stderr)
-        sys.exit(3)
-    _compile_kv_kernels()

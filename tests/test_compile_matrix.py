@@ -1,0 +1,87 @@
+"""builder/compile_matrix.py, CI's GPU compile check: the covering subset it compiles holds every
+constexpr value and every pair of code-path settings of the variants it stands for; the presets
+it leaves out launch exactly the variants of the one that stands for them; a kernel that does not
+compile for a target is reported by name, variant and Triton version (through TTGIR and to cubin).
+The matrix itself runs in tests/run.sh, once per Triton."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+from infhip.builder import compile_matrix as cm
+from infhip.builder.kernels import enumerate_variants
+from infhip.plugins.aot import record
+
+
+@triton.jit
+def _good_kernel(x_ptr, N, BLOCK: tl.constexpr):
+    cols = tl.arange(0, BLOCK)
+    tl.store(x_ptr + cols, tl.load(x_ptr + cols, mask=cols < N) * 2, mask=cols < N)
+
+
+@triton.jit
+def _bad_kernel(x_ptr, N, BLOCK: tl.constexpr):
+    cols = tl.arange(0, BLOCK)  # BLOCK = 3 is no power of two: the frontend refuses it
+    tl.store(x_ptr + cols, tl.load(x_ptr + cols, mask=cols < N), mask=cols < N)
+
+
+def _variants(kernel, blocks):
+    x = torch.empty(64, dtype=torch.bfloat16, device="meta")
+    with record(cm.TARGETS["sm_90"], launch=False) as rec:
+        for block in blocks:
+            kernel[(1,)](x, 64, BLOCK=block)
+    return sorted(rec.variants, key=lambda v: v.key)
+
+
+@pytest.mark.parametrize("stage", ["ttgir", "cubin"])
+def test_a_kernel_that_does_not_compile_is_named(stage):
+    pytest.importorskip("triton.backends.nvidia.compiler")
+    good, bad = _variants(_good_kernel, [16])[0], _variants(_bad_kernel, [3])[0]
+    errors = cm.compile_all([good, bad], cm.TARGETS["sm_90"], jobs=1, stage=stage)
+    assert set(errors) == {bad.key}, errors
+    assert "power of 2" in errors[bad.key] or "power of two" in errors[bad.key], errors[bad.key]
+    assert "_bad_kernel" in bad.describe() and "BLOCK=3" in bad.describe()
+
+
+def test_the_refresh_presets_launch_what_3k_launches():
+    """3k-fast and 3k-flash change refresh intervals only, so the matrix enumerates 3k for them."""
+    target = cm.TARGETS["sm_90"]
+    got = {p: {v.key for v in enumerate_variants(cm.engine_config("smollm2-135m", preset=p, kv_dtype="fp8",
+                                                                  max_seq_len=1 << 20), target)}
+           for p in ("3k", "3k-fast", "3k-flash")}
+    assert got["3k"] and got["3k-fast"] == got["3k"] == got["3k-flash"]
+
+
+def test_representatives_cover_every_value_and_every_pair_of_settings():
+    target = cm.TARGETS["sm_89"]
+    configs = {k: kw for k, kw in cm.configurations(target, ("smollm2-135m",)).items()
+               if "tp=" not in k and "w=fp8-lm-head" not in k}
+    seen = cm.union_variants(target, configs, jobs=1)
+    chosen = cm.representatives(seen)
+    assert len(chosen) < len(seen) / 2, (len(chosen), len(seen))  # it is a reduction
+    for kernel in {v.kernel for v in seen}:
+        group = [v for v in seen if v.kernel == kernel]
+        picked = [v for v in chosen if v.kernel == kernel]
+        assert {c for v in group for c in v.constants} == {c for v in picked for c in v.constants}, kernel
+        values = {}
+        for v in group:
+            for n, x in v.constants:
+                values.setdefault(n, set()).add(x)
+        sizes = {n for n, vals in values.items() if cm._is_size(n, vals)}
+
+        def pairs(v):
+            path = sorted([c for c in v.constants if c[0] not in sizes]
+                          + [s for s in v.signature if s[1].startswith("*")] + [("options", repr(v.options))])
+            return set(itertools.combinations(path, 2))
+
+        assert set().union(*map(pairs, group)) == set().union(*map(pairs, picked)), kernel
+
+
+def test_no_fp8_cache_configurations_on_sm80():
+    assert not [k for k in cm.configurations(cm.TARGETS["sm_80"], ("llama-3.1-8b",)) if "kv=fp8" in k]
+    assert [k for k in cm.configurations(cm.TARGETS["sm_89"], ("llama-3.1-8b",)) if "kv=fp8" in k]
