@@ -1,15 +1,16 @@
 #!/usr/bin/env bash
-# One device call: the GPU test suite under jit="forbid" with an empty, unwritable Triton cache
-# (issue 20), then the HTTP serving load on an 8B random-weight engine beside LLM.generate
-# (issue 19). The server test files are left out (the image has no openai client). Needs .whl/ carried (fastapi, uvicorn, pydantic: not on the GPU image).
+# One device call: the GPU test suite under jit="forbid" with an empty, unwritable Triton cache,
+# the server tests' files collected too, then the HTTP serving load on an 8B random-weight engine
+# beside LLM.generate. Carry .whl/serve (benchmarks/stage_serving_wheels.sh: fastapi, uvicorn,
+# pydantic, xgrammar, openai: not on the GPU image). Second call of a GPU session, after
+# benchmarks/gpu_smoke.py (docs/gpu_runbook.md).
 set -o pipefail
 OUT=${OUT:-/tmp/infhip-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/serve/*.whl && export PYTHONPATH=/tmp/site
 python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . 2>&1 | tail -3
 INFHIP_JIT=forbid TRITON_CACHE_DIR=/proc/infhip-no-triton-cache timeout ${GPU_TESTS_S:-480} \
-  python3 -m pytest -q -m gpu tests -p no:cacheprovider --ignore-glob='tests/test_server*.py' \
-    --ignore=tests/test_structured_output_server.py 2>&1 | tail -25 | tee "$OUT/gpu_tests_strict.log"
+  python3 -m pytest -q -m gpu tests -p no:cacheprovider 2>&1 | tail -25 | tee "$OUT/gpu_tests_strict.log"
 # the suite alone takes ~400 s on one H100 (2026-12-05): TESTS_ONLY=1 stops here (one call each)
 [ -n "${TESTS_ONLY:-}" ] && exit 0
 python3 -m infhip.builder.cli --model llama-3.1-8b --random-weights --device cuda --output /tmp/l8b-serve \
