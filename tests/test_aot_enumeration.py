@@ -13,45 +13,22 @@ runtime really launches is enumerated.
 from __future__ import annotations
 
 import collections
-import dataclasses
 import importlib
 import inspect
-import json
 import re
-from pathlib import Path
 
 import pytest
 
-from infhip.builder.build import _graph_batch_sizes
-from infhip.builder.hf_config import model_config_from_hf
+from infhip.builder.compile_matrix import engine_config
 from infhip.builder.kernels import enumerate_variants, plugin_modules
-from infhip.builder.presets import make_plan
-from infhip.config import BuildConfig, EngineConfig, TokenDropConfig
 from infhip.plugins.aot import Target
 
-CONFIGS = Path(__file__).resolve().parents[1] / "builder" / "model_configs"
 # The plugins whose aot_launches this suite holds to a count (the dense family).
 DENSE_FAMILY = ("rms_norm", "activation", "rope", "skinny_gemm", "fp8_skinny_gemm", "fp8_linear", "dense_attention",
                 "kv_quant")
 # Modules whose aot_launches are written on another branch (aot-sparse): until it lands, a module
 # of these that has no aot_launches yet is an expected failure; once it has one, it is checked.
 PENDING = frozenset(m for m in plugin_modules() if m not in DENSE_FAMILY)
-
-
-def engine_config(model: str, kv_dtype: str = "bfloat16", preset: str = "dense", token_drop: bool = False,
-                  max_batch_size: int = 16, max_seq_len: int = 131072, weight_dtype: str = "bf16",
-                  quantize_lm_head: bool = False, target: str = "sm_90") -> EngineConfig:
-    """The EngineConfig infhip-build writes for ``model`` on an H200 by default (bf16 weights)."""
-    mcfg, _ = model_config_from_hf(json.loads((CONFIGS / f"{model}.json").read_text()))
-    build = BuildConfig(dtype="bfloat16", kv_dtype=kv_dtype, max_seq_len=min(mcfg.max_position_embeddings, max_seq_len)
-                        if preset == "dense" else max_seq_len,
-                        max_batch_size=max_batch_size, max_num_batched_tokens=32768,
-                        cuda_graph_batch_sizes=_graph_batch_sizes(max_batch_size), target=target,
-                        weight_dtype=weight_dtype, quantize_lm_head=quantize_lm_head)
-    plan = make_plan(mcfg, preset)
-    if token_drop:
-        plan = dataclasses.replace(plan, token_drop=TokenDropConfig())
-    return EngineConfig(model=mcfg, plan=plan, build=build)
 
 
 PLANS = {
