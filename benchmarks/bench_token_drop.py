@@ -49,6 +49,10 @@ def make_parser() -> argparse.ArgumentParser:
                    "first anchor keeps every token, the quality remedy of docs/quality.md)")
     p.add_argument("--drop-layers", default="auto", help="drop_layers schedules to time each rho with, comma-"
                    "separated (each 'auto', 'every' or layers joined by ':', e.g. auto,15:19:23:27)")
+    p.add_argument("--knobs", default="", help="more token-drop knobs for every drop run (as infhip-eval "
+                   "--token-drop), e.g. drop_point=before_attention,reenter=true: the schedule of the README's "
+                   "figure (since the schedule knobs, the default is the authors' no re-entry, under which a "
+                   "forced rho compounds over the anchors)")
     p.add_argument("--reps", type=int, default=2, help="best of this many runs below 128K")
     p.add_argument("--dry-run", action="store_true", help="print the plan and exit (no GPU needed)")
     return p
@@ -68,6 +72,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     if not args.spare_anchors or any(n < 0 for n in args.spare_anchors):
         raise SystemExit(f"bench_token_drop: --spare-anchors takes anchor counts >= 0, got {args.spare_anchors}")
     args.drop_layers = [x.strip() for x in args.drop_layers.split(",") if x.strip()] or ["auto"]
+    from infhip.knob_specs import parse_token_drop_knobs
+    try:
+        args.knobs = parse_token_drop_knobs(args.knobs)
+    except ValueError as e:
+        raise SystemExit(f"bench_token_drop: --knobs: {e}") from None
+    clash = sorted(set(args.knobs) & {"min_prompt_len", "spare_anchors", "drop_layers"})
+    if clash:
+        raise SystemExit(f"bench_token_drop: --knobs {clash} are set by the benchmark's own flags; use those")
     return args
 
 
@@ -129,7 +141,7 @@ def run_model(args, model: str, res: dict) -> None:
           f"{info['setup_s']:.0f} s{' — TRUNCATED' if info['truncated'] else ''}", flush=True)
     vocab = cfg.model.vocab_size
     configs = [("dense", None, None)] + [
-        (name, TokenDropConfig(min_prompt_len=0, spare_anchors=n, drop_layers=d), r)
+        (name, TokenDropConfig(min_prompt_len=0, spare_anchors=n, drop_layers=d, **args.knobs), r)
         for name, r, n, d in drop_configs(args)]
     warm = [(i * 7919) % (vocab - 10) + 10 for i in range(4096)]
     for _, td, rho in configs:  # compile the Triton kernels of every path once
@@ -185,7 +197,8 @@ def main(argv=None) -> None:
     import triton
     args.out.mkdir(parents=True, exist_ok=True)
     res = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-           "lengths": args.lengths, "retention": args.retention, "spare_anchors": args.spare_anchors}
+           "lengths": args.lengths, "retention": args.retention, "spare_anchors": args.spare_anchors,
+           "knobs": args.knobs}
     t = time.perf_counter()
     for model in args.models:
         run_model(args, model, res)

@@ -22,7 +22,8 @@ step() {
 step e2e_decode_512k 170 python3 benchmarks/bench_decode_e2e.py --out "$OUT/e2e" --contexts 512000 \
   --configs dense,3k-flash --kv-gib 72
 step token_drop_128k 130 python3 benchmarks/bench_token_drop.py --out "$OUT/td" --models llama-3.1-8b \
-  --lengths 128k --retention 0.3 --spare-anchors 1 --drop-layers every  # the figure's schedule (every full layer)
+  --lengths 128k --retention 0.3 --spare-anchors 1 --drop-layers every \
+  --knobs drop_point=before_attention,reenter=true  # the figure's schedule (every full layer, re-entry)
 step fp8_engines 175 python3 benchmarks/bench_fp8_weights.py --out "$OUT/fp8" --engines bf16,fp8 \
   --kernel-budget-s 0 --deadline-s 250
 step layer_decode_1m 80 python3 benchmarks/bench_infinitehip.py --out "$OUT/layer_decode" --presets 3k-flash \
