@@ -26,11 +26,10 @@ sequence ends (docs/design/prefix_caching.md, "Offloaded KV").
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
+from infhip.runtime.page_table import NULL_PAGE, PageTable
 from infhip.runtime.prefix_cache import PagePool, PrefixCaching
-
-NULL_PAGE = 0
 
 
 class OutOfPages(RuntimeError):
@@ -122,17 +121,6 @@ class KVGroupSpec:
             raise ValueError(f"KVGroupSpec.window must be None or an int >= 1, got {self.window!r}")
 
 
-@dataclass
-class _Table:
-    """Page table of one sequence in one group: pages[i] holds positions i*page_size.. .
-    Entries below ``lo`` are released (0); entries from ``lo`` on are allocated."""
-
-    pages: list[int] = field(default_factory=list)
-    lo: int = 0
-    host_hi: int = 0  # offloading: pages [head, host_hi) have been moved (entries < 0; a cached prefix's too)
-    num_hashed: int = 0  # prefix caching: logical pages [0, num_hashed) were offered to the cache
-
-
 class KVCacheManager(PrefixCaching):
     """Page tables of every sequence in every group. Pages are reference counted and full pages
     may be shared through the prefix cache (runtime/prefix_cache.py; off unless enabled)."""
@@ -154,7 +142,7 @@ class KVCacheManager(PrefixCaching):
         # Host pools: host page h is entry -(h + 1), so allocator page p (1..host_pages) is entry -p.
         self._host = {name: PagePool(PageAllocator(spec.offload.host_pages + 1), name, host=True)
                       for name, spec in self.groups.items() if spec.offload is not None}
-        self._tables: dict[str, dict[int, _Table]] = {name: {} for name in self.groups}
+        self._tables: dict[str, dict[int, PageTable]] = {name: {} for name in self.groups}
         self._init_prefix_cache()
 
     # ---- sizing -------------------------------------------------------------------------
@@ -211,7 +199,7 @@ class KVCacheManager(PrefixCaching):
         plan = {}
         last = (end - 1) // self.page_size  # last logical page the chunk writes
         for name, spec in self.groups.items():
-            t = self._tables[name].get(seq_id) or _Table()
+            t = self._tables[name].get(seq_id) or PageTable()
             # First logical page still needed: it holds key start-W+1 of the chunk's first query.
             keep_from = max(0, start - spec.window + 1) // self.page_size if spec.window else 0
             if keep_from < t.lo:
@@ -241,7 +229,7 @@ class KVCacheManager(PrefixCaching):
                                  f"for positions [{start}, {end}); "
                                  f"{self._alloc[g].num_free + rel} available")
         for g, (keep_from, _, new) in plan.items():
-            t = self._tables[g].setdefault(seq_id, _Table())
+            t = self._tables[g].setdefault(seq_id, PageTable())
             alloc = self._alloc[g]
             for i in range(t.lo, min(keep_from, len(t.pages))):
                 alloc.free(t.pages[i])
@@ -315,7 +303,7 @@ class KVCacheManager(PrefixCaching):
     def slot_mapping(self, seq_id: int, group: str, start: int, end: int) -> list[int]:
         """Flat cache slot ``page * page_size + offset`` of each position in [start, end)."""
         self._spec(group)
-        t = self._tables[group].get(seq_id) or _Table()
+        t = self._tables[group].get(seq_id) or PageTable()
         ps = self.page_size
         if not 0 <= start <= end or (end > start and not (
                 t.lo * ps <= start and end <= len(t.pages) * ps)):

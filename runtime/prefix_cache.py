@@ -29,6 +29,8 @@ import hashlib
 from array import array
 from collections import OrderedDict
 
+from infhip.runtime.page_table import NULL_PAGE, PageTable
+
 _DIGEST = 16
 
 
@@ -280,7 +282,6 @@ class PrefixCaching:
             return 0
         if any(seq_id in tables for tables in self._tables.values()):
             raise ValueError(f"sequence {seq_id} already holds pages; share() is for new sequences")
-        from infhip.runtime.kv_cache import NULL_PAGE, _Table
 
         n, chain = self.cached_prefix(tokens)
         self._chains[seq_id] = chain
@@ -305,7 +306,7 @@ class PrefixCaching:
                 host_hi = -(-self.groups[g].offload.head_tokens // self.page_size)
                 while host_hi < n and pages[host_hi] < 0:
                     host_hi += 1
-            self._tables[g][seq_id] = _Table(pages=pages, lo=lo, num_hashed=n, host_hi=host_hi)
+            self._tables[g][seq_id] = PageTable(pages=pages, lo=lo, num_hashed=n, host_hi=host_hi)
         return n * self.page_size
 
     def register(self, seq_id: int, tokens: list[int], num_computed: int) -> None:

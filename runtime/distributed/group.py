@@ -17,6 +17,8 @@ torch.distributed: one code path for both.
 
 from __future__ import annotations
 
+import datetime
+import os
 from typing import Callable
 
 import torch
@@ -152,3 +154,23 @@ def attach(model: torch.nn.Module, group: TPGroup) -> None:
     for module in model.modules():
         if hasattr(module, "tp"):
             module.tp = group
+
+
+# The step's collectives: a rank that makes no progress this long is gone (NCCL / gloo timeout).
+DEV_TIMEOUT_S = float(os.environ.get("INFHIP_TP_TIMEOUT_S", "600"))
+# Workers wait for rank 0's next step here, between requests too: no practical bound.
+_CTRL_TIMEOUT = datetime.timedelta(days=3650)
+
+
+def join_group(rank: int, tp: int, init_method: str, device_type: str, on_failure=None,
+               workers_gone=None) -> TPGroup:
+    """This process's TPGroup: the default group (gloo, the plan's channel) and a device group
+    (NCCL on GPUs, gloo on the CPU) for the step's tensors."""
+    import torch.distributed as dist
+
+    if device_type == "cuda":
+        torch.cuda.set_device(rank)
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=tp, timeout=_CTRL_TIMEOUT)
+    dev = dist.new_group(backend="nccl" if device_type == "cuda" else "gloo",
+                         timeout=datetime.timedelta(seconds=DEV_TIMEOUT_S))
+    return TPGroup(rank, tp, dev, dist.group.WORLD, on_failure, workers_gone)

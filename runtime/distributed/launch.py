@@ -24,7 +24,6 @@ close it and load it again.
 from __future__ import annotations
 
 import atexit
-import datetime
 import os
 import queue
 import shutil
@@ -36,14 +35,10 @@ from pathlib import Path
 import torch
 
 from infhip.config import EngineConfig, EngineFormatError
-from infhip.runtime.distributed.group import TPGroup, attach
+from infhip.runtime.distributed.group import TPGroup, attach, join_group
 
-# The step's collectives: a rank that makes no progress this long is gone (NCCL / gloo timeout).
-DEV_TIMEOUT_S = float(os.environ.get("INFHIP_TP_TIMEOUT_S", "600"))
 # Workers loading their shard (weights, kernels) before the group forms.
 START_TIMEOUT_S = float(os.environ.get("INFHIP_TP_START_TIMEOUT_S", "900"))
-# Workers wait for rank 0's next step here, between requests too: no practical bound.
-_CTRL_TIMEOUT = datetime.timedelta(days=3650)
 
 
 def _device_type(config: EngineConfig, device) -> str:
@@ -205,17 +200,3 @@ def _python_for_spawn(ctx) -> None:
     candidate = Path(sys.exec_prefix, "bin", "python3")
     if candidate.is_file():
         ctx.set_executable(str(candidate))
-
-
-def join_group(rank: int, tp: int, init_method: str, device_type: str, on_failure=None,
-               workers_gone=None) -> TPGroup:
-    """This process's TPGroup: the default group (gloo, the plan's channel) and a device group
-    (NCCL on GPUs, gloo on the CPU) for the step's tensors."""
-    import torch.distributed as dist
-
-    if device_type == "cuda":
-        torch.cuda.set_device(rank)
-    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=tp, timeout=_CTRL_TIMEOUT)
-    dev = dist.new_group(backend="nccl" if device_type == "cuda" else "gloo",
-                         timeout=datetime.timedelta(seconds=DEV_TIMEOUT_S))
-    return TPGroup(rank, tp, dev, dist.group.WORLD, on_failure, workers_gone)

@@ -24,7 +24,7 @@ STEP_KINDS = ("forward_plan", "run_decode_plans", "move_pages", "set_backend", "
 def run_rank(rank: int, tp: int, init_method: str, engine_dir: str, opts, errors, threads: int | None = None) -> None:
     """The whole life of worker `rank` (the target of the spawned process, or a torchrun rank's
     LLM()). errors: rank 0's queue for "ready" and "error" reports (None under torchrun)."""
-    from infhip.runtime.distributed.launch import join_group
+    from infhip.runtime.distributed.group import join_group
     from infhip.runtime.load import load_rank
 
     def report(kind: str, text: str = "") -> None:

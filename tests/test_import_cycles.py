@@ -1,0 +1,121 @@
+"""No new import cycles among infhip's modules. Every import counts as an edge, function-local and
+`if TYPE_CHECKING:` ones too: such an import hides a cycle from Python, not from whoever has to
+change one module without the other. The cycles left from before this check are listed in
+KNOWN_CYCLES, each to be broken; the test fails on any other cycle, and on a listed one that is gone
+or has changed (so the list only shrinks)."""
+
+from __future__ import annotations
+
+import ast
+import tomllib
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+KNOWN_CYCLES = {
+    # config validates a TP layout through tensor_parallel, which types its arguments with config's ModelConfig
+    frozenset({"infhip.config", "infhip.tensor_parallel"}),
+    # the generic offload (copy_pages) asks InfiniteHiP's launch space for its AOT variants
+    frozenset({"infhip.plugins._aot_shapes", "infhip.plugins.infinitehip._aot", "infhip.plugins.kv_offload",
+               "infhip.plugins.paged_kv"}),
+    # the skinny fp8 kernel's table and the linear's dispatch share constants both ways
+    frozenset({"infhip.plugins.fp8_linear", "infhip.plugins.fp8_skinny_gemm"}),
+}
+
+
+def modules() -> dict[str, Path]:
+    """module name -> file, for every package pyproject.toml maps (package-dir)."""
+    dirs = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
+    out = {}
+    for package, folder in dirs.items():
+        for path in sorted((ROOT / folder).glob("*.py")):
+            out[package if path.stem == "__init__" else f"{package}.{path.stem}"] = path
+    return out
+
+
+def _targets(name: str, is_package: bool, node: ast.AST, known: dict) -> list[str]:
+    """The infhip modules an import statement reaches (a name imported from a package is its
+    submodule when there is one, else the package)."""
+    def longest(dotted: str) -> str | None:
+        while dotted and dotted not in known:
+            dotted = dotted.rpartition(".")[0]
+        return dotted or None
+
+    if isinstance(node, ast.Import):
+        return [m for m in (longest(a.name) for a in node.names) if m]
+    base = node.module or ""
+    if node.level:
+        parent = name if is_package else name.rpartition(".")[0]
+        for _ in range(node.level - 1):
+            parent = parent.rpartition(".")[0]
+        base = f"{parent}.{base}" if base else parent
+    return [m for m in (f"{base}.{a.name}" if f"{base}.{a.name}" in known else longest(base) for a in node.names) if m]
+
+
+def import_graph() -> dict[str, set[str]]:
+    known = modules()
+    graph = {}
+    for name, path in known.items():
+        edges = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                edges.update(_targets(name, path.stem == "__init__", node, known))
+        graph[name] = edges - {name}
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> set[frozenset[str]]:
+    """The strongly connected components of more than one module (Tarjan, iterative)."""
+    index, low, on_stack, stack, found, counter = {}, {}, set(), [], set(), 0
+    for root in graph:
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = counter
+        counter += 1
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            v, children = work[-1]
+            for w in children:
+                if w not in index:
+                    index[w] = low[w] = counter
+                    counter += 1
+                    stack.append(w)
+                    on_stack.add(w)
+                    work.append((w, iter(sorted(graph[w]))))
+                    break
+                if w in on_stack:
+                    low[v] = min(low[v], index[w])
+            else:
+                work.pop()
+                if work:
+                    low[work[-1][0]] = min(low[work[-1][0]], low[v])
+                if low[v] == index[v]:
+                    comp = set()
+                    while True:
+                        w = stack.pop()
+                        on_stack.discard(w)
+                        comp.add(w)
+                        if w == v:
+                            break
+                    if len(comp) > 1:
+                        found.add(frozenset(comp))
+    return found
+
+
+def test_the_graph_sees_function_local_and_type_checking_imports():
+    graph = import_graph()
+    assert "infhip.runtime.kv_cache" in graph and "infhip.plugins.rms_norm" in graph
+    assert "infhip.plugins.paged_kv" in graph["infhip.plugins.kv_offload"]  # under TYPE_CHECKING
+    assert "infhip.runtime.attention" in graph["infhip.builder.kernels"]  # inside a function
+    toy = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "e": set()}
+    assert cycles(toy) == {frozenset("abc")}
+
+
+def test_no_new_import_cycles():
+    found = cycles(import_graph())
+    new = [sorted(c) for c in found - KNOWN_CYCLES]
+    gone = [sorted(c) for c in KNOWN_CYCLES - found]
+    assert not new, f"new import cycle(s): {new}: move what both sides need into a module of its own"
+    assert not gone, f"cycle(s) {gone} are broken or changed: take them out of KNOWN_CYCLES"
