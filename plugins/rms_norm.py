@@ -11,6 +11,12 @@ rounded to x.dtype: h is the new residual stream), and the call returns
 x may be [T, N] (hidden states) or [T, H, N] (per-head q/k norm, possibly a
 strided view into a fused qkv output): every leading index is one row, the last
 dim must be contiguous.
+
+Fused fp8 output (``quantize=True``, fp8-weight engines whose next linear runs torch._scaled_mm;
+plugins/fp8_linear.py): instead of the row y the kernel writes y quantized per row, e4m3 with one
+float32 scale (an `Fp8Act`), from y as rounded to x.dtype, with quantize_act's rule and helpers:
+the same bytes as quantize_act(rms_norm(x)), without y's round trip through memory. Plain
+[T, N] rows only (the decoder's hidden-size norms).
 """
 
 from __future__ import annotations
@@ -20,6 +26,8 @@ import triton
 import triton.language as tl
 
 from ._triton_utils import next_pow2, use_triton
+from .fp8_linear import Fp8Act, quantize_act_ref, row_scale_e4m3, to_e4m3_grid
+from .kv_quant import FP8_DTYPE
 
 
 @triton.jit
@@ -29,8 +37,10 @@ def _rms_norm_kernel(
     residual_ptr,  # [T, H, N] or dummy (HAS_RESIDUAL=False)
     weight_ptr,  # [N] float32
     # outputs
-    out_ptr,  # [T, H, N] contiguous, x dtype
+    out_ptr,  # [T, H, N] contiguous, x dtype; dummy when QUANT
     residual_out_ptr,  # [T, H, N] contiguous, x dtype (h = x + residual)
+    q_ptr,  # QUANT: [T, N] float8_e4m3fn contiguous (H == 1); else dummy
+    q_scale_ptr,  # QUANT: [T] float32; else dummy
     # constants
     stride_xt, stride_xh,
     stride_rt, stride_rh,
@@ -39,6 +49,7 @@ def _rms_norm_kernel(
     eps,
     BLOCK_N: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
+    QUANT: tl.constexpr,  # write the row as e4m3 + scale (q_ptr, q_scale_ptr) instead of out_ptr
 ):
     row = tl.program_id(0)  # one program per (t, h) row
     t = row // num_heads
@@ -58,7 +69,15 @@ def _rms_norm_kernel(
     mean_sq = tl.sum(xf * xf, axis=0) / N
     inv_rms = 1.0 / tl.sqrt(mean_sq + eps)
     w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_row + cols, (xf * inv_rms * w).to(x.dtype), mask=mask)
+    y = (xf * inv_rms * w).to(x.dtype)
+    if QUANT:
+        # quantize the row as stored in x.dtype (zeros past N): quantize_act's bytes
+        yf = y.to(tl.float32)
+        s = row_scale_e4m3(tl.abs(yf))  # [BLOCK_N], every entry the row's scale
+        tl.store(q_ptr + row.to(tl.int64) * N + cols, to_e4m3_grid(yf, s).to(q_ptr.dtype.element_ty), mask=mask)
+        tl.store(q_scale_ptr + row + cols, s, mask=cols == 0)
+    else:
+        tl.store(out_row + cols, y, mask=mask)
 
 
 def _as_3d(x: torch.Tensor) -> torch.Tensor:
@@ -68,53 +87,68 @@ def _as_3d(x: torch.Tensor) -> torch.Tensor:
 
 
 def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float,
-                    residual: torch.Tensor | None = None):
+                    residual: torch.Tensor | None = None, quantize: bool = False):
     """Triton launcher; same contract as `rms_norm`."""
     x3 = _as_3d(x)
     T, H, N = x3.shape
     assert x3.stride(2) == 1, "rms_norm: last dim must be contiguous"
     assert weight.shape == (N,) and weight.is_contiguous(), f"weight must be [{N}]"
-    out = torch.empty((T, H, N), dtype=x.dtype, device=x.device)
+    assert not quantize or x.dim() == 2, f"rms_norm: the fp8 output is for [T, N] rows, got {tuple(x.shape)}"
+    if quantize:  # the row goes out as e4m3 + scale only; `out` is a dummy
+        q = torch.empty((T, N), dtype=FP8_DTYPE, device=x.device)
+        q_scale = torch.empty((T,), dtype=torch.float32, device=x.device)
+        out = q
+    else:
+        out = torch.empty((T, H, N), dtype=x.dtype, device=x.device)
+        q, q_scale = out, out  # dummies, never touched
     if residual is not None:
         assert residual.shape == x.shape, "residual must have the shape of x"
         r3 = _as_3d(residual)
         assert r3.stride(2) == 1, "rms_norm: residual last dim must be contiguous"
-        residual_out = torch.empty_like(out)
+        residual_out = torch.empty((T, H, N), dtype=x.dtype, device=x.device)
     else:
         r3, residual_out = x3, out  # dummies, never touched
     if T * H > 0:
         BLOCK_N = next_pow2(N)
         _rms_norm_kernel[(T * H,)](
             x3, r3, weight,
-            out, residual_out,
+            out, residual_out, q, q_scale,
             x3.stride(0), x3.stride(1), r3.stride(0), r3.stride(1),
             H, N, float(eps),
-            BLOCK_N=BLOCK_N, HAS_RESIDUAL=residual is not None,
+            BLOCK_N=BLOCK_N, HAS_RESIDUAL=residual is not None, QUANT=quantize,
+            # the same warps with and without QUANT: the sum of squares (hence y) reduces in the
+            # same order, so the fused bytes equal quantize_act's of the plain output
             num_warps=min(max(BLOCK_N // 256, 1), 16),
         )
-    out = out.view(x.shape)
+    y = Fp8Act(q, q_scale, x.dtype) if quantize else out.view(x.shape)
     if residual is None:
-        return out
-    return out, residual_out.view(x.shape)
+        return y
+    return y, residual_out.view(x.shape)
 
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float,
-                 residual: torch.Tensor | None = None):
-    """Plain-torch reference (float32 math)."""
+                 residual: torch.Tensor | None = None, quantize: bool = False):
+    """Plain-torch reference (float32 math); quantize: the output through quantize_act's
+    reference (an `Fp8Act`)."""
     if residual is not None:
         x = (x.float() + residual.float()).to(x.dtype)  # new residual stream
     xf = x.float()
     y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight.float()
     y = y.to(x.dtype)
+    if quantize:
+        assert x.dim() == 2, f"rms_norm: the fp8 output is for [T, N] rows, got {tuple(x.shape)}"
+        y = Fp8Act(*quantize_act_ref(y), x.dtype)
     return y if residual is None else (y, x)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
-             residual: torch.Tensor | None = None):
-    """RMSNorm over the last dim; with `residual`, returns (norm(x + residual), x + residual)."""
+             residual: torch.Tensor | None = None, quantize: bool = False):
+    """RMSNorm over the last dim; with `residual`, returns (norm(x + residual), x + residual).
+    quantize: the norm's output as an `Fp8Act` (e4m3 rows + float32 scales, [T, N] x only) for
+    an fp8 linear's scaled_mm path (plugins/fp8_linear.py takes_fp8_act)."""
     if use_triton(x):
-        return rms_norm_triton(x, weight, eps, residual)
-    return rms_norm_ref(x, weight, eps, residual)
+        return rms_norm_triton(x, weight, eps, residual, quantize)
+    return rms_norm_ref(x, weight, eps, residual, quantize)
 
 
 def aot_launches(space) -> None:
@@ -123,17 +157,23 @@ def aot_launches(space) -> None:
     layer's input norm, Gemma-3's post-attention / post-feedforward norms and a layer after a
     token-drop anchor take none), and with q/k norm the per-head norms of q [T, Hq, D] and
     k [T, Hkv, D], whose inputs are ``.contiguous()`` of the qkv slices (for T == 1 the slices
-    themselves, see _aot_shapes.TOKEN_CLASSES). The token count is only the grid."""
+    themselves, see _aot_shapes.TOKEN_CLASSES). The token count is only the grid.
+    fp8-weight engines: the fp8-output forms of the norms that feed qkv_proj or gate_up_proj,
+    where that layer reaches torch._scaled_mm (plugins/fp8_linear.py scaled_mm_reachable; the
+    runtime asks takes_fp8_act per call, runtime/models/common.py)."""
     from ._aot_shapes import TOKEN_CLASSES, qkv_views
+    from .fp8_linear import scaled_mm_reachable
 
     m = space.model
     eps = m.rms_norm_eps
     w_hidden = space.fake(m.hidden_size, dtype=torch.float32)
     w_head = space.fake(m.head_dim, dtype=torch.float32)
+    fused = any(scaled_mm_reachable(space, name) for name in ("qkv_proj", "gate_up_proj"))
     for T in TOKEN_CLASSES:
         x = space.fake(T, m.hidden_size, dtype=space.act_dtype)
-        rms_norm(x, w_hidden, eps)
-        rms_norm(x, w_hidden, eps, space.fake(T, m.hidden_size, dtype=space.act_dtype))
+        for quantize in (False, True) if fused else (False,):
+            rms_norm(x, w_hidden, eps, quantize=quantize)
+            rms_norm(x, w_hidden, eps, space.fake(T, m.hidden_size, dtype=space.act_dtype), quantize=quantize)
         if m.qk_norm:
             q, k, _ = qkv_views(space, T)
             rms_norm(q.contiguous(), w_head, eps)

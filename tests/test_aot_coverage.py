@@ -50,7 +50,8 @@ SCENARIOS = {
     "dense": ("llama", dict(hf=L2), {}),
     "dense-fp8": ("llama", dict(hf=L2, kv_dtype="fp8"), {}),
     # fp8 weights, the LM head too: decode rows through the fp8 skinny kernel, prefill chunks
-    # through torch._scaled_mm's activation quantization (emulated off the GPU)
+    # through torch._scaled_mm's activation quantization (emulated off the GPU), fused into the
+    # norms and the activation where they feed an fp8 linear
     "dense-fp8-weights": ("llama", dict(hf=L2, weight_dtype="fp8", quantize_lm_head=True), {}),
     "3k": ("llama", dict(hf=L2, preset="3k", infinitehip_overrides=TINY), {}),
     "token-drop": ("llama", dict(hf=L2, token_drop=dict(p=0.9, min_prompt_len=32, obs_window=8, block_size=8,
@@ -83,5 +84,8 @@ def test_enumeration_covers_launches(tiny_engine, monkeypatch, name):
     assert rec.variants, "no Triton launch recorded: the scenario did not reach the kernels"
     if build_kw.get("weight_dtype") == "fp8":
         assert {"_fp8_skinny_kernel", "_quantize_act_kernel"} <= {v.name for v in rec.variants}
+        # prefill chunks: the norms and the activation write fp8 rows for scaled_mm (Fp8Act)
+        fused = {v.name for v in rec.variants if dict(v.constants).get("QUANT") == "True"}
+        assert fused == {"_rms_norm_kernel", "_gated_act_kernel"}
     missing = sorted(v.describe() for v in rec.variants - enumerated)
     assert not missing, f"{len(missing)} launched variant(s) not enumerated for {name}:\n" + "\n".join(missing)

@@ -78,6 +78,7 @@ def test_dense_family_bounded_and_deterministic(enumerated, name):
     # compiled for the GPU: dots in the queries' dtype, never the interpreter's float32 upcast
     assert all(c.get("DOT_F32", "False") == "False" for c in consts)
     assert all(c.get("DOT_PRECISION", "'tf32'") == "'tf32'" for c in consts)
+    assert all(c.get("QUANT", "False") == "False" for c in consts)  # fused fp8 outputs: fp8 weights only
     scaled = "True" if PLANS[name].get("kv_dtype") == "fp8" else "False"
     assert {c["KV_SCALED"] for v, c in zip(dense, consts) if "KV_SCALED" in c} == {scaled}
     kinds = {c["KIND"] for v, c in zip(dense, consts) if v.name == "_gated_act_kernel"}
@@ -108,6 +109,16 @@ def test_fp8_weight_kernels_bounded_and_replace_bf16_ones(enumerated, name):
     assert sum(counts.values()) <= 24, f"{counts}: the fp8 enumeration is not bounded"
     lm_head = PLANS[name].get("quantize_lm_head", False)
     assert (counts["_skinny_gemm_kernel"] == 0) == lm_head
+    # the fused fp8 outputs of the norms (plain and residual forms) and of the activation
+    # (plugins/fp8_linear.py Fp8Act): one-pass variants (a row in registers at these widths)
+    fused = [dict(v.constants) | {"name": v.name} for v in variants if dict(v.constants).get("QUANT") == "True"]
+    assert sorted((c["name"], c["HAS_RESIDUAL"]) for c in fused if c["name"] == "_rms_norm_kernel") == [
+        ("_rms_norm_kernel", "False"), ("_rms_norm_kernel", "True")]
+    act = [c for c in fused if c["name"] == "_gated_act_kernel"]
+    assert len(act) == 1 and act[0]["ONE_TILE"] == "True" and act[0]["KIND"] == ("1" if "gemma" in name else "0")
+    for v in variants:
+        if dict(v.constants).get("QUANT") == "True":
+            assert dict(v.signature)["q_ptr"] == "*fp8e4nv" and dict(v.signature)["q_scale_ptr"] == "*fp32"
     for v in variants:
         c = dict(v.constants)
         if v.name == "_fp8_skinny_kernel":  # compiled for the GPU: bf16 dots, no interpreter upcast
@@ -121,9 +132,12 @@ def test_fp8_weight_kernels_need_an_fp8_target():
     """Below sm_89 an fp8 engine runs the dequantizing reference: nothing fp8 is compiled (Triton
     has no fp8e4nv there), and no bf16 skinny GEMM for the fp8 layers either."""
     config = engine_config("llama-3.1-8b", weight_dtype="fp8", target="sm_80")
-    names = {v.name for v in enumerate_variants(config, Target("sm_80", 108))}
+    variants = enumerate_variants(config, Target("sm_80", 108))
+    names = {v.name for v in variants}
     assert not names & {"_fp8_skinny_kernel", "_quantize_act_kernel"}
     assert "_rms_norm_kernel" in names
+    # nor the fused fp8 outputs of the norm and the activation
+    assert all(dict(v.constants).get("QUANT", "False") == "False" for v in variants)
 
 
 def _launched_kernels() -> dict[str, list[str]]:

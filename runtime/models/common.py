@@ -13,7 +13,7 @@ from torch import nn
 
 from infhip.config import LayerPlan, ModelConfig
 from infhip.plugins.activation import gated_act
-from infhip.plugins.fp8_linear import fp8_linear
+from infhip.plugins.fp8_linear import Fp8Act, fp8_linear, takes_fp8_act
 from infhip.plugins.rms_norm import rms_norm
 from infhip.plugins.skinny_gemm import skinny_linear
 from infhip.runtime.attention.dense import DENSE
@@ -24,6 +24,19 @@ from infhip.runtime.forward_context import get_forward_context
 # The plugins the blocks below launch besides attention (runtime/attention/ lists its own):
 # builder/kernels.py compiles what their aot_launches enumerate.
 PLUGIN_MODULES = ("rms_norm", "activation", "skinny_gemm", "fp8_skinny_gemm", "fp8_linear")
+
+
+# The norms before qkv_proj / gate_up_proj and the MLP's activation write their output as fp8
+# rows + scales (plugins/fp8_linear.py Fp8Act) when the next layer is an Fp8Linear on its
+# torch._scaled_mm path: the same bytes as its own quantize_act, one kernel and one activation
+# round trip fewer. Not a knob (it changes no numerics); tests turn it off to compare.
+FUSE_FP8_ACT = True
+
+
+def quantizes_input(consumer: nn.Module, x: torch.Tensor) -> bool:
+    """Should the producer of consumer's input hand it fp8 rows? x: a tensor with the input's
+    rows, dtype and device (the producer's own input will do). False for every bf16 engine."""
+    return FUSE_FP8_ACT and isinstance(consumer, Fp8Linear) and takes_fp8_act(x, consumer.weight)
 
 
 class SkinnyLinear(nn.Linear):
@@ -55,7 +68,7 @@ class Fp8Linear(nn.Module):
         self.weight_scale = param(out_features)
         self.bias = param(out_features) if bias else None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | Fp8Act) -> torch.Tensor:
         return fp8_linear(x, self.weight, self.weight_scale, self.bias)
 
     def extra_repr(self) -> str:
@@ -86,8 +99,11 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.empty(dim, device="meta"), requires_grad=False)
         self.eps = eps
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        return rms_norm(x, self.weight, self.eps, residual)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None, consumer: nn.Module | None = None):
+        """consumer: the linear layer the output feeds, if it should get fp8 rows when it can
+        (`quantizes_input`; the output is then an Fp8Act)."""
+        quantize = consumer is not None and quantizes_input(consumer, x)
+        return rms_norm(x, self.weight, self.eps, residual, quantize=quantize)
 
 
 class RopeTable(nn.Module):
@@ -130,10 +146,11 @@ class Attention(nn.Module):
         self.backend_state = None
         self.tp = SINGLE  # the tensor-parallel group (runtime/distributed/; set at load), a no-op at 1
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor | Fp8Act) -> torch.Tensor:
+        """hidden [T, hidden]: the normed rows, or their fp8 form (input_layernorm(..., consumer=qkv_proj))."""
         ctx = get_forward_context().for_layer(self.layer_index, self.kv_group)
-        num_tokens = hidden.shape[0]
         qkv = self.qkv_proj(hidden)
+        num_tokens = qkv.shape[0]
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         q = qkv[:, :q_size].view(num_tokens, self.num_heads, self.head_dim)
         k = qkv[:, q_size:q_size + kv_size].view(num_tokens, self.num_kv_heads, self.head_dim)
@@ -156,8 +173,11 @@ class GatedMLP(nn.Module):
         self.act = cfg.hidden_act
         self.tp = SINGLE  # as Attention.tp
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.tp.all_reduce(self.down_proj(gated_act(self.gate_up_proj(x), self.act)))
+    def forward(self, x: torch.Tensor | Fp8Act) -> torch.Tensor:
+        """x [T, hidden]: the normed rows, or their fp8 form (the pre-MLP norm's, consumer=gate_up_proj)."""
+        gate_up = self.gate_up_proj(x)
+        act = gated_act(gate_up, self.act, quantize=quantizes_input(self.down_proj, gate_up))
+        return self.tp.all_reduce(self.down_proj(act))
 
 
 class DecoderLayer(nn.Module):

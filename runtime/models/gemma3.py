@@ -35,15 +35,16 @@ class Gemma3DecoderLayer(DecoderLayer):
     def attend(self, hidden: torch.Tensor, residual: torch.Tensor | None):
         """in_norm (with the residual add), attention, post_attn_norm: (stream) -> (normed
         attention output, residual)."""
+        qkv = self.self_attn.qkv_proj  # fp8 engines: the norm may write its rows in fp8 for it
         if residual is None:
-            hidden, residual = self.input_layernorm(hidden), hidden
+            hidden, residual = self.input_layernorm(hidden, consumer=qkv), hidden
         else:
-            hidden, residual = self.input_layernorm(hidden, residual)
+            hidden, residual = self.input_layernorm(hidden, residual, consumer=qkv)
         return self.post_attention_layernorm(self.self_attn(hidden)), residual
 
     def feed_forward(self, hidden: torch.Tensor, residual: torch.Tensor):
         """pre_ff_norm (with the residual add), MLP, post_ff_norm."""
-        hidden, residual = self.pre_feedforward_layernorm(hidden, residual)
+        hidden, residual = self.pre_feedforward_layernorm(hidden, residual, consumer=self.mlp.gate_up_proj)
         return self.post_feedforward_layernorm(self.mlp(hidden)), residual
 
 

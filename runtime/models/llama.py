@@ -31,15 +31,16 @@ class LlamaDecoderLayer(DecoderLayer):
 
     def attend(self, hidden: torch.Tensor, residual: torch.Tensor | None):
         """in_norm (with the residual add), attention: (stream) -> (attention output, residual)."""
+        qkv = self.self_attn.qkv_proj  # fp8 engines: the norm may write its rows in fp8 for it
         if residual is None:
-            hidden, residual = self.input_layernorm(hidden), hidden
+            hidden, residual = self.input_layernorm(hidden, consumer=qkv), hidden
         else:
-            hidden, residual = self.input_layernorm(hidden, residual)
+            hidden, residual = self.input_layernorm(hidden, residual, consumer=qkv)
         return self.self_attn(hidden), residual
 
     def feed_forward(self, hidden: torch.Tensor, residual: torch.Tensor):
         """post_attn_norm (with the residual add), MLP."""
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        hidden, residual = self.post_attention_layernorm(hidden, residual, consumer=self.mlp.gate_up_proj)
         return self.mlp(hidden), residual
 
 
