@@ -103,7 +103,9 @@ def test_explicit_limit_retry_after_is_the_expected_wait(engine):
         retry = int(headers["retry-after"])
         first_free = min(t for t, _ in finished) - asked
         assert {s for _, s in finished} == {200}
-        assert retry / 2 <= first_free <= 2 * retry, (retry, first_free, lc.throughput.tokens_per_s)
+        # the header is the expected wait e rounded up to whole seconds (retry - 1 < e <= retry), and
+        # the real wait is within a factor of 2 of e (a CI run had e ~ 2.0 s, header 3, real 1.42 s)
+        assert (retry - 1) / 2 <= first_free <= 2 * retry, (retry, first_free, lc.throughput.tokens_per_s)
 
 
 LINE = re.compile(r'127\.0\.0\.1:\d+ "(\w+) (\S+) HTTP/1\.1" (\d{3}) \d+\.\d{3}s prompt_tokens=(\S+) '

@@ -209,7 +209,7 @@ def test_qwen_streamed_tool_call_in_its_own_format(tmp_path):
                           max_seq_len=512, max_batch_size=2, progress=False)
     with running_server(LLM(engine)) as srv:
         client = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=600)
-        calls, finish, text = {}, None, ""
+        calls, finish, text = {}, None, ""  # index -> [name, arguments so far]: the arguments stream in pieces
         for chunk in client.chat.completions.create(
                 model="infhip", messages=[{"role": "user", "content": "What is the weather in Paris, in C?"}],
                 tools=[QWEN_WEATHER], tool_choice="required", temperature=0, max_tokens=40, stream=True):
@@ -217,10 +217,11 @@ def test_qwen_streamed_tool_call_in_its_own_format(tmp_path):
             text += d.content or ""
             finish = chunk.choices[0].finish_reason or finish
             for item in d.tool_calls or ():
-                calls.setdefault(item.index, item)
+                call = calls.setdefault(item.index, [item.function.name, ""])
+                call[1] += item.function.arguments or ""
     assert finish == "tool_calls" and text == "" and len(calls) == 1, (calls, text)
-    call = calls[0]
-    assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Paris", "unit": "C"}
+    name, arguments = calls[0]
+    assert name == "get_weather" and json.loads(arguments) == {"city": "Paris", "unit": "C"}
 
 
 def test_new_grammars_compile_off_the_engine_thread(server, monkeypatch):
