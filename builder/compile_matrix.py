@@ -110,10 +110,12 @@ def configurations(target: Target, models: tuple[str, ...] = MODELS) -> dict[str
 
 
 def _heads_divide(model: str, tp: int) -> bool:
-    """Whether the model's heads split over tp ranks (the builder refuses the others)."""
+    """Whether the model splits over tp ranks (the builder's rule: it refuses the others)."""
     from infhip.builder.hf_config import model_config_from_hf
+    from infhip.tensor_parallel import tp_problem
+
     mcfg, _ = model_config_from_hf(json.loads((CONFIGS / f"{model}.json").read_text()))
-    return mcfg.num_kv_heads % tp == 0 and mcfg.num_heads % tp == 0
+    return tp_problem(mcfg, tp) is None
 
 
 def _enumerate_chunk(args: tuple) -> list[tuple[KernelVariant, str]]:
