@@ -90,7 +90,7 @@ class Context:
 
 
 def raw_keys_threshold(args, shape: dict, dev: str, gen) -> dict:
-    from infhip.builder.presets import infinitehip_config
+    from infhip.methods.infinitehip import infinitehip_config
     from infhip.plugins.infinitehip import plan_query_blocks, pruning_stage, unrotate_keys
 
     cfg = infinitehip_config("3k", SMOKE_STAGES if args.smoke else None)

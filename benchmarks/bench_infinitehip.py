@@ -50,7 +50,7 @@ from pathlib import Path
 import timing
 import torch
 
-from infhip.builder.presets import infinitehip_config
+from infhip.methods.infinitehip import infinitehip_config
 from infhip.plugins.kv_offload import HostKV, copy_pages
 from infhip.plugins.paged_kv import PagedKV
 from infhip.plugins.infinitehip import (MASK_LAYOUTS, plan_query_blocks, pruning_stage, sparse_decode_attention,

@@ -72,7 +72,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     if not args.spare_anchors or any(n < 0 for n in args.spare_anchors):
         raise SystemExit(f"bench_token_drop: --spare-anchors takes anchor counts >= 0, got {args.spare_anchors}")
     args.drop_layers = [x.strip() for x in args.drop_layers.split(",") if x.strip()] or ["auto"]
-    from infhip.knob_specs import parse_token_drop_knobs
+    from infhip.methods.token_drop import parse_token_drop_knobs
     try:
         args.knobs = parse_token_drop_knobs(args.knobs)
     except ValueError as e:
@@ -123,7 +123,7 @@ def run_model(args, model: str, res: dict) -> None:
     import torch
 
     from infhip import LLM
-    from infhip.config import TokenDropConfig
+    from infhip.methods.token_drop import TokenDropConfig
     from infhip.eval.common import set_forced_retention
 
     t0 = time.perf_counter()

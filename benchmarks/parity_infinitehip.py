@@ -53,7 +53,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import hip_attn_ref  # noqa: E402  (benchmarks/hip_attn_ref.py)
 
-from infhip.knobs import InfiniteHipConfig  # noqa: E402
+from infhip.methods.infinitehip import InfiniteHipConfig  # noqa: E402
 from infhip.plugins.infinitehip import (attention_recall, block_key_mask, plan_query_blocks,  # noqa: E402
                                         pruning_stage, pruning_stage_ref)
 from infhip.plugins.paged_kv import PagedKV  # noqa: E402

@@ -242,8 +242,8 @@ def main() -> None:
     from infhip import LLM
     from infhip.eval.common import record_kept_positions
     from infhip.eval.ruler_prompts import ruler_prompt
-    from infhip.knob_specs import parse_token_drop_knobs
-    from infhip.token_drop_knobs import AUTHORS_LLAMA_EIGHTHS, default_drop_layers
+    from infhip.methods.token_drop import parse_token_drop_knobs
+    from infhip.methods.token_drop import AUTHORS_LLAMA_EIGHTHS, default_drop_layers
     from infhip.runtime.engine import load_tokenizer
     from infhip.config import EngineConfig
 
@@ -254,7 +254,7 @@ def main() -> None:
     authors_layers = (list(default_drop_layers(full, num_layers, AUTHORS_LLAMA_EIGHTHS)) if args.authors_layers == "auto"
                       else [int(x) for x in args.authors_layers.split(",") if x.strip()])
 
-    from infhip.config import TokenDropConfig
+    from infhip.methods.token_drop import TokenDropConfig
     engine = None  # one engine for every engine column (float32 weights are 2.4 GB each): the
     # column's token drop is switched on its runner before each prompt (ModelRunner.set_transform)
     columns = []  # (name, runner, token-drop config or None)

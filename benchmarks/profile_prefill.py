@@ -18,7 +18,7 @@ import argparse
 import torch
 from one_layer import CHUNK, SCALE, PagedContext, parse_len, styles
 
-from infhip.builder.presets import infinitehip_config
+from infhip.methods.infinitehip import infinitehip_config
 from infhip.plugins.infinitehip import plan_query_blocks, pruning_stage, sparse_prefill_attention, unrotate_keys
 
 

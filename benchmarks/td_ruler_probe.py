@@ -46,7 +46,7 @@ def main() -> None:
     args = ap.parse_args()
     from infhip import LLM, SamplingParams
     from infhip.eval.common import record_kept_positions
-    from infhip.knob_specs import parse_token_drop_knobs
+    from infhip.methods.token_drop import parse_token_drop_knobs
     from infhip.eval.ruler import ruler_prompt
     from infhip.runtime.sequence import Sequence
 

@@ -66,7 +66,7 @@ def main() -> None:
     from infhip import LLM
     from infhip.eval.common import record_kept_positions
     from infhip.eval.ppl import ppl_items
-    from infhip.knob_specs import parse_token_drop_knobs
+    from infhip.methods.token_drop import parse_token_drop_knobs
     from tests import _td_reference as ref
     from tests._td_reference import reference_schedule, run_greedy
 

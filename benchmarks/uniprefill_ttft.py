@@ -43,7 +43,7 @@ def main() -> None:
     args = ap.parse_args()
     from infhip import LLM, SamplingParams
     from infhip.eval.ruler_prompts import ruler_prompt
-    from infhip.knob_specs import parse_token_drop_knobs
+    from infhip.methods.token_drop import parse_token_drop_knobs
     from infhip.runtime.engine import load_tokenizer
 
     mem = args.kv_cache_memory_bytes

@@ -8,8 +8,9 @@ hf_config (HF config -> ModelConfig + RoPE), convert (name map, fusions, random 
 build (atomic engine writer), cli (``infhip-build``).
 """
 
-from infhip.builder.build import PRESETS, build_engine
-from infhip.builder.errors import BuildError
+from infhip.builder.build import build_engine
+from infhip.builder.presets import preset_names
+from infhip.errors import BuildError
 from infhip.builder.registry import ModelSource, resolve_model
 
-__all__ = ["BuildError", "ModelSource", "PRESETS", "build_engine", "resolve_model"]
+__all__ = ["BuildError", "ModelSource", "build_engine", "preset_names", "resolve_model"]

@@ -32,12 +32,12 @@ from infhip import __version__
 from infhip.config import DTYPES, KV_DTYPES, WEIGHT_DTYPES, BuildConfig, EngineConfig, EngineFormatError
 from infhip.builder.checkpoint import GGUFCheckpoint, HFDirCheckpoint
 from infhip.builder.convert import convert_weights, random_weights, unused_tensors, weight_specs
-from infhip.builder.errors import BuildError
+from infhip.errors import BuildError
 from infhip.builder.hf_config import model_config_from_hf, with_rope_scaling
-from infhip.builder.output_dir import (TMP_LOCK, check_apart, check_output, dir_size, install_dir, lock_tmp,
+from infhip.output_dir import (TMP_LOCK, check_apart, check_output, dir_size, install_dir, lock_tmp,
                                        remove_leftovers, umask)
-from infhip.builder.presets import PRESETS, make_plan
-from infhip.knob_specs import token_drop_config
+from infhip.builder.presets import plan_of, preset_names
+from infhip.methods import by_keyword, methods
 from infhip.builder.registry import ModelSource, resolve_model
 from infhip.builder.tokenizer import save_tokenizer
 
@@ -119,13 +119,13 @@ def build_engine(
     *,
     checkpoint: str | os.PathLike | None = None,
     model: str | None = None,
-    infinitehip_overrides: dict[str, Any] | None = None,
-    token_drop: Any = None,
+    knobs: dict[str, Any] | None = None,
     target: str | None = None,
     weight_dtype: str = "bf16",
     quantize_lm_head: bool = False,
     tp: int = 1,
     rope_scaling: str | None = None,
+    **method_keywords: Any,
 ) -> Path:
     """Build an engine from ``source`` (a checkpoint path, a model alias or a cached HF repo id;
     or say which with ``checkpoint=PATH`` / ``model=NAME``, as the CLI does) into ``output_dir``
@@ -135,10 +135,11 @@ def build_engine(
     InfiniteHiP query-chunk size) and 8192 on the CPU, at least max_batch_size; ``kv_dtype`` to ``dtype``; ``device`` to cuda when a GPU is visible (the target then is its ``sm_XY``), else cpu;
     ``target`` ("sm_90") builds a GPU engine from the CPU. GPU engines get every kernel their
     plan can launch compiled into ``kernels/`` (builder/kernels.py).
-    ``preset`` is one of builder/presets.py's PRESETS; ``infinitehip_overrides`` changes any
-    InfiniteHiP knob of it (e.g. tiny stages for tests). ``token_drop`` (None/False = off, True,
-    a ``--token-drop`` spec string, a dict or a TokenDropConfig) enables UniPrefill token
-    dropping in prefill (infhip/knob_specs.py). ``weight_dtype="fp8"`` stores the linear
+    ``preset`` is ``dense`` or a registered backend's preset (builder/presets.py); ``knobs`` maps
+    a method's name to its build value (builder/presets.py plan_of): the preset's backend's knob
+    changes (e.g. tiny stages for tests), a transform's knobs or True for its defaults. Each
+    method's keyword is an alias (``infinitehip_overrides={...}``, ``token_drop=True``:
+    infhip/methods/). ``weight_dtype="fp8"`` stores the linear
     layers' weights in float8_e4m3fn with per-output-channel scales (plugins/fp8_linear.py), the
     LM head too with ``quantize_lm_head``; "bf16" (default) keeps them in ``dtype``. ``tp`` > 1
     writes a tensor-parallel engine: the weights cut into ``rank0..rank{tp-1}.safetensors``
@@ -156,8 +157,12 @@ def build_engine(
         timings[phase] = round(now - t0, 3)
         return now
 
-    if preset not in PRESETS:
-        raise BuildError(f"unknown preset {preset!r}; available: {', '.join(PRESETS)}")
+    knobs = {**(knobs or {}), **by_keyword(method_keywords)}
+    if method_keywords:
+        raise TypeError(f"build_engine() got unexpected keyword(s) {', '.join(sorted(method_keywords))}; the "
+                        f"methods' are {', '.join(m.keyword() for m in methods())}")
+    if preset not in preset_names():
+        raise BuildError(f"unknown preset {preset!r}; available: {', '.join(preset_names())}")
     for flag, value, allowed in (("--dtype", dtype, DTYPES), ("--kv-dtype", kv_dtype or dtype, KV_DTYPES),
                                  ("--weight-dtype", weight_dtype, WEIGHT_DTYPES)):
         if value not in allowed:
@@ -209,14 +214,8 @@ def build_engine(
         except ValueError as e:
             raise BuildError(str(e)) from e
         try:
-            plan = make_plan(mcfg, preset, infinitehip_overrides)
-            td = token_drop_config(token_drop)
-            if td is not None:
-                if all(layer.window is not None for layer in plan.layers):
-                    raise ValueError("--token-drop needs full-attention layers (its anchors); "
-                                     "this model has none")
-                plan = dataclasses.replace(plan, token_drop=td)
-        except ValueError as e:
+            plan = plan_of(mcfg, preset, knobs)
+        except (TypeError, ValueError) as e:
             raise BuildError(str(e)) from e
         engine = EngineConfig(model=mcfg, plan=plan, build=build, infhip_version=__version__)
 
@@ -244,8 +243,9 @@ def build_engine(
 
 
 def _check_tp(model, tp, preset: str) -> None:
-    """--tp must split the heads and the MLP evenly; InfiniteHiP needs whole kv heads per rank
-    (its chunk scores take a max over each kv head's query heads: docs/design/tensor_parallel.md)."""
+    """--tp must split the heads and the MLP evenly; a sparse preset needs whole kv heads per rank
+    (InfiniteHiP's chunk scores take a max over each kv head's query heads:
+    docs/design/tensor_parallel.md)."""
     from infhip.tensor_parallel import replicates_kv_heads, tp_problem
 
     problem = tp_problem(model, tp)
@@ -254,7 +254,7 @@ def _check_tp(model, tp, preset: str) -> None:
     if preset != "dense" and replicates_kv_heads(model, tp):
         raise BuildError(f"--tp {tp} replicates the model's {model.num_kv_heads} kv heads, which --preset {preset} "
                          f"does not support yet (a kv head's query heads would be scored on different ranks); "
-                         f"use --tp {model.num_kv_heads} or less with InfiniteHiP, or --preset dense")
+                         f"use --tp {model.num_kv_heads} or less with --preset {preset}, or --preset dense")
 
 
 def _save_weights(tmp: Path, engine: EngineConfig, tensors: dict[str, torch.Tensor]) -> dict[str, int]:

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from infhip.builder.errors import BuildError
+from infhip.errors import BuildError
 
 # Longest first: multimodal wrappers (old and new transformers layouts), then plain "model.".
 _PREFIXES = ("model.language_model.", "language_model.model.", "language_model.", "model.")

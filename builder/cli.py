@@ -20,23 +20,26 @@ import json
 import sys
 from pathlib import Path
 
+from infhip.cli_args import add_renamed_flag, positive_int
 from infhip.config import DTYPES, KV_DTYPES, WEIGHT_DTYPES
+from infhip.methods import BACKEND, methods, presets
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
+def _add_method_flags(p: argparse.ArgumentParser) -> None:
+    """A flag per registered method: a backend's ``--<name>-overrides KEY=VALUE,...`` (knobs of its
+    preset), a transform's ``--<name> [KEY=VALUE,...]`` (bare: its defaults)."""
+    for m in methods():
+        dest = "method_" + m.name
+        if m.kind == BACKEND:
+            p.add_argument(m.flag(), dest=dest, default=None, metavar="KEY=VALUE[,KEY=VALUE]",
+                           help=f"change knobs of a {m.name} preset ({', '.join(m.presets)}); every knob: docs/knobs.md")
+        else:
+            p.add_argument(m.flag(), dest=dest, nargs="?", const="", default=None, metavar="SPEC",
+                           help=m.summary + "; every knob: docs/knobs.md")
 
 
 def make_parser() -> argparse.ArgumentParser:
-    from infhip.builder.presets import PRESETS
     from infhip.builder.registry import ALIASES
-    from infhip.knob_specs import add_renamed_flag
 
     p = argparse.ArgumentParser(
         prog="infhip-build",
@@ -49,19 +52,13 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--output", metavar="DIR",
                    help="engine directory to write (default: engines/<model>[-<preset>] under the current "
                         "directory, <model> being --model's last path part or --checkpoint's folder / file stem)")
-    p.add_argument("--preset", default="dense", choices=PRESETS,
-                   help="execution preset: dense (default) or InfiniteHiP 3k | 3k-fast | 3k-flash | 5k "
-                        "on the full-attention layers (knobs in config.json, plan.infinitehip)")
-    p.add_argument("--infinitehip-overrides", default=None, metavar="KEY=VALUE[,KEY=VALUE]",
-                   help="change knobs of the InfiniteHiP preset, e.g. special_layers=[0,1,2,3,4,5,6,7,8] "
-                        "(those layers keep special_final_k in the last stage) or "
-                        "stages=[[64,64,32768],[64,32,16384],[64,16,4096]]; every knob: docs/knobs.md")
+    table = presets()
+    p.add_argument("--preset", default="dense", choices=tuple(table),
+                   help="execution preset: dense (default), or " + "; ".join(
+                       f"{m.name} {' | '.join(m.presets)}" for m in methods(BACKEND)) +
+                   " on the layers it runs (knobs in config.json, plan.knobs)")
+    _add_method_flags(p)
     add_renamed_flag(p, "--infinitehip", "use --infinitehip-overrides KEY=VALUE,...")
-    p.add_argument("--token-drop", nargs="?", const="", default=None, metavar="SPEC",
-                   help="UniPrefill token dropping in prefill at the full-attention layers: bare for "
-                        "the defaults, or key=value,... with the knobs' names (p, obs_window, block_size, "
-                        "num_sink, min_prompt_len, drop_layers, drop_point, reenter, spare_anchors; e.g. "
-                        "p=0.98,block_size=32 or drop_layers=5:8:11); composes with --preset")
     p.add_argument("--rope-scaling", default=None, metavar="TYPE:FACTOR",
                    help="scale RoPE as a model card's long-context recipe does: yarn:4 (Qwen2.5's recipe for "
                         "128K) or linear:F; the trained window becomes FACTOR times the checkpoint's")
@@ -76,15 +73,15 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--quantize-lm-head", action="store_true",
                    help="with --weight-dtype fp8: the LM head in fp8 too (a tied one gets an fp8 copy; "
                         "the embeddings stay in --dtype)")
-    p.add_argument("--tp", type=_positive_int, default=1, metavar="N",
+    p.add_argument("--tp", type=positive_int, default=1, metavar="N",
                    help="tensor parallelism: an engine for N GPUs (N processes on the CPU), its weights cut "
                         "Megatron-style into rank0..rank{N-1}.safetensors; N must divide the query heads and the "
                         "MLP width, and divide or be a multiple of the kv heads (default 1)")
-    p.add_argument("--max-seq-len", type=_positive_int,
+    p.add_argument("--max-seq-len", type=positive_int,
                    help="longest sequence served (default: the model's window, at most 131072)")
-    p.add_argument("--max-batch-size", type=_positive_int, default=16, help="most concurrent sequences (16)")
-    p.add_argument("--page-size", type=_positive_int, default=16, help="tokens per KV page, a power of two (16)")
-    p.add_argument("--max-num-batched-tokens", type=_positive_int,
+    p.add_argument("--max-batch-size", type=positive_int, default=16, help="most concurrent sequences (16)")
+    p.add_argument("--page-size", type=positive_int, default=16, help="tokens per KV page, a power of two (16)")
+    p.add_argument("--max-num-batched-tokens", type=positive_int,
                    help="token budget of one scheduler step (default max(8192, max batch size))")
     p.add_argument("--device", choices=("cpu", "cuda"),
                    help="target device (default: cuda when a GPU is visible, else cpu)")
@@ -118,15 +115,14 @@ def default_output(model: str | None, checkpoint: str | None, preset: str) -> Pa
 def main(argv: list[str] | None = None) -> int:
     args = make_parser().parse_args(argv)
     from infhip.builder.build import build_engine
-    from infhip.builder.errors import BuildError
-    from infhip.knob_specs import parse_knobs, parse_token_drop
+    from infhip.errors import BuildError
 
-    token_drop, infinitehip = None, None
+    knobs = {}
     try:
-        if args.token_drop is not None:
-            token_drop = parse_token_drop(args.token_drop)
-        if args.infinitehip_overrides is not None:
-            infinitehip = parse_knobs(args.infinitehip_overrides)
+        for m in methods():  # a transform's bare flag (""): its defaults
+            value = getattr(args, "method_" + m.name)
+            if value is not None:
+                knobs[m.name] = m.parse(value) if m.kind == BACKEND else m.build_knobs(value or True)
         if args.output is None:
             args.output = default_output(args.model, args.checkpoint, args.preset)
     except ValueError as e:
@@ -139,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
             max_seq_len=args.max_seq_len, max_batch_size=args.max_batch_size, page_size=args.page_size,
             max_num_batched_tokens=args.max_num_batched_tokens, device=args.device,
             random_weights=args.random_weights, seed=args.seed, force=args.force, progress=not args.quiet,
-            token_drop=token_drop, infinitehip_overrides=infinitehip, target=args.target,
+            knobs=knobs, target=args.target,
             weight_dtype=args.weight_dtype, quantize_lm_head=args.quantize_lm_head, tp=args.tp,
             rope_scaling=args.rope_scaling)
     except BuildError as e:

@@ -65,8 +65,8 @@ def engine_config(model: str, kv_dtype: str = "bfloat16", preset: str = "dense",
     the builder compiles it."""
     from infhip.builder.build import _graph_batch_sizes
     from infhip.builder.hf_config import model_config_from_hf
-    from infhip.builder.presets import make_plan
-    from infhip.config import BuildConfig, EngineConfig, TokenDropConfig
+    from infhip.builder.presets import plan_of
+    from infhip.config import BuildConfig, EngineConfig
 
     mcfg, _ = model_config_from_hf(json.loads((CONFIGS / f"{model}.json").read_text()))
     build = BuildConfig(dtype="bfloat16", kv_dtype=kv_dtype, max_seq_len=min(mcfg.max_position_embeddings, max_seq_len)
@@ -74,9 +74,7 @@ def engine_config(model: str, kv_dtype: str = "bfloat16", preset: str = "dense",
                         max_batch_size=max_batch_size, max_num_batched_tokens=32768,
                         cuda_graph_batch_sizes=_graph_batch_sizes(max_batch_size), target=target,
                         weight_dtype=weight_dtype, quantize_lm_head=quantize_lm_head)
-    plan = make_plan(mcfg, preset)
-    if token_drop:
-        plan = dataclasses.replace(plan, token_drop=TokenDropConfig())
+    plan = plan_of(mcfg, preset, {"token_drop": True} if token_drop else None)
     if tp > 1:
         from infhip.tensor_parallel import local_model_config, shard_layout
         mcfg = local_model_config(mcfg, shard_layout(mcfg, tp)[0])

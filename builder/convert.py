@@ -26,7 +26,7 @@ import torch
 
 from infhip.config import ModelConfig
 from infhip.builder.checkpoint import Checkpoint
-from infhip.builder.errors import BuildError
+from infhip.errors import BuildError
 
 TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 # Checkpoint tensors that the text decoder does not need (buffers, other modalities).

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from infhip.config import LAYER_TYPES, ModelConfig, RopeSpec
-from infhip.builder.errors import BuildError
+from infhip.errors import BuildError
 
 # HF model_type -> our architecture. gemma3 is the multimodal wrapper: we take its text_config.
 SUPPORTED_MODEL_TYPES = {

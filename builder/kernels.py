@@ -30,41 +30,39 @@ INDEX_FORMAT = 1
 
 
 def _block_modules() -> tuple[str, ...]:
-    """The plugin modules of the model blocks, the dense backend, every registered step transform
-    (runtime/step_transform.py: token drop) and the sampler."""
-    from infhip.runtime.attention import DenseBackend
-    from infhip.runtime.models.common import PLUGIN_MODULES
-    from infhip.runtime.sampler import PLUGIN_MODULES as SAMPLER_MODULES
-    from infhip.runtime.step_transform import transforms
+    """The plugin modules of the model blocks, the dense attention, every registered step transform
+    method (token drop) and the sampler (plugins/catalog.py)."""
+    from infhip.methods import TRANSFORM, methods
+    from infhip.plugins.catalog import DENSE_ATTENTION, MODEL_BLOCKS, SAMPLER
 
-    steps = tuple(m for cls in transforms() for m in cls.plugin_modules)
-    return tuple(dict.fromkeys(PLUGIN_MODULES + DenseBackend.plugin_modules + steps + SAMPLER_MODULES))
+    steps = tuple(m for cls in methods(TRANSFORM) for m in cls.plugin_modules)
+    return tuple(dict.fromkeys(MODEL_BLOCKS + DENSE_ATTENTION + steps + SAMPLER))
+
+
+def _backend_modules() -> tuple[str, ...]:
+    """The plugin modules of every registered attention-backend method (infhip/methods/)."""
+    from infhip.methods import BACKEND, methods
+
+    return tuple(dict.fromkeys(m for cls in methods(BACKEND) for m in cls.plugin_modules))
 
 
 def plugin_modules() -> tuple[str, ...]:
     """Every plugin module with Triton kernels (each defines aot_launches(space), which enumerates
-    what the engine's plan lets it launch): the model blocks' and every attention backend's
-    (runtime/attention/backend.py registry). Imported here, not at module level: compile
-    workers import this module before they drop TRITON_INTERPRET, and importing the kernels
-    first would make them interpreted functions."""
-    from infhip.runtime.attention import backends
-
-    return tuple(dict.fromkeys(_block_modules() + tuple(m for cls in backends() for m in cls.plugin_modules)))
+    what the engine's plan lets it launch): the model blocks' and every plan method's. Imported
+    here, not at module level: compile workers import this module before they drop
+    TRITON_INTERPRET, and importing the kernels first would make them interpreted functions."""
+    return tuple(dict.fromkeys(_block_modules() + _backend_modules()))
 
 
 def enumerate_variants(config, target: Target) -> dict[KernelVariant, tuple]:
     """variant -> what triton.compile needs, for every launch the engine's plan allows: the
-    blocks' plugins' aot_launches, then each registered attention backend's launch_space."""
-    from infhip.runtime.attention import backends
-
+    blocks' plugins' aot_launches, then each registered backend method's plugins'."""
     space = LaunchSpace(config, target)
     with record(target, launch=False) as rec:
-        for name in _block_modules():
+        for name in _block_modules() + _backend_modules():
             launches = getattr(importlib.import_module(f"infhip.plugins.{name}"), "aot_launches", None)
             if launches is not None:
                 launches(space)
-        for cls in backends():
-            cls.launch_space(space)
     return rec.packed
 
 

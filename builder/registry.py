@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from infhip.builder.checkpoint import Checkpoint, open_checkpoint
-from infhip.builder.errors import BuildError
+from infhip.errors import BuildError
 
 # alias -> the Hugging Face repo whose config.json is bundled as model_configs/<alias>.json
 CONFIG_ALIASES = {

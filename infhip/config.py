@@ -1,9 +1,12 @@
-"""Engine format v1: the typed configuration that the builder writes and the runtime reads.
+"""Engine format v2: the typed configuration that the builder writes and the runtime reads.
 
-One place for the contract between `infhip.builder` and `infhip.runtime`. Everything here is
-plain data (dataclasses validated in ``__post_init__``) serialised to ``config.json``; values
-computed at load time (number of KV pages, CUDA-graph pools) live in runtime objects instead.
-The knobs of a plan are in infhip/knobs.py (InfiniteHiP) and infhip/token_drop_knobs.py, with their descriptions.
+One place for the contract between `infhip.builder` and `infhip.runtime`, which meet only here
+and at the plugins. Everything here is plain data (dataclasses validated in ``__post_init__``)
+serialised to ``config.json``; values computed at load time (number of KV pages, CUDA-graph pools)
+live in runtime objects instead. The plan names registered methods (attention backends, step
+transforms: infhip/methods/), whose knobs it carries by name; this module names none of them.
+Version 1 engines (knobs under ``plan.<method>``, a layer's backend under ``plugin``) are read
+through :func:`migrate_v1`.
 
 Engine directory (SPEC §3)::
 
@@ -43,19 +46,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from infhip.knobs import (  # noqa: F401 - the knobs are part of the engine format: re-exported
-    ATTENTION_ROPE_STYLES, CHUNK_SCORES, PRUNING_ROPE_STYLES, REMOVED_INFINITEHIP_KNOBS, RUNTIME_KNOBS,
-    InfiniteHipConfig, PruningStage, check_runtime_knobs, require)
-from infhip.token_drop_knobs import TokenDropConfig, resolve_drop_layers  # noqa: F401 - re-exported
+from infhip.methods import BACKEND, method, methods, require
+from infhip.model_config import (  # noqa: F401 - the model section of the format: re-exported
+    ACTIVATIONS, ARCHITECTURES, LAYER_TYPES, ModelConfig, RopeSpec)
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+READS_VERSIONS = (1, 2)  # version 1 is migrated on read (migrate_v1)
 # config.json's "format": what tells an engine from other folders with a config.json (a Hugging
 # Face checkpoint), e.g. before `infhip-build --force` replaces one. Engines written before the
 # marker are told by their format_version and sections (is_engine_dir).
 ENGINE_FORMAT = "infhip-engine"
 
-ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma3")
-LAYER_TYPES = ("full_attention", "sliding_attention")
 DTYPES = ("bfloat16", "float16", "float32")
 # KV cache dtypes: the weights' dtype, or fp8 (float8_e4m3fn rows with a float32 scale per token
 # and kv head, plugins/kv_quant.py; half the bytes of bf16)
@@ -65,153 +66,99 @@ KV_DTYPES = DTYPES + ("fp8",)
 # (and with ``quantize_lm_head`` the LM head) weights as float8_e4m3fn with one float32 scale per
 # output channel (plugins/fp8_linear.py); embeddings and norms stay in the build dtype / float32.
 WEIGHT_DTYPES = ("bf16", "fp8")
-ACTIVATIONS = ("silu", "gelu_tanh")
 
 
 class EngineFormatError(ValueError):
     """An engine directory that this runtime cannot load (wrong version, target, or damaged)."""
 
 
-@dataclass(frozen=True)
-class RopeSpec:
-    """RoPE of one layer type. ``inv_freq`` itself is a tensor in the weights file
-    (``rope.<layer_type>.inv_freq``) so every rope flavour (default, linear, llama3, yarn) is
-    reduced at build time to: angle = position * inv_freq; cos/sin multiplied by
-    ``attention_scaling``."""
-
-    rope_type: str
-    rope_theta: float
-    attention_scaling: float = 1.0
-    params: dict[str, Any] = field(default_factory=dict)  # the HF rope_parameters, for the record
-
-
-@dataclass(frozen=True)
-class ModelConfig:
-    """Architecture dimensions, normalised from any transformers config style."""
-
-    architecture: str  # one of ARCHITECTURES
-    hf_model_type: str
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rms_norm_eps: float
-    hidden_act: str  # one of ACTIVATIONS
-    tie_word_embeddings: bool
-    attention_bias: bool  # bias on q/k/v (Qwen2)
-    qk_norm: bool  # per-head RMSNorm of q and k before RoPE (Qwen3, Gemma-3)
-    attention_scale: float  # softmax scale (head_dim**-0.5, Gemma-3: query_pre_attn_scalar**-0.5)
-    embedding_multiplier: float  # Gemma-3: sqrt(hidden_size), cast to the model dtype; else 1.0
-    max_position_embeddings: int  # trained context window
-    layer_types: tuple[str, ...]  # per layer, one of LAYER_TYPES
-    sliding_window: int | None  # tokens a sliding layer sees, the query included
-    rope: dict[str, RopeSpec]  # keyed by layer type
-    final_logit_softcapping: float | None = None
-    bos_token_id: int | None = None
-    eos_token_ids: tuple[int, ...] = ()
-
-    def __post_init__(self) -> None:
-        require(self.architecture in ARCHITECTURES,
-               f"unknown architecture {self.architecture!r}; supported: {', '.join(ARCHITECTURES)}")
-        require(self.hidden_act in ACTIVATIONS, f"hidden_act {self.hidden_act!r} not in {ACTIVATIONS}")
-        require(self.num_heads % self.num_kv_heads == 0,
-               f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}")
-        require(len(self.layer_types) == self.num_layers,
-               f"{len(self.layer_types)} layer types for {self.num_layers} layers")
-        for t in self.layer_types:
-            require(t in LAYER_TYPES, f"layer type {t!r} not in {LAYER_TYPES}")
-            require(t in self.rope, f"no RoPE parameters for layer type {t!r}")
-        if "sliding_attention" in self.layer_types:
-            require(bool(self.sliding_window) and self.sliding_window > 0,
-                   "sliding_attention layers need a positive sliding_window")
-
-    @property
-    def q_size(self) -> int:
-        return self.num_heads * self.head_dim
-
-    @property
-    def kv_size(self) -> int:
-        return self.num_kv_heads * self.head_dim
-
-    def window_of(self, layer: int) -> int | None:
-        """Sliding window of a layer (None for full attention)."""
-        return self.sliding_window if self.layer_types[layer] == "sliding_attention" else None
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "ModelConfig":
-        d = dict(d)
-        d["layer_types"] = tuple(d["layer_types"])
-        d["eos_token_ids"] = tuple(d.get("eos_token_ids", ()))
-        d["rope"] = {k: RopeSpec(**v) for k, v in d["rope"].items()}
-        return cls(**d)
-
-
-ATTENTION_PLUGINS = ("dense", "infinitehip")
+DENSE = "dense"  # the backend of every layer that no registered backend runs
 
 
 @dataclass(frozen=True)
 class LayerPlan:
-    """What runs at one decoder layer. Later plugins (token drop) add fields here."""
+    """What runs at one decoder layer."""
 
     index: int
     attention: str  # "global" | "sliding"
     window: int | None  # sliding window, None for global
-    plugin: str  # attention plugin, one of ATTENTION_PLUGINS ("infinitehip": global layers only)
+    backend: str  # DENSE, or a registered backend method that runs such a layer (Method.runs)
     rope_group: str  # key into ModelConfig.rope
 
     def __post_init__(self) -> None:
-        require(self.plugin in ATTENTION_PLUGINS, f"plugin {self.plugin!r} not in {ATTENTION_PLUGINS}")
-        require(self.plugin != "infinitehip" or self.window is None,
-               f"layer {self.index}: infinitehip runs on full-attention layers only")
+        if self.backend != DENSE:
+            m = method(self.backend)
+            require(m.kind == BACKEND, f"layer {self.index}: {self.backend!r} is a {m.kind}, not an attention backend")
+            require(m.runs(self), f"layer {self.index}: {self.backend} cannot run a "
+                    f"{'sliding-window' if self.window else 'full-attention'} layer")
 
 
 @dataclass(frozen=True)
 class Plan:
+    """The per-layer plan of an engine and the knobs of every method it uses, by name (a backend's
+    knobs exactly when some layer runs it; a transform's when it is on)."""
+
     preset: str
     layers: tuple[LayerPlan, ...]
-    # Knobs of the "infinitehip" layers; None when no layer uses it (dense engines).
-    infinitehip: InfiniteHipConfig | None = None
-    # UniPrefill token dropping in prefill; None (or absent from config.json) = off.
-    token_drop: TokenDropConfig | None = None
+    knobs: dict[str, Any] = field(default_factory=dict, hash=False)
 
     def __post_init__(self) -> None:
-        uses = any(layer.plugin == "infinitehip" for layer in self.layers)
-        require(uses == (self.infinitehip is not None),
-               "a plan has infinitehip knobs exactly when some layer uses the infinitehip plugin")
-        if self.token_drop is not None:  # an explicit drop_layers list names full-attention layers only
-            resolve_drop_layers(self.token_drop, [lp.index for lp in self.layers if lp.window is None],
-                                len(self.layers))
+        for name, knobs in self.knobs.items():
+            m = method(name)
+            require(isinstance(knobs, m.knobs), f"plan knobs of {name} must be a {m.knobs.__name__}, "
+                    f"got {type(knobs).__name__}")
+        for m in methods(BACKEND):
+            uses = any(layer.backend == m.name for layer in self.layers)
+            require(uses == (m.name in self.knobs),
+                    f"a plan has {m.name} knobs exactly when some layer runs the {m.name} backend")
+        for name, knobs in self.knobs.items():
+            method(name).check(knobs, self)
+
+    def knobs_of(self, name: str):
+        """The knobs of method ``name`` in this plan; None: no layer runs it / it is off."""
+        return self.knobs.get(name)
+
+    def with_knobs(self, name: str, knobs) -> "Plan":
+        """This plan with method ``name``'s knobs replaced (None: taken out, a transform off)."""
+        new = {k: v for k, v in self.knobs.items() if k != name}
+        if knobs is not None:
+            new[name] = knobs
+        return dataclasses.replace(self, knobs=new)
+
+    def at_load(self, overrides: dict[str, Any] | None) -> "Plan":
+        """This plan with a load's changes: ``overrides`` maps a method's name to a dict of knobs
+        that a load may change (laid over the built ones) or, for a transform, True / False (on as
+        built or with the defaults / off); validated, one line per error (Method.at_load)."""
+        plan = self
+        for name, value in (overrides or {}).items():
+            plan = plan.with_knobs(name, method(name).at_load(plan.knobs_of(name), value, plan))
+        return plan
 
     @classmethod
     def dense(cls, model: ModelConfig) -> "Plan":
         layers = tuple(
             LayerPlan(index=i, attention="sliding" if t == "sliding_attention" else "global",
-                      window=model.window_of(i), plugin="dense", rope_group=t)
+                      window=model.window_of(i), backend=DENSE, rope_group=t)
             for i, t in enumerate(model.layer_types))
         return cls(preset="dense", layers=layers)
 
+    def to_dict(self) -> dict[str, Any]:
+        return {"preset": self.preset, "layers": [dataclasses.asdict(lp) for lp in self.layers],
+                "knobs": {name: dataclasses.asdict(k) for name, k in self.knobs.items()}}
+
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "Plan":
-        ih = d.get("infinitehip")  # absent in engines written before InfiniteHiP: dense
-        td = d.get("token_drop")  # absent in engines written before token drop: off
         return cls(preset=d["preset"], layers=tuple(LayerPlan(**x) for x in d["layers"]),
-                   infinitehip=InfiniteHipConfig.from_dict(ih) if ih is not None else None,
-                   token_drop=TokenDropConfig.from_dict(td) if td is not None else None)
+                   knobs={name: method(name).from_dict(k) for name, k in d.get("knobs", {}).items()})
 
 
-def apply_runtime_overrides(plan: Plan, overrides: dict[str, Any] | None) -> Plan:
-    """``plan`` with InfiniteHiP knobs that a load may change changed (RUNTIME_KNOBS;
-    ``LLM(..., infinitehip_overrides=...)``), validated."""
-    if not overrides:
-        return plan
-    if plan.infinitehip is None:
-        raise ValueError("infinitehip_overrides given, but this engine has no InfiniteHiP layers "
-                         f"(preset {plan.preset!r}); rebuild with --preset 3k (or another)")
-    check_runtime_knobs(overrides)
-    return dataclasses.replace(plan, infinitehip=plan.infinitehip.replace(**overrides))
+def migrate_v1(d: dict[str, Any]) -> dict[str, Any]:
+    """A version-1 config.json as version 2: a layer's ``plugin`` becomes its ``backend``; each
+    method's knobs move from ``plan.<name>`` (null: unused / off) to ``plan.knobs[<name>]``."""
+    plan = d["plan"]
+    layers = [{("backend" if k == "plugin" else k): v for k, v in lp.items()} for lp in plan["layers"]]
+    knobs = {k: v for k, v in plan.items() if k not in ("preset", "layers") and v is not None}
+    return {**d, "format_version": 2, "plan": {"preset": plan["preset"], "layers": layers, "knobs": knobs}}
 
 
 @dataclass(frozen=True)
@@ -284,8 +231,8 @@ class EngineConfig:
             "format_version": self.format_version,
             "infhip_version": self.infhip_version,
             "model": dataclasses.asdict(self.model),
-            "plan": dataclasses.asdict(self.plan),
-            "preset": {"name": self.plan.preset},  # the knobs live in plan.infinitehip
+            "plan": self.plan.to_dict(),
+            "preset": {"name": self.plan.preset},  # the knobs live in plan.knobs
             "build": dataclasses.asdict(self.build),
             **self._tp_record(),
         }
@@ -314,13 +261,16 @@ class EngineConfig:
         except json.JSONDecodeError as e:
             raise EngineFormatError(f"{path} is not valid JSON ({e}); rebuild the engine") from e
         version = d.get("format_version")
-        if version != FORMAT_VERSION:
+        if version not in READS_VERSIONS:
             raise EngineFormatError(
-                f"engine {engine_dir} has format version {version}, this infhip reads version "
-                f"{FORMAT_VERSION}; rebuild it with this infhip's infhip-build")
+                f"engine {engine_dir} has format version {version}, this infhip reads versions "
+                f"{', '.join(map(str, READS_VERSIONS))}; rebuild it with this infhip's infhip-build")
+        if version == 1:
+            d = migrate_v1(d)
+        _check_methods_registered(engine_dir, d)
         try:
             config = cls(model=ModelConfig.from_dict(d["model"]), plan=Plan.from_dict(d["plan"]),
-                         build=BuildConfig.from_dict(d["build"]), format_version=version,
+                         build=BuildConfig.from_dict(d["build"]), format_version=FORMAT_VERSION,
                          infhip_version=d.get("infhip_version", ""))
             config._check_tp(d.get("tensor_parallel"))
             return config
@@ -336,6 +286,19 @@ class EngineConfig:
         implied = json.loads(json.dumps(self._tp_record().get("tensor_parallel", {})))  # tuples as lists
         require((recorded or {}) == implied,
                "its tensor_parallel layout differs from the one build.tp implies")
+
+
+def _check_methods_registered(engine_dir, d: dict[str, Any]) -> None:
+    """EngineFormatError naming the plan methods of config.json ``d`` that no module of this
+    process has registered (an engine built with an extension, loaded without importing it)."""
+    plan = d.get("plan") if isinstance(d.get("plan"), dict) else {}
+    named = set(plan.get("knobs") or {}) | {lp.get("backend") for lp in plan.get("layers") or [] if isinstance(lp, dict)}
+    known = {m.name for m in methods()} | {DENSE}
+    missing = sorted(str(n) for n in named - known if n is not None)
+    if missing:
+        raise EngineFormatError(
+            f"engine {engine_dir} uses plan method(s) {', '.join(missing)}, which this process has not registered "
+            f"(registered: {', '.join(sorted(known - {DENSE}))}); import the module that registers them before loading")
 
 
 def is_engine_dir(path: str | Path) -> bool:

@@ -22,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from infhip.config import ModelConfig
+from infhip.model_config import ModelConfig
 
 
 @dataclass(frozen=True)

@@ -416,7 +416,7 @@ def aot_launches(space) -> None:
     kv = paged_kv(space)
     table_tokens = math.ceil(b.max_seq_len / b.page_size) * b.page_size
     buckets = reachable_len_buckets(b.max_seq_len)
-    eager_table = b.max_seq_len > DECODE_LEN_BUCKETS[-1] or space.plan.infinitehip is not None
+    eager_table = b.max_seq_len > DECODE_LEN_BUCKETS[-1] or space.plan.knobs_of("infinitehip") is not None
     eager_bounds = set(buckets) | ({table_tokens} if eager_table else set())
     graph_sizes = {s for s in b.cuda_graph_batch_sizes if s <= b.max_batch_size}
     windows = sorted({lp.window or 0 for lp in space.plan.layers})

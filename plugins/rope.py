@@ -295,7 +295,7 @@ def aot_launches(space) -> None:
         positions = space.fake(T, dtype=torch.int64)
         slots = space.fake(T, dtype=torch.int64)
         rope_and_write_kv(q, k, v, positions, inv_freq, scaling, kv, slots)
-        if space.plan.token_drop is not None:
+        if space.plan.knobs_of("token_drop") is not None:
             apply_rope_(q, k, positions, inv_freq, scaling)
             write_kv(k, v, kv, slots)
             kept_k = space.fake(T, m.num_kv_heads, m.head_dim, dtype=k.dtype)

@@ -38,8 +38,9 @@ class LLM:
         options: a :class:`~infhip.runtime.options.LoadOptions`; or its fields as keywords
             (``LLM(engine, max_num_seqs=4, token_drop=False)``), laid over ``options`` when both
             are given. Every option, its meaning and default: runtime/options.py (the flags of
-            infhip-run / infhip-serve have the same names). ``infinitehip_overrides`` and
-            ``token_drop`` change the engine's plan for this load (docs/knobs.md).
+            infhip-run / infhip-serve have the same names). ``overrides`` and each plan method's
+            keyword (``infinitehip_overrides={...}``, ``token_drop=False``) change the engine's
+            plan for this load (docs/knobs.md, "Plan methods").
     """
 
     def __init__(self, engine_dir: str | Path, options: LoadOptions | None = None, **kwargs):

@@ -9,7 +9,6 @@ import math
 import time
 from pathlib import Path
 
-from infhip.config import TokenDropConfig, apply_runtime_overrides
 from infhip.runtime.attention.backend import backends
 from infhip.runtime.engine import load_engine
 from infhip.runtime.kernel_store import serving
@@ -19,13 +18,10 @@ from infhip.runtime.options import LoadOptions
 
 def load_rank(engine_dir: str | Path, opts: LoadOptions, rank: int = 0):
     """Rank `rank`'s engine (its weight shard, its view of the model) with the load's plan
-    changes applied (runtime knobs, token drop on/off): what EngineCore and each TP worker serve."""
+    changes applied (methods' load knobs, transforms on/off: LoadOptions.overrides): what
+    EngineCore and each TP worker serve."""
     engine = load_engine(engine_dir, opts.device, opts.jit, rank=rank)
-    config = engine.config
-    plan = apply_runtime_overrides(config.plan, opts.infinitehip_overrides)
-    if opts.token_drop is not None:
-        plan = dataclasses.replace(plan, token_drop=_token_drop_override(plan.token_drop, opts.token_drop))
-    engine.config = dataclasses.replace(config, plan=plan)
+    engine.config = dataclasses.replace(engine.config, plan=engine.config.plan.at_load(opts.overrides))
     return engine
 
 
@@ -70,10 +66,3 @@ def load_report(engine, runner: ModelRunner, t0: float, t_engine: float) -> dict
             "graphs": graphs["graphs"], "graphs_s": round(graphs["seconds"], 3),
             "graph_pool_bytes": graphs.get("pool_bytes", 0),
             "other_s": round(total - (t_engine - t0) - graphs["seconds"], 3)}
-
-
-def _token_drop_override(built, value):
-    """The token-drop config of a load: `value` (bool or dict of knobs) over the engine's `built`."""
-    if isinstance(value, bool):
-        return (built or TokenDropConfig()) if value else None
-    return (built or TokenDropConfig()).replace(**value)  # a dict (LoadOptions checked the type)

@@ -16,9 +16,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from infhip.config import check_runtime_knobs
-from infhip.knob_specs import add_renamed_flag, parse_knobs, parse_token_drop_option
-from infhip.token_drop_knobs import TokenDropConfig
+from infhip.cli_args import add_renamed_flag
+from infhip.methods import TRANSFORM, by_keyword, method, methods
 
 JIT_POLICIES = ("forbid", "warn", "allow")
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
@@ -44,9 +43,10 @@ class LoadOptions:
         None, "KV cache size (default on GPU: free memory - (1 - `gpu_memory_utilization`) x total - other buffers (activations, key "
         "bank, raw-keys scratch, staging) - 1 GiB; CPU: 2 GiB)", "size", "SIZE")
     kv_offload_bytes: int = _option(
-        0, "pinned host memory for the KV pages between sink and stream of a request once its context passes "
-        "max(`dense_threshold`, trained window + 1) (with `rope_off_in_trained_window`; else `dense_threshold`). "
-        "InfiniteHiP engines whose full-attention layers all run it, no token drop; 0: off", "size", "SIZE",
+        0, "pinned host memory for the KV pages of a request between the head and tail tokens that its attention "
+        "backend keeps on the GPU, once its context passes the backend's offload window ([design](design/"
+        "long_context_memory.md)). Engines whose full-attention layers all run a backend that reads host pages in "
+        "place, and no step transform on; 0: off", "size", "SIZE",
         "1M: decode 0.77×, prefill 0.95× of resident ([benchmarks](benchmarks.md#kv-offload-pinned-host-memory))")
     gpu_memory_utilization: float = _option(
         0.9, "share of GPU memory the default KV budget plans for (not read with `kv_cache_memory_bytes`, nor on CPU)", "float",
@@ -57,17 +57,17 @@ class LoadOptions:
         "decodes and nobody waits (up to N - 1 tokens past a stop are computed and dropped; default 8 on GPU, "
         "1 on CPU)", "int", "N", "dense batch 1: 217.8 / 218.9 / 222.0 tok/s at 8 / 16 / 32 "
         "([benchmarks](benchmarks.md#decode-dense-engine-vs-transformers))")
-    infinitehip_overrides: dict | None = _option(
-        None, "the InfiniteHiP knobs marked *load* in docs/knobs.md, changed for this load (e.g. "
-        "`chunk_score=max,refresh_intervals=[32,16,8]`)", "knobs", "KEY=VALUE,...")
-    token_drop: bool | dict | None = _option(
-        None, "UniPrefill token drop: off, on (as built, or the defaults), or token-drop knobs laid over the "
-        "engine's (e.g. `p=0.98,min_prompt_len=4096`); default: as built", "token_drop", "off|on|KEY=VALUE,...")
+    overrides: dict | None = _option(
+        None, "plan methods' knobs changed for this load, by method name: a dict of the knobs marked *load* in "
+        "docs/knobs.md, laid over the engine's, or for a transform `True` / `False` (on as built or with its "
+        "defaults / off). Each method's keyword and flag is an alias ([methods](#plan-methods)): "
+        "`<backend>_overrides={...}` / `--<backend>-overrides KEY=VALUE,...`, `<transform>=False` / "
+        "`--<transform> off|on|KEY=VALUE,...`", "methods", None)
     prefix_caching: bool = _option(
         True, "reuse the KV pages of a prompt prefix an earlier request computed (whole pages), where reuse is "
-        "exact: dense plans, InfiniteHiP presets (chunk-aligned: design doc), fp8 KV, Gemma-3's sliding layers, "
-        "KV offloaded to host memory (cached there too); with token drop only prompts that never drop (shorter "
-        "than `min_prompt_len`); `--no-prefix-caching` turns it off", "bool", None,
+        "exact for the plan: every backend's prefix granule, fp8 KV, sliding layers, KV offloaded to host memory "
+        "(cached there too); with a step transform on, only prompts it keeps whole (design doc); "
+        "`--no-prefix-caching` turns it off", "bool", None,
         "exactness tests only ([design/prefix_caching.md](design/prefix_caching.md))")
     jit: str | None = _option(
         None, "a kernel the engine has no binary for: `forbid` raises, `warn` compiles and logs, `allow` compiles "
@@ -94,33 +94,40 @@ class LoadOptions:
             raise ValueError(f"device must be a string (cpu, cuda), got {self.device!r}")
         if self.jit is not None and self.jit not in JIT_POLICIES:
             raise ValueError(f"jit must be one of {', '.join(JIT_POLICIES)}, got {self.jit!r}")
-        if self.infinitehip_overrides is not None:
-            if not isinstance(self.infinitehip_overrides, dict):
-                raise ValueError(f"infinitehip_overrides must be a dict of knobs, got "
-                                 f"{type(self.infinitehip_overrides).__name__}")
-            check_runtime_knobs(self.infinitehip_overrides)
-        if isinstance(self.token_drop, dict):
-            TokenDropConfig().replace(**self.token_drop)  # names and ranges, one line each
-        elif self.token_drop is not None and not isinstance(self.token_drop, bool):
-            raise TypeError(f"token_drop must be None, a bool or a dict of knobs, got "
-                            f"{type(self.token_drop).__name__}")
+        if self.overrides is not None:
+            if not isinstance(self.overrides, dict):
+                raise TypeError(f"overrides must be a dict (method name -> its knobs), got "
+                                f"{type(self.overrides).__name__}")
+            for name, value in self.overrides.items():
+                method(name).check_load_value(value)  # type, names a load may change, ranges
 
     def decode_steps_on(self, device_type: str) -> int:
         """Decode steps run back to back on a device of this type (`num_decode_steps` or the
         device's default)."""
         return self.num_decode_steps or self.DEFAULT_DECODE_STEPS.get(device_type, 1)
 
+    def override(self, name: str):
+        """The load's override of method ``name`` (a dict of knobs, or a transform's bool); None:
+        as built."""
+        return (self.overrides or {}).get(name)
+
     @classmethod
     def of(cls, options: "LoadOptions | None" = None, **kwargs: Any) -> "LoadOptions":
-        """``options`` with ``kwargs`` laid over it (LLM's keyword form); TypeError names an
-        unknown keyword."""
+        """``options`` with ``kwargs`` laid over it (LLM's keyword form); a method's keyword
+        (``infinitehip_overrides=``, ``token_drop=``: Method.keyword) joins ``overrides``, laid over
+        the others'. TypeError names an unknown keyword."""
         if options is not None and not isinstance(options, LoadOptions):
             raise TypeError(f"options must be a LoadOptions, got {type(options).__name__} "
                             "(pass the others by keyword, e.g. device='cuda')")
+        by_method = by_keyword(kwargs)
         names = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(kwargs) - names)
         if unknown:
-            raise TypeError(f"unknown load option(s) {', '.join(unknown)}; known: {', '.join(sorted(names))}")
+            known = sorted(names | {m.keyword() for m in methods()})
+            raise TypeError(f"unknown load option(s) {', '.join(unknown)}; known: {', '.join(known)}")
+        if by_method:
+            base = kwargs.get("overrides", options.overrides if options is not None else None)
+            kwargs["overrides"] = {**(base or {}), **by_method}
         return dataclasses.replace(options, **kwargs) if options is not None else cls(**kwargs)
 
 
@@ -159,6 +166,12 @@ def add_load_options(parser: argparse.ArgumentParser) -> None:
             group.add_argument(flag_of(f.name), action=argparse.BooleanOptionalAction, default=None, help=doc)
         elif kind == "choice":
             group.add_argument(flag_of(f.name), choices=JIT_POLICIES, default=None, help=doc)
+        elif kind == "methods":  # a flag per registered method (its build flag's name)
+            for m in methods():
+                form = "off|on|KEY=VALUE,..." if m.kind == TRANSFORM else "KEY=VALUE,..."
+                group.add_argument(m.flag(), dest="method_" + m.name, default=None, metavar=form,
+                                   help=f"{m.name} knobs marked load in docs/knobs.md, changed for this load"
+                                   + (" (off / on: as built or the defaults)" if m.kind == TRANSFORM else ""))
         else:
             group.add_argument(flag_of(f.name), default=None, metavar=metavar, help=doc)
     add_renamed_flag(parser, "--kv-offload-gib", "use --kv-offload-bytes SIZE (e.g. 8GiB)")
@@ -170,6 +183,15 @@ def load_options(args: argparse.Namespace) -> LoadOptions:
     """The LoadOptions of parsed flags (add_load_options); ValueError names the flag at fault."""
     values: dict[str, Any] = {}
     for f in dataclasses.fields(LoadOptions):
+        if f.metadata["kind"] == "methods":
+            try:
+                overrides = {m.name: _method_value(m, getattr(args, "method_" + m.name)) for m in methods()
+                             if getattr(args, "method_" + m.name, None) is not None}
+            except ValueError as e:
+                raise ValueError(str(e)) from None
+            if overrides:
+                values[f.name] = overrides
+            continue
         raw, kind = getattr(args, f.name), f.metadata["kind"]
         if raw is None or (raw is False and kind != "bool"):
             continue
@@ -180,10 +202,6 @@ def load_options(args: argparse.Namespace) -> LoadOptions:
                 values[f.name] = float(raw)
             elif kind == "size":
                 values[f.name] = parse_size(raw)
-            elif kind == "knobs":
-                values[f.name] = parse_knobs(raw)
-            elif kind == "token_drop":
-                values[f.name] = parse_token_drop_option(raw)
             else:
                 values[f.name] = raw
         except ValueError as e:
@@ -192,6 +210,16 @@ def load_options(args: argparse.Namespace) -> LoadOptions:
         return LoadOptions(**values)
     except (TypeError, ValueError) as e:
         raise ValueError(str(e)) from None
+
+
+def _method_value(m, spec: str):
+    """A method's load flag: ``off`` / ``on`` for a transform, else its KEY=VALUE,... knobs."""
+    if m.kind == TRANSFORM and spec.strip().lower() in ("off", "on"):
+        return spec.strip().lower() == "on"
+    try:
+        return m.parse(spec)
+    except ValueError as e:
+        raise ValueError(f"{m.flag()}: {e}") from None
 
 
 __all__ = ["JIT_POLICIES", "LoadOptions", "add_load_options", "flag_of", "load_options", "parse_size"]

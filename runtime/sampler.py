@@ -53,7 +53,6 @@ from infhip.runtime.sampling_params import SamplingParams
 
 __all__ = ["Sampler", "SamplerOutput", "SamplingBatch", "apply_token_bitmask", "make_generator"]
 
-PLUGIN_MODULES = ("sampling",)  # the sampler's kernels, compiled ahead of time (builder/kernels.py)
 
 # Temperatures below this are treated as greedy: logits / T would overflow float32 (and the
 # distribution is one-hot in float32 anyway for any real logit gap).

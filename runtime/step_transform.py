@@ -19,7 +19,8 @@ Life of a transform:
 * per step: ``plan`` (host; None: the step is untouched) -> ``upload`` (a ``TransformStep``, read by
   the layer loop and each layer's context view) -> ``after_step`` (what an eager step leaves);
 * CUDA graphs: ``shifts_kv``, ``kv_shift(host)``, ``graph_step(layer_kv)``;
-* ahead of time: ``plugin_modules`` (builder/kernels.py compiles what their aot_launches list);
+* its engine-format side is the plan method of the same ``name`` (infhip/methods/: knobs, build
+  and load flags, the plugin modules whose kernels the builder compiles ahead of time);
 * the engine core: ``keeps_prompt(seq)`` (prefix caching and prompt logprobs; ``prompt_hint`` in
   the error of a request it refuses);
 * read-outs: ``debug_view()``, a JSON-able dict of its state now (token drop: knobs, drop layers,
@@ -38,7 +39,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from infhip.runtime.registry import Registry
+from infhip.registry import Registry
 
 # the modules of the built-in transforms, each of which registers its transform on import
 BUILTIN = ("infhip.runtime.token_drop_transform",)
@@ -85,7 +86,6 @@ class StepTransform:
     """A transform attached to the runner for the engine's life (runtime/model_runner.py)."""
 
     name: ClassVar[str]
-    plugin_modules: ClassVar[tuple[str, ...]] = ()  # plugins/ modules whose kernels it launches
     # what it does to a prompt and how a user keeps prompts whole (the error of a request that
     # needs every prompt position, e.g. prompt_logprobs, when keeps_prompt says no)
     prompt_hint: ClassVar[str] = "turn it off"
@@ -93,8 +93,8 @@ class StepTransform:
     # -- load and knobs --------------------------------------------------------------------------
     @classmethod
     def knobs_of(cls, config):
-        """Its knobs in an engine's config (the plan's), None: off."""
-        return None
+        """Its knobs in an engine's config (its method's, in the plan), None: off."""
+        return config.plan.knobs_of(cls.name)
 
     @classmethod
     def attach(cls, config) -> "StepTransform":

@@ -80,7 +80,7 @@ from typing import Callable
 import torch
 import triton
 
-from infhip.config import TokenDropConfig
+from infhip.methods.token_drop import TokenDropConfig
 from infhip.plugins.dense_attention import gather_kv
 from infhip.plugins.rope import apply_rope_, write_kv
 from infhip.plugins.token_drop import block_importance
@@ -174,7 +174,6 @@ class TokenDropStep(TransformStep):
     records: list[tuple[int, dict[int, tuple[int, int, int, torch.Tensor | None]]]] = field(default_factory=list)
 
     name = "token_drop"
-    plugin_modules = ("token_drop.importance", "token_drop.top_p", "token_drop.attention", "token_drop.gather")
 
     @property
     def after(self) -> bool:

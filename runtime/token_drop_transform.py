@@ -20,8 +20,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from infhip.config import TokenDropConfig
-from infhip.token_drop_knobs import resolve_drop_layers
+from infhip.methods.token_drop import TokenDropConfig
+from infhip.methods.token_drop import resolve_drop_layers
 from infhip.plugins.token_drop import top_p_select
 from infhip.runtime.drop_stats import DropStats
 from infhip.runtime.forward_context import LayerKV
@@ -46,7 +46,6 @@ class TokenDrop(StepTransform):
     honoured), the layers it acts on and the drop statistics of the requests."""
 
     name = "token_drop"
-    plugin_modules = TokenDropStep.plugin_modules
     prompt_hint = "it would drop tokens of this prompt (UniPrefill): load the engine with token_drop=False"
 
     def __init__(self, windows: list[int | None], page_size: int):
@@ -56,10 +55,6 @@ class TokenDrop(StepTransform):
         self.windows, self.page_size = windows, page_size
         self.stats = DropStats()  # drop histories of the requests, retention per anchor
         self._set(None, None)
-
-    @classmethod
-    def knobs_of(cls, config) -> TokenDropConfig | None:
-        return config.plan.token_drop
 
     @classmethod
     def attach(cls, config) -> "TokenDrop":

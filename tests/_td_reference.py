@@ -168,8 +168,7 @@ def td_view(llm) -> dict:
 def reference_schedule(llm) -> dict:
     """The reference's schedule of a loaded engine's token drop (drop layers with the spared ones):
     what reference_logits(schedule=...) needs to drop as the engine does."""
-    from infhip.config import TokenDropConfig
-    from infhip.token_drop_knobs import resolve_drop_layers
+    from infhip.methods.token_drop import TokenDropConfig, resolve_drop_layers
     cfg = TokenDropConfig(**td_view(llm)["knobs"])
     plan = llm.engine.config.plan.layers
     layers = resolve_drop_layers(dataclasses.replace(cfg, spare_anchors=0),

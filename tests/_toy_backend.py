@@ -1,11 +1,12 @@
 """A toy third attention backend, "sink_window": each query attends to the first ``sink`` tokens
 of its sequence and its last ``window`` tokens only (StreamingLLM's pattern), in torch.
 
-It is the example of docs/design/runtime.md's "adding an attention backend": this file and one
-``register(SinkWindowBackend)`` are all it takes (tests/test_attention_backend_registry.py).
-Which layers it claims comes from its knobs (``SinkWindowBackend.KNOBS``; a real backend reads
-them from the engine's plan in ``knobs_of``). Its run is device-only (no host list, no sync), so
-a CUDA graph captures it; its graph key is a constant (every pure decode step replays).
+It is the example of docs/design/adding.md's "adding an attention backend": this file, its plan
+method (tests/_toy_method.py: knobs, preset) and :func:`register_toy` are all it takes
+(tests/test_attention_backend_registry.py). The layers it runs and its knobs come from the
+engine's plan (the base class's ``knobs_of`` / ``layers_of``). Its run is device-only (no host
+list, no sync), so a CUDA graph captures it; its graph key is a constant (every pure decode step
+replays).
 """
 
 from __future__ import annotations
@@ -15,15 +16,11 @@ from dataclasses import dataclass
 
 import torch
 
+from infhip import methods
+from infhip.runtime import attention
 from infhip.runtime.attention import DENSE, AttentionBackend
 from infhip.runtime.forward_context import upload
-
-
-@dataclass(frozen=True)
-class SinkWindowKnobs:
-    layers: tuple[int, ...]  # the (global) layers it claims
-    sink: int  # first tokens every query sees (< the page size)
-    window: int  # last tokens every query sees (itself included)
+from tests._toy_method import SinkWindow, SinkWindowKnobs
 
 
 @dataclass
@@ -59,32 +56,23 @@ def sink_window_attention(q: torch.Tensor, kv, tables: torch.Tensor, seq_of_row:
 
 
 class SinkWindowBackend(AttentionBackend):
-    name = "sink_window"
-    plugin_modules = ()  # torch only: no kernel to compile ahead of time
-    KNOBS: SinkWindowKnobs | None = None
-
-    @classmethod
-    def layers_of(cls, config) -> list[int]:
-        return list(cls.KNOBS.layers)
+    name = "sink_window"  # its plan method: tests/_toy_method.py (torch only: no kernel to compile)
 
     def __init__(self, knobs: SinkWindowKnobs, device: torch.device):
         self.knobs, self.device = knobs, device
 
     @classmethod
-    def knobs_of(cls, config):
-        return cls.KNOBS
-
-    @classmethod
     def attach(cls, config, knobs: SinkWindowKnobs, layers: list, env) -> "SinkWindowBackend":
         backend = cls(knobs, env.device)
+        claimed = set(cls.layers_of(config))
         for attn in layers:
-            if attn.layer_index in knobs.layers:
+            if attn.layer_index in claimed:
                 assert attn.window is None and attn.kv.k_scale is None, "global, unscaled layers only"
                 attn.backend = backend
         return backend
 
     def debug_view(self) -> dict:
-        return {"layers": list(self.knobs.layers), "sink": self.knobs.sink, "window": self.knobs.window}
+        return {"sink": self.knobs.sink, "window": self.knobs.window}
 
     def plan(self, step, seqs: list) -> SinkWindowHost:
         return SinkWindowHost([b for b in range(len(step.ctx_lens)) for _ in range(step.cu[b + 1] - step.cu[b])])
@@ -114,3 +102,14 @@ class SinkWindowBackend(AttentionBackend):
 
     def graph_meta(self, key, bs: int, state: torch.Tensor, common) -> SinkWindowMeta:
         return self._meta(state[:bs])
+
+
+def register_toy() -> None:
+    """Register the toy's plan method and its attention backend (the two registrations it takes)."""
+    methods.register(SinkWindow)
+    attention.register(SinkWindowBackend)
+
+
+def unregister_toy() -> None:
+    attention.unregister(SinkWindowBackend.name)
+    methods.unregister(SinkWindow.name)

@@ -20,7 +20,7 @@ from infhip.builder.kernels import enumerate_variants, plugin_modules
 from infhip.builder.presets import make_plan
 from infhip.builder.registry import bundled_config
 from infhip.config import BuildConfig, EngineConfig
-from infhip.knob_specs import parse_token_drop
+from infhip.methods.token_drop import parse_token_drop
 from infhip.plugins.aot import LaunchSpace, Target, record
 
 SPARSE_MODULES = ("kv_offload", "infinitehip.pruning", "infinitehip.sparse_attention", "infinitehip.key_bank",
@@ -52,7 +52,7 @@ def engine_config(model: str = "llama-3.1-8b", preset: str = "3k", kv_dtype: str
     m, _ = model_config_from_hf(json.loads(bundled_config(model).read_text()))
     plan = make_plan(m, preset)
     if token_drop:
-        plan = dataclasses.replace(plan, token_drop=parse_token_drop(""))
+        plan = plan.with_knobs("token_drop", parse_token_drop(""))
     build = BuildConfig(dtype="bfloat16", kv_dtype=kv_dtype, max_seq_len=max_seq_len, max_batch_size=16,
                         max_num_batched_tokens=32768, cuda_graph_batch_sizes=(1, 2, 4, 8, 16), target="sm_90")
     return EngineConfig(model=m, plan=plan, build=build)
@@ -123,12 +123,12 @@ def with_mask_layout(config: EngineConfig, layout: str) -> EngineConfig:
     """config whose InfiniteHiP knobs ask for a mask layout (plugins/infinitehip/_aot.mask_layout_of
     reads ``mask_layout``; the runtime's config gains the knob in its own change, issue 32)."""
     @dataclasses.dataclass(frozen=True)
-    class LayoutConfig(type(config.plan.infinitehip)):
+    class LayoutConfig(type(config.plan.knobs_of("infinitehip"))):
         mask_layout: str = "shared"
 
-    cfg = config.plan.infinitehip
+    cfg = config.plan.knobs_of("infinitehip")
     fields = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
-    plan = dataclasses.replace(config.plan, infinitehip=LayoutConfig(**fields, mask_layout=layout))
+    plan = config.plan.with_knobs("infinitehip", LayoutConfig(**fields, mask_layout=layout))
     return dataclasses.replace(config, plan=plan)
 
 

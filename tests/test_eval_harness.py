@@ -145,9 +145,6 @@ def test_recall_refuses_dense_plan_and_measures_explicit_params(tiny, capsys):
 
 def test_recall_on_an_infinitehip_engine(tmp_path, tiny_engine):
     """The plan's own InfiniteHiP knobs drive the measurement (tiny stages, CPU references)."""
-    from infhip.builder import presets
-    if "3k" not in getattr(presets, "PRESETS", ()):
-        pytest.skip("no InfiniteHiP presets in this tree yet")
     knobs = {"n_sink": 4, "n_stream": 16, "stages": [[8, 16, 64], [8, 4, 32]], "refresh_intervals": [2, 1],
              "special_layers": [0], "special_final_k": 16, "dense_threshold": 1000}  # prefill dense: fast
     engine = tiny_engine("llama", tokenizer=True, hf=dict(max_position_embeddings=1024), preset="3k",
@@ -156,7 +153,7 @@ def test_recall_on_an_infinitehip_engine(tmp_path, tiny_engine):
                      "--json", str(tmp_path / "r.json"), "--plot", str(tmp_path / "r.png")]) == 0
     recs = json.loads((tmp_path / "r.json").read_text())["records"]
     plan = load_llm(engine).engine.config.plan
-    sparse = {lp.index for lp in plan.layers if lp.plugin != "dense"}
+    sparse = {lp.index for lp in plan.layers if lp.backend != "dense"}
     assert {r["layer"] for r in recs} == sparse and len(recs) == len(sparse) * 6  # 6 query heads
     assert all(0.0 < r["score"] < 1.0 for r in recs)  # 52 of 200 keys kept: partial mass
     assert all(r["extra"]["engine_runs_dense"] for r in recs)  # 200 < dense_threshold, and it says so

@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from infhip.builder.errors import BuildError
+from infhip.errors import BuildError
 from infhip.runtime.serving.triton.export import export_triton_repo, main
 from infhip.runtime.serving.triton.model import OUTPUTS, PARAMETERS
 from tests._fake_triton import engine, parse_pbtxt  # noqa: F401 (engine: a fixture)

@@ -13,8 +13,6 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 KNOWN_CYCLES = {
-    # config validates a TP layout through tensor_parallel, which types its arguments with config's ModelConfig
-    frozenset({"infhip.config", "infhip.tensor_parallel"}),
     # the generic offload (copy_pages) asks InfiniteHiP's launch space for its AOT variants
     frozenset({"infhip.plugins._aot_shapes", "infhip.plugins.infinitehip._aot", "infhip.plugins.kv_offload",
                "infhip.plugins.paged_kv"}),
@@ -108,7 +106,7 @@ def test_the_graph_sees_function_local_and_type_checking_imports():
     graph = import_graph()
     assert "infhip.runtime.kv_cache" in graph and "infhip.plugins.rms_norm" in graph
     assert "infhip.plugins.paged_kv" in graph["infhip.plugins.kv_offload"]  # under TYPE_CHECKING
-    assert "infhip.runtime.attention" in graph["infhip.builder.kernels"]  # inside a function
+    assert "infhip.methods" in graph["infhip.builder.kernels"]  # inside a function
     toy = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "e": set()}
     assert cycles(toy) == {frozenset("abc")}
 
@@ -119,3 +117,31 @@ def test_no_new_import_cycles():
     gone = [sorted(c) for c in KNOWN_CYCLES - found]
     assert not new, f"new import cycle(s): {new}: move what both sides need into a module of its own"
     assert not gone, f"cycle(s) {gone} are broken or changed: take them out of KNOWN_CYCLES"
+
+
+# The engine format and what both sides share: torch-free, importing neither the builder nor the runtime.
+SHARED = ("infhip.config", "infhip.model_config", "infhip.methods", "infhip.registry", "infhip.cli_args",
+          "infhip.errors", "infhip.output_dir", "infhip.tensor_parallel")
+
+
+def test_builder_and_runtime_meet_only_at_the_engine_format_and_the_plugins():
+    graph = import_graph()
+
+    def edges(src: str, dst: str) -> list[tuple[str, str]]:
+        return sorted((a, b) for a, deps in graph.items() if a == src or a.startswith(src + ".")
+                      for b in deps if b == dst or b.startswith(dst + "."))
+
+    assert not edges("infhip.builder", "infhip.runtime"), edges("infhip.builder", "infhip.runtime")
+    assert not edges("infhip.runtime", "infhip.builder"), edges("infhip.runtime", "infhip.builder")
+    for module in SHARED:
+        for side in ("infhip.builder", "infhip.runtime", "infhip.plugins"):
+            assert not edges(module, side), edges(module, side)
+
+
+def test_the_engine_format_imports_no_torch():
+    import subprocess
+    import sys
+
+    code = ("import sys, importlib\n" + "".join(f"importlib.import_module({m!r})\n" for m in SHARED) +
+            "from infhip.methods import methods\nmethods()\nassert 'torch' not in sys.modules, 'torch imported'\n")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)

@@ -288,8 +288,8 @@ def test_key_bank_memory_is_reserved(engines):
     off = LLM(engines["3k"], max_num_seqs=3, infinitehip_overrides=dict(past_window, key_bank=False)).runner
     on = LLM(engines["3k"], max_num_seqs=3, infinitehip_overrides=dict(past_window, key_bank=True)).runner
     plan = on.engine.config.plan
-    cfg, ih = on.engine.config.model, plan.infinitehip
-    final_ks = [ih.stages_of(lp.index)[-1].k for lp in plan.layers if lp.plugin == "infinitehip"]
+    cfg, ih = on.engine.config.model, plan.knobs_of("infinitehip")
+    final_ks = [ih.stages_of(lp.index)[-1].k for lp in plan.layers if lp.backend == "infinitehip"]
     expected = sum((3 + 1) * k * cfg.num_kv_heads * cfg.head_dim * 4 for k in final_ks)  # float32 KV
     assert kv_budget.reserved_bytes(on.engine.config, 3, 64) - kv_budget.reserved_bytes(off.engine.config, 3, 64) == expected > 0
     banks = [layer.self_attn.backend_state.cache.bank for layer in on.model.layers if layer.self_attn.backend_state]
@@ -314,6 +314,6 @@ def test_engine_naming_a_removed_knob_loads(engines, tmp_path):
     cfg = json.loads((old / "config.json").read_text())
     cfg["plan"]["infinitehip"]["solo_last_query"] = False
     (old / "config.json").write_text(json.dumps(cfg))
-    loaded = EngineConfig.load(old).plan.infinitehip
-    assert loaded == EngineConfig.load(engines["3k"]).plan.infinitehip
+    loaded = EngineConfig.load(old).plan.knobs_of("infinitehip")
+    assert loaded == EngineConfig.load(engines["3k"]).plan.knobs_of("infinitehip")
     assert not hasattr(loaded, "solo_last_query")

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from infhip.builder.presets import infinitehip_config
+from infhip.methods.infinitehip import infinitehip_config
 from infhip.runtime.attention.infinitehip.mask_cache import MaskSlots, refresh_from, refresh_schedule
 from infhip.runtime.sampling_params import SamplingParams
 from infhip.runtime.sequence import Sequence, SequenceStatus

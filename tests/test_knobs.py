@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from infhip.builder.presets import PRESET_CHANGES, infinitehip_config
-from infhip.config import RUNTIME_KNOBS, InfiniteHipConfig, TokenDropConfig
-from infhip.knob_specs import parse_token_drop_knobs
+from infhip.methods import methods
+from infhip.methods.infinitehip import PRESET_CHANGES, RUNTIME_KNOBS, InfiniteHipConfig, infinitehip_config
+from infhip.methods.token_drop import TokenDropConfig, parse_token_drop_knobs
 from infhip.runtime.options import LoadOptions, load_options, parse_size
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -67,7 +67,7 @@ def test_old_token_drop_names_are_errors_naming_the_field(spec, needle):
     with pytest.raises(ValueError, match=needle):
         TokenDropConfig().replace(**{key: 0})
     with pytest.raises(ValueError, match=needle):
-        LoadOptions(token_drop={key: 0})
+        LoadOptions.of(token_drop={key: 0})
 
 
 def _parsers():
@@ -86,6 +86,10 @@ def test_every_load_option_is_a_flag_of_the_same_name():
     for name, parser in _parsers().items():
         flags = set(re.findall(r"--[a-z0-9-]+", parser.format_usage()))  # every option string, once
         for f in dataclasses.fields(LoadOptions):
+            if f.metadata["kind"] == "methods":  # a flag per plan method (its build flag's name)
+                for m in methods():
+                    assert m.flag() in flags, f"{name} has no flag for the {m.name} overrides"
+                continue
             assert "--" + f.name.replace("_", "-") in flags, f"{name} has no flag for LoadOptions.{f.name}"
 
 
@@ -95,11 +99,15 @@ def test_flags_build_the_same_options_as_keywords():
                               "--kv-cache-memory-bytes", "512MiB", "--enforce-eager", "--num-decode-steps", "3",
                               "--infinitehip-overrides", "chunk_score=head_normalized,refresh_intervals=[32,16,8]",
                               "--token-drop", "p=0.98,min_prompt_len=4096", "--jit", "forbid", "--device", "cpu"])
-    assert load_options(args) == LoadOptions(
+    assert load_options(args) == LoadOptions.of(
         device="cpu", max_num_seqs=4, kv_offload_bytes=2 << 30, kv_cache_memory_bytes=512 << 20, enforce_eager=True,
         num_decode_steps=3, infinitehip_overrides={"chunk_score": "head_normalized", "refresh_intervals": [32, 16, 8]},
         token_drop={"p": 0.98, "min_prompt_len": 4096}, jit="forbid")
-    assert load_options(parser.parse_args(["--engine", "e", "--prompt", "x", "--token-drop", "off"])).token_drop is False
+    assert load_options(args).overrides == {"infinitehip": {"chunk_score": "head_normalized",
+                                                            "refresh_intervals": [32, 16, 8]},
+                                            "token_drop": {"p": 0.98, "min_prompt_len": 4096}}
+    off = load_options(parser.parse_args(["--engine", "e", "--prompt", "x", "--token-drop", "off"]))
+    assert off.override("token_drop") is False and off == LoadOptions(overrides={"token_drop": False})
     assert load_options(parser.parse_args(["--engine", "e", "--prompt", "x"])) == LoadOptions()
     with pytest.raises(ValueError, match="--kv-offload-bytes"):
         load_options(parser.parse_args(["--engine", "e", "--prompt", "x", "--kv-offload-bytes", "lots"]))
@@ -126,10 +134,11 @@ def test_renamed_flags_name_the_new_one(old, new, capsys):
     (dict(jit="sometimes"), "jit must be one of"),
     (dict(infinitehip_overrides={"n_sink": 8}), "needs a rebuild"),
     (dict(token_drop={"p": 2.0}), "p must be in"),
+    (dict(overrides={"nope": {}}), "no plan method 'nope'"),
 ])
 def test_load_options_validate(bad, needle):
     with pytest.raises(ValueError, match=needle):
-        LoadOptions(**bad)
+        LoadOptions.of(**bad)
 
 
 def test_unknown_llm_keyword_is_a_type_error():
@@ -150,10 +159,10 @@ def test_parse_size():
 def test_knobs_doc_is_up_to_date_and_its_links_resolve():
     import re
 
-    from infhip.builder.knobs_doc import markdown
+    from infhip.knobs_doc import markdown
     text = markdown()
     assert (ROOT / "docs" / "knobs.md").read_text() == text, \
-        "docs/knobs.md is out of date: python -m infhip.builder.knobs_doc > docs/knobs.md"
+        "docs/knobs.md is out of date: python -m infhip.knobs_doc > docs/knobs.md"
 
     def slug(heading: str) -> str:  # GitHub's anchors
         return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")

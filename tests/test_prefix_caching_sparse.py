@@ -23,7 +23,6 @@ import torch
 
 import infhip.runtime.offload.policy as offload_policy
 from infhip import LLM, SamplingParams
-from infhip.config import apply_runtime_overrides
 from infhip.eval.common import record_kept_positions, set_forced_retention
 from infhip.runtime.prefix_cache import PagePool
 from infhip.runtime.serving.metrics import ServerMetrics
@@ -198,8 +197,8 @@ def test_runtime_knob_change_forgets_the_cache(engines):
     doc = ids(18, 64)
     ask(on, doc + [5])
     assert on.stats().kv_pages_cached["global"] > 0
-    plan = apply_runtime_overrides(on.engine.config.plan, dict(refresh_intervals=(8, 4, 2)))
-    on.runner.set_backend("infinitehip", plan.infinitehip)
+    plan = on.engine.config.plan.at_load({"infinitehip": dict(refresh_intervals=(8, 4, 2))})
+    on.runner.set_backend("infinitehip", plan.knobs_of("infinitehip"))
     assert on.stats().kv_pages_cached["global"] == 0 and ask(on, doc + [6])[2] == 0
 
 

@@ -9,8 +9,9 @@ import json
 import pytest
 
 from infhip.builder import cli as build_cli
-from infhip.builder.presets import PRESETS, apply_runtime_overrides, infinitehip_config, make_plan
-from infhip.config import EngineConfig, InfiniteHipConfig, Plan, PruningStage
+from infhip.builder.presets import make_plan, preset_names
+from infhip.config import EngineConfig, Plan
+from infhip.methods.infinitehip import InfiniteHipConfig, PruningStage, infinitehip_config
 from tests._tiny import write_tiny_hf_checkpoint
 
 
@@ -23,7 +24,7 @@ def hf(tmp_path_factory):
 
 
 def test_preset_knobs():
-    assert PRESETS == ("dense", "3k", "3k-fast", "3k-flash", "5k")
+    assert preset_names() == ("dense", "3k", "3k-fast", "3k-flash", "5k")
     c = infinitehip_config("3k")
     assert (c.n_sink, c.n_stream) == (256, 1024)
     assert c.stages == (PruningStage(64, 256, 32768), PruningStage(64, 32, 8192), PruningStage(64, 8, 2048))
@@ -68,20 +69,20 @@ def test_validation(bad, needle):
 
 
 def test_cli_preset_round_trip(hf, tmp_path, capsys):
-    for preset in PRESETS:
+    for preset in preset_names():
         out = tmp_path / preset
         assert build_cli.main(["--checkpoint", str(hf / "gemma3"), "--output", str(out), "--device", "cpu",
                                "--preset", preset, "--quiet"]) == 0
         d = json.loads((out / "config.json").read_text())
         assert d["plan"]["preset"] == d["preset"]["name"] == preset
-        plugins = [layer["plugin"] for layer in d["plan"]["layers"]]
+        plugins = [layer["backend"] for layer in d["plan"]["layers"]]
         types = json.loads((hf / "gemma3" / "config.json").read_text())["layer_types"]
         if preset == "dense":
-            assert d["plan"]["infinitehip"] is None and set(plugins) == {"dense"}
+            assert d["plan"]["knobs"] == {} and set(plugins) == {"dense"}
             continue
         # full-attention layers get InfiniteHiP, sliding ones stay dense
         assert plugins == ["infinitehip" if t == "full_attention" else "dense" for t in types]
-        ih = d["plan"]["infinitehip"]
+        ih = d["plan"]["knobs"]["infinitehip"]
         window = json.loads((hf / "gemma3" / "config.json").read_text())["max_position_embeddings"]
         want = infinitehip_config(preset, trained_window=window)
         assert ih == json.loads(json.dumps(dataclasses.asdict(want)))  # every knob visible
@@ -89,17 +90,21 @@ def test_cli_preset_round_trip(hf, tmp_path, capsys):
                     "dense_threshold", "pruning_rope", "special_pruning_rope", "attention_rope",
                     "rope_off_in_trained_window"):
             assert key in ih
-        assert EngineConfig.load(out).plan.infinitehip == want
+        assert EngineConfig.load(out).plan.knobs_of("infinitehip") == want
 
 
 def test_dense_engine_without_infinitehip_key_loads(hf, tmp_path):
     out = tmp_path / "old"
     assert build_cli.main(["--checkpoint", str(hf / "llama"), "--output", str(out), "--device", "cpu", "--quiet"]) == 0
     d = json.loads((out / "config.json").read_text())
-    del d["plan"]["infinitehip"]  # as written before InfiniteHiP existed
+    # format 1 as written before InfiniteHiP existed: no plan.infinitehip, each layer's "plugin"
+    d["format_version"] = 1
+    d["plan"] = {"preset": "dense", "layers": [{**{k: v for k, v in lp.items() if k != "backend"}, "plugin": "dense"}
+                                               for lp in d["plan"]["layers"]]}
     (out / "config.json").write_text(json.dumps(d))
     cfg = EngineConfig.load(out)
-    assert cfg.plan.infinitehip is None and cfg.format_version == 1
+    assert cfg.plan.knobs_of("infinitehip") is None and cfg.format_version == 2
+    assert cfg.plan == EngineConfig.load(out).plan.dense(cfg.model)
 
 
 def test_infinitehip_config_from_an_engine_without_query_strides():
@@ -112,29 +117,30 @@ def test_infinitehip_config_from_an_engine_without_query_strides():
 
 
 def test_runtime_overrides():
-    plan = Plan(preset="3k", layers=make_plan_layers(), infinitehip=infinitehip_config("3k"))
-    new = apply_runtime_overrides(plan, {"refresh_intervals": [32, 16, 8], "dense_threshold": 4096})
-    assert new.infinitehip.refresh_intervals == (32, 16, 8) and new.infinitehip.dense_threshold == 4096
-    assert apply_runtime_overrides(plan, {"query_strides": [4, 4, 1]}).infinitehip.query_strides == (4, 4, 1)
+    plan = Plan(preset="3k", layers=make_plan_layers(), knobs={"infinitehip": infinitehip_config("3k")})
+    new = plan.at_load({"infinitehip": {"refresh_intervals": [32, 16, 8], "dense_threshold": 4096}}).knobs_of("infinitehip")
+    assert new.refresh_intervals == (32, 16, 8) and new.dense_threshold == 4096
+    strided = plan.at_load({"infinitehip": {"query_strides": [4, 4, 1]}}).knobs_of("infinitehip")
+    assert strided.query_strides == (4, 4, 1)
     with pytest.raises(ValueError, match="rebuild"):
-        apply_runtime_overrides(plan, {"n_sink": 8})
+        plan.at_load({"infinitehip": {"n_sink": 8}})
     with pytest.raises(ValueError, match="multiple"):
-        apply_runtime_overrides(plan, {"refresh_intervals": (16, 6, 4)})
-    dense = Plan(preset="dense", layers=tuple(dataclasses.replace(x, plugin="dense") for x in plan.layers))
-    with pytest.raises(ValueError, match="no InfiniteHiP layers"):
-        apply_runtime_overrides(dense, {"dense_threshold": 5})
+        plan.at_load({"infinitehip": {"refresh_intervals": (16, 6, 4)}})
+    dense = Plan(preset="dense", layers=tuple(dataclasses.replace(x, backend="dense") for x in plan.layers))
+    with pytest.raises(ValueError, match="no infinitehip layers"):
+        dense.at_load({"infinitehip": {"dense_threshold": 5}})
 
 
 def make_plan_layers():
     from infhip.config import LayerPlan
-    return tuple(LayerPlan(index=i, attention="global", window=None, plugin="infinitehip",
+    return tuple(LayerPlan(index=i, attention="global", window=None, backend="infinitehip",
                            rope_group="full_attention") for i in range(4))
 
 
 def test_make_plan_refuses_overrides_for_dense(hf):
     from infhip.builder.hf_config import model_config_from_hf
     model, _ = model_config_from_hf(json.loads((hf / "llama" / "config.json").read_text()), "x")
-    assert make_plan(model).infinitehip is None
+    assert make_plan(model).knobs_of("infinitehip") is None
     with pytest.raises(ValueError, match="dense preset"):
         make_plan(model, "dense", {"n_sink": 4})
     with pytest.raises(ValueError, match="unknown preset"):
@@ -150,7 +156,7 @@ def test_cli_infinitehip_knobs(hf, tmp_path, capsys):
     assert build_cli.main(["--checkpoint", str(hf / "llama"), "--output", str(out), "--device", "cpu", "--quiet",
                            "--preset", "3k", "--infinitehip-overrides", f"special_layers=[0,1],stages={stages},special_final_k=48"
                            ]) == 0
-    ih = EngineConfig.load(out).plan.infinitehip
+    ih = EngineConfig.load(out).plan.knobs_of("infinitehip")
     assert ih.special_layers == (0, 1) and ih.special_final_k == 48
     assert ih.stages == (PruningStage(16, 32, 256), PruningStage(16, 8, 64), PruningStage(16, 4, 32))
     assert ih.stages_of(0)[-1].k == 48 and ih.stages_of(2)[-1].k == 32
@@ -165,7 +171,7 @@ def test_cli_infinitehip_knobs(hf, tmp_path, capsys):
         assert not bad.exists()
     rc = build_cli.main(["--checkpoint", str(hf / "llama"), "--output", str(tmp_path / "d"), "--device", "cpu",
                          "--quiet", "--infinitehip-overrides", "n_sink=4"])
-    assert rc == 1 and "dense preset" in capsys.readouterr().err
+    assert rc == 1 and "preset 'dense' does not run infinitehip" in capsys.readouterr().err
 
 
 def test_engine_with_another_kv_dtype_is_refused_at_load(hf, tmp_path):

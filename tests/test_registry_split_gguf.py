@@ -11,7 +11,7 @@ import os
 import pytest
 
 from infhip.builder import registry
-from infhip.builder.errors import BuildError
+from infhip.errors import BuildError
 
 DATA = os.urandom(3000) + b"tail"
 SIZES = (1024, 1024, len(DATA) - 2048)

@@ -31,7 +31,8 @@ import infhip.runtime.offload.policy as offload_policy
 from infhip import LLM, SamplingParams
 from infhip.builder.build import build_engine
 from infhip.builder.cli import main as build_main
-from infhip.config import EngineConfig, EngineFormatError, TokenDropConfig
+from infhip.config import EngineConfig, EngineFormatError
+from infhip.methods.token_drop import TokenDropConfig
 from infhip.runtime.distributed import check_resources
 from infhip.runtime.engine import load_engine
 from infhip.runtime.model_runner import ModelRunner

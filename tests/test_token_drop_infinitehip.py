@@ -14,7 +14,7 @@ import json
 import pytest
 
 from infhip import LLM, SamplingParams
-from infhip.builder.presets import infinitehip_config
+from infhip.methods.infinitehip import infinitehip_config
 from infhip.eval.common import set_forced_retention
 from infhip.runtime.attention.infinitehip.planner import SparsePlanner
 from tests._graph_sim import simulate_graphs

@@ -26,10 +26,10 @@ import torch
 from infhip import LLM, SamplingParams
 from infhip.builder.build import build_engine
 from infhip.builder.cli import main as build_main
-from infhip.config import EngineConfig, TokenDropConfig
+from infhip.config import EngineConfig
 from infhip.eval.common import forced_retention, record_kept_positions, set_forced_retention
-from infhip.knob_specs import parse_token_drop
-from infhip.token_drop_knobs import AUTHORS_LLAMA_EIGHTHS, default_drop_layers
+from infhip.methods.token_drop import TokenDropConfig, parse_token_drop
+from infhip.methods.token_drop import AUTHORS_LLAMA_EIGHTHS, default_drop_layers
 from tests._td_reference import reference_logits, reference_schedule, run_greedy, td_view
 
 TINY = dict(obs_window=8, block_size=8, num_sink=8, min_prompt_len=0, spare_anchors=0)  # knobs scaled to ~200-token prompts
@@ -169,22 +169,22 @@ def test_batch_equals_each_alone(engine):
 def test_build_flag_config_round_trip_and_old_engines(engine, tmp_path):
     out = tmp_path / "td"
     src = EngineConfig.load(engine)
-    assert src.plan.token_drop is None
+    assert src.plan.knobs_of("token_drop") is None
     shutil.copytree(engine, out)
     cfg = json.loads((out / "config.json").read_text())
     assert "token_drop" in cfg["plan"]  # written as null by new builds ...
     del cfg["plan"]["token_drop"]  # ... and absent in engines from before token drop
     (out / "config.json").write_text(json.dumps(cfg))
-    assert EngineConfig.load(out).plan.token_drop is None
+    assert EngineConfig.load(out).plan.knobs_of("token_drop") is None
     hf = engine.parent / "hf"
     rc = build_main(["--checkpoint", str(hf), "--output", str(tmp_path / "b"), "--dtype", "float32",
                      "--device", "cpu", "--quiet", "--token-drop", "p=0.98,block_size=32,min_prompt_len=0"])
     assert rc == 0
-    td = EngineConfig.load(tmp_path / "b").plan.token_drop
+    td = EngineConfig.load(tmp_path / "b").plan.knobs_of("token_drop")
     assert td == TokenDropConfig(p=0.98, block_size=32, min_prompt_len=0)
     rc = build_main(["--checkpoint", str(hf), "--output", str(tmp_path / "c"), "--dtype", "float32",
                      "--device", "cpu", "--quiet", "--token-drop"])
-    assert rc == 0 and EngineConfig.load(tmp_path / "c").plan.token_drop == TokenDropConfig()
+    assert rc == 0 and EngineConfig.load(tmp_path / "c").plan.knobs_of("token_drop") == TokenDropConfig()
     # the default is the authors' schedule; engines from before the schedule knobs keep theirs:
     # every full-attention layer drops before its attention, dropped rows re-enter, their stored
     # spare_anchors (0 when it is absent: engines from before that knob)
@@ -197,17 +197,17 @@ def test_build_flag_config_round_trip_and_old_engines(engine, tmp_path):
         del cfg["plan"]["token_drop"][k]
     cfg["plan"]["token_drop"]["spare_anchors"] = 1
     (tmp_path / "c" / "config.json").write_text(json.dumps(cfg))
-    assert EngineConfig.load(tmp_path / "c").plan.token_drop == TokenDropConfig(spare_anchors=1, **old["paper"])
+    assert EngineConfig.load(tmp_path / "c").plan.knobs_of("token_drop") == TokenDropConfig(spare_anchors=1, **old["paper"])
     del cfg["plan"]["token_drop"]["spare_anchors"]
     (tmp_path / "c" / "config.json").write_text(json.dumps(cfg))
-    assert EngineConfig.load(tmp_path / "c").plan.token_drop == TokenDropConfig(spare_anchors=0, **old["paper"])
+    assert EngineConfig.load(tmp_path / "c").plan.knobs_of("token_drop") == TokenDropConfig(spare_anchors=0, **old["paper"])
     assert td_view(LLM(tmp_path / "c", token_drop=False))["knobs"] is None
     # an explicit list round-trips through config.json as a list (Llama: layers 0 and 2; Gemma: its globals)
     full = [lp.index for lp in src.plan.layers if lp.window is None][-2:]
     rc = build_main(["--checkpoint", str(hf), "--output", str(tmp_path / "d"), "--dtype", "float32", "--device",
                      "cpu", "--quiet", "--token-drop", f"drop_layers={full[1]}:{full[0]},reenter=true"])
     assert rc == 0 and json.loads((tmp_path / "d" / "config.json").read_text())["plan"]["token_drop"]["drop_layers"] == full
-    assert EngineConfig.load(tmp_path / "d").plan.token_drop == TokenDropConfig(drop_layers=tuple(full), reenter=True)
+    assert EngineConfig.load(tmp_path / "d").plan.knobs_of("token_drop") == TokenDropConfig(drop_layers=tuple(full), reenter=True)
 
 
 def test_retention_is_a_benchmark_setting_not_an_engine_knob(engine, tmp_path):
@@ -223,7 +223,7 @@ def test_retention_is_a_benchmark_setting_not_an_engine_knob(engine, tmp_path):
     assert "retention" not in cfg["plan"]["token_drop"]
     cfg["plan"]["token_drop"]["retention"] = 0.3  # as engines built before wrote it
     (tmp_path / "td" / "config.json").write_text(json.dumps(cfg))
-    assert EngineConfig.load(tmp_path / "td").plan.token_drop == TokenDropConfig(min_prompt_len=0)
+    assert EngineConfig.load(tmp_path / "td").plan.knobs_of("token_drop") == TokenDropConfig(min_prompt_len=0)
     with pytest.raises(ValueError, match="benchmark setting"):
         LLM(engine, token_drop=dict(retention=0.3))
     with pytest.raises(ValueError, match="'G' is now called 'block_size'"):

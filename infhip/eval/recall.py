@@ -9,7 +9,7 @@ run the layer's pruning stages (`pruning_stage`: Triton on GPU, float64 referenc
 those queries over that cache, turn the survivors into per-query key masks (`per_query_key_mask`)
 and score them against exact dense attention.
 
-The sparse parameters come from the plan's InfiniteHiP knobs (`plan.infinitehip`: n_sink,
+The sparse parameters come from the plan's InfiniteHiP knobs (`plan.knobs_of("infinitehip")`: n_sink,
 n_stream, the layer's stages and pruning RoPE style), resolved into {"n_sink", "n_stream",
 "stages": [[b_q, l_c, k], ...], "rope_style"} per layer. A dense plan raises `NoSparseLayers`
 (CLI exit 3); tests also drive the path on dense engines by passing `params` explicitly.
@@ -50,11 +50,11 @@ class RecallConfig:
 def sparse_layer_params(llm, length: int | None = None) -> dict[int, dict[str, Any]]:
     """{layer index: pruning params} of the plan's non-dense layers; NoSparseLayers if none.
 
-    Params come from `plan.infinitehip` (an InfiniteHipConfig: `stages_of(layer)`,
+    Params come from `plan.knobs_of("infinitehip")` (an InfiniteHipConfig: `stages_of(layer)`,
     `pruning_rope_of(layer)`; RoPE off inside the trained window when `rope_off_in_trained_window`
     and `length` fits it), else from a per-layer `params` dict, the format `layer_recall` takes."""
     plan = llm.engine.config.plan
-    layers = [lp for lp in plan.layers if lp.plugin != "dense"]
+    layers = [lp for lp in plan.layers if lp.backend != "dense"]
     if not layers:
         raise NoSparseLayers(
             f"engine plan (preset {plan.preset!r}) has no sparse layers: every layer's plugin is 'dense', "

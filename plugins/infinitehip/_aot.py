@@ -40,7 +40,7 @@ from typing import Callable
 
 import torch
 
-from infhip.config import InfiniteHipConfig, PruningStage
+from infhip.methods.infinitehip import InfiniteHipConfig, PruningStage
 
 from ..plan_rules import candidate_capacity, rope_modes, uses_key_bank
 
@@ -160,14 +160,14 @@ class SparseSpace:
 def sparse_space(space) -> SparseSpace | None:
     """The InfiniteHiP launch space of ``space`` (plugins.aot.LaunchSpace), None for an engine
     without InfiniteHiP layers or whose sparse threshold no context reaches."""
-    cfg: InfiniteHipConfig | None = space.plan.infinitehip
+    cfg: InfiniteHipConfig | None = space.plan.knobs_of("infinitehip")
     if cfg is None:
         return None
     build, model = space.build, space.model
     max_len, window = build.max_seq_len, model.max_position_embeddings
     if cfg.dense_threshold > max_len:
         return None  # no context goes sparse
-    layers = [lp.index for lp in space.plan.layers if lp.plugin == "infinitehip"]
+    layers = [lp.index for lp in space.plan.layers if lp.backend == "infinitehip"]
     kinds = tuple(dict.fromkeys(LayerKind(cfg.stages_of(i), cfg.pruning_rope_of(i)) for i in layers))
     cap = lambda end: candidate_capacity(end, cfg.n_sink, cfg.n_stream)  # noqa: E731
     buckets = lambda lo, hi: tuple(c for c in (1 << b for b in range(10, 63)) if cap(lo) <= c <= cap(hi))  # noqa: E731

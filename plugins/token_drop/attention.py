@@ -232,7 +232,7 @@ def aot_launches(space) -> None:
     without sliding layers. The queries are the layer's q (contiguous after a q norm, else a view
     of the fused qkv projection), the keys and values the layer's own rows (views of the same
     projection) or, past a chunk's first, those rows concatenated after the cache's (contiguous)."""
-    td, m = space.plan.token_drop, space.model
+    td, m = space.plan.knobs_of("token_drop"), space.model
     if td is None:
         return
     windows = sorted({m.window_of(i) for i in range(m.num_layers)} - {None})

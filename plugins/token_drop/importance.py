@@ -335,7 +335,7 @@ def drop_bounds(space) -> tuple[int, int, int]:
     engine's token-drop plan (runtime/token_drop.py: keep_tail, plan_drops): a dropping chunk
     has at least G droppable tokens besides the kept tail, and the step's chunks share
     max_num_batched_tokens."""
-    td, model, build = space.plan.token_drop, space.model, space.build
+    td, model, build = space.plan.knobs_of("token_drop"), space.model, space.build
     windows = [model.window_of(i) for i in range(model.num_layers)]
     tail = max([td.obs_window] + [w for w in windows if w is not None])
     min_chunk = tail + td.block_size
@@ -348,7 +348,7 @@ def aot_launches(space) -> None:
     key their layer holds (a key list of at least one dropping chunk's tokens, up to
     max_seq_len). Pass 1's split count depends on the chunk count and the longest key list: one
     launch per distinct count; everything else is fixed by the model and the plan."""
-    td = space.plan.token_drop
+    td = space.plan.knobs_of("token_drop")
     if td is None:
         return
     from ..infinitehip._aot import representatives

@@ -274,7 +274,7 @@ def aot_launches(space) -> None:
     knob, so every token-drop engine holds it). A selection "sequence" is a dropping chunk
     G-aligned in its key list: tail + G to max_num_batched_tokens + G - 1 tokens; the scan and
     expansion widths follow the longest one (one launch per distinct pair of widths)."""
-    td = space.plan.token_drop
+    td = space.plan.knobs_of("token_drop")
     if td is None:
         return
     from ..infinitehip._aot import representatives

@@ -7,8 +7,11 @@ kv_budget, the builder and the metrics loop over the registered backends; none n
 
 Life of a backend (every method below; the default does nothing or says "none"):
 
-* at load, ``knobs_of(config)`` (None: the engine has no layers of the backend; it is skipped),
-  ``layers_of(config)`` the layers it claims, ``offload_window(config)`` whether (and from
+* its engine-format side is the plan method of the same ``name`` (infhip/methods/: knobs, presets,
+  plugin modules), registered separately and torch-free so that the builder never imports this;
+* at load, ``knobs_of(config)`` (the plan's knobs of its method; None: the engine has no layers of
+  the backend; it is skipped), ``layers_of(config)`` the layers it claims (those whose plan names
+  it), ``offload_window(config)`` whether (and from
   which context) its layers read offloaded pages in place (runtime/offload/policy.py),
   ``reserved_bytes(config, limits)`` (kv_budget), then ``attach(config, knobs, layers, env)``
   returns the instance that sets ``attn.backend = self`` on the layers it claims;
@@ -28,9 +31,9 @@ Life of a backend (every method below; the default does nothing or says "none"):
 * positions: ``stored_rotation_context(config)``, the longest context at which its layers read
   every cached key at the rotation it was stored with (step transforms that compact a layer's
   KV, as token drop, rely on it);
-* ahead of time: ``launch_space(space)`` launches every kernel variant the engine's plan allows
-  on fake tensors (builder/kernels.py records them); by default each of ``plugin_modules``'
-  ``aot_launches(space)``;
+* ahead of time: the builder (builder/kernels.py) asks its method's ``plugin_modules`` for their
+  ``aot_launches(space)``, which launch every kernel variant the engine's plan allows on fake
+  tensors;
 * serving: ``request_counters(config)`` — Prometheus counters of finished requests
   (runtime/serving/metrics.py);
 * read-outs: ``debug_view()``, a JSON-able dict of the instance's state now, which
@@ -44,13 +47,12 @@ backends attach (a later one may claim a layer an earlier one took).
 
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass
 from typing import Any, Callable, ClassVar, Hashable
 
 import torch
 
-from infhip.runtime.registry import Registry
+from infhip.registry import Registry
 
 # the modules of the built-in backends, each of which registers its backend on import
 BUILTIN = ("infhip.runtime.attention.infinitehip",)
@@ -88,21 +90,20 @@ class RequestCounter:
 class AttentionBackend:
     """Base class of the backends that claim layers (the dense backend serves the others)."""
 
-    name: ClassVar[str]
-    plugin_modules: ClassVar[tuple[str, ...]] = ()
+    name: ClassVar[str]  # its plan method's name (infhip/methods/)
     offload_hint: ClassVar[str] = ""  # how to build an engine whose layers it serves offloaded
     graph_rows: tuple[int, ...] = ()  # padding value of each per-step row its graphs read
 
     # -- load ------------------------------------------------------------------------------------
     @classmethod
     def knobs_of(cls, config):
-        """The backend's knobs in an engine's config; None: the engine has no layers of it."""
-        return None
+        """The backend's knobs in an engine's config (its method's); None: no layer runs it."""
+        return config.plan.knobs_of(cls.name)
 
     @classmethod
     def layers_of(cls, config) -> list[int]:
-        """The indexes of the layers it claims in an engine's plan."""
-        return []
+        """The indexes of the layers it claims in an engine's plan: those that name it."""
+        return [lp.index for lp in config.plan.layers if lp.backend == cls.name]
 
     @classmethod
     def offload_window(cls, config) -> tuple[int, int, int] | None:
@@ -192,14 +193,6 @@ class AttentionBackend:
         return None
 
     # -- ahead of time and serving -------------------------------------------------------------------
-    @classmethod
-    def launch_space(cls, space) -> None:
-        """Launch every kernel variant the engine's plan allows (plugins/aot.py LaunchSpace)."""
-        for name in cls.plugin_modules:
-            launches = getattr(importlib.import_module(f"infhip.plugins.{name}"), "aot_launches", None)
-            if launches is not None:
-                launches(space)
-
     @classmethod
     def request_counters(cls, config) -> list[RequestCounter]:
         return []

@@ -26,7 +26,6 @@ class DenseBackend:
     """Not registered: it claims no layer, it is what every unclaimed layer runs (meta: none)."""
 
     name = "dense"
-    plugin_modules = ("rope", "dense_attention", "kv_quant")
 
     def run(self, layer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx, meta=None) -> torch.Tensor:
         """q [T, Hq, D], k/v [T, Hkv, D] of the step's rows (decodes first) -> out [T, Hq, D]."""

@@ -21,10 +21,8 @@ from infhip.runtime.attention.paged_kv import PagedKV
 from infhip.runtime.distributed.group import SINGLE
 from infhip.runtime.forward_context import get_forward_context
 
-# The plugins the blocks below launch besides attention (runtime/attention/ lists its own):
-# builder/kernels.py compiles what their aot_launches enumerate.
-PLUGIN_MODULES = ("rms_norm", "activation", "skinny_gemm", "fp8_skinny_gemm", "fp8_linear")
-
+# The plugins the blocks below launch are listed in plugins/catalog.py (MODEL_BLOCKS): the builder
+# compiles what their aot_launches enumerate.
 
 # The norms before qkv_proj / gate_up_proj and the MLP's activation write their output as fp8
 # rows + scales (plugins/fp8_linear.py Fp8Act) when the next layer is an Fp8Linear on its

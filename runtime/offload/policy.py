@@ -18,6 +18,7 @@ import torch
 from infhip.plugins.kv_offload import copy_pages
 from infhip.runtime.attention import backends
 from infhip.runtime.kv_cache import KVCacheManager, OffloadSpec
+from infhip.runtime.step_transform import transforms
 
 # Pages of a request move once at least this many tokens' pages are eligible: fewer copy
 # launches and page-table re-uploads, at the cost of that many more tokens on the GPU. Measured
@@ -39,9 +40,10 @@ def offload_spec(config, nbytes: int, page_bytes: int, num_global_layers: int) -
         hints = "; ".join(cls.offload_hint for cls in backends() if cls.offload_hint)
         raise ValueError("KV offloading needs an engine whose full-attention layers all run an attention backend "
                          f"that reads host pages ({hints})")
-    if plan.token_drop is not None:
-        raise ValueError("KV offloading and token drop cannot be combined yet (token drop's gathers "
-                         "read pages directly); load with token_drop=False")
+    on = [cls for cls in transforms() if cls.knobs_of(config) is not None]
+    if on:  # a transform's kernels (token drop's gathers) read pages directly
+        raise ValueError(f"KV offloading and {on[0].name} cannot be combined yet (its kernels read pages "
+                         f"directly); load with {on[0].name}=False")
     host_pages = nbytes // (page_bytes * num_global_layers)
     if host_pages < 1:
         raise ValueError(f"kv_offload_bytes={nbytes} holds no page of the {num_global_layers} "

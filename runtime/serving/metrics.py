@@ -111,7 +111,7 @@ class ServerMetrics:
         self.backend_counters = [(Counter(rc.name, rc.help, registry=r), rc.counts)
                                  for cls in backends() if cls.knobs_of(config) is not None
                                  for rc in cls.request_counters(config)]
-        self._token_drop = plan.token_drop is not None
+        self._token_drop = plan.knobs_of("token_drop") is not None
         if self._token_drop:
             self.drop_requests = Counter("infhip_token_drop_requests",
                                          "Finished requests whose prefill dropped tokens (UniPrefill)", registry=r)

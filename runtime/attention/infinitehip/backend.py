@@ -12,7 +12,7 @@ import dataclasses
 
 import torch
 
-from infhip.config import InfiniteHipConfig
+from infhip.methods.infinitehip import InfiniteHipConfig
 from infhip.runtime.attention.backend import AttachEnv, AttentionBackend, Limits, RequestCounter, register
 from infhip.runtime.attention.dense import DENSE
 from infhip.runtime.forward_context import upload
@@ -24,9 +24,7 @@ from .planner import GraphBuffers, SparseGraphKey, SparsePlanner, SparseStep, Sp
 
 @register
 class InfiniteHipBackend(AttentionBackend):
-    name = "infinitehip"
-    plugin_modules = ("infinitehip.pruning", "infinitehip.sparse_attention", "infinitehip.key_bank",
-                      "infinitehip.raw_keys", "kv_offload")
+    name = "infinitehip"  # its plan method: infhip/methods/infinitehip.py (knobs, presets, plugin modules)
 
     def __init__(self, planner: SparsePlanner, device: torch.device, staging=None):
         self.planner, self.device, self.staging = planner, device, staging
@@ -38,18 +36,10 @@ class InfiniteHipBackend(AttentionBackend):
     offload_hint = "InfiniteHiP: build it with --preset 3k | 3k-fast | 3k-flash | 5k"
 
     @classmethod
-    def knobs_of(cls, config) -> InfiniteHipConfig | None:
-        return config.plan.infinitehip
-
-    @classmethod
-    def layers_of(cls, config) -> list[int]:
-        return [lp.index for lp in config.plan.layers if lp.plugin == "infinitehip"]
-
-    @classmethod
     def offload_window(cls, config) -> tuple[int, int, int]:
         """From the dense threshold on (past the trained window when RoPE stays off inside it:
         runtime/offload/policy.py says why), keeping sink and stream on the GPU."""
-        ih, window = config.plan.infinitehip, config.model.max_position_embeddings
+        ih, window = cls.knobs_of(config), config.model.max_position_embeddings
         min_context = max(ih.dense_threshold, window + 1) if ih.rope_off_in_trained_window else ih.dense_threshold
         return min_context, ih.n_sink, ih.n_stream
 
@@ -88,7 +78,7 @@ class InfiniteHipBackend(AttentionBackend):
         key banks — twice that with value banks (offloading). Both hold keys in the weights' dtype."""
         from infhip.runtime.engine import DTYPES
 
-        cfg, ih, build = config.model, config.plan.infinitehip, config.build
+        cfg, ih, build = config.model, cls.knobs_of(config), config.build
         itemsize = DTYPES[build.dtype].itemsize
         total = build.max_seq_len * cfg.num_kv_heads * cfg.head_dim * itemsize
         if uses_key_bank(ih, build.max_seq_len, cfg.max_position_embeddings):
@@ -159,7 +149,7 @@ class InfiniteHipBackend(AttentionBackend):
     def prefix_granule(cls, config) -> int:
         """Prefill is block-causal (a query block of block_q reads only keys before its end): a
         reused prefix keeps the suffix's query blocks on the prefix's grid."""
-        return config.plan.infinitehip.block_q
+        return cls.knobs_of(config).block_q
 
     @classmethod
     def caches_decode_pages(cls, config) -> bool:
@@ -185,7 +175,7 @@ class InfiniteHipBackend(AttentionBackend):
     # -- serving ------------------------------------------------------------------------------------
     @classmethod
     def request_counters(cls, config) -> list[RequestCounter]:
-        threshold = config.plan.infinitehip.dense_threshold
+        threshold = cls.knobs_of(config).dense_threshold
         return [RequestCounter("infhip_infinitehip_sparse_requests",
                                "Finished requests whose context reached InfiniteHiP's dense_threshold (decoded sparse)",
                                lambda seq: seq.num_tokens >= threshold)]

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from infhip.config import InfiniteHipConfig
+from infhip.methods.infinitehip import InfiniteHipConfig
 from infhip.plugins.infinitehip import plan_query_blocks
 from infhip.plugins.plan_rules import (candidate_capacity, dynamic_rope_possible, static_rope_possible,
                                        step_dynamic_rope, uses_key_bank)

@@ -32,9 +32,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-from infhip.builder.output_dir import install_dir
-from infhip.builder.cli import _positive_int
-from infhip.builder.errors import BuildError
+from infhip.cli_args import positive_int
+from infhip.output_dir import install_dir
+from infhip.errors import BuildError
 
 _MODEL_SOURCE = Path(__file__).with_name("model.py")
 # Triton model names are folder names (and URL path segments): keep them plain.
@@ -163,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--engine", required=True, metavar="DIR", help="engine directory written by infhip-build")
     p.add_argument("--repo", required=True, metavar="DIR", help="Triton model repository (created if missing)")
     p.add_argument("--model-name", metavar="NAME", help="Triton model name (default: the engine folder's name)")
-    p.add_argument("--max-batch-size", type=_positive_int, metavar="N",
+    p.add_argument("--max-batch-size", type=positive_int, metavar="N",
                    help="most sequences batched at once (default and maximum: the engine's max batch size)")
     p.add_argument("--device", choices=("cpu", "cuda"), help="default: the engine's target")
     p.add_argument("--no-decoupled", action="store_true",

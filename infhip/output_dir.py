@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from infhip.builder.errors import BuildError
+from infhip.errors import BuildError
 from infhip.config import is_engine_dir
 
 # A running build holds an exclusive flock on this file in its temporary folder; the kernel drops

@@ -1,4 +1,5 @@
-"""The one exception type of the builder that is the user's to fix.
+"""The one exception type of the builder and the exporters (infhip-build, infhip-export-triton) that
+is the user's to fix.
 
 `infhip-build` prints a ``BuildError`` as a single line (no traceback) and exits non-zero; anything
 else escaping the builder is a bug in infhip and keeps its traceback. Every message names the file

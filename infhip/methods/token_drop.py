@@ -1,6 +1,17 @@
-"""The UniPrefill token-drop knobs of an engine's plan (:class:`TokenDropConfig`), part of engine
-format v1 (infhip/config.py re-exports them), and the rule that resolves ``drop_layers``. Each knob
-is described once, in its field's metadata (infhip/knobs.py :func:`knob`), as the InfiniteHiP ones.
+"""UniPrefill token drop, the engine format's side (a step transform: runtime/token_drop_transform.py):
+its knobs (:class:`TokenDropConfig`, stored under ``plan.knobs["token_drop"]``), the rule that
+resolves ``drop_layers``, the command-line form of its knobs, and its registration
+(:class:`TokenDrop`). Each knob is described once, in its field's metadata (:func:`knob`).
+
+    --token-drop                                     the defaults (p=0.99,obs_window=128,block_size=64,
+                                                     num_sink=128,min_prompt_len=8192,drop_layers=auto,
+                                                     drop_point=after_attention,reenter=false,spare_anchors=0)
+    --token-drop drop_layers=5:8:11,reenter=true     layer lists joined by ':' (commas split knobs)
+    --token-drop p=0.98,block_size=32                some knobs changed
+    --token-drop off | on                            (at load) off, or as built / the defaults
+
+    >>> TokenDrop.build_knobs("p=0.98,block_size=32").block_size
+    32
 """
 
 from __future__ import annotations
@@ -9,7 +20,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from infhip.knobs import NOT_MEASURED, knob, require
+from infhip.methods.method import NOT_MEASURED, TRANSFORM, Method, knob, register, require
 
 
 # Short names the token-drop knobs once had besides their field names: naming one is an error
@@ -188,5 +199,89 @@ def check_token_drop_keys(names) -> None:
     require(not unknown, f"unknown token_drop knob(s): {', '.join(unknown)}; known: {', '.join(fields)}")
 
 
-__all__ = ["AUTHORS_LLAMA_EIGHTHS", "DROP_POINTS", "TokenDropConfig", "check_token_drop_keys", "default_drop_layers",
-           "resolve_drop_layers"]
+_FLOATS = ("p",)
+_STRINGS = ("drop_layers", "drop_point")  # parsed by TokenDropConfig (drop_layers: auto | every | 5:8:11)
+_BOOLS = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
+
+
+def parse_token_drop_knobs(text: str) -> dict[str, Any]:
+    """``key=value,...`` -> {field name: typed value} of the given keys only (to lay over an
+    engine's own knobs: ``LLM(..., token_drop=knobs)``). Raises ValueError with a one-line fix;
+    an old short key (G, n, A, min_len, spare, rho) gets the name to use instead."""
+    knobs: dict[str, Any] = {}
+    names = [f.name for f in dataclasses.fields(TokenDropConfig)]
+    keys = ", ".join(names)
+    for item in (x.strip() for x in text.split(",")):
+        if not item:
+            continue
+        key, sep, value = item.partition("=")
+        key, value = key.strip(), value.strip()
+        if not sep or not value:
+            raise ValueError(f"--token-drop item {item!r} is not key=value (keys: {keys}), "
+                             "e.g. --token-drop p=0.98,block_size=32")
+        if key in RENAMED_TOKEN_DROP_KNOBS:
+            new = RENAMED_TOKEN_DROP_KNOBS[key]
+            raise ValueError(f"--token-drop: key {key!r} is now called {new!r}: --token-drop {new}={value}")
+        if key in ("rho", "retention"):
+            raise ValueError(f"--token-drop: {RETENTION_MOVED}")
+        if key not in names:
+            raise ValueError(f"--token-drop: unknown key {key!r}; keys: {keys}")
+        if key in knobs:
+            raise ValueError(f"--token-drop: {key!r} given twice")
+        if key in _STRINGS:
+            knobs[key] = value
+            continue
+        if key == "reenter":
+            if value.lower() not in _BOOLS:
+                raise ValueError(f"--token-drop: reenter={value!r} must be true or false")
+            knobs[key] = _BOOLS[value.lower()]
+            continue
+        try:
+            knobs[key] = float(value) if key in _FLOATS else int(value)
+        except ValueError:
+            kind = "a number" if key in _FLOATS else "an integer"
+            raise ValueError(f"--token-drop: {key}={value!r} must be {kind}") from None
+    TokenDropConfig(**knobs)  # range checks, one line each
+    return knobs
+
+
+def parse_token_drop(text: str) -> TokenDropConfig:
+    """``key=value,...`` (empty: the defaults) -> its TokenDropConfig; ValueError with a one-line fix."""
+    return TokenDropConfig(**parse_token_drop_knobs(text))
+
+
+@register
+class TokenDrop(Method):
+    """UniPrefill token dropping in prefill at full-attention layers (paper 004)."""
+
+    name = "token_drop"
+    kind = TRANSFORM
+    knobs = TokenDropConfig
+    title = "Token-drop"
+    knobs_doc = ("`TokenDropConfig` in `infhip/methods/token_drop.py`, stored under `plan.knobs.token_drop` (absent = "
+                 "off). Set with `--token-drop KEY=VALUE,...` or per load `LLM(engine, token_drop={...})` (`False` "
+                 "turns it off); every knob may be changed per load. Engines with InfiniteHiP layers drop only for "
+                 "requests whose prompt + max_tokens stay inside the trained window. The short keys once accepted ("
+                 + ", ".join(f"`{k}`" for k in RENAMED_TOKEN_DROP_KNOBS) + ", `rho`) are errors that name the field. "
+                 "`retention` (a fixed share of blocks kept instead of top-p) is a benchmark setting, not a knob: "
+                 "`infhip-eval --retention RHO`, `infhip.eval.common.set_forced_retention(llm, rho)`.")
+    summary = ("UniPrefill token dropping in prefill at the full-attention layers: bare for the defaults, or "
+               "key=value,... with the knobs' names (e.g. p=0.98,block_size=32 or drop_layers=5:8:11); "
+               "composes with --preset")
+    plugin_modules = ("token_drop.importance", "token_drop.top_p", "token_drop.attention", "token_drop.gather")
+    build_hint = "rebuild with --token-drop"
+
+    @classmethod
+    def parse(cls, text: str) -> dict[str, Any]:
+        return parse_token_drop_knobs(text)
+
+    @classmethod
+    def check(cls, knobs: TokenDropConfig, plan) -> None:
+        """Drops need a full-attention layer, and an explicit drop_layers list names such layers."""
+        full = [lp.index for lp in plan.layers if lp.window is None]
+        require(bool(full), "--token-drop needs full-attention layers (its anchors); this model has none")
+        resolve_drop_layers(knobs, full, len(plan.layers))
+
+
+__all__ = ["AUTHORS_LLAMA_EIGHTHS", "DROP_POINTS", "TokenDrop", "TokenDropConfig", "check_token_drop_keys",
+           "default_drop_layers", "parse_token_drop", "parse_token_drop_knobs", "resolve_drop_layers"]

@@ -1,6 +1,6 @@
 """A registry of classes by their ``name``, whose built-in members register themselves on import:
-the attention backends' (runtime/attention/backend.py) and the step transforms'
-(runtime/step_transform.py)."""
+the plan methods' (infhip/methods/), the attention backends' (runtime/attention/backend.py) and the
+step transforms' (runtime/step_transform.py). Torch-free: the builder and the runtime both use it."""
 
 from __future__ import annotations
 
@@ -38,6 +38,13 @@ class Registry:
         self._classes.pop(name, None)
 
     def classes(self) -> list[type]:
-        """The registered classes, in registration order (the built-in ones first)."""
+        """The registered classes: the built-in ones in ``builtin``'s order (whichever was imported
+        first), then the others in registration order."""
         self._load_builtins()
-        return list(self._classes.values())
+        rank = {module: i for i, module in enumerate(self.builtin)}
+        return sorted(self._classes.values(), key=lambda cls: rank.get(cls.__module__, len(rank)))
+
+    def get(self, name: str) -> type | None:
+        """The class registered under ``name``, None: none is."""
+        self._load_builtins()
+        return self._classes.get(name)

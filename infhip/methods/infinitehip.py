@@ -1,24 +1,35 @@
-"""The InfiniteHiP knobs of an engine's plan (:class:`InfiniteHipConfig`), part of engine format v1
-(infhip/config.py re-exports them; UniPrefill token drop's are in infhip/token_drop_knobs.py).
+"""InfiniteHiP, the engine format's side (an attention backend: runtime/attention/infinitehip/): its
+knobs (:class:`InfiniteHipConfig`, stored under ``plan.knobs["infinitehip"]``), its presets and its
+registration (:class:`InfiniteHip`).
 
 Each knob is a dataclass field whose metadata is its one description (:func:`knob`): meaning,
 whether a load may change it (``runtime``), and the measurement behind its value. From it come
 :data:`RUNTIME_KNOBS` (what ``LLM(..., infinitehip_overrides=...)`` may change) and
-docs/knobs.md (``python -m infhip.builder.knobs_doc > docs/knobs.md``; a test keeps it in sync). The
-dataclass defaults are preset ``3k``; builder/presets.py writes the other presets as differences.
+docs/knobs.md (``python -m infhip.knobs_doc > docs/knobs.md``; a test keeps it in sync). The
+dataclass defaults are preset ``3k``; :data:`PRESET_CHANGES` writes the other presets as differences.
+
+Presets (SPEC §4, §6; sliding-window layers always stay dense: their window already bounds the work):
+
+    3k         the knobs' defaults: stages (64, 256, 32K) -> (64, 32, 8K) -> (64, 8, 2048), final k
+               4096 in layers 1-3 (1-based), refresh every (16, 8, 4) steps, prefill query strides
+               (4, 4, 1), past the trained window a rotated key bank for the cached decode steps
+    3k-fast    3k with refresh (32, 16, 8)
+    3k-flash   3k with refresh (96, 24, 8)
+    5k         3k with chunks 64 / 32 / 16, k 32K / 16K / 4096
+
+    >>> infinitehip_config("3k-fast").refresh_intervals
+    (32, 16, 8)
+    >>> infinitehip_config("5k").stages[-1]
+    PruningStage(block_q=64, chunk_size=16, k=4096)
 """
 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
-
-def require(cond: bool, msg: str) -> None:
-    """ValueError(msg) unless cond: the engine format's checks (here, token_drop_knobs, config)."""
-    if not cond:
-        raise ValueError(msg)
+from infhip.methods.method import BACKEND, NOT_MEASURED, Method, knob, register, require
 
 
 PRUNING_ROPE_STYLES = ("none", "relative", "chunk_indexed")
@@ -49,24 +60,14 @@ CHUNK_SCORES = ("max", "head_normalized")
 REMOVED_INFINITEHIP_KNOBS = frozenset({"solo_last_query"})
 
 
-def knob(default: Any, doc: str, *, runtime: bool = False, measured: str = "") -> Any:
-    """A knob field. Its metadata is the one description of the knob (docs/knobs.md is generated
-    from it: ``python -m infhip.builder.knobs_doc``): ``doc`` its meaning in one line; ``runtime`` whether
-    a load may change it (``LLM(..., infinitehip_overrides=...)``, ``--infinitehip-overrides``)
-    or only a rebuild; ``measured`` the measurement behind its value, with markdown links
-    relative to docs/ ("not measured" when none chose it)."""
-    return field(default=default, metadata={"doc": doc, "runtime": runtime, "measured": measured})
-
-
 _ONE_LAYER = "[one layer](benchmarks.md#decode-infinitehip-one-layer-vs-sdpa)"
 _WHOLE_MODEL = "[whole model](benchmarks.md#decode-infinitehip-whole-model-vs-the-dense-engine)"
-NOT_MEASURED = "not measured (paper)"  # a knob taken from the paper, not measured here
 
 
 @dataclass(frozen=True)
 class InfiniteHipConfig:
     """Knobs of every "infinitehip" layer of an engine (paper 000). The defaults are preset
-    ``3k``; the other presets are differences from it (builder/presets.py).
+    ``3k``; the other presets are differences from it (:data:`PRESET_CHANGES`).
 
     A request whose context (after the step) is below ``dense_threshold`` runs dense attention;
     at or above it, each query block goes through ``stages`` then block-sparse attention over
@@ -113,7 +114,7 @@ class InfiniteHipConfig:
         4096, "last-stage keys kept in the special layers", measured="Qwen2.5-0.5B `5k`, 4096 → 16384: recall at "
         "8K–32K 0.933 → 0.945, RULER NIAH and passkey equal within noise; speed not measured "
         "([quality](quality.md#knobs-and-budgets-on-the-h200-2026-12-03))")
-    # n_sink + n_stream + stages[0].k; the builder caps it at the trained window + 1 (builder/presets.py)
+    # n_sink + n_stream + stages[0].k; a preset caps it at the trained window + 1 (InfiniteHip.preset_knobs)
     dense_threshold: int = knob(
         256 + 1024 + 32768, "a request runs dense attention until its context reaches this (as built: "
         "min(n_sink + n_stream + stage-1 k, trained window + 1))", runtime=True,
@@ -233,13 +234,82 @@ class InfiniteHipConfig:
 # speed or accuracy, never the meaning of the weights or the stored plan's shapes.
 RUNTIME_KNOBS = tuple(f.name for f in dataclasses.fields(InfiniteHipConfig) if f.metadata["runtime"])
 
+# Each preset as its differences from InfiniteHipConfig() (= 3k). Refresh intervals:
+# docs/benchmarks.md (decode amortized over the refresh cycle; 3k-flash, the fastest, keeps
+# passkey / NIAH on SmolLM2: docs/quality.md).
+PRESET_CHANGES: dict[str, dict[str, Any]] = {
+    "3k": {},
+    "3k-fast": {"refresh_intervals": (32, 16, 8)},
+    "3k-flash": {"refresh_intervals": (96, 24, 8)},
+    "5k": {"stages": ((64, 64, 32768), (64, 32, 16384), (64, 16, 4096))},
+}
 
-def check_runtime_knobs(names) -> None:
-    """ValueError naming the knobs of ``names`` that only a rebuild may change."""
-    bad = sorted(set(names) - set(RUNTIME_KNOBS))
-    require(not bad, f"infinitehip_overrides may change {', '.join(RUNTIME_KNOBS)} only; "
-           f"{', '.join(bad)} needs a rebuild (infhip-build --preset ... --infinitehip-overrides ...)")
+
+def infinitehip_config(preset: str, overrides: dict[str, Any] | None = None,
+                       trained_window: int | None = None) -> InfiniteHipConfig:
+    """The knobs of an InfiniteHiP preset, with ``overrides`` applied (validated).
+
+    ``dense_threshold`` (unless overridden) is n_sink + n_stream + stage-1 k of the result: below
+    that context stage 1 keeps every candidate, so pruning only narrows the later stages and
+    dense attention over that few keys (≤ 34K) is both exact and fast enough — but never above
+    ``trained_window`` + 1 (a request goes sparse once its context reaches the threshold): a
+    context that fills the trained window exactly stays dense, and the first token past it goes
+    sparse, where dense attention would see positions the model was not trained on and fail
+    (SmolLM2's 8K); that is what InfiniteHiP's dynamic RoPE is for."""
+    if preset not in PRESET_CHANGES:
+        raise ValueError(f"{preset!r} is not an InfiniteHiP preset; those are: {', '.join(PRESET_CHANGES)}")
+    overrides = dict(overrides or {})
+    cfg = InfiniteHipConfig().replace(**{**PRESET_CHANGES[preset], **overrides})
+    if "dense_threshold" in overrides:
+        return cfg
+    cap = trained_window + 1 if trained_window else 1 << 62  # contexts <= the window stay dense
+    return cfg.replace(dense_threshold=min(cap, cfg.n_sink + cfg.n_stream + cfg.stages[0].k))
 
 
-__all__ = ["CHUNK_SCORES", "RUNTIME_KNOBS", "InfiniteHipConfig", "PruningStage", "check_runtime_knobs", "knob",
-           "require"]
+# one layer at 1M keys, decode vs SDPA, per preset (docs/benchmarks.md): docs/knobs.md's preset table
+PRESET_MEASURED = {"3k": "28.8× with the bank (`e913143`)", "3k-fast": "31.7× without the bank (`4e4b22f`)",
+                   "3k-flash": "47.0× with the bank (`4e4b22f`)", "5k": "8.9× without the bank (`e895854`)"}
+
+
+@register
+class InfiniteHip(Method):
+    """InfiniteHiP (paper 000) on the full-attention layers: hierarchical chunk pruning, then
+    block-sparse attention over sink + survivors + stream; dynamic RoPE past the trained window."""
+
+    name = "infinitehip"
+    kind = BACKEND
+    knobs = InfiniteHipConfig
+    title = "InfiniteHiP"
+    knobs_doc = ("`InfiniteHipConfig` in `infhip/methods/infinitehip.py`, stored under `plan.knobs.infinitehip`. Its "
+                 "defaults are preset `3k`; \"=\" where another preset keeps the `3k` value. `dense_threshold` as built "
+                 "is at most the trained window + 1. *load* = may be changed per `LLM(..., infinitehip_overrides=...)` "
+                 "/ `--infinitehip-overrides`; *build* needs a rebuild.")
+    preset_measured = PRESET_MEASURED
+    summary = ("InfiniteHiP on the full-attention layers (hierarchical chunk pruning + block-sparse attention, "
+               "dynamic RoPE past the trained window)")
+    plugin_modules = ("infinitehip.pruning", "infinitehip.sparse_attention", "infinitehip.key_bank",
+                      "infinitehip.raw_keys", "kv_offload")
+    presets = PRESET_CHANGES
+    build_hint = "rebuild with --preset 3k (or another InfiniteHiP preset)"
+
+    @classmethod
+    def presets_doc(cls) -> str:
+        base = InfiniteHipConfig()
+        return (f"Every InfiniteHiP preset: stages are (block_q, chunk size, k kept); sink {base.n_sink}, stream "
+                f"{base.n_stream}, query blocks of {base.block_q}, special layers "
+                f"{', '.join(map(str, base.special_layers))} (0-based) keeping {base.special_final_k} keys in the "
+                f"last stage, prefill query strides {', '.join(map(str, base.query_strides))}, key bank on.")
+
+    @classmethod
+    def preset_knobs(cls, preset: str, model, changes: dict[str, Any] | None = None) -> InfiniteHipConfig:
+        """The preset's knobs, ``dense_threshold`` capped at the model's trained window + 1, and
+        special layers within the model."""
+        cfg = infinitehip_config(preset, changes, trained_window=model.max_position_embeddings)
+        past = [i for i in cfg.special_layers if i >= model.num_layers]
+        require(not past, f"special_layers {past} are past the model's {model.num_layers} layers "
+                f"(0-based indices, 0..{model.num_layers - 1})")
+        return cfg
+
+
+__all__ = ["CHUNK_SCORES", "PRESET_CHANGES", "RUNTIME_KNOBS", "InfiniteHip", "InfiniteHipConfig", "PruningStage",
+           "infinitehip_config"]
