@@ -1,6 +1,6 @@
 """UniPrefill on one RULER prompt: gold-answer log-prob, needle coverage per anchor (CPU diagnostic).
 
-    python benchmarks/td_ruler_probe.py --engine engines/q05-dense --task niah_single_2 --length 4096 \
+    python -m benchmarks.quality.td_ruler_probe --engine engines/q05-dense --task niah_single_2 --length 4096 \
         [--samples 0,1] [--td p=0.99,min_prompt_len=0] [--td p=0.99,min_prompt_len=0,spare_anchors=2 ...] [--reference]
         [--skip-dense] [--layers]
 
@@ -16,7 +16,7 @@ Used in docs/results/2026-12-02-qwen/uniprefill-investigation.md; an 8K prompt t
 --reference: also the float64 plain-torch reference (infhip/eval/token_drop_reference.py) of the first --td
 with the engine's kept sets: its gold log-prob must equal the engine's (a kernel/runtime bug
 check on this model), plus the keys-only / rows-only variants of
-benchmarks/token_drop_ablation.py (where the loss comes from).
+benchmarks/quality/token_drop_ablation.py (where the loss comes from).
 """
 
 from __future__ import annotations
@@ -132,7 +132,7 @@ def main() -> None:
                 import infhip.eval.token_drop_reference as ref
                 from infhip.eval.token_drop_reference import reference_schedule
                 src = Path(ref.__file__).read_text()
-                # as benchmarks/token_drop_ablation.py: every row takes every layer's update / every key stays visible
+                # as benchmarks/quality/token_drop_ablation.py: every row takes every layer's update / every key stays visible
                 edits = {"keys-only": [("x = torch.where(active[:, None], x1 + m, torch.where(keys[:, None], x1, x))",
                                         "x = x1 + m")],
                          "rows-only": [("visible = (pos[None, :] <= pos[:, None]) & keys[None, :]",

@@ -1,6 +1,6 @@
 """Where does token drop lose quality? A CPU diagnostic on SmolLM2-135M (real weights, KJV).
 
-    python benchmarks/token_drop_ablation.py [--length 2048] [--chunk 128] [--p 0.99] [--sample 0]
+    python -m benchmarks.quality.token_drop_ablation [--length 2048] [--chunk 128] [--p 0.99] [--sample 0]
         [--knobs drop_layers=every,drop_point=before_attention,reenter=true]
         [--variants dense,drop,keys-only,rows-only,nested] [--spare 0 --spare 0,1] [--probe]
 

@@ -179,7 +179,7 @@ def reference_schedule(llm) -> dict:
 
 def run_greedy(llm, ids: list[int], steps: int) -> tuple[list[int], torch.Tensor, int]:
     """Prefill + `steps` greedy decodes through scheduler and runner; (tokens, logits [steps, V],
-    seq_id) where logits[j] produced tokens[j] (benchmarks/token_drop_ablation.py uses it too)."""
+    seq_id) where logits[j] produced tokens[j] (benchmarks/quality/token_drop_ablation.py uses it too)."""
     from infhip import SamplingParams
     from infhip.runtime.sequence import Sequence
     seq = Sequence(seq_id=10_000 + len(td_view(llm)["retention"]), prompt_token_ids=list(ids),

@@ -12,11 +12,11 @@ python3 -m pytest -q -m gpu tests 2>&1 | tail -5 | tee "$OUT/gpu_tests.log"
 for bench in "${@:-dense infinitehip}"; do
   for b in $bench; do
     case $b in
-      dense) script=benchmarks/speed/bench_dense_llama8b.py ;;
-      infinitehip) script=benchmarks/speed/bench_infinitehip.py ;;
-      token_drop) script=benchmarks/speed/bench_token_drop.py ;;
+      dense) module=benchmarks.speed.bench_dense_llama8b ;;
+      infinitehip) module=benchmarks.speed.bench_infinitehip ;;
+      token_drop) module=benchmarks.speed.bench_token_drop ;;
       *) echo "unknown benchmark $b (dense | infinitehip | token_drop)"; exit 2 ;;
     esac
-    python3 "$script" --out "$OUT" 2>&1 | grep -v -E "converting|Warning|warn" | tee "$OUT/bench_$b.log"
+    python3 -m "$module" --out "$OUT" 2>&1 | grep -v -E "converting|Warning|warn" | tee "$OUT/bench_$b.log"
   done
 done
