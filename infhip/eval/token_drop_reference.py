@@ -1,4 +1,5 @@
-"""Plain-torch reference of UniPrefill token dropping: the whole sequence (prompt + generated
+"""Plain-torch reference of UniPrefill token dropping (the tests' and benchmarks/quality/'s float64
+check of the engine; not used by the engine): the whole sequence (prompt + generated
 tokens) in one causal pass, with no paging, no compaction, no kernels, dropping expressed as
 masks only. It reads the engine's weights (the runtime modules' tensors) and the kept prompt
 positions each drop layer chose, and applies the semantics of runtime/token_drop.py under a
