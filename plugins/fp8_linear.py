@@ -49,7 +49,7 @@ from .kv_quant import FP8_MAX, _round_to_e4m3, dequantize_rows, quantize_rows
 FP8_MIN_CAPABILITY = 89  # Ada / Hopper: fp8 tensor cores; Triton's fp8e4nv needs it too
 MAX_BLOCK_K = 4096  # quantize_act reads a row in tiles of at most this many elements
 # torch._scaled_mm's use_fast_accum (Hopper: fp8 accumulation without periodic promotion).
-# Measured on the H200 (benchmarks/bench_fp8_weights.py, Llama-8B shapes): 0.96x (M = 4096) and
+# Measured on the H200 (benchmarks/speed/bench_fp8_weights.py, Llama-8B shapes): 0.96x (M = 4096) and
 # 0.97x (M = 32768) of the promoted GEMM's time on down_proj. Off: 3-4 % of a prefill GEMM does
 # not pay for an accumulation precision that nothing here has measured on a real model.
 FAST_ACCUM = False

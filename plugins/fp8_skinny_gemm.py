@@ -30,7 +30,7 @@ Llama-8B shape on the H200.
 When it runs: plugins/fp8_linear.py's `fp8_linear` sends CUDA bf16 inputs of M <= MAX_M rows on
 an fp8-capable GPU (sm_89+) to `table_config`'s config, and everything else to torch._scaled_mm
 (or the dequantizing reference off such GPUs). The table is a placeholder until measured: TODO
-fix it from benchmarks/bench_fp8_weights.py on the H200 (the `kernel` section of its output
+fix it from benchmarks/speed/bench_fp8_weights.py on the H200 (the `kernel` section of its output
 times every CONFIGS entry against torch._scaled_mm and bf16 F.linear per shape and M).
 """
 
@@ -128,7 +128,7 @@ class Fp8SkinnyConfig:
         return f"{kind}_n{self.block_n}_k{self.block_k}_w{self.num_warps}_s{self.num_stages}{split}"
 
 
-# The space benchmarks/bench_fp8_weights.py times on the GPU. An fp8 tile of BLOCK_K = 512 is
+# The space benchmarks/speed/bench_fp8_weights.py times on the GPU. An fp8 tile of BLOCK_K = 512 is
 # 512 bytes per row: the per-stage w tile is 4-32 KB.
 CONFIGS: tuple[Fp8SkinnyConfig, ...] = (
     Fp8SkinnyConfig(16, 512, 4, 4),
@@ -143,7 +143,7 @@ CONFIGS: tuple[Fp8SkinnyConfig, ...] = (
     Fp8SkinnyConfig(16, 512, 4, 2, dot=False, split_k=2),
 )
 
-# M == 1 configs beyond CONFIGS for benchmarks/bench_fp8_weights.py --gemv-sweep: more bytes in
+# M == 1 configs beyond CONFIGS for benchmarks/speed/bench_fp8_weights.py --gemv-sweep: more bytes in
 # flight (wider K tiles, more rows, stages, warps). Timed on the H200 (2026-12-02): within 5 % of
 # the table's on every Llama-8B shape (qkv 10.9 vs 11.5 us at 4 x 2048, the rest equal or slower).
 # Two other designs lost there and were removed: fp8 -> fp32 by integer ops instead of Triton's
@@ -158,7 +158,7 @@ GEMV_CANDIDATES: tuple[Fp8SkinnyConfig, ...] = (
     Fp8SkinnyConfig(8, 4096, 8, 2, dot=False),
 )
 
-# The table, from benchmarks/bench_fp8_weights.py's kernel table on the H200 (2026-12-02,
+# The table, from benchmarks/speed/bench_fp8_weights.py's kernel table on the H200 (2026-12-02,
 # docs/fp8_weights.md "Speed"; Llama-8B shapes, weights from DRAM, CUDA graphs):
 # - M == 1: the GEMV, 8 x 1024 tiles (o 7.8 us, gate_up 37.8, down 18.3: best of the space);
 #   16 x 512 on LM-head-wide weights (128256 rows: 145 us against 153).

@@ -10,7 +10,7 @@ and read back as x_j ~ float(q_j) * scale. e4m3 keeps 3 mantissa bits, so every 
 subnormal). A per-row scale needs no calibration, follows outlier heads and random weights
 alike, and costs 4 bytes per D-byte row (3 % at D = 128). On SmolLM2-135M (KJV, 2 x 2048 tokens,
 CPU float32) perplexity goes 17.43 -> 17.52 with it and 17.64 with a fixed scale of 1
-(benchmarks/fp8_scale_choice.py).
+(benchmarks/quality/fp8_scale_choice.py).
 
 Layout: the scales of a cache [num_pages, page_size, Hkv, D] live in a float32 tensor
 [num_pages, page_size, Hkv] beside it (k_scale, v_scale). Both contiguous, so the row that starts

@@ -216,7 +216,7 @@ def _mode() -> str:
     raise ValueError(f"INFHIP_SKINNY_GEMM={value!r}: use 0, table, auto or force")
 
 
-# The fixed rule used by default ("table"), from benchmarks/bench_skinny_gemm.py on the H200
+# The fixed rule used by default ("table"), from benchmarks/speed/bench_skinny_gemm.py on the H200
 # (docs/benchmarks.md): at M = 1 the elementwise GEMV beat cuBLAS by ~9% on Llama-8B's qkv
 # (N 6144) and o (N 4096) projections and lost on the wide ones (gate_up, down); the dot kernel
 # with 64-row tiles beat it by ~5% on the LM head (N 128256) at every M. A fixed rule, not

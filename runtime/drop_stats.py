@@ -14,11 +14,21 @@ class DropStats:
     each dropping sequence's drop history (``Sequence.dropped``: tokens each layer did not
     write, read by the next steps' per-layer KV) and, per sequence, kept / total tokens per
     full-attention layer (tokens that ran its MLP) summed over the chunks of its latest prefill
-    (``retention``, the latest 256 sequences). (Tests that want the kept positions wrap
-    ``record``: infhip.eval.common.record_kept_positions.)"""
+    (``retention``, the latest 256 sequences). Tests and benchmarks that want the kept positions
+    themselves turn their recording on with ``keep_positions()`` (production keeps none)."""
 
     def __init__(self) -> None:
         self.retention: dict[int, dict[int, list[int]]] = {}  # seq_id -> {layer: [kept, total]}
+        # seq_id -> {full-attention layer: [kept prompt positions of each dropping chunk]}; None: off
+        self.kept_positions: dict[int, dict[int, list]] | None = None
+
+    def keep_positions(self) -> dict[int, dict[int, list]]:
+        """From now on also record, per sequence id and full-attention layer, the prompt positions
+        each dropping chunk kept there (int64 tensors, one per chunk, unbounded: tests and
+        benchmarks only). Returns the live dict; a second call returns the same one."""
+        if self.kept_positions is None:
+            self.kept_positions = {}
+        return self.kept_positions
 
     def record(self, seqs: list, td: TokenDropStep, num_layers: int) -> None:
         """seqs: the step's sequences in batch order; td: the step's drop state (TokenDropStep)."""
@@ -39,3 +49,7 @@ class DropStats:
                 acc = per_layer.setdefault(layer, [0, 0])
                 acc[0] += kept
                 acc[1] += total
+            if self.kept_positions is not None:
+                for layer, rec in td.records:
+                    if rec[d.b][3] is not None:
+                        self.kept_positions.setdefault(seq.seq_id, {}).setdefault(layer, []).append(rec[d.b][3])

@@ -11,7 +11,7 @@ a regex, a choice list, an EBNF grammar), applied as a token bitmask before samp
 The names are vLLM's (`StructuredOutputsParams(json=, regex=, choice=, grammar=, json_object=)`,
 `SamplingParams(structured_outputs=...)`). The library is xgrammar, chosen by measurement over
 llguidance on this engine's tokenizers (docs/serving.md, "Structured output";
-benchmarks/bench_grammar.py): its per-token mask is a few microseconds where llguidance's is
+benchmarks/speed/bench_grammar.py): its per-token mask is a few microseconds where llguidance's is
 tens, with millisecond tails; its compile (milliseconds here) is cached per grammar.
 
 How it runs (one `GrammarRuntime` per engine, made lazily: an engine that never sees a grammar

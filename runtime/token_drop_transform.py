@@ -11,8 +11,9 @@ step's sequences (drop_histories) -> ``TokenDropHost``; ``upload`` makes the ste
 eager step ``after_step`` records what the drops leave (``stats``, DropStats). Decode graphs
 with drop histories compute the per-layer KV from ``kv_shift`` inside the graph.
 
-The selection of the kept blocks is ``keep_blocks`` (top-p); benchmarks replace it on the
-instance (infhip.eval.common.set_forced_retention), nothing in production does.
+The selection of the kept blocks is ``keep_blocks`` (top-p) unless ``set_selection`` installs
+another (benchmarks: infhip.eval.common.set_forced_retention; nothing in production does);
+``selection`` reads it back (None: top-p).
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ class TokenDrop(StepTransform):
         self.global_layers = sorted(self.full)  # the layers that hold compacted KV after a drop
         self.windows, self.page_size = windows, page_size
         self.stats = DropStats()  # drop histories of the requests, retention per anchor
+        self.selection = None  # set_selection's block selection; None: keep_blocks (top-p)
         self._set(None, None)
 
     @classmethod
@@ -80,6 +82,12 @@ class TokenDrop(StepTransform):
         """The kept blocks of the dropping chunks: top-p (plugins/token_drop/top_p.py)."""
         return top_p_select(scores, cu_blocks, cu_ext, p, **kw)
 
+    def set_selection(self, select) -> None:
+        """Benchmarks (nothing in production): from the next step on, choose the kept blocks of the
+        dropping chunks with ``select`` (``keep_blocks``' signature and result) instead of top-p;
+        None: top-p again. Read back as ``selection``, and by name in ``debug_view()``."""
+        self.selection = select
+
     def keeps_prompt(self, seq) -> bool:
         return never_drops(seq, self.cfg, self.max_context)
 
@@ -88,7 +96,8 @@ class TokenDrop(StepTransform):
         drop (sorted; spared anchors excluded); tail: tokens a dropping chunk always keeps at its
         end; max_context: the longest context a dropping request may reach (None: any);
         retention: {seq_id: {full-attention layer: [kept, total]}} of the latest 256 sequences
-        that dropped, oldest first (DropStats.retention, copied)."""
+        that dropped, oldest first (DropStats.retention, copied); selection: None (top-p) or the
+        repr of the selection set_selection installed."""
         knobs = None
         if self.cfg is not None:
             knobs = dataclasses.asdict(self.cfg)
@@ -96,6 +105,7 @@ class TokenDrop(StepTransform):
                 knobs["drop_layers"] = list(knobs["drop_layers"])
         return {"knobs": knobs, "drop_layers": sorted(self.drop_at), "tail": self.tail,
                 "max_context": self.max_context,
+                "selection": None if self.selection is None else repr(self.selection),
                 "retention": {sid: {layer: list(kt) for layer, kt in per.items()}
                               for sid, per in self.stats.retention.items()}}
 
@@ -108,7 +118,8 @@ class TokenDrop(StepTransform):
         return bool(host.drops)  # a dropping step runs no sparse attention (token_drop.py)
 
     def _step(self, drops: list[DropChunk], layer_kv: LayerKV | None) -> TokenDropStep:
-        return TokenDropStep(self.cfg, drops, self.full, self.drop_at, self.tail, self.keep_blocks, layer_kv)
+        return TokenDropStep(self.cfg, drops, self.full, self.drop_at, self.tail, self.selection or self.keep_blocks,
+                             layer_kv)
 
     def upload(self, host: TokenDropHost, p, ctx) -> TokenDropStep:
         layer_kv = None

@@ -16,7 +16,7 @@ from infhip.builder.build import build_engine
 from infhip.eval.common import record_kept_positions, set_forced_retention
 from infhip.plugins.dense_attention import dense_attention_ref
 from infhip.plugins.token_drop.attention import kept_attention_triton
-from tests._td_reference import reference_logits, reference_schedule, run_greedy, td_view
+from infhip.eval.token_drop_reference import reference_logits, reference_schedule, run_greedy, td_view
 from tests._tiny import write_tiny_hf_checkpoint
 from tests.test_token_drop_attention import kept_positions
 from tests.test_token_drop_runtime import GEMMA_TYPES, TINY, prompt

@@ -161,6 +161,6 @@ def test_debug_view_is_json_and_gathers_the_contracts_read_outs(llm):
     assert set(view) == {"requests", "running", "waiting", "stats", "transforms", "backends", "graphs",
                          "grammar_compiler", "tp_worker_pids"}
     assert view["transforms"] == {"token_drop": {"knobs": None, "drop_layers": [], "tail": 0, "max_context": None,
-                                                 "retention": {}}}
+                                                 "selection": None, "retention": {}}}
     assert view["backends"] == {} and view["graphs"] is None and view["tp_worker_pids"] == []
     assert view["stats"]["kv_pages_used"] == {"global": 0}

@@ -6,7 +6,7 @@ perplexity from the same pass.
 The bounds guard the level measured (docs/fp8_weights.md), which is *below* issue 22's goals of
 >= 95 % agreement and perplexity within 1 %: a 135M model carries the e4m3 rounding of every
 weight (2.6 % relative) through 30 layers. Larger models are not measured here
-(benchmarks/fp8_weight_sensitivity.py measures the rounding per layer).
+(benchmarks/quality/fp8_weight_sensitivity.py measures the rounding per layer).
 """
 
 from __future__ import annotations

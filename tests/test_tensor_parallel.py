@@ -37,7 +37,7 @@ from infhip.runtime.distributed import check_resources
 from infhip.runtime.engine import load_engine
 from infhip.runtime.model_runner import ModelRunner
 from tests._offload import count_moves
-from tests._td_reference import td_view
+from infhip.eval.token_drop_reference import td_view
 from tests._tiny import write_tiny_hf_checkpoint
 
 TD = dict(p=0.5, obs_window=8, block_size=8, num_sink=8, min_prompt_len=0, spare_anchors=0)  # top-p low enough to drop on random weights

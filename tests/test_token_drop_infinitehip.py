@@ -18,7 +18,7 @@ from infhip.methods.infinitehip import infinitehip_config
 from infhip.eval.common import set_forced_retention
 from infhip.runtime.attention.infinitehip.planner import SparsePlanner
 from tests._graph_sim import simulate_graphs
-from tests._td_reference import td_view
+from infhip.eval.token_drop_reference import td_view
 from tests.test_infinitehip_runtime import COVER, TINY
 from tests.test_infinitehip_runtime import calls  # noqa: F401 (fixture: sparse attention launch counts)
 from tests.test_infinitehip_runtime_schedule import seq

@@ -3,10 +3,10 @@
 * p = 1 keeps everything and reproduces the dense engine (logits, greedy tokens), whole and
   chunked prefill (a chunk starting mid-block included);
 * with a forced retention, prefill + decode logits equal a plain-torch reference that masks the
-  dropped keys per layer (tests/_td_reference.py), and that reference is sensitive: the same
+  dropped keys per layer (infhip/eval/token_drop_reference.py), and that reference is sensitive: the same
   logits differ from a reference without the drop;
 * with top-p, the engine's kept sets at every drop layer and its logits equal the reference
-  choosing its own sets by the spec (tests/_td_reference.reference_select) from its own stream;
+  choosing its own sets by the spec (infhip/eval/token_drop_reference.reference_select) from its own stream;
 * both checks for each drop schedule that matters (SCHEDULES: the paper's, the authors' code,
   and the two mixes of drop point and re-entry), whole and chunked prefill;
 * a batch (two dropping prompts, one too short to drop, mixed with decodes) equals each alone;
@@ -28,9 +28,8 @@ from infhip.builder.build import build_engine
 from infhip.builder.cli import main as build_main
 from infhip.config import EngineConfig
 from infhip.eval.common import forced_retention, record_kept_positions, set_forced_retention
-from infhip.methods.token_drop import TokenDropConfig, parse_token_drop
-from infhip.methods.token_drop import AUTHORS_LLAMA_EIGHTHS, default_drop_layers
-from tests._td_reference import reference_logits, reference_schedule, run_greedy, td_view
+from infhip.eval.token_drop_reference import reference_logits, reference_schedule, run_greedy, td_view
+from infhip.methods.token_drop import AUTHORS_LLAMA_EIGHTHS, TokenDropConfig, default_drop_layers, parse_token_drop
 
 TINY = dict(obs_window=8, block_size=8, num_sink=8, min_prompt_len=0, spare_anchors=0)  # knobs scaled to ~200-token prompts
 # The drop schedules (TokenDropConfig drop_layers / drop_point / reenter) that matter: the paper's
@@ -232,7 +231,9 @@ def test_retention_is_a_benchmark_setting_not_an_engine_knob(engine, tmp_path):
     with pytest.raises(EvalError, match=r"retention must be in \[0, 1\]"):
         set_forced_retention(llm, 2.0)
     assert forced_retention(set_forced_retention(llm, 0.3)) == 0.3
+    assert td_view(llm)["selection"] == "forced_retention(rho=0.3)"  # TokenDrop.set_selection's read-out
     assert forced_retention(set_forced_retention(llm, None)) is None  # top-p again
+    assert td_view(llm)["selection"] is None
     with pytest.raises(EvalError, match="needs token drop"):
         set_forced_retention(LLM(engine), 0.3)
 

@@ -1,21 +1,15 @@
-"""benchmarks/ttft_breakdown.py on a tiny 3k-flash engine (CPU, the plugins' torch references):
+"""benchmarks/speed/ttft_breakdown.py on a tiny 3k-flash engine (CPU, the plugins' torch references):
 every engine step becomes one row whose categories add up to its wall time, the sparse chunks
 show pruning stages and sparse attention, and the instrumentation is undone afterwards."""
 
-import importlib.util
-from pathlib import Path
+import importlib
 
 import pytest
-
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "ttft_breakdown.py"
 
 
 @pytest.fixture(scope="module")
 def tb():
-    spec = importlib.util.spec_from_file_location("ttft_breakdown", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return importlib.import_module("benchmarks.speed.ttft_breakdown")  # the repository root is on sys.path
 
 
 def test_breakdown_rows_add_up_and_restore(tb, tmp_path, monkeypatch):

@@ -15,7 +15,8 @@ with `.records`, `.summary()`, `.markdown()`, `.save(json_path)`; `plot_result` 
     >>> print(res.markdown()); res.save("passkey.json"); plot_result(res, "passkey.png")  # doctest: +SKIP
 
 Modules: text (KJV, PG essays), ruler (RULER's 13 tasks), prompts (exact-length assembly), forcing (teacher forcing), results, plot,
-stage (engine parts for the GPU machine), cli.
+stage (engine parts for the GPU machine), cli; token_drop_reference (the plain-torch token-drop
+reference the tests and the token-drop probes of benchmarks/quality/ compare the engine with).
 """
 
 from infhip.eval.agree import AgreeConfig, run_agree

@@ -71,13 +71,13 @@ def load_llm(engine_dir: str | Path, device: str | None = None, need_tokenizer: 
 def set_forced_retention(llm, rho: float | None):
     """Benchmarks: token drop keeps the share ``rho`` of each dropping chunk's blocks at every
     anchor (the highest-scoring ones) instead of top-p; None restores top-p. Not an engine knob:
-    it measures cost and quality at a chosen retention (infhip-eval --retention). It replaces
-    the selection of this runner's token drop transform (TokenDrop.keep_blocks), nothing on the
+    it measures cost and quality at a chosen retention (infhip-eval --retention). It installs the
+    selection of this runner's token drop transform (TokenDrop.set_selection), nothing on the
     production path; single-rank engines only (the other ranks of a tensor-parallel engine keep
     their own). Returns llm."""
     drop = llm.runner.transforms["token_drop"]
     if rho is None:
-        drop.__dict__.pop("keep_blocks", None)  # the class's top-p again
+        drop.set_selection(None)  # top-p again
         return llm
     if not 0.0 <= rho <= 1.0:
         raise EvalError(f"retention must be in [0, 1], got {rho}")
@@ -85,46 +85,34 @@ def set_forced_retention(llm, rho: float | None):
         raise EvalError("retention needs token drop: build with --token-drop or load with token_drop=True")
     if llm.runner.tp.size > 1:
         raise EvalError("a forced retention needs a single-rank engine (this one is tensor-parallel)")
-    drop.keep_blocks = _ForcedRetention(rho)
+    drop.set_selection(_ForcedRetention(rho))
     return llm
 
 
 def forced_retention(llm) -> float | None:
     """The share set_forced_retention forces on llm, None: top-p."""
-    forced = llm.runner.transforms["token_drop"].__dict__.get("keep_blocks")
-    return forced.rho if forced is not None else None
-
+    forced = llm.runner.transforms["token_drop"].selection
+    return forced.rho if isinstance(forced, _ForcedRetention) else None
 
 
 def record_kept_positions(llm) -> dict:
     """Benchmarks and tests (production keeps no positions): from now on, collect per sequence id
     and full-attention layer the prompt positions each dropping chunk kept there (int64 tensors,
-    one per chunk), from each step's TokenDropStep records, as the runner's DropStats records the
-    step. Returns the live dict ``{seq_id: {layer: [positions, ...]}}``; a second call on the same
+    one per chunk), as the runner's DropStats records each dropping step (DropStats.keep_positions).
+    Returns the live dict ``{seq_id: {layer: [positions, ...]}}``; a second call on the same
     engine returns the same dict. Single-rank engines (as set_forced_retention)."""
-    stats = llm.runner.transforms["token_drop"].stats
-    if hasattr(stats.record, "kept"):
-        return stats.record.kept
-    kept: dict[int, dict[int, list]] = {}
-    real = stats.record
+    return llm.runner.transforms["token_drop"].stats.keep_positions()
 
-    def record(seqs: list, td, num_layers: int) -> None:
-        real(seqs, td, num_layers)
-        for d in td.drops:
-            for layer, rec in td.records:
-                positions = rec[d.b][3]
-                if positions is not None:
-                    kept.setdefault(seqs[d.b].seq_id, {}).setdefault(layer, []).append(positions)
-
-    record.kept = kept
-    stats.record = record
-    return kept
 
 class _ForcedRetention:
-    """TokenDrop.keep_blocks keeping the top share ``rho`` of each chunk's blocks (p unused)."""
+    """A TokenDrop selection (set_selection) keeping the top share ``rho`` of each chunk's blocks
+    (p unused)."""
 
     def __init__(self, rho: float):
         self.rho = rho
+
+    def __repr__(self) -> str:
+        return f"forced_retention(rho={self.rho})"
 
     def __call__(self, scores, cu_blocks, cu_ext, p: float, **kw):
         from infhip.plugins.token_drop import force_retention

@@ -130,7 +130,7 @@ class InfiniteHipConfig:
     rope_off_in_trained_window: bool = knob(
         True, "dynamic RoPE only once a context passes the trained window", runtime=True,
         measured="the dynamic-RoPE cost it avoids inside the window, 1M keys: cached-step attention 23.5 µs "
-        "rotating vs 12.6 µs unrotated, decode stage 1 212 vs 58 µs ([journal](journal/benchmarks-history.md), "
+        "rotating vs 12.6 µs unrotated, decode stage 1 212 vs 58 µs ([history](results/history/benchmarks.md), "
         "\"Fourth measurement\"); its quality effect is not measured")
     stagger_refresh: bool = knob(
         True, "shift each layer's refresh phase so no step pays every refresh", runtime=True,

@@ -22,7 +22,7 @@ from infhip.runtime.step_transform import transforms
 
 # Pages of a request move once at least this many tokens' pages are eligible: fewer copy
 # launches and page-table re-uploads, at the cost of that many more tokens on the GPU. Measured
-# (benchmarks/bench_constants.py, H200, Llama-8B shapes): the smallest batch whose moves cost
+# (benchmarks/speed/bench_constants.py, H200, Llama-8B shapes): the smallest batch whose moves cost
 # under 1 % of a 7.26 ms decode step, amortized: 0.44 % (bf16 KV), 0.92 % (fp8 KV; 16 tokens: 6.2 %).
 OFFLOAD_BATCH_TOKENS = 128
 

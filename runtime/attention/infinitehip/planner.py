@@ -95,7 +95,7 @@ class SparseStep:
 
 # Prefill steps with at least this many sparse query blocks prune from un-rotated keys
 # (plugins/infinitehip/raw_keys.py) when dynamic RoPE is on: one pass over the keys then saves a
-# re-rotation per loaded key in every block. Measured (benchmarks/bench_constants.py, H200,
+# re-rotation per loaded key in every block. Measured (benchmarks/speed/bench_constants.py, H200,
 # Llama-8B shapes, 3k stages): from 32 blocks raw keys are no slower at 192K and 1M keys (0.88x,
 # 0.96x of rotating); at 16 blocks they cost 1.19x at 1M; at 128 blocks they save 26-32 %.
 RAW_KEYS_MIN_BLOCKS = 32
