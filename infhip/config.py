@@ -148,8 +148,12 @@ class Plan:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "Plan":
+        knobs = d.get("knobs", {})
+        for name, k in knobs.items():
+            require(isinstance(k, dict), f"plan knobs of {name} must be an object of knobs, got {k!r} "
+                    "(format 2 leaves an unused method out)")
         return cls(preset=d["preset"], layers=tuple(LayerPlan(**x) for x in d["layers"]),
-                   knobs={name: method(name).from_dict(k) for name, k in d.get("knobs", {}).items()})
+                   knobs={name: method(name).from_dict(k) for name, k in knobs.items()})
 
 
 def migrate_v1(d: dict[str, Any]) -> dict[str, Any]:

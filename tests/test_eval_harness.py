@@ -171,10 +171,10 @@ def test_infinitehip_overrides_flag_parses():
     def kwargs(*flags):
         return _llm_kwargs(build_parser().parse_args(["ppl", "--engine", "e", *flags]))
 
-    assert kwargs()["infinitehip_overrides"] is None
+    assert kwargs()["overrides"] is None
     assert kwargs("--infinitehip-overrides", "chunk_score=head_normalized, dense_threshold=4096,"
-                  "refresh_intervals=[32,16,8]")["infinitehip_overrides"] == {
-        "chunk_score": "head_normalized", "dense_threshold": 4096, "refresh_intervals": [32, 16, 8]}
+                  "refresh_intervals=[32,16,8]")["overrides"] == {"infinitehip": {
+        "chunk_score": "head_normalized", "dense_threshold": 4096, "refresh_intervals": [32, 16, 8]}}
     with pytest.raises(EvalError, match="KEY=VALUE"):
         kwargs("--infinitehip-overrides", "chunk_score")
 

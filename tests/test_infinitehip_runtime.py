@@ -210,7 +210,7 @@ def test_gemma3_sliding_layers_stay_dense(engines, calls):
 
 
 def test_overrides_refused_on_dense_engine(engines):
-    with pytest.raises(ValueError, match="no InfiniteHiP layers"):
+    with pytest.raises(ValueError, match="no infinitehip layers"):
         LLM(engines["dense"], infinitehip_overrides={"dense_threshold": 5})
 
 
@@ -312,7 +312,7 @@ def test_engine_naming_a_removed_knob_loads(engines, tmp_path):
     old = tmp_path / "old-3k"
     shutil.copytree(engines["3k"], old)
     cfg = json.loads((old / "config.json").read_text())
-    cfg["plan"]["infinitehip"]["solo_last_query"] = False
+    cfg["plan"]["knobs"]["infinitehip"]["solo_last_query"] = False
     (old / "config.json").write_text(json.dumps(cfg))
     loaded = EngineConfig.load(old).plan.knobs_of("infinitehip")
     assert loaded == EngineConfig.load(engines["3k"]).plan.knobs_of("infinitehip")

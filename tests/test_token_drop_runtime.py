@@ -26,7 +26,7 @@ import torch
 from infhip import LLM, SamplingParams
 from infhip.builder.build import build_engine
 from infhip.builder.cli import main as build_main
-from infhip.config import EngineConfig
+from infhip.config import EngineConfig, EngineFormatError
 from infhip.eval.common import forced_retention, record_kept_positions, set_forced_retention
 from infhip.eval.token_drop_reference import reference_logits, reference_schedule, run_greedy, td_view
 from infhip.methods.token_drop import AUTHORS_LLAMA_EIGHTHS, TokenDropConfig, default_drop_layers, parse_token_drop
@@ -171,10 +171,11 @@ def test_build_flag_config_round_trip_and_old_engines(engine, tmp_path):
     assert src.plan.knobs_of("token_drop") is None
     shutil.copytree(engine, out)
     cfg = json.loads((out / "config.json").read_text())
-    assert "token_drop" in cfg["plan"]  # written as null by new builds ...
-    del cfg["plan"]["token_drop"]  # ... and absent in engines from before token drop
+    assert "token_drop" not in cfg["plan"]["knobs"]  # off: absent (format 1 wrote null; older engines nothing)
+    cfg["plan"]["knobs"]["token_drop"] = None
     (out / "config.json").write_text(json.dumps(cfg))
-    assert EngineConfig.load(out).plan.knobs_of("token_drop") is None
+    with pytest.raises(EngineFormatError, match="token_drop"):  # format 2 has no null knobs: damaged
+        EngineConfig.load(out)
     hf = engine.parent / "hf"
     rc = build_main(["--checkpoint", str(hf), "--output", str(tmp_path / "b"), "--dtype", "float32",
                      "--device", "cpu", "--quiet", "--token-drop", "p=0.98,block_size=32,min_prompt_len=0"])
@@ -190,14 +191,14 @@ def test_build_flag_config_round_trip_and_old_engines(engine, tmp_path):
     assert TokenDropConfig().drop_layers == "auto" and TokenDropConfig().drop_point == "after_attention"
     assert not TokenDropConfig().reenter
     cfg = json.loads((tmp_path / "c" / "config.json").read_text())
-    assert cfg["plan"]["token_drop"]["drop_layers"] == "auto"
+    assert cfg["plan"]["knobs"]["token_drop"]["drop_layers"] == "auto"
     old = {"paper": dict(drop_layers="every", drop_point="before_attention", reenter=True)}
     for k in ("drop_layers", "drop_point", "reenter"):
-        del cfg["plan"]["token_drop"][k]
-    cfg["plan"]["token_drop"]["spare_anchors"] = 1
+        del cfg["plan"]["knobs"]["token_drop"][k]
+    cfg["plan"]["knobs"]["token_drop"]["spare_anchors"] = 1
     (tmp_path / "c" / "config.json").write_text(json.dumps(cfg))
     assert EngineConfig.load(tmp_path / "c").plan.knobs_of("token_drop") == TokenDropConfig(spare_anchors=1, **old["paper"])
-    del cfg["plan"]["token_drop"]["spare_anchors"]
+    del cfg["plan"]["knobs"]["token_drop"]["spare_anchors"]
     (tmp_path / "c" / "config.json").write_text(json.dumps(cfg))
     assert EngineConfig.load(tmp_path / "c").plan.knobs_of("token_drop") == TokenDropConfig(spare_anchors=0, **old["paper"])
     assert td_view(LLM(tmp_path / "c", token_drop=False))["knobs"] is None
@@ -205,7 +206,7 @@ def test_build_flag_config_round_trip_and_old_engines(engine, tmp_path):
     full = [lp.index for lp in src.plan.layers if lp.window is None][-2:]
     rc = build_main(["--checkpoint", str(hf), "--output", str(tmp_path / "d"), "--dtype", "float32", "--device",
                      "cpu", "--quiet", "--token-drop", f"drop_layers={full[1]}:{full[0]},reenter=true"])
-    assert rc == 0 and json.loads((tmp_path / "d" / "config.json").read_text())["plan"]["token_drop"]["drop_layers"] == full
+    assert rc == 0 and json.loads((tmp_path / "d" / "config.json").read_text())["plan"]["knobs"]["token_drop"]["drop_layers"] == full
     assert EngineConfig.load(tmp_path / "d").plan.knobs_of("token_drop") == TokenDropConfig(drop_layers=tuple(full), reenter=True)
 
 
@@ -219,8 +220,8 @@ def test_retention_is_a_benchmark_setting_not_an_engine_knob(engine, tmp_path):
                      "float32", "--device", "cpu", "--quiet", "--token-drop", "min_prompt_len=0"])
     assert rc == 0
     cfg = json.loads((tmp_path / "td" / "config.json").read_text())
-    assert "retention" not in cfg["plan"]["token_drop"]
-    cfg["plan"]["token_drop"]["retention"] = 0.3  # as engines built before wrote it
+    assert "retention" not in cfg["plan"]["knobs"]["token_drop"]
+    cfg["plan"]["knobs"]["token_drop"]["retention"] = 0.3  # as engines built before wrote it
     (tmp_path / "td" / "config.json").write_text(json.dumps(cfg))
     assert EngineConfig.load(tmp_path / "td").plan.knobs_of("token_drop") == TokenDropConfig(min_prompt_len=0)
     with pytest.raises(ValueError, match="benchmark setting"):

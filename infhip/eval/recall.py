@@ -57,10 +57,10 @@ def sparse_layer_params(llm, length: int | None = None) -> dict[int, dict[str, A
     layers = [lp for lp in plan.layers if lp.backend != "dense"]
     if not layers:
         raise NoSparseLayers(
-            f"engine plan (preset {plan.preset!r}) has no sparse layers: every layer's plugin is 'dense', "
+            f"engine plan (preset {plan.preset!r}) has no sparse layers: every layer's backend is 'dense', "
             "so there is no sparse mask whose recall could be measured. Build the engine with an "
             "InfiniteHiP preset (e.g. --preset 3k).")
-    ih = getattr(plan, "infinitehip", None)
+    ih = plan.knobs_of("infinitehip")
     if ih is None:
         return {lp.index: dict(getattr(lp, "params", None) or {}) for lp in layers}
     trained = llm.engine.config.model.max_position_embeddings
