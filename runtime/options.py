@@ -16,7 +16,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from infhip.cli_args import add_renamed_flag
+from infhip.cli_args import add_renamed_flag, add_renamed_method_flags
 from infhip.methods import TRANSFORM, by_keyword, method, methods
 
 JIT_POLICIES = ("forbid", "warn", "allow")
@@ -114,7 +114,7 @@ class LoadOptions:
     @classmethod
     def of(cls, options: "LoadOptions | None" = None, **kwargs: Any) -> "LoadOptions":
         """``options`` with ``kwargs`` laid over it (LLM's keyword form); a method's keyword
-        (``infinitehip_overrides=``, ``token_drop=``: Method.keyword) joins ``overrides``, laid over
+        (``<backend>_overrides=``, ``<transform>=``: Method.keyword) joins ``overrides``, laid over
         the others'. TypeError names an unknown keyword."""
         if options is not None and not isinstance(options, LoadOptions):
             raise TypeError(f"options must be a LoadOptions, got {type(options).__name__} "
@@ -176,7 +176,7 @@ def add_load_options(parser: argparse.ArgumentParser) -> None:
             group.add_argument(flag_of(f.name), default=None, metavar=metavar, help=doc)
     add_renamed_flag(parser, "--kv-offload-gib", "use --kv-offload-bytes SIZE (e.g. 8GiB)")
     add_renamed_flag(parser, "--kv-cache-gib", "use --kv-cache-memory-bytes SIZE (e.g. 16GiB)")
-    add_renamed_flag(parser, "--infinitehip", "use --infinitehip-overrides KEY=VALUE,...")
+    add_renamed_method_flags(parser)
 
 
 def load_options(args: argparse.Namespace) -> LoadOptions:

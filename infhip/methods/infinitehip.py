@@ -291,6 +291,7 @@ class InfiniteHip(Method):
                       "infinitehip.raw_keys", "kv_offload")
     presets = PRESET_CHANGES
     build_hint = "rebuild with --preset 3k (or another InfiniteHiP preset)"
+    renamed_flags = {"--infinitehip": "use --infinitehip-overrides KEY=VALUE,..."}
 
     @classmethod
     def presets_doc(cls) -> str:

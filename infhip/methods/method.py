@@ -71,6 +71,8 @@ class Method:
     preset_measured: ClassVar[dict[str, str]] = {}  # docs/knobs.md: the measurement behind a preset
     # how to get an engine that has it (the error of a load that overrides a method the engine lacks)
     build_hint: ClassVar[str] = ""
+    # flags it once had -> what to use instead (giving one is a usage error that says so)
+    renamed_flags: ClassVar[dict[str, str]] = {}
 
     # -- names ---------------------------------------------------------------------------------------
     @classmethod
