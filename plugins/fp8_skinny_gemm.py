@@ -238,7 +238,7 @@ def aot_launches(space) -> None:
     `table_config`, for fp8 engines with bf16 activations on an fp8-capable target. M is not
     specialized: rows matter only through the rule's choice."""
     from ._aot_shapes import linear_layers
-    from .fp8_linear import fast_dtype, target_has_fp8
+    from .fp8_support import fast_dtype, target_has_fp8
 
     if space.build.weight_dtype != "fp8" or not target_has_fp8(space.target) or not fast_dtype(space.act_dtype):
         return

@@ -15,11 +15,6 @@ ROOT = Path(__file__).resolve().parents[1]
 KNOWN_CYCLES = {
     # config validates a TP layout through tensor_parallel, which types its arguments with config's ModelConfig
     frozenset({"infhip.config", "infhip.tensor_parallel"}),
-    # the generic offload (copy_pages) asks InfiniteHiP's launch space for its AOT variants
-    frozenset({"infhip.plugins._aot_shapes", "infhip.plugins.infinitehip._aot", "infhip.plugins.kv_offload",
-               "infhip.plugins.paged_kv"}),
-    # the skinny fp8 kernel's table and the linear's dispatch share constants both ways
-    frozenset({"infhip.plugins.fp8_linear", "infhip.plugins.fp8_skinny_gemm"}),
 }
 
 
