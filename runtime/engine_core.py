@@ -98,6 +98,8 @@ class EngineCore:
             # only requests whose prompts every step transform computes whole (token drop: those
             # that never drop; read live: knobs may change)
             self.scheduler.prefix_filter = self._keeps_prompt
+        # a sequence's KV is freed (finished, preempted): the transforms drop their state of it
+        self.scheduler.on_free = self._release
         self.load_report = load_report(self.engine, self.runner, t0, t_engine)
         # penalized sequences' output counts, on the device across steps (runtime/penalty_slots.py)
         self.penalty_slots = PenaltySlots(self.engine.config.model.vocab_size, self.runner.device)
@@ -255,6 +257,10 @@ class EngineCore:
         """Whether every step transform computes seq's whole prompt as a plan without it would
         (StepTransform.keeps_prompt; token drop: a prompt that never drops)."""
         return all(t.keeps_prompt(seq) for t in self.runner.transforms.values())
+
+    def _release(self, seq) -> None:
+        for t in self.runner.transforms.values():
+            t.release(seq)
 
     def _new_fork(self, req: Request, index: int, token_ids: list[int]) -> Fork:
         return req.new_fork(index, next(self._ids), token_ids, self.tokenizer, self.runner.device)

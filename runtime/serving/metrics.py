@@ -112,12 +112,14 @@ class ServerMetrics:
                                  for cls in backends() if cls.knobs_of(config) is not None
                                  for rc in cls.request_counters(config)]
         self._token_drop = plan.token_drop is not None
+        # the drop histories are the transform's (runtime/token_drop_transform.py drop_history)
+        self._drops = llm.runner.transforms.get("token_drop") if self._token_drop else None
         if self._token_drop:
             self.drop_requests = Counter("infhip_token_drop_requests",
                                          "Finished requests whose prefill dropped tokens (UniPrefill)", registry=r)
             self.dropped_kv = Counter("infhip_token_drop_skipped_kv",
                                       "Token-layer KV entries not written because the token was dropped "
-                                      "(sum over layers of Sequence.dropped, at finish)", registry=r)
+                                      "(sum over layers of the request's drop history, at finish)", registry=r)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -163,9 +165,10 @@ class ServerMetrics:
         for counter, counts in self.backend_counters:
             if counts(seq):
                 counter.inc()
-        if self._token_drop and seq.dropped and any(seq.dropped):
+        history = self._drops.drop_history(seq.seq_id) if self._drops is not None else None
+        if history and any(history):
             self.drop_requests.inc()
-            self.dropped_kv.inc(sum(seq.dropped))
+            self.dropped_kv.inc(sum(history))
 
     def _scheduled(self, timing: _Timing) -> None:
         """Note when the request first got KV pages (once): the step that did it began right

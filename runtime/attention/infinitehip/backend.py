@@ -131,7 +131,7 @@ class InfiniteHipBackend(AttentionBackend):
                          ctx.decode_len_bound)
         for lo, hi in sparse.dense_prefill_runs:
             DENSE.prefill_run(layer, q, k, v, out, ctx, lo, hi)
-        layer.backend_state.run(q, layer.kv, meta.block_tables, sparse, out, ctx.key_shift)
+        layer.backend_state.run(q, layer.kv, meta.block_tables, sparse, out, ctx.key_shift(layer.layer_index))
         return out
 
     # -- CUDA graphs --------------------------------------------------------------------------------
