@@ -44,9 +44,9 @@ import triton
 import triton.language as tl
 
 from ._triton_utils import dot_precision, interpreted
+from .dtypes import FP8_DTYPE
 
 MAX_M = 16  # the x tile of the dot path is [16, BLOCK_K] (tl.dot needs >= 16 rows)
-FP8_DTYPE = torch.float8_e4m3fn
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 

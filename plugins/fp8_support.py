@@ -11,6 +11,7 @@ import functools
 import torch
 
 from .aot import Target
+from .dtypes import DTYPES
 
 FP8_MIN_CAPABILITY = 89  # Ada / Hopper: fp8 tensor cores; Triton's fp8e4nv needs it too
 
@@ -34,7 +35,7 @@ def target_has_fp8(target: Target) -> bool:
 
 def fast_dtype(dtype: torch.dtype) -> bool:
     """Activations the fp8 kernels take: all three build dtypes (module docstring)."""
-    return dtype in (torch.bfloat16, torch.float16, torch.float32)
+    return dtype in DTYPES.values()
 
 
 __all__ = ["FP8_MIN_CAPABILITY", "device_has_fp8", "target_has_fp8", "fast_dtype"]

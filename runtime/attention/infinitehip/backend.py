@@ -13,6 +13,7 @@ import dataclasses
 import torch
 
 from infhip.config import InfiniteHipConfig
+from infhip.plugins.dtypes import DTYPES
 from infhip.runtime.attention.backend import AttachEnv, AttentionBackend, Limits, RequestCounter, register
 from infhip.runtime.attention.dense import DENSE
 from infhip.runtime.forward_context import upload
@@ -59,7 +60,6 @@ class InfiniteHipBackend(AttentionBackend):
         with runtime overrides): a host planner (mask-cache slots, refresh schedule) and, on each
         such layer of ``layers`` (Attention modules with their PagedKV), the per-layer state with
         a mask cache of max_num_seqs slots; the layers' backend is set to it."""
-        from infhip.runtime.engine import DTYPES
 
         offload, max_num_seqs = env.offload, env.limits.max_num_seqs
         if offload is not None and ih.dense_threshold > offload.min_context:
@@ -86,7 +86,6 @@ class InfiniteHipBackend(AttentionBackend):
     def reserved_bytes(cls, config, limits: Limits) -> int:
         """One sequence's raw-keys scratch and, where the layers keep one (uses_key_bank), the
         key banks — twice that with value banks (offloading). Both hold keys in the weights' dtype."""
-        from infhip.runtime.engine import DTYPES
 
         cfg, ih, build = config.model, config.plan.infinitehip, config.build
         itemsize = DTYPES[build.dtype].itemsize
