@@ -14,10 +14,10 @@ import torch
 from infhip.runtime.kernel_store import serving
 from infhip.runtime.logprobs import logprob_records, prompt_rows, read_samples, record_prompt_logprobs
 from infhip.runtime.outputs import TokenLogprobs
+from infhip.runtime.penalty_slots import PenaltySlots
 from infhip.runtime.requests import Fork, Request
 from infhip.runtime.sampler import Sampler, SamplingBatch
 from infhip.runtime.sampling_params import SamplingParams
-from infhip.runtime.penalty_slots import PenaltySlots
 from infhip.runtime.scheduler import ScheduledChunk, SchedulerOutput
 from infhip.runtime.sequence import SequenceStatus
 from infhip.runtime.structured_output import GrammarRuntime
@@ -68,7 +68,7 @@ class SampleAndCommit:
         return batch
 
     def sample(self, logits: torch.Tensor, out: SchedulerOutput,
-                touched: dict[int, Request]) -> tuple[dict[int, int], dict[int, TokenLogprobs]]:
+               touched: dict[int, Request]) -> tuple[dict[int, int], dict[int, TokenLogprobs]]:
         """(seq_id -> token, seq_id -> its logprobs where asked) for the chunks with needs_logits
         (logits rows in chunk order), sampled as one batch; if that raises, row by row, so that
         only the rows that raise fail. (A seeded row may then draw different noise than it would
@@ -97,7 +97,7 @@ class SampleAndCommit:
         return sampled, lps
 
     def commit(self, out: SchedulerOutput, sampled: dict[int, int], logprobs: dict[int, TokenLogprobs],
-                touched: dict[int, Request]) -> None:
+               touched: dict[int, Request]) -> None:
         """Hand one executed step to the scheduler and apply stop strings to the new text, request
         by request: a fault in one request's bookkeeping or detokenizing fails it alone."""
         for ch in out.chunks:
@@ -154,7 +154,7 @@ class SampleAndCommit:
         return tokens, [logprob_records(so, seqs, row, flat) for so, row, flat in zip(outs, tokens, flats)]
 
     def commit_decode_steps(self, out: SchedulerOutput, tokens: list[list[int]], logprobs: list[dict],
-                             touched: dict[int, Request]) -> None:
+                            touched: dict[int, Request]) -> None:
         """Commit the decode steps one by one; a sequence that stops (or fails) takes no more."""
         seqs = [ch.seq for ch in out.chunks]
         for j, row in enumerate(tokens):
