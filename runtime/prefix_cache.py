@@ -156,6 +156,8 @@ class PrefixCache:
     is handed the sequence's tables, and the manager keeps them."""
 
     def __init__(self, page_size: int, groups: dict, gpu: dict[str, PagePool], host: dict[str, PagePool]):
+        # groups: name -> KVGroupSpec (kv_cache.py, which imports this module); gpu / host: the
+        # manager's pools by group (the same objects: pages it hands out are named here)
         self.page_size, self.groups, self._gpu, self._host = page_size, groups, gpu, host
         self.enabled = False
         self._root = b""

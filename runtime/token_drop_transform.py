@@ -108,8 +108,7 @@ class TokenDrop(StepTransform):
         drop (sorted; spared anchors excluded); tail: tokens a dropping chunk always keeps at its
         end; max_context: the longest context a dropping request may reach (None: any);
         retention: {seq_id: {full-attention layer: [kept, total]}} of the latest 256 sequences
-        that dropped, oldest first (DropStats.retention, copied); drop_histories: {seq_id: [per
-        layer, tokens it holds no KV for]} of the sequences that hold their KV and dropped."""
+        that dropped, oldest first (DropStats.retention, copied)."""
         knobs = None
         if self.cfg is not None:
             knobs = dataclasses.asdict(self.cfg)
@@ -118,8 +117,7 @@ class TokenDrop(StepTransform):
         return {"knobs": knobs, "drop_layers": sorted(self.drop_at), "tail": self.tail,
                 "max_context": self.max_context,
                 "retention": {sid: {layer: list(kt) for layer, kt in per.items()}
-                              for sid, per in self.stats.retention.items()},
-                "drop_histories": {sid: list(h) for sid, h in self.stats.histories.items()}}
+                              for sid, per in self.stats.retention.items()}}
 
     def plan(self, p, chunks) -> TokenDropHost | None:
         drops = plan_drops(chunks, self.cfg, self.tail, self.max_context) if self.cfg is not None else []
