@@ -46,7 +46,7 @@ def paged_kv(space, num_pages: int = 4, offload: bool = False):
     """One layer's PagedKV (plugins/paged_kv.py): k, v [num_pages, page_size, Hkv, D] in the KV
     dtype, for fp8 caches their float32 scales [num_pages, page_size, Hkv], and with offload a
     host twin of the same layout. The page count changes no stride."""
-    from .kv_offload import HostKV
+    from .host_kv import HostKV
     from .paged_kv import PagedKV
 
     m, page = space.model, space.build.page_size

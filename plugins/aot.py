@@ -312,14 +312,14 @@ class LaunchSpace:
 
     @property
     def act_dtype(self):
-        import torch
-        return getattr(torch, self.build.dtype)
+        from .dtypes import DTYPES
+        return DTYPES[self.build.dtype]
 
     @property
     def kv_dtype(self):
         """The KV cache's storage dtype (float8_e4m3fn for fp8 engines)."""
-        import torch
-        return torch.float8_e4m3fn if self.build.kv_dtype == "fp8" else getattr(torch, self.build.kv_dtype)
+        from .dtypes import KV_DTYPES
+        return KV_DTYPES[self.build.kv_dtype]
 
     @staticmethod
     def fake(*shape: int, dtype) -> "torch.Tensor":  # noqa: F821

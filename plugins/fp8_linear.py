@@ -34,7 +34,6 @@ path dequantizes it (correct, not the fast path).
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
@@ -42,11 +41,12 @@ import triton
 import triton.language as tl
 
 from ._triton_utils import next_pow2, triton_on
-from .aot import Target, recording_target
+from .aot import recording_target
 from .fp8_skinny_gemm import FP8_DTYPE, MAX_M, fp8_linear_ref, fp8_skinny_gemm_triton, table_config
+# which devices, targets and dtypes run the fp8 kernels (the skinny kernel's enumeration asks too)
+from .fp8_support import FP8_MIN_CAPABILITY, device_has_fp8, fast_dtype, target_has_fp8
 from .kv_quant import FP8_MAX, _round_to_e4m3, dequantize_rows, quantize_rows
 
-FP8_MIN_CAPABILITY = 89  # Ada / Hopper: fp8 tensor cores; Triton's fp8e4nv needs it too
 MAX_BLOCK_K = 4096  # quantize_act reads a row in tiles of at most this many elements
 # torch._scaled_mm's use_fast_accum (Hopper: fp8 accumulation without periodic promotion).
 # Measured on the H200 (benchmarks/speed/bench_fp8_weights.py, Llama-8B shapes): 0.96x (M = 4096) and
@@ -60,28 +60,6 @@ def quantize_weight(w: torch.Tensor, rows_per_chunk: int = 8192) -> tuple[torch.
     (bounds the float32 temporaries of a 128K-row LM head)."""
     parts = [quantize_rows(w[i:i + rows_per_chunk]) for i in range(0, w.shape[0], rows_per_chunk)]
     return torch.cat([q for q, _ in parts]), torch.cat([s for _, s in parts])
-
-
-@functools.lru_cache(maxsize=None)
-def _cuda_has_fp8(index: int) -> bool:
-    major, minor = torch.cuda.get_device_capability(index)
-    return 10 * major + minor >= FP8_MIN_CAPABILITY
-
-
-def device_has_fp8(device: torch.device) -> bool:
-    """Does this device run the fp8 kernels (a CUDA GPU of sm_89 or later)?"""
-    if device.type != "cuda":
-        return False
-    return _cuda_has_fp8(device.index if device.index is not None else torch.cuda.current_device())
-
-
-def target_has_fp8(target: Target) -> bool:
-    return target.capability >= FP8_MIN_CAPABILITY
-
-
-def fast_dtype(dtype: torch.dtype) -> bool:
-    """Activations the fp8 kernels take: all three build dtypes (module docstring)."""
-    return dtype in (torch.bfloat16, torch.float16, torch.float32)
 
 
 def _fast_device(device: torch.device) -> bool:

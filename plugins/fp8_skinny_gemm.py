@@ -44,9 +44,9 @@ import triton
 import triton.language as tl
 
 from ._triton_utils import dot_precision, interpreted
+from .dtypes import FP8_DTYPE
 
 MAX_M = 16  # the x tile of the dot path is [16, BLOCK_K] (tl.dot needs >= 16 rows)
-FP8_DTYPE = torch.float8_e4m3fn
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
@@ -238,7 +238,7 @@ def aot_launches(space) -> None:
     `table_config`, for fp8 engines with bf16 activations on an fp8-capable target. M is not
     specialized: rows matter only through the rule's choice."""
     from ._aot_shapes import linear_layers
-    from .fp8_linear import fast_dtype, target_has_fp8
+    from .fp8_support import fast_dtype, target_has_fp8
 
     if space.build.weight_dtype != "fp8" or not target_has_fp8(space.target) or not fast_dtype(space.act_dtype):
         return

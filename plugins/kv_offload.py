@@ -25,14 +25,13 @@ The torch references read a merged copy instead (:func:`merged_pool`: the host p
 after the GPU pages, the tables renumbered).
 
 Which pages move, and when, is the runtime's business (runtime/kv_cache.py KVCacheManager.offload,
-runtime/offload/policy.py PageMover, which calls copy_pages); this module is
-the address arithmetic and the pool itself. Paper 000, "KV Cache Offloading Architecture".
+runtime/offload/policy.py PageMover, which calls copy_pages); this module is the kernels' address
+arithmetic and the page copies, host_kv.py the pool itself (HostKV, offload_deltas). Paper 000,
+"KV Cache Offloading Architecture".
 """
 
 from __future__ import annotations
 
-import weakref
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -40,101 +39,12 @@ import triton
 import triton.language as tl
 
 from ._triton_utils import triton_on
-from .kv_quant import is_fp8
+# the pool and its deltas live in host_kv.py (paged_kv.py carries a twin); re-exported here, where
+# the offload's users have always found them
+from .host_kv import HostKV, host_page, offload_deltas
 
-if TYPE_CHECKING:  # paged_kv imports this module
+if TYPE_CHECKING:  # annotations only: copy_pages takes a layer's PagedKV
     from .paged_kv import PagedKV
-
-
-def host_page(page: int) -> int:
-    """Index in the host twin of a block-table entry < 0 (and back: the map is its own inverse).
-
-        >>> host_page(-1), host_page(-8), host_page(host_page(5))
-        (0, 7, 5)
-    """
-    return -1 - page
-
-
-def pinned_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """An uninitialised CPU tensor, page-locked with cudaHostRegister (mapped: under UVA its
-    address is valid on the GPU), unregistered when the tensor is freed. Not
-    ``torch.empty(pin_memory=True)``: torch's caching host allocator rounds every block up to a
-    power of two, so a 17 GiB pool would pin 32 GiB."""
-    t = torch.empty(shape, dtype=dtype)
-    cudart = torch.cuda.cudart()
-    err = cudart.cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0)
-    if int(err) != 0:
-        raise MemoryError(f"cudaHostRegister of {t.numel() * t.element_size() / 2**30:.2f} GiB failed "
-                           f"(error {int(err)}): not enough lockable host memory for the KV offload pool")
-    weakref.finalize(t, cudart.cudaHostUnregister, t.data_ptr())
-    return t
-
-
-@dataclass
-class HostKV:
-    """The host twin of one layer's paged K/V cache (same dtype and per-page layout); fp8 caches
-    also keep their row scales here. Kernels need only the twin's address, so a GPU buffer with
-    copies of some host pages serves as a twin too (runtime/offload_staging.py: staged prefill)."""
-
-    k: torch.Tensor  # [num_host_pages, page_size, Hkv, D], pinned
-    v: torch.Tensor
-    k_scale: torch.Tensor | None = None  # [num_host_pages, page_size, Hkv] float32 (fp8 caches)
-    v_scale: torch.Tensor | None = None
-
-    @classmethod
-    def like(cls, k_cache: torch.Tensor, num_pages: int) -> "HostKV":
-        """A host twin of ``num_pages`` pages for a GPU cache shaped like ``k_cache``, allocated
-        page-locked up front when a GPU exists (never managed memory: SPEC §7). Not initialised:
-        a host page is written (copy_pages) before any table names it."""
-        if num_pages < 1:
-            raise ValueError(f"a host KV pool needs at least one page, got {num_pages}")
-        shape = (num_pages, *k_cache.shape[1:])
-        new = pinned_empty if torch.cuda.is_available() else torch.empty
-        k, v = new(shape, dtype=k_cache.dtype), new(shape, dtype=k_cache.dtype)
-        ks = vs = None
-        if is_fp8(k_cache):
-            ks, vs = new(shape[:3], dtype=torch.float32), new(shape[:3], dtype=torch.float32)
-        return cls(k, v, ks, vs)
-
-    @property
-    def num_pages(self) -> int:
-        return self.k.shape[0]
-
-    def check(self, k_cache: torch.Tensor, k_scale: torch.Tensor | None) -> None:
-        """Raise unless this twin matches the GPU cache (dtype, per-page layout, scales)."""
-        for name, host in (("k", self.k), ("v", self.v)):
-            if host.dtype != k_cache.dtype or host.shape[1:] != k_cache.shape[1:] \
-                    or host.stride() != k_cache.stride():
-                raise ValueError(f"host {name} pool {host.dtype} {tuple(host.shape)} strides {host.stride()} "
-                                 f"does not match the cache {k_cache.dtype} {tuple(k_cache.shape)} "
-                                 f"strides {k_cache.stride()} (same dtype and page layout needed)")
-            if host.device.type != "cpu" and host.device != k_cache.device:
-                raise ValueError(f"host {name} pool must be a (pinned) CPU tensor or a staging copy on the "
-                                 f"cache's device {k_cache.device}, got {host.device}")
-        if (k_scale is None) != (self.k_scale is None):
-            raise ValueError("an fp8 cache's host twin needs its row scales, a non-fp8 one none")
-
-
-def _delta(cache: torch.Tensor, host: torch.Tensor) -> int:
-    """Elements from cache's first element to host's (exact: both are aligned allocations)."""
-    nbytes = host.data_ptr() - cache.data_ptr()
-    size = cache.element_size()
-    assert nbytes % size == 0, f"pools not aligned to their {size}-byte elements"
-    return nbytes // size
-
-
-def offload_deltas(k_cache: torch.Tensor, v_cache: torch.Tensor | None, k_scale: torch.Tensor | None,
-                   v_scale: torch.Tensor | None, offload: HostKV | None) -> tuple[int, int, int, int]:
-    """(k, v, k_scale, v_scale) element offsets from each GPU tensor to its host twin, for the
-    kernels' page_offset; zeros without offloading (and for absent tensors)."""
-    if offload is None:
-        return 0, 0, 0, 0
-    offload.check(k_cache, k_scale)
-    if k_cache.is_cuda and offload.k.device.type == "cpu" and not offload.k.is_pinned():
-        raise ValueError("the host KV pool must be pinned memory for the GPU to read it")
-    return (_delta(k_cache, offload.k), 0 if v_cache is None else _delta(v_cache, offload.v),
-            0 if k_scale is None else _delta(k_scale, offload.k_scale),
-            0 if v_scale is None or v_cache is None else _delta(v_scale, offload.v_scale))
 
 
 @triton.jit
@@ -219,13 +129,14 @@ def merged_kv(k_cache, v_cache, k_scale, v_scale, block_tables, offload: HostKV 
 
 
 def aot_launches(space) -> None:
-    """copy_pages' variants (plugins/aot.py): every InfiniteHiP engine may be loaded with
-    ``kv_offload_bytes`` (runtime/model_runner.py moves pages to the host twin): K and V pages in the cache dtype and,
-    for fp8 caches, their float32 scale pages. The page counts only size the grid."""
+    """copy_pages' variants (plugins/aot.py) for an engine that may be loaded with
+    ``kv_offload_bytes`` and move pages (plan_rules.sparse_reachable): K and V pages in the
+    cache dtype and, for fp8 caches, their float32 scale pages. The page counts only size the
+    grid."""
     from ._aot_shapes import paged_kv
-    from .infinitehip._aot import sparse_space
+    from .plan_rules import sparse_reachable
 
-    if sparse_space(space) is None:
+    if not sparse_reachable(space.plan.knobs_of("infinitehip"), space.build.max_seq_len):
         return
     copy_pages(paged_kv(space, offload=True), space.fake(1, dtype=torch.int32), space.fake(1, dtype=torch.int32))
 

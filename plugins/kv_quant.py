@@ -30,7 +30,8 @@ import torch
 import triton
 import triton.language as tl
 
-FP8_DTYPE = torch.float8_e4m3fn
+from .dtypes import FP8_DTYPE
+
 FP8_MAX = 448.0
 _TINY = 1e-30  # an all-zero row gets a tiny scale (stores zeros, reads back zeros)
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .kv_offload import HostKV, offload_deltas
+from .host_kv import HostKV, offload_deltas
 from .kv_quant import check_kv_scales, is_fp8, new_kv_scales
 
 
@@ -81,7 +81,7 @@ class PagedKV:
         return self.k_scale.stride() if self.k_scale is not None else (0, 0, 0)
 
     def host_deltas(self, values: bool = True) -> tuple[int, int, int, int]:
-        """(k, v, k_scale, v_scale) element offsets to the host twin (kv_offload.offload_deltas);
+        """(k, v, k_scale, v_scale) element offsets to the host twin (host_kv.offload_deltas);
         zeros without one, and for V with values=False."""
         v = self.v if values else None
         return offload_deltas(self.k, v, self.k_scale, self.v_scale if values else None, self.host)

@@ -27,6 +27,18 @@ def reachable_len_buckets(max_seq_len: int) -> list[int]:
     return [b for b, prev in zip(DECODE_LEN_BUCKETS, (0,) + DECODE_LEN_BUCKETS) if max_seq_len > prev]
 
 
+# -- sparse contexts and KV offloading --------------------------------------------------------
+
+def sparse_reachable(cfg, max_seq_len: int) -> bool:
+    """Whether some context of an engine serving max_seq_len tokens goes sparse: it has
+    InfiniteHiP layers (``cfg`` their knobs, None without) whose ``dense_threshold`` it reaches.
+    Only such an engine keeps KV pages on the host when loaded with ``kv_offload_bytes``: pages
+    move once a context passes its backend's offload window, which starts at the threshold
+    (runtime/offload/policy.py). Read by the sparse launch space (plugins/infinitehip/_aot.py)
+    and by the page copies' enumeration (plugins/kv_offload.py), which must not ask the former."""
+    return cfg is not None and cfg.dense_threshold <= max_seq_len
+
+
 # -- InfiniteHiP: stage-1 candidate capacity --------------------------------------------------
 
 MIN_CAPACITY = 1024  # candidate_capacity: a power of two >= 1024

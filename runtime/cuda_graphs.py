@@ -145,6 +145,7 @@ class DecodeGraphs:
         num_global = len(self.global_layers)
         self.layer_slots = torch.full((num_global, max_bs), -1, dtype=torch.int64, device=dev)
         self.layer_ctx = torch.zeros((num_global, max_bs), dtype=torch.int32, device=dev)
+        self.layer_shift = torch.zeros((num_global, max_bs), dtype=torch.int32, device=dev)
         # each backend's graph state (its constant buffers, views of its rows)
         self.states = {name: backend.graph_state(max_bs, self.rows[self.backend_rows[name]])
                        for name, backend in backends.items()}
@@ -170,7 +171,8 @@ class DecodeGraphs:
         if key.kv_shift is not None:
             layer_kv = LayerKV(rows={l: i for i, l in enumerate(self.global_layers)},
                                slot_mapping=self.layer_slots[:, :bs], context_lens=self.layer_ctx[:, :bs],
-                               context_lens_list=[[0] * bs] * len(self.global_layers))
+                               context_lens_list=[[0] * bs] * len(self.global_layers),
+                               key_shift=self.layer_shift[:, :bs])
             steps[key.kv_shift] = lambda ctx: self.transforms[key.kv_shift].graph_step(layer_kv)
         return ForwardContext.of_step(
             {name: meta(name, k) for name, k in key.backends}, steps,
@@ -188,6 +190,7 @@ class DecodeGraphs:
                                   self.tables["global"][:bs].long(), self.shape.page_size)
             self.layer_slots[:, :bs].copy_(torch.where(self.slots["global"][None, :bs] < 0, -1, slots))
             self.layer_ctx[:, :bs].copy_(self.rows[2, :bs][None, :] - shift)
+            self.layer_shift[:, :bs].copy_(shift)
         model = self.model
         return model.compute_logits(model(self.input_ids[:bs]))
 

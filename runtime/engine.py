@@ -12,6 +12,7 @@ import torch
 from safetensors.torch import load_file
 
 from infhip.config import EngineConfig, EngineFormatError
+from infhip.plugins.dtypes import DTYPES
 from infhip.runtime.distributed.group import SINGLE, TPGroup
 from infhip.runtime.kernel_store import KernelStore, jit_mode, open_store
 from infhip.runtime.models import MODEL_CLASSES
@@ -19,8 +20,6 @@ from infhip.runtime.models.common import use_fp8_linears
 
 logger = logging.getLogger("infhip.engine")
 
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-KV_DTYPES = {**DTYPES, "fp8": torch.float8_e4m3fn}  # infhip.config.KV_DTYPES; fp8: plugins/kv_quant.py
 
 
 def gpu_target(device: torch.device) -> str:

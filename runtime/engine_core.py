@@ -66,7 +66,7 @@ class StepHooks:
     before_forward: Callable[[Sequence], None] | None = None
 
 
-class EngineCore(SampleAndCommit):
+class EngineCore:
     """Load an engine (rank 0 of a tensor-parallel one) and run its requests step by step.
 
     Public: `add_request`, `step`, `deltas` / `delta`, `output`, `abort`; `stats()`,
@@ -98,8 +98,9 @@ class EngineCore(SampleAndCommit):
             # only requests whose prompts every step transform computes whole (token drop: those
             # that never drop; read live: knobs may change)
             self.scheduler.prefix_filter = self._keeps_prompt
+        # a sequence's KV is freed (finished, preempted): the transforms drop their state of it
+        self.scheduler.on_free = self._release
         self.load_report = load_report(self.engine, self.runner, t0, t_engine)
-        self.sampler = Sampler()
         # penalized sequences' output counts, on the device across steps (runtime/penalty_slots.py)
         self.penalty_slots = PenaltySlots(self.engine.config.model.vocab_size, self.runner.device)
         self._grammars: GrammarRuntime | None = None  # structured output: made at its first request
@@ -110,12 +111,27 @@ class EngineCore(SampleAndCommit):
         self._requests: dict[int, Request] = {}  # fork 0's seq_id -> request
         self._forks: dict[int, Fork] = {}  # seq_id -> fork, every live fork
         self.hooks = StepHooks()
+        # the step's forward, sampling and commit (runtime/sample_commit.py)
+        self._sample_commit = SampleAndCommit(
+            runner=self.runner, scheduler=self.scheduler, sampler=Sampler(), penalty_slots=self.penalty_slots,
+            kernels=self.engine.kernels, vocab_size=self.engine.config.model.vocab_size,
+            eos_token_ids=self.eos_token_ids, forks=self._forks, grammars=lambda: self._grammars,
+            fail=self._fail, spawn=self._spawn)
 
     def close(self) -> None:
         """Stop a tensor-parallel engine's worker processes (also at interpreter exit); a no-op
         for a one-rank engine. The core cannot run steps afterwards."""
         if getattr(self, "_tp", None) is not None:
             self._tp.close()
+
+    @property
+    def sampler(self) -> Sampler:
+        """The Sampler (runtime/sampler.py) the steps sample with."""
+        return self._sample_commit.sampler
+
+    @sampler.setter
+    def sampler(self, sampler: Sampler) -> None:
+        self._sample_commit.sampler = sampler
 
     # -- read-outs ------------------------------------------------------------------------------
     @property
@@ -242,6 +258,10 @@ class EngineCore(SampleAndCommit):
         (StepTransform.keeps_prompt; token drop: a prompt that never drops)."""
         return all(t.keeps_prompt(seq) for t in self.runner.transforms.values())
 
+    def _release(self, seq) -> None:
+        for t in self.runner.transforms.values():
+            t.release(seq)
+
     def _new_fork(self, req: Request, index: int, token_ids: list[int]) -> Fork:
         return req.new_fork(index, next(self._ids), token_ids, self.tokenizer, self.runner.device)
 
@@ -295,15 +315,16 @@ class EngineCore(SampleAndCommit):
             raise RuntimeError("scheduler made no progress although requests are pending (KV cache too small?)")
         touched: dict[int, Request] = {}
         out = self._per_request_checks(out, touched)
+        steps = self._sample_commit
         if not out.chunks:
             return list(touched.values())
         try:  # the batched part: a fault here is every scheduled request's
             with serving(self.engine.kernels):  # the engine's JIT policy (runtime/kernel_store.py)
-                num_steps = self._num_decode_steps(out)
+                num_steps = steps.num_decode_steps(out, self.num_decode_steps)
                 if num_steps > 1:
-                    tokens, logprobs = self._decode_steps(out, num_steps)
+                    tokens, logprobs = steps.decode_steps(out, num_steps)
                 else:
-                    logits = self._forward(out)
+                    logits = steps.forward(out)
         except Exception as e:  # noqa: BLE001 - these requests fail, the engine goes on
             _log.error("a step of %d request(s) failed; failing them all", len(out.chunks), exc_info=e)
             self.engine.tp.abandon(e)  # tensor-parallel: the other ranks are mid-step, later steps refuse
@@ -311,9 +332,9 @@ class EngineCore(SampleAndCommit):
                 self._fail(self._forks[ch.seq.seq_id], "in the batched forward of its step", e, touched, log=False)
             return list(touched.values())
         if num_steps > 1:
-            self._commit_decode_steps(out, tokens, logprobs, touched)
+            steps.commit_decode_steps(out, tokens, logprobs, touched)
         else:
-            self._commit(out, *self._sample(logits, out, touched), touched)
+            steps.commit(out, *steps.sample(logits, out, touched), touched)
         return list(touched.values())
 
     def _per_request_checks(self, out: SchedulerOutput, touched: dict[int, Request]) -> SchedulerOutput:

@@ -52,9 +52,6 @@ class ForwardContext:
     # A bound on the decode rows' context lengths that sizes the decode kernel's split count
     # (cuda_graphs.decode_len_bound: eager steps and graphs use the same). None: the table width.
     decode_len_bound: int | None = None
-    # In a layer's view (for_layer) whose KV a transform compacted: int32 [B] keys that layer's
-    # cache lacks of each sequence (its key ranges end that much earlier); None: it holds them all.
-    key_shift: torch.Tensor | None = None
 
     @classmethod
     def of_step(cls, backend_meta: dict, transform_steps: dict, **common) -> "ForwardContext":
@@ -74,6 +71,16 @@ class ForwardContext:
         for step in self.transforms.values():
             ctx = step.layer_view(ctx, layer, group)
         return ctx
+
+    def key_shift(self, layer: int) -> torch.Tensor | None:
+        """int32 [B] keys that layer ``layer``'s cache lacks of each sequence, when a transform
+        compacted its KV (TransformStep.key_shift: its key ranges end that much earlier); None:
+        it holds them all."""
+        for step in self.transforms.values():
+            shift = step.key_shift(layer)
+            if shift is not None:
+                return shift
+        return None
 
     def run_attention(self, attn, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Layer ``attn``'s attention of the step: a transform's backend at the layers it handles
@@ -99,6 +106,7 @@ class LayerKV:
     slot_mapping: torch.Tensor  # [Lg, T] int64
     context_lens: torch.Tensor  # [Lg, B] int32
     context_lens_list: list[list[int]]  # host copy [Lg][B]
+    key_shift: torch.Tensor  # [Lg, B] int32: keys each layer lacks of each sequence (the shift)
 
     @classmethod
     def of_step(cls, p, shift: list[list[int]], global_layers: list[int], tables: torch.Tensor, page_size: int,
@@ -112,7 +120,8 @@ class LayerKV:
         slots = compact_slots(upload(p.positions, torch.int64, device), seq_of_row, dropped, tables.long(), page_size)
         ctx_lens = [[c - d for c, d in zip(p.ctx_lens, row)] for row in shift]
         return cls(rows={l: i for i, l in enumerate(global_layers)}, slot_mapping=slots,
-                   context_lens=upload(ctx_lens, torch.int32, device), context_lens_list=ctx_lens)
+                   context_lens=upload(ctx_lens, torch.int32, device), context_lens_list=ctx_lens,
+                   key_shift=upload(shift, torch.int32, device))
 
 
 def compact_slots(positions: torch.Tensor, seq_of_row: torch.Tensor, dropped: torch.Tensor,

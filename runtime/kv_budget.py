@@ -85,7 +85,7 @@ def plan_layout(engine, layers: list, max_num_seqs: int, max_num_batched_tokens:
                 max_pages_per_seq: int) -> KVLayout:
     """The KVLayout of a loaded engine's attention modules ``layers`` (budget: the bytes given,
     else default_budget; kv_offload_bytes: the host pool, 0 for none)."""
-    from infhip.runtime.engine import KV_DTYPES
+    from infhip.plugins.dtypes import KV_DTYPES
 
     cfg, build = engine.config.model, engine.config.build
     dtype = KV_DTYPES[build.kv_dtype]

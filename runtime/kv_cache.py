@@ -29,7 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from infhip.runtime.page_table import NULL_PAGE, PageTable
-from infhip.runtime.prefix_cache import PagePool, PrefixCaching
+from infhip.runtime.prefix_cache import PagePool, PrefixCache
 
 
 class OutOfPages(RuntimeError):
@@ -121,9 +121,10 @@ class KVGroupSpec:
             raise ValueError(f"KVGroupSpec.window must be None or an int >= 1, got {self.window!r}")
 
 
-class KVCacheManager(PrefixCaching):
+class KVCacheManager:
     """Page tables of every sequence in every group. Pages are reference counted and full pages
-    may be shared through the prefix cache (runtime/prefix_cache.py; off unless enabled)."""
+    may be shared through the prefix cache (``prefix``, runtime/prefix_cache.py PrefixCache; off
+    unless enabled; the methods below under "prefix caching" are its front)."""
 
     def __init__(self, page_size: int, groups: dict[str, KVGroupSpec], max_pages_per_seq: int):
         if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 1:
@@ -143,7 +144,7 @@ class KVCacheManager(PrefixCaching):
         self._host = {name: PagePool(PageAllocator(spec.offload.host_pages + 1), name, host=True)
                       for name, spec in self.groups.items() if spec.offload is not None}
         self._tables: dict[str, dict[int, PageTable]] = {name: {} for name in self.groups}
-        self._init_prefix_cache()
+        self.prefix = PrefixCache(page_size, self.groups, self._alloc, self._host)
 
     # ---- sizing -------------------------------------------------------------------------
     @staticmethod
@@ -241,7 +242,7 @@ class KVCacheManager(PrefixCaching):
 
     def free(self, seq_id: int) -> None:
         """Release every page of ``seq_id`` (no-op for an unknown id)."""
-        self._chains.pop(seq_id, None)
+        self.prefix.forget(seq_id)
         for g, tables in self._tables.items():
             t = tables.pop(seq_id, None)
             if t is not None:
@@ -251,6 +252,98 @@ class KVCacheManager(PrefixCaching):
                         self._host[g].free(-page)
                     else:
                         self._alloc[g].free(page)
+
+    # ---- prefix caching (runtime/prefix_cache.py PrefixCache) -------------------------------
+    @property
+    def prefix_caching(self) -> bool:
+        return self.prefix.enabled
+
+    @property
+    def granule_pages(self) -> int:
+        """A reused prefix is a multiple of this many pages."""
+        return self.prefix.granule_pages
+
+    @property
+    def cache_decode_pages(self) -> bool:
+        """Whether pages that decode steps filled are named for reuse."""
+        return self.prefix.cache_decode_pages
+
+    @property
+    def prefix_cache_queries(self) -> int:
+        """Tokens of admitted sequences looked up."""
+        return self.prefix.queries
+
+    @property
+    def prefix_cache_hits(self) -> int:
+        """Of them, tokens found cached (not recomputed)."""
+        return self.prefix.hits
+
+    @property
+    def prefix_cache_evictions(self) -> int:
+        """Cached pages handed out to new content since start (all groups, GPU and host)."""
+        return self.prefix.evictions
+
+    def enable_prefix_caching(self, salt: str, granule: int | None = None, cache_decode_pages: bool = True) -> None:
+        """PrefixCache.enable: reuse on under plan ``salt``, prefixes a multiple of ``granule`` tokens."""
+        self.prefix.enable(salt, granule, cache_decode_pages)
+
+    def disable_prefix_caching(self) -> None:
+        """Turn reuse off and forget every cached page (held pages stay with their sequences)."""
+        self.prefix.disable()
+
+    def clear_prefix_cache(self) -> None:
+        """Forget every cached page (GPU and host; held pages stay with their sequences)."""
+        self.prefix.clear()
+
+    def num_cached_pages(self, group: str) -> int:
+        """Pages of ``group`` that hold cached content and no sequence (counted as free)."""
+        self._spec(group)
+        return self._alloc[group].num_cached
+
+    def num_cached_host_pages(self, group: str) -> int:
+        """Host pages of ``group`` that hold cached content and no sequence (counted as free)."""
+        self._spec(group)
+        return self._host[group].num_cached if group in self._host else 0
+
+    def cached_page(self, group: str, digest: bytes, host: bool = False) -> int | None:
+        """The block-table entry of the page of ``group`` that ``digest`` names (PrefixCache.cached_page)."""
+        self._spec(group)
+        return self.prefix.cached_page(group, digest, host)
+
+    def page_digest(self, group: str, entry: int) -> bytes | None:
+        """The digest naming the page a block-table entry of ``group`` names (entry > 0: a GPU
+        page, < 0: a host page); None: the page is not named."""
+        return self._pool_of(group, entry).digest_of(abs(entry))
+
+    def page_digests(self, tokens: list[int], num_pages: int) -> list[bytes]:
+        """The digests naming the first ``num_pages`` full pages of ``tokens`` (PrefixCache.page_digests)."""
+        return self.prefix.page_digests(tokens, num_pages)
+
+    def cached_prefix(self, tokens: list[int]) -> tuple[int, list[bytes]]:
+        """(n, chain): the longest reusable prefix of n full pages (PrefixCache.cached_prefix)."""
+        return self.prefix.cached_prefix(tokens)
+
+    def share(self, seq_id: int, tokens: list[int]) -> int:
+        """Start the new sequence ``seq_id`` (all of its tokens: ``tokens``) with the cached pages
+        of its longest reusable prefix; returns how many tokens they hold (0: none, or caching
+        off). Undo with free() (the pages go back to the cache)."""
+        if self.prefix.enabled and any(seq_id in tables for tables in self._tables.values()):
+            raise ValueError(f"sequence {seq_id} already holds pages; share() is for new sequences")
+        num_tokens, tables = self.prefix.share(seq_id, tokens)
+        for g, t in tables.items():
+            self._tables[g][seq_id] = t
+        return num_tokens
+
+    def register(self, seq_id: int, tokens: list[int], num_computed: int) -> None:
+        """Name the pages of ``seq_id`` that are full now that its first ``num_computed`` tokens
+        (of ``tokens``) are computed, so later sequences can reuse them."""
+        if not self.prefix.enabled:
+            return
+        tables = {g: t for g, by_seq in self._tables.items() if (t := by_seq.get(seq_id)) is not None}
+        self.prefix.register(seq_id, tables, tokens, num_computed)
+
+    def record_admission(self, num_tokens: int, cached: int) -> None:
+        self.prefix.record_admission(num_tokens, cached)
 
     # ---- views for the executor ---------------------------------------------------------
     def block_table(self, seq_id: int, group: str) -> list[int]:

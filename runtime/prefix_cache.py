@@ -144,23 +144,30 @@ class PagePool:
         self._hash_of.clear()
 
 
-class PrefixCaching:
-    """The prefix-caching half of the KV manager (KVCacheManager inherits it): which cached pages
-    a new sequence starts with (:meth:`share`), and naming a sequence's pages once they are full
-    (:meth:`register`). Off until :meth:`enable_prefix_caching`; the LLM turns it on only for plans
-    where reuse is exact (docs/design/prefix_caching.md)."""
+class PrefixCache:
+    """The prefix-caching part of a KV manager (runtime/kv_cache.py KVCacheManager holds one):
+    which cached pages a new sequence starts with (:meth:`share`), and naming a sequence's pages
+    once they are full (:meth:`register`). Off until :meth:`enable`; the LLM turns it on only for
+    plans where reuse is exact (docs/design/prefix_caching.md).
 
-    prefix_caching = False
+    Inputs: the manager's page size and groups, and its pools by group (``gpu``; ``host`` for the
+    groups with a host pool), which this object reads and names pages in. It never touches a
+    sequence's page tables: share() returns the tables a new sequence starts with, register()
+    is handed the sequence's tables, and the manager keeps them."""
 
-    def _init_prefix_cache(self) -> None:
+    def __init__(self, page_size: int, groups: dict, gpu: dict[str, PagePool], host: dict[str, PagePool]):
+        # groups: name -> KVGroupSpec (kv_cache.py, which imports this module); gpu / host: the
+        # manager's pools by group (the same objects: pages it hands out are named here)
+        self.page_size, self.groups, self._gpu, self._host = page_size, groups, gpu, host
+        self.enabled = False
         self._root = b""
         self.granule_pages = 1  # a reused prefix is a multiple of this many pages
         self.cache_decode_pages = True  # name pages that decode steps filled
         self._chains: dict[int, list[bytes]] = {}  # seq_id -> digests of its first pages
-        self.prefix_cache_queries = 0  # tokens of admitted sequences looked up
-        self.prefix_cache_hits = 0  # of them, tokens found cached (not recomputed)
+        self.queries = 0  # tokens of admitted sequences looked up
+        self.hits = 0  # of them, tokens found cached (not recomputed)
 
-    def enable_prefix_caching(self, salt: str, granule: int | None = None, cache_decode_pages: bool = True) -> None:
+    def enable(self, salt: str, granule: int | None = None, cache_decode_pages: bool = True) -> None:
         """Turn reuse on; ``salt`` names the plan (pages computed under another plan never match).
         granule: a reused prefix is a multiple of this many tokens (a multiple of page_size;
         InfiniteHiP: lcm(page_size, block_q), so the suffix's query blocks fall on the grid the
@@ -169,49 +176,37 @@ class PrefixCaching:
         granule = granule or self.page_size
         if granule % self.page_size:
             raise ValueError(f"granule {granule} is not a multiple of page_size {self.page_size}")
-        self.prefix_caching, self._root = True, root_hash(salt)
+        self.enabled, self._root = True, root_hash(salt)
         self.granule_pages, self.cache_decode_pages = granule // self.page_size, cache_decode_pages
 
-    def disable_prefix_caching(self) -> None:
+    def disable(self) -> None:
         """Turn reuse off and forget every cached page (held pages stay with their sequences)."""
-        self.prefix_caching = False
-        self.clear_prefix_cache()
+        self.enabled = False
+        self.clear()
 
-    def clear_prefix_cache(self) -> None:
+    def clear(self) -> None:
         """Forget every cached page (GPU and host; held pages stay with their sequences), e.g.
         when the plan's knobs change at runtime."""
-        for pool in [*self._alloc.values(), *self._host.values()]:
+        for pool in [*self._gpu.values(), *self._host.values()]:
             pool.clear()
         self._chains.clear()
 
+    def forget(self, seq_id: int) -> None:
+        """Drop a freed sequence's digests."""
+        self._chains.pop(seq_id, None)
+
     @property
-    def prefix_cache_evictions(self) -> int:
+    def evictions(self) -> int:
         """Cached pages handed out to new content since start (all groups, GPU and host)."""
-        return sum(pool.num_evictions for pool in [*self._alloc.values(), *self._host.values()])
-
-    def num_cached_pages(self, group: str) -> int:
-        """Pages of ``group`` that hold cached content and no sequence (counted as free)."""
-        self._spec(group)
-        return self._alloc[group].num_cached
-
-    def num_cached_host_pages(self, group: str) -> int:
-        """Host pages of ``group`` that hold cached content and no sequence (counted as free)."""
-        self._spec(group)
-        return self._host[group].num_cached if group in self._host else 0
+        return sum(pool.num_evictions for pool in [*self._gpu.values(), *self._host.values()])
 
     def cached_page(self, group: str, digest: bytes, host: bool = False) -> int | None:
         """The block-table entry of the page of ``group`` that ``digest`` names (held or cached):
         its GPU page, or with ``host`` its host pool's entry (< 0); None if none is named so."""
-        self._spec(group)
         if not host:
-            return self._alloc[group].lookup(digest)
+            return self._gpu[group].lookup(digest)
         h = self._host[group].lookup(digest) if group in self._host else None
         return None if h is None else -h
-
-    def page_digest(self, group: str, entry: int) -> bytes | None:
-        """The digest naming the page a block-table entry of ``group`` names (entry > 0: a GPU
-        page, < 0: a host page); None: the page is not named."""
-        return self._pool_of(group, entry).digest_of(abs(entry))
 
     def page_digests(self, tokens: list[int], num_pages: int) -> list[bytes]:
         """The digests that name the first ``num_pages`` full pages of ``tokens`` under this
@@ -223,7 +218,7 @@ class PrefixCaching:
     def _lookup(self, group: str, digest: bytes, host: bool) -> int | None:
         """Table entry of a cached page: its GPU page (preferred), else with ``host`` its host
         entry (< 0), else None."""
-        page = self._alloc[group].lookup(digest)
+        page = self._gpu[group].lookup(digest)
         if page is None and host and group in self._host:
             h = self._host[group].lookup(digest)
             return None if h is None else -h
@@ -246,7 +241,7 @@ class PrefixCaching:
         full = [g for g, spec in self.groups.items() if spec.window is None]
         if full:
             # hash ahead in batches (a long prompt usually hits all the way) and stop at the first miss
-            maps = [(self._alloc[g]._page_of, self._host[g]._page_of if g in self._host else {}) for g in full]
+            maps = [(self._gpu[g]._page_of, self._host[g]._page_of if g in self._host else {}) for g in full]
             n, batch = 0, 64
             while n < m:
                 extend_chain(chain, self._root, tokens, ps, min(m, n + batch))
@@ -269,28 +264,27 @@ class PrefixCaching:
         step = self.granule_pages
         n -= n % step
         windowed = [g for g, spec in self.groups.items() if spec.window is not None]
-        while n and not all(self._alloc[g].lookup(chain[j]) is not None
+        while n and not all(self._gpu[g].lookup(chain[j]) is not None
                             for g in windowed for j in range(self._window_start(g, n * ps), n)):
             n -= step
         return n, chain
 
-    def share(self, seq_id: int, tokens: list[int]) -> int:
-        """Start the new sequence ``seq_id`` (all of its tokens: ``tokens``) with the cached pages
-        of its longest reusable prefix; returns how many tokens they hold (0: none, or caching
-        off). Undo with free() (the pages go back to the cache)."""
-        if not self.prefix_caching:
-            return 0
-        if any(seq_id in tables for tables in self._tables.values()):
-            raise ValueError(f"sequence {seq_id} already holds pages; share() is for new sequences")
-
+    def share(self, seq_id: int, tokens: list[int]) -> tuple[int, dict[str, PageTable]]:
+        """The cached pages of the longest reusable prefix of the new sequence ``seq_id`` (all of
+        its tokens: ``tokens``), acquired for it: (tokens they hold, the page table it starts
+        with per group); (0, {}) for none, or with caching off. The caller keeps the tables and
+        frees their pages as its own (they go back to the cache)."""
+        if not self.enabled:
+            return 0, {}
         n, chain = self.cached_prefix(tokens)
         self._chains[seq_id] = chain
         if not n:
-            return 0
+            return 0, {}
+        tables = {}
         for g in self.groups:
             lo = self._window_start(g, n * self.page_size)
             pages = [NULL_PAGE] * lo
-            gpu, host = self._alloc[g], self._host.get(g)
+            gpu, host = self._gpu[g], self._host.get(g)
             for j in range(lo, n):
                 page = gpu.lookup(chain[j])
                 if page is not None:
@@ -306,26 +300,24 @@ class PrefixCaching:
                 host_hi = -(-self.groups[g].offload.head_tokens // self.page_size)
                 while host_hi < n and pages[host_hi] < 0:
                     host_hi += 1
-            self._tables[g][seq_id] = PageTable(pages=pages, lo=lo, num_hashed=n, host_hi=host_hi)
-        return n * self.page_size
+            tables[g] = PageTable(pages=pages, lo=lo, num_hashed=n, host_hi=host_hi)
+        return n * self.page_size, tables
 
-    def register(self, seq_id: int, tokens: list[int], num_computed: int) -> None:
-        """Name the pages of ``seq_id`` that are full now that its first ``num_computed`` tokens
-        (of ``tokens``) are computed, so later sequences can reuse them."""
-        if not self.prefix_caching:
+    def register(self, seq_id: int, tables: dict[str, PageTable], tokens: list[int], num_computed: int) -> None:
+        """Name the pages of ``seq_id`` (its page table per group: ``tables``) that are full now
+        that its first ``num_computed`` tokens (of ``tokens``) are computed, so later sequences
+        can reuse them."""
+        if not self.enabled:
             return
         full = num_computed // self.page_size
         chain = self._chains.setdefault(seq_id, [])
         extend_chain(chain, self._root, tokens, self.page_size, full)
-        for g, tables in self._tables.items():
-            t = tables.get(seq_id)
-            if t is None:
-                continue
+        for g, t in tables.items():
             for i in range(max(t.num_hashed, t.lo), min(full, len(t.pages))):
                 page = t.pages[i]  # on the GPU, or already moved to the host (< 0)
-                (self._alloc[g] if page > 0 else self._host[g]).register(abs(page), chain[i])
+                (self._gpu[g] if page > 0 else self._host[g]).register(abs(page), chain[i])
             t.num_hashed = max(t.num_hashed, full)
 
     def record_admission(self, num_tokens: int, cached: int) -> None:
-        self.prefix_cache_queries += num_tokens
-        self.prefix_cache_hits += cached
+        self.queries += num_tokens
+        self.hits += cached

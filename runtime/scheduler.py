@@ -134,6 +134,10 @@ class Scheduler:
         # Prefix caching: which sequences may start on cached pages and name theirs (None: all).
         # Token drop: only those that never drop (their pages are not compacted).
         self.prefix_filter: Callable[[Sequence], bool] | None = None
+        # Called with each sequence whose KV pages were freed, after its status changed (finished,
+        # or preempted: WAITING, recomputed from 0): the engine core tells the step transforms,
+        # whose per-sequence state describes that KV (token drop's drop histories).
+        self.on_free: Callable[[Sequence], None] | None = None
 
     @property
     def num_waiting(self) -> int:
@@ -199,6 +203,8 @@ class Scheduler:
         self._ids.discard(seq.seq_id)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
+        if self.on_free is not None:
+            self.on_free(seq)
 
     # ---- scheduling ---------------------------------------------------------------------
     def _preempt(self, victim: Sequence, step: _Step) -> None:
@@ -210,6 +216,8 @@ class Scheduler:
         self._enqueue(victim)  # by its arrival: before the later ones of its priority
         step.preempted.append(victim)
         self.num_preemptions += 1
+        if self.on_free is not None:
+            self.on_free(victim)
 
     def _victim(self) -> Sequence:
         """The running sequence to preempt next (_victim_key)."""

@@ -36,9 +36,6 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: str | None = None  # one of FINISH_REASONS once finished
     arrival: int = 0  # admission order, stamped by Scheduler.add (FIFO key; newest is preempted first)
-    # UniPrefill drop history (runtime/token_drop.py): per layer, how many of the computed tokens
-    # that layer holds no KV for. None: every layer holds all of them. Reset by a prefill from 0.
-    dropped: list[int] | None = None
     # Prefix caching: prompt tokens found in the cache at the first admission (None: not admitted yet).
     num_cached_tokens: int | None = None
 

@@ -22,7 +22,9 @@ Life of a transform:
 * its engine-format side is the plan method of the same ``name`` (infhip/methods/: knobs, build
   and load flags, the plugin modules whose kernels the builder compiles ahead of time);
 * the engine core: ``keeps_prompt(seq)`` (prefix caching and prompt logprobs; ``prompt_hint`` in
-  the error of a request it refuses);
+  the error of a request it refuses); ``release(seq)`` when a sequence's KV is freed (finished
+  or preempted): a transform keeps its per-sequence state itself, by seq_id, and drops it then
+  (token drop's drop histories), never on the Sequence;
 * read-outs: ``debug_view()``, a JSON-able dict of its state now (token drop: knobs, drop layers,
   tail, retention per request), which ``EngineCore.debug_view()`` gathers under "transforms" by
   name: what tests and debugging read instead of the transform's attributes.
@@ -71,6 +73,11 @@ class TransformStep:
         """The attention backend that runs ``layer`` this step, None: the layer's own."""
         return None
 
+    def key_shift(self, layer: int) -> torch.Tensor | None:
+        """int32 [B]: keys that layer ``layer``'s cache lacks of each sequence (a transform
+        compacted its KV: the key ranges end that much earlier); None: it holds them all."""
+        return None
+
 
 @dataclass(frozen=True)
 class TransformEnv:
@@ -110,6 +117,11 @@ class StepTransform:
         """Whether the transform computes every prompt position of Sequence ``seq`` as a plan
         without it would (its pages may be named for prefix caching; prompt logprobs exist)."""
         return True
+
+    def release(self, seq) -> None:
+        """Sequence ``seq``'s KV pages were freed: it finished (``seq.is_finished``) or was
+        preempted (its tokens are recomputed from 0 later). What the transform keeps of it that
+        describes that KV goes now."""
 
     def debug_view(self) -> dict:
         """Its state now, JSON-able (tests, debugging; read between steps): a copy, never live

@@ -38,7 +38,8 @@ KV, per layer:
   attention, none at l; after attention, at l and not after (until it re-enters). A
   full-attention layer stores the keys it holds contiguously in the sequence's page table
   (compact slot = position - tokens that layer dropped before), so each (sequence, layer) has
-  its own length. `Sequence.dropped` is the drop history (per layer), and steps with such a
+  its own length. The transform keeps each sequence's drop history (per layer, DropStats
+  ``histories`` by seq_id, while the sequence holds its KV), and steps with such a
   sequence carry per-layer context lengths and slots of the full-attention layers in the
   forward context (`forward_context.LayerKV`, computed in one vectorised pass); layers read
   them through `ForwardContext.for_layer`. Steps without a drop history use the shared metadata unchanged;
@@ -130,15 +131,17 @@ def plan_drops(chunks, cfg: TokenDropConfig, tail: int, max_context: int | None 
     return drops
 
 
-def drop_histories(chunks, global_layers: list[int]) -> list[list[int]] | None:
+def drop_histories(chunks, global_layers: list[int], histories: dict[int, list[int]]) -> list[list[int]] | None:
     """[global layer][b] tokens each full-attention layer lacks of the step's sequence b (its
-    drop history; a prefill from scratch starts a new one), None when no sequence has one."""
+    drop history in ``histories``, seq_id -> per layer; a prefill from scratch starts a new
+    one), None when no sequence has one."""
     for ch in chunks:
         if ch.start == 0:  # a prefill from scratch (first or after preemption): no history
-            ch.seq.dropped = None
-    if all(ch.seq.dropped is None for ch in chunks):
+            histories.pop(ch.seq.seq_id, None)
+    rows = [histories.get(ch.seq.seq_id) for ch in chunks]
+    if all(h is None for h in rows):
         return None
-    return [[ch.seq.dropped[l] if ch.seq.dropped is not None else 0 for ch in chunks] for l in global_layers]
+    return [[h[l] if h is not None else 0 for h in rows] for l in global_layers]
 
 
 @dataclass
@@ -184,8 +187,8 @@ class TokenDropStep(TransformStep):
         return bool(self.drops)
 
     def layer_view(self, ctx, layer: int, group: str):
-        """Layer `layer`'s own context lengths and slots when it holds a compacted KV (LayerKV),
-        its key_shift the tokens it lacks of each sequence; else ctx."""
+        """Layer `layer`'s own context lengths and slots when it holds a compacted KV (LayerKV;
+        the keys it lacks of each sequence: key_shift); else ctx."""
         lk = self.layer_kv
         if lk is None or layer not in lk.rows:
             return ctx
@@ -193,7 +196,11 @@ class TokenDropStep(TransformStep):
         groups = dict(ctx.groups)
         groups[group] = KVGroupMetadata(lk.slot_mapping[r], ctx.groups[group].block_tables)
         return dataclasses.replace(ctx, context_lens=lk.context_lens[r], context_lens_list=lk.context_lens_list[r],
-                                   groups=groups, key_shift=ctx.context_lens - lk.context_lens[r])
+                                   groups=groups)
+
+    def key_shift(self, layer: int) -> torch.Tensor | None:
+        lk = self.layer_kv
+        return lk.key_shift[lk.rows[layer]] if lk is not None and layer in lk.rows else None
 
     # -- the stream -------------------------------------------------------------------------
     def enter_layer(self, i: int, hidden: torch.Tensor, residual: torch.Tensor | None):

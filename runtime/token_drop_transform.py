@@ -5,6 +5,12 @@ Callers set it through the runner by name, ``runner.set_transform("token_drop", 
 it through ``debug_view()`` (``llm.debug_view()["transforms"]["token_drop"]``: the knobs in force,
 the drop layers, the tail, the context limit and the retention per request and anchor).
 
+Per-sequence state: the drop histories (per layer, tokens a sequence's layers hold no KV for)
+live here, in ``stats`` (DropStats) by seq_id, not on the sequences: ``release(seq)`` ends one
+when the sequence's KV is freed (finished or preempted; the scheduler tells the engine core,
+which tells every transform), and a prefill from 0 starts afresh. ``drop_history(seq_id)``
+reads one (also of a recently finished sequence: /metrics).
+
 Per step: ``plan`` picks the chunks that drop (plan_drops) and lists the drop histories of the
 step's sequences (drop_histories) -> ``TokenDropHost``; ``upload`` makes the step's
 ``TokenDropStep`` (its drops, and the per-layer KV of the sequences with a history); after an
@@ -54,7 +60,7 @@ class TokenDrop(StepTransform):
         self.full = frozenset(i for i, w in enumerate(windows) if w is None)
         self.global_layers = sorted(self.full)  # the layers that hold compacted KV after a drop
         self.windows, self.page_size = windows, page_size
-        self.stats = DropStats()  # drop histories of the requests, retention per anchor
+        self.stats = DropStats()  # drop histories of the sequences (by seq_id), retention per anchor
         self.selection = None  # set_selection's block selection; None: keep_blocks (top-p)
         self._set(None, None)
 
@@ -91,6 +97,15 @@ class TokenDrop(StepTransform):
     def keeps_prompt(self, seq) -> bool:
         return never_drops(seq, self.cfg, self.max_context)
 
+    def release(self, seq) -> None:
+        self.stats.release(seq)
+
+    def drop_history(self, seq_id: int) -> list[int] | None:
+        """Per layer, how many of sequence ``seq_id``'s computed tokens that layer holds no KV for
+        (a copy): of a sequence that holds its KV, or of one of the latest finished ones; None:
+        it dropped nothing."""
+        return self.stats.history(seq_id)
+
     def debug_view(self) -> dict:
         """knobs: the TokenDropConfig in force as a dict (None: off); drop_layers: the layers that
         drop (sorted; spared anchors excluded); tail: tokens a dropping chunk always keeps at its
@@ -111,7 +126,8 @@ class TokenDrop(StepTransform):
 
     def plan(self, p, chunks) -> TokenDropHost | None:
         drops = plan_drops(chunks, self.cfg, self.tail, self.max_context) if self.cfg is not None else []
-        histories = drop_histories(chunks, self.global_layers)  # also ends the histories of fresh prefills
+        # also ends the histories of fresh prefills
+        histories = drop_histories(chunks, self.global_layers, self.stats.histories)
         return TokenDropHost(drops, histories) if drops or histories is not None else None
 
     def runs_dense(self, host: TokenDropHost) -> bool:

@@ -179,6 +179,20 @@ def test_preemption_then_all_complete(window):
     assert sched.kv.num_free_pages("global") == 12
 
 
+def test_on_free_reports_each_freed_sequence():
+    """on_free hears of every sequence whose pages were freed, after its status changed: each
+    preemption (WAITING, recomputed later) and each finish (FINISHED), once."""
+    seqs = [new_seq(i, 20 + i, max_tokens=18) for i in range(4)]
+    sched, model = make(num_pages=13, budget=64, max_num_seqs=4, max_seq_len=64)
+    freed = []
+    sched.on_free = lambda seq: freed.append((seq.seq_id, seq.status))
+    outs = run_all(sched, model, seqs)
+    preempted = [s.seq_id for o in outs for s in o.preempted]
+    assert preempted
+    assert sorted(i for i, st in freed if st is SequenceStatus.WAITING) == sorted(preempted)
+    assert sorted(i for i, st in freed if st is SequenceStatus.FINISHED) == [0, 1, 2, 3]
+
+
 def test_prefill_chunk_shrinks_to_free_pages():
     # 11 usable pages: `late`'s prefill competes with `first`'s decodes for the last pages.
     first, late = new_seq(0, 4, max_tokens=24), new_seq(1, 36, max_tokens=2)

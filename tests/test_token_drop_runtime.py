@@ -165,6 +165,27 @@ def test_batch_equals_each_alone(engine):
     assert [r.seq.output_token_ids for r in reqs] == [alone[2], alone[0], alone[1]]
 
 
+def test_drop_histories_live_with_the_kv_and_go_with_it(engine):
+    """The transform keeps the drop histories by seq_id (its DropStats' histories) while a
+    sequence holds its KV: a dropping prefill starts one, finishing (or aborting) ends it;
+    nothing is left behind. A finished request's history stays readable for /metrics
+    (drop_history)."""
+    knobs = dict(TINY, **schedule_knobs(engine, "paper"))  # dropped rows write no KV at drop layers
+    llm = set_forced_retention(LLM(engine, token_drop=knobs, max_num_batched_tokens=400), 0.3)
+    td = llm.runner.transforms["token_drop"]
+    sp = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    done, aborted = (llm.core.add_request(None, prompt(s, 200), sp) for s in (6, 7))
+    llm.core.step()  # both prompts whole, both drop
+    live = {sid: list(h) for sid, h in td.stats.histories.items()}
+    assert set(live) == {done.seq.seq_id, aborted.seq.seq_id} and all(any(h) for h in live.values())
+    llm.core.abort(aborted)
+    assert set(td.stats.histories) == {done.seq.seq_id}
+    while not done.seq.is_finished:
+        llm.core.step()
+    assert td.stats.histories == {}
+    assert td.drop_history(done.seq.seq_id) == live[done.seq.seq_id]
+
+
 def test_build_flag_config_round_trip_and_old_engines(engine, tmp_path):
     out = tmp_path / "td"
     src = EngineConfig.load(engine)

@@ -3,7 +3,7 @@
 runtime/attention/infinitehip/planner.py decides per step what the sparse kernels see, by the
 rules of plugins/plan_rules.py; this module applies the same rules to list the *classes* of
 launches an engine's plan and build limits allow, so that
-pruning.py, sparse_attention.py, key_bank.py, raw_keys.py and kv_offload.py enumerate exactly
+pruning.py, sparse_attention.py, key_bank.py and raw_keys.py enumerate exactly
 what serving launches, on fake (meta) tensors shaped as the runtime shapes them:
 
 * layer kinds: the distinct (stages, pruning RoPE style) of the InfiniteHiP layers (the special
@@ -42,7 +42,7 @@ import torch
 
 from infhip.methods.infinitehip import InfiniteHipConfig, PruningStage
 
-from ..plan_rules import candidate_capacity, rope_modes, uses_key_bank
+from ..plan_rules import candidate_capacity, rope_modes, sparse_reachable, uses_key_bank
 
 def mask_layout_of(cfg: InfiniteHipConfig) -> str:
     """The mask layout an engine's InfiniteHiP layers select with: the config's ``mask_layout``
@@ -161,12 +161,10 @@ def sparse_space(space) -> SparseSpace | None:
     """The InfiniteHiP launch space of ``space`` (plugins.aot.LaunchSpace), None for an engine
     without InfiniteHiP layers or whose sparse threshold no context reaches."""
     cfg: InfiniteHipConfig | None = space.plan.knobs_of("infinitehip")
-    if cfg is None:
-        return None
     build, model = space.build, space.model
     max_len, window = build.max_seq_len, model.max_position_embeddings
-    if cfg.dense_threshold > max_len:
-        return None  # no context goes sparse
+    if not sparse_reachable(cfg, max_len):
+        return None  # no InfiniteHiP layers, or no context goes sparse
     layers = [lp.index for lp in space.plan.layers if lp.backend == "infinitehip"]
     kinds = tuple(dict.fromkeys(LayerKind(cfg.stages_of(i), cfg.pruning_rope_of(i)) for i in layers))
     cap = lambda end: candidate_capacity(end, cfg.n_sink, cfg.n_stream)  # noqa: E731

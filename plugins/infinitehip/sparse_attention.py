@@ -56,7 +56,8 @@ import triton.language as tl
 
 from .._triton_utils import device_num_sms, dot_precision, next_pow2, triton_on
 from ..aot import recording_target
-from ..kv_offload import HostKV, merged_kv, page_offset
+from ..host_kv import HostKV
+from ..kv_offload import merged_kv, page_offset
 from ..kv_quant import check_kv_scales, dequantize_tile, read_rows
 from ..paged_kv import PagedKV
 from ..dense_attention import _decode_merge_kernel, choose_num_splits, dense_attention_ref

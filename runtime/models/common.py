@@ -13,6 +13,7 @@ from torch import nn
 
 from infhip.config import LayerPlan, ModelConfig
 from infhip.plugins.activation import gated_act
+from infhip.plugins.dtypes import FP8_DTYPE
 from infhip.plugins.fp8_linear import Fp8Act, fp8_linear, takes_fp8_act
 from infhip.plugins.rms_norm import rms_norm
 from infhip.plugins.skinny_gemm import skinny_linear
@@ -62,7 +63,7 @@ class Fp8Linear(nn.Module):
         def param(*shape, dtype=torch.float32):  # on meta: the engine's tensors are assigned at load
             return nn.Parameter(torch.empty(*shape, dtype=dtype, device="meta"), requires_grad=False)
 
-        self.weight = param(out_features, in_features, dtype=torch.float8_e4m3fn)
+        self.weight = param(out_features, in_features, dtype=FP8_DTYPE)
         self.weight_scale = param(out_features)
         self.bias = param(out_features) if bias else None
 

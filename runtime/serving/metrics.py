@@ -13,13 +13,18 @@ from dataclasses import dataclass
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from infhip.runtime.attention import backends
+from infhip.runtime.serving import metric_defs as M
+from infhip.runtime.serving.metric_defs import MetricDef
 from infhip.runtime.sequence import SequenceStatus
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
-_TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
-_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5)
-_REQUEST_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800)
+
+def _make(d: MetricDef, registry: CollectorRegistry):
+    """The prometheus_client metric of definition ``d`` (metric_defs.py), in ``registry``."""
+    if d.kind == "histogram":
+        return Histogram(d.name, d.help, buckets=d.buckets, registry=registry)
+    return {"counter": Counter, "gauge": Gauge}[d.kind](d.name, d.help, list(d.labels), registry=registry)
 
 
 @dataclass
@@ -35,67 +40,21 @@ class _Timing:
 class ServerMetrics:
     def __init__(self, llm):
         self.registry = r = CollectorRegistry(auto_describe=True)
-        self.running = Gauge("infhip_requests_running", "Requests holding KV pages (scheduled)", registry=r)
-        self.waiting = Gauge("infhip_requests_waiting", "Requests queued, new or preempted", registry=r)
-        self.ttft = Histogram("infhip_time_to_first_token_seconds",
-                              "From the hand-in to the engine (body read, prompt tokenized) to the first token",
-                              buckets=_TTFT_BUCKETS, registry=r)
-        self.itl = Histogram("infhip_inter_token_latency_seconds",
-                             "Time between tokens of a request (a delta of k tokens counts k times its gap / k)",
-                             buckets=_ITL_BUCKETS, registry=r)
-        self.prompt_tokens = Counter("infhip_prompt_tokens", "Prompt tokens of accepted requests", registry=r)
-        self.generation_tokens = Counter("infhip_generation_tokens", "Tokens generated", registry=r)
-        self.finished = Counter("infhip_requests_finished", "Requests that ended, by finish reason",
-                                ["finish_reason"], registry=r)
-        self.aborts = Counter("infhip_request_aborts", "Requests aborted because their client left",
-                              registry=r)
-        self.errors = Counter("infhip_request_errors",
-                              "Requests failed by the engine: alone (scope=request) or with a whole step (scope=engine)",
-                              ["scope"], registry=r)
-        # The request-level latencies the serving world reads (vLLM's e2e / queue / prefill /
-        # decode / time-per-output-token), observed when a request ends.
-        self.e2e = Histogram("infhip_e2e_request_latency_seconds",
-                             "From the hand-in to the engine to the request's end (finished or aborted)",
-                             buckets=_REQUEST_BUCKETS, registry=r)
-        self.queue_time = Histogram("infhip_request_queue_time_seconds",
-                                    "From the hand-in to the step that first gave the request KV pages",
-                                    buckets=_REQUEST_BUCKETS, registry=r)
-        self.prefill_time = Histogram("infhip_request_prefill_time_seconds",
-                                      "From that first step to the first token", buckets=_REQUEST_BUCKETS, registry=r)
-        self.decode_time = Histogram("infhip_request_decode_time_seconds",
-                                     "From the first token to the last", buckets=_REQUEST_BUCKETS, registry=r)
-        self.tpot = Histogram("infhip_time_per_output_token_seconds",
-                              "A request's decode time / (its output tokens - 1), requests of 2+ tokens",
-                              buckets=_ITL_BUCKETS, registry=r)
-        self.success = Counter("infhip_request_success", "Requests that ended by themselves, by finish reason "
-                               "(stop, length)", ["finish_reason"], registry=r)
-        self.kv_usage = Gauge("infhip_kv_cache_usage_ratio", "Fraction of a KV group's GPU pages in use (0..1)",
-                              ["group"], registry=r)
-        # Lifecycle (docs/serving.md, "Lifecycle"): requests refused at the door, and ended by the server.
-        self.rejected = Counter("infhip_requests_rejected",
-                                "Requests refused before the engine: reason=queue_full, queue_wait or "
-                                "prompt_tokens (429), draining (503)", ["reason"], registry=r)
-        self.timeouts = Counter("infhip_request_timeouts", "Requests aborted because their deadline passed",
-                                registry=r)
-        self.shutdown_aborts = Counter("infhip_request_shutdown_aborts",
-                                       "Requests still running when the drain timeout ran out, ended by the server",
-                                       registry=r)
-        self.preemptions = Counter("infhip_preemptions", "Sequences preempted (KV dropped, recomputed later)",
-                                   registry=r)
-        self.kv_used = Gauge("infhip_kv_pages_used", "KV cache pages in use", ["group", "memory"], registry=r)
-        self.kv_free = Gauge("infhip_kv_pages_free", "KV cache pages free", ["group", "memory"], registry=r)
-        self.prefix_queries = Counter("infhip_prefix_cache_queries",
-                                      "Prompt tokens looked up in the prefix cache at admission", registry=r)
-        self.prefix_hits = Counter("infhip_prefix_cache_hits",
-                                   "Prompt tokens found in the prefix cache (reused, not recomputed)", registry=r)
-        self.prefix_evictions = Counter("infhip_prefix_cache_evictions",
-                                        "Cached KV pages evicted for new content", registry=r)
-        self.kv_cached = Gauge("infhip_kv_pages_cached",
-                               "KV pages holding cached prefix content and no request (counted as free)",
-                               ["group"], registry=r)
-        self.host_cached = Gauge("infhip_host_pages_cached",
-                                 "Offloaded (host) KV pages holding cached prefix content and no request "
-                                 "(counted as free)", ["group"], registry=r)
+        self.running, self.waiting = _make(M.REQUESTS_RUNNING, r), _make(M.REQUESTS_WAITING, r)
+        self.ttft, self.itl = _make(M.TTFT, r), _make(M.ITL, r)
+        self.prompt_tokens, self.generation_tokens = _make(M.PROMPT_TOKENS, r), _make(M.GENERATION_TOKENS, r)
+        self.finished, self.aborts = _make(M.REQUESTS_FINISHED, r), _make(M.REQUEST_ABORTS, r)
+        self.errors = _make(M.REQUEST_ERRORS, r)
+        self.e2e, self.queue_time = _make(M.E2E, r), _make(M.QUEUE_TIME, r)
+        self.prefill_time, self.decode_time = _make(M.PREFILL_TIME, r), _make(M.DECODE_TIME, r)
+        self.tpot = _make(M.TPOT, r)
+        self.success, self.kv_usage = _make(M.REQUEST_SUCCESS, r), _make(M.KV_USAGE, r)
+        self.rejected, self.timeouts = _make(M.REJECTED, r), _make(M.TIMEOUTS, r)
+        self.shutdown_aborts, self.preemptions = _make(M.SHUTDOWN_ABORTS, r), _make(M.PREEMPTIONS, r)
+        self.kv_used, self.kv_free = _make(M.KV_USED, r), _make(M.KV_FREE, r)
+        self.prefix_queries, self.prefix_hits = _make(M.PREFIX_QUERIES, r), _make(M.PREFIX_HITS, r)
+        self.prefix_evictions = _make(M.PREFIX_EVICTIONS, r)
+        self.kv_cached, self.host_cached = _make(M.KV_CACHED, r), _make(M.HOST_CACHED, r)
         self._preemptions_seen = 0
         self._last_sample = time.monotonic()
         for reason in ("stop", "length"):
@@ -112,12 +71,10 @@ class ServerMetrics:
                                  for cls in backends() if cls.knobs_of(config) is not None
                                  for rc in cls.request_counters(config)]
         self._token_drop = plan.knobs_of("token_drop") is not None
+        # the drop histories are the transform's (runtime/token_drop_transform.py drop_history)
+        self._drops = llm.runner.transforms.get("token_drop") if self._token_drop else None
         if self._token_drop:
-            self.drop_requests = Counter("infhip_token_drop_requests",
-                                         "Finished requests whose prefill dropped tokens (UniPrefill)", registry=r)
-            self.dropped_kv = Counter("infhip_token_drop_skipped_kv",
-                                      "Token-layer KV entries not written because the token was dropped "
-                                      "(sum over layers of Sequence.dropped, at finish)", registry=r)
+            self.drop_requests, self.dropped_kv = _make(M.DROP_REQUESTS, r), _make(M.DROP_SKIPPED_KV, r)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -163,9 +120,10 @@ class ServerMetrics:
         for counter, counts in self.backend_counters:
             if counts(seq):
                 counter.inc()
-        if self._token_drop and seq.dropped and any(seq.dropped):
+        history = self._drops.drop_history(seq.seq_id) if self._drops is not None else None
+        if history and any(history):
             self.drop_requests.inc()
-            self.dropped_kv.inc(sum(seq.dropped))
+            self.dropped_kv.inc(sum(history))
 
     def _scheduled(self, timing: _Timing) -> None:
         """Note when the request first got KV pages (once): the step that did it began right

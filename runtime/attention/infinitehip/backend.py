@@ -13,6 +13,7 @@ import dataclasses
 import torch
 
 from infhip.methods.infinitehip import InfiniteHipConfig
+from infhip.plugins.dtypes import DTYPES
 from infhip.runtime.attention.backend import AttachEnv, AttentionBackend, Limits, RequestCounter, register
 from infhip.runtime.attention.dense import DENSE
 from infhip.runtime.forward_context import upload
@@ -49,7 +50,6 @@ class InfiniteHipBackend(AttentionBackend):
         with runtime overrides): a host planner (mask-cache slots, refresh schedule) and, on each
         such layer of ``layers`` (Attention modules with their PagedKV), the per-layer state with
         a mask cache of max_num_seqs slots; the layers' backend is set to it."""
-        from infhip.runtime.engine import DTYPES
 
         offload, max_num_seqs = env.offload, env.limits.max_num_seqs
         if offload is not None and ih.dense_threshold > offload.min_context:
@@ -76,7 +76,6 @@ class InfiniteHipBackend(AttentionBackend):
     def reserved_bytes(cls, config, limits: Limits) -> int:
         """One sequence's raw-keys scratch and, where the layers keep one (uses_key_bank), the
         key banks — twice that with value banks (offloading). Both hold keys in the weights' dtype."""
-        from infhip.runtime.engine import DTYPES
 
         cfg, ih, build = config.model, cls.knobs_of(config), config.build
         itemsize = DTYPES[build.dtype].itemsize
@@ -121,7 +120,7 @@ class InfiniteHipBackend(AttentionBackend):
                          ctx.decode_len_bound)
         for lo, hi in sparse.dense_prefill_runs:
             DENSE.prefill_run(layer, q, k, v, out, ctx, lo, hi)
-        layer.backend_state.run(q, layer.kv, meta.block_tables, sparse, out, ctx.key_shift)
+        layer.backend_state.run(q, layer.kv, meta.block_tables, sparse, out, ctx.key_shift(layer.layer_index))
         return out
 
     # -- CUDA graphs --------------------------------------------------------------------------------

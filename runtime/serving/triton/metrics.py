@@ -1,6 +1,8 @@
 """infhip-serve's ``/metrics`` families for the Triton model (runtime/serving/triton/model.py),
-through Triton's custom metrics (``pb_utils.MetricFamily``). Imported by the model once infhip is
-importable in Triton's stub; ``triton_python_backend_utils`` exists only there (or a test's fake).
+through Triton's custom metrics (``pb_utils.MetricFamily``): the definitions (names, help, labels,
+buckets) are runtime/serving/metric_defs.py's, which infhip-serve's make theirs from too. Imported
+by the model once infhip is importable in Triton's stub; ``triton_python_backend_utils`` exists
+only there (or a test's fake).
 """
 
 from __future__ import annotations
@@ -9,11 +11,10 @@ import threading
 import time
 from collections import Counter
 
+from infhip.runtime.serving import metric_defs as M
+from infhip.runtime.serving.metric_defs import MetricDef
+
 _FLUSH_S = 0.25  # how often the metrics reach Triton (each metric update is a call to the server)
-# The buckets of infhip-serve's histograms (seconds).
-_TTFT_BUCKETS = [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300]
-_ITL_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5]
-_REQUEST_BUCKETS = [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800]
 
 
 class Clock:
@@ -105,53 +106,40 @@ class TritonMetrics:
         self._families.clear()
 
     # -- reporting (the metrics thread) ----------------------------------------------------------
-    def _metric(self, family: str, kind: str, what: str, buckets: list[float] | None = None, **labels):
+    def _metric(self, d: MetricDef, **labels):
+        """The Triton metric of definition ``d`` (metric_defs.py) with these label values."""
+        family = d.family
         key = (family, tuple(sorted(labels.items())))
         if key not in self._metrics:
             if family not in self._families:
                 import triton_python_backend_utils as pb_utils  # only in Triton's stub (or a test's fake)
 
                 F = pb_utils.MetricFamily
-                self._families[family] = F(name=family, description=what, kind=getattr(F, kind))
+                self._families[family] = F(name=family, description=d.help, kind=getattr(F, d.kind.upper()))
+            buckets = list(d.buckets) if d.buckets is not None else None
             self._metrics[key] = self._families[family].Metric(labels={**self._labels, **labels}, buckets=buckets)
         return self._metrics[key]
 
-    def _counter(self, family: str, what: str, value: int, **labels) -> None:
-        metric = self._metric(family, "COUNTER", what, **labels)  # created at 0 even before its first event
+    def _counter(self, d: MetricDef, value: int, **labels) -> None:
+        metric = self._metric(d, **labels)  # created at 0 even before its first event
         if value:
             metric.increment(value)
 
     def _flush(self) -> None:
         with self._lock:
             p, self._pending = self._pending, _Pending()
-        self._counter("infhip_prompt_tokens_total", "Prompt tokens of accepted requests", p.prompt_tokens)
-        self._counter("infhip_generation_tokens_total", "Tokens generated", p.generation_tokens)
-        self._counter("infhip_request_aborts_total", "Requests aborted because their client left", p.aborts)
+        self._counter(M.PROMPT_TOKENS, p.prompt_tokens)
+        self._counter(M.GENERATION_TOKENS, p.generation_tokens)
+        self._counter(M.REQUEST_ABORTS, p.aborts)
         for reason, n in p.finished.items():
-            self._counter("infhip_requests_finished_total", "Requests that ended, by finish reason", n,
-                          finish_reason=reason)
+            self._counter(M.REQUESTS_FINISHED, n, finish_reason=reason)
             if reason in ("stop", "length"):
-                self._counter("infhip_request_success_total", "Requests that ended by themselves, by finish reason",
-                              n, finish_reason=reason)
+                self._counter(M.REQUEST_SUCCESS, n, finish_reason=reason)
         for scope, n in p.errors.items():
-            self._counter("infhip_request_errors_total", "Requests failed by the engine: alone (scope=request) "
-                          "or with a whole step (scope=engine)", n, scope=scope)
-        ttft = self._metric("infhip_time_to_first_token_seconds", "HISTOGRAM",
-                            "From the hand-in to the engine to the first token", _TTFT_BUCKETS)
-        for v in p.ttft:
-            ttft.observe(v)
-        itl = self._metric("infhip_inter_token_latency_seconds", "HISTOGRAM",
-                           "Time between tokens of a request (a delta of k tokens counts k times its gap / k)",
-                           _ITL_BUCKETS)
-        for v in p.itl:
-            itl.observe(v)
-        for family, what, values, buckets in (
-                ("infhip_e2e_request_latency_seconds", "From the hand-in to the engine to the request's end",
-                 p.e2e, _REQUEST_BUCKETS),
-                ("infhip_request_decode_time_seconds", "From the first token to the last", p.decode, _REQUEST_BUCKETS),
-                ("infhip_time_per_output_token_seconds",
-                 "A request's decode time / (its output tokens - 1), requests of 2+ tokens", p.tpot, _ITL_BUCKETS)):
-            metric = self._metric(family, "HISTOGRAM", what, buckets)
+            self._counter(M.REQUEST_ERRORS, n, scope=scope)
+        for d, values in ((M.TTFT, p.ttft), (M.ITL, p.itl), (M.E2E, p.e2e), (M.DECODE_TIME, p.decode),
+                          (M.TPOT, p.tpot)):
+            metric = self._metric(d)
             for v in values:
                 metric.observe(v)
         self._sample_engine()
@@ -160,20 +148,17 @@ class TritonMetrics:
         """Gauges read from the engine thread's objects without a lock: list lengths, which
         may be one step old."""
         sched, kv = self._llm.scheduler, self._llm.runner.kv
-        self._metric("infhip_requests_running", "GAUGE", "Requests holding KV pages (scheduled)").set(sched.num_running)
-        self._metric("infhip_requests_waiting", "GAUGE", "Requests queued, new or preempted").set(sched.num_waiting)
+        self._metric(M.REQUESTS_RUNNING).set(sched.num_running)
+        self._metric(M.REQUESTS_WAITING).set(sched.num_waiting)
         for group, spec in kv.groups.items():
             pools = [("gpu", spec.num_pages - 1, kv.num_free_pages(group))]  # page 0 is the null page
             if spec.offload is not None:
                 pools.append(("host", spec.offload.host_pages, kv.num_free_host_pages(group)))
             for memory, total, free in pools:
-                self._metric("infhip_kv_pages_used", "GAUGE", "KV cache pages in use",
-                             group=group, memory=memory).set(total - free)
-                self._metric("infhip_kv_pages_free", "GAUGE", "KV cache pages free",
-                             group=group, memory=memory).set(free)
+                self._metric(M.KV_USED, group=group, memory=memory).set(total - free)
+                self._metric(M.KV_FREE, group=group, memory=memory).set(free)
             total, free = pools[0][1:]
-            self._metric("infhip_kv_cache_usage_ratio", "GAUGE", "Fraction of a KV group's GPU pages in use (0..1)",
-                         group=group).set((total - free) / total)
+            self._metric(M.KV_USAGE, group=group).set((total - free) / total)
 
     def _run(self) -> None:
         while not self._stop.wait(_FLUSH_S):
