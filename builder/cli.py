@@ -20,9 +20,9 @@ import json
 import sys
 from pathlib import Path
 
-from infhip.cli_args import add_renamed_method_flags, positive_int
+from infhip.cli_args import add_renamed_flag, positive_int
 from infhip.config import DTYPES, KV_DTYPES, WEIGHT_DTYPES
-from infhip.methods import BACKEND, methods, presets
+from infhip.methods import BACKEND, methods, presets, renamed_flags
 
 
 def _add_method_flags(p: argparse.ArgumentParser) -> None:
@@ -58,7 +58,8 @@ def make_parser() -> argparse.ArgumentParser:
                        f"{m.name} {' | '.join(m.presets)}" for m in methods(BACKEND)) +
                    " on the layers it runs (knobs in config.json, plan.knobs)")
     _add_method_flags(p)
-    add_renamed_method_flags(p)
+    for old, hint in renamed_flags().items():
+        add_renamed_flag(p, old, hint)
     p.add_argument("--rope-scaling", default=None, metavar="TYPE:FACTOR",
                    help="scale RoPE as a model card's long-context recipe does: yarn:4 (Qwen2.5's recipe for "
                         "128K) or linear:F; the trained window becomes FACTOR times the checkpoint's")

@@ -61,13 +61,4 @@ def add_renamed_flag(parser: argparse.ArgumentParser, old: str, hint: str) -> No
     parser.add_argument(old, action=_Renamed, hint=hint, dest="_renamed_" + old.lstrip("-").replace("-", "_"))
 
 
-def add_renamed_method_flags(parser: argparse.ArgumentParser) -> None:
-    """Every registered plan method's former flags (Method.renamed_flags), as add_renamed_flag."""
-    from infhip.methods import methods
-
-    for m in methods():
-        for old, hint in m.renamed_flags.items():
-            add_renamed_flag(parser, old, hint)
-
-
-__all__ = ["add_renamed_flag", "add_renamed_method_flags", "parse_knobs", "positive_int"]
+__all__ = ["add_renamed_flag", "parse_knobs", "positive_int"]

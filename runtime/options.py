@@ -16,8 +16,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from infhip.cli_args import add_renamed_flag, add_renamed_method_flags
-from infhip.methods import TRANSFORM, by_keyword, method, methods
+from infhip.cli_args import add_renamed_flag
+from infhip.methods import TRANSFORM, by_keyword, method, methods, renamed_flags
 
 JIT_POLICIES = ("forbid", "warn", "allow")
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
@@ -176,7 +176,8 @@ def add_load_options(parser: argparse.ArgumentParser) -> None:
             group.add_argument(flag_of(f.name), default=None, metavar=metavar, help=doc)
     add_renamed_flag(parser, "--kv-offload-gib", "use --kv-offload-bytes SIZE (e.g. 8GiB)")
     add_renamed_flag(parser, "--kv-cache-gib", "use --kv-cache-memory-bytes SIZE (e.g. 16GiB)")
-    add_renamed_method_flags(parser)
+    for old, hint in renamed_flags().items():
+        add_renamed_flag(parser, old, hint)
 
 
 def load_options(args: argparse.Namespace) -> LoadOptions:

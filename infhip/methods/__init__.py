@@ -3,7 +3,7 @@ by registered name (method.py says what a method declares). Built in: InfiniteHi
 an attention backend) and UniPrefill token drop (token_drop.py, a step transform)."""
 
 from infhip.methods.method import (BACKEND, TRANSFORM, Method, by_keyword, knob, method, methods, presets,
-                                   register, require, unregister)
+                                   register, renamed_flags, require, unregister)
 
 __all__ = ["BACKEND", "TRANSFORM", "Method", "by_keyword", "knob", "method", "methods", "presets", "register",
-           "require", "unregister"]
+           "renamed_flags", "require", "unregister"]

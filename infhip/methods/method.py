@@ -225,6 +225,11 @@ def presets() -> dict[str, type[Method] | None]:
     return table
 
 
+def renamed_flags() -> dict[str, str]:
+    """Every registered method's former flags -> what to use instead (Method.renamed_flags)."""
+    return {old: hint for m in methods() for old, hint in m.renamed_flags.items()}
+
+
 def by_keyword(kwargs: dict[str, Any]) -> dict[str, Any]:
     """{method name: value} of the keyword arguments that name a method (``infinitehip_overrides=``,
     ``token_drop=``: :meth:`Method.keyword`); the others are left in ``kwargs`` (popped)."""
