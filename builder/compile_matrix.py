@@ -21,6 +21,13 @@ variants. ``--full`` targets compile them to cubin (ptxas included); the others 
 ~6x cheaper). A failure names the kernel, the variant, the target, the Triton version and one
 configuration that launches it; the exit status is 1.
 
+Enumerating is ~40 % of a matrix: the plugins' Python on meta tensors, ~1 s per configuration.
+Each process binds a distinct launch once, and a matrix records each target's launches in the
+checkout's ``.cache/compile-matrix/`` (keyed by a fingerprint of the package's sources): the
+launches do not depend on the Triton installed, so tests/run.sh's second matrix (the floor
+Triton) binds the recorded launches under its own Triton instead of running the plugins again,
+and checks one configuration per target against a fresh enumeration (see "enumeration" below).
+
     python -m infhip.builder.compile_matrix                              # CI's matrix
     python -m infhip.builder.compile_matrix --targets sm_90 --full sm_90 --models llama-3.1-8b
     python -m infhip.builder.compile_matrix --all-variants --targets sm_90   # every variant (an hour)
@@ -32,6 +39,7 @@ import argparse
 import concurrent.futures
 import contextlib
 import dataclasses
+import functools
 import itertools
 import json
 import multiprocessing
@@ -263,6 +271,7 @@ def _replay_chunk(args: tuple) -> list[KernelVariant]:
     return out
 
 
+@functools.lru_cache(maxsize=None)
 def fingerprint() -> str:
     """Of everything the launches of a configuration are made from except Triton: the package's
     sources and data (.py / .json under its folders), torch's and Python's versions, this format."""
@@ -312,6 +321,9 @@ def _save_record(target: Target, configs: dict[str, dict], launches: dict[str, l
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
         tmp.write_bytes(pickle.dumps({"fingerprint": fp, "configs": configs, "launches": launches}))
         tmp.replace(path)
+        for old in path.parent.glob(f"launches-{target.name}-{target.num_sms}-*.pkl"):  # other sources' records
+            if old != path:
+                old.unlink(missing_ok=True)
     except OSError as e:
         print(f"(launches of {target.name} not recorded: {e})", flush=True)
 
