@@ -348,9 +348,10 @@ def union_variants(target: Target, configs: dict[str, dict], jobs: int = 1, pool
                    memo: bool = True) -> dict[KernelVariant, str]:
     """Every variant any configuration launches on ``target`` -> the first configuration (in
     ``configs``' order) that does, enumerated in ``jobs`` processes (or ``pool``'s; ``memo``:
-    with the launch memo). With a ``launch_cache`` folder: from the launches a matrix recorded for these configurations (the
-    fingerprint's sources unchanged), bound under this Triton, where one exists and one
-    configuration enumerated afresh agrees; else enumerated, and the launches recorded."""
+    with the launch memo). With a ``launch_cache`` folder: from the launches a matrix recorded
+    for these configurations (the fingerprint's sources unchanged), bound under this Triton,
+    where one exists and one configuration enumerated afresh agrees; else enumerated, and the
+    launches recorded."""
     with contextlib.ExitStack() as stack:
         pool = pool or stack.enter_context(_pool(jobs))
         fp = fingerprint() if launch_cache else None
@@ -491,7 +492,8 @@ def _pool(jobs: int):
                                                   initializer=_worker_init)
 
 
-def compile_all(variants: list[KernelVariant], target: Target, jobs: int, stage: str = "cubin", pool=None) -> dict[str, str]:
+def compile_all(variants: list[KernelVariant], target: Target, jobs: int, stage: str = "cubin",
+                pool=None) -> dict[str, str]:
     """Compile each variant for target through ``stage`` in worker processes (``jobs`` new ones,
     or ``pool``'s); key -> error, failures only."""
     errors: dict[str, str] = {}
