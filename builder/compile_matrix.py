@@ -21,6 +21,13 @@ variants. ``--full`` targets compile them to cubin (ptxas included); the others 
 ~6x cheaper). A failure names the kernel, the variant, the target, the Triton version and one
 configuration that launches it; the exit status is 1.
 
+Enumerating is ~40 % of a matrix: the plugins' Python on meta tensors, ~1 s per configuration.
+Each process binds a distinct launch once, and a matrix records each target's launches in the
+checkout's ``.cache/compile-matrix/`` (keyed by a fingerprint of the package's sources): the
+launches do not depend on the Triton installed, so tests/run.sh's second matrix (the floor
+Triton) binds the recorded launches under its own Triton instead of running the plugins again,
+and checks one configuration per target against a fresh enumeration (see "enumeration" below).
+
     python -m infhip.builder.compile_matrix                              # CI's matrix
     python -m infhip.builder.compile_matrix --targets sm_90 --full sm_90 --models llama-3.1-8b
     python -m infhip.builder.compile_matrix --all-variants --targets sm_90   # every variant (an hour)
@@ -30,7 +37,9 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import contextlib
 import dataclasses
+import functools
 import itertools
 import json
 import multiprocessing
@@ -116,23 +125,270 @@ def _heads_divide(model: str, tp: int) -> bool:
     return tp_problem(mcfg, tp) is None
 
 
-def _enumerate_chunk(args: tuple) -> list[tuple[KernelVariant, str]]:
+# -- enumeration -----------------------------------------------------------------------------
+#
+# Enumerating is running every plugin's aot_launches on meta tensors for each configuration:
+# ~1 s of the plugins' own Python per configuration, and each launch then goes through Triton's
+# binder (what it specializes the arguments to) under plugins/aot.py's recorder. Two savings,
+# both exact:
+#
+# * Within a process, a launch whose arguments specialize alike is bound once (a memo keyed by the
+#   kernel, the target and each argument as Triton's specialization reads it: a tensor's dtype
+#   and address, a scalar's type and value). Configurations repeat most of their launches.
+# * The launches themselves (which kernels, with which arguments) are the project's code and do
+#   not depend on the Triton installed; the variants they bind to do (Triton 3.6 and 3.9 key the
+#   same launch differently: default num_stages, attributes). The first matrix of a run writes
+#   each target's distinct launches to .cache/compile-matrix/ under a fingerprint of the sources
+#   that make them (the package's .py and .json files, torch and Python versions, this format); a
+#   later matrix with that fingerprint, under any Triton, binds the recorded launches with its own
+#   Triton instead of running the plugins again. One configuration per target is still enumerated
+#   from scratch and must give exactly the variants its replayed launches give (else: the
+#   plugins' run, as without a record).
+
+LAUNCH_FORMAT = 1
+# In a checkout (tests/run.sh, CI): the repository's .cache/ (git-ignored); --launch-cache elsewhere.
+_ROOT = Path(__file__).resolve().parent.parent
+CACHE = _ROOT / ".cache" / "compile-matrix" if (_ROOT / "pyproject.toml").is_file() else None
+
+
+class _Opaque(Exception):
+    """An argument the launch memo cannot key exactly (the launch is bound as usual, not memoized)."""
+
+
+def _arg_key(a):
+    import torch
+
+    if isinstance(a, torch.Tensor):
+        ptr, size = a.data_ptr(), a.element_size()
+        if a.device.type != "meta" or ptr % size:
+            raise _Opaque
+        return ("tensor", str(a.dtype).removeprefix("torch."), ptr)
+    if type(a) is float:
+        return ("float", repr(a))
+    if type(a) in (bool, int, str, type(None)):
+        return (type(a).__name__, a)
+    raise _Opaque
+
+
+def _arg_value(key):
+    """The argument a key stands for: a meta tensor of the dtype at the address (Triton reads
+    nothing else of a tensor when it specializes), or the scalar."""
+    import torch
+
+    kind, value = key[0], key[1]
+    if kind == "tensor":
+        dtype = getattr(torch, value)
+        n = key[2] // torch.empty(0, dtype=dtype, device="meta").element_size()
+        return torch.empty(n + 1, dtype=dtype, device="meta")[n:]
+    return float(value) if kind == "float" else value
+
+
+def launch_key(fn, args, kwargs) -> tuple:
+    """What of a launch Triton's binder reads: the kernel, each argument's key (raises _Opaque)."""
+    from infhip.plugins.aot import kernel_name
+
+    return (kernel_name(fn), tuple(_arg_key(a) for a in args), tuple((k, _arg_key(v)) for k, v in kwargs.items()))
+
+
+def replay(key: tuple):
+    """(fn, args, kwargs) of a launch key, to launch again under a recorder."""
+    from infhip.plugins.aot import resolve_kernel
+
+    name, args, kwargs = key
+    return resolve_kernel(name), [_arg_value(a) for a in args], {k: _arg_value(v) for k, v in kwargs}
+
+
+class _memo_launches:
+    """Within: each Recorder binds a launch key once per process and target (a module-level memo,
+    kept across configurations); the keys each recorder saw are in ``log`` (None: a launch the
+    memo could not key, so the configuration cannot be replayed)."""
+
+    memo: dict = {}
+
+    def __enter__(self):
+        from infhip.plugins.aot import Recorder
+
+        self.orig, self.log, memo, orig = Recorder.observe, [], self.memo, Recorder.observe
+        log = self.log
+
+        def observe(rec, fn, args, kwargs):
+            try:
+                key = launch_key(fn, args, kwargs)
+            except _Opaque:
+                log.append(None)
+                return orig(rec, fn, args, kwargs)
+            hit = memo.get((rec.target, key))
+            if hit is None:
+                variant = orig(rec, fn, args, kwargs)
+                memo[(rec.target, key)] = hit = (variant, rec.packed[variant])
+            rec.packed.setdefault(*hit)
+            log.append(key)
+            return hit[0]
+
+        Recorder.observe = observe
+        return self
+
+    def __exit__(self, *exc):
+        from infhip.plugins.aot import Recorder
+
+        Recorder.observe = self.orig
+
+
+def _enumerate_chunk(args: tuple) -> list[tuple[str, list, list[KernelVariant]]]:
+    """Per configuration of the chunk: its name, its distinct launch keys (None where one could
+    not be keyed) and the variant of each."""
     from infhip.builder.kernels import enumerate_variants
 
-    target, chunk = args
-    return [(v, name) for name, kw in chunk for v in enumerate_variants(engine_config(**kw, target=target.name), target)]
+    target, chunk, memo = args[0], args[1], args[2] if len(args) > 2 else True
+    out = []
+    for name, kw in chunk:
+        config = engine_config(**kw, target=target.name)
+        if not memo:
+            out.append((name, [None], list(enumerate_variants(config, target))))
+            continue
+        with _memo_launches() as m:
+            variants = enumerate_variants(config, target)
+        keys = list(dict.fromkeys(m.log))
+        table = _memo_launches.memo
+        out.append((name, keys, [table[(target, k)][0] if k is not None else None for k in keys]))
+        if None in keys:  # not keyable: its variants as recorded
+            out[-1] = (name, [None], list(variants))
+    return out
 
 
-def union_variants(target: Target, configs: dict[str, dict], jobs: int = 1) -> dict[KernelVariant, str]:
-    """Every variant any configuration launches on ``target`` -> the first configuration that does
-    (enumerated in ``jobs`` processes)."""
-    items = list(configs.items())
-    chunks = [items[i::jobs] for i in range(jobs)]
+def _replay_chunk(args: tuple) -> list[KernelVariant]:
+    """The variant each launch key binds to on target under this process's Triton."""
+    from infhip.plugins.aot import record
+
+    target, keys = args
+    out = []
+    with record(target, launch=False) as rec:
+        for key in keys:
+            fn, a, kw = replay(key)
+            out.append(rec.observe(fn, a, kw))
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def fingerprint() -> str:
+    """Of everything the launches of a configuration are made from except Triton: the package's
+    sources and data (.py / .json under its folders), torch's and Python's versions, this format."""
+    import hashlib
+
+    import torch
+
+    import infhip
+    import infhip.builder
+    import infhip.plugins
+    import infhip.runtime
+
+    h = hashlib.sha256(f"{LAUNCH_FORMAT} {torch.__version__} {sys.version_info[:3]}".encode())
+    for pkg in (infhip, infhip.builder, infhip.plugins, infhip.runtime):
+        root = Path(pkg.__file__).resolve().parent
+        for f in sorted(p for p in root.rglob("*") if p.suffix in (".py", ".json") and "__pycache__" not in p.parts):
+            h.update(f"{pkg.__name__}/{f.relative_to(root).as_posix()}\0".encode() + f.read_bytes() + b"\0")
+    return h.hexdigest()[:20]
+
+
+def _record_path(target: Target, fp: str, cache: Path) -> Path:
+    return Path(cache) / f"launches-{target.name}-{target.num_sms}-{fp}.pkl"
+
+
+def _load_record(target: Target, configs: dict[str, dict], fp: str, cache: Path) -> dict | None:
+    import pickle
+
+    path = _record_path(target, fp, cache)
+    try:
+        rec = pickle.loads(path.read_bytes())
+    except (OSError, EOFError, pickle.UnpicklingError, AttributeError, ValueError):
+        return None
+    if rec.get("fingerprint") != fp or any(rec["configs"].get(n) != kw or None in rec["launches"].get(n, [None])
+                                           for n, kw in configs.items()):
+        return None
+    return rec
+
+
+def _save_record(target: Target, configs: dict[str, dict], launches: dict[str, list], fp: str, cache: Path) -> None:
+    import pickle
+
+    if any(None in launches[n] for n in configs):
+        return
+    path = _record_path(target, fp, cache)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_bytes(pickle.dumps({"fingerprint": fp, "configs": configs, "launches": launches}))
+        tmp.replace(path)
+        for old in path.parent.glob(f"launches-{target.name}-{target.num_sms}-*.pkl"):  # other sources' records
+            if old != path:
+                old.unlink(missing_ok=True)
+    except OSError as e:
+        print(f"(launches of {target.name} not recorded: {e})", flush=True)
+
+
+def _chunks(items: list, jobs: int) -> list[list]:
+    """Contiguous runs of about equal length."""
+    n = len(items)
+    return [c for c in (items[i * n // jobs:(i + 1) * n // jobs] for i in range(jobs)) if c]
+
+
+def _by_model(items: list[tuple[str, dict]]) -> list[list[tuple[str, dict]]]:
+    """One task per model, the most configurations first (a model's configurations share most
+    of their launches: one process's memo serves them; the pool hands the tasks out as workers
+    free up)."""
+    groups: dict[str, list] = {}
+    for name, kw in items:
+        groups.setdefault(kw["model"], []).append((name, kw))
+    return sorted(groups.values(), key=len, reverse=True)
+
+
+def union_variants(target: Target, configs: dict[str, dict], jobs: int = 1, pool=None, launch_cache: Path | None = None,
+                   memo: bool = True) -> dict[KernelVariant, str]:
+    """Every variant any configuration launches on ``target`` -> the first configuration (in
+    ``configs``' order) that does, enumerated in ``jobs`` processes (or ``pool``'s; ``memo``:
+    with the launch memo). With a ``launch_cache`` folder: from the launches a matrix recorded
+    for these configurations (the fingerprint's sources unchanged), bound under this Triton,
+    where one exists and one configuration enumerated afresh agrees; else enumerated, and the
+    launches recorded."""
+    with contextlib.ExitStack() as stack:
+        pool = pool or stack.enter_context(_pool(jobs))
+        fp = fingerprint() if launch_cache else None
+        rec = _load_record(target, configs, fp, launch_cache) if launch_cache else None
+        if rec is not None:
+            seen = _replayed(target, configs, rec, jobs, pool)
+            if seen is not None:
+                return seen
+        items = list(configs.items())
+        by_name = {}
+        for part in pool.map(_enumerate_chunk, [(target, c, memo) for c in _by_model(items)]):
+            by_name.update({name: (keys, variants) for name, keys, variants in part})
+        if launch_cache:
+            _save_record(target, configs, {n: by_name[n][0] for n in configs}, fp, launch_cache)
     seen: dict[KernelVariant, str] = {}
-    with _pool(jobs) as pool:
-        for pairs in pool.map(_enumerate_chunk, [(target, c) for c in chunks]):
-            for v, name in pairs:
-                seen.setdefault(v, name)
+    for name in configs:
+        for v in by_name[name][1]:
+            seen.setdefault(v, name)
+    return seen
+
+
+def _replayed(target: Target, configs: dict[str, dict], rec: dict, jobs: int, pool) -> dict[KernelVariant, str] | None:
+    """union_variants from recorded launches (None: the check configuration disagreed)."""
+    keys = list(dict.fromkeys(k for n in configs for k in rec["launches"][n]))
+    check = max(configs, key=lambda n: len(rec["launches"][n]))  # the one with the most launches
+    parts = _chunks(keys, jobs)
+    fresh = pool.submit(_enumerate_chunk, (target, [(check, configs[check])], False))
+    bound = [v for part in pool.map(_replay_chunk, [(target, p) for p in parts]) for v in part]
+    variant = dict(zip(keys, bound))
+    want = set(fresh.result()[0][2])
+    got = {variant[k] for k in rec["launches"][check]}
+    if got != want:
+        print(f"{target.name}: the recorded launches of {check!r} bind to {len(got)} variants, a fresh enumeration "
+              f"gives {len(want)} ({len(got ^ want)} differ): enumerating every configuration again", flush=True)
+        return None
+    seen: dict[KernelVariant, str] = {}
+    for name in configs:
+        for k in rec["launches"][name]:
+            seen.setdefault(variant[k], name)
     return seen
 
 
@@ -234,10 +490,14 @@ def _pool(jobs: int):
                                                   initializer=_worker_init)
 
 
-def compile_all(variants: list[KernelVariant], target: Target, jobs: int, stage: str = "cubin") -> dict[str, str]:
-    """Compile each variant for target through ``stage`` in worker processes; key -> error, failures only."""
+def compile_all(variants: list[KernelVariant], target: Target, jobs: int, stage: str = "cubin",
+                pool=None) -> dict[str, str]:
+    """Compile each variant for target through ``stage`` in worker processes (``jobs`` new ones,
+    or ``pool``'s); key -> error, failures only."""
     errors: dict[str, str] = {}
-    with tempfile.TemporaryDirectory(prefix=f"infhip-compile-{target.name}-") as cache, _pool(jobs) as pool:
+    with contextlib.ExitStack() as stack:
+        cache = stack.enter_context(tempfile.TemporaryDirectory(prefix=f"infhip-compile-{target.name}-"))
+        pool = pool or stack.enter_context(_pool(jobs))
         for key, err in pool.map(_compile_one, [(v, target, cache, stage) for v in variants], chunksize=2):
             if err:
                 errors[key] = err
@@ -253,6 +513,8 @@ def main(argv: list[str] | None = None) -> int:
                     "them for --full targets, " + ", ".join(TTGIR_MODELS) + " for the others)")
     ap.add_argument("--all-variants", action="store_true", help="compile every variant, not the covering subset")
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="processes (default: the cores)")
+    ap.add_argument("--launch-cache", default=str(CACHE or ""), help="folder of the recorded launches (enumeration "
+                    "section of the source; default: the checkout's .cache/compile-matrix; '' for none)")
     args = ap.parse_args(argv)
     names = [t for t in args.targets.split(",") if t]
     models = tuple(m for m in args.models.split(",") if m)
@@ -263,24 +525,34 @@ def main(argv: list[str] | None = None) -> int:
             ap.error(f"unknown {what}(s) {sorted(bad)}: the matrix knows {', '.join(known)}")
 
     import triton
-    failed = 0
-    for name in names:
-        target, t0 = TARGETS[name], time.perf_counter()
-        stage = "cubin" if name in full else "ttgir"
-        configs = configurations(target, models or (MODELS if stage == "cubin" else TTGIR_MODELS))
-        seen = union_variants(target, configs, max(1, args.jobs))
-        chosen = sorted(seen, key=lambda v: v.key) if args.all_variants else representatives(seen)
-        t_enum = time.perf_counter() - t0
-        errors = compile_all(chosen, target, max(1, args.jobs), stage)
-        for v in chosen:
-            if v.key in errors:
-                print(f"FAILED {v.name} for {name} under Triton {triton.__version__}: {errors[v.key]}\n"
-                      f"  variant: {v.describe()}\n  launched by: {seen[v]}", flush=True)
-        failed += len(errors)
-        print(f"{name} (Triton {triton.__version__}, through {stage}): {len(chosen) - len(errors)} of {len(chosen)} "
-              f"variants compiled, covering {len(seen)} from {len(configs)} engine configurations "
-              f"({t_enum:.0f} s enumerating, {time.perf_counter() - t0 - t_enum:.0f} s compiling)", flush=True)
+    failed, jobs = 0, max(1, args.jobs)
+    with _pool(jobs) as pool:  # one set of workers for every target (each start imports torch and Triton)
+        for name in names:
+            failed += _one_target(name, name in full, models, args.all_variants, jobs, pool,
+                                  Path(args.launch_cache) if args.launch_cache else None)
     return 1 if failed else 0
+
+
+def _one_target(name: str, full: bool, models: tuple[str, ...], all_variants: bool, jobs: int, pool,
+                launch_cache: Path | None) -> int:
+    """Enumerate, pick and compile one target's matrix; print what failed; the number of failures."""
+    import triton
+
+    target, t0 = TARGETS[name], time.perf_counter()
+    stage = "cubin" if full else "ttgir"
+    configs = configurations(target, models or (MODELS if stage == "cubin" else TTGIR_MODELS))
+    seen = union_variants(target, configs, jobs, pool, launch_cache)
+    chosen = sorted(seen, key=lambda v: v.key) if all_variants else representatives(seen)
+    t_enum = time.perf_counter() - t0
+    errors = compile_all(chosen, target, jobs, stage, pool)
+    for v in chosen:
+        if v.key in errors:
+            print(f"FAILED {v.name} for {name} under Triton {triton.__version__}: {errors[v.key]}\n"
+                  f"  variant: {v.describe()}\n  launched by: {seen[v]}", flush=True)
+    print(f"{name} (Triton {triton.__version__}, through {stage}): {len(chosen) - len(errors)} of {len(chosen)} "
+          f"variants compiled, covering {len(seen)} from {len(configs)} engine configurations "
+          f"({t_enum:.0f} s enumerating, {time.perf_counter() - t0 - t_enum:.0f} s compiling)", flush=True)
+    return len(errors)
 
 
 if __name__ == "__main__":

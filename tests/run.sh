@@ -5,8 +5,10 @@
 #   1. the newest Triton (what pip resolved): every engine configuration's kernels compiled for
 #      sm_80 / sm_89 / sm_90 (builder/compile_matrix.py), then the kernel tests under the
 #      interpreter (tests/kernel_tests.txt);
-#   2. the floor Triton (pyproject's triton>=X, the GPU machine's): the compile matrix again, then
-#      the whole suite. The floor is installed beside the environment (.cache/triton-X, put first
+#   2. the floor Triton (pyproject's triton>=X, the GPU machine's): the compile matrix again (it
+#      binds the launches the first matrix recorded in .cache/compile-matrix/ under this Triton
+#      instead of running the plugins' enumeration again: the same variants, ~220 s CPU less),
+#      then the whole suite. The floor is installed beside the environment (.cache/triton-X, put first
 #      on PYTHONPATH for this script and the processes it starts), so the environment is untouched.
 #   bash tests/run.sh            # from the repository root, in the README's test environment
 set -euo pipefail

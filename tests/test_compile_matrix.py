@@ -85,3 +85,38 @@ def test_representatives_cover_every_value_and_every_pair_of_settings():
 def test_no_fp8_cache_configurations_on_sm80():
     assert not [k for k in cm.configurations(cm.TARGETS["sm_80"], ("llama-3.1-8b",)) if "kv=fp8" in k]
     assert [k for k in cm.configurations(cm.TARGETS["sm_89"], ("llama-3.1-8b",)) if "kv=fp8" in k]
+
+
+def test_memoized_and_replayed_enumerations_equal_the_plain_one(tmp_path, capsys):
+    """The matrix binds a launch once per process (the memo) and, in a later run with the same
+    sources, binds the launches the first run recorded instead of running the plugins again (the
+    replay): both give exactly the plain enumeration's variants and first configurations. A
+    record whose launches a fresh enumeration contradicts is not used."""
+    import pickle
+
+    target = cm.TARGETS["sm_89"]
+    configs = {k: kw for k, kw in cm.configurations(target, ("smollm2-135m",)).items()
+               if k.endswith(("dense kv=bfloat16 w=fp8", "3k kv=fp8 1M"))}
+    assert len(configs) == 2, configs
+    with cm._pool(1) as pool:
+        plain = cm.union_variants(target, configs, 1, pool, memo=False)
+        memo = cm.union_variants(target, configs, 1, pool, launch_cache=tmp_path)  # records
+        [path] = tmp_path.iterdir()
+        replays = []
+        original = cm._replayed
+        cm._replayed = lambda *a: replays.append(original(*a)) or replays[-1]
+        try:
+            replayed = cm.union_variants(target, configs, 1, pool, launch_cache=tmp_path)
+            record = pickle.loads(path.read_bytes())
+            for name, keys in record["launches"].items():  # a record that lies: no RMSNorm launches
+                record["launches"][name] = [k for k in keys if "rms_norm" not in k[0]]
+            path.write_bytes(pickle.dumps(record))
+            redone = cm.union_variants(target, configs, 1, pool, launch_cache=tmp_path)
+        finally:
+            cm._replayed = original
+    assert plain and any("rms_norm" in v.kernel for v in plain)
+    assert memo == plain
+    assert replayed == plain
+    assert redone == plain
+    assert replays[0] == plain and replays[1] is None, "the replay did not run, or trusted the lying record"
+    assert "enumerating every configuration again" in capsys.readouterr().out
