@@ -274,33 +274,28 @@ def fingerprint() -> str:
     """Of everything the launches of a configuration are made from except Triton: the package's
     sources and data (.py / .json under its folders), torch's and Python's versions, this format."""
     import hashlib
+    import importlib.util
 
     import torch
 
-    import infhip
-    import infhip.builder
-    import infhip.plugins
-    import infhip.runtime
-
     h = hashlib.sha256(f"{LAUNCH_FORMAT} {torch.__version__} {sys.version_info[:3]}".encode())
-    for pkg in (infhip, infhip.builder, infhip.plugins, infhip.runtime):
-        root = Path(pkg.__file__).resolve().parent
+    for pkg in ("infhip", "infhip.builder", "infhip.plugins", "infhip.runtime"):  # found, not imported
+        root = Path(importlib.util.find_spec(pkg).origin).resolve().parent
         for f in sorted(p for p in root.rglob("*") if p.suffix in (".py", ".json") and "__pycache__" not in p.parts):
-            h.update(f"{pkg.__name__}/{f.relative_to(root).as_posix()}\0".encode() + f.read_bytes() + b"\0")
+            h.update(f"{pkg}/{f.relative_to(root).as_posix()}\0".encode() + f.read_bytes() + b"\0")
     return h.hexdigest()[:20]
 
 
 def _record_path(target: Target, fp: str, cache: Path) -> Path:
-    return Path(cache) / f"launches-{target.name}-{target.num_sms}-{fp}.pkl"
+    return Path(cache) / f"launches-{target.name}-{target.num_sms}-{fp}.json"
 
 
 def _load_record(target: Target, configs: dict[str, dict], fp: str, cache: Path) -> dict | None:
-    import pickle
-
     path = _record_path(target, fp, cache)
     try:
-        rec = pickle.loads(path.read_bytes())
-    except (OSError, EOFError, pickle.UnpicklingError, AttributeError, ValueError):
+        rec = json.loads(path.read_text())
+        rec["launches"] = {n: [_tuples(k) for k in keys] for n, keys in rec["launches"].items()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
     if rec.get("fingerprint") != fp or any(rec["configs"].get(n) != kw or None in rec["launches"].get(n, [None])
                                            for n, kw in configs.items()):
@@ -308,18 +303,21 @@ def _load_record(target: Target, configs: dict[str, dict], fp: str, cache: Path)
     return rec
 
 
-def _save_record(target: Target, configs: dict[str, dict], launches: dict[str, list], fp: str, cache: Path) -> None:
-    import pickle
+def _tuples(x):
+    """A launch key read back from JSON: its lists as the tuples it was made of (keys are hashed)."""
+    return tuple(_tuples(v) for v in x) if isinstance(x, list) else x
 
+
+def _save_record(target: Target, configs: dict[str, dict], launches: dict[str, list], fp: str, cache: Path) -> None:
     if any(None in launches[n] for n in configs):
         return
     path = _record_path(target, fp, cache)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_bytes(pickle.dumps({"fingerprint": fp, "configs": configs, "launches": launches}))
+        tmp.write_text(json.dumps({"fingerprint": fp, "configs": configs, "launches": launches}))
         tmp.replace(path)
-        for old in path.parent.glob(f"launches-{target.name}-{target.num_sms}-*.pkl"):  # other sources' records
+        for old in path.parent.glob(f"launches-{target.name}-{target.num_sms}-*"):  # other sources' records
             if old != path:
                 old.unlink(missing_ok=True)
     except OSError as e:

@@ -92,7 +92,7 @@ def test_memoized_and_replayed_enumerations_equal_the_plain_one(tmp_path, capsys
     sources, binds the launches the first run recorded instead of running the plugins again (the
     replay): both give exactly the plain enumeration's variants and first configurations. A
     record whose launches a fresh enumeration contradicts is not used."""
-    import pickle
+    import json
 
     target = cm.TARGETS["sm_89"]
     configs = {k: kw for k, kw in cm.configurations(target, ("smollm2-135m",)).items()
@@ -107,10 +107,10 @@ def test_memoized_and_replayed_enumerations_equal_the_plain_one(tmp_path, capsys
         cm._replayed = lambda *a: replays.append(original(*a)) or replays[-1]
         try:
             replayed = cm.union_variants(target, configs, 1, pool, launch_cache=tmp_path)
-            record = pickle.loads(path.read_bytes())
+            record = json.loads(path.read_text())
             for name, keys in record["launches"].items():  # a record that lies: no RMSNorm launches
                 record["launches"][name] = [k for k in keys if "rms_norm" not in k[0]]
-            path.write_bytes(pickle.dumps(record))
+            path.write_text(json.dumps(record))
             redone = cm.union_variants(target, configs, 1, pool, launch_cache=tmp_path)
         finally:
             cm._replayed = original
