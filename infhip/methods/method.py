@@ -28,6 +28,7 @@ import dataclasses
 from dataclasses import field
 from typing import Any, ClassVar
 
+from infhip.cli_args import parse_knobs
 from infhip.registry import Registry
 
 BACKEND, TRANSFORM = "backend", "transform"
@@ -112,8 +113,6 @@ class Method:
     def parse(cls, text: str) -> dict[str, Any]:
         """``KEY=VALUE,...`` from a command line -> knob changes (values as JSON where they parse,
         else strings); a method with typed parsing (token drop's ``5:8:11``) overrides it."""
-        from infhip.cli_args import parse_knobs
-
         return parse_knobs(text, what=f"{cls.name} knobs")
 
     @classmethod
