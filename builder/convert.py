@@ -27,8 +27,8 @@ import torch
 from infhip.config import ModelConfig
 from infhip.builder.checkpoint import Checkpoint
 from infhip.errors import BuildError
+from infhip.plugins.dtypes import DTYPES
 
-TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 # Checkpoint tensors that the text decoder does not need (buffers, other modalities).
 IGNORABLE_PREFIXES = ("vision_tower.", "multi_modal_projector.", "vision_model.", "audio_tower.")
 IGNORABLE_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -130,7 +130,7 @@ def convert_weights(ckpt: Checkpoint, m: ModelConfig, dtype: str,
     ``fp8``: module paths whose weights are quantized (EngineConfig.fp8_linears())."""
     specs = weight_specs(m)
     check_complete(ckpt, specs)
-    target, offset = TORCH_DTYPES[dtype], norm_offset(m)
+    target, offset = DTYPES[dtype], norm_offset(m)
     for spec in wrap(specs):
         parts = [ckpt.get(s) for s in spec.sources]
         for src, t in zip(spec.sources, parts):
@@ -156,7 +156,7 @@ def random_weights(m: ModelConfig, dtype: str, device: str = "cpu", seed: int = 
     ~ N(0, 0.02) generated directly in the build dtype on ``device`` (cuda makes an 8B bf16 engine
     quick; fp8 weights are quantized there too), norms 1.0 (i.e. already folded: Gemma's 1 + 0).
     Deterministic for a seed and device; an fp8 engine's weights are the bf16 engine's, quantized."""
-    target = TORCH_DTYPES[dtype]
+    target = DTYPES[dtype]
     gen = torch.Generator(device=device).manual_seed(seed)
     for spec in wrap(weight_specs(m)):
         if spec.kind == "norm":
