@@ -25,6 +25,7 @@ Life of a transform:
   the error of a request it refuses); ``release(seq)`` when a sequence's KV is freed (finished
   or preempted): a transform keeps its per-sequence state itself, by seq_id, and drops it then
   (token drop's drop histories), never on the Sequence;
+* serving: ``request_counters()``, counters of finished requests for /metrics;
 * read-outs: ``debug_view()``, a JSON-able dict of its state now (token drop: knobs, drop layers,
   tail, retention per request), which ``EngineCore.debug_view()`` gathers under "transforms" by
   name: what tests and debugging read instead of the transform's attributes.
@@ -127,6 +128,12 @@ class StepTransform:
         """Its state now, JSON-able (tests, debugging; read between steps): a copy, never live
         state. The default: nothing to show."""
         return {}
+
+    def request_counters(self) -> list:
+        """Prometheus counters of finished requests it adds to /metrics when the engine loads with
+        it on (runtime/attention/backend.py RequestCounter; read when a request ends, before the
+        transform forgets it). The default: none."""
+        return []
 
     # -- one step --------------------------------------------------------------------------------
     def plan(self, p, chunks) -> Any | None:

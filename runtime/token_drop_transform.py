@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from infhip.methods.token_drop import TokenDropConfig
 from infhip.methods.token_drop import resolve_drop_layers
 from infhip.plugins.token_drop import top_p_select
+from infhip.runtime.attention.backend import RequestCounter
 from infhip.runtime.drop_stats import DropStats
 from infhip.runtime.forward_context import LayerKV
 from infhip.runtime.step_transform import StepTransform, TransformEnv, register
@@ -105,6 +106,18 @@ class TokenDrop(StepTransform):
         (a copy): of a sequence that holds its KV, or of one of the latest finished ones; None:
         it dropped nothing."""
         return self.stats.history(seq_id)
+
+    def request_counters(self) -> list[RequestCounter]:
+        """/metrics: finished requests whose prefill dropped tokens, and the KV entries they did not
+        write (the sum over layers of a request's drop history, at its finish)."""
+        def history(seq) -> list[int]:
+            return self.drop_history(seq.seq_id) or []
+
+        return [RequestCounter("infhip_token_drop_requests", "Finished requests whose prefill dropped tokens (UniPrefill)",
+                               lambda seq: any(history(seq))),
+                RequestCounter("infhip_token_drop_skipped_kv", "Token-layer KV entries not written because the token "
+                               "was dropped (sum over layers of the request's drop history, at finish)",
+                               lambda seq: sum(history(seq)))]
 
     def debug_view(self) -> dict:
         """knobs: the TokenDropConfig in force as a dict (None: off); drop_layers: the layers that

@@ -186,6 +186,27 @@ def test_drop_histories_live_with_the_kv_and_go_with_it(engine):
     assert td.drop_history(done.seq.seq_id) == live[done.seq.seq_id]
 
 
+def test_metrics_count_the_requests_that_dropped(engine):
+    """/metrics (the transform's request counters): a finished request whose prefill dropped adds
+    one to infhip_token_drop_requests and its history's sum to infhip_token_drop_skipped_kv; a
+    load with token drop off has neither counter."""
+    from infhip.runtime.serving.metrics import ServerMetrics
+
+    knobs = dict(TINY, **schedule_knobs(engine, "paper"))
+    llm = set_forced_retention(LLM(engine, token_drop=knobs, max_num_batched_tokens=400), 0.3)
+    metrics = ServerMetrics(llm)
+    req = llm.core.add_request(None, prompt(8, 200), SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
+    while not req.seq.is_finished:
+        llm.core.step()
+    metrics.gone(req, aborted=False)
+    history = llm.runner.transforms["token_drop"].drop_history(req.seq.seq_id)
+    text = metrics.render().decode()
+    assert history and any(history)
+    assert "infhip_token_drop_requests_total 1.0" in text
+    assert f"infhip_token_drop_skipped_kv_total {float(sum(history))}" in text
+    assert "infhip_token_drop" not in ServerMetrics(LLM(engine, token_drop=False)).render().decode()
+
+
 def test_build_flag_config_round_trip_and_old_engines(engine, tmp_path):
     out = tmp_path / "td"
     src = EngineConfig.load(engine)

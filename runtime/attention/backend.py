@@ -79,12 +79,13 @@ class AttachEnv:
 
 @dataclass(frozen=True)
 class RequestCounter:
-    """A counter of finished requests a backend adds to /metrics: ``counts(seq)`` says whether a
-    finished request counts."""
+    """A counter of finished requests a backend or a step transform adds to /metrics:
+    ``counts(seq)`` says how much a finished request adds (True / False: one or none; a number:
+    that many, e.g. token drop's skipped KV entries)."""
 
     name: str
     help: str
-    counts: Callable[[Any], bool]
+    counts: Callable[[Any], bool | float]
 
 
 class AttentionBackend:

@@ -93,7 +93,3 @@ KV_CACHED = _gauge("infhip_kv_pages_cached",
 HOST_CACHED = _gauge("infhip_host_pages_cached", "Offloaded (host) KV pages holding cached prefix content and no "
                      "request (counted as free)", "group")
 
-# -- token-drop engines only
-DROP_REQUESTS = _counter("infhip_token_drop_requests", "Finished requests whose prefill dropped tokens (UniPrefill)")
-DROP_SKIPPED_KV = _counter("infhip_token_drop_skipped_kv", "Token-layer KV entries not written because the token "
-                           "was dropped (sum over layers of the request's drop history, at finish)")

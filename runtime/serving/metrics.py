@@ -65,16 +65,12 @@ class ServerMetrics:
         self._timing: dict[int, _Timing] = {}  # seq_id -> timing of a live request
         self.meter = None  # admission.WorkMeter: the engine's measured throughput (set by the server)
         config = llm.engine.config
-        plan = config.plan
-        # the attention backends' own counters of finished requests (runtime/attention/backend.py)
-        self.backend_counters = [(Counter(rc.name, rc.help, registry=r), rc.counts)
-                                 for cls in backends() if cls.knobs_of(config) is not None
-                                 for rc in cls.request_counters(config)]
-        self._token_drop = plan.knobs_of("token_drop") is not None
-        # the drop histories are the transform's (runtime/token_drop_transform.py drop_history)
-        self._drops = llm.runner.transforms.get("token_drop") if self._token_drop else None
-        if self._token_drop:
-            self.drop_requests, self.dropped_kv = _make(M.DROP_REQUESTS, r), _make(M.DROP_SKIPPED_KV, r)
+        # the attention backends' and the step transforms' own counters of finished requests, of
+        # those the engine loaded with (runtime/attention/backend.py RequestCounter)
+        counters = [rc for cls in backends() if cls.knobs_of(config) is not None for rc in cls.request_counters(config)]
+        counters += [rc for t in llm.runner.transforms.values() if type(t).knobs_of(config) is not None
+                     for rc in t.request_counters()]
+        self.method_counters = [(Counter(rc.name, rc.help, registry=r), rc.counts) for rc in counters]
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -117,13 +113,10 @@ class ServerMetrics:
             self.success.labels(finish_reason=reason).inc()
         if timing is not None:
             self._request_times(timing)
-        for counter, counts in self.backend_counters:
-            if counts(seq):
-                counter.inc()
-        history = self._drops.drop_history(seq.seq_id) if self._drops is not None else None
-        if history and any(history):
-            self.drop_requests.inc()
-            self.dropped_kv.inc(sum(history))
+        for counter, counts in self.method_counters:
+            amount = counts(seq)
+            if amount:
+                counter.inc(float(amount))
 
     def _scheduled(self, timing: _Timing) -> None:
         """Note when the request first got KV pages (once): the step that did it began right
