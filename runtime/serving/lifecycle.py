@@ -249,6 +249,24 @@ class Lifecycle:
         return None
 
 
+# A refused request's body is read (and dropped) up to this many bytes before the answer: a socket
+# closed with unread data in it is reset (RST), and the client then sees a broken connection
+# instead of the 503 (tests/test_server_drain.py met it); past the limit the client pays that.
+DISCARD_LIMIT = 1 << 20
+
+
+async def _read_body(receive, limit: int) -> None:
+    """Read and drop the request body, up to ``limit`` bytes."""
+    seen = 0
+    while seen <= limit:
+        message = await receive()
+        if message["type"] != "http.request":
+            return
+        seen += len(message.get("body", b""))
+        if not message.get("more_body", False):
+            return
+
+
 class Gate:
     """ASGI middleware in front of the app: while draining, every request but the probes and
     scrapes (OPEN_PATHS) gets 503 with Retry-After and Connection: close; with an API key, the
@@ -266,6 +284,7 @@ class Gate:
             self.lc.metrics.rejected.labels(reason="draining").inc()
             headers = {"Retry-After": str(self.lc.policy.retry_after_s), "Connection": "close"}
             msg = "the server is shutting down; send the request to another replica"
+            await _read_body(receive, DISCARD_LIMIT)  # closing on an unread body resets the connection
             return await JSONResponse(self.error_body(503, msg), 503, headers)(scope, receive, send)
         key = self.lc.policy.api_key
         if key is not None and scope["path"].startswith(self.API_PREFIXES):
