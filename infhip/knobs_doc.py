@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import sys
+from types import SimpleNamespace
 
 HEADER = """# Knobs
 
@@ -114,6 +115,10 @@ def _section(title: str, intro: str, head: list[str], rows: list[list]) -> str:
     return "\n".join(lines)
 
 
+# what a preset's knobs are read against here: no model (no trained-window cap, any layer count)
+ANY_MODEL = SimpleNamespace(max_position_embeddings=None, num_layers=1 << 30)
+
+
 def _anchor(title: str) -> str:
     return title.lower().replace(" ", "-")
 
@@ -151,13 +156,10 @@ def _methods() -> str:
 def _presets() -> str:
     from infhip.methods import BACKEND, methods
 
-    from types import SimpleNamespace
-
-    model = SimpleNamespace(max_position_embeddings=None, num_layers=1 << 30)  # no model caps
     rows = [["`dense`", "—", "— (exact attention everywhere)", "—"]]
     for m in methods(BACKEND):
         for name, changes in m.presets.items():
-            knobs = m.preset_knobs(name, model)
+            knobs = m.preset_knobs(name, ANY_MODEL)
             what = "; ".join(f"`{k}` {_value(getattr(knobs, k))}" for k in changes) or "the knobs' defaults"
             rows.append([f"`{name}`", f"`{m.name}`", what, m.preset_measured.get(name, "not measured")])
     intro = ("`dense` runs every layer densely; every other preset is a backend method's knobs, as changes from "
@@ -169,11 +171,8 @@ def _presets() -> str:
 def _method_knobs(m) -> str:
     """A method's knob table: a column per preset (a backend; "=" where a preset keeps the first
     preset's value), else the default."""
-    from types import SimpleNamespace
-
-    model = SimpleNamespace(max_position_embeddings=None, num_layers=1 << 30)  # no model caps
     presets = list(m.presets)
-    configs = {p: m.preset_knobs(p, model) for p in presets} or {"default": m.knobs()}
+    configs = {p: m.preset_knobs(p, ANY_MODEL) for p in presets} or {"default": m.knobs()}
     first = next(iter(configs))
     rows = []
     for f in dataclasses.fields(m.knobs):
