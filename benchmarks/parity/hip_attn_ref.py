@@ -14,6 +14,13 @@ What is patched, at run time only (their files are never edited):
   GPU run may use 64: `_sw_score_sample` averages over a window that depends on its tile).
 * Modules the mask path imports but never calls (cv2, numba, tilelang: debug plots, SM count,
   a TileLang attention backend) get inert stand-ins when they are not installed.
+* Their contiguous-key branch of `landmark_sample` stores the landmark scores at the *masked*
+  queries' positions (`args.position_ids`), which holds only when every query of the prefill is
+  masked; the paged branch stores them at the landmark queries' positions (block_table.gather of
+  `position_ids_for_landmark`). We mask only the newest query blocks, so for the contiguous
+  branch the call sees `position_ids_for_landmark` as its position_ids: the scores land where the
+  paged branch puts them (without it: "value tensor of shape [T, H] cannot be broadcast to
+  indexing result of shape [num_queries, H]").
 * The block-sparse attention after the mask is replaced by a recorder: we keep the mask (indices,
   ks, the args it was called with) and return zeros. On a CPU-only torch, torch.cuda.current_device
   / set_device (called around each stage) and get_device_name / get_device_capability (asked
@@ -26,6 +33,7 @@ the per-layer config their SGLang path (paged_hip.py, forward_paged_hip) picks f
 from __future__ import annotations
 
 import contextlib
+import copy
 import importlib
 import importlib.util
 import os
@@ -211,7 +219,7 @@ class RefMask:
 
 def reference_mask(hip: HipAttn, q: torch.Tensor, k: torch.Tensor, layer: int, num_queries: int, *,
                    model_context_length: int, cos: torch.Tensor, sin: torch.Tensor, scale: float,
-                   overrides: dict | None = None) -> RefMask:
+                   overrides: dict | None = None, paged: bool | None = None) -> RefMask:
     """Their mask for the newest `num_queries` queries (a multiple of 64, at least 2 blocks: their
     landmark scan runs for prefills of more than one query block) of a T-token prefill of one
     layer. q [T, Hq, D] and k [T, Hkv, D]: the rotated queries and keys of every token 0..T-1;
@@ -233,8 +241,10 @@ def reference_mask(hip: HipAttn, q: torch.Tensor, k: torch.Tensor, layer: int, n
     positions = torch.arange(T, device=q.device)[None]
     # On CUDA their keys go in contiguous (k, v arguments): Triton 3.6 refuses to compile the paged
     # branch of compute_scores_landmark.py:260 ("mask type matches ptr type"); the interpreter runs
-    # both, and on the CPU the paged branch is the one checked against ours.
-    paged = q.device.type != "cuda"
+    # both (paged=None: paged on the CPU, contiguous on CUDA; CI runs the contiguous one on the CPU
+    # too, the branch the GPU takes).
+    if paged is None:
+        paged = q.device.type != "cuda"
     cache = dict(k_cache=k_cache, v_cache=k_cache, block_table=torch.arange(padded, device=q.device)[None],
                  cache_seq_lens=torch.tensor([T], device=q.device)) if paged else {}
     args = hip.metadata.HiPAttentionArgs(
@@ -270,14 +280,23 @@ def reference_mask(hip: HipAttn, q: torch.Tensor, k: torch.Tensor, layer: int, n
         seen.update(indices=indices, ks=ks, args=args)
         return torch.zeros_like(q)
 
-    saved = hip.module.get_block_sparse_backend
+    saved = hip.module.get_block_sparse_backend, hip.module.landmark_sample
+    landmark_sample = saved[1]
+
+    def landmark_at_landmark_positions(q, k, state, args, *rest):  # see the module docstring
+        if not args.using_paged_cache and args.position_ids_for_landmark is not None:
+            args = copy.copy(args)
+            args.position_ids = args.position_ids_for_landmark
+        return landmark_sample(q, k, state, args, *rest)
+
     hip.module.get_block_sparse_backend = lambda *a, **kw: record_bsa
+    hip.module.landmark_sample = landmark_at_landmark_positions
     try:
         with _cpu_cuda_calls(), torch.no_grad():
             kv = (None, None) if paged else (k[None], k[None])  # [1, T, Hkv, D]; v is never read for the mask
             hip.module.dual_stage_quadratic_hip_attention(q[None, T - num_queries:].contiguous(), *kv, args)
     finally:
-        hip.module.get_block_sparse_backend = saved
+        hip.module.get_block_sparse_backend, hip.module.landmark_sample = saved
     a = seen["args"]
     BDST = seen["indices"].shape[1]
     return RefMask(seen["indices"].view(Hq, BDST, -1), seen["ks"].view(Hq, BDST), a.block_size_q,

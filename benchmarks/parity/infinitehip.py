@@ -62,12 +62,12 @@ BLOCK_Q = 64
 PAGE = 16
 
 
-def load_model(device: str, dtype: torch.dtype):
+def load_model(device: str, dtype: torch.dtype, name: str = MODEL):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from infhip.builder import registry
 
-    gguf = registry.resolve_model(MODEL).path
+    gguf = registry.resolve_model(name).path
     tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=dtype)
     return tok, model.to(device).eval()
@@ -132,8 +132,11 @@ def _stage_ref(q, kv, tables, q_start, q_lens, ends, sel, num, *, block_q, **kw)
     return pruning_stage_ref(q, kv.k, tables, q_start, q_lens, ends, sel, num, **kw)
 
 
-def our_masks(cfg: InfiniteHipConfig, layer: int, q, k, T: int, layouts: list[str], rope: str, inv_freq):
-    """{layout: bool [NB, Hq, T]} key sets of the newest NB blocks (the keys their last query sees)."""
+def our_masks(cfg: InfiniteHipConfig, layer: int, q, k, T: int, layouts: list[str], rope: str, inv_freq,
+              needle: list[int] = ()):
+    """({layout: bool [NB, Hq, T]} key sets of the newest NB blocks (the keys their last query
+    sees), ends, {layout: [share of the needle's tokens among the last block's survivors after
+    stage i, for i in stages]} (per-head layouts: the best head's share))."""
     C, Hq, _ = q.shape
     dev = q.device
     q_start, q_lens, ends, _ = plan_query_blocks([C], [T], BLOCK_Q, device=dev)
@@ -147,7 +150,8 @@ def our_masks(cfg: InfiniteHipConfig, layer: int, q, k, T: int, layouts: list[st
     stage_fn = pruning_stage if q.is_cuda else _stage_ref
     accepts = "mask_layout" in inspect.signature(pruning_stage).parameters and \
         "mask_layout" in inspect.signature(pruning_stage_ref).parameters
-    out = {}
+    out, survival = {}, {}
+    wanted = torch.tensor(needle, dtype=torch.int32, device=dev)
     for layout in layouts:
         if layout != "shared" and not accepts:
             continue
@@ -159,10 +163,14 @@ def our_masks(cfg: InfiniteHipConfig, layer: int, q, k, T: int, layouts: list[st
                                      rope_style=rope, inv_freq=inv_freq if rope != "none" else None,
                                      head_normalized=cfg.chunk_score == "head_normalized", query_stride=stride,
                                      **extra)
+            if len(needle):  # where the needle leaves our mask: its tokens among the survivors
+                last = sel[-1][None] if sel.dim() == 2 else sel[-1]  # [H, n]
+                share = torch.isin(last, wanted).sum(-1).max().item() / len(needle)
+                survival.setdefault(layout, []).append(share)
         rows = sel[:, None] if sel.dim() == 2 else sel  # [NB, H, n], H = 1 (shared), Hkv or Hq
         per = torch.stack([block_key_mask(rows[:, h], ends, cfg.n_sink, cfg.n_stream, T) for h in range(rows.shape[1])], 1)
         out[layout] = per.repeat_interleave(Hq // per.shape[1], dim=1).cpu()  # [NB, Hq, T]
-    return out, ends.cpu()
+    return out, ends.cpu(), survival
 
 
 def compare(q, k, keep: torch.Tensor, ref_keep: torch.Tensor, scale: float, ends, T: int):
@@ -199,7 +207,9 @@ def needle_stats(q_last, k, needle: list[int], keeps: dict[str, torch.Tensor], s
 
 
 def run_one(hip, tok, model, spec: str, length: int, layers: list[int], nb: int, layouts: list[str], log,
-            template: str = "base", ref_per_head: bool = False):
+            template: str = "base", ref_per_head: bool = False, paged: bool | None = None, runs=None, save=None):
+    """One prompt at one length, every layer; the run is appended to `runs` first and `save()` is
+    called after each layer, so a run cut at a deadline keeps the layers it finished."""
     ids, answers = prompt_ids(tok, spec, length, template)
     T, C = len(ids), nb * BLOCK_Q
     needle = needle_tokens(tok, ids, answers)
@@ -211,16 +221,18 @@ def run_one(hip, tok, model, spec: str, length: int, layers: list[int], nb: int,
     rot = model.model.rotary_emb
     cos, sin = rot(qk[layers[0]][0][None], torch.arange(T, device=model.device)[None])
     out = {"prompt": spec, "length": T, "answers": answers, "needle": needle, "layers": {}}
+    if runs is not None:
+        runs.append(out)
     for layer in layers:
         q, k = qk[layer]
         scale = q.shape[-1] ** -0.5
         t0 = time.perf_counter()
         ref = hip_attn_ref.reference_mask(hip, q, k, layer, C, model_context_length=trained,
-                                          cos=cos[0], sin=sin[0], scale=scale)
+                                          cos=cos[0], sin=sin[0], scale=scale, paged=paged)
         t_ref = time.perf_counter() - t0
         rope = "none" if (cfg.rope_off_in_trained_window and T <= trained) else cfg.pruning_rope_of(layer)
         t0 = time.perf_counter()
-        ours, ends = our_masks(cfg, layer, q[-C:], k, T, layouts, rope, rot.inv_freq)
+        ours, ends, survival = our_masks(cfg, layer, q[-C:], k, T, layouts, rope, rot.inv_freq, needle)
         t_ours = time.perf_counter() - t0
         ref_keep = torch.stack([ref.keep(b, int(e), T) for b, e in enumerate(ends.tolist())])  # [NB, Hq, T]
         qC = q[-C:]
@@ -230,7 +242,7 @@ def run_one(hip, tok, model, spec: str, length: int, layers: list[int], nb: int,
             os.environ["HIP_HEAD_REDUCE"] = "0"
             try:
                 ph = hip_attn_ref.reference_mask(hip, q, k, layer, C, model_context_length=trained,
-                                                 cos=cos[0], sin=sin[0], scale=scale)
+                                                 cos=cos[0], sin=sin[0], scale=scale, paged=paged)
             finally:
                 os.environ.pop("HIP_HEAD_REDUCE") if prev is None else os.environ.update(HIP_HEAD_REDUCE=prev)
             masks["reference_q_head"] = torch.stack([ph.keep(b, int(e), T) for b, e in enumerate(ends.tolist())])
@@ -239,7 +251,10 @@ def run_one(hip, tok, model, spec: str, length: int, layers: list[int], nb: int,
         entry["needle"] = needle_stats(q[-1], k, needle, {n: m[-1] for n, m in masks.items()}, scale, T)
         entry["seconds"] = {"reference": t_ref, "ours": t_ours}
         entry["rope_ours"] = rope
+        entry["needle_after_stage_ours"] = survival
         out["layers"][layer] = entry
+        if save is not None:
+            save()
         s = summary_row(entry)
         log(f"  layer {layer}: " + ", ".join(f"{n} recall {v['recall']:.3f} overlap {v['overlap']:.3f}"
                                              for n, v in s.items()) + f" ({t_ref:.0f} s / {t_ours:.0f} s)")
@@ -261,7 +276,7 @@ def markdown(runs) -> str:
         runs[0]["layers"][next(iter(runs[0]["layers"]))][n], list)]
     head = "| prompt | T | layer | " + " | ".join(f"{n} recall" for n in names) + " | " + \
         " | ".join(f"{n} overlap" for n in names[1:]) + " | needle kept by the reading head: " + \
-        ", ".join(names) + " | needle mass (reading head) |"
+        ", ".join(names) + " | needle mass (reading head) | needle among our survivors after each stage (shared) |"
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for run in runs:
         for layer, entry in run["layers"].items():
@@ -269,9 +284,11 @@ def markdown(runs) -> str:
             nd = entry["needle"]
             kept = ", ".join(f"{nd[n]['kept_reading_head']:.2f}" for n in names) if nd else "—"
             mass = f"{max(nd['needle_mass_per_head']):.3f} (h{nd['reading_head']})" if nd else "—"
+            stages = entry.get("needle_after_stage_ours", {}).get("shared")
+            surv = " → ".join(f"{x:.2f}" for x in stages) if stages else "—"
             lines.append(f"| {run['prompt']} | {run['length']} | {layer} | "
                          + " | ".join(f"{s[n]['recall']:.3f}" for n in names) + " | "
-                         + " | ".join(f"{s[n]['overlap']:.3f}" for n in names[1:]) + f" | {kept} | {mass} |")
+                         + " | ".join(f"{s[n]['overlap']:.3f}" for n in names[1:]) + f" | {kept} | {mass} | {surv} |")
     return "\n".join(lines)
 
 
@@ -286,6 +303,11 @@ def main() -> None:
     ap.add_argument("--layouts", default="shared,kv_head,q_head", help="our mask layouts, where supported")
     ap.add_argument("--ref-per-head", action="store_true",
                     help="also their mask with HIP_HEAD_REDUCE=0 (one selection per query head; their default is 1)")
+    ap.add_argument("--model", default=MODEL, help="a registry model with a GGUF (infhip-build --model names; "
+                    "CI runs smollm2-135m at a few hundred tokens)")
+    ap.add_argument("--ref-cache", choices=("auto", "paged", "contiguous"), default="auto",
+                    help="how their mask reads the keys: auto = paged on the CPU, contiguous on CUDA (the branch "
+                    "Triton 3.6 compiles there)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--table-from", nargs="+", metavar="JSON", help="only print the table of earlier runs' raw JSON")
@@ -299,7 +321,7 @@ def main() -> None:
         ap.error("--query-blocks must be >= 2: their landmark scan runs for more than one query block")
     hip = hip_attn_ref.load(a.hip_attn)
     dtype = torch.bfloat16 if a.device.startswith("cuda") else torch.float32
-    tok, model = load_model(a.device, dtype)
+    tok, model = load_model(a.device, dtype, a.model)
     n_layers = model.config.num_hidden_layers
     layers = list(range(n_layers)) if a.layers == "all" else [int(x) for x in a.layers.split(",")]
     if any(not 0 <= i < n_layers for i in layers):
@@ -309,15 +331,19 @@ def main() -> None:
     runs = []
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
+    meta = {"command": " ".join(sys.argv), "hip_attn": hip.version, "torch": torch.__version__,
+            "device": a.device if a.device == "cpu" else torch.cuda.get_device_name(),
+            "machine": platform.node(), "interpret": os.environ.get("TRITON_INTERPRET", "0"),
+            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+
+    def save():
+        (out / "parity_infinitehip.json").write_text(json.dumps({"meta": meta, "runs": runs}, indent=1))
+
+    paged = {"auto": None, "paged": True}.get(a.ref_cache, False)
     for length in [int(x) for x in a.lengths.split(",")]:
         for spec in a.prompts.split(","):
-            runs.append(run_one(hip, tok, model, spec, length, layers, a.query_blocks, a.layouts.split(","), log,
-                                a.template, a.ref_per_head))
-            meta = {"command": " ".join(sys.argv), "hip_attn": hip.version, "torch": torch.__version__,
-                    "device": a.device if a.device == "cpu" else torch.cuda.get_device_name(),
-                    "machine": platform.node(), "interpret": os.environ.get("TRITON_INTERPRET", "0"),
-                    "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
-            (out / "parity_infinitehip.json").write_text(json.dumps({"meta": meta, "runs": runs}, indent=1))
+            run_one(hip, tok, model, spec, length, layers, a.query_blocks, a.layouts.split(","), log,
+                    a.template, a.ref_per_head, paged, runs=runs, save=save)
     print(markdown(runs))
 
 

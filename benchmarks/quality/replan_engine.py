@@ -54,8 +54,10 @@ def replan(src: Path, dst: Path, sparse: str, special: tuple[int, ...] | None = 
         ih = ih.replace(**knobs) if knobs else ih
         if preset:
             changes["preset"] = preset
-    plan = dataclasses.replace(c.plan.with_knobs("infinitehip", None), layers=layers, **changes)
-    config = dataclasses.replace(c, plan=plan.with_knobs("infinitehip", ih))  # validated
+    # one replace: the plan validates that it holds InfiniteHiP knobs exactly when a layer runs it,
+    # so layers and knobs change together (a plan between the two steps would be refused)
+    knobs = {k: v for k, v in c.plan.knobs.items() if k != "infinitehip"} | ({"infinitehip": ih} if ih else {})
+    config = dataclasses.replace(c, plan=dataclasses.replace(c.plan, layers=layers, knobs=knobs, **changes))
     shutil.copytree(src, dst, copy_function=lambda a, b: Path(b).hardlink_to(a))
     try:
         (dst / "config.json").unlink()  # a hard link: write a new file, not through the source's

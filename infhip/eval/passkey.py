@@ -82,7 +82,7 @@ def run_passkey(engines: list[str], cfg: PasskeyConfig, device: str | None = Non
             for (d, s, key), out in zip(cases, outs):
                 ok = first_int(out.text) == key
                 records.append(Record("passkey", name, length, float(ok), depth=d, sample=s,
-                                      extra={"expected": key, "answer": out.text}))
+                                      extra={"expected": key, "answer": out.text, "seconds": dt / len(cases)}))
             acc = sum(r.score for r in records[-len(cases):]) / len(cases)
             log(f"passkey {name} {length}: {acc:.3f} ({len(cases)} prompts, {dt:.1f} s)")
     return EvalResult("passkey", {"lengths": cfg.lengths, "depths": cfg.depths, "samples": cfg.samples,

@@ -142,9 +142,10 @@ def run_ruler(engines: list[str], cfg: RulerConfig, device: str | None = None, l
                 t0 = time.perf_counter()
                 outs = llm.generate(prompt_token_ids=[p.ids for p in batch], sampling_params=[
                     SamplingParams(max_tokens=p.max_new_tokens, temperature=0.0) for p in batch])
+                share = (time.perf_counter() - t0) / len(batch)  # each prompt's share of its batch's wall time
                 for p, out in zip(batch, outs):
                     extra = {"answers": p.answers, "prediction": out.text, "prompt_tokens": len(p.ids),
-                             "haystack_size": p.size, "prompt_sha256": _sha(p.text)}
+                             "haystack_size": p.size, "prompt_sha256": _sha(p.text), "seconds": share}
                     if llm.runner.transforms["token_drop"].cfg is not None:
                         extra["retention"] = _retention(llm, out.request_id)
                     records.append(Record("ruler", name, length, score_prediction(out.text, p.answers, p.metric),
