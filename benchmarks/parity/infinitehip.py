@@ -135,8 +135,8 @@ def _stage_ref(q, kv, tables, q_start, q_lens, ends, sel, num, *, block_q, **kw)
 def our_masks(cfg: InfiniteHipConfig, layer: int, q, k, T: int, layouts: list[str], rope: str, inv_freq,
               needle: list[int] = ()):
     """({layout: bool [NB, Hq, T]} key sets of the newest NB blocks (the keys their last query
-    sees), ends, {layout: [share of the needle's tokens among the last block's survivors after
-    stage i, for i in stages]} (per-head layouts: the best head's share))."""
+    sees), ends, {layout: [share of the needle's tokens the last block keeps after stage i (its
+    survivors, the sink, the stream), for i in stages]} (per-head layouts: the best head's share))."""
     C, Hq, _ = q.shape
     dev = q.device
     q_start, q_lens, ends, _ = plan_query_blocks([C], [T], BLOCK_Q, device=dev)
@@ -151,7 +151,10 @@ def our_masks(cfg: InfiniteHipConfig, layer: int, q, k, T: int, layouts: list[st
     accepts = "mask_layout" in inspect.signature(pruning_stage).parameters and \
         "mask_layout" in inspect.signature(pruning_stage_ref).parameters
     out, survival = {}, {}
-    wanted = torch.tensor(needle, dtype=torch.int32, device=dev)
+    # the needle's tokens the stages decide on: those in the sink and the stream are kept anyway
+    end = int(ends[-1])
+    middle = [t for t in needle if cfg.n_sink <= t < end - cfg.n_stream]
+    wanted = torch.tensor(middle, dtype=torch.int32, device=dev)
     for layout in layouts:
         if layout != "shared" and not accepts:
             continue
@@ -165,7 +168,7 @@ def our_masks(cfg: InfiniteHipConfig, layer: int, q, k, T: int, layouts: list[st
                                      **extra)
             if len(needle):  # where the needle leaves our mask: its tokens among the survivors
                 last = sel[-1][None] if sel.dim() == 2 else sel[-1]  # [H, n]
-                share = torch.isin(last, wanted).sum(-1).max().item() / len(needle)
+                share = (torch.isin(last, wanted).sum(-1).max().item() + len(needle) - len(middle)) / len(needle)
                 survival.setdefault(layout, []).append(share)
         rows = sel[:, None] if sel.dim() == 2 else sel  # [NB, H, n], H = 1 (shared), Hkv or Hq
         per = torch.stack([block_key_mask(rows[:, h], ends, cfg.n_sink, cfg.n_stream, T) for h in range(rows.shape[1])], 1)

@@ -45,6 +45,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tasks", default=None, help="ruler: comma-separated RULER tasks (default: all 13)")
     p.add_argument("--template", choices=("base", "chat"), default="base",
                    help="ruler: the prompt raw (base, RULER's default) or in the tokenizer's chat template")
+    p.add_argument("--max-new-tokens", type=int, default=None, metavar="N",
+                   help="ruler: generate at most N tokens per prompt (default: RULER's budget per task, 128 for "
+                        "NIAH); a quick check, since an answer longer than N is cut")
     p.add_argument("--variants", default="single,multikey,multivalue,multiquery", help="niah variants")
     p.add_argument("--chunk", type=int, default=None,
                    help="ppl/agree: scored tail tokens (ppl 256, agree 128); recall: measured queries (64)")
@@ -89,7 +92,7 @@ def run(args: argparse.Namespace):
     if args.task == "ruler":
         from infhip.eval.ruler import TASKS as RULER_TASKS, RulerConfig, run_ruler
         tasks = [t.strip() for t in args.tasks.split(",") if t.strip()] if args.tasks else list(RULER_TASKS)
-        cfg = RulerConfig(lengths, tasks, args.samples or 1, args.seed, args.template)
+        cfg = RulerConfig(lengths, tasks, args.samples or 1, args.seed, args.template, args.max_new_tokens)
         return run_ruler(args.engine, cfg, args.device, log=_log, **_llm_kwargs(args))
     from infhip.eval.recall import RecallConfig, run_recall
     return run_recall(args.engine, RecallConfig(lengths, args.chunk or 64, args.samples or 1, args.seed,

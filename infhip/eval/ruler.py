@@ -80,6 +80,7 @@ class RulerConfig:
     samples: int = 1
     seed: int = 0
     template: str = "base"  # "base" | "chat"
+    max_new_tokens: int | None = None  # a cap under RULER's per-task budget (None: RULER's, 128 for NIAH)
 
     def __post_init__(self) -> None:
         bad = [t for t in self.tasks if t not in TASKS]
@@ -87,6 +88,8 @@ class RulerConfig:
             raise EvalError(f"unknown RULER tasks {bad}; choose from {', '.join(TASKS)}")
         if self.samples < 1 or self.template not in TEMPLATES:
             raise EvalError(f"samples must be >= 1 and template one of {', '.join(TEMPLATES)}")
+        if self.max_new_tokens is not None and self.max_new_tokens < 1:
+            raise EvalError(f"--max-new-tokens must be >= 1, got {self.max_new_tokens}")
 
 
 class RulerResult(EvalResult):
@@ -141,7 +144,8 @@ def run_ruler(engines: list[str], cfg: RulerConfig, device: str | None = None, l
                 batch = [p for p in prompts if (p.length, p.task) == (length, task)]
                 t0 = time.perf_counter()
                 outs = llm.generate(prompt_token_ids=[p.ids for p in batch], sampling_params=[
-                    SamplingParams(max_tokens=p.max_new_tokens, temperature=0.0) for p in batch])
+                    SamplingParams(max_tokens=min(p.max_new_tokens, cfg.max_new_tokens or p.max_new_tokens),
+                                   temperature=0.0) for p in batch])
                 share = (time.perf_counter() - t0) / len(batch)  # each prompt's share of its batch's wall time
                 for p, out in zip(batch, outs):
                     extra = {"answers": p.answers, "prediction": out.text, "prompt_tokens": len(p.ids),
