@@ -16,11 +16,12 @@ checked like any other.
 """
 import io
 import re
-import subprocess
 import tokenize
 import tomllib
 from functools import cache
 from pathlib import Path
+
+from tests._repo_files import repo_files
 
 ROOT = Path(__file__).resolve().parent.parent
 TOPS = ("docs", "runtime", "plugins", "builder", "infhip", "benchmarks", "tests", "examples", ".ci")
@@ -30,12 +31,6 @@ PATH = re.compile(r"(?<![\w./:-])(?:%s)/(?:[\w.*-]|<[\w-]+>|\{[^{}\n]*\})*" % "|
 DOTTED = re.compile(r"(?<![\w./-])infhip(?:\.[A-Za-z_]\w*)+")
 LINK = re.compile(r"\]\(([^()\s]+)\)")
 PLACEHOLDER = re.compile(r"(?<![\w.])(?!README\b)[A-Z][A-Z0-9_]+(?![\w])")
-
-
-def tracked() -> list[str]:
-    out = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"],
-                         cwd=ROOT, capture_output=True, text=True, check=True).stdout
-    return [p for p in out.splitlines() if (ROOT / p).is_file()]
 
 
 def expand(token: str) -> list[str]:
@@ -92,9 +87,9 @@ def module_file(module: str) -> Path | None:
 @cache
 def logger_names() -> set[str]:
     """`infhip.access` and the like name a logger, not a module: those the code creates."""
-    out = subprocess.run(["git", "grep", "-ohE", r"getLogger\(\"infhip\.[a-z_.]+\"\)", "--", "*.py"],
-                         cwd=ROOT, capture_output=True, text=True).stdout
-    return {line[len('getLogger("'):-2] for line in out.splitlines()}
+    found = (re.findall(r'getLogger\("(infhip\.[\w.]+)"\)', (ROOT / p).read_text(encoding="utf-8"))
+             for p in repo_files(".py"))
+    return {name for names in found for name in names}
 
 
 def module_exists(dotted: str) -> bool:
@@ -168,7 +163,7 @@ def python_problems(src: str) -> list[str]:
 
 def test_every_path_named_in_docs_and_comments_exists():
     bad = []
-    for rel in tracked():
+    for rel in repo_files():
         if rel.startswith(EXEMPT_SOURCES):
             continue
         if rel.endswith(".md"):

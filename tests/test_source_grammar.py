@@ -8,21 +8,16 @@ one, a line break in a single-quoted one.
 """
 import ast
 import io
-import subprocess
 import sys
 import tokenize
 from pathlib import Path
 
 import pytest
 
+from tests._repo_files import repo_files
+
 ROOT = Path(__file__).resolve().parent.parent
 OLDEST = (3, 11)  # README: "Python 3.11+"
-
-
-def python_files() -> list[Path]:
-    out = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard", "*.py"],
-                         cwd=ROOT, capture_output=True, text=True, check=True).stdout
-    return [ROOT / p for p in out.split() if (ROOT / p).is_file()]
 
 
 def _quote(token: str) -> str:
@@ -69,7 +64,7 @@ def grammar_problems(path: Path) -> list[str]:
 
 
 def test_every_python_file_parses_under_the_oldest_supported_python():
-    files = python_files()
+    files = [ROOT / p for p in repo_files(".py")]
     assert len(files) > 100, f"found only {len(files)} .py files: is git there?"
     bad = {str(p.relative_to(ROOT)): probs for p in files if (probs := grammar_problems(p))}
     assert not bad, f"not Python {OLDEST[0]}.{OLDEST[1]} syntax:\n" + "\n".join(
