@@ -6,6 +6,7 @@ Without git (an unpacked archive) the tree is walked instead, leaving out what .
 
 from __future__ import annotations
 
+import os
 import subprocess
 from pathlib import Path
 
@@ -19,7 +20,10 @@ def repo_files(suffix: str = "") -> list[str]:
         out = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"],
                              cwd=ROOT, capture_output=True, text=True, check=True).stdout.splitlines()
     except (OSError, subprocess.CalledProcessError):
-        out = [str(rel) for p in ROOT.rglob("*") if p.is_file() and _source(rel := p.relative_to(ROOT))]
+        out = []
+        for folder, dirs, files in os.walk(ROOT):  # pruned: never into .venv or .git
+            dirs[:] = [d for d in dirs if d not in NOT_SOURCES and not d.endswith(".egg-info")]
+            out += [str(rel) for f in files if _source(rel := (Path(folder) / f).relative_to(ROOT))]
     return sorted(p for p in out if p.endswith(suffix) and (ROOT / p).is_file())
 
 
