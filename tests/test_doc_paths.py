@@ -9,7 +9,8 @@ docstrings, since code strings also build paths that do not exist yet):
     resolved through pyproject's package-dir, its first attribute looked up in its file;
   - a relative Markdown link, against the linking file's folder, with its `#anchor` (GitHub's slugs
     of the target's headings).
-Not checked: `engines/...` (built engines, user-named output folders; only engines/README.md is
+Not checked: a path right after `COMMIT:` (`git show ca16603:benchmarks/x.py` names an old tree),
+`engines/...` (built engines, user-named output folders; only engines/README.md is
 tracked), and the files under docs/results/ as sources: raw outputs and the history pages quote the
 tree of their day (their dated paths are read, not kept current). Paths *into* docs/results/ are
 checked like any other.
@@ -180,6 +181,7 @@ def test_the_check_reads_what_it_should():
     assert text_problems("plugins/paged_kv.no_such_name; infhip.runtime.no_such; infhip.methods.method.no_such") == [
         "plugins/paged_kv.no_such_name", "infhip.runtime.no_such", "infhip.methods.method.no_such"]
     assert text_problems("python -m infhip.builder.compile_matrix; infhip.methods.method.register; infhip.access") == []
+    assert text_problems("git show ca16603:benchmarks/gone.py") == []
     doc = ROOT / "docs" / "design" / "adding.md"
     assert link_problem(doc, "../knobs.md#infinitehip-knobs") is None
     assert "anchor" in link_problem(doc, "../knobs.md#no-such-heading")
