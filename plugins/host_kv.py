@@ -43,7 +43,7 @@ def pinned_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
 class HostKV:
     """The host twin of one layer's paged K/V cache (same dtype and per-page layout); fp8 caches
     also keep their row scales here. Kernels need only the twin's address, so a GPU buffer with
-    copies of some host pages serves as a twin too (runtime/offload_staging.py: staged prefill)."""
+    copies of some host pages serves as a twin too (runtime/offload/staging.py: staged prefill)."""
 
     k: torch.Tensor  # [num_host_pages, page_size, Hkv, D], pinned
     v: torch.Tensor

@@ -3,7 +3,7 @@ once. No imports: a plugin reads them without pulling in the runtime (plugins ne
 and the runtime's planners (runtime/attention/infinitehip/planner.py, runtime/cuda_graphs.py)
 call the same functions, so the kernels compiled ahead of time are the ones a step launches.
 
-``cfg`` below is an InfiniteHipConfig (infhip/config.py), read by attribute only.
+``cfg`` below is an InfiniteHipConfig (infhip/methods/infinitehip.py), read by attribute only.
 """
 
 from __future__ import annotations
