@@ -37,7 +37,7 @@ class HttpServer:
 
     def __init__(self, llm, host: str = "127.0.0.1", port: int = 8000, model_name: str = "infhip",
                  limits=None, keep_alive_s: float = 5.0, backlog: int = DEFAULT_BACKLOG, policy=None,
-                 access_log: bool = True):
+                 access_log: bool | str = "all"):
         import uvicorn
 
         from infhip.runtime.serving.admission import WorkMeter
@@ -114,10 +114,18 @@ class HttpServer:
         self._uvicorn.should_exit = True  # uvicorn closes the listener and idle connections, then returns
 
 
-def _with_access_log(app, on: bool):
-    """app behind the access log layer (runtime/serving/access_log.py) when on."""
-    from infhip.runtime.serving.access_log import AccessLog
-    return AccessLog(app) if on else app
+def _with_access_log(app, which: bool | str):
+    """app behind the access log layer (runtime/serving/access_log.py): ``which`` is one of
+    ACCESS_LOG_CHOICES (True / False: "all" / "off")."""
+    from infhip.runtime.serving.access_log import ACCESS_LOG_CHOICES, AccessLog
+    from infhip.runtime.serving.lifecycle import OPEN_PATHS
+
+    which = {True: "all", False: "off"}.get(which, which) if isinstance(which, bool) else which
+    if which not in ACCESS_LOG_CHOICES:
+        raise ValueError(f"access_log must be one of {', '.join(ACCESS_LOG_CHOICES)}, got {which!r}")
+    if which == "off":
+        return app
+    return AccessLog(app, skip_paths=OPEN_PATHS if which == "requests" else frozenset())
 
 
 def _say(message: str) -> None:
@@ -204,9 +212,12 @@ def make_parser():
     life.add_argument("--api-key", default=os.environ.get("INFHIP_API_KEY"),
                       help="require 'Authorization: Bearer KEY' on /v1/*, /tokenize, /detokenize "
                            "(default $INFHIP_API_KEY; unset = no key)")
-    p.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=True,
-                   help="one line per request on stderr: client, method, path, status, latency, tokens "
-                        "(default on; --no-access-log: off)")
+    p.add_argument("--access-log", nargs="?", const="all", default="all", choices=("all", "requests", "off"),
+                   help="one line per request on stderr (client, method, path, status, latency, tokens): for "
+                        "all requests (default, as vLLM), only the API's (requests: probes and scrapes of "
+                        "/health*, /metrics, /version left out) or none (off)")
+    p.add_argument("--no-access-log", dest="access_log", action="store_const", const="off",
+                   help="the same as --access-log off")
     add_load_options(p)  # LLM's options, same names (runtime/options.py)
     return p
 
@@ -243,16 +254,25 @@ def main(argv=None) -> int:
         print(f"infhip-serve: error: {e}", file=sys.stderr)
         return 2
     lc = server.lifecycle
-    if args.access_log:
+    if args.access_log != "off":
         _print_access_log()
     count = (f"up to {lc.max_requests} requests" if lc.max_requests is not None else
              f"any number of requests while the work in it is under {lc.max_queue_wait_s:g} s (always {FLOOR})")
     print(f"infhip-serve: {args.engine} on {server.url} (POST /v1/completions, /v1/chat/completions; "
-          f"GET /v1/models, /health, /metrics); admits {count} and {lc.max_prompt_tokens} prompt tokens",
-          file=sys.stderr, flush=True)
+          f"GET /v1/models, /health, /metrics); admits {count} and {lc.max_prompt_tokens} prompt tokens"
+          f"{_tokenizer_hint(args.engine)}", file=sys.stderr, flush=True)
     server.serve_forever()
     _say("stopped")
     return 0
+
+
+def _tokenizer_hint(engine: str) -> str:
+    """The tokenizer folder that load-test clients (guidellm, aiperf, vllm bench serve) need as
+    --tokenizer: the engine's tokenizer/ (the engine folder itself is not a model folder)."""
+    from pathlib import Path
+
+    folder = Path(engine).resolve() / "tokenizer"
+    return f"; tokenizer for clients: {folder}" if folder.is_dir() else "; no tokenizer (token-id prompts only)"
 
 
 def _print_access_log() -> None:
