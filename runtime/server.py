@@ -47,6 +47,7 @@ class HttpServer:
         from infhip.runtime.serving.lifecycle import Gate, Lifecycle, ServingPolicy
         from infhip.runtime.serving.metrics import ServerMetrics
 
+        access_log = _access_log_choice(access_log)  # before anything binds or starts
         self.metrics = ServerMetrics(llm)
         self.engine = AsyncEngine(llm, self.metrics)
         self.loop: EngineLoop = self.engine.loop
@@ -114,15 +115,22 @@ class HttpServer:
         self._uvicorn.should_exit = True  # uvicorn closes the listener and idle connections, then returns
 
 
-def _with_access_log(app, which: bool | str):
-    """app behind the access log layer (runtime/serving/access_log.py): ``which`` is one of
-    ACCESS_LOG_CHOICES (True / False: "all" / "off")."""
-    from infhip.runtime.serving.access_log import ACCESS_LOG_CHOICES, AccessLog
-    from infhip.runtime.serving.lifecycle import OPEN_PATHS
+def _access_log_choice(which: bool | str) -> str:
+    """One of ACCESS_LOG_CHOICES (True / False: "all" / "off"); ValueError otherwise."""
+    from infhip.runtime.serving.access_log import ACCESS_LOG_CHOICES
 
-    which = {True: "all", False: "off"}.get(which, which) if isinstance(which, bool) else which
+    which = ("all" if which else "off") if isinstance(which, bool) else which
     if which not in ACCESS_LOG_CHOICES:
         raise ValueError(f"access_log must be one of {', '.join(ACCESS_LOG_CHOICES)}, got {which!r}")
+    return which
+
+
+def _with_access_log(app, which: str):
+    """app behind the access log layer (runtime/serving/access_log.py) for ``which`` of
+    ACCESS_LOG_CHOICES: every request, the API's only (probes and scrapes left out), none."""
+    from infhip.runtime.serving.access_log import AccessLog
+    from infhip.runtime.serving.lifecycle import OPEN_PATHS
+
     if which == "off":
         return app
     return AccessLog(app, skip_paths=OPEN_PATHS if which == "requests" else frozenset())
@@ -153,7 +161,10 @@ def _uvicorn_server(owner: HttpServer, config):
 
 def _listen(host: str, port: int, backlog: int) -> socket.socket:
     family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    # proto IPPROTO_TCP, not 0: asyncio sets TCP_NODELAY only on accepted sockets whose proto says
+    # TCP, and without it each streamed event after the first waited for the client's delayed ACK
+    # (~40 ms on Linux) on a keep-alive connection (found by infhip-bench serve's ITL)
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))

@@ -159,11 +159,9 @@ def _long(args):
         rows += offline.long_context(llm, args.contexts, args.output_len, f"plan ({llm.engine.config.plan.preset})",
                                      progress=not args.no_progress)
     gc.collect()
-    if not args.plan_only:
-        if args.dense_engine:
-            ctx = _llm(args.dense_engine, args)
-        else:
-            ctx = _llm(args.engine, args, **offline.dense_overrides(EngineConfig.load(Path(args.engine))))
+    dense = {} if args.dense_engine else offline.dense_overrides(EngineConfig.load(Path(args.engine)))
+    if not args.plan_only and (args.dense_engine or dense):  # a dense plan is its own dense run
+        ctx = _llm(args.dense_engine, args) if args.dense_engine else _llm(args.engine, args, **dense)
         with ctx as llm:
             rows += offline.long_context(llm, args.contexts, args.output_len, "dense", progress=not args.no_progress)
     cols = [("run", "label", "s"), ("context", "context", "d"), ("TTFT ms", "ttft_ms", MS),

@@ -132,6 +132,7 @@ def long_context(llm, contexts: list[int], output_len: int, label: str, progress
     tokens after the first per second)."""
     from tqdm import tqdm
 
+    timed_batch(llm, random_prompts(1, min(contexts), vocab_of(llm)), fixed_params(2))  # warm-up
     rows = []
     for ctx in tqdm(contexts, desc=f"long ({label})", unit="context", disable=not progress):
         prompt = random_prompts(1, ctx, vocab_of(llm), seed=ctx)

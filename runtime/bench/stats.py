@@ -58,15 +58,12 @@ def serve_block(result: dict, file=sys.stdout) -> None:
 
 def table(rows: list[dict], columns: list[tuple[str, str, str]], file=sys.stdout) -> None:
     """A fixed-width table: columns are (header, key, format spec)."""
-    widths = [max(len(h), 9) for h, _, _ in columns]
+    cells = [[("-" if row.get(key) is None else format(row[key], spec)) for _, key, spec in columns] for row in rows]
+    widths = [max([len(h), 7] + [len(c[i]) for c in cells]) for i, (h, _, _) in enumerate(columns)]
     print(" | ".join(f"{h:>{w}}" for (h, _, _), w in zip(columns, widths)), file=file)
     print("-+-".join("-" * w for w in widths), file=file)
-    for row in rows:
-        cells = []
-        for (_, key, spec), w in zip(columns, widths):
-            v = row.get(key)
-            cells.append(f"{'-' if v is None else format(v, spec):>{w}}")
-        print(" | ".join(cells), file=file)
+    for c in cells:
+        print(" | ".join(f"{x:>{w}}" for x, w in zip(c, widths)), file=file)
 
 
 def write_json(path: Path | None, payload: dict) -> None:
