@@ -6,6 +6,7 @@ three paths (count limit, prompt-token budget, expected wait)."""
 from __future__ import annotations
 
 import re
+import socket
 import time
 
 import pytest
@@ -28,6 +29,8 @@ def engine(tiny_engine):
 def test_head_answers_like_get_without_a_body(engine, caplog):
     caplog.set_level("INFO", logger="infhip.access")
     with running_server(LLM(engine), access_log="requests") as server:
+        # accepted sockets inherit the listener's proto; asyncio sets TCP_NODELAY only when it says TCP
+        assert server._socket.proto == socket.IPPROTO_TCP
         for path in PROBES:
             s_get, h_get, body = raw_request(server, "GET", path)
             s_head, h_head, empty = raw_request(server, "HEAD", path)
