@@ -44,8 +44,9 @@ SERVE_ROWS = (
     ("P99 ITL (ms):", "p99_itl_ms"))
 
 
-def serve_block(result: dict, file=sys.stdout) -> None:
+def serve_block(result: dict, file=None) -> None:
     """One concurrency's result as `vllm bench serve` prints it."""
+    file = file or sys.stdout
     print("{s:{c}^{n}}".format(s=" Serving Benchmark Result ", n=50, c="="), file=file)
     for label, key in SERVE_ROWS:
         if key is None:
@@ -56,8 +57,9 @@ def serve_block(result: dict, file=sys.stdout) -> None:
     print("=" * 50, file=file)
 
 
-def table(rows: list[dict], columns: list[tuple[str, str, str]], file=sys.stdout) -> None:
+def table(rows: list[dict], columns: list[tuple[str, str, str]], file=None) -> None:
     """A fixed-width table: columns are (header, key, format spec)."""
+    file = file or sys.stdout
     cells = [[("-" if row.get(key) is None else format(row[key], spec)) for _, key, spec in columns] for row in rows]
     widths = [max([len(h), 7] + [len(c[i]) for c in cells]) for i, (h, _, _) in enumerate(columns)]
     print(" | ".join(f"{h:>{w}}" for (h, _, _), w in zip(columns, widths)), file=file)
