@@ -138,3 +138,26 @@ def test_load_rank_compiles_the_loads_plan(engines, monkeypatch):
     assert load.load_rank(dense, LoadOptions.of(jit="forbid")).config.plan.knobs_of("token_drop") is None
     with pytest.raises(JitForbidden, match="_select_kernel"):
         load.load_rank(dense, LoadOptions.of(jit="forbid", token_drop=True))
+
+
+@pytest.mark.gpu
+def test_gpu_token_drop_on_a_dense_engine_compiles_at_load_not_while_serving(tmp_path, caplog):
+    """The issue's case on a GPU: a dense engine loaded with token drop (infhip-eval --token-drop)
+    compiled its token-drop kernels on the first request; now at load, and none while serving."""
+    from infhip import LLM, SamplingParams
+    from infhip.builder.build import build_engine
+    from tests._tiny import write_tiny_hf_checkpoint
+
+    write_tiny_hf_checkpoint(tmp_path / "hf", "llama")
+    engine = build_engine(checkpoint=tmp_path / "hf", output_dir=tmp_path / "e", dtype="bfloat16", device="cuda",
+                          max_seq_len=256, max_batch_size=4, progress=False)
+    with pytest.raises(JitForbidden, match="this load's options need"):
+        LLM(engine, token_drop=TINY_TD, jit="forbid")
+    caplog.set_level(logging.WARNING, logger="infhip.kernels")
+    llm = LLM(engine, token_drop=TINY_TD, jit="warn")
+    assert any("at load" in r.getMessage() for r in caplog.records)
+    caplog.clear()
+    prompt = [(7 * j) % 250 + 3 for j in range(120)]  # past min_prompt_len: it drops
+    out = llm.generate(prompt_token_ids=[prompt], sampling_params=SamplingParams(max_tokens=4, temperature=0.0))
+    assert len(out[0].token_ids) == 4
+    assert not [r.getMessage() for r in caplog.records if "while serving" in r.getMessage()]
