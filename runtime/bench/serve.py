@@ -131,7 +131,8 @@ def result_of(results: list[dict], duration: float, concurrency: int) -> dict:
            "request_throughput": len(ok) / duration, "output_throughput": n_out / duration,
            "total_token_throughput": (n_in + n_out) / duration,
            "errors": sorted({r["error"] for r in results if not r["ok"]})[:5]}
-    for name, values in (("ttft", [r["ttft"] for r in ok]), ("tpot", tpot), ("itl", [x for r in ok for x in r["itl"]])):
+    for name, values in (("ttft", [r["ttft"] for r in ok]), ("tpot", tpot), ("itl", [x for r in ok for x in r["itl"]]),
+                         ("e2el", [r["e2e"] for r in ok])):  # e2el: vLLM's too, not in its default block
         s = summary(values, 1000)
         out.update({f"mean_{name}_ms": s["mean"], f"median_{name}_ms": s["median"], f"p99_{name}_ms": s["p99"]})
     return out
