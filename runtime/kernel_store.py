@@ -24,7 +24,7 @@ steps (:func:`serving`), a variant the engine does not hold is
 Load-time options (:func:`compile_at_load`): a load that changes the engine's plan (a method's
 runtime knobs, a step transform turned on: ``LLM(engine, token_drop=True)``) may launch variants
 the builder never enumerated. The load enumerates its plan as the builder does
-(builder/kernels.py) and compares it with the index: what is missing is compiled then, before
+(plugins/aot_engine.py, as builder/kernels.py) and compares it with the index: what is missing is compiled then, before
 the first request, with one line naming the kernels (``"forbid"``: refused at load instead), so
 nothing compiles while serving.
 """
@@ -177,7 +177,7 @@ def load_time_variants(store: KernelStore, config) -> dict[KernelVariant, tuple]
     """variant -> what triton.compile needs, for every variant the loaded ``config``'s plan can
     launch (the builder's enumeration: every plugin's aot_launches on the load's plan, all
     of its methods' knobs) that the engine's index lacks."""
-    from infhip.builder.kernels import enumerate_variants
+    from infhip.plugins.aot_engine import enumerate_variants
     from infhip.plugins.aot import Target
 
     target = Target(store.target, store.num_sms) if store.num_sms else Target(store.target)
@@ -214,7 +214,7 @@ def _compile_into_triton_cache(variants: list[KernelVariant], store: KernelStore
     launch finds them (EngineKernelCache falls back to it for hashes the engine lacks)."""
     from triton import knobs
 
-    from infhip.builder.kernels import compile_variants
+    from infhip.plugins.aot_engine import compile_variants
     from infhip.plugins.aot import Target
 
     target = Target(store.target, store.num_sms) if store.num_sms else Target(store.target)
