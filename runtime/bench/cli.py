@@ -128,7 +128,8 @@ def _latency(args):
 
 def _throughput(args):
     with _llm(args.engine, args) as llm:
-        r = offline.throughput(llm, args.num_prompts, args.input_len, args.output_len, args.dataset)
+        r = offline.throughput(llm, args.num_prompts, args.input_len, args.output_len, args.dataset,
+                               progress=not args.no_progress)
     cols = [("requests", "num_requests", "d"), ("elapsed s", "elapsed_s", ".2f"), ("req/s", "requests_per_s", ".2f"),
             ("total tok/s", "total_tokens_per_s", ".1f"), ("output tok/s", "output_tokens_per_s", ".1f")]
     return {"throughput": r}, [r], cols, None

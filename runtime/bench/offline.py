@@ -32,10 +32,13 @@ def fixed_params(output_len: int) -> SamplingParams:
     return SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
 
 
-def timed_batch(llm, prompts: list, params: SamplingParams | list[SamplingParams]) -> dict:
+def timed_batch(llm, prompts: list, params: SamplingParams | list[SamplingParams], progress: bool = False) -> dict:
     """Run prompts (token-id lists or text) together; per request: TTFT, end-to-end time and
-    output tokens (seconds); plus the batch's wall time."""
+    output tokens (seconds); plus the batch's wall time. ``progress``: a bar of finished requests."""
+    from tqdm import tqdm
+
     core = llm.core
+    bar = tqdm(total=len(prompts), desc="requests", unit="req", disable=not progress)
     params = params if isinstance(params, list) else [params] * len(prompts)
     t0 = time.perf_counter()
     reqs = [core.add_request(p if isinstance(p, str) else None, None if isinstance(p, str) else p, sp)
@@ -52,8 +55,10 @@ def timed_batch(llm, prompts: list, params: SamplingParams | list[SamplingParams
                 if i not in end and r.is_finished:
                     end[i] = now
                     first.setdefault(i, now)
+                    bar.update(1)
         outs = [core.output(r) for r in reqs]
     finally:
+        bar.close()
         for r in reqs:
             core.abort(r)
     errors = [o.error for o in outs if o.finish_reason == "error"]
@@ -109,7 +114,8 @@ def dataset_requests(path: Path, tokenizer, limit: int | None) -> list[tuple[obj
     return out
 
 
-def throughput(llm, num_prompts: int, input_len: int, output_len: int, dataset: Path | None = None) -> dict:
+def throughput(llm, num_prompts: int, input_len: int, output_len: int, dataset: Path | None = None,
+               progress: bool = True) -> dict:
     """vLLM's `bench throughput`: every request at once (offline, continuous batching); requests,
     total and output tokens per second. Lengths fixed, or shaped by a dataset (dataset_requests)."""
     if dataset is not None:
@@ -120,7 +126,7 @@ def throughput(llm, num_prompts: int, input_len: int, output_len: int, dataset: 
     else:
         prompts, params = random_prompts(num_prompts, input_len, vocab_of(llm)), fixed_params(output_len)
     timed_batch(llm, prompts[:1], params if not isinstance(params, list) else params[0])  # warm-up
-    run = timed_batch(llm, prompts, params)
+    run = timed_batch(llm, prompts, params, progress=progress)
     n_in, n_out, wall = sum(run["input_tokens"]), sum(run["output_tokens"]), run["wall_s"]
     return {"num_requests": len(prompts), "elapsed_s": wall, "requests_per_s": len(prompts) / wall,
             "total_tokens_per_s": (n_in + n_out) / wall, "output_tokens_per_s": n_out / wall,
