@@ -30,7 +30,13 @@ def check_messages(messages) -> list[dict]:
     for i, m in enumerate(messages):
         if not isinstance(m, Mapping) or not isinstance(m.get("role"), str):
             raise ChatTemplateError(f"message {i} must be a dict with a string 'role', got {m!r:.80}")
-        out.append(dict(m))
+        m = dict(m)
+        if isinstance(m.get("content"), list):  # OpenAI's text parts, joined as the chat endpoint joins them
+            try:
+                m["content"] = "".join(p["text"] for p in m["content"] if p.get("type", "text") == "text")
+            except (TypeError, KeyError, AttributeError):
+                raise ChatTemplateError(f"message {i}: content parts must be {{\"type\": \"text\", \"text\": ...}}") from None
+        out.append(m)
     return out
 
 

@@ -24,9 +24,9 @@ steps (:func:`serving`), a variant the engine does not hold is
 Load-time options (:func:`compile_at_load`): a load that changes the engine's plan (a method's
 runtime knobs, a step transform turned on: ``LLM(engine, token_drop=True)``) may launch variants
 the builder never enumerated. The load enumerates its plan as the builder does
-(plugins/aot_engine.py, as builder/kernels.py) and compares it with the index: what is missing is compiled then, before
-the first request, with one line naming the kernels (``"forbid"``: refused at load instead), so
-nothing compiles while serving.
+(plugins/aot_engine.py, builder/kernels.py's too) and compares it with the index: what is
+missing is compiled then, before the first request, with one line naming the kernels
+(``"forbid"``: refused at load instead), so nothing compiles while serving.
 """
 
 from __future__ import annotations
@@ -177,15 +177,15 @@ def load_time_variants(store: KernelStore, config) -> dict[KernelVariant, tuple]
     """variant -> what triton.compile needs, for every variant the loaded ``config``'s plan can
     launch (the builder's enumeration: every plugin's aot_launches on the load's plan, all
     of its methods' knobs) that the engine's index lacks."""
-    from infhip.plugins.aot_engine import enumerate_variants
     from infhip.plugins.aot import Target
+    from infhip.plugins.aot_engine import enumerate_variants
 
     target = Target(store.target, store.num_sms) if store.num_sms else Target(store.target)
     variants = enumerate_variants(enumeration_config(config), target)
     return {v: packed for v, packed in variants.items() if v.key not in store.variants}
 
 
-def compile_at_load(store: KernelStore | None, config, built_plan, progress: bool = False) -> list[KernelVariant]:
+def compile_at_load(store: KernelStore | None, config, built_plan) -> list[KernelVariant]:
     """Before serving a load whose plan differs from the engine's (``built_plan``): compile the
     variants the load's plan needs and the engine lacks (load_time_variants) into Triton's
     cache, with one line naming them, and count them as the engine's; JitForbidden under
@@ -214,8 +214,8 @@ def _compile_into_triton_cache(variants: list[KernelVariant], store: KernelStore
     launch finds them (EngineKernelCache falls back to it for hashes the engine lacks)."""
     from triton import knobs
 
-    from infhip.plugins.aot_engine import compile_variants
     from infhip.plugins.aot import Target
+    from infhip.plugins.aot_engine import compile_variants
 
     target = Target(store.target, store.num_sms) if store.num_sms else Target(store.target)
     compile_variants(variants, target, Path(knobs.cache.dir))

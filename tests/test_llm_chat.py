@@ -57,6 +57,8 @@ def test_chat_and_generate_share_one_path(llm):
     out = llm.chat(OTHER, GREEDY)[0]
     again = llm.generate(prompt_token_ids=[out.prompt_token_ids], sampling_params=GREEDY)[0]
     assert again.token_ids == out.token_ids
+    parts = [{"role": "user", "content": [{"type": "text", "text": "The quick "}, {"type": "text", "text": "brown fox"}]}]
+    assert llm.chat(parts, GREEDY)[0].prompt_token_ids == out.prompt_token_ids  # text parts, joined as the server does
     per_conversation = llm.chat([TALK, OTHER], [GREEDY, SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)])
     assert [len(o.token_ids) for o in per_conversation] == [5, 2]
 
