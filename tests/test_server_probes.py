@@ -88,3 +88,10 @@ def test_429_body_and_retry_after_agree():
     with pytest.raises(Refused) as e:
         lc.admit()
     assert _says_its_retry_after(e.value) == 16
+
+
+def test_start_up_line_names_the_tokenizer_folder(engine, tmp_path):
+    from infhip.runtime.server import _tokenizer_hint
+
+    assert _tokenizer_hint(str(engine)) == f"; tokenizer for clients: {(engine / 'tokenizer').resolve()}"
+    assert _tokenizer_hint(str(tmp_path)) == "; no tokenizer (token-id prompts only)"
