@@ -61,16 +61,15 @@ def main(argv=None) -> int:
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                                 top_k=args.top_k, seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos)
         llm = LLM(args.engine, load_options(args))
-        if args.chat:
-            if llm.tokenizer is None or not getattr(llm.tokenizer, "chat_template", None):
-                raise ValueError("--chat needs an engine whose tokenizer has a chat template")
-            prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
-                                                       tokenize=False, add_generation_prompt=True)
+        prompt_ids = None
+        if args.chat:  # as LLM.chat and the chat endpoint render it (the template writes the special tokens)
+            from infhip.runtime.chat_template import render_chat
+            prompt, prompt_ids = render_chat(llm.tokenizer, [{"role": "user", "content": prompt}])
         if args.drain_timeout < 0:
             raise ValueError(f"--drain-timeout must be >= 0, got {args.drain_timeout}")
         start, num_tokens, reason = time.perf_counter(), 0, None
         with _Drain(args.drain_timeout) as drain:
-            for delta in _stream(llm, prompt, params, drain):
+            for delta in _stream(llm, prompt, params, drain, prompt_ids):
                 sys.stdout.write(delta.text)
                 sys.stdout.flush()
                 num_tokens += len(delta.token_ids)
@@ -121,11 +120,11 @@ class _Drain:
         return self.stop_at is not None and time.monotonic() >= self.stop_at
 
 
-def _stream(llm, prompt: str, params, drain: _Drain):
+def _stream(llm, prompt: str, params, drain: _Drain, prompt_ids: list[int] | None = None):
     """LLM.generate_stream, one step at a time, stopping with a last "abort" delta when the
     drain is due (looked at between steps, prefill chunks included)."""
     core = llm.core
-    req = core.add_request(prompt, None, params)
+    req = core.add_request(prompt, prompt_ids, params)
     try:
         while not req.seq.is_finished:
             if drain.due:

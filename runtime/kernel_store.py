@@ -20,11 +20,19 @@ steps (:func:`serving`), a variant the engine does not hold is
   - ``"forbid"``: refused — :class:`JitForbidden` names the kernel and its specialization;
   - ``"warn"`` (default): compiled, logged once per kernel;
   - ``"allow"``: compiled silently (also lets an engine run on a GPU other than its target).
+
+Load-time options (:func:`compile_at_load`): a load that changes the engine's plan (a method's
+runtime knobs, a step transform turned on: ``LLM(engine, token_drop=True)``) may launch variants
+the builder never enumerated. The load enumerates its plan as the builder does
+(plugins/aot_engine.py, builder/kernels.py's too) and compares it with the index: what is
+missing is compiled then, before the first request, with one line naming the kernels
+(``"forbid"``: refused at load instead), so nothing compiles while serving.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import json
 import logging
@@ -57,6 +65,7 @@ class KernelStore:
     mode: str
     variants: set[str] = field(default_factory=set)  # KernelVariant.key
     hashes: set[str] = field(default_factory=set)  # folder names (Triton's base32 hashes)
+    num_sms: int | None = None  # the index's: the SM count the variants were enumerated for
     num_files: int = 0
     num_bytes: int = 0
     load_seconds: float = 0.0
@@ -108,7 +117,8 @@ def open_store(engine_dir: Path, target: str, mode: str, owner: object, num_sms:
     if num_sms is not None and index.get("num_sms") != num_sms and mode != "allow":
         raise EngineFormatError(f"the engine's kernels were enumerated for a {index.get('num_sms')}-SM {target}, this "
                                 f"GPU has {num_sms} SMs; {rebuild} (or load with jit='allow')")
-    store = KernelStore(root=root, target=index["target"], triton_version=index["triton"], mode=mode)
+    store = KernelStore(root=root, target=index["target"], triton_version=index["triton"], mode=mode,
+                        num_sms=index.get("num_sms"))
     files = [(rel, meta) for entry in entries for rel, meta in entry["files"].items()]
     files += list(index.get("launchers", {}).items())
     for rel, meta in files:
@@ -150,6 +160,65 @@ def serving(store: KernelStore | None):
         yield
     finally:
         _serving.store = outer
+
+
+# -- load-time options -----------------------------------------------------------------------
+
+def enumeration_config(config):
+    """The EngineConfig the builder enumerates for a loaded engine's config: a tensor-parallel
+    rank's (its shard's shapes, already local in a loaded config) with tp=1, as
+    builder/build.py's _write_kernels hands it to compile_kernels."""
+    if config.build.tp > 1:
+        return dataclasses.replace(config, build=dataclasses.replace(config.build, tp=1))
+    return config
+
+
+def load_time_variants(store: KernelStore, config) -> dict[KernelVariant, tuple]:
+    """variant -> what triton.compile needs, for every variant the loaded ``config``'s plan can
+    launch (the builder's enumeration: every plugin's aot_launches on the load's plan, all
+    of its methods' knobs) that the engine's index lacks."""
+    from infhip.plugins.aot import Target
+    from infhip.plugins.aot_engine import enumerate_variants
+
+    target = Target(store.target, store.num_sms) if store.num_sms else Target(store.target)
+    variants = enumerate_variants(enumeration_config(config), target)
+    return {v: packed for v, packed in variants.items() if v.key not in store.variants}
+
+
+def compile_at_load(store: KernelStore | None, config, built_plan) -> list[KernelVariant]:
+    """Before serving a load whose plan differs from the engine's (``built_plan``): compile the
+    variants the load's plan needs and the engine lacks (load_time_variants) into Triton's
+    cache, with one line naming them, and count them as the engine's; JitForbidden under
+    jit="forbid" (before anything runs). Returns the variants compiled (sorted by key)."""
+    if store is None or config.plan == built_plan:
+        return []
+    missing = sorted(load_time_variants(store, config), key=lambda v: v.key)
+    if not missing:
+        return []
+    names = ", ".join(sorted({v.name for v in missing}))
+    if store.mode == "forbid":
+        raise JitForbidden(f"this load's options need {len(missing)} kernel variant(s) the engine was not built "
+                           f"with ({names}); jit='forbid' refuses to compile them: rebuild the engine with these "
+                           "options (infhip-build ...), or load with jit='warn'")
+    if store.mode == "warn":
+        log.warning("compiling %d kernel variant(s) at load for this load's options (the engine was not built "
+                    "with them): %s", len(missing), names)
+    _compile_into_triton_cache(missing, store)
+    with _lock:
+        store.variants |= {v.key for v in missing}
+    return missing
+
+
+def _compile_into_triton_cache(variants: list[KernelVariant], store: KernelStore) -> None:
+    """Compile variants for the store's target into Triton's own cache dir, where the first
+    launch finds them (EngineKernelCache falls back to it for hashes the engine lacks)."""
+    from triton import knobs
+
+    from infhip.plugins.aot import Target
+    from infhip.plugins.aot_engine import compile_variants
+
+    target = Target(store.target, store.num_sms) if store.num_sms else Target(store.target)
+    compile_variants(variants, target, Path(knobs.cache.dir))
 
 
 # -- Triton integration ------------------------------------------------------------------------

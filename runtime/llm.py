@@ -1,4 +1,4 @@
-"""The in-process API: `LLM(engine_dir).generate(...)` and `.generate_stream(...)`.
+"""The in-process API: `LLM(engine_dir).generate(...)`, `.chat(...)` and `.generate_stream(...)`.
 
     >>> from infhip import LLM, SamplingParams                       # doctest: +SKIP
     >>> llm = LLM("engines/smollm2-135m")
@@ -6,6 +6,7 @@
     >>> out[0].text, out[0].finish_reason
     >>> for delta in llm.generate_stream("Once upon a time", SamplingParams(max_tokens=32)):
     ...     print(delta.text, end="", flush=True)
+    >>> llm.chat([{"role": "user", "content": "Hi!"}], SamplingParams(max_tokens=16))[0].text
 
 `LLM` is a thin wrapper for one caller over `llm.core`, the `EngineCore`
 (runtime/engine_core.py: requests, steps, deltas, and the rule that a fault stays with the
@@ -18,6 +19,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from pathlib import Path
 
+from infhip.runtime.chat_template import is_one_conversation, render_chat
 from infhip.runtime.engine_core import EngineCore
 from infhip.runtime.options import LoadOptions
 from infhip.runtime.outputs import EngineStats, RequestOutput, StreamDelta
@@ -96,11 +98,33 @@ class LLM:
         """Generate completions for a batch of prompts (continuous batching); outputs in input order.
         A bad prompt or params raise ValueError and run none of them; a request that fails while
         running comes back with finish_reason "error" and its `error`, the others complete."""
+        return self._run(normalise(prompts, prompt_token_ids, sampling_params))
+
+    def chat(self, messages: list[dict] | list[list[dict]],
+             sampling_params: SamplingParams | list[SamplingParams] | None = None,
+             tools: list[dict] | None = None, chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+        """Reply to one conversation (a list of OpenAI messages, ``{"role", "content"}``) or to a
+        list of them, through the engine's chat template, as vLLM's ``LLM.chat``: each rendered
+        (runtime/chat_template.py, what POST /v1/chat/completions renders), then run by
+        `generate`'s path. ``tools``: OpenAI function tools, written into the prompt as the
+        template writes them; ``chat_template_kwargs``: the template's extra keywords
+        (``add_generation_prompt=False``, ``enable_thinking=...``). One output per conversation.
+        ValueError (nothing runs) when the engine has no template or a conversation is refused."""
+        conversations = [messages] if is_one_conversation(messages) else messages
+        if not isinstance(conversations, list) or not conversations:
+            raise ValueError("chat takes one conversation (a list of message dicts) or a non-empty list of them")
+        rendered = [render_chat(self.tokenizer, c, tools, chat_template_kwargs) for c in conversations]
+        items = normalise(None, [ids for _, ids in rendered], sampling_params)
+        return self._run([(text, ids, sp) for (text, _), (_, ids, sp) in zip(rendered, items)])
+
+    def _run(self, items) -> list[RequestOutput]:
+        """Queue (prompt, token ids, params) triples, step until all finish: generate's and chat's
+        one path. One bad request rejects the whole call: nothing stays queued."""
         core, reqs = self.core, []
         try:
-            for p, ids, sp in normalise(prompts, prompt_token_ids, sampling_params):
+            for p, ids, sp in items:
                 reqs.append(core.add_request(p, ids, sp))
-        except Exception:  # one bad prompt rejects the whole call: nothing stays queued
+        except Exception:
             for r in reqs:
                 core.abort(r)
             raise

@@ -11,17 +11,21 @@ from pathlib import Path
 
 from infhip.runtime.attention.backend import backends
 from infhip.runtime.engine import load_engine
-from infhip.runtime.kernel_store import serving
+from infhip.runtime.kernel_store import compile_at_load, serving
 from infhip.runtime.model_runner import ModelRunner
 from infhip.runtime.options import LoadOptions
 
 
 def load_rank(engine_dir: str | Path, opts: LoadOptions, rank: int = 0):
     """Rank `rank`'s engine (its weight shard, its view of the model) with the load's plan
-    changes applied (methods' load knobs, transforms on/off: LoadOptions.overrides): what
+    changes applied (methods' load knobs, transforms on/off: LoadOptions.overrides), and the
+    kernel variants those changes need compiled (kernel_store.compile_at_load): what
     EngineCore and each TP worker serve."""
     engine = load_engine(engine_dir, opts.device, opts.jit, rank=rank)
-    engine.config = dataclasses.replace(engine.config, plan=engine.config.plan.at_load(opts.overrides))
+    built = engine.config.plan
+    engine.config = dataclasses.replace(engine.config, plan=built.at_load(opts.overrides))
+    # kernels the load's plan needs and the engine lacks compile now, never while serving
+    compile_at_load(engine.kernels, engine.config, built)
     return engine
 
 

@@ -37,7 +37,7 @@ class HttpServer:
 
     def __init__(self, llm, host: str = "127.0.0.1", port: int = 8000, model_name: str = "infhip",
                  limits=None, keep_alive_s: float = 5.0, backlog: int = DEFAULT_BACKLOG, policy=None,
-                 access_log: bool = True):
+                 access_log: bool | str = "all"):
         import uvicorn
 
         from infhip.runtime.serving.admission import WorkMeter
@@ -47,6 +47,7 @@ class HttpServer:
         from infhip.runtime.serving.lifecycle import Gate, Lifecycle, ServingPolicy
         from infhip.runtime.serving.metrics import ServerMetrics
 
+        access_log = _access_log_choice(access_log)  # before anything binds or starts
         self.metrics = ServerMetrics(llm)
         self.engine = AsyncEngine(llm, self.metrics)
         self.loop: EngineLoop = self.engine.loop
@@ -114,10 +115,25 @@ class HttpServer:
         self._uvicorn.should_exit = True  # uvicorn closes the listener and idle connections, then returns
 
 
-def _with_access_log(app, on: bool):
-    """app behind the access log layer (runtime/serving/access_log.py) when on."""
+def _access_log_choice(which: bool | str) -> str:
+    """One of ACCESS_LOG_CHOICES (True / False: "all" / "off"); ValueError otherwise."""
+    from infhip.runtime.serving.access_log import ACCESS_LOG_CHOICES
+
+    which = ("all" if which else "off") if isinstance(which, bool) else which
+    if which not in ACCESS_LOG_CHOICES:
+        raise ValueError(f"access_log must be one of {', '.join(ACCESS_LOG_CHOICES)}, got {which!r}")
+    return which
+
+
+def _with_access_log(app, which: str):
+    """app behind the access log layer (runtime/serving/access_log.py) for ``which`` of
+    ACCESS_LOG_CHOICES: every request, the API's only (probes and scrapes left out), none."""
     from infhip.runtime.serving.access_log import AccessLog
-    return AccessLog(app) if on else app
+    from infhip.runtime.serving.lifecycle import OPEN_PATHS
+
+    if which == "off":
+        return app
+    return AccessLog(app, skip_paths=OPEN_PATHS if which == "requests" else frozenset())
 
 
 def _say(message: str) -> None:
@@ -145,7 +161,10 @@ def _uvicorn_server(owner: HttpServer, config):
 
 def _listen(host: str, port: int, backlog: int) -> socket.socket:
     family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    # proto IPPROTO_TCP, not 0: asyncio sets TCP_NODELAY only on accepted sockets whose proto says
+    # TCP, and without it each streamed event after the first waited for the client's delayed ACK
+    # (~40 ms on Linux) on a keep-alive connection (found by infhip-bench serve's ITL)
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))
@@ -204,9 +223,12 @@ def make_parser():
     life.add_argument("--api-key", default=os.environ.get("INFHIP_API_KEY"),
                       help="require 'Authorization: Bearer KEY' on /v1/*, /tokenize, /detokenize "
                            "(default $INFHIP_API_KEY; unset = no key)")
-    p.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=True,
-                   help="one line per request on stderr: client, method, path, status, latency, tokens "
-                        "(default on; --no-access-log: off)")
+    p.add_argument("--access-log", nargs="?", const="all", default="all", choices=("all", "requests", "off"),
+                   help="one line per request on stderr (client, method, path, status, latency, tokens): for "
+                        "all requests (default, as vLLM), only the API's (requests: probes and scrapes of "
+                        "/health*, /metrics, /version left out) or none (off)")
+    p.add_argument("--no-access-log", dest="access_log", action="store_const", const="off",
+                   help="the same as --access-log off")
     add_load_options(p)  # LLM's options, same names (runtime/options.py)
     return p
 
@@ -243,16 +265,25 @@ def main(argv=None) -> int:
         print(f"infhip-serve: error: {e}", file=sys.stderr)
         return 2
     lc = server.lifecycle
-    if args.access_log:
+    if args.access_log != "off":
         _print_access_log()
     count = (f"up to {lc.max_requests} requests" if lc.max_requests is not None else
              f"any number of requests while the work in it is under {lc.max_queue_wait_s:g} s (always {FLOOR})")
     print(f"infhip-serve: {args.engine} on {server.url} (POST /v1/completions, /v1/chat/completions; "
-          f"GET /v1/models, /health, /metrics); admits {count} and {lc.max_prompt_tokens} prompt tokens",
-          file=sys.stderr, flush=True)
+          f"GET /v1/models, /health, /metrics); admits {count} and {lc.max_prompt_tokens} prompt tokens"
+          f"{_tokenizer_hint(args.engine)}", file=sys.stderr, flush=True)
     server.serve_forever()
     _say("stopped")
     return 0
+
+
+def _tokenizer_hint(engine: str) -> str:
+    """The tokenizer folder that load-test clients (guidellm, aiperf, vllm bench serve) need as
+    --tokenizer: the engine's tokenizer/ (the engine folder itself is not a model folder)."""
+    from pathlib import Path
+
+    folder = Path(engine).resolve() / "tokenizer"
+    return f"; tokenizer for clients: {folder}" if folder.is_dir() else "; no tokenizer (token-id prompts only)"
 
 
 def _print_access_log() -> None:

@@ -63,8 +63,10 @@ def test_first_leave_estimate():
 
 def test_cli_flags():
     args = make_parser().parse_args(["--engine", "x", "--max-queue-wait", "30", "--no-access-log"])
-    assert args.max_queue_wait == 30 and args.access_log is False
-    assert make_parser().parse_args(["--engine", "x"]).access_log is True
+    assert args.max_queue_wait == 30 and args.access_log == "off"
+    assert make_parser().parse_args(["--engine", "x"]).access_log == "all"  # vLLM logs every endpoint
+    assert make_parser().parse_args(["--engine", "x", "--access-log", "requests"]).access_log == "requests"
+    assert make_parser().parse_args(["--engine", "x", "--access-log"]).access_log == "all"
 
 
 @pytest.fixture(scope="module")

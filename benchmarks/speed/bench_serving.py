@@ -6,8 +6,10 @@
 For each N in --clients: N requests (prompt of --prompt-tokens tokens, --max-tokens tokens,
 greedy, ignore_eos, so every request generates exactly --max-tokens tokens) are
 
-1. generated offline in this process by one `LLM.generate` call (after a warm-up call), then
-2. sent at once by N concurrent streaming clients (httpx, one connection each) to
+1. generated offline in this process together (infhip-bench's loop, runtime/bench/offline.py:
+   `LLM.generate`'s path, after a warm-up call), then
+2. sent at once by N concurrent streaming clients (infhip-bench serve's client,
+   runtime/bench/serve.py, one connection each) to
    `infhip-serve` started as a subprocess on a free loopback port (so clients and server do not
    share a Python interpreter), after one warm-up request.
 
@@ -24,7 +26,6 @@ and end-to-end p50, and the server's requests/s as a fraction of offline in the 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import gc
 import json
 import os
@@ -32,7 +33,6 @@ import platform
 import random
 import re
 import signal
-import statistics
 import subprocess
 import sys
 import threading
@@ -64,28 +64,21 @@ def make_prompts(engine: str, n: int, num_tokens: int, random_ids: bool, seed: i
 def offline(engine: str, device: str | None, prompts_by_n: dict[int, list], max_tokens: int) -> dict[int, dict]:
     """requests/s and tokens/s of LLM.generate over each prompt set (one call each, after a warm-up)."""
     from infhip import LLM, SamplingParams
+    from infhip.runtime.bench.offline import timed_batch
 
     llm = LLM(engine, device=device)
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
     rows = {}
     for n, prompts in prompts_by_n.items():
-        generate(llm, prompts[:1], params)  # warm-up (CUDA graphs, allocator)
-        start = time.perf_counter()
-        outs = generate(llm, prompts, params)
-        dt = time.perf_counter() - start
-        rows[n] = {"requests_per_s": n / dt, "tokens_per_s": sum(len(o.token_ids) for o in outs) / dt,
-                   "seconds": dt}
+        timed_batch(llm, prompts[:1], params)  # warm-up (CUDA graphs, allocator)
+        run = timed_batch(llm, prompts, params)  # infhip-bench's loop: LLM.generate's path, timed per step
+        dt = run["wall_s"]
+        rows[n] = {"requests_per_s": n / dt, "tokens_per_s": sum(run["output_tokens"]) / dt, "seconds": dt}
         print(f"[bench_serving] offline, {n} requests: {dt:.1f} s", file=sys.stderr, flush=True)
     del llm
     gc.collect()
     _empty_cuda_cache()
     return rows
-
-
-def generate(llm, prompts: list, params):
-    if isinstance(prompts[0], str):
-        return llm.generate(prompts, params)
-    return llm.generate(prompt_token_ids=prompts, sampling_params=params)
 
 
 def _empty_cuda_cache() -> None:
@@ -110,38 +103,18 @@ def start_server(engine: str, device: str | None, max_clients: int) -> tuple[sub
     raise RuntimeError(f"infhip-serve exited with {proc.wait()} before listening")
 
 
-async def one_request(client, prompt, max_tokens: int) -> dict:
-    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True}
-    sent, first, tokens = time.perf_counter(), None, 0
-    async with client.stream("POST", "/v1/completions", json=body) as r:
-        r.raise_for_status()
-        async for line in r.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            n = len(json.loads(line[6:])["choices"][0]["token_ids"])
-            if n and first is None:
-                first = time.perf_counter()
-            tokens += n
-    return {"sent": sent, "ttft": first - sent, "end": time.perf_counter(), "tokens": tokens}
+def served(url: str, prompts: list, max_tokens: int) -> dict:
+    """All prompts at once, one streaming client each: infhip-bench serve's client
+    (runtime/bench/serve.py) at concurrency len(prompts), after one warm-up request."""
+    from infhip.runtime.bench.serve import run_concurrency
 
-
-async def served(url: str, prompts: list, max_tokens: int) -> dict:
-    import httpx
-
-    limits = httpx.Limits(max_connections=len(prompts) + 1, max_keepalive_connections=len(prompts) + 1)
-    async with httpx.AsyncClient(base_url=url, limits=limits, timeout=3600) as client:
-        await one_request(client, prompts[0], max_tokens)  # warm-up
-        results = await asyncio.gather(*(one_request(client, p, max_tokens) for p in prompts))
-    makespan = max(r["end"] for r in results) - min(r["sent"] for r in results)
-    ttft = sorted(r["ttft"] for r in results)
-    return {"requests_per_s": len(prompts) / makespan, "tokens_per_s": sum(r["tokens"] for r in results) / makespan,
-            "seconds": makespan, "ttft_p50": statistics.median(ttft), "ttft_p99": _percentile(ttft, 0.99),
-            "e2e_p50": statistics.median(r["end"] - r["sent"] for r in results),
-            "tokens": [r["tokens"] for r in results]}
-
-
-def _percentile(sorted_values: list[float], q: float) -> float:
-    return sorted_values[min(len(sorted_values) - 1, int(q * len(sorted_values)))]
+    run_concurrency(url, prompts[:1], max_tokens, 1, progress=False)  # warm-up
+    r = run_concurrency(url, prompts, max_tokens, len(prompts), progress=False)
+    if r["failed"]:
+        raise RuntimeError(f"{r['failed']} request(s) failed: {r['errors']}")
+    return {"requests_per_s": r["request_throughput"], "tokens_per_s": r["output_throughput"], "seconds": r["duration"],
+            "ttft_p50": r["median_ttft_ms"] / 1000, "ttft_p99": r["p99_ttft_ms"] / 1000,
+            "e2e_p50": r["median_e2el_ms"] / 1000, "output_tokens": r["total_output_tokens"]}
 
 
 def main(argv=None) -> int:
@@ -163,13 +136,13 @@ def main(argv=None) -> int:
     try:
         srv = {}
         for n in clients:
-            srv[n] = asyncio.run(served(url, prompts[n], args.max_tokens))
+            srv[n] = served(url, prompts[n], args.max_tokens)
             print(f"[bench_serving] served, {n} clients: {srv[n]['seconds']:.1f} s", file=sys.stderr, flush=True)
     finally:
         proc.send_signal(signal.SIGINT)
         proc.wait(timeout=60)
     for n in clients:
-        assert all(t == args.max_tokens for t in srv[n].pop("tokens")), "a request got fewer tokens than asked"
+        assert srv[n].pop("output_tokens") == n * args.max_tokens, "a request got fewer tokens than asked"
 
     import torch
     print(f"\n{time.strftime('%Y-%m-%d')}  {platform.node()}  {platform.processor() or platform.machine()}, "

@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
 from pathlib import Path
 
 import torch
@@ -40,6 +39,7 @@ def main() -> None:
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     from infhip import LLM, SamplingParams
+    from infhip.runtime.bench.offline import timed_batch
     from infhip.eval.ruler_prompts import ruler_prompt
     from infhip.methods.token_drop import parse_token_drop_knobs
     from infhip.runtime.engine import load_tokenizer
@@ -51,7 +51,6 @@ def main() -> None:
     prompts = {n: [ruler_prompt(tok, t, n, s, template=args.template).ids for t in args.tasks.split(",")
                    for s in range(args.samples)] for n in lengths}
     columns = [("dense", None)] + [tuple(spec.split("=", 1)) for spec in args.td]
-    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     sp = SamplingParams(max_tokens=1, temperature=0.0)
     rows = []
     for name, knobs in columns:
@@ -61,14 +60,9 @@ def main() -> None:
         for n in lengths:
             times, rets = [], []
             for ids in prompts[n]:
-                best = float("inf")
-                for _ in range(args.reps):
-                    sync()
-                    t0 = time.perf_counter()
-                    llm.generate(prompt_token_ids=[ids], sampling_params=sp)
-                    sync()
-                    best = min(best, time.perf_counter() - t0)
-                times.append(best)
+                # infhip-bench's loop (runtime/bench/offline.py): the step that samples the first
+                # token ends with it on the host, so its time needs no extra synchronisation
+                times.append(min(timed_batch(llm, [ids], sp)["ttft_s"][0] for _ in range(args.reps)))
                 per = next(reversed(llm.runner.transforms["token_drop"].stats.retention.values()), {}) if knobs else {}
                 rets.append(sum(k / t for k, t in per.values()) / len(per) if per else 1.0)
             rows.append(dict(column=name, length=n, ttft_s=statistics.median(times), times_s=times,

@@ -1,6 +1,10 @@
 """The access log of `infhip-serve`: one line per request once its answer's last byte is out
-(streams included), on the `infhip.access` logger (the CLI prints it to stderr; `--no-access-log`
-turns it off, as uvicorn's `--no-access-log` and vLLM's `--disable-uvicorn-access-log` do):
+(streams included), on the `infhip.access` logger. The CLI prints it to stderr; `--access-log`
+chooses what it covers (ACCESS_LOG_CHOICES): every request ("all", the default, as vLLM logs
+every endpoint unless told `--disable-access-log-for-endpoints`), only the API's ("requests": the
+probes and scrapes of OPEN_PATHS left out; aiperf scrapes /metrics 3-4 times a second) or none
+("off", also `--no-access-log`, as uvicorn's `--no-access-log` and vLLM's
+`--disable-uvicorn-access-log`):
 
     127.0.0.1:51234 "POST /v1/chat/completions HTTP/1.1" 200 1.532s prompt_tokens=24 completion_tokens=16
 
@@ -17,6 +21,7 @@ import time
 from dataclasses import dataclass
 
 LOGGER = logging.getLogger("infhip.access")
+ACCESS_LOG_CHOICES = ("all", "requests", "off")
 SCOPE_KEY = "infhip.access"  # the ASGI scope entry through which a handler reports its tokens
 
 
@@ -47,13 +52,14 @@ def format_line(scope, status: int | None, seconds: float, tokens: AccessTokens)
 
 
 class AccessLog:
-    """ASGI middleware: times each HTTP request and logs its line when the app returns."""
+    """ASGI middleware: times each HTTP request and logs its line when the app returns; requests
+    to ``skip_paths`` pass unlogged."""
 
-    def __init__(self, app, logger: logging.Logger = LOGGER):
-        self.app, self.logger = app, logger
+    def __init__(self, app, logger: logging.Logger = LOGGER, skip_paths: frozenset[str] = frozenset()):
+        self.app, self.logger, self.skip_paths = app, logger, skip_paths
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
+        if scope["type"] != "http" or scope.get("path") in self.skip_paths:
             return await self.app(scope, receive, send)
         start, status = time.monotonic(), None
         tokens = scope[SCOPE_KEY] = AccessTokens()

@@ -41,7 +41,7 @@ from infhip.runtime.serving.tool_calls import ToolCallPlan
 
 ENDPOINTS = ("POST /v1/completions", "POST /v1/chat/completions", "GET /v1/models", "POST /tokenize",
              "POST /detokenize", "GET /health", "GET /health/live", "GET /health/ready", "GET /metrics",
-             "GET /version")
+             "GET /version")  # the GET routes answer HEAD too (headers alone): aiperf probes /metrics so
 
 
 @dataclass(frozen=True)
@@ -82,23 +82,23 @@ def make_app(engine: AsyncEngine, metrics: ServerMetrics, model_name: str | list
             raise ApiError(404, f"the model `{model}` does not exist; this server serves {', '.join(names)}")
         return model
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health():
         if not engine.loop.alive:
             return error_response(503, f"the engine thread is not running ({engine.loop.death!r})")
         return {"status": "ok"}
 
-    @app.get("/health/live")
+    @app.api_route("/health/live", methods=["GET", "HEAD"])
     async def health_live():
         why = lifecycle.live()
         return error_response(503, why) if why else {"status": "live"}
 
-    @app.get("/health/ready")
+    @app.api_route("/health/ready", methods=["GET", "HEAD"])
     async def health_ready():
         why = lifecycle.ready()
         return error_response(503, why) if why else {"status": "ready"}
 
-    @app.get("/version")
+    @app.api_route("/version", methods=["GET", "HEAD"])
     async def server_version():
         try:
             return {"version": version("infhip")}
@@ -122,11 +122,11 @@ def make_app(engine: AsyncEngine, metrics: ServerMetrics, model_name: str | list
             raise ApiError(400, f"tokens must be in [0, {engine.limits.vocab_size})")
         return {"prompt": await engine.decode(body.tokens)}
 
-    @app.get("/metrics")
+    @app.api_route("/metrics", methods=["GET", "HEAD"])
     async def prometheus_metrics():
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
-    @app.get("/v1/models")
+    @app.api_route("/v1/models", methods=["GET", "HEAD"])
     async def models():
         return {"object": "list", "data": [{"id": name, "object": "model", "created": 0, "owned_by": "infhip",
                                             "max_model_len": engine.limits.max_seq_len} for name in names]}
@@ -159,7 +159,7 @@ def make_app(engine: AsyncEngine, metrics: ServerMetrics, model_name: str | list
             params = body.sampling_params(body.max_new_tokens, engine.limits)
             tools, params = _tool_plan(body, engine, params)
             text, ids = await engine.encode_chat([m.for_template() for m in body.messages],
-                                                 tools.tools if tools is not None else None)
+                                                 tools.tools if tools is not None else None, body.chat_template_kwargs)
             shape = ChatShape(R.new_meta("chatcmpl", model), token_str, [], params.n,
                               discard=body.max_new_tokens == 0, tools=tools)
             return await _generate(engine, lifecycle, ticket, request, [(text, ids)], params, shape, body)

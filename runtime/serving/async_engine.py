@@ -126,21 +126,19 @@ class AsyncEngine:
             raise BadRequest("this engine has no tokenizer (built with --random-weights from a config)")
         return await self._off_thread(lambda: self.tokenizer.decode(token_ids))
 
-    async def encode_chat(self, messages: list[dict], tools: list[dict] | None = None) -> tuple[str, list[int]]:
-        """(rendered text, token ids) of a conversation through the engine's chat template,
-        ending with the assistant's turn, with `tools` (OpenAI function tools) rendered as the
-        template renders them. The template writes the special tokens (BOS, role markers), so
-        the text is tokenized without adding any."""
-        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
-            raise BadRequest("this engine's tokenizer has no chat template; use POST /v1/completions")
+    async def encode_chat(self, messages: list[dict], tools: list[dict] | None = None,
+                          chat_template_kwargs: dict | None = None) -> tuple[str, list[int]]:
+        """(rendered text, token ids) of a conversation through the engine's chat template
+        (runtime/chat_template.py, LLM.chat's too), ending with the assistant's turn, with
+        `tools` (OpenAI function tools) rendered as the template renders them."""
+        from infhip.runtime.chat_template import ChatTemplateError, render_chat
 
         def render():
             try:
-                text = self.tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
-                                                          add_generation_prompt=True)
-            except Exception as e:  # noqa: BLE001 - jinja's errors (e.g. "roles must alternate") are the client's
-                raise BadRequest(f"the chat template refused the messages: {e}") from None
-            return text, self.tokenizer(text, add_special_tokens=False)["input_ids"]
+                return render_chat(self.tokenizer, messages, tools, chat_template_kwargs)
+            except ChatTemplateError as e:
+                raise BadRequest(str(e).replace("send a plain prompt (LLM.generate, POST /v1/completions)",
+                                                "use POST /v1/completions")) from None
         return await self._off_thread(render)
 
     async def compile_grammar(self, spec) -> None:

@@ -101,9 +101,9 @@ class Ticket:
         others = lc.prompt_tokens_in
         if others and others + num_tokens > lc.max_prompt_tokens:
             lc.metrics.rejected.labels(reason="prompt_tokens").inc()
+            retry = A.retry_after(lc.first_leave_s())
             raise Refused(429, f"the server holds {others} prompt tokens; this prompt's {num_tokens} would pass "
-                               f"the limit of {lc.max_prompt_tokens} (--max-waiting-tokens); retry later",
-                          A.retry_after(lc.first_leave_s()))
+                               f"the limit of {lc.max_prompt_tokens} (--max-waiting-tokens); retry in {retry} s", retry)
         self.prompt_tokens = num_tokens
         lc.prompt_tokens_in += num_tokens
 
@@ -167,19 +167,18 @@ class Lifecycle:
                           self.policy.retry_after_s)
         if self.max_requests is not None and self.requests_in >= self.max_requests:
             self.metrics.rejected.labels(reason="queue_full").inc()
-            wait = self.first_leave_s()
+            retry = A.retry_after(self.first_leave_s())  # the body says what the header says
             raise Refused(429, f"the server holds {self.requests_in} requests, its limit (the engine's batch + "
-                               f"{self.max_waiting_requests} waiting, --max-waiting-requests); retry in about "
-                               f"{wait:.1f} s", A.retry_after(wait))
+                               f"{self.max_waiting_requests} waiting, --max-waiting-requests); retry in {retry} s",
+                          retry)
         if self.max_requests is None and self.requests_in >= A.FLOOR:
             wait = self.backlog_wait_s()
             if wait > self.max_queue_wait_s:
                 self.metrics.rejected.labels(reason="queue_wait").inc()
+                retry = A.retry_after(wait - self.max_queue_wait_s)
                 raise Refused(429, f"the server holds {self.requests_in} requests, about {wait:.0f} s of work at "
                                    f"{self.throughput.tokens_per_s:.0f} tokens/s, more than its bound of "
-                                   f"{self.max_queue_wait_s:g} s (--max-queue-wait); retry in about "
-                                   f"{wait - self.max_queue_wait_s:.0f} s",
-                              A.retry_after(wait - self.max_queue_wait_s))
+                                   f"{self.max_queue_wait_s:g} s (--max-queue-wait); retry in {retry} s", retry)
         self.requests_in += 1
         self._empty.clear()
         ticket = Ticket(self, time.monotonic())

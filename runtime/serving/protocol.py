@@ -35,7 +35,7 @@ NEUTRAL_ONLY: dict[str, tuple] = {
     "audio": (), "modalities": (["text"],), "prediction": (), "reasoning_effort": (), "web_search_options": (),
     "function_call": ("none",), "functions": ([],), "add_generation_prompt": (True,),
     "continue_final_message": (False,),
-    "chat_template": (), "chat_template_kwargs": ({},), "documents": ([],), "verbosity": (),
+    "chat_template": (), "documents": ([],), "verbosity": (),
     # vLLM's extensions this engine does not implement (vllm/entrypoints/openai/protocol.py)
     "prompt_logprobs": (), "logits_processors": ([],), "guided_whitespace_pattern": (), "structural_tag": (),
     "prompt_embeds": (),
@@ -342,7 +342,7 @@ class ChatCompletionRequest(_Common):
     add_generation_prompt: Any = None
     continue_final_message: Any = None
     chat_template: Any = None
-    chat_template_kwargs: Any = None
+    chat_template_kwargs: dict[str, Any] | None = None  # the template's extra keywords (runtime/chat_template.py)
     documents: Any = None
     echo: bool = False  # vLLM's chat extension; only false
     add_special_tokens: bool = False  # vLLM's; only false (the chat template writes the special tokens)
