@@ -108,12 +108,12 @@ class InfiniteHipConfig:
     special_layers: tuple[int, ...] = knob(
         (0, 1, 2), "0-based layers that keep `special_final_k` and prune with `special_pruning_rope`",
         measured="Qwen2.5-0.5B `3k` with 0–3, 9, 11, 16, 22: recall 0.913 → 0.917 at 8K–32K, RULER NIAH 32K "
-        "81 vs 75, 128K equal ([quality](quality.md#knobs-and-budgets-on-the-h200-2026-12-03)); "
+        "81 vs 75, 128K equal ([quality](quality.md#budgets-and-knobs-on-qwen25-coder-05b)); "
         "`infhip-eval recall` lists candidates ([quality](quality.md#attention-recall-of-the-final-masks))")
     special_final_k: int = knob(
         4096, "last-stage keys kept in the special layers", measured="Qwen2.5-0.5B `5k`, 4096 → 16384: recall at "
         "8K–32K 0.933 → 0.945, RULER NIAH and passkey equal within noise; speed not measured "
-        "([quality](quality.md#knobs-and-budgets-on-the-h200-2026-12-03))")
+        "([quality](quality.md#budgets-and-knobs-on-qwen25-coder-05b))")
     # n_sink + n_stream + stages[0].k; a preset caps it at the trained window + 1 (InfiniteHip.preset_knobs)
     dense_threshold: int = knob(
         256 + 1024 + 32768, "a request runs dense attention until its context reaches this (as built: "
@@ -123,7 +123,7 @@ class InfiniteHipConfig:
     pruning_rope: str = knob(
         "relative", "RoPE style of the pruning stages past the window (`none`, `relative`, `chunk_indexed`)",
         measured="Qwen2.5-0.5B `5k` at 128K, RULER NIAH: `relative` 72.5, `chunk_indexed` 65.0, `none` 22.5 "
-        "(n = 20; [quality](quality.md#knobs-and-budgets-on-the-h200-2026-12-03))")
+        "(n = 20; [quality](quality.md#budgets-and-knobs-on-qwen25-coder-05b))")
     special_pruning_rope: str = knob("chunk_indexed", "the same for the special layers", measured=NOT_MEASURED)
     attention_rope: str = knob("streaming", "RoPE style of the block-sparse attention (`none`, `streaming`)",
                                measured=NOT_MEASURED)
@@ -142,7 +142,7 @@ class InfiniteHipConfig:
         measured="`head_normalized` better or equal in every SmolLM2 passkey/NIAH cell on the H200 (e.g. NIAH "
         "32K 0.444 → 0.667), recall unchanged ([quality](quality.md#chunk_score-max-vs-head_normalized-smollm2-h200)); "
         "Qwen2.5-0.5B RULER NIAH at 32K 75 vs 60 (`3k`), 82.5 vs 75 (`5k`), equal within noise at 128K "
-        "([quality](quality.md#knobs-and-budgets-on-the-h200-2026-12-03)); decode at 512K 5.72 vs 5.74 ms a step "
+        "([quality](quality.md#budgets-and-knobs-on-qwen25-coder-05b)); decode at 512K 5.72 vs 5.74 ms a step "
         "([benchmarks](benchmarks.md#decode-infinitehip-whole-model-vs-the-dense-engine), run E)")
     key_bank: bool = knob(
         True, "past the window, a last-stage refresh rotates its keys once into a per-request bank that "

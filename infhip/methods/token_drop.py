@@ -130,7 +130,7 @@ class TokenDropConfig:
 
     p: float = knob(0.99, "the smallest set of token blocks holding this share of the attention mass is kept",
                     runtime=True, measured="Gemma-3-270M 4K, spare_anchors 1: p = 0.99 −0.03 %, p = 0.98 +0.19 % "
-                    "perplexity ([quality](quality.md#uniprefill-token-drop-issue-4))")
+                    "perplexity ([quality](quality.md#the-earlier-schedule-perplexity-on-smollm2-and-gemma-3))")
     obs_window: int = knob(128, "last queries of the chunk that score the blocks", runtime=True, measured=NOT_MEASURED)
     block_size: int = knob(64, "tokens per scored block", runtime=True, measured=NOT_MEASURED)
     num_sink: int = knob(128, "first tokens always kept", runtime=True, measured=NOT_MEASURED)
@@ -156,7 +156,8 @@ class TokenDropConfig:
         0, "the first N drop layers keep every token (they still score); engines built before drop_layers: "
         "their stored value (0 before the knob existed)", runtime=True,
         measured="with drop_layers='every': Gemma-3-270M p = 0.99: perplexity ×10.8 → −0.03 % at 4K; SmolLM2 "
-        "×6.8 → +30 % ([quality](quality.md#uniprefill-token-drop-issue-4)); not measured with 'auto'")
+        "×6.8 → +30 % ([quality](quality.md#the-earlier-schedule-perplexity-on-smollm2-and-gemma-3)); "
+        "not measured with 'auto'")
 
     def __post_init__(self) -> None:
         require(0.0 < self.p <= 1.0, f"token_drop p must be in (0, 1], got {self.p}")
