@@ -1,0 +1,77 @@
+"""The plain-torch references behind Qwen3-Next's linear-attention layers at small odd shapes:
+the chunked gated delta rule equals the token-by-token recurrence (from a nonzero state, with
+a partial last chunk, grouped value heads), a sequence split into pieces equals it whole (the
+state carries), the batched decode step equals the recurrence; the causal conv likewise; and a
+float64 recurrence written from the paper's update rule, to catch a wrong shared derivation."""
+
+from __future__ import annotations
+
+import torch
+
+from infhip.plugins.causal_conv import conv_decode, conv_prefill
+from infhip.plugins.gated_delta import chunked_ref, decode_ref, recurrent_ref
+
+
+def _inputs(t: int, hk: int = 3, hv: int = 6, dk: int = 5, dv: int = 7, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    q, k = torch.randn(t, hk, dk, generator=g), torch.randn(t, hk, dk, generator=g)
+    v = torch.randn(t, hv, dv, generator=g)
+    decay = -torch.rand(t, hv, generator=g) * 0.5
+    beta = torch.rand(t, hv, generator=g)
+    state = torch.randn(hv, dk, dv, generator=g) * 0.3
+    return q, k, v, decay, beta, state
+
+
+def _naive64(q, k, v, decay, beta, state):
+    """S <- exp(g) S; S <- S + beta k (v - S^T k)^T; o = S^T q (q, k unit, q / sqrt(dk)), float64."""
+    rep = v.shape[1] // q.shape[1]
+    q, k = (torch.nn.functional.normalize(x.double(), dim=-1).repeat_interleave(rep, 1) for x in (q, k))
+    q = q / q.shape[-1] ** 0.5
+    s, out = state.double().clone(), []
+    for t in range(q.shape[0]):
+        s = s * decay[t].double().exp()[:, None, None]
+        err = v[t].double() - torch.einsum("hkv,hk->hv", s, k[t])
+        s = s + beta[t].double()[:, None, None] * k[t][:, :, None] * err[:, None, :]
+        out.append(torch.einsum("hkv,hk->hv", s, q[t]))
+    return torch.stack(out), s
+
+
+def test_chunked_equals_recurrent_and_float64():
+    q, k, v, decay, beta, state = _inputs(37)
+    s_rec, s_chunk = state.clone(), state.clone()
+    o_rec = recurrent_ref(q, k, v, decay, beta, s_rec)
+    o_chunk = chunked_ref(q, k, v, decay, beta, s_chunk, chunk=16)  # 16 + 16 + 5
+    o64, s64 = _naive64(q, k, v, decay, beta, state)
+    torch.testing.assert_close(o_chunk, o_rec, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(s_chunk, s_rec, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(o_rec.double(), o64, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(s_rec.double(), s64, atol=1e-4, rtol=1e-4)
+
+
+def test_pieces_carry_the_state_and_decode_matches():
+    q, k, v, decay, beta, state = _inputs(23, seed=1)
+    whole_s = state.clone()
+    whole = chunked_ref(q, k, v, decay, beta, whole_s, chunk=8)
+    s = state.clone()
+    parts = [chunked_ref(q[a:b], k[a:b], v[a:b], decay[a:b], beta[a:b], s, chunk=8) for a, b in ((0, 11), (11, 20))]
+    last = decode_ref(q[20:21], k[20:21], v[20:21], decay[20:21], beta[20:21], s_b := s[None].clone())
+    parts.append(last)
+    s = s_b[0]
+    for t in (21, 22):
+        parts.append(decode_ref(q[t:t + 1], k[t:t + 1], v[t:t + 1], decay[t:t + 1], beta[t:t + 1], s[None]))
+    torch.testing.assert_close(torch.cat(parts), whole, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(s, whole_s, atol=1e-4, rtol=1e-4)
+
+
+def test_causal_conv_pieces_and_decode_equal_whole():
+    g = torch.Generator().manual_seed(2)
+    c, kk, t = 11, 4, 13
+    x, w = torch.randn(t, c, generator=g), torch.randn(c, kk, generator=g)
+    ref = torch.nn.functional.silu(torch.nn.functional.conv1d(x.t()[None], w[:, None], padding=kk - 1, groups=c)[0, :, :t]).t()
+    state = torch.zeros(c, kk - 1)
+    out = [conv_prefill(x[:5], w, state), conv_prefill(x[5:11], w, state)]
+    states = state[None].clone()
+    for i in (11, 12):
+        out.append(conv_decode(x[i:i + 1], w, states))
+    torch.testing.assert_close(torch.cat(out), ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(states[0], x[-(kk - 1):].t())
