@@ -105,14 +105,24 @@ def layer_table(m: ModelConfig, layer: int) -> list[tuple]:
             + _feed_forward(m, layer))
 
 
-def check_build(m: ModelConfig, preset: str, plan, weight_dtype: str, tp: int) -> None:
-    """BuildError for what this family does not support yet (each names the way that works)."""
+def build_problem(m: ModelConfig, preset: str, methods, weight_dtype: str, tp: int) -> str | None:
+    """Why this family cannot be built so yet (one line naming the way that works), or None.
+    methods: the plan's method names (knobs)."""
     if m.architecture != "qwen3_next":
-        return
+        return None
+    methods = sorted(methods)
     unsupported = [(preset != "dense", f"--preset {preset}", "--preset dense"),
-                   (bool(plan.knobs), "plan methods " + ", ".join(sorted(plan.knobs)), "no --token-drop"),
+                   (bool(methods), "plan methods " + ", ".join(methods), "no --token-drop"),
                    (weight_dtype != "bf16", f"--weight-dtype {weight_dtype}", "--weight-dtype bf16"),
                    (tp != 1, f"--tp {tp}", "--tp 1")]
     for bad, what, fix in unsupported:
         if bad:
-            raise BuildError(f"qwen3_next (Qwen3-Next) engines do not support {what} yet; build with {fix}")
+            return f"qwen3_next (Qwen3-Next) engines do not support {what} yet; build with {fix}"
+    return None
+
+
+def check_build(m: ModelConfig, preset: str, plan, weight_dtype: str, tp: int) -> None:
+    """BuildError with build_problem's line, if any."""
+    problem = build_problem(m, preset, plan.knobs, weight_dtype, tp)
+    if problem is not None:
+        raise BuildError(problem)

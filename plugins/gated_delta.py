@@ -26,6 +26,10 @@ Shapes: q, k [T, Hk, Dk]; v [T, Hv, Dv]; g, beta [T, Hv] (float32); state [Hv, D
 from __future__ import annotations
 
 import torch
+import triton
+import triton.language as tl
+
+from ._triton_utils import next_pow2, use_triton
 
 CHUNK = 64  # tokens per chunk of the chunked form (transformers' default too)
 
@@ -100,11 +104,97 @@ def chunked_ref(q, k, v, g, beta, state: torch.Tensor, chunk: int = CHUNK) -> to
     return out
 
 
-def gated_delta_prefill(q, k, v, g, beta, state: torch.Tensor) -> torch.Tensor:
-    """One sequence's chunk of tokens from its state (updated in place); o [T, Hv, Dv] float32."""
-    return chunked_ref(q, k, v, g, beta, state)
+def gated_delta_ref(q, k, v, g, beta, states: torch.Tensor, cu: list[int], slots: list[int],
+                    num_decodes: int) -> torch.Tensor:
+    """The step's rows through the references: the first num_decodes sequences one row each
+    (decode_ref, batched by slot), then each prefill chunk (chunked_ref) from its slot's state.
+    states [S, Hv, Dk, Dv] float32 (updated in place); cu [B + 1] row ranges, slots [B]."""
+    out = torch.empty(q.shape[0], v.shape[1], v.shape[2], dtype=torch.float32, device=q.device)
+    if num_decodes:
+        idx = torch.tensor(slots[:num_decodes], device=q.device)
+        st = states[idx]
+        out[:num_decodes] = decode_ref(q[:num_decodes], k[:num_decodes], v[:num_decodes], g[:num_decodes],
+                                       beta[:num_decodes], st)
+        states.index_copy_(0, idx, st)
+    for i in range(num_decodes, len(slots)):
+        lo, hi = cu[i], cu[i + 1]
+        out[lo:hi] = chunked_ref(q[lo:hi], k[lo:hi], v[lo:hi], g[lo:hi], beta[lo:hi], states[slots[i]])
+    return out
 
 
-def gated_delta_decode(q, k, v, g, beta, states: torch.Tensor) -> torch.Tensor:
-    """B sequences' one token each; states [B, Hv, Dk, Dv] updated in place."""
-    return decode_ref(q, k, v, g, beta, states)
+@triton.jit
+def _recurrent_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, out_ptr, state_ptr, cu_ptr, slot_ptr,
+                      sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, sgb_t, so_t, so_h, s_slot, s_head,
+                      HV: tl.constexpr, REP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+                      BK: tl.constexpr, BV: tl.constexpr):
+    """One (sequence, value head, block of BV value dims): the state block [BK, BV] in registers
+    over the sequence's rows cu[b]..cu[b+1] in order; read from and written back to its slot."""
+    b, h, vb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    lo, hi = tl.load(cu_ptr + b).to(tl.int64), tl.load(cu_ptr + b + 1).to(tl.int64)  # 64-bit row offsets
+    slot = tl.load(slot_ptr + b).to(tl.int64)
+    ks = tl.arange(0, BK)
+    vs = vb * BV + tl.arange(0, BV)
+    km, vm = ks < DK, vs < DV
+    sp = state_ptr + slot * s_slot + h * s_head + ks[:, None] * DV + vs[None, :]
+    smask = km[:, None] & vm[None, :]
+    s = tl.load(sp, mask=smask, other=0.0)
+    hk = h // REP
+    for t64 in range(lo, hi):
+        q = tl.load(q_ptr + t64 * sq_t + hk * sq_h + ks, mask=km, other=0.0).to(tl.float32)
+        k = tl.load(k_ptr + t64 * sk_t + hk * sk_h + ks, mask=km, other=0.0).to(tl.float32)
+        v = tl.load(v_ptr + t64 * sv_t + h * sv_h + vs, mask=vm, other=0.0).to(tl.float32)
+        g = tl.load(g_ptr + t64 * sgb_t + h).to(tl.float32)
+        beta = tl.load(beta_ptr + t64 * sgb_t + h).to(tl.float32)
+        q = q * (1.0 / tl.sqrt(tl.sum(q * q) + 1e-6)) * (1.0 / tl.sqrt(DK * 1.0))
+        k = k * (1.0 / tl.sqrt(tl.sum(k * k) + 1e-6))
+        s = s * tl.exp(g)
+        d = (v - tl.sum(s * k[:, None], 0)) * beta
+        s = s + k[:, None] * d[None, :]
+        o = tl.sum(s * q[:, None], 0)
+        tl.store(out_ptr + t64 * so_t + h * so_h + vs, o, mask=vm)
+    tl.store(sp, s, mask=smask)
+
+
+def gated_delta_triton(q, k, v, g, beta, states: torch.Tensor, cu: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """Triton launcher (one launch for the whole step, no host sync: graph-capturable); same
+    contract as gated_delta_ref with cu [B + 1] int32 and slots [B] int64 on the device. q, k
+    [T, Hk, Dk] and v [T, Hv, Dv] may be strided views (last dim contiguous); g [T, Hv] float32
+    and beta [T, Hv] share strides."""
+    t, hk, dk = q.shape
+    hv, dv = v.shape[1], v.shape[2]
+    assert states.is_contiguous() and states.shape[1:] == (hv, dk, dv), "states must be [S, Hv, Dk, Dv]"
+    assert q.stride(2) == k.stride(2) == v.stride(2) == 1 and g.stride() == beta.stride() and g.stride(1) == 1
+    out = torch.empty(t, hv, dv, dtype=torch.float32, device=q.device)
+    bk, bv = next_pow2(dk), min(next_pow2(dv), 64)
+    grid = (slots.shape[0], hv, triton.cdiv(dv, bv))
+    _recurrent_kernel[grid](q, k, v, g, beta, out, states, cu, slots, q.stride(0), q.stride(1), k.stride(0),
+                            k.stride(1), v.stride(0), v.stride(1), g.stride(0), out.stride(0), out.stride(1),
+                            states.stride(0), states.stride(1), HV=hv, REP=hv // hk, DK=dk, DV=dv, BK=bk, BV=bv)
+    return out
+
+
+def gated_delta(q, k, v, g, beta, states, cu: torch.Tensor, slots: torch.Tensor, cu_list: list[int],
+                slots_list: list[int], num_decodes: int) -> torch.Tensor:
+    """The gated delta rule of a step's packed rows (decodes first), each sequence from and back
+    to its state slot: o [T, Hv, Dv] float32. The Triton kernel on the GPU (the tests run
+    it on the CPU under TRITON_INTERPRET=1), else the torch references."""
+    if use_triton(q):
+        return gated_delta_triton(q, k, v, g, beta, states, cu, slots)
+    return gated_delta_ref(q, k, v, g, beta, states, cu_list, slots_list, num_decodes)
+
+
+def aot_launches(space) -> None:
+    """A linear-attention layer's one launch per step (runtime/models/qwen3_next.py): q, k, v
+    views of the conv output [T, 2 Dk Hk + Dv Hv] (the token count and batch are only the grid and
+    loop bounds), g float32 and beta [T, Hv] (the activation dtype), both contiguous."""
+    la = space.model.linear_attention
+    if la is None:
+        return
+    mixed = space.fake(1, la.conv_dim, dtype=space.act_dtype)
+    q = mixed[:, :la.key_dim].view(1, la.num_key_heads, la.key_head_dim)
+    k = mixed[:, la.key_dim:2 * la.key_dim].view(1, la.num_key_heads, la.key_head_dim)
+    v = mixed[:, 2 * la.key_dim:].view(1, la.num_value_heads, la.value_head_dim)
+    g = space.fake(1, la.num_value_heads, dtype=torch.float32)
+    beta = space.fake(1, la.num_value_heads, dtype=space.act_dtype)
+    states = space.fake(2, la.num_value_heads, la.key_head_dim, la.value_head_dim, dtype=torch.float32)
+    gated_delta_triton(q, k, v, g, beta, states, space.fake(2, dtype=torch.int32), space.fake(1, dtype=torch.int64))

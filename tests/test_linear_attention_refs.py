@@ -75,3 +75,39 @@ def test_causal_conv_pieces_and_decode_equal_whole():
         out.append(conv_decode(x[i:i + 1], w, states))
     torch.testing.assert_close(torch.cat(out), ref, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(states[0], x[-(kk - 1):].t())
+
+
+def _step(seed: int = 3, lens=(1, 1, 9, 4), hk: int = 3, hv: int = 6, dk: int = 5, dv: int = 7, c: int = 11):
+    """A step of two decode rows then two prefill chunks of sequences in slots 4, 1, 0, 2 of 5."""
+    g = torch.Generator().manual_seed(seed)
+    cu = [0]
+    for n in lens:
+        cu.append(cu[-1] + n)
+    t = cu[-1]
+    q, k = torch.randn(t, hk, dk, generator=g), torch.randn(t, hk, dk, generator=g)
+    v = torch.randn(t, hv, dv, generator=g)
+    decay, beta = -torch.rand(t, hv, generator=g) * 0.5, torch.rand(t, hv, generator=g)
+    states = torch.randn(5, hv, dk, dv, generator=g) * 0.3
+    x, w, conv_states = torch.randn(t, c + 3, generator=g)[:, :c], torch.randn(c, 4, generator=g), torch.randn(5, c, 3, generator=g)
+    return cu, [4, 1, 0, 2], (q, k, v, decay, beta, states), (x, w, conv_states)
+
+
+def test_triton_kernels_equal_the_references():
+    """One launch per step (Triton, interpreted) equals the references' per-sequence path, the
+    untouched slot (3) included; the conv input a strided view as the model passes it."""
+    from infhip.plugins.causal_conv import conv_ref, conv_triton
+    from infhip.plugins.gated_delta import gated_delta_ref, gated_delta_triton
+
+    cu, slots, (q, k, v, decay, beta, states), (x, w, conv_states) = _step()
+    cu_t, slots_t = torch.tensor(cu, dtype=torch.int32), torch.tensor(slots)
+    s_ref, s_tri = states.clone(), states.clone()
+    o_ref = gated_delta_ref(q, k, v, decay, beta, s_ref, cu, slots, 2)
+    o_tri = gated_delta_triton(q, k, v, decay, beta, s_tri, cu_t, slots_t)
+    torch.testing.assert_close(o_tri, o_ref, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(s_tri, s_ref, atol=1e-4, rtol=1e-4)
+    c_ref, c_tri = conv_states.clone(), conv_states.clone()
+    y_ref = conv_ref(x, w, c_ref, cu, slots, 2)
+    y_tri = conv_triton(x, w, c_tri, cu_t, slots_t)
+    torch.testing.assert_close(y_tri, y_ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(c_tri, c_ref)
+    assert torch.equal(c_tri[3], conv_states[3]) and torch.equal(s_tri[3], states[3])

@@ -88,3 +88,18 @@ def test_unsupported_builds_are_refused(tiny_checkpoint, tmp_path, kwargs, says)
         build_engine(checkpoint=tiny_checkpoint("qwen3_next"), output_dir=tmp_path / "e", dtype="float32",
                      device="cpu", progress=False, **kwargs)
     assert says in str(e.value)
+
+
+def test_logits_match_transformers_through_the_triton_kernels(tiny, monkeypatch):
+    """A chunked prefill with the linear layers' conv and delta rule in
+    their Triton kernels (interpreted on the CPU), as a GPU runs them."""
+    from infhip.plugins import causal_conv, gated_delta
+
+    for mod in (causal_conv, gated_delta):
+        monkeypatch.setattr(mod, "use_triton", lambda *t: True)
+    hf_cfg, engine, hf = tiny
+    ids = prompt_ids(0, 40, hf_cfg["vocab_size"])  # the interpreter is slow: 40 tokens, chunks of 16
+    ours = last_logits(LLM(engine, max_num_batched_tokens=16), ids)
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0, -1]
+    assert rel_err(ours, ref) <= 1e-4

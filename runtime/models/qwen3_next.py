@@ -5,8 +5,9 @@ Qwen3NextDecoderLayer). Weight layouts (row orders, stacked experts): builder/qw
 
 A step's rows are packed (decodes first, then prefill chunks, infhip/runtime/forward_context.py);
 a linear layer reads and writes each sequence's recurrent state in its slot
-(runtime/linear_state.py): decode rows all at once, by slot tensor (graph-capturable), prefill
-chunks one sequence at a time, starting from the state its earlier chunks left.
+(runtime/linear_state.py): the Triton kernels take the whole step in one launch each, by the
+step's row ranges and slot tensors (graph-capturable); the torch references (CPU) batch the
+decode rows by slot and run each prefill chunk from the state its earlier chunks left.
 """
 
 from __future__ import annotations
@@ -17,8 +18,8 @@ from torch import nn
 
 from infhip.config import LayerPlan, ModelConfig
 from infhip.plugins.activation import gated_act
-from infhip.plugins.causal_conv import conv_decode, conv_prefill
-from infhip.plugins.gated_delta import gated_delta_decode, gated_delta_prefill
+from infhip.plugins.causal_conv import causal_conv
+from infhip.plugins.gated_delta import gated_delta
 from infhip.plugins.moe import moe_experts, route
 from infhip.runtime.forward_context import get_forward_context
 from infhip.runtime.models.common import Attention, CausalLM, DecoderLayer, GatedMLP, RMSNorm, RopeTable, linear
@@ -42,8 +43,8 @@ class Qwen3NextAttention(Attention):
         qkv = self.qkv_proj(hidden)
         t, qs, kvs = qkv.shape[0], self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         q, k, v, gate = qkv.split([qs, kvs, kvs, qs], dim=-1)
-        q = self.q_norm(q.reshape(t, self.num_heads, self.head_dim))
-        k = self.k_norm(k.reshape(t, self.num_kv_heads, self.head_dim))
+        q = self.q_norm(q.reshape(t, self.num_heads, self.head_dim).contiguous())
+        k = self.k_norm(k.reshape(t, self.num_kv_heads, self.head_dim).contiguous())
         v = v.view(t, self.num_kv_heads, self.head_dim)
         out = ctx.run_attention(self, q, k, v)
         return self.o_proj(out.reshape(t, -1) * torch.sigmoid(gate))
@@ -74,30 +75,15 @@ class Qwen3NextGatedDeltaNet(nn.Module):
         conv_states, ssm_states = self.state.conv[row], self.state.ssm[row]  # [S + 1, ...] views
         qkv, z, b, a = self.in_proj(hidden).split([la.conv_dim, la.value_dim, la.num_value_heads,
                                                    la.num_value_heads], dim=-1)
-        weight = self.conv1d.weight[:, 0]
-        nd, cu = ctx.num_decodes, ctx.cu_seqlens_q_list
-        mixed = torch.empty_like(qkv)
-        if nd:
-            st = conv_states[slots[:nd]]
-            mixed[:nd] = conv_decode(qkv[:nd], weight, st)
-            conv_states.index_copy_(0, slots[:nd], st)
-        for i in range(nd, len(slots_list)):
-            mixed[cu[i]:cu[i + 1]] = conv_prefill(qkv[cu[i]:cu[i + 1]], weight, conv_states[slots_list[i]])
+        nd, cu, cu_list = ctx.num_decodes, ctx.cu_seqlens_q, ctx.cu_seqlens_q_list
+        mixed = causal_conv(qkv, self.conv1d.weight[:, 0], conv_states, cu, slots, cu_list, slots_list, nd)
         q, k, v = mixed.split([la.key_dim, la.key_dim, la.value_dim], dim=-1)
-        q = q.reshape(t, la.num_key_heads, la.key_head_dim)
-        k = k.reshape(t, la.num_key_heads, la.key_head_dim)
-        v = v.reshape(t, la.num_value_heads, la.value_head_dim)
+        q = q.view(t, la.num_key_heads, la.key_head_dim)
+        k = k.view(t, la.num_key_heads, la.key_head_dim)
+        v = v.view(t, la.num_value_heads, la.value_head_dim)
         beta = b.sigmoid()
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
-        core = torch.empty(t, la.num_value_heads, la.value_head_dim, dtype=torch.float32, device=hidden.device)
-        if nd:
-            st = ssm_states[slots[:nd]]
-            core[:nd] = gated_delta_decode(q[:nd], k[:nd], v[:nd], g[:nd], beta[:nd], st)
-            ssm_states.index_copy_(0, slots[:nd], st)
-        for i in range(nd, len(slots_list)):
-            lo, hi = cu[i], cu[i + 1]
-            core[lo:hi] = gated_delta_prefill(q[lo:hi], k[lo:hi], v[lo:hi], g[lo:hi], beta[lo:hi],
-                                              ssm_states[slots_list[i]])
+        core = gated_delta(q, k, v, g, beta, ssm_states, cu, slots, cu_list, slots_list, nd)
         return self.out_proj(self.gated_norm(core.to(hidden.dtype), z).reshape(t, la.value_dim))
 
     def gated_norm(self, o: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
