@@ -39,18 +39,19 @@ def conv_decode(x: torch.Tensor, weight: torch.Tensor, states: torch.Tensor) -> 
     return F.silu((full * weight[None]).sum(-1)).to(x.dtype)
 
 
-def conv_ref(x: torch.Tensor, weight: torch.Tensor, states: torch.Tensor, cu: list[int], slots: list[int],
-             num_decodes: int) -> torch.Tensor:
+def conv_ref(x: torch.Tensor, weight: torch.Tensor, states: torch.Tensor, cu: list[int], slots: torch.Tensor,
+             slots_list: list[int] | None, num_decodes: int) -> torch.Tensor:
     """The step's packed rows x [T, C] (decodes first) through the references, each sequence
-    from and back to its slot of states [S, C, K - 1]; cu [B + 1] row ranges, slots [B]."""
+    from and back to its slot of states [S, C, K - 1]; cu [B + 1] row ranges, slots [B] (and
+    its host copy, None when every row decodes)."""
     out = torch.empty_like(x)
     if num_decodes:
-        idx = torch.tensor(slots[:num_decodes], device=x.device)
+        idx = slots[:num_decodes]
         st = states[idx]
         out[:num_decodes] = conv_decode(x[:num_decodes], weight, st)
         states.index_copy_(0, idx, st)
-    for i in range(num_decodes, len(slots)):
-        out[cu[i]:cu[i + 1]] = conv_prefill(x[cu[i]:cu[i + 1]], weight, states[slots[i]])
+    for i in range(num_decodes, slots.shape[0]):
+        out[cu[i]:cu[i + 1]] = conv_prefill(x[cu[i]:cu[i + 1]], weight, states[slots_list[i]])
     return out
 
 
@@ -99,14 +100,14 @@ def conv_triton(x: torch.Tensor, weight: torch.Tensor, states: torch.Tensor, cu:
     return out
 
 
-def causal_conv(x, weight, states, cu: torch.Tensor, slots: torch.Tensor, cu_list: list[int], slots_list: list[int],
-                num_decodes: int) -> torch.Tensor:
+def causal_conv(x, weight, states, cu: torch.Tensor, slots: torch.Tensor, cu_list: list[int],
+                slots_list: list[int] | None, num_decodes: int) -> torch.Tensor:
     """silu(causal conv) of a step's packed rows, each sequence from and back to its state slot:
     the Triton kernel on the GPU (the tests run it on the CPU under TRITON_INTERPRET=1), else
     the torch references."""
     if use_triton(x):
         return conv_triton(x, weight, states, cu, slots)
-    return conv_ref(x, weight, states, cu_list, slots_list, num_decodes)
+    return conv_ref(x, weight, states, cu_list, slots, slots_list, num_decodes)
 
 
 def aot_launches(space) -> None:

@@ -104,21 +104,22 @@ def chunked_ref(q, k, v, g, beta, state: torch.Tensor, chunk: int = CHUNK) -> to
     return out
 
 
-def gated_delta_ref(q, k, v, g, beta, states: torch.Tensor, cu: list[int], slots: list[int],
-                    num_decodes: int) -> torch.Tensor:
+def gated_delta_ref(q, k, v, g, beta, states: torch.Tensor, cu: list[int], slots: torch.Tensor,
+                    slots_list: list[int] | None, num_decodes: int) -> torch.Tensor:
     """The step's rows through the references: the first num_decodes sequences one row each
-    (decode_ref, batched by slot), then each prefill chunk (chunked_ref) from its slot's state.
-    states [S, Hv, Dk, Dv] float32 (updated in place); cu [B + 1] row ranges, slots [B]."""
+    (decode_ref, batched by the slots tensor [B]), then each prefill chunk (chunked_ref) from its
+    slot's state (slots_list: the host copy; None when every row decodes). states
+    [S, Hv, Dk, Dv] float32 (updated in place); cu [B + 1] row ranges."""
     out = torch.empty(q.shape[0], v.shape[1], v.shape[2], dtype=torch.float32, device=q.device)
     if num_decodes:
-        idx = torch.tensor(slots[:num_decodes], device=q.device)
+        idx = slots[:num_decodes]
         st = states[idx]
         out[:num_decodes] = decode_ref(q[:num_decodes], k[:num_decodes], v[:num_decodes], g[:num_decodes],
                                        beta[:num_decodes], st)
         states.index_copy_(0, idx, st)
-    for i in range(num_decodes, len(slots)):
+    for i in range(num_decodes, slots.shape[0]):
         lo, hi = cu[i], cu[i + 1]
-        out[lo:hi] = chunked_ref(q[lo:hi], k[lo:hi], v[lo:hi], g[lo:hi], beta[lo:hi], states[slots[i]])
+        out[lo:hi] = chunked_ref(q[lo:hi], k[lo:hi], v[lo:hi], g[lo:hi], beta[lo:hi], states[slots_list[i]])
     return out
 
 
@@ -174,13 +175,13 @@ def gated_delta_triton(q, k, v, g, beta, states: torch.Tensor, cu: torch.Tensor,
 
 
 def gated_delta(q, k, v, g, beta, states, cu: torch.Tensor, slots: torch.Tensor, cu_list: list[int],
-                slots_list: list[int], num_decodes: int) -> torch.Tensor:
+                slots_list: list[int] | None, num_decodes: int) -> torch.Tensor:
     """The gated delta rule of a step's packed rows (decodes first), each sequence from and back
     to its state slot: o [T, Hv, Dv] float32. The Triton kernel on the GPU (the tests run
     it on the CPU under TRITON_INTERPRET=1), else the torch references."""
     if use_triton(q):
         return gated_delta_triton(q, k, v, g, beta, states, cu, slots)
-    return gated_delta_ref(q, k, v, g, beta, states, cu_list, slots_list, num_decodes)
+    return gated_delta_ref(q, k, v, g, beta, states, cu_list, slots, slots_list, num_decodes)
 
 
 def aot_launches(space) -> None:

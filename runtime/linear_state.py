@@ -28,10 +28,11 @@ from infhip.runtime.sequence import SequenceStatus
 
 @dataclass
 class RecurrentMeta:
-    """A step's state slots, in batch order: slots [B] int64 on the device, and its host copy."""
+    """A step's state slots, in batch order: slots [B] int64 on the device, and its host copy
+    (None in a decode graph: every row is a decode row, read by the device tensor)."""
 
     slots: torch.Tensor
-    slots_list: list[int]
+    slots_list: list[int] | None = None
 
 
 class RecurrentState:

@@ -91,8 +91,7 @@ class ModelRunner:
                               if lp.window is None and lp.attention != "linear"]
         self.hidden_out: torch.Tensor | None = None  # execute(hidden_rows=...)'s kept hidden states
 
-        # decode graphs of a model with linear layers: not yet (its MoE reference syncs the host)
-        if self.device.type == "cuda" and not enforce_eager and self.recurrent is None:
+        if self.device.type == "cuda" and not enforce_eager:
             self.graphs = self.make_graphs([b for b in build.cuda_graph_batch_sizes if b <= max_num_seqs],
                                            max_decode_steps)
             self.graphs.capture_planned()
@@ -116,7 +115,8 @@ class ModelRunner:
     def make_graphs(self, batch_sizes: list[int], max_steps: int = 1) -> DecodeGraphs:
         """A DecodeGraphs over this runner's model, backends, transforms and KV layout (none captured)."""
         shape = GraphShape(self.device, tuple(self.groups), tuple(self.global_layers), self.page_size,
-                           self.max_pages_per_seq, self.table_tokens)
+                           self.max_pages_per_seq, self.table_tokens,
+                           self.recurrent.scratch if self.recurrent is not None else None)
         return DecodeGraphs(self.model, self.backends, self.transforms, shape, batch_sizes, max_steps)
 
     def _mirror(self, kind: str, *args) -> None:

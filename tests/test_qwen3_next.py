@@ -61,10 +61,10 @@ def test_greedy_and_batch_match_transformers(tiny):
     ids = prompt_ids(1, PROMPT_LEN, v)
     llm = LLM(engine)
     ours = llm.generate(prompt_token_ids=[ids], sampling_params=SamplingParams(
-        max_tokens=12, temperature=0.0, ignore_eos=True))[0]
-    assert ours.token_ids == hf_greedy(hf, ids, 12)
-    prompts = [prompt_ids(10 + i, n, v) for i, n in enumerate([5, 40, 77])]
-    params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in (9, 6, 8)]
+        max_tokens=8, temperature=0.0, ignore_eos=True))[0]
+    assert ours.token_ids == hf_greedy(hf, ids, 8)
+    prompts = [prompt_ids(10 + i, n, v) for i, n in enumerate([5, 40, 70])]
+    params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in (6, 4, 5)]
     llm = LLM(engine, max_num_batched_tokens=48)
     for p, sp, out in zip(prompts, params, llm.generate(prompt_token_ids=prompts, sampling_params=params)):
         assert out.token_ids == hf_greedy(hf, p, sp.max_tokens)
@@ -103,3 +103,37 @@ def test_logits_match_transformers_through_the_triton_kernels(tiny, monkeypatch)
     with torch.no_grad():
         ref = hf(torch.tensor([ids])).logits[0, -1]
     assert rel_err(ours, ref) <= 1e-4
+
+
+def _three_prompts(v: int):
+    prompts = [prompt_ids(20 + i, n, v) for i, n in enumerate([7, 30, 19])]
+    return prompts, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+
+
+def test_decode_graph_inputs_equal_eager_steps(tiny, monkeypatch):
+    """The CUDA-graph path without CUDA (tests/_graph_sim.py): decode steps staged into the graphs'
+    static buffers (the recurrent slots a row of them; three sequences padded to a graph of 4,
+    the padding row on the scratch slot) give the eager steps' tokens."""
+    from tests._graph_sim import simulate_graphs
+
+    hf_cfg, engine, _ = tiny
+    prompts, sp = _three_prompts(hf_cfg["vocab_size"])
+    eager = [o.token_ids for o in LLM(engine).generate(prompt_token_ids=prompts, sampling_params=sp)]
+    llm = LLM(engine)
+    keys, _ = simulate_graphs(llm, monkeypatch)
+    assert [o.token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=sp)] == eager
+    assert keys
+
+
+@pytest.mark.gpu
+def test_decode_graphs_replay_on_the_gpu(tiny_checkpoint, tmp_path):
+    """On a GPU (bf16, the Triton kernels): graph-replayed decode gives the eager engine's tokens."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    engine = build_engine(checkpoint=tiny_checkpoint("qwen3_next"), output_dir=tmp_path / "e", dtype="bfloat16",
+                          device="cuda", max_seq_len=256, max_batch_size=4, progress=False)
+    prompts, sp = _three_prompts(300)
+    eager = [o.token_ids for o in LLM(engine, enforce_eager=True).generate(prompt_token_ids=prompts, sampling_params=sp)]
+    llm = LLM(engine)
+    assert [o.token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=sp)] == eager
+    assert llm.debug_view()["graphs"]["report"]["on_request"] == 0
