@@ -80,7 +80,7 @@ def test_prefix_caching_is_refused(tiny, caplog):
 
 @pytest.mark.parametrize("kwargs, says", [
     (dict(preset="3k"), "--preset 3k"),
-    (dict(token_drop=True), "token_drop"),
+    (dict(tp=2), "--tp 2"),
     (dict(weight_dtype="fp8"), "--weight-dtype fp8"),
 ])
 def test_unsupported_builds_are_refused(tiny_checkpoint, tmp_path, kwargs, says):

@@ -199,7 +199,7 @@ class DecoderLayer(nn.Module):
         """routers: the step's TransformSteps that route rows (``routes``), in registration order."""
         if not routers:
             return self.feed_forward(*self.attend(hidden, residual))
-        i = self.self_attn.layer_index
+        i = self.layer_index if hasattr(self, "layer_index") else self.self_attn.layer_index
         for r in routers:
             hidden, residual = r.enter_layer(i, hidden, residual)
         hidden, residual = self.attend(hidden, residual)

@@ -30,6 +30,27 @@ def _param(*shape) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape, device="meta"), requires_grad=False)
 
 
+def rows_flowing(ctx) -> tuple[torch.Tensor, list[int]]:
+    """(cu [B + 1] int32 on the device, its host copy) of the rows flowing through the layer now:
+    the step's, or after a token drop (runtime/token_drop.py) the kept rows' compact offsets, so
+    a linear layer runs each sequence's kept tokens in order and its state is theirs. Decode rows
+    never drop: they stay the first num_decodes rows."""
+    for step in ctx.transforms.values():
+        if getattr(step, "idx", None) is not None:
+            return step.cu_t, step.cu
+    return ctx.cu_seqlens_q, ctx.cu_seqlens_q_list
+
+
+def _pending_selection(ctx) -> torch.Tensor | None:
+    """The rows a token drop before attention keeps at this layer (its attention returns only
+    those), to narrow the output gate alike; None when none is pending."""
+    for step in ctx.transforms.values():
+        pending = getattr(step, "pending", None)
+        if pending is not None:
+            return pending[0]
+    return None
+
+
 class Qwen3NextAttention(Attention):
     """Attention with an output gate: qkv_proj rows [q | k | v | gate]; out * sigmoid(gate)
     before o_proj. Partial RoPE is the builder's row order (rotary dims paired for rotate-half)."""
@@ -47,7 +68,9 @@ class Qwen3NextAttention(Attention):
         k = self.k_norm(k.reshape(t, self.num_kv_heads, self.head_dim).contiguous())
         v = v.view(t, self.num_kv_heads, self.head_dim)
         out = ctx.run_attention(self, q, k, v)
-        return self.o_proj(out.reshape(t, -1) * torch.sigmoid(gate))
+        if out.shape[0] != t:  # token drop before attention: only the kept rows attended
+            gate = gate.index_select(0, _pending_selection(ctx))
+        return self.o_proj(out.reshape(out.shape[0], -1) * torch.sigmoid(gate))
 
 
 class Qwen3NextGatedDeltaNet(nn.Module):
@@ -75,7 +98,7 @@ class Qwen3NextGatedDeltaNet(nn.Module):
         conv_states, ssm_states = self.state.conv[row], self.state.ssm[row]  # [S + 1, ...] views
         qkv, z, b, a = self.in_proj(hidden).split([la.conv_dim, la.value_dim, la.num_value_heads,
                                                    la.num_value_heads], dim=-1)
-        nd, cu, cu_list = ctx.num_decodes, ctx.cu_seqlens_q, ctx.cu_seqlens_q_list
+        nd, (cu, cu_list) = ctx.num_decodes, rows_flowing(ctx)
         mixed = causal_conv(qkv, self.conv1d.weight[:, 0], conv_states, cu, slots, cu_list, slots_list, nd)
         q, k, v = mixed.split([la.key_dim, la.key_dim, la.value_dim], dim=-1)
         q = q.view(t, la.num_key_heads, la.key_head_dim)

@@ -1,0 +1,49 @@
+"""UniPrefill token drop on Qwen3-Next (tiny, 8 layers: linear x3, full, linear x3, full; CPU,
+float32): with a forced retention, the drops at the full-attention layers carry only the kept
+tokens through the following linear-attention layers (their conv and delta-rule state are those
+of the kept tokens) and the MoE, then decode; the logits equal a float64 reference that runs
+each layer over its active rows (infhip/eval/hybrid_reference.py), and differ from the
+undropped model's. The authors' schedule in chunks of 100 (a later chunk resumes the kept
+tokens' state) and the paper's (before attention, re-entry) whole."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from infhip import LLM
+from infhip.eval.common import record_kept_positions, set_forced_retention
+from infhip.eval.hybrid_reference import reference_logits
+from infhip.eval.token_drop_reference import reference_schedule, run_greedy
+
+TINY = dict(obs_window=8, block_size=8, num_sink=8, min_prompt_len=0, spare_anchors=0)
+SCHEDULES = {
+    "authors": dict(drop_layers="every", drop_point="after_attention", reenter=False),
+    "paper": dict(drop_layers="every", drop_point="before_attention", reenter=True),
+}
+# float32 through 8 layers of recurrences and MoE: the undropped engine is ~2e-4 off float64 here
+TOL = 5e-4
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_engine):
+    return tiny_engine("qwen3_next", hf=dict(num_hidden_layers=8), max_seq_len=256, max_batch_size=4)
+
+
+@pytest.mark.parametrize("schedule, budget", [("authors", 100), ("paper", None)])
+def test_drop_through_linear_layers_equals_float64_reference(engine, schedule, budget):
+    ids = torch.randint(3, 300, (200,), generator=torch.Generator().manual_seed(2)).tolist()
+    llm = set_forced_retention(LLM(engine, max_num_batched_tokens=budget,
+                                   token_drop=dict(TINY, **SCHEDULES[schedule])), 0.3)
+    kept_positions = record_kept_positions(llm)
+    tokens, logits, sid = run_greedy(llm, ids, 4)
+    kept = {layer: torch.cat(chunks) for layer, chunks in kept_positions[sid].items()}
+    sched = reference_schedule(llm)
+    assert set(sched["layers"]) == set(kept) == {3, 7}  # the full-attention layers only
+    assert all(len(kept[layer]) < 0.6 * len(ids) for layer in kept)  # really dropped
+    layers = llm.engine.config.plan.layers
+    full = ids + tokens[:-1]
+    ref = reference_logits(llm.engine.model, full, len(ids), kept, layers, schedule=sched)[len(ids) - 1:]
+    assert (logits.double() - ref).abs().max() < TOL
+    dense = reference_logits(llm.engine.model, full, len(ids), {}, layers)[len(ids) - 1:]
+    assert (logits.double() - dense).abs().max() > 1e-2
