@@ -37,7 +37,7 @@ def experts_ref(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, topk
         tok, slot = torch.where(topk_ids == e)
         gate, up = F.linear(x[tok], gate_up[e]).chunk(2, dim=-1)
         y = F.linear(F.silu(gate) * up, down[e]) * topk_weights[tok, slot, None]
-        out.index_add_(0, tok, y.to(out.dtype))
+        out.index_put_((tok,), y.to(out.dtype), accumulate=True)  # (index_add_ is ~1000x slower on the CPU)
     return out
 
 

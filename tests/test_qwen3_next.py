@@ -137,3 +137,17 @@ def test_decode_graphs_replay_on_the_gpu(tiny_checkpoint, tmp_path):
     llm = LLM(engine)
     assert [o.token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=sp)] == eager
     assert llm.debug_view()["graphs"]["report"]["on_request"] == 0
+
+
+def test_preempted_sequences_rebuild_their_state(tiny):
+    """KV pages for two of three sequences (18 pages: one of 256 tokens; each needs 9): some are
+    preempted (pages and recurrent slot given back) and recomputed from token 0; tokens equal a
+    roomy engine's."""
+    hf_cfg, engine, _ = tiny
+    prompts = [prompt_ids(30 + i, 125, hf_cfg["vocab_size"]) for i in range(3)]
+    sp = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    want = [o.token_ids for o in LLM(engine).generate(prompt_token_ids=prompts, sampling_params=sp)]
+    # one full-attention layer: a page is 16 tokens x 2 kv heads x 16 dims x (k, v) x 4 bytes
+    small = LLM(engine, max_num_seqs=3, max_num_batched_tokens=64, kv_cache_memory_bytes=18 * 4096)
+    assert [o.token_ids for o in small.generate(prompt_token_ids=prompts, sampling_params=sp)] == want
+    assert small.scheduler.num_preemptions > 0
