@@ -177,11 +177,23 @@ def gated_delta_triton(q, k, v, g, beta, states: torch.Tensor, cu: torch.Tensor,
 def gated_delta(q, k, v, g, beta, states, cu: torch.Tensor, slots: torch.Tensor, cu_list: list[int],
                 slots_list: list[int] | None, num_decodes: int) -> torch.Tensor:
     """The gated delta rule of a step's packed rows (decodes first), each sequence from and back
-    to its state slot: o [T, Hv, Dv] float32. The Triton kernel on the GPU (the tests run
-    it on the CPU under TRITON_INTERPRET=1), else the torch references."""
-    if use_triton(q):
+    to its state slot: o [T, Hv, Dv] float32. On the GPU the recurrent kernel for the decode
+    rows (one launch) and the chunked form for each prefill chunk (plugins/gated_delta_chunked.py;
+    the tests run both on the CPU under TRITON_INTERPRET=1); elsewhere the torch references."""
+    if not use_triton(q):
+        return gated_delta_ref(q, k, v, g, beta, states, cu_list, slots, slots_list, num_decodes)
+    nd = num_decodes
+    if slots_list is None or nd == slots.shape[0]:  # decode rows only (a decode graph: always)
         return gated_delta_triton(q, k, v, g, beta, states, cu, slots)
-    return gated_delta_ref(q, k, v, g, beta, states, cu_list, slots, slots_list, num_decodes)
+    from .gated_delta_chunked import chunked_triton  # prefill chunks: the chunked form
+
+    out = torch.empty(q.shape[0], v.shape[1], v.shape[2], dtype=torch.float32, device=q.device)
+    if nd:
+        out[:nd] = gated_delta_triton(q[:nd], k[:nd], v[:nd], g[:nd], beta[:nd], states, cu[:nd + 1], slots[:nd])
+    for i in range(nd, len(slots_list)):
+        lo, hi = cu_list[i], cu_list[i + 1]
+        out[lo:hi] = chunked_triton(q[lo:hi], k[lo:hi], v[lo:hi], g[lo:hi], beta[lo:hi], states[slots_list[i]])
+    return out
 
 
 def aot_launches(space) -> None:

@@ -91,11 +91,11 @@ def test_unsupported_builds_are_refused(tiny_checkpoint, tmp_path, kwargs, says)
 
 
 def test_logits_match_transformers_through_the_triton_kernels(tiny, monkeypatch):
-    """A chunked prefill with the linear layers' conv and delta rule in
-    their Triton kernels (interpreted on the CPU), as a GPU runs them."""
-    from infhip.plugins import causal_conv, gated_delta
+    """A chunked prefill with the linear layers' conv and delta rule (the chunked form) and the
+    MoE experts in their Triton kernels (interpreted on the CPU), as a GPU runs them."""
+    from infhip.plugins import causal_conv, gated_delta, moe
 
-    for mod in (causal_conv, gated_delta):
+    for mod in (causal_conv, gated_delta, moe):
         monkeypatch.setattr(mod, "use_triton", lambda *t: True)
     hf_cfg, engine, hf = tiny
     ids = prompt_ids(0, 40, hf_cfg["vocab_size"])  # the interpreter is slow: 40 tokens, chunks of 16
