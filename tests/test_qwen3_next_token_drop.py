@@ -4,13 +4,17 @@ tokens through the following linear-attention layers (their conv and delta-rule 
 of the kept tokens) and the MoE, then decode; the logits equal a float64 reference that runs
 each layer over its active rows (infhip/eval/hybrid_reference.py), and differ from the
 undropped model's. The authors' schedule in chunks of 100 (a later chunk resumes the kept
-tokens' state) and the paper's (before attention, re-entry) whole."""
+tokens' state) and the paper's (before attention, re-entry) whole. And the TTFT benchmark
+(benchmarks/speed/bench_qwen3_next_ttft.py) at tiny size on the CPU (--smoke)."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 import torch
 
+from benchmarks.speed.bench_qwen3_next_ttft import main as bench_main
 from infhip import LLM
 from infhip.eval.common import record_kept_positions, set_forced_retention
 from infhip.eval.hybrid_reference import reference_logits
@@ -47,3 +51,13 @@ def test_drop_through_linear_layers_equals_float64_reference(engine, schedule, b
     assert (logits.double() - ref).abs().max() < TOL
     dense = reference_logits(llm.engine.model, full, len(ids), {}, layers)[len(ids) - 1:]
     assert (logits.double() - dense).abs().max() > 1e-2
+
+
+def test_ttft_benchmark_smoke_run_writes_every_row(tmp_path):
+    res = bench_main(["--smoke", "--out", str(tmp_path / "out"), "--work", str(tmp_path / "work")])
+    saved = json.loads((tmp_path / "out" / "bench_qwen3_next_ttft.json").read_text())
+    assert saved["layer_types"] == ["linear_attention"] * 3 + ["full_attention"] + ["linear_attention"] * 3 + ["full_attention"]
+    assert saved["drop_layers"] and set(saved["drop_layers"]) <= {3, 7}
+    assert [r["length"] for r in saved["ttft"]] == [64]
+    assert all(r[c] > 0 for r in saved["ttft"] for c in ("dense", "rho=0.3"))
+    assert [r["tokens"] for r in saved["moe"]] == [1, 16] and res["smoke"]

@@ -18,7 +18,7 @@ batches; 4096: a prefill chunk), fused (plugins/moe.py experts_triton) and the p
 (experts_ref), each the best of --reps. JSON to --out/bench_qwen3_next_ttft.json.
 
 --smoke: hidden 64, 8 layers, 8 experts, 64 tokens, rho 0.3, float32 on the CPU (the MoE rows
-through the reference only): the test's run (tests/test_qwen3_next_bench.py).
+through the reference only): the test's run (tests/test_qwen3_next_token_drop.py).
 """
 
 from __future__ import annotations
