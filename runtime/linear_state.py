@@ -89,9 +89,3 @@ class RecurrentState:
         if not self._free:
             raise RuntimeError(f"more than {self.scratch} sequences hold a recurrent state")
         return self._free.pop()
-
-    def release(self, seq) -> None:
-        """Give back ``seq``'s slot now (it finished or was preempted)."""
-        held = self._held.pop(seq.seq_id, None)
-        if held is not None:
-            self._free.append(held[1])

@@ -53,6 +53,24 @@ def test_drop_through_linear_layers_equals_float64_reference(engine, schedule, b
     assert (logits.double() - dense).abs().max() > 1e-2
 
 
+def test_decode_graph_inputs_after_drops_equal_eager_steps(engine, monkeypatch):
+    """Decode after drops through the graphs' static buffers (tests/_graph_sim.py): the per-layer
+    KV shifts of the full-attention layers and the recurrent slots staged together give the eager
+    steps' tokens (three sequences, padded to a graph of 4)."""
+    from infhip import SamplingParams
+    from tests._graph_sim import simulate_graphs
+
+    knobs = dict(TINY, drop_layers="every")
+    prompts = [torch.randint(3, 300, (n,), generator=torch.Generator().manual_seed(40 + n)).tolist() for n in (90, 120, 70)]
+    sp = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+    eager = set_forced_retention(LLM(engine, token_drop=knobs), 0.3).generate(prompt_token_ids=prompts, sampling_params=sp)
+    llm = set_forced_retention(LLM(engine, token_drop=knobs), 0.3)
+    keys, _ = simulate_graphs(llm, monkeypatch)
+    got = llm.generate(prompt_token_ids=prompts, sampling_params=sp)
+    assert [o.token_ids for o in got] == [o.token_ids for o in eager]
+    assert any(key.kv_shift == "token_drop" for key in keys)
+
+
 def test_ttft_benchmark_smoke_run_writes_every_row(tmp_path):
     res = bench_main(["--smoke", "--out", str(tmp_path / "out"), "--work", str(tmp_path / "work")])
     saved = json.loads((tmp_path / "out" / "bench_qwen3_next_ttft.json").read_text())
