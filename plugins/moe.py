@@ -42,11 +42,17 @@ def experts_ref(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, topk
 
 
 # Fused form: the T * k (token, expert) pairs sorted by expert, cut into blocks of BM pairs of
-# one expert each; one program per (block, BN output columns) runs that block's GEMM against its
+# one expert each (block_rows); one program per (block, BN output columns) runs that block's GEMM against its
 # expert's weights (a grouped GEMM). The block table is made on the device (no host sync: decode
 # graphs capture it) for an upper bound of blocks, cdiv(T k, BM) + min(E, T k); programs past the
 # real count exit at once.
-BM, BN, BK = 16, 64, 64
+BN, BK = 64, 64
+
+
+def block_rows(num_pairs: int, num_experts: int) -> int:
+    """Pairs per block: 16 while experts get few pairs each (decode), 64 once they average 64
+    (prefill: each block re-reads its expert's weights, so fewer, fuller blocks read less)."""
+    return 64 if num_pairs >= 64 * num_experts else 16
 
 
 @triton.jit
@@ -87,7 +93,7 @@ def _expert_gemm_kernel(a_ptr, w_ptr, out_ptr, order_ptr, block_expert_ptr, bloc
     tl.store(out_ptr + pair[:, None] * so + cols[None, :], acc.to(out_ptr.dtype.element_ty), mask=rm[:, None] & cm[None, :])
 
 
-def _block_table(topk_ids: torch.Tensor, num_experts: int):
+def _block_table(topk_ids: torch.Tensor, num_experts: int, bm: int):
     """(order [P]: pair ids sorted by expert, block_expert [G] (-1: unused), block_row [G]: the
     block's first position in order, expert_end [E]: one past each expert's last position)."""
     flat = topk_ids.reshape(-1)
@@ -95,14 +101,14 @@ def _block_table(topk_ids: torch.Tensor, num_experts: int):
     order = torch.argsort(flat, stable=True).to(torch.int32)
     counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
     ends = counts.cumsum(0)
-    blocks = (counts + BM - 1) // BM
+    blocks = (counts + bm - 1) // bm
     bends = blocks.cumsum(0)
-    g = triton.cdiv(p, BM) + min(num_experts, p)
+    g = triton.cdiv(p, bm) + min(num_experts, p)
     pid = torch.arange(g, device=flat.device)
     e = torch.searchsorted(bends, pid, right=True)
     valid = e < num_experts
     e = e.clamp(max=num_experts - 1)
-    block_row = (ends - counts)[e] + (pid - (bends - blocks)[e]) * BM
+    block_row = (ends - counts)[e] + (pid - (bends - blocks)[e]) * bm
     return order, torch.where(valid, e, -1).to(torch.int32), block_row.to(torch.int32), ends.to(torch.int32)
 
 
@@ -113,17 +119,18 @@ def experts_triton(x, gate_up, down, topk_weights, topk_ids) -> torch.Tensor:
     e, two_i, _ = gate_up.shape
     i, k = two_i // 2, topk_ids.shape[1]
     assert x.stride(1) == 1 and gate_up.is_contiguous() and down.is_contiguous() and down.shape == (e, h, i)
-    order, block_expert, block_row, ends = _block_table(topk_ids, e)
+    bm = block_rows(t * k, e)
+    order, block_expert, block_row, ends = _block_table(topk_ids, e, bm)
     g = block_expert.shape[0]
     mid = torch.empty(t * k, i, dtype=x.dtype, device=x.device)
     _expert_gemm_kernel[(g, triton.cdiv(i, BN))](x, gate_up, mid, order, block_expert, block_row, ends, topk_weights,
                                                   i, h, x.stride(0), gate_up.stride(0), gate_up.stride(1), mid.stride(0),
-                                                  TOP_K=k, GATED=True, BM=BM, BN=BN, BK=BK)
+                                                  TOP_K=k, GATED=True, BM=bm, BN=BN, BK=BK)
     y = torch.empty(t * k, h, dtype=x.dtype, device=x.device)
     pw = topk_weights.reshape(-1).contiguous()
     _expert_gemm_kernel[(g, triton.cdiv(h, BN))](mid, down, y, order, block_expert, block_row, ends, pw,
                                                   h, i, mid.stride(0), down.stride(0), down.stride(1), y.stride(0),
-                                                  TOP_K=k, GATED=False, BM=BM, BN=BN, BK=BK)
+                                                  TOP_K=k, GATED=False, BM=bm, BN=BN, BK=BK)
     return y.view(t, k, h).sum(1)
 
 
@@ -137,12 +144,14 @@ def moe_experts(x, gate_up, down, topk_weights, topk_ids) -> torch.Tensor:
 
 def aot_launches(space) -> None:
     """The MoE layers' two launches per step (runtime/models/qwen3_next.py): x the normed rows
-    [T, H], the stacked experts; T and the routing are only the grid and the block table."""
+    [T, H], the stacked experts; T picks the block size (block_rows), else it and the routing
+    are only the grid and the block table."""
     moe = space.model.moe
     if moe is None:
         return
     h, e, i = space.model.hidden_size, moe.num_experts, moe.intermediate_size
-    x = space.fake(1, h, dtype=space.act_dtype)
-    ids = torch.zeros(1, moe.top_k, dtype=torch.int64, device="meta")
-    experts_triton(x, space.fake(e, 2 * i, h, dtype=space.act_dtype), space.fake(e, h, i, dtype=space.act_dtype),
-                   space.fake(1, moe.top_k, dtype=space.act_dtype), ids)
+    gate_up, down = space.fake(e, 2 * i, h, dtype=space.act_dtype), space.fake(e, h, i, dtype=space.act_dtype)
+    for t in {1, -(-64 * e // moe.top_k)}:  # both block sizes (block_rows)
+        ids = torch.zeros(t, moe.top_k, dtype=torch.int64, device="meta")
+        experts_triton(space.fake(t, h, dtype=space.act_dtype), gate_up, down,
+                       space.fake(t, moe.top_k, dtype=space.act_dtype), ids)

@@ -12,7 +12,7 @@ import torch
 
 from infhip.plugins.causal_conv import conv_decode, conv_prefill
 from infhip.plugins.gated_delta import chunked_ref, decode_ref, recurrent_ref
-from infhip.plugins.moe import experts_ref, experts_triton, route
+from infhip.plugins.moe import block_rows, experts_ref, experts_triton, route
 
 
 def _inputs(t: int, hk: int = 3, hv: int = 6, dk: int = 5, dv: int = 7, seed: int = 0):
@@ -141,6 +141,14 @@ def test_fused_experts_equal_the_reference():
     ids[:, 1] = torch.where(ids[:, 1] == ids[:, 2], 0, ids[:, 1])
     w = torch.rand(t, k, generator=g)
     torch.testing.assert_close(experts_triton(x, gate_up, down, w, ids), experts_ref(x, gate_up, down, w, ids),
+                               atol=1e-4, rtol=1e-4)
+    # the prefill block size: 100 tokens top-2 of 3 experts (200 pairs >= 64 x 3), blocks of 64
+    # pairs, the experts' last blocks partial
+    assert block_rows(190, 3) == 16 and block_rows(200, 3) == 64
+    x2 = torch.randn(100, h, generator=g)
+    ids2 = torch.stack([torch.randperm(3, generator=g)[:2] for _ in range(100)])
+    w2, gu2, dn2 = torch.rand(100, 2, generator=g), gate_up[:3].contiguous(), down[:3].contiguous()
+    torch.testing.assert_close(experts_triton(x2, gu2, dn2, w2, ids2), experts_ref(x2, gu2, dn2, w2, ids2),
                                atol=1e-4, rtol=1e-4)
 
 
