@@ -3,11 +3,12 @@
 modeling_qwen3_next.py (Qwen3NextGatedDeltaNet, Qwen3NextAttention, Qwen3NextSparseMoeBlock,
 Qwen3NextDecoderLayer). Weight layouts (row orders, stacked experts): builder/qwen3_next.py.
 
-A step's rows are packed (decodes first, then prefill chunks, infhip/runtime/forward_context.py);
+A step's rows are packed (decodes first, then prefill chunks, runtime/forward_context.py);
 a linear layer reads and writes each sequence's recurrent state in its slot
-(runtime/linear_state.py): the Triton kernels take the whole step in one launch each, by the
-step's row ranges and slot tensors (graph-capturable); the torch references (CPU) batch the
-decode rows by slot and run each prefill chunk from the state its earlier chunks left.
+(runtime/linear_state.py). On the GPU the conv and the decode rows' delta rule take the whole
+step in one launch each, by the step's row ranges and slot tensors (graph-capturable), and each
+prefill chunk takes the chunked delta rule; the torch references (CPU) batch the decode rows by
+slot and run each prefill chunk from the state its earlier chunks left.
 """
 
 from __future__ import annotations
