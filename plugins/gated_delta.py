@@ -30,31 +30,16 @@ import triton
 import triton.language as tl
 
 from ._triton_utils import next_pow2, use_triton
+from .gated_delta_chunked import chunked_triton, prepare_qkv
 
 CHUNK = 64  # tokens per chunk of the chunked form (transformers' default too)
-
-
-def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """x / sqrt(sum(x^2) + eps) over the last dim, in float32 (as fla / transformers)."""
-    x = x.float()
-    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
-
-
-def _prepare(q, k, v, num_v_heads: int):
-    """float32 q (normalised, scaled), k (normalised), v; q/k repeated to the value heads:
-    [T, Hv, D*]."""
-    rep = num_v_heads // q.shape[1]
-    q, k = l2norm(q), l2norm(k)
-    if rep > 1:
-        q, k = q.repeat_interleave(rep, dim=1), k.repeat_interleave(rep, dim=1)
-    return q * q.shape[-1] ** -0.5, k, v.float()
 
 
 def recurrent_ref(q, k, v, g, beta, state: torch.Tensor) -> torch.Tensor:
     """Token by token; updates ``state`` [Hv, Dk, Dv] float32 in place; returns o [T, Hv, Dv]
     float32. Also the decode form: q/k/v/g/beta of B sequences' one token each, state [B, Hv, Dk, Dv]
     (pass T = 1 rows per sequence as a batch: see decode_ref)."""
-    q, k, v = _prepare(q, k, v, v.shape[1])
+    q, k, v = prepare_qkv(q, k, v, v.shape[1])
     out = torch.empty_like(v)
     for t in range(q.shape[0]):
         state.mul_(g[t].float().exp()[:, None, None])
@@ -69,7 +54,7 @@ def decode_ref(q, k, v, g, beta, states: torch.Tensor) -> torch.Tensor:
     """One token of each of B sequences: q, k [B, Hk, Dk], v [B, Hv, Dv], g, beta [B, Hv];
     states [B, Hv, Dk, Dv] float32 (updated in place). Returns o [B, Hv, Dv] float32. Device
     ops only (no host sync): what a decode graph captures."""
-    q, k, v = _prepare(q, k, v, v.shape[1])
+    q, k, v = prepare_qkv(q, k, v, v.shape[1])
     states.mul_(g.float().exp()[:, :, None, None])
     pred = torch.einsum("bhkv,bhk->bhv", states, k)
     d = (v - pred) * beta.float()[:, :, None]
@@ -80,7 +65,7 @@ def decode_ref(q, k, v, g, beta, states: torch.Tensor) -> torch.Tensor:
 def chunked_ref(q, k, v, g, beta, state: torch.Tensor, chunk: int = CHUNK) -> torch.Tensor:
     """The chunked form of one sequence's T tokens (module docstring); updates ``state`` in
     place; returns o [T, Hv, Dv] float32. Equal to recurrent_ref up to float32 rounding."""
-    q, k, v = _prepare(q, k, v, v.shape[1])
+    q, k, v = prepare_qkv(q, k, v, v.shape[1])
     g, beta = g.float(), beta.float()
     out = torch.empty_like(v)
     s = state
@@ -185,8 +170,6 @@ def gated_delta(q, k, v, g, beta, states, cu: torch.Tensor, slots: torch.Tensor,
     nd = num_decodes
     if slots_list is None or nd == slots.shape[0]:  # decode rows only (a decode graph: always)
         return gated_delta_triton(q, k, v, g, beta, states, cu, slots)
-    from .gated_delta_chunked import chunked_triton  # prefill chunks: the chunked form
-
     out = torch.empty(q.shape[0], v.shape[1], v.shape[2], dtype=torch.float32, device=q.device)
     if nd:
         out[:nd] = gated_delta_triton(q[:nd], k[:nd], v[:nd], g[:nd], beta[:nd], states, cu[:nd + 1], slots[:nd])

@@ -1,5 +1,6 @@
 """The chunked gated delta rule on the GPU, for prefill chunks (plugins/gated_delta.py has the
-math and the references; its recurrent kernel serves decode rows).
+math and the references; its recurrent kernel serves decode rows), and the q/k/v preparation
+both share.
 
 Two parts per sequence, C = 64 tokens a chunk (the last one padded with g = 0, beta = 0 rows,
 which leave the state alone):
@@ -24,16 +25,31 @@ import triton
 import triton.language as tl
 
 from ._triton_utils import next_pow2
-from .gated_delta import _prepare
 
 C = 64  # tokens per chunk
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """x / sqrt(sum(x^2) + eps) over the last dim, in float32 (as fla / transformers)."""
+    x = x.float()
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
+def prepare_qkv(q, k, v, num_v_heads: int):
+    """float32 q (normalised, scaled), k (normalised), v; q/k repeated to the value heads:
+    [T, Hv, D*]."""
+    rep = num_v_heads // q.shape[1]
+    q, k = l2norm(q), l2norm(k)
+    if rep > 1:
+        q, k = q.repeat_interleave(rep, dim=1), k.repeat_interleave(rep, dim=1)
+    return q * q.shape[-1] ** -0.5, k, v.float()
 
 
 def chunk_prepare(q, k, v, g, beta) -> tuple[torch.Tensor, ...]:
     """Part 1: (Q, K, W [Hv, Tp, Dk], U [Hv, Tp, Dv], G [Hv, Tp]) float32 contiguous, Tp = T
     rounded up to C."""
     hv = v.shape[1]
-    qf, kf, vf = _prepare(q, k, v, hv)  # [T, Hv, D] float32; q normalised and scaled, k normalised
+    qf, kf, vf = prepare_qkv(q, k, v, hv)  # [T, Hv, D] float32; q normalised and scaled, k normalised
     t = qf.shape[0]
     pad = (-t) % C
     qf, kf, vf = (F.pad(x.transpose(0, 1), (0, 0, 0, pad)) for x in (qf, kf, vf))  # [Hv, Tp, D]
