@@ -15,7 +15,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from ._triton_utils import use_triton
+from ._triton_utils import dot_precision, use_triton
 
 
 def route(x: torch.Tensor, router_weight: torch.Tensor, top_k: int, norm_topk_prob: bool):
@@ -58,7 +58,7 @@ def block_rows(num_pairs: int, num_experts: int) -> int:
 @triton.jit
 def _expert_gemm_kernel(a_ptr, w_ptr, out_ptr, order_ptr, block_expert_ptr, block_row_ptr, expert_end_ptr, pw_ptr,
                         N, K, sa, sw_e, sw_n, so, TOP_K: tl.constexpr, GATED: tl.constexpr,
-                        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+                        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT: tl.constexpr):
     """GATED: out[pair] = silu(a[token] Wg^T) * (a[token] Wu^T), Wg / Wu rows n / N + n of expert
     e's [2N, K] weights (a: x, one row per token); else out[pair] = (a[pair] W^T) * pw[pair]
     (a: the gated rows, one per pair; W: expert e's [N, K])."""
@@ -81,10 +81,10 @@ def _expert_gemm_kernel(a_ptr, w_ptr, out_ptr, order_ptr, block_expert_ptr, bloc
         km = k0 + ks < K
         a = tl.load(a_ptr + src[:, None] * sa + (k0 + ks)[None, :], mask=rm[:, None] & km[None, :], other=0.0)
         w = tl.load(w_e + cols[None, :] * sw_n + (k0 + ks)[:, None], mask=cm[None, :] & km[:, None], other=0.0)
-        acc += tl.dot(a, w)
+        acc += tl.dot(a, w, input_precision=DOT)
         if GATED:
             wu = tl.load(w_e + (N + cols)[None, :] * sw_n + (k0 + ks)[:, None], mask=cm[None, :] & km[:, None], other=0.0)
-            acc_u += tl.dot(a, wu)
+            acc_u += tl.dot(a, wu, input_precision=DOT)
     if GATED:
         g = acc.to(out_ptr.dtype.element_ty).to(tl.float32)
         acc = (g / (1.0 + tl.exp(-g))) * acc_u.to(out_ptr.dtype.element_ty).to(tl.float32)
@@ -119,18 +119,18 @@ def experts_triton(x, gate_up, down, topk_weights, topk_ids) -> torch.Tensor:
     e, two_i, _ = gate_up.shape
     i, k = two_i // 2, topk_ids.shape[1]
     assert x.stride(1) == 1 and gate_up.is_contiguous() and down.is_contiguous() and down.shape == (e, h, i)
-    bm = block_rows(t * k, e)
+    bm, dot = block_rows(t * k, e), dot_precision(x.dtype)
     order, block_expert, block_row, ends = _block_table(topk_ids, e, bm)
     g = block_expert.shape[0]
     mid = torch.empty(t * k, i, dtype=x.dtype, device=x.device)
     _expert_gemm_kernel[(g, triton.cdiv(i, BN))](x, gate_up, mid, order, block_expert, block_row, ends, topk_weights,
                                                   i, h, x.stride(0), gate_up.stride(0), gate_up.stride(1), mid.stride(0),
-                                                  TOP_K=k, GATED=True, BM=bm, BN=BN, BK=BK)
+                                                  TOP_K=k, GATED=True, BM=bm, BN=BN, BK=BK, DOT=dot)
     y = torch.empty(t * k, h, dtype=x.dtype, device=x.device)
     pw = topk_weights.reshape(-1).contiguous()
     _expert_gemm_kernel[(g, triton.cdiv(h, BN))](mid, down, y, order, block_expert, block_row, ends, pw,
                                                   h, i, mid.stride(0), down.stride(0), down.stride(1), y.stride(0),
-                                                  TOP_K=k, GATED=False, BM=bm, BN=BN, BK=BK)
+                                                  TOP_K=k, GATED=False, BM=bm, BN=BN, BK=BK, DOT=dot)
     return y.view(t, k, h).sum(1)
 
 

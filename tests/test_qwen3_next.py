@@ -151,3 +151,22 @@ def test_preempted_sequences_rebuild_their_state(tiny):
     small = LLM(engine, max_num_seqs=3, max_num_batched_tokens=64, kv_cache_memory_bytes=18 * 4096)
     assert [o.token_ids for o in small.generate(prompt_token_ids=prompts, sampling_params=sp)] == want
     assert small.scheduler.num_preemptions > 0
+
+
+@pytest.mark.gpu
+def test_gpu_kernels_match_transformers(tiny, tiny_checkpoint, tmp_path):
+    """A float32 engine on the GPU (every new kernel compiled, fp32 dots exact): the chunked
+    prefill's last logits and the greedy tokens equal transformers' on the CPU."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    hf_cfg, _, hf = tiny
+    engine = build_engine(checkpoint=tiny_checkpoint("qwen3_next"), output_dir=tmp_path / "e", dtype="float32",
+                          device="cuda", max_seq_len=256, max_batch_size=4, progress=False)
+    ids = prompt_ids(0, PROMPT_LEN, hf_cfg["vocab_size"])
+    llm = LLM(engine, max_num_batched_tokens=32)
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0, -1]
+    assert rel_err(last_logits(llm, ids).cpu(), ref) <= 1e-4
+    out = llm.generate(prompt_token_ids=[ids], sampling_params=SamplingParams(max_tokens=8, temperature=0.0,
+                                                                              ignore_eos=True))[0]
+    assert out.token_ids == hf_greedy(hf, ids, 8)
