@@ -18,7 +18,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from infhip.config import LayerPlan, ModelConfig
-from infhip.plugins.activation import gated_act
 from infhip.plugins.causal_conv import causal_conv
 from infhip.plugins.gated_delta import gated_delta
 from infhip.plugins.moe import moe_experts, route
