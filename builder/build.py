@@ -30,6 +30,7 @@ import torch
 
 from infhip import __version__
 from infhip.config import DTYPES, KV_DTYPES, WEIGHT_DTYPES, BuildConfig, EngineConfig, EngineFormatError
+from infhip.builder import qwen3_next
 from infhip.builder.checkpoint import GGUFCheckpoint, HFDirCheckpoint
 from infhip.builder.convert import convert_weights, random_weights, unused_tensors, weight_specs
 from infhip.errors import BuildError
@@ -217,6 +218,7 @@ def build_engine(
             plan = plan_of(mcfg, preset, knobs)
         except (TypeError, ValueError) as e:
             raise BuildError(str(e)) from e
+        qwen3_next.check_build(mcfg, preset, plan, weight_dtype, tp)
         engine = EngineConfig(model=mcfg, plan=plan, build=build, infhip_version=__version__)
 
         out.parent.mkdir(parents=True, exist_ok=True)

@@ -58,7 +58,7 @@ CONFIGS = Path(__file__).resolve().parent / "model_configs"
 TARGETS = {"sm_80": Target("sm_80", 108), "sm_89": Target("sm_89", 128), "sm_90": Target("sm_90", 132)}
 PRESETS = ("dense", "3k", "5k")
 MODELS = ("llama-3.1-8b", "gemma-3-12b", "qwen2.5-7b", "qwen3-8b", "mistral-7b", "smollm2-135m",
-          "qwen2.5-coder-0.5b", "gemma-3-270m", "llama-3.2-1b")
+          "qwen2.5-coder-0.5b", "gemma-3-270m", "llama-3.2-1b", "qwen3-next-80b-a3b")
 # The targets compiled through TTGIR take the shapes that differ most (head dims 128 / 256 / 64,
 # GQA groups 4 / 2 / 3 / 7, sliding layers, biases): enumerating is half their time.
 TTGIR_MODELS = ("llama-3.1-8b", "gemma-3-12b", "smollm2-135m", "qwen2.5-coder-0.5b")
@@ -113,7 +113,23 @@ def configurations(target: Target, models: tuple[str, ...] = MODELS) -> dict[str
                 out[f"{model} dense tp={tp}"] = dict(model=model, tp=tp)
                 out[f"{model} 3k kv={kv_dtypes[-1]} tp={tp}"] = dict(model=model, preset="3k", kv_dtype=kv_dtypes[-1],
                                                                      tp=tp)
-    return out
+    return {name: kw for name, kw in out.items() if _buildable(kw)}
+
+
+@functools.lru_cache(maxsize=None)
+def _model_config(model: str):
+    from infhip.builder.hf_config import model_config_from_hf
+    return model_config_from_hf(json.loads((CONFIGS / f"{model}.json").read_text()))[0]
+
+
+def _buildable(kw: dict) -> bool:
+    """Whether infhip-build builds this configuration: a family may refuse some (Qwen3-Next:
+    dense, bf16 weights, one rank only; builder/qwen3_next.py)."""
+    from infhip.builder.qwen3_next import build_problem
+
+    mcfg = _model_config(kw["model"])
+    methods = ("token_drop",) if kw.get("token_drop") else ()
+    return build_problem(mcfg, kw.get("preset", "dense"), methods, kw.get("weight_dtype", "bf16"), kw.get("tp", 1)) is None
 
 
 def _heads_divide(model: str, tp: int) -> bool:

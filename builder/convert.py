@@ -25,6 +25,7 @@ from typing import Callable, Iterator
 import torch
 
 from infhip.config import ModelConfig
+from infhip.builder import qwen3_next
 from infhip.builder.checkpoint import Checkpoint
 from infhip.errors import BuildError
 from infhip.plugins.dtypes import DTYPES
@@ -38,8 +39,9 @@ IGNORABLE_SUFFIXES = ("rotary_emb.inv_freq",)
 class WeightSpec:
     name: str  # our name
     sources: tuple[str, ...]  # HF names (prefix-stripped), concatenated along dim 0 in this order
-    kind: str  # "matrix" (build dtype) | "norm" (float32, offset folded)
+    kind: str  # "matrix" (build dtype) | "norm" (float32, offset folded) | "norm_plain" / "float32" (float32 as is)
     shape: tuple[int, ...]
+    rows: tuple[int, ...] | None = None  # row order after the concatenation (builder/qwen3_next.py), None: as is
 
 
 def _layer_table(m: ModelConfig) -> list[tuple[str, tuple[str, ...], str, tuple[int, ...]]]:
@@ -77,6 +79,10 @@ def weight_specs(m: ModelConfig) -> list[WeightSpec]:
     specs = [WeightSpec("embed_tokens.weight", ("embed_tokens.weight",), "matrix", (m.vocab_size, m.hidden_size))]
     for layer in range(m.num_layers):
         p = f"layers.{layer}."
+        if m.architecture == "qwen3_next":
+            specs += [WeightSpec(p + ours, tuple(p + s for s in srcs), kind, shape, rows)
+                      for ours, srcs, kind, shape, rows in qwen3_next.layer_table(m, layer)]
+            continue
         specs += [WeightSpec(p + ours, tuple(p + s for s in srcs), kind, shape)
                   for ours, srcs, kind, shape in _layer_table(m)]
     specs.append(WeightSpec("norm.weight", ("norm.weight",), "norm", (m.hidden_size,)))
@@ -86,8 +92,9 @@ def weight_specs(m: ModelConfig) -> list[WeightSpec]:
 
 
 def norm_offset(m: ModelConfig) -> float:
-    """Gemma's RMSNorm multiplies by (1 + w): fold the 1 so every norm is plain ``x_hat * w``."""
-    return 1.0 if m.architecture == "gemma3" else 0.0
+    """Gemma's and Qwen3-Next's RMSNorm multiply by (1 + w): fold the 1 so every norm is plain
+    ``x_hat * w`` (kind "norm"; Qwen3-Next's gated norm multiplies by w: kind "norm_plain")."""
+    return 1.0 if m.architecture in ("gemma3", "qwen3_next") else 0.0
 
 
 def unused_tensors(ckpt: Checkpoint, specs: list[WeightSpec]) -> list[str]:
@@ -141,8 +148,10 @@ def convert_weights(ckpt: Checkpoint, m: ModelConfig, dtype: str,
         if tuple(t.shape) != spec.shape:
             raise BuildError(f"{ckpt.description}: {' + '.join(spec.sources)} give shape {tuple(t.shape)}, "
                              f"config implies {spec.shape}; the checkpoint does not match its config.json")
-        if spec.kind == "norm":
-            yield spec.name, (t.to(torch.float32) + offset).contiguous()
+        if spec.rows is not None:
+            t = t[torch.tensor(spec.rows)]
+        if spec.kind != "matrix":
+            yield spec.name, (t.to(torch.float32) + (offset if spec.kind == "norm" else 0.0)).contiguous()
             continue
         yield from _matrix(spec.name, t, target, fp8)
         if _tied_head(m, spec.name, fp8):
@@ -159,7 +168,7 @@ def random_weights(m: ModelConfig, dtype: str, device: str = "cpu", seed: int = 
     target = DTYPES[dtype]
     gen = torch.Generator(device=device).manual_seed(seed)
     for spec in wrap(weight_specs(m)):
-        if spec.kind == "norm":
+        if spec.kind != "matrix":
             yield spec.name, torch.ones(spec.shape, dtype=torch.float32)
             continue
         t = torch.empty(spec.shape, dtype=target, device=device).normal_(0.0, 0.02, generator=gen)

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from infhip.config import LAYER_TYPES, ModelConfig, RopeSpec
+from infhip.model_config import ATTENTION_LAYER_TYPES, LinearAttentionSpec, MoeSpec
 from infhip.errors import BuildError
 
 # HF model_type -> our architecture. gemma3 is the multimodal wrapper: we take its text_config.
@@ -33,6 +34,7 @@ SUPPORTED_MODEL_TYPES = {
     "qwen3": "qwen3",
     "gemma3_text": "gemma3",
     "gemma3": "gemma3",
+    "qwen3_next": "qwen3_next",
 }
 ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 # RoPE types whose frequencies change with the running sequence length: not reducible to one vector.
@@ -104,16 +106,15 @@ def _rope(cfg, layer_types: tuple[str, ...], head_dim: int) -> tuple[dict[str, R
     # Per-layer-type dicts (Gemma-3) are keyed by layer type; otherwise one dict serves every layer.
     per_type = bool(set(rp) & set(LAYER_TYPES)) and all(isinstance(v, dict) for v in rp.values())
     specs, inv_freqs = {}, {}
-    for lt in sorted(set(layer_types)):
+    for lt in sorted(set(layer_types) & set(ATTENTION_LAYER_TYPES)):
         params = dict(rp.get(lt) or {}) if per_type else rp
         rope_type = params.get("rope_type", params.get("type", "default"))
         theta = params.get("rope_theta", getattr(cfg, "rope_theta", None))
         if theta is None:
             raise BuildError(f"no rope_theta for {lt} layers in the config")
-        if float(params.get("partial_rotary_factor", 1.0) or 1.0) != 1.0:
-            raise BuildError("partial_rotary_factor != 1 (partial RoPE) is not supported yet")
+        rotary = _rotary_dim(cfg, params, head_dim)
         if rope_type == "default":
-            inv_freq, scaling = _inv_freq_default(float(theta), head_dim), 1.0
+            inv_freq, scaling = _inv_freq_default(float(theta), rotary), 1.0
         elif rope_type in DYNAMIC_ROPE_TYPES or rope_type not in ROPE_INIT_FUNCTIONS:
             supported = ["default"] + [t for t in ROPE_INIT_FUNCTIONS if t not in DYNAMIC_ROPE_TYPES]
             raise BuildError(f"rope_type {rope_type!r} is not supported; supported: {', '.join(supported)}")
@@ -124,6 +125,14 @@ def _rope(cfg, layer_types: tuple[str, ...], head_dim: int) -> tuple[dict[str, R
             finally:
                 restore()
         inv_freq = inv_freq.to(torch.float32).contiguous()
+        if rotary != head_dim:
+            # Partial RoPE (Qwen3-Next): the builder lays each head out so that the runtime's
+            # rotate-half over the whole head pairs the rotary dims as HF does, and the rest with
+            # frequency 0 (cos 1, sin 0: unchanged; builder/qwen3_next.py, rotary_order)
+            if tuple(inv_freq.shape) != (rotary // 2,) or float(scaling) != 1.0:
+                raise BuildError(f"partial RoPE with rope_type {rope_type!r} (attention scaling {scaling}) "
+                                 "is not supported; supported: a cos/sin scaling of 1")
+            inv_freq = torch.cat([inv_freq, inv_freq.new_zeros(head_dim // 2 - rotary // 2)])
         if tuple(inv_freq.shape) != (head_dim // 2,):
             raise BuildError(f"RoPE {rope_type} gave inv_freq of shape {tuple(inv_freq.shape)}, expected ({head_dim // 2},)")
         record = json.loads(json.dumps(params, default=str))  # JSON-safe copy for config.json
@@ -131,6 +140,43 @@ def _rope(cfg, layer_types: tuple[str, ...], head_dim: int) -> tuple[dict[str, R
                              attention_scaling=float(scaling), params=record)
         inv_freqs[lt] = inv_freq
     return specs, inv_freqs
+
+
+def _rotary_dim(cfg, params: dict, head_dim: int) -> int:
+    """Dims of a head that RoPE rotates: head_dim, or head_dim * partial_rotary_factor where the
+    family has it (Qwen3-Next); elsewhere a partial factor is refused."""
+    factor = float(params.get("partial_rotary_factor", 1.0) or 1.0)
+    if factor == 1.0:
+        return head_dim
+    if cfg.model_type != "qwen3_next":
+        raise BuildError("partial_rotary_factor != 1 (partial RoPE) is supported for qwen3_next only")
+    rotary = int(head_dim * factor)
+    if rotary % 2 or not 0 < rotary <= head_dim:
+        raise BuildError(f"partial_rotary_factor {factor} gives {rotary} rotary dims of {head_dim}: need an even count")
+    return rotary
+
+
+def _hybrid(cfg, num_layers: int) -> dict[str, Any]:
+    """Qwen3-Next's extra ModelConfig fields: partial RoPE, the attention output gate, the linear
+    (gated DeltaNet) layers' shapes, the sparse MoE and its layers (as Qwen3NextDecoderLayer
+    picks them: not in mlp_only_layers and (i + 1) % decoder_sparse_step == 0)."""
+    if cfg.model_type != "qwen3_next":
+        return {}
+    rp = dict(getattr(cfg, "rope_parameters", None) or {})
+    head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
+    rotary = _rotary_dim(cfg, rp, head_dim)
+    linear = LinearAttentionSpec(
+        num_key_heads=int(cfg.linear_num_key_heads), num_value_heads=int(cfg.linear_num_value_heads),
+        key_head_dim=int(cfg.linear_key_head_dim), value_head_dim=int(cfg.linear_value_head_dim),
+        conv_kernel=int(cfg.linear_conv_kernel_dim))
+    step, only = int(cfg.decoder_sparse_step or 1), set(cfg.mlp_only_layers or ())
+    moe_layers = tuple(i for i in range(num_layers) if i not in only and cfg.num_experts > 0 and (i + 1) % step == 0)
+    moe = MoeSpec(num_experts=int(cfg.num_experts), top_k=int(cfg.num_experts_per_tok),
+                  intermediate_size=int(cfg.moe_intermediate_size),
+                  shared_intermediate_size=int(cfg.shared_expert_intermediate_size),
+                  norm_topk_prob=bool(cfg.norm_topk_prob), layers=moe_layers) if moe_layers else None
+    return dict(rotary_dim=rotary if rotary != head_dim else None, attn_output_gate=True,
+                linear_attention=linear if "linear_attention" in cfg.layer_types else None, moe=moe)
 
 
 def _eos_ids(value) -> tuple[int, ...]:
@@ -226,7 +272,7 @@ def model_config_from_hf(d: dict[str, Any], where: str = "config.json") -> tuple
             hidden_act=ACTIVATIONS[act_name],
             tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
             attention_bias=arch == "qwen2",
-            qk_norm=arch in ("qwen3", "gemma3"),
+            qk_norm=arch in ("qwen3", "gemma3", "qwen3_next"),
             attention_scale=float(cfg.query_pre_attn_scalar) ** -0.5 if gemma else head_dim ** -0.5,
             embedding_multiplier=float(cfg.hidden_size) ** 0.5 if gemma else 1.0,
             max_position_embeddings=int(cfg.max_position_embeddings),
@@ -236,6 +282,7 @@ def model_config_from_hf(d: dict[str, Any], where: str = "config.json") -> tuple
             final_logit_softcapping=float(softcap) if softcap is not None else None,
             bos_token_id=cfg.bos_token_id if cfg.bos_token_id is None else int(cfg.bos_token_id),
             eos_token_ids=_eos_ids(cfg.eos_token_id),
+            **_hybrid(cfg, num_layers),
         )
     except ValueError as e:
         raise BuildError(f"{where}: {e}") from e

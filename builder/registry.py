@@ -37,6 +37,7 @@ CONFIG_ALIASES = {
     "mistral-7b": "mistralai/Mistral-7B-Instruct-v0.3",
     "qwen2.5-7b": "Qwen/Qwen2.5-7B-Instruct",
     "qwen3-8b": "Qwen/Qwen3-8B",
+    "qwen3-next-80b-a3b": "Qwen/Qwen3-Next-80B-A3B-Instruct",
     "gemma-3-1b": "google/gemma-3-1b-it",
     "gemma-3-4b": "google/gemma-3-4b-it",
     "gemma-3-12b": "google/gemma-3-12b-it",

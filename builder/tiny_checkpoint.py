@@ -42,7 +42,19 @@ _ARCH = {
         tie_word_embeddings=True, hidden_activation="gelu_pytorch_tanh", eos_token_id=[2, 3],
         rope_parameters={"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0},
                          "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}})),
+    # not in ARCHS (the tests over every Llama-style family): tests/test_qwen3_next.py. Hidden 64,
+    # the real 3:1 linear/full pattern, 6 experts top-2 and a shared expert (layer 1 dense MLP),
+    # partial RoPE over 4 of 16 dims, 4 value heads over 2 key heads.
+    "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM", dict(
+        hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, intermediate_size=96,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
+        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=8,
+        linear_conv_kernel_dim=4, num_experts=6, num_experts_per_tok=2, moe_intermediate_size=32,
+        shared_expert_intermediate_size=48, mlp_only_layers=[1])),
 }
+# Families whose RMSNorm multiplies by 1 + w (w random around 0); their other norms (Qwen3-Next's
+# gated norm, ``linear_attn.norm``) multiply by w.
+_OFFSET_NORMS = {"gemma3": lambda name: True, "qwen3_next": lambda name: "linear_attn.norm" not in name}
 
 
 @torch.no_grad()
@@ -53,7 +65,7 @@ def _randomise(model: torch.nn.Module, arch: str, seed: int) -> None:
     for name, p in model.named_parameters():
         noise = torch.randn(p.shape, generator=g, dtype=torch.float32)
         if "norm" in name:
-            neutral = 0.0 if arch == "gemma3" else 1.0
+            neutral = 0.0 if _OFFSET_NORMS.get(arch, lambda name: False)(name) else 1.0
             p.copy_(neutral + 0.1 * noise)
         elif name.endswith(".bias"):
             p.copy_(0.05 * noise)

@@ -80,7 +80,7 @@ class LayerPlan:
     """What runs at one decoder layer."""
 
     index: int
-    attention: str  # "global" | "sliding"
+    attention: str  # "global" | "sliding" | "linear" (a recurrent-state layer: no KV pages, no backend)
     window: int | None  # sliding window, None for global
     backend: str  # DENSE, or a registered backend method that runs such a layer (Method.runs)
     rope_group: str  # key into ModelConfig.rope
@@ -136,9 +136,9 @@ class Plan:
 
     @classmethod
     def dense(cls, model: ModelConfig) -> "Plan":
+        kinds = {"sliding_attention": "sliding", "linear_attention": "linear"}
         layers = tuple(
-            LayerPlan(index=i, attention="sliding" if t == "sliding_attention" else "global",
-                      window=model.window_of(i), backend=DENSE, rope_group=t)
+            LayerPlan(index=i, attention=kinds.get(t, "global"), window=model.window_of(i), backend=DENSE, rope_group=t)
             for i, t in enumerate(model.layer_types))
         return cls(preset="dense", layers=layers)
 

@@ -9,8 +9,11 @@ from typing import Any
 
 from infhip.methods.method import require
 
-ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma3")
-LAYER_TYPES = ("full_attention", "sliding_attention")
+ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma3", "qwen3_next")
+# linear_attention: a gated DeltaNet layer (Qwen3-Next): a recurrent state per sequence, no KV
+# pages and no RoPE
+LAYER_TYPES = ("full_attention", "sliding_attention", "linear_attention")
+ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")
 ACTIVATIONS = ("silu", "gelu_tanh")
 
 
@@ -25,6 +28,54 @@ class RopeSpec:
     rope_theta: float
     attention_scaling: float = 1.0
     params: dict[str, Any] = field(default_factory=dict)  # the HF rope_parameters, for the record
+
+
+@dataclass(frozen=True)
+class LinearAttentionSpec:
+    """A gated DeltaNet layer's shapes (Qwen3-Next ``linear_*``): q/k heads of ``key_head_dim``,
+    v heads of ``value_head_dim`` (num_value_heads a multiple of num_key_heads), a depthwise
+    causal conv of ``conv_kernel`` taps over the [q | k | v] channels."""
+
+    num_key_heads: int
+    num_value_heads: int
+    key_head_dim: int
+    value_head_dim: int
+    conv_kernel: int
+
+    def __post_init__(self) -> None:
+        require(self.num_value_heads % self.num_key_heads == 0,
+                f"linear attention: {self.num_value_heads} value heads not a multiple of {self.num_key_heads} key heads")
+        require(self.conv_kernel >= 2, f"linear attention: conv kernel {self.conv_kernel} < 2")
+
+    @property
+    def key_dim(self) -> int:
+        return self.num_key_heads * self.key_head_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.num_value_heads * self.value_head_dim
+
+    @property
+    def conv_dim(self) -> int:  # channels of the conv: q, k, v
+        return 2 * self.key_dim + self.value_dim
+
+
+@dataclass(frozen=True)
+class MoeSpec:
+    """A sparse MoE feed-forward (Qwen3-Next): softmax router over ``num_experts``, top
+    ``top_k`` (renormalised when ``norm_topk_prob``), experts of width ``intermediate_size``,
+    and a shared expert of ``shared_intermediate_size`` gated by sigmoid(shared_expert_gate(x)).
+    ``layers``: the layers whose MLP is this block (the others keep the dense gated MLP)."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int
+    shared_intermediate_size: int
+    norm_topk_prob: bool
+    layers: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        require(0 < self.top_k <= self.num_experts, f"MoE top_k {self.top_k} not in 1..{self.num_experts}")
 
 
 @dataclass(frozen=True)
@@ -52,6 +103,12 @@ class ModelConfig:
     sliding_window: int | None  # tokens a sliding layer sees, the query included
     rope: dict[str, RopeSpec]  # keyed by layer type
     final_logit_softcapping: float | None = None
+    # Qwen3-Next: RoPE on the first rotary_dim dims of a head only (None: all); the builder
+    # permutes q/k so the runtime's rotate-half kernel rotates exactly those (builder/qwen3_next.py)
+    rotary_dim: int | None = None
+    attn_output_gate: bool = False  # attention output * sigmoid(gate), gate rows after v in qkv_proj
+    linear_attention: LinearAttentionSpec | None = None  # shapes of the linear_attention layers
+    moe: MoeSpec | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
 
@@ -65,7 +122,9 @@ class ModelConfig:
                f"{len(self.layer_types)} layer types for {self.num_layers} layers")
         for t in self.layer_types:
             require(t in LAYER_TYPES, f"layer type {t!r} not in {LAYER_TYPES}")
-            require(t in self.rope, f"no RoPE parameters for layer type {t!r}")
+            require(t not in ATTENTION_LAYER_TYPES or t in self.rope, f"no RoPE parameters for layer type {t!r}")
+        require(("linear_attention" in self.layer_types) == (self.linear_attention is not None),
+                "linear_attention layers come with their shapes (linear_attention), and only with them")
         if "sliding_attention" in self.layer_types:
             require(bool(self.sliding_window) and self.sliding_window > 0,
                    "sliding_attention layers need a positive sliding_window")
@@ -78,6 +137,11 @@ class ModelConfig:
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
 
+    @property
+    def linear_layers(self) -> tuple[int, ...]:
+        """Indices of the linear_attention (recurrent-state) layers."""
+        return tuple(i for i, t in enumerate(self.layer_types) if t == "linear_attention")
+
     def window_of(self, layer: int) -> int | None:
         """Sliding window of a layer (None for full attention)."""
         return self.sliding_window if self.layer_types[layer] == "sliding_attention" else None
@@ -88,4 +152,8 @@ class ModelConfig:
         d["layer_types"] = tuple(d["layer_types"])
         d["eos_token_ids"] = tuple(d.get("eos_token_ids", ()))
         d["rope"] = {k: RopeSpec(**v) for k, v in d["rope"].items()}
+        if d.get("linear_attention") is not None:
+            d["linear_attention"] = LinearAttentionSpec(**d["linear_attention"])
+        if d.get("moe") is not None:
+            d["moe"] = MoeSpec(**{**d["moe"], "layers": tuple(d["moe"]["layers"])})
         return cls(**d)

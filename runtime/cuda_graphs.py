@@ -44,6 +44,7 @@ import torch
 
 from infhip.plugins.plan_rules import DECODE_LEN_BUCKETS, len_bucket
 from infhip.runtime.forward_context import ForwardContext, KVGroupMetadata, LayerKV, compact_slots, forward_context
+from infhip.runtime.linear_state import RecurrentMeta
 
 __all__ = ["DECODE_LEN_BUCKETS", "DecodeGraphs", "GraphKey", "GraphShape", "decode_len_bound", "len_bucket",
            "step_len_bucket"]
@@ -95,6 +96,9 @@ class GraphShape:
     page_size: int
     max_pages_per_seq: int  # block-table width
     table_tokens: int  # tokens a block-table row addresses
+    # linear-attention layers' scratch state slot (runtime/linear_state.py), which padding rows
+    # use; None: the model has no such layers (no slot row)
+    recurrent_scratch: int | None = None
 
 
 class DecodeGraphs:
@@ -119,7 +123,9 @@ class DecodeGraphs:
             row += len(backend.graph_rows)
         self.slot_row = row
         self.shift_row = self.slot_row + len(self.groups)
-        num_rows = self.shift_row + len(self.global_layers)
+        # then, with linear-attention layers, one row of recurrent-state slots
+        self.recurrent_row = self.shift_row + len(self.global_layers)
+        num_rows = self.recurrent_row + (shape.recurrent_scratch is not None)
         self.host_steps = torch.zeros((max_steps, num_rows, max_bs), dtype=torch.int64).pin_memory()
         self.host_steps_np = self.host_steps.numpy()
         self.steps = torch.zeros_like(self.host_steps, device=dev)
@@ -160,7 +166,9 @@ class DecodeGraphs:
             for r, pad in zip(range(self.backend_rows[name].start, self.backend_rows[name].stop), backend.graph_rows):
                 rows[r] = pad
         rows[self.slot_row:self.shift_row] = -1
-        rows[self.shift_row:] = 0
+        rows[self.shift_row:self.recurrent_row] = 0
+        if self.shape.recurrent_scratch is not None:
+            rows[self.recurrent_row] = self.shape.recurrent_scratch
 
     def _context(self, bs: int, key: GraphKey) -> ForwardContext:
         """The forward context a graph of (bs, key) captures: views of the static buffers."""
@@ -180,12 +188,13 @@ class DecodeGraphs:
             cu_seqlens_q=self.cu_seqlens_q[:bs + 1], num_decodes=bs,
             groups={g: KVGroupMetadata(self.slots[g][:bs], self.tables[g][:bs]) for g in self.slots},
             cu_seqlens_q_list=list(range(bs + 1)), context_lens_list=[0] * bs,
-            decode_len_bound=key.len_bucket or self.shape.table_tokens)
+            decode_len_bound=key.len_bucket or self.shape.table_tokens,
+            recurrent=None if self.shape.recurrent_scratch is None else RecurrentMeta(self.rows[self.recurrent_row, :bs]))
 
     def _forward(self, bs: int, kv_shift: str | None = None) -> torch.Tensor:
         self.context_lens[:bs].copy_(self.rows[2, :bs])
         if kv_shift is not None:  # each global layer's compact slots and lengths (padding rows write nothing)
-            shift = self.rows[self.shift_row:, :bs]  # [Lg, bs]
+            shift = self.rows[self.shift_row:self.recurrent_row, :bs]  # [Lg, bs]
             slots = compact_slots(self.positions[:bs], self.arange[:bs], shift,
                                   self.tables["global"][:bs].long(), self.shape.page_size)
             self.layer_slots[:, :bs].copy_(torch.where(self.slots["global"][None, :bs] < 0, -1, slots))
@@ -308,7 +317,9 @@ class DecodeGraphs:
             for i, g in enumerate(self.groups):
                 rows[self.slot_row + i, :n] = p.slots[g]
             shift = self._shift(p)[1]
-            rows[self.shift_row:, :n] = shift if shift is not None else 0
+            rows[self.shift_row:self.recurrent_row, :n] = shift if shift is not None else 0
+            if p.recurrent_slots is not None:
+                rows[self.recurrent_row, :n] = p.recurrent_slots
             self._pad_rows(rows[:, n:bs])
         k = len(plans)
         # Whole contiguous blocks (a few KB): a strided pinned copy could be staged through pageable memory.

@@ -52,6 +52,9 @@ class ForwardContext:
     # A bound on the decode rows' context lengths that sizes the decode kernel's split count
     # (cuda_graphs.decode_len_bound: eager steps and graphs use the same). None: the table width.
     decode_len_bound: int | None = None
+    # linear-attention layers' state slots of the step (runtime/linear_state.py RecurrentMeta);
+    # None for a model without such layers
+    recurrent: Any = None
 
     @classmethod
     def of_step(cls, backend_meta: dict, transform_steps: dict, **common) -> "ForwardContext":

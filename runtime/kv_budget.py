@@ -33,6 +33,8 @@ def reserved_bytes(config, max_num_seqs: int, max_num_batched_tokens: int, value
     value_banks: the runner offloads KV pages)."""
     cfg = config.model
     act = max_num_batched_tokens * (8 * cfg.hidden_size + 6 * cfg.intermediate_size) * 4
+    if cfg.moe is not None:  # the fused experts' per-pair rows (plugins/moe.py: [T k, I] and [T k, hidden])
+        act += max_num_batched_tokens * cfg.moe.top_k * (cfg.moe.intermediate_size + cfg.hidden_size) * 4
     limits = Limits(max_num_seqs, offloading=value_banks)
     return act + sum(cls.reserved_bytes(config, limits) for cls in backends() if cls.knobs_of(config) is not None)
 

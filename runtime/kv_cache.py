@@ -26,6 +26,7 @@ sequence ends (docs/design/prefix_caching.md, "Offloaded KV").
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 from infhip.runtime.page_table import NULL_PAGE, PageTable
@@ -283,8 +284,15 @@ class KVCacheManager:
         """Cached pages handed out to new content since start (all groups, GPU and host)."""
         return self.prefix.evictions
 
+    # why this engine cannot reuse prefixes (its model keeps state that pages do not hold), or None
+    refuse_prefix_caching: str | None = None
+
     def enable_prefix_caching(self, salt: str, granule: int | None = None, cache_decode_pages: bool = True) -> None:
-        """PrefixCache.enable: reuse on under plan ``salt``, prefixes a multiple of ``granule`` tokens."""
+        """PrefixCache.enable: reuse on under plan ``salt``, prefixes a multiple of ``granule`` tokens;
+        refused (logged once, caching stays off) when ``refuse_prefix_caching`` says why."""
+        if self.refuse_prefix_caching is not None:
+            logging.getLogger("infhip").warning(self.refuse_prefix_caching)
+            return
         self.prefix.enable(salt, granule, cache_decode_pages)
 
     def disable_prefix_caching(self) -> None:

@@ -25,6 +25,7 @@ from infhip.runtime.cuda_graphs import DecodeGraphs, GraphShape, decode_len_boun
 from infhip.runtime.engine import LoadedEngine
 from infhip.runtime.forward_context import ForwardContext, KVGroupMetadata, forward_context, upload, upload_tables
 from infhip.runtime.kv_cache import KVCacheManager
+from infhip.runtime.linear_state import RecurrentMeta, RecurrentState
 from infhip.runtime.offload.policy import PageMover
 from infhip.runtime.offload.staging import PrefillStaging
 from infhip.runtime.scheduler import SchedulerOutput
@@ -48,7 +49,10 @@ class ModelRunner:
         self.page_size, self.max_seq_len, self.max_num_seqs = build.page_size, build.max_seq_len, max_num_seqs
         self.max_pages_per_seq = math.ceil(build.max_seq_len / self.page_size)
         self.table_tokens = self.max_pages_per_seq * self.page_size  # tokens a block-table row addresses
-        attn_layers = [layer.self_attn for layer in self.model.layers]
+        # linear-attention layers (Qwen3-Next) keep a recurrent state per sequence instead of KV
+        # pages (runtime/linear_state.py): allocated first, so the KV budget sees it used
+        self.recurrent = self._recurrent_state(engine, max_num_seqs)
+        attn_layers = self._attention_layers()
         layout = kv_budget.plan_layout(engine, attn_layers, max_num_seqs, max_num_batched_tokens,
                                        kv_cache_memory_bytes, gpu_memory_utilization, kv_offload_bytes,
                                        self.max_pages_per_seq)
@@ -57,6 +61,10 @@ class ModelRunner:
             layout.specs = {g: dataclasses.replace(layout.specs[g], num_pages=n)
                             for g, n in zip(sorted(layout.specs), pages)}
         self.kv = KVCacheManager(self.page_size, layout.specs, self.max_pages_per_seq)
+        if self.recurrent is not None:
+            self.kv.refuse_prefix_caching = (
+                "prefix caching is off for this engine: its linear-attention layers keep a recurrent state per "
+                "sequence that cached KV pages do not hold, so a reused prefix would be inexact")
         self.offload_layers = kv_budget.allocate_layers(attn_layers, layout, self.page_size, self.device)
         self.staging = (PrefillStaging(self.offload_layers, layout.staging_pages, self.device)
                         if layout.offload else None)
@@ -79,7 +87,8 @@ class ModelRunner:
             self.transforms[cls.name] = cls.attach(engine.config)
             self.set_transform(cls.name, cls.knobs_of(engine.config))
         # the full-attention layers: those a transform may leave holding fewer keys (per-layer KV)
-        self.global_layers = [lp.index for lp in engine.config.plan.layers if lp.window is None]
+        self.global_layers = [lp.index for lp in engine.config.plan.layers
+                              if lp.window is None and lp.attention != "linear"]
         self.hidden_out: torch.Tensor | None = None  # execute(hidden_rows=...)'s kept hidden states
 
         if self.device.type == "cuda" and not enforce_eager:
@@ -88,10 +97,26 @@ class ModelRunner:
             self.graphs.capture_planned()
         self.loaded = True  # from now on set_backend / set_transform reach every TP rank
 
+    def _attention_layers(self) -> list:
+        """The attention modules of the layers that have one (not the linear-attention layers)."""
+        return [layer.self_attn for layer in self.model.layers if hasattr(layer, "self_attn")]
+
+    def _recurrent_state(self, engine: LoadedEngine, max_num_seqs: int) -> RecurrentState | None:
+        """The linear layers' state slots, given to each of those layers; None without any."""
+        cfg = engine.config.model
+        if cfg.linear_attention is None:
+            return None
+        state = RecurrentState(cfg, max_num_seqs, self.model.embed_tokens.weight.dtype, self.device)
+        for layer in self.model.layers:
+            if hasattr(layer, "linear_attn"):
+                layer.linear_attn.state = state
+        return state
+
     def make_graphs(self, batch_sizes: list[int], max_steps: int = 1) -> DecodeGraphs:
         """A DecodeGraphs over this runner's model, backends, transforms and KV layout (none captured)."""
         shape = GraphShape(self.device, tuple(self.groups), tuple(self.global_layers), self.page_size,
-                           self.max_pages_per_seq, self.table_tokens)
+                           self.max_pages_per_seq, self.table_tokens,
+                           self.recurrent.scratch if self.recurrent is not None else None)
         return DecodeGraphs(self.model, self.backends, self.transforms, shape, batch_sizes, max_steps)
 
     def _mirror(self, kind: str, *args) -> None:
@@ -114,7 +139,7 @@ class ModelRunner:
         offload = self.kv.groups["global"].offload if "global" in self.kv.groups else None
         self.kv.clear_prefix_cache()
         env = AttachEnv(Limits(self.max_num_seqs, offload is not None), self.device, offload, self.staging)
-        layers = [layer.self_attn for layer in self.model.layers]
+        layers = self._attention_layers()
         self.backends[name] = cls.attach(self.engine.config, knobs, layers, env)
         if self.graphs is not None:
             self.graphs.drop(lambda key: key.of(name) is None)
@@ -140,6 +165,8 @@ class ModelRunner:
     # -- plan: host-side, once per step -------------------------------------------------------
     def prepare(self, out: SchedulerOutput) -> StepPlan:
         p = StepPlan.of_chunks(out.chunks, self.kv, self.groups)
+        if self.recurrent is not None:
+            p.recurrent_slots = self.recurrent.plan(out.chunks)
         hosts = {name: t.plan(p, out.chunks) for name, t in self.transforms.items()}
         p.transforms = {name: h for name, h in hosts.items() if h is not None}
         dense = any(self.transforms[name].runs_dense(h) for name, h in p.transforms.items())
@@ -178,7 +205,9 @@ class ModelRunner:
             num_decodes=p.num_decodes,
             groups={g: KVGroupMetadata(self._tensor(p.slots[g], torch.int64), tables[g]) for g in self.groups},
             cu_seqlens_q_list=p.cu, context_lens_list=p.ctx_lens,
-            decode_len_bound=decode_len_bound(p, self.table_tokens) if p.num_decodes else None)
+            decode_len_bound=decode_len_bound(p, self.table_tokens) if p.num_decodes else None,
+            recurrent=None if p.recurrent_slots is None else RecurrentMeta(
+                self._tensor(p.recurrent_slots, torch.int64), p.recurrent_slots))
 
     def _uses_graph(self, p: StepPlan, num_seqs: int) -> bool:
         return self.graphs is not None and self.graphs.replays(p, num_seqs)

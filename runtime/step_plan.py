@@ -34,6 +34,9 @@ class StepPlan:
     # that leaves the step untouched has none. A run of decode steps shares the first's.
     transforms: dict[str, Any] = dataclasses.field(default_factory=dict)
     hidden_rows: list[int] | None = None  # rows whose hidden states the runner keeps (prompt logprobs)
+    # the recurrent-state slot of each sequence (batch order) when the model has linear-attention
+    # layers (runtime/linear_state.py); None otherwise
+    recurrent_slots: list[int] | None = None
 
     @property
     def has_backend_rows(self) -> bool:

@@ -56,9 +56,10 @@ class TokenDrop(StepTransform):
     name = "token_drop"
     prompt_hint = "it would drop tokens of this prompt (UniPrefill): load the engine with token_drop=False"
 
-    def __init__(self, windows: list[int | None], page_size: int):
-        """windows: each layer's sliding window (None: full attention)."""
-        self.full = frozenset(i for i, w in enumerate(windows) if w is None)
+    def __init__(self, windows: list[int | None], page_size: int, linear: frozenset[int] = frozenset()):
+        """windows: each layer's sliding window (None: full attention, or a linear-attention
+        layer if in ``linear``: no keys, never an anchor)."""
+        self.full = frozenset(i for i, w in enumerate(windows) if w is None and i not in linear)
         self.global_layers = sorted(self.full)  # the layers that hold compacted KV after a drop
         self.windows, self.page_size = windows, page_size
         self.stats = DropStats()  # drop histories of the sequences (by seq_id), retention per anchor
@@ -67,7 +68,8 @@ class TokenDrop(StepTransform):
 
     @classmethod
     def attach(cls, config) -> "TokenDrop":
-        return cls([lp.window for lp in config.plan.layers], config.build.page_size)
+        return cls([lp.window for lp in config.plan.layers], config.build.page_size,
+                   frozenset(lp.index for lp in config.plan.layers if lp.attention == "linear"))
 
     def configure(self, cfg: TokenDropConfig | None, env: TransformEnv) -> None:
         """Token drop on (cfg) or off (None) from the next step on. Only requests whose context

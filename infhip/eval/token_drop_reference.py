@@ -173,7 +173,8 @@ def reference_schedule(llm) -> dict:
     cfg = TokenDropConfig(**td_view(llm)["knobs"])
     plan = llm.engine.config.plan.layers
     layers = resolve_drop_layers(dataclasses.replace(cfg, spare_anchors=0),
-                                 [lp.index for lp in plan if lp.window is None], len(plan))
+                                 [lp.index for lp in plan if lp.window is None and lp.attention != "linear"],
+                                 len(plan))
     return dict(layers=layers, point=cfg.drop_point.split("_")[0], reenter=cfg.reenter)
 
 

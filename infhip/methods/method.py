@@ -129,8 +129,8 @@ class Method:
     @classmethod
     def runs(cls, layer) -> bool:
         """Whether a plan may name this backend at LayerPlan ``layer``: full-attention layers by
-        default (a sliding layer's window already bounds its work)."""
-        return layer.window is None
+        default (a sliding layer's window already bounds its work; a linear layer has no keys)."""
+        return layer.window is None and layer.attention != "linear"
 
     @classmethod
     def claims(cls, layer, knobs) -> bool:

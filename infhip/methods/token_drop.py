@@ -279,7 +279,7 @@ class TokenDrop(Method):
     @classmethod
     def check(cls, knobs: TokenDropConfig, plan) -> None:
         """Drops need a full-attention layer, and an explicit drop_layers list names such layers."""
-        full = [lp.index for lp in plan.layers if lp.window is None]
+        full = [lp.index for lp in plan.layers if lp.window is None and lp.attention != "linear"]
         require(bool(full), "--token-drop needs full-attention layers (its anchors); this model has none")
         resolve_drop_layers(knobs, full, len(plan.layers))
 

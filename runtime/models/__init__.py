@@ -2,6 +2,7 @@
 
 from infhip.runtime.models.gemma3 import Gemma3ForCausalLM
 from infhip.runtime.models.llama import LlamaForCausalLM
+from infhip.runtime.models.qwen3_next import Qwen3NextForCausalLM
 
 MODEL_CLASSES = {
     "llama": LlamaForCausalLM,
@@ -9,4 +10,5 @@ MODEL_CLASSES = {
     "qwen2": LlamaForCausalLM,
     "qwen3": LlamaForCausalLM,
     "gemma3": Gemma3ForCausalLM,
+    "qwen3_next": Qwen3NextForCausalLM,
 }

@@ -199,7 +199,7 @@ class DecoderLayer(nn.Module):
         """routers: the step's TransformSteps that route rows (``routes``), in registration order."""
         if not routers:
             return self.feed_forward(*self.attend(hidden, residual))
-        i = self.self_attn.layer_index
+        i = self.layer_index if hasattr(self, "layer_index") else self.self_attn.layer_index
         for r in routers:
             hidden, residual = r.enter_layer(i, hidden, residual)
         hidden, residual = self.attend(hidden, residual)
@@ -232,7 +232,9 @@ class CausalLM(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, device="meta")
         self.rope = nn.ModuleDict({name: RopeTable(cfg.head_dim, spec.attention_scaling)
                                    for name, spec in cfg.rope.items()})
-        self.layers = nn.ModuleList(self.layer_cls(cfg, p, self.rope[p.rope_group]) for p in layers)
+        # a layer without RoPE (Qwen3-Next's linear attention) gets None
+        self.layers = nn.ModuleList(self.layer_cls(cfg, p, self.rope[p.rope_group] if p.rope_group in self.rope else None)
+                                    for p in layers)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         if not cfg.tie_word_embeddings:
             self.lm_head = linear(cfg.hidden_size, cfg.vocab_size)
