@@ -1,0 +1,178 @@
+"""Every GPU suite's Python entry points on the CPU at tiny sizes: a suite that cannot start on the
+GPU because of our own Python fails here instead of costing a device call.
+
+The `python3 -m MODULE ARGS` commands are read from benchmarks/gpu/suites/SUITE.sh itself (line
+continuations joined, the suite's own NAME=value assignments and $OUT expanded, "$@" dropped), so
+the flags tested are the flags the suite passes. Each command then runs in a fresh process with:
+- the module's tiny flags from TINY appended (argparse keeps the last value: `--smoke` makes the
+  benchmark a tiny random engine on the CPU, benchmarks/speed/tiny.py);
+- `--device cuda` read as `--device cpu`, and paths under /tmp moved into the test's folder;
+- `infhip.builder.cli --model M` built from M's tiny config instead (the same builder flags).
+It must exit 0 and every JSON it writes under $OUT must hold finite numbers, some positive, and no
+"error". A module missing from TINY fails the test: a new suite line needs its tiny mode.
+window.sh and quality.sh (the quality tools) are covered by their own tests.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SUITES = ROOT / "benchmarks" / "gpu" / "suites"
+ELSEWHERE = {"window", "quality"}  # their own tests (the quality tools)
+
+# module -> (flags appended to the suite's, env overrides). "--smoke": the shared tiny mode.
+SMOKE = (["--smoke"], {})
+TINY: dict[str, tuple[list[str], dict]] = {
+    "benchmarks.speed.bench_cold_start": SMOKE,
+    "benchmarks.speed.bench_dense_llama8b": SMOKE,
+    "benchmarks.speed.bench_infinitehip": SMOKE,
+    "benchmarks.speed.bench_token_drop": SMOKE,
+    "benchmarks.speed.bench_decode_e2e": SMOKE,
+    "benchmarks.speed.bench_offload": SMOKE,
+    "benchmarks.speed.bench_prefix_cache": SMOKE,
+    "benchmarks.speed.ttft_breakdown": SMOKE,
+    "benchmarks.speed.uniprefill_ttft": SMOKE,
+    "benchmarks.peers.bench_vs_vllm": SMOKE,
+    # these call the Triton kernels themselves: the interpreter on the CPU
+    "benchmarks.speed.bench_fp8_weights": (["--smoke"], {"TRITON_INTERPRET": "1"}),
+    "benchmarks.speed.bench_constants": (["--smoke"], {"TRITON_INTERPRET": "1"}),
+    # take the engine the suite built before them (tiny here): only fewer tokens
+    "benchmarks.speed.bench_sampling": (["--tokens", "4", "--repeats", "1"], {}),
+    "benchmarks.speed.bench_structured_decode": (["--tokens", "4", "--repeats", "1"], {}),
+    "benchmarks.speed.bench_serving": (["--clients", "2", "--prompt-tokens", "16", "--max-tokens", "4"], {}),
+    "benchmarks.gpu.smoke": (["--smoke", "--only", "dense,3k-flash-fp8,dense-token-drop"], {}),
+    "infhip.builder.cli": ([], {}),
+    "benchmarks.parity.infinitehip": ([], {}),  # NOT_RUN here
+}
+# (suite, module) -> why that command does not run here
+NOT_RUN = {
+    ("uniprefill-qwen", "benchmarks.parity.infinitehip"): "the parity harness: tested with the quality tools",
+}
+
+_ASSIGN = re.compile(r'^\s*(?:export\s+)?([A-Za-z_]\w*)=("[^"]*"|[^\s;]*)', re.M)
+COMPUTED = "600"  # a NAME=$(...) of a suite (its deadlines, in seconds): the device call's limit
+_VAR = re.compile(r"\$\{(\w+)(?::-([^}]*))?\}|\$(\w+)")
+_STOP = {"2>&1", "|", ">", ";", "&&", "||", "&", "2>", ">>"}
+
+
+def entry_points(suite: Path, out: Path) -> list[tuple[str, list[str]]]:
+    """(module, argv) of every `python3 -m` command of the suite, in order, variables expanded."""
+    text = re.sub(r"\\\n\s*", " ", suite.read_text())
+    text = re.sub(r"<<'EOF'.*?^EOF$", "", text, flags=re.S | re.M)  # inline Python, run by its suite
+    env = {name: COMPUTED if value.startswith("$(") else value.strip('"') for name, value in _ASSIGN.findall(text)}
+    env.update(OUT=str(out))
+    every: dict[str, list[str]] = {}
+    for name, value in re.findall(r'(?:^|[\s)])([A-Za-z_]\w*)=("[^"]*"|[^\s;]*)', text):  # `case` arms too
+        every.setdefault(name, []).append(value.strip('"'))
+
+    def expand(s: str, depth: int = 0) -> str:
+        def one(m):
+            name = m.group(1) or m.group(3)
+            value = env.get(name, m.group(2) if m.group(2) is not None else "")
+            return expand(value, depth + 1) if depth < 5 else value
+        return _VAR.sub(one, s)
+
+    cmds = []
+    for line in text.splitlines():
+        if line.lstrip().startswith("#"):
+            continue
+        for m in re.finditer(r'python3 -m ("?\$?[\w.]+"?)(.*)', line):
+            module = m.group(1).strip('"')
+            if module in ("pip", "pytest", "zipfile", "infhip.eval.stage"):
+                continue  # the installs, the GPU-marked tests, the staging: not our entry points
+            words = shlex.split(expand(m.group(2).replace('"$@"', "")), comments=True)
+            argv = []
+            for w in words:
+                if w in _STOP or w.startswith((">", "2>")):
+                    break
+                argv.append(w)
+            # `python3 -m "$module"`: every module the suite assigns to that name (bench.sh's case)
+            for name in every.get(module[1:], []) if module.startswith("$") else [module]:
+                cmds.append((name, argv))
+    return cmds
+
+
+def localize(module: str, argv: list[str], tmp: Path) -> list[str]:
+    """The suite's argv for this machine: --device cpu, /tmp paths in tmp, tiny builder inputs."""
+    out = []
+    for i, w in enumerate(argv):
+        if i and argv[i - 1] == "--device" and w == "cuda":
+            w = "cpu"
+        elif w.startswith("/tmp/") and not w.startswith(str(tmp)):
+            w = str(tmp / w[len("/tmp/"):])
+        out.append(w)
+    if module == "infhip.builder.cli" and "--model" in out:
+        from benchmarks.speed.tiny import tiny_config
+        i = out.index("--model")
+        cfg = tmp / f"tiny-{out[i + 1]}.json"
+        cfg.write_text(json.dumps(tiny_config(out[i + 1])))
+        out[i:i + 2] = ["--checkpoint", str(cfg), "--dtype", "float32"]
+    return out
+
+
+def _numbers(x, path=""):
+    if isinstance(x, dict):
+        for k, v in x.items():
+            assert k not in ("error", "load_error"), f"{path}/{k}: {str(v)[:800]}"
+            yield from _numbers(v, f"{path}/{k}")
+    elif isinstance(x, list):
+        for i, v in enumerate(x):
+            yield from _numbers(v, f"{path}[{i}]")
+    elif isinstance(x, (int, float)) and not isinstance(x, bool):
+        yield path, x
+
+
+def check_json(out: Path) -> int:
+    """Every JSON under out: finite numbers, some positive, no error. Returns how many files."""
+    files = sorted(out.rglob("*.json"))
+    for f in files:
+        nums = list(_numbers(json.loads(f.read_text()), f.name))
+        bad = [(p, v) for p, v in nums if not math.isfinite(v)]
+        assert not bad, f"{f}: not finite: {bad[:5]}"
+        assert any(v > 0 for _, v in nums), f"{f}: no positive number"
+    return len(files)
+
+
+SUITE_NAMES = sorted(p.stem for p in SUITES.glob("*.sh") if p.stem not in ELSEWHERE)
+
+
+def test_every_suite_is_read():
+    """The parser finds the entry points (a suite edit that hides them fails here, not silently)."""
+    found = {s: [m for m, _ in entry_points(SUITES / f"{s}.sh", Path("/o"))] for s in SUITE_NAMES}
+    assert found["headline"].count("benchmarks.speed.bench_infinitehip") == 2
+    assert "benchmarks.speed.bench_serving" in found["strict"] and "infhip.builder.cli" in found["strict"]
+    missing = {s: m for s, ms in found.items() for m in ms if m not in TINY}
+    assert not missing, f"entry points without a tiny mode in TINY: {missing}"
+    empty = [s for s, ms in found.items() if not ms]
+    assert not empty, f"suites with no python3 -m entry point found: {empty}"
+
+
+@pytest.mark.parametrize("suite", SUITE_NAMES)
+def test_suite_entry_points_on_cpu(suite, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    ran = 0
+    for module, argv in entry_points(SUITES / f"{suite}.sh", out):
+        if (suite, module) in NOT_RUN:
+            continue
+        flags, env_over = TINY[module]
+        args = localize(module, argv, tmp_path) + flags
+        env = dict(os.environ, TRITON_INTERPRET="0", **env_over)  # "0": the plugins' torch references
+        env["PYTHONPATH"] = f"{ROOT}{os.pathsep}{env.get('PYTHONPATH', '')}"
+        proc = subprocess.run([sys.executable, "-m", module, *args], cwd=tmp_path, env=env,
+                              capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, (f"{suite}: python -m {module} {shlex.join(args)} exited {proc.returncode}\n"
+                                      f"{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
+        ran += 1
+    assert ran, f"{suite}: nothing ran"
+    check_json(out)
