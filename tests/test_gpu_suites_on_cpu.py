@@ -88,7 +88,8 @@ def entry_points(suite: Path, out: Path) -> list[tuple[str, list[str]]]:
     def expand(s: str, depth: int = 0) -> str:
         def one(m):
             name = m.group(1) or m.group(3)
-            value = env.get(name, m.group(2) if m.group(2) is not None else "")
+            default = m.group(2) if m.group(2) is not None else ("1" if name.isdigit() else "")  # a function's $1
+            value = env.get(name, default)
             return expand(value, depth + 1) if depth < 5 else value
         return _VAR.sub(one, s)
 
@@ -181,10 +182,11 @@ def test_every_suite_is_read():
 def test_suite_entry_points_on_cpu(suite, tmp_path):
     out = tmp_path / "out"
     out.mkdir()
-    ran = 0
+    ran, parsed = 0, 0
     for module, argv in entry_points(SUITES / f"{suite}.sh", out):
         if (suite, module) in NOT_RUN:
             parse_only(module, localize(module, argv, tmp_path))
+            parsed += 1
             continue
         flags, env_over = TINY[module]
         args = localize(module, argv, tmp_path) + flags
@@ -197,5 +199,6 @@ def test_suite_entry_points_on_cpu(suite, tmp_path):
                                       f"{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
         print(f"{suite}: {module} {time.perf_counter() - t:.1f} s")  # pytest -s: where the seconds go
         ran += 1
-    assert ran, f"{suite}: nothing ran"
-    check_json(out)
+    assert ran or parsed, f"{suite}: no entry point"
+    if ran:
+        check_json(out)
