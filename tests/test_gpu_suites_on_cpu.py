@@ -190,7 +190,7 @@ def test_suite_entry_points_on_cpu(suite, tmp_path):
             continue
         flags, env_over = TINY[module]
         args = localize(module, argv, tmp_path) + flags
-        env = dict(os.environ, TRITON_INTERPRET="0", **env_over)  # "0": the plugins' torch references
+        env = {**os.environ, "TRITON_INTERPRET": "0", **env_over}  # "0": the plugins' torch references
         env["PYTHONPATH"] = f"{ROOT}{os.pathsep}{env.get('PYTHONPATH', '')}"
         t = time.perf_counter()
         proc = subprocess.run([sys.executable, "-m", module, *args], cwd=tmp_path, env=env,

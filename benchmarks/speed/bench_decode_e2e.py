@@ -82,6 +82,8 @@ def build(work: Path, max_len: int, kv_dtype: str, weight_dtype: str = "bf16", t
 
     src = tiny.write_config(work / "config.json", "llama-3.1-8b", smoke)
     kw = dict(tiny.BUILD, infinitehip_overrides=tiny.TINY_IH) if smoke else dict(dtype="bfloat16", device="cuda")
+    if smoke and kv_dtype == "bfloat16":
+        kv_dtype = None  # the float32 CPU engine keeps its KV in float32 (or fp8)
     return build_engine(checkpoint=src, output_dir=work / "engine", preset="3k-flash", kv_dtype=kv_dtype,
                         weight_dtype=weight_dtype, random_weights=True, max_seq_len=max_len, max_batch_size=1,
                         tp=tp, force=True, progress=False, **kw)
