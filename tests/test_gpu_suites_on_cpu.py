@@ -45,9 +45,9 @@ TINY: dict[str, tuple[list[str], dict]] = {
     "benchmarks.speed.bench_offload": SMOKE,
     "benchmarks.speed.uniprefill_ttft": SMOKE,
     "benchmarks.peers.bench_vs_vllm": SMOKE,
-    # these call the Triton kernels themselves: the interpreter on the CPU
+    "benchmarks.speed.bench_constants": SMOKE,  # torch references: interpreted, its kernels take ~60 s CPU
+    # checks each GEMV launch configuration: the interpreter on the CPU (asserted by its --smoke)
     "benchmarks.speed.bench_fp8_weights": (["--smoke"], {"TRITON_INTERPRET": "1"}),
-    "benchmarks.speed.bench_constants": (["--smoke"], {"TRITON_INTERPRET": "1"}),
     # take the engine the suite built before them (tiny here): only fewer tokens
     "benchmarks.speed.bench_sampling": (["--tokens", "4", "--repeats", "1"], {}),
     "benchmarks.speed.bench_structured_decode": (["--tokens", "4", "--repeats", "1"], {}),
@@ -132,6 +132,12 @@ def localize(module: str, argv: list[str], tmp: Path) -> list[str]:
     return out
 
 
+def _child_cpu_s() -> float:
+    import resource
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
+
+
 def parse_only(module: str, argv: list[str]) -> None:
     """Import the module and put argv through its parser, stopping at a final --help (exit 0)."""
     import runpy
@@ -192,12 +198,12 @@ def test_suite_entry_points_on_cpu(suite, tmp_path):
         args = localize(module, argv, tmp_path) + flags
         env = {**os.environ, "TRITON_INTERPRET": "0", **env_over}  # "0": the plugins' torch references
         env["PYTHONPATH"] = f"{ROOT}{os.pathsep}{env.get('PYTHONPATH', '')}"
-        t = time.perf_counter()
+        t, cpu = time.perf_counter(), _child_cpu_s()
         proc = subprocess.run([sys.executable, "-m", module, *args], cwd=tmp_path, env=env,
                               capture_output=True, text=True, timeout=300)
         assert proc.returncode == 0, (f"{suite}: python -m {module} {shlex.join(args)} exited {proc.returncode}\n"
                                       f"{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
-        print(f"{suite}: {module} {time.perf_counter() - t:.1f} s")  # pytest -s: where the seconds go
+        print(f"{suite}: {module} {time.perf_counter() - t:.1f} s wall, {_child_cpu_s() - cpu:.1f} s CPU")  # pytest -s
         ran += 1
     assert ran or parsed, f"{suite}: no entry point"
     if ran:
