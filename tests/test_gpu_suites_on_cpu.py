@@ -38,11 +38,11 @@ TINY: dict[str, tuple[list[str], dict]] = {
     "benchmarks.speed.bench_decode_e2e": SMOKE,
     "benchmarks.speed.bench_prefix_cache": SMOKE,
     "benchmarks.speed.ttft_breakdown": SMOKE,
+    "benchmarks.speed.bench_offload": SMOKE,
     # NOT_RUN below (argparse only) until they have a --smoke
     "benchmarks.speed.bench_cold_start": SMOKE,
     "benchmarks.speed.bench_dense_llama8b": SMOKE,
     "benchmarks.speed.bench_infinitehip": SMOKE,
-    "benchmarks.speed.bench_offload": SMOKE,
     "benchmarks.speed.uniprefill_ttft": SMOKE,
     "benchmarks.peers.bench_vs_vllm": SMOKE,
     "benchmarks.speed.bench_constants": SMOKE,  # torch references: interpreted, its kernels take ~60 s CPU
@@ -65,7 +65,6 @@ NOT_RUN = {
     ("bench", "benchmarks.speed.bench_dense_llama8b"): "no --smoke yet (HF reference on cuda)",
     ("bench", "benchmarks.speed.bench_infinitehip"): "no --smoke yet (one_layer's 8B shapes, CUDA graphs)",
     ("headline", "benchmarks.speed.bench_infinitehip"): "no --smoke yet (one_layer's 8B shapes, CUDA graphs)",
-    ("offload", "benchmarks.speed.bench_offload"): "no --smoke yet (pinned host KV on cuda)",
     ("vllm", "benchmarks.peers.bench_vs_vllm"): "needs vLLM (not installable for the CPU CI)",
 }
 
