@@ -287,10 +287,10 @@ def main() -> None:
             runner.set_backend("infinitehip", ih)
             cycle = ih.refresh_intervals[0] if name != "dense" else 8
             t = time.perf_counter()
-            step_times_ms(llm, 4 if args.smoke else cycle + 8)  # warm-up: the first full refresh, every pattern's graph
+            step_times_ms(llm, 2 if args.smoke else cycle + 8)  # warm-up: the first full refresh, every pattern's graph
             warm_s = time.perf_counter() - t
-            times = step_times_ms(llm, 8 if args.smoke else max(64, 2 * cycle))
-            tok_s = fused_tok_s(llm, 16 if args.smoke else 96)
+            times = step_times_ms(llm, 4 if args.smoke else max(64, 2 * cycle))
+            tok_s = fused_tok_s(llm, 8 if args.smoke else 96)
             med = statistics.median(times)
             rows[name] = {"median_ms": med, "p99_ms": p99(times), "max_ms": max(times), "mean_ms": statistics.mean(times),
                           "p99_over_median": p99(times) / med, "fused8_tok_s": tok_s, "warmup_s": warm_s,
