@@ -62,7 +62,7 @@ TINY: dict[str, tuple[list[str], dict]] = {
 ONCE = {"benchmarks.speed.bench_fp8_weights"}
 _ran_once: set[str] = set()
 # (suite, module) -> why that command does not run here
-# Those get only the import and the suite's flags through argparse (`--help` last: parsing stops there).
+# Those get only the import and the suite's flags through their argparse parser (parse_only).
 NOT_RUN = {
     ("uniprefill-qwen", "benchmarks.parity.infinitehip"): "the parity harness: tested with the quality tools",
     ("uniprefill-qwen", "benchmarks.speed.uniprefill_ttft"): "needs the staged Qwen engine and RULER data",
@@ -142,13 +142,31 @@ def _child_cpu_s() -> float:
     return r.ru_utime + r.ru_stime
 
 
+class _Parsed(Exception):
+    """Raised once the module's parser accepted argv: the run stops before any work."""
+
+
 def parse_only(module: str, argv: list[str]) -> None:
-    """Import the module and put argv through its parser, stopping at a final --help (exit 0)."""
+    """Import the module and put argv through its argparse parser (unknown flags and bad values
+    fail as they would on the GPU machine), then stop."""
+    import argparse
     import runpy
     from unittest import mock
-    with mock.patch.object(sys, "argv", [module, *argv, "--help"]), pytest.raises(SystemExit) as e:
-        runpy.run_module(module, run_name="__main__", alter_sys=False)
-    assert e.value.code in (0, None), f"{module} {shlex.join(argv)}: exit {e.value.code}"
+    full = argparse.ArgumentParser.parse_args
+
+    def parse_then_stop(self, args=None, namespace=None):
+        full(self, args, namespace)
+        raise _Parsed
+
+    with mock.patch.object(sys, "argv", [module, *argv]), \
+            mock.patch.object(argparse.ArgumentParser, "parse_args", parse_then_stop):
+        try:
+            runpy.run_module(module, run_name="__main__", alter_sys=False)
+        except _Parsed:
+            return
+        except SystemExit as e:
+            pytest.fail(f"{module} {shlex.join(argv)}: its parser exited {e.code}")
+    pytest.fail(f"{module} never parsed its arguments")
 
 
 def _numbers(x, path=""):
