@@ -3,7 +3,8 @@ and infhip once (~3 s of CPU each entry point would otherwise pay: most of a tin
 tests/test_gpu_suites_on_cpu.py. Each child starts from the same clean parent (nothing one entry
 point changes reaches the next) and runs the module as `python -m` would (runpy, "__main__").
 
-Protocol, one JSON object a line: stdin {"module", "argv", "env", "cwd", "log"} -> stdout {"rc", "cpu_s"};
+Protocol, one JSON object a line: stdin {"module" (or "path": a script), "argv", "env", "cwd", "log"}
+-> stdout {"rc", "cpu_s"};
 the child's stdout and stderr go to the file "log". The plugins pick the interpreter or their torch
 references at import (TRITON_INTERPRET), so this parent runs with TRITON_INTERPRET=0 only; an entry
 point that needs the interpreter runs in a plain subprocess instead.
@@ -27,10 +28,13 @@ def _child(req: dict) -> None:
     os.dup2(fd, 2)
     os.environ.update(req["env"])
     os.chdir(req["cwd"])
-    sys.argv = [req["module"], *req["argv"]]
+    sys.argv = [req.get("path") or req["module"], *req["argv"]]
     code = 0
     try:
-        runpy.run_module(req["module"], run_name="__main__", alter_sys=True)
+        if req.get("path"):  # a suite's inline `python3 - ARGS <<'EOF'`, written to a file
+            runpy.run_path(req["path"], run_name="__main__")
+        else:
+            runpy.run_module(req["module"], run_name="__main__", alter_sys=True)
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
         if not isinstance(e.code, (int, type(None))):
