@@ -40,8 +40,8 @@ TINY: dict[str, tuple[list[str], dict]] = {
     "benchmarks.speed.bench_prefix_cache": (["--smoke", "--follow-ups", "2", "--in-place-follow-ups", "1"], {}),
     "benchmarks.speed.ttft_breakdown": (["--smoke", "--weights", "fp8"], {}),  # bf16: tests/test_ttft_breakdown.py
     "benchmarks.speed.bench_offload": SMOKE,
+    "benchmarks.speed.bench_cold_start": SMOKE,  # 2 infhip-build and 2 LLM processes: ~19 s CPU
     # NOT_RUN below (argparse only) until they have a --smoke
-    "benchmarks.speed.bench_cold_start": SMOKE,
     "benchmarks.speed.bench_dense_llama8b": SMOKE,
     "benchmarks.speed.bench_infinitehip": SMOKE,
     "benchmarks.speed.uniprefill_ttft": SMOKE,
@@ -65,7 +65,6 @@ ONCE = {"benchmarks.speed.bench_fp8_weights": "fp8-decode"}
 NOT_RUN = {
     ("uniprefill-qwen", "benchmarks.parity.infinitehip"): "the parity harness: tested with the quality tools",
     ("uniprefill-qwen", "benchmarks.speed.uniprefill_ttft"): "needs the staged Qwen engine and RULER data",
-    ("aot", "benchmarks.speed.bench_cold_start"): "no --smoke yet (infhip-build subprocesses for cuda)",
     ("bench", "benchmarks.speed.bench_dense_llama8b"): "no --smoke yet (HF reference on cuda)",
     ("bench", "benchmarks.speed.bench_infinitehip"): "no --smoke yet (one_layer's 8B shapes, CUDA graphs)",
     ("headline", "benchmarks.speed.bench_infinitehip"): "no --smoke yet (one_layer's 8B shapes, CUDA graphs)",
