@@ -278,7 +278,8 @@ def test_suite_entry_points_on_cpu(suite, tmp_path, runner):
                                            log=str(log))) + "\n")
         runner.stdin.flush()
         reply = json.loads(runner.stdout.readline())
-        assert reply["rc"] == 0, f"{suite}: its inline python3 - {shlex.join(args)} exited {reply['rc']}\n{log.read_text()[-5000:]}"
+        assert reply["rc"] == 0, (f"{suite}: its inline python3 - {shlex.join(args)} exited {reply['rc']}\n"
+                                  f"{log.read_text()[-5000:]}")
         print(f"{suite}: inline python {reply['cpu_s']} s CPU\n{log.read_text()[-1500:]}")
         ran += 1
     assert ran or parsed, f"{suite}: no entry point"

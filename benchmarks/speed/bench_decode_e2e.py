@@ -276,7 +276,8 @@ def main() -> None:
     runner, plan = llm.runner, llm.engine.config.plan
     for layer in llm.engine.model.layers:  # random keys and values (rank 0's shard), scaled like real ones
         fill_random(layer.self_attn)
-    print(f"engine built and loaded in {res['setup_s']:.0f} s; stages {plan.knobs_of('infinitehip').stages}", flush=True)
+    stages = plan.knobs_of("infinitehip").stages
+    print(f"engine built and loaded in {res['setup_s']:.0f} s; stages {stages}", flush=True)
 
     for n in contexts:
         seq = synthetic_request(llm, n)
@@ -295,7 +296,8 @@ def main() -> None:
             rows[name] = {"median_ms": med, "p99_ms": p99(times), "max_ms": max(times), "mean_ms": statistics.mean(times),
                           "p99_over_median": p99(times) / med, "fused8_tok_s": tok_s, "warmup_s": warm_s,
                           "sparse_graphs": sum(key.of("infinitehip") is not None
-                                                for _, key in (runner.graphs.graphs if runner.graphs else [])), "step_ms": times}
+                                                for _, key in (runner.graphs.graphs if runner.graphs else [])),
+                          "step_ms": times}
             print(f"{n:>8} {name:<14} median {med:7.2f} ms  P99 {p99(times):7.2f}  max {max(times):7.2f}  "
                   f"fused {tok_s:7.1f} tok/s  (warm-up {warm_s:.1f} s, {rows[name]['sparse_graphs']} sparse graphs)",
                   flush=True)

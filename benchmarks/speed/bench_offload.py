@@ -19,7 +19,8 @@ Per context, in one process:
    to the GPU a layer ahead (runtime/offload/staging.py) and read in place.
 
 `--smoke` (benchmarks/speed/tiny.py): the same steps on the CPU, a tiny Llama, contexts cut to
-200 tokens, chunks of 64, a few steps per config, the "GPU" cache 320 tokens (what the runtime asks of a 712-token engine).
+200 tokens, chunks of 64, a few steps per config, the "GPU" cache 320 tokens (what the runtime
+asks of a 712-token engine).
 
 Reports median step time, P99, fused tok/s, GPU KV bytes (the pool, and the request's pages in
 it), and ratios against the resident run of the same config and against dense, all timed in

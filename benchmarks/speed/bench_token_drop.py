@@ -105,7 +105,8 @@ def build(model: str, num_layers: int | None, max_len: int, work: Path, smoke: b
     src.parent.mkdir(parents=True, exist_ok=True)
     src.write_text(json.dumps(cfg))
     kw = tiny.BUILD if smoke else dict(dtype="bfloat16", device="cuda")
-    return build_engine(checkpoint=src, output_dir=work / model / "engine", **kw, random_weights=True, max_seq_len=max_len, max_batch_size=1, force=True,
+    return build_engine(checkpoint=src, output_dir=work / model / "engine", **kw, random_weights=True,
+                        max_seq_len=max_len, max_batch_size=1, force=True,
                         progress=False, token_drop=True)  # token drop's kernels in the engine: none compile while timed
 
 
