@@ -276,8 +276,7 @@ def main() -> None:
     runner, plan = llm.runner, llm.engine.config.plan
     for layer in llm.engine.model.layers:  # random keys and values (rank 0's shard), scaled like real ones
         fill_random(layer.self_attn)
-    stages = plan.knobs_of("infinitehip").stages
-    print(f"engine built and loaded in {res['setup_s']:.0f} s; stages {stages}", flush=True)
+    print(f"engine built and loaded in {res['setup_s']:.0f} s; stages {plan.knobs_of('infinitehip').stages}", flush=True)
 
     for n in contexts:
         seq = synthetic_request(llm, n)
