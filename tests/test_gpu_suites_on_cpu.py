@@ -42,8 +42,8 @@ TINY: dict[str, tuple[list[str], dict]] = {
     "benchmarks.speed.bench_offload": SMOKE,
     "benchmarks.speed.bench_cold_start": SMOKE,  # 2 infhip-build and 2 LLM processes: ~19 s CPU
     "benchmarks.speed.bench_infinitehip": SMOKE,  # one layer, 4 q / 2 kv heads: every step type, variant, prefill
-    # NOT_RUN below (argparse only) until they have a --smoke
-    "benchmarks.speed.bench_dense_llama8b": SMOKE,
+    "benchmarks.speed.bench_dense_llama8b": SMOKE,  # beside transformers; no graph replay / profile / split sweep
+    # NOT_RUN below (argparse only)
     "benchmarks.speed.uniprefill_ttft": SMOKE,
     "benchmarks.peers.bench_vs_vllm": SMOKE,
     "benchmarks.speed.bench_constants": SMOKE,  # torch references: interpreted, its kernels take ~60 s CPU
@@ -65,7 +65,6 @@ ONCE = {"benchmarks.speed.bench_fp8_weights": "fp8-decode"}
 NOT_RUN = {
     ("uniprefill-qwen", "benchmarks.parity.infinitehip"): "the parity harness: tested with the quality tools",
     ("uniprefill-qwen", "benchmarks.speed.uniprefill_ttft"): "needs the staged Qwen engine and RULER data",
-    ("bench", "benchmarks.speed.bench_dense_llama8b"): "no --smoke yet (HF reference on cuda)",
     ("vllm", "benchmarks.peers.bench_vs_vllm"): "needs vLLM; its --dry-run (our side only) takes 43 s CPU",
 }
 
