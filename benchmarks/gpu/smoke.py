@@ -93,7 +93,8 @@ def _run_case(name: str, kw: dict, device: str, work: Path) -> dict:
     if device == "cuda":
         env["TRITON_CACHE_DIR"] = READ_ONLY_CACHE
     else:
-        env["TRITON_INTERPRET"], jit = "1", "allow"
+        # interpreted Triton, unless the caller asked for the plugins' torch references ("0": faster)
+        env["TRITON_INTERPRET"], jit = os.environ.get("TRITON_INTERPRET", "1"), "allow"
     proc = subprocess.run([sys.executable, "-c", _GENERATE, str(engine), jit], env=env, capture_output=True,
                           text=True, timeout=600)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
@@ -107,6 +108,8 @@ def _run_case(name: str, kw: dict, device: str, work: Path) -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    ap.add_argument("--smoke", dest="device", action="store_const", const="cpu",
+                    help="--device cpu (the benchmarks' tiny CPU mode: benchmarks/speed/tiny.py)")
     ap.add_argument("--only", default="", help=f"comma-separated cases (default all: {', '.join(CASES)})")
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/infhip-out"))
     args = ap.parse_args()

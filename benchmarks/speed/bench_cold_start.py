@@ -16,6 +16,9 @@ must come from the engine.
 
 Every process counts what it compiled or captured on the request path (the JIT hook's
 warnings and the graphs' ``on_request`` counter). Prints a table last; JSON to --out.
+
+``--smoke`` (benchmarks/speed/tiny.py): the same builds and processes on the CPU with a tiny Llama
+(float32, dense_threshold 30), contexts of 100 and 200 tokens, streams a tenth as long.
 """
 
 from __future__ import annotations
@@ -28,18 +31,21 @@ import sys
 import time
 from pathlib import Path
 
+from benchmarks.speed import tiny
+
 READ_ONLY_CACHE = "/proc/infhip-no-triton-cache"  # empty, and unwritable even by root
 
 
-def build(work: Path, name: str, *flags: str) -> dict:
+def build(work: Path, name: str, *flags: str, smoke: bool = False) -> dict:
     out = work / name
-    cfg = work / "llama-3.1-8b.json"
-    if not cfg.exists():
-        from infhip.builder.registry import bundled_config
-        cfg.write_text(bundled_config("llama-3.1-8b").read_text())
+    cfg = tiny.write_config(work / "llama-3.1-8b.json", "llama-3.1-8b", smoke)
+    where = (["--device", "cpu", "--dtype", "float32", "--max-num-batched-tokens", "64"] if smoke
+             else ["--device", "cuda"])
+    if smoke and "--preset" in flags:
+        where += ["--infinitehip-overrides", "dense_threshold=30"]  # sparse past 30 tokens
     t0 = time.perf_counter()
     subprocess.run([sys.executable, "-m", "infhip.builder.cli", "--checkpoint", str(cfg), "--random-weights",
-                    "--device", "cuda", "--output", str(out), "--force", "--quiet", *flags], check=True)
+                    *where, "--output", str(out), "--force", "--quiet", *flags], check=True)
     report = json.loads((out / "build_report.json").read_text())
     return {"engine": str(out), "build_s": round(time.perf_counter() - t0, 1),
             "size_gib": round(report["sizes_bytes"]["total"] / 2**30, 2), "kernels": report["kernels"],
@@ -79,17 +85,18 @@ def child(args) -> dict:
             times += [now] * len(delta.token_ids)
         return times[0] - t, [x - times[0] for x in times]
 
+    s = 10 if args.smoke else 1  # a smoke run's streams: a tenth as long
     ttft_short, _ = stream(16, 1)
     res = {"load": llm.load_report, "load_wall_s": round(load_s, 2), "first_token_s": round(ttft_short, 3),
            "ready_s": round(load_s + ttft_short, 2)}
     if args.scenario == "dense":
-        _, times = stream(16, 257)
-        res["decode_bs1_tok_s"] = round(256 / times[256], 1)
+        _, times = stream(16, 256 // s + 1)
+        res["decode_bs1_tok_s"] = round(256 // s / times[256 // s], 1)
     else:
         for n in args.contexts:
-            ttft, times = stream(n, 401)
-            early = 100 / times[100]  # tokens 1-100 (after the first)
-            late = 200 / (times[400] - times[200])
+            ttft, times = stream(n, 400 // s + 1)
+            early = 100 // s / times[100 // s]  # tokens 1-100 (after the first)
+            late = 200 // s / (times[400 // s] - times[200 // s])
             res[f"ctx{n}"] = {"ttft_s": round(ttft, 2), "tok_s_1_100": round(early, 1),
                               "tok_s_200_400": round(late, 1), "early_over_late": round(early / late, 3)}
         ttft2, _ = stream(args.contexts[-1], 2)
@@ -102,11 +109,13 @@ def child(args) -> dict:
     return res
 
 
-def run_child(engine: str, scenario: str, contexts: list[int]) -> dict:
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+def run_child(engine: str, scenario: str, contexts: list[int], smoke: bool = False) -> dict:
+    # (a smoke run keeps TRITON_INTERPRET: on the CPU "0" picks the plugins' torch references)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET" or smoke}
     env["TRITON_CACHE_DIR"] = READ_ONLY_CACHE
-    proc = subprocess.run([sys.executable, __file__, "--child", engine, "--scenario", scenario,
-                           "--contexts", ",".join(map(str, contexts))], env=env, capture_output=True, text=True)
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.speed.bench_cold_start", "--child", engine, "--scenario",
+                           scenario, "--contexts", ",".join(map(str, contexts))] + (["--smoke"] if smoke else []),
+                          env=env, capture_output=True, text=True, cwd=Path(__file__).resolve().parents[2])
     if proc.returncode != 0:
         return {"error": proc.stderr[-3000:]}
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -120,6 +129,7 @@ def main() -> None:
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--scenario", default="dense", help=argparse.SUPPRESS)
     ap.add_argument("--contexts", default="", help=argparse.SUPPRESS)
+    ap.add_argument("--smoke", action="store_true", help="tiny engines on the CPU: the code path, not speed")
     args = ap.parse_args()
     if args.child:
         args.contexts = [int(x) for x in args.contexts.split(",") if x]
@@ -127,12 +137,14 @@ def main() -> None:
         return
     args.work.mkdir(parents=True, exist_ok=True)
     results = {"builds": {}, "runs": {}}
-    results["builds"]["dense"] = build(args.work, "dense", "--max-seq-len", "8192")
+    long, room = tiny.cap(args.long, args.smoke), 512 if args.smoke else 8192
+    results["builds"]["dense"] = build(args.work, "dense", "--max-seq-len", str(room), smoke=args.smoke)
     results["builds"]["3k-flash-fp8"] = build(args.work, "3k-flash-fp8", "--preset", "3k-flash", "--kv-dtype", "fp8",
-                                              "--max-seq-len", str(args.long + 8192), "--max-batch-size", "4")
-    results["runs"]["dense"] = run_child(results["builds"]["dense"]["engine"], "dense", [])
+                                              "--max-seq-len", str(long + room), "--max-batch-size", "4",
+                                              smoke=args.smoke)
+    results["runs"]["dense"] = run_child(results["builds"]["dense"]["engine"], "dense", [], args.smoke)
     results["runs"]["3k-flash-fp8"] = run_child(results["builds"]["3k-flash-fp8"]["engine"], "sparse",
-                                                [131072, args.long])
+                                                [long // 2 if args.smoke else 131072, long], args.smoke)
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "bench_cold_start.json").write_text(json.dumps(results, indent=1))

@@ -42,6 +42,10 @@ largest max_seq_len it does not refuse); then load with that max_seq_len and the
 
     python -m benchmarks.speed.bench_decode_e2e --out $OUT --contexts 1024,1000000 --configs dense,3k-flash \
         --kv-dtype fp8 --weight-dtype fp8 --max-resident
+
+`--smoke` (benchmarks/speed/tiny.py): the same steps on the CPU with a tiny Llama, contexts cut to
+200 tokens, a few steps each and a 64 MiB KV cache; --max-resident's probe reads CUDA memory, so a
+smoke run skips it (and decodes at the given contexts only).
 """
 
 from __future__ import annotations
@@ -57,6 +61,8 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.speed import tiny
+
 CONFIGS = [  # name, runtime knobs (None: dense)
     ("dense", None),
     ("3k", dict(refresh_intervals=(16, 8, 4))),
@@ -70,16 +76,17 @@ CONFIGS = [  # name, runtime knobs (None: dense)
 ]
 
 
-def build(work: Path, max_len: int, kv_dtype: str, weight_dtype: str = "bf16", tp: int = 1) -> Path:
+def build(work: Path, max_len: int, kv_dtype: str, weight_dtype: str = "bf16", tp: int = 1,
+          smoke: bool = False) -> Path:
     from infhip.builder.build import build_engine
-    from infhip.builder.registry import bundled_config
 
-    src = work / "config.json"
-    src.parent.mkdir(parents=True, exist_ok=True)
-    src.write_text(bundled_config("llama-3.1-8b").read_text())
-    return build_engine(checkpoint=src, output_dir=work / "engine", preset="3k-flash", dtype="bfloat16",
-                        kv_dtype=kv_dtype, weight_dtype=weight_dtype, device="cuda", random_weights=True,
-                        max_seq_len=max_len, max_batch_size=1, tp=tp, force=True, progress=False)
+    src = tiny.write_config(work / "config.json", "llama-3.1-8b", smoke)
+    kw = dict(tiny.BUILD, infinitehip_overrides=tiny.TINY_IH) if smoke else dict(dtype="bfloat16", device="cuda")
+    if smoke and kv_dtype == "bfloat16":
+        kv_dtype = None  # the float32 CPU engine keeps its KV in float32 (or fp8)
+    return build_engine(checkpoint=src, output_dir=work / "engine", preset="3k-flash", kv_dtype=kv_dtype,
+                        weight_dtype=weight_dtype, random_weights=True, max_seq_len=max_len, max_batch_size=1,
+                        tp=tp, force=True, progress=False, **kw)
 
 
 def set_max_seq_len(engine_dir: Path, tokens: int) -> None:
@@ -189,11 +196,11 @@ def step_times_ms(llm, num_steps: int) -> list[float]:
 
 def fused_tok_s(llm, num_tokens: int, fused: int = 8) -> float:
     llm.core.num_decode_steps = fused
-    torch.cuda.synchronize()
+    tiny.sync()
     t = time.perf_counter()
     for _ in range(num_tokens // fused):
         llm.core.step()
-    torch.cuda.synchronize()
+    tiny.sync()
     return (num_tokens // fused) * fused / (time.perf_counter() - t)
 
 
@@ -216,9 +223,10 @@ def main() -> None:
                    "gets the random fill; --kv-gib is per rank)")
     p.add_argument("--configs", default=",".join(name for name, _ in CONFIGS),
                    help="comma-separated subset of: " + ", ".join(name for name, _ in CONFIGS))
+    p.add_argument("--smoke", action="store_true", help="tiny engine on the CPU: the code path, not speed")
     args = p.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    contexts = [int(x) for x in args.contexts.split(",")]
+    contexts = sorted({tiny.cap(int(x), args.smoke) for x in args.contexts.split(",")})
     wanted = [c.strip() for c in args.configs.split(",")]
     unknown = set(wanted) - {name for name, _ in CONFIGS}
     if unknown or "dense" not in wanted:
@@ -232,13 +240,16 @@ def main() -> None:
     import triton
 
     from infhip import LLM
-    res: dict = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+    res: dict = {"gpu": tiny.gpu_name(), "torch": torch.__version__, "triton": triton.__version__,
                  "transformers": transformers.__version__, "kv_dtype": args.kv_dtype,
                  "weight_dtype": args.weight_dtype, "tp": args.tp, "contexts": {}}
     t0 = time.perf_counter()
-    engine = build(args.work, max(contexts) + 8192, args.kv_dtype, args.weight_dtype, args.tp)
-    kv_bytes = int(args.kv_gib * (1 << 30))
-    if args.max_resident:
+    engine = build(args.work, max(contexts) + (decode_room(wanted) if args.smoke else 8192), args.kv_dtype,
+                   args.weight_dtype, args.tp, args.smoke)
+    kv_bytes = int((1 / 16 if args.smoke else args.kv_gib) * (1 << 30))
+    if args.max_resident and args.smoke:
+        print("--max-resident: skipped under --smoke (the probe reads CUDA memory)")
+    elif args.max_resident:
         probe = res["max_resident"] = resident_probe(engine)
         print(f"max resident context: {probe['max_seq_len']} tokens (pages {probe.get('pages')}; weights "
               f"{probe['weights_gib']:.1f} GiB, {probe['free_gib_with_weights']:.1f} of {probe['total_gib']:.1f} GiB "
@@ -259,7 +270,7 @@ def main() -> None:
         res["load_error"] = f"{type(e).__name__}: {e}"[:2000]
         save()
         raise
-    if args.max_resident:
+    if args.max_resident and not args.smoke:
         res["max_resident"]["allocated_pages"] = {g: llm.runner.kv.groups[g].num_pages for g in llm.runner.groups}
     res["setup_s"] = time.perf_counter() - t0
     runner, plan = llm.runner, llm.engine.config.plan
@@ -276,14 +287,16 @@ def main() -> None:
             runner.set_backend("infinitehip", ih)
             cycle = ih.refresh_intervals[0] if name != "dense" else 8
             t = time.perf_counter()
-            step_times_ms(llm, cycle + 8)  # warm-up: the first full refresh, every pattern's graph
+            step_times_ms(llm, 2 if args.smoke else cycle + 8)  # warm-up: the first full refresh, every pattern's graph
             warm_s = time.perf_counter() - t
-            times = step_times_ms(llm, max(64, 2 * cycle))
-            tok_s = fused_tok_s(llm, 96)
+            times = step_times_ms(llm, 4 if args.smoke else max(64, 2 * cycle))
+            tok_s = fused_tok_s(llm, 8 if args.smoke else 96)
             med = statistics.median(times)
             rows[name] = {"median_ms": med, "p99_ms": p99(times), "max_ms": max(times), "mean_ms": statistics.mean(times),
                           "p99_over_median": p99(times) / med, "fused8_tok_s": tok_s, "warmup_s": warm_s,
-                          "sparse_graphs": sum(key.of("infinitehip") is not None for _, key in runner.graphs.graphs), "step_ms": times}
+                          "sparse_graphs": sum(key.of("infinitehip") is not None
+                                                for _, key in (runner.graphs.graphs if runner.graphs else [])),
+                          "step_ms": times}
             print(f"{n:>8} {name:<14} median {med:7.2f} ms  P99 {p99(times):7.2f}  max {max(times):7.2f}  "
                   f"fused {tok_s:7.1f} tok/s  (warm-up {warm_s:.1f} s, {rows[name]['sparse_graphs']} sparse graphs)",
                   flush=True)
@@ -305,7 +318,7 @@ def main() -> None:
                   f"{r['max_ms'] / r['median_ms']:>9.2f}{r['fused8_tok_s']:>17.1f}"
                   f"{dense['median_ms'] / r['median_ms']:>18.2f}{r['fused8_tok_s'] / dense['fused8_tok_s']:>17.2f}"
                   f"{r['fused8_tok_s'] / shortest[name]['fused8_tok_s']:>20.2f}")
-    if args.max_resident:
+    if args.max_resident and not args.smoke:
         probe = res["max_resident"]
         print(f"max resident context ({args.weight_dtype} weights, KV {args.kv_dtype}): {probe['max_seq_len']} tokens; "
               f"pages allocated {probe['allocated_pages']} of {probe['page_size']} tokens")

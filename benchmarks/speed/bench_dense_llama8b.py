@@ -9,6 +9,10 @@
 3. Decode tokens/s at batch 1 and 16 (short context): infhip (CUDA graphs) vs transformers generate.
 4. Prefill tokens/s at 8K and 32K: infhip vs transformers forward (SDPA, logits of the last token).
 Prints a table last and writes JSON to --out.
+
+`--smoke` (benchmarks/speed/tiny.py): steps 1-4 on the CPU with a tiny Llama in float32 (both
+sides), prompts cut to 200 tokens, fewer decode tokens; the CUDA-only parts (the decode graph's
+replay and kernel profile, the split sweep of the Triton decode kernel) are skipped and say so.
 """
 
 from __future__ import annotations
@@ -19,10 +23,11 @@ import shutil
 import time
 from pathlib import Path
 
-from benchmarks.speed import timing
+from benchmarks.speed import timing, tiny
 import torch
 
 FLOOR_NOTE = "weight-bandwidth floor: bytes of weights read per token / 4.3 TB/s"
+DEVICE, DTYPE = "cuda", torch.bfloat16  # --smoke: "cpu", torch.float32
 
 
 def profile_graph(graph, path: Path, reps: int = 10) -> dict:
@@ -42,28 +47,29 @@ def profile_graph(graph, path: Path, reps: int = 10) -> dict:
     return {"total_us": total, "top": rows[:12]}
 
 
-def make_hf_checkpoint(path: Path, num_layers: int | None):
+def make_hf_checkpoint(path: Path, num_layers: int | None, smoke: bool = False):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from infhip.builder.registry import bundled_config
-    cfg = json.loads(bundled_config("llama-3.1-8b").read_text())
+    cfg = tiny.tiny_config("llama-3.1-8b") if smoke else json.loads(bundled_config("llama-3.1-8b").read_text())
     if num_layers:
         cfg["num_hidden_layers"] = num_layers
     config = LlamaConfig(**cfg)
     torch.manual_seed(0)
-    with torch.device("cuda"):
-        model = LlamaForCausalLM(config).to(torch.bfloat16)
+    with torch.device(DEVICE):
+        model = LlamaForCausalLM(config).to(DTYPE)
     model.save_pretrained(path, safe_serialization=True)
     del model
-    torch.cuda.empty_cache()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
     # Reload the way users do: from_pretrained keeps RoPE's inv_freq in float32 (a `.to(bf16)`
     # of a freshly built model would round it to bf16).
-    return LlamaForCausalLM.from_pretrained(path, dtype=torch.bfloat16, device_map="cuda").eval()
+    return LlamaForCausalLM.from_pretrained(path, dtype=DTYPE, device_map=DEVICE).eval()
 
 
 def decode_tok_s(llm, SamplingParams, batch: int, prompt_len: int = 128, n1: int = 32, n2: int = 160) -> float:
     """Decode throughput from the difference of two runs (prefill cost cancels)."""
-    ids = [[(7 * i + j) % 1000 + 10 for j in range(prompt_len)] for i in range(batch)]
+    ids = [[(7 * i + j) % 300 + 10 for j in range(prompt_len)] for i in range(batch)]  # (300: the tiny vocab)
 
     def run(n):
         sp = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
@@ -74,7 +80,7 @@ def decode_tok_s(llm, SamplingParams, batch: int, prompt_len: int = 128, n1: int
 
 
 def hf_decode_tok_s(hf, batch: int, prompt_len: int = 128, n1: int = 8, n2: int = 40) -> float:
-    ids = torch.randint(10, 1000, (batch, prompt_len), device="cuda")
+    ids = torch.randint(10, 300, (batch, prompt_len), device=DEVICE)
 
     def run(n):
         return timing.sync_time(lambda: hf.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False))
@@ -114,58 +120,67 @@ def main() -> None:
     p.add_argument("--work", type=Path, default=Path("/tmp/infhip-bench"))
     p.add_argument("--num-layers", type=int, default=None, help="fewer layers for a quick smoke run")
     p.add_argument("--prefill-lens", default="8192,32768")
+    p.add_argument("--smoke", action="store_true", help="a tiny Llama on the CPU: the code path, not speed")
     args = p.parse_args()
+    global DEVICE, DTYPE
+    if args.smoke:
+        DEVICE, DTYPE = "cpu", torch.float32
+    dt = str(DTYPE).removeprefix("torch.")
+    n1, n2 = (4, 12) if args.smoke else (32, 160)  # decode_tok_s's two run lengths
     args.out.mkdir(parents=True, exist_ok=True)
     shutil.rmtree(args.work, ignore_errors=True)
     from infhip import LLM, SamplingParams
     from infhip.builder.build import build_engine
 
-    res: dict = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__}
+    res: dict = {"gpu": tiny.gpu_name(), "torch": torch.__version__}
     import transformers
     import triton
     res["triton"], res["transformers"] = triton.__version__, transformers.__version__
     t = time.perf_counter()
-    hf = make_hf_checkpoint(args.work / "hf", args.num_layers)
+    hf = make_hf_checkpoint(args.work / "hf", args.num_layers, args.smoke)
     res["hf_init_save_s"] = time.perf_counter() - t
     print(f"transformers checkpoint saved in {res['hf_init_save_s']:.0f} s", flush=True)
     t = time.perf_counter()
-    engine = build_engine(checkpoint=args.work / "hf", output_dir=args.work / "engine", dtype="bfloat16",
-                          device="cuda", max_seq_len=40960, max_batch_size=16, progress=False)
+    engine = build_engine(checkpoint=args.work / "hf", output_dir=args.work / "engine", dtype=dt, device=DEVICE,
+                          max_seq_len=512 if args.smoke else 40960, max_batch_size=16, progress=False)
     res["build_s"] = time.perf_counter() - t
     t = time.perf_counter()
     # leave room for transformers' 32K prefill; graphs staged for up to 32 fused decode steps
-    llm = LLM(engine, kv_cache_memory_bytes=24 << 30, num_decode_steps=32, prefix_caching=False)
+    llm = LLM(engine, kv_cache_memory_bytes=(64 << 20) if args.smoke else 24 << 30, num_decode_steps=32,
+              prefix_caching=False)
     res["load_s"] = time.perf_counter() - t
     weight_bytes = sum(p.numel() * p.element_size() for p in llm.engine.model.parameters())
     res["floor_tok_s"] = 4.3e12 / weight_bytes
 
     # 2. Logits of a 1K prompt.
     from infhip.runtime.sequence import Sequence
-    ids = torch.randint(10, 100000, (1024,), generator=torch.Generator().manual_seed(0)).tolist()
+    vocab = llm.engine.config.model.vocab_size
+    ids = torch.randint(10, vocab, (tiny.cap(1024, args.smoke),), generator=torch.Generator().manual_seed(0)).tolist()
     seq = Sequence(seq_id=99_999, prompt_token_ids=ids, params=SamplingParams(max_tokens=1))
     llm.scheduler.add(seq)
     out = llm.scheduler.schedule()
     ours = llm.runner.execute(out)[0]
     llm.scheduler.finish(seq, "abort")
     with torch.no_grad():
-        ref = hf(torch.tensor([ids], device="cuda"), logits_to_keep=1).logits[0, -1].float()
+        ref = hf(torch.tensor([ids], device=DEVICE), logits_to_keep=1).logits[0, -1].float()
     res["logits_rel_l2"] = ((ours - ref).norm() / ref.norm()).item()
     # Both bf16 runs against a float32 transformers run of the same weights: how far each is from
     # the exact answer, so the bf16-vs-bf16 distance can be read in context.
     from transformers import LlamaForCausalLM
-    hf32 = LlamaForCausalLM.from_pretrained(args.work / "hf", dtype=torch.float32, device_map="cuda").eval()
+    hf32 = LlamaForCausalLM.from_pretrained(args.work / "hf", dtype=torch.float32, device_map=DEVICE).eval()
     with torch.no_grad():
-        ref32 = hf32(torch.tensor([ids], device="cuda"), logits_to_keep=1).logits[0, -1].float()
+        ref32 = hf32(torch.tensor([ids], device=DEVICE), logits_to_keep=1).logits[0, -1].float()
     del hf32
     # transformers against itself: the same bf16 weights with its eager attention instead of
     # SDPA — two correct bf16 implementations that differ only in operation order. Their
     # distance is what any non-bit-identical bf16 implementation can be expected to reach.
-    hf_eager = LlamaForCausalLM.from_pretrained(args.work / "hf", dtype=torch.bfloat16, device_map="cuda",
+    hf_eager = LlamaForCausalLM.from_pretrained(args.work / "hf", dtype=DTYPE, device_map=DEVICE,
                                                 attn_implementation="eager").eval()
     with torch.no_grad():
-        ref_eager = hf_eager(torch.tensor([ids], device="cuda"), logits_to_keep=1).logits[0, -1].float()
+        ref_eager = hf_eager(torch.tensor([ids], device=DEVICE), logits_to_keep=1).logits[0, -1].float()
     del hf_eager
-    torch.cuda.empty_cache()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
     res["logits_rel_l2_hf_eager_vs_hf_sdpa"] = ((ref_eager - ref).norm() / ref.norm()).item()
     res["logits_rel_l2_ours_vs_fp32"] = ((ours - ref32).norm() / ref32.norm()).item()
     res["logits_rel_l2_hf_vs_fp32"] = ((ref - ref32).norm() / ref32.norm()).item()
@@ -177,12 +192,12 @@ def main() -> None:
     # engine default is 8: up to 7 tokens past a stop string are computed and thrown away).
     for steps in (8, 16, 32):
         llm.core.num_decode_steps = steps
-        res[f"decode_b1_steps{steps}_tok_s"] = decode_tok_s(llm, SamplingParams, 1)
+        res[f"decode_b1_steps{steps}_tok_s"] = decode_tok_s(llm, SamplingParams, 1, n1=n1, n2=n2)
         print(f"decode b=1, {steps} steps per sync: {res[f'decode_b1_steps{steps}_tok_s']:.1f} tok/s", flush=True)
     llm.core.num_decode_steps = 8
     for b in (1, 16):
-        res[f"decode_b{b}_tok_s"] = decode_tok_s(llm, SamplingParams, b)
-        res[f"hf_decode_b{b}_tok_s"] = hf_decode_tok_s(hf, b)
+        res[f"decode_b{b}_tok_s"] = decode_tok_s(llm, SamplingParams, b, n1=n1, n2=n2)
+        res[f"hf_decode_b{b}_tok_s"] = hf_decode_tok_s(hf, b, n1=n1 // 4, n2=n2 // 4)
         print(f"decode b={b}: {res[f'decode_b{b}_tok_s']:.1f} vs {res[f'hf_decode_b{b}_tok_s']:.1f} tok/s", flush=True)
 
     # Where decode time goes at batch 1: the captured graph alone vs a whole engine step.
@@ -191,15 +206,17 @@ def main() -> None:
     from infhip.runtime.cuda_graphs import GraphKey
 
     graphs = llm.runner.graphs
-    graph = graphs.graphs.get((1, GraphKey(len_bucket=512)), graphs.graphs[(1, GraphKey())])
-    res["decode_b1_graph_ms"] = timing.sync_time(graph.replay, reps=200) * 1e3
-    res["decode_b1_startup_graph_ms"] = timing.sync_time(graphs.graphs[(1, GraphKey())].replay, reps=200) * 1e3
-    print(f"decode b=1: start-up graph (splits for max_seq_len) {res['decode_b1_startup_graph_ms']:.3f} ms",
-          flush=True)
-    print(f"decode b=1: graph replay {res['decode_b1_graph_ms']:.3f} ms/token, "
-          f"engine step {1e3 / res['decode_b1_tok_s']:.3f} ms/token", flush=True)
-
-    res["decode_b1_kernels"] = profile_graph(graph, args.out / "decode_b1_kernels.txt")
+    if graphs is None:  # the CPU (--smoke): no graphs to replay or profile
+        print("decode b=1: no CUDA graphs here; graph replay, kernel profile and split sweep skipped", flush=True)
+    else:
+        graph = graphs.graphs.get((1, GraphKey(len_bucket=512)), graphs.graphs[(1, GraphKey())])
+        res["decode_b1_graph_ms"] = timing.sync_time(graph.replay, reps=200) * 1e3
+        res["decode_b1_startup_graph_ms"] = timing.sync_time(graphs.graphs[(1, GraphKey())].replay, reps=200) * 1e3
+        print(f"decode b=1: start-up graph (splits for max_seq_len) {res['decode_b1_startup_graph_ms']:.3f} ms",
+              flush=True)
+        print(f"decode b=1: graph replay {res['decode_b1_graph_ms']:.3f} ms/token, "
+              f"engine step {1e3 / res['decode_b1_tok_s']:.3f} ms/token", flush=True)
+        res["decode_b1_kernels"] = profile_graph(graph, args.out / "decode_b1_kernels.txt")
     from infhip.plugins.skinny_gemm import skinny_gemm_decisions, table_config
     # INFHIP_SKINNY_GEMM=auto: what the timing chose; default: the fixed table's picks at M = 1
     res["skinny_gemm_decisions"] = {str(k): str(v.config or "cublas") for k, v in skinny_gemm_decisions().items()}
@@ -210,20 +227,23 @@ def main() -> None:
                                         for name, (n, k) in shapes.items()}
     print("skinny GEMM kernels: " + "; ".join(f"{k} -> {v}" for k, v in res["skinny_gemm_decisions"].items()),
           flush=True)
-    res["decode_split_sweep_us"] = decode_split_sweep()
+    if not args.smoke:  # (the Triton kernel itself, timed in graphs)
+        res["decode_split_sweep_us"] = decode_split_sweep()
 
     # 4. Prefill.
-    for n in [int(x) for x in args.prefill_lens.split(",")]:
-        ids = torch.randint(10, 100000, (n,)).tolist()
+    prefill_lens = list(dict.fromkeys(tiny.cap(int(x), args.smoke) for x in args.prefill_lens.split(",")))
+    for n in prefill_lens:
+        ids = torch.randint(10, vocab, (n,)).tolist()
         sp = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
-        llm.generate(prompt_token_ids=[ids[:1024]], sampling_params=sp)
+        llm.generate(prompt_token_ids=[ids[:tiny.cap(1024, args.smoke)]], sampling_params=sp)
         t_ours = min(timing.sync_time(lambda: llm.generate(prompt_token_ids=[ids], sampling_params=sp)) for _ in range(2))
-        x = torch.tensor([ids], device="cuda")
+        x = torch.tensor([ids], device=DEVICE)
         with torch.no_grad():
-            hf(x[:, :1024], logits_to_keep=1)
+            hf(x[:, :tiny.cap(1024, args.smoke)], logits_to_keep=1)
             t_hf = min(timing.sync_time(lambda: hf(x, logits_to_keep=1)) for _ in range(2))
         res[f"prefill_{n}_tok_s"], res[f"hf_prefill_{n}_tok_s"] = n / t_ours, n / t_hf
-        torch.cuda.empty_cache()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
 
     (args.out / "bench_dense_llama8b.json").write_text(json.dumps(res, indent=2))
     print(f"\n{res['gpu']}  torch {res['torch']}  triton {res['triton']}  transformers {res['transformers']}")
@@ -235,7 +255,7 @@ def main() -> None:
     print(f"{'  transformers eager vs SDPA':<28}{'':>12}{res['logits_rel_l2_hf_eager_vs_hf_sdpa']:>14.2e}"
           "   (both bf16: the spread between two correct bf16 implementations)")
     for key, name in [("decode_b1", "decode b=1 tok/s"), ("decode_b16", "decode b=16 tok/s")] + [
-            (f"prefill_{n}", f"prefill {n} tok/s") for n in args.prefill_lens.split(",")]:
+            (f"prefill_{n}", f"prefill {n} tok/s") for n in prefill_lens]:
         a, b = res[f"{key}_tok_s"], res[f"hf_{key}_tok_s"]
         print(f"{name:<28}{a:>12.1f}{b:>14.1f}{a / b:>8.2f}")
     print(f"{'decode b=1 / floor':<28}{res['decode_b1_tok_s'] / res['floor_tok_s']:>12.2f}")

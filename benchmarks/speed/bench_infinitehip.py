@@ -57,6 +57,7 @@ from infhip.plugins.infinitehip import (MASK_LAYOUTS, plan_query_blocks, pruning
                                         sparse_prefill_attention, unrotate_keys, write_key_bank)
 from infhip.runtime.attention.infinitehip.mask_cache import refresh_from
 
+from benchmarks.speed import one_layer, tiny
 from benchmarks.speed.one_layer import (CHUNK, D, HKV, HQ, NUM_LAYERS, PAGE, SCALE, PagedContext, parse_len, sdpa_decode_us,
                        sdpa_prefill_ms, styles)
 
@@ -67,11 +68,11 @@ def decode_step_types(ctx: PagedContext, cfg, bs: int, reps: int, gen, profile_d
     A per-head mask_layout: no key bank and no launch-variant sweeps."""
     shared = mask_layout == "shared"
     stages, S = cfg.stages, len(cfg.stages)
-    q = torch.randn(bs, HQ, D, device="cuda", dtype=torch.bfloat16, generator=gen)
+    q = torch.randn(bs, HQ, D, device=one_layer.DEVICE, dtype=torch.bfloat16, generator=gen)
     tables = ctx.table.expand(bs, -1).contiguous()
-    q_start = torch.arange(bs, dtype=torch.int32, device="cuda")
-    ones = torch.ones(bs, dtype=torch.int32, device="cuda")
-    ends = torch.full((bs,), ctx.n, dtype=torch.int32, device="cuda")
+    q_start = torch.arange(bs, dtype=torch.int32, device=one_layer.DEVICE)
+    ones = torch.ones(bs, dtype=torch.int32, device=one_layer.DEVICE)
+    ends = torch.full((bs,), ctx.n, dtype=torch.int32, device=one_layer.DEVICE)
     middle = max(0, ctx.n - cfg.n_stream - cfg.n_sink)
     prune_rope, attn_rope = styles(ctx.n, cfg)
     kw = dict(n_sink=cfg.n_sink, n_stream=cfg.n_stream, inv_freq=ctx.inv_freq)
@@ -87,9 +88,9 @@ def decode_step_types(ctx: PagedContext, cfg, bs: int, reps: int, gen, profile_d
         cache.append(stage(i))
     out = torch.empty_like(q)
     # the rotated key bank (key_bank.py), past the trained window only: its rows are slot 0
-    bank = (torch.empty(1, stages[-1].k, HKV, D, device="cuda", dtype=torch.bfloat16)
+    bank = (torch.empty(1, stages[-1].k, HKV, D, device=one_layer.DEVICE, dtype=torch.bfloat16)
             if attn_rope != "none" and shared else None)
-    bank_rows = torch.zeros(bs, dtype=torch.int32, device="cuda")
+    bank_rows = torch.zeros(bs, dtype=torch.int32, device=one_layer.DEVICE)
 
     def write_bank():
         write_key_bank(ctx.paged, tables, ends, cache[-1][0], bank, bank_rows, n_sink=cfg.n_sink,
@@ -182,11 +183,11 @@ def offload_past(ctx: PagedContext, cfg):
     lo = -(-cfg.n_sink // PAGE)
     hi = max(lo, (ctx.n - CHUNK - cfg.n_stream) // PAGE)
     host = HostKV.like(ctx.k_cache, max(1, hi - lo))
-    dst = -1 - torch.arange(hi - lo, device="cuda", dtype=torch.int32)
+    dst = -1 - torch.arange(hi - lo, device=one_layer.DEVICE, dtype=torch.int32)
     copy_pages(PagedKV(ctx.k_cache, ctx.v_cache, host=host), ctx.table[0, lo:hi].contiguous(), dst)
     table = ctx.table.clone()
     table[0, lo:hi] = dst
-    torch.cuda.synchronize()
+    tiny.sync()
     return host, table
 
 
@@ -199,9 +200,9 @@ def prefill_breakdown(ctx: PagedContext, cfg, gen, raw_keys: bool = False, offlo
     the kernels read the offloaded pages from host memory. A per-head mask_layout: the default
     launches only."""
     prune_variants, attn_variants = (PRUNE_VARIANTS, ATTN_VARIANTS) if mask_layout == "shared" else ([{}], [{}])
-    q = torch.randn(CHUNK, HQ, D, device="cuda", dtype=torch.bfloat16, generator=gen)
+    q = torch.randn(CHUNK, HQ, D, device=one_layer.DEVICE, dtype=torch.bfloat16, generator=gen)
     bq = cfg.block_q
-    starts, lens, ends, seq = plan_query_blocks([CHUNK], [ctx.n], bq, device="cuda")
+    starts, lens, ends, seq = plan_query_blocks([CHUNK], [ctx.n], bq, device=one_layer.DEVICE)
     host, table = offload if offload is not None else (None, ctx.table)
     kv = ctx.paged.with_host(host)
     tables = table.expand(starts.shape[0], -1).contiguous()
@@ -279,18 +280,23 @@ def main() -> None:
                     help="preset: the preset's own strides (with raw keys past the window) only")
     ap.add_argument("--offload", action="store_true",
                     help="also the preset's prefill with the past pages in pinned host memory (KV offloading)")
+    ap.add_argument("--smoke", action="store_true", help="a tiny layer on the CPU (tiny.py): the code path, not speed")
     args = ap.parse_args()
+    if args.smoke:  # the layer's constants, re-read from one_layer after it shrinks them
+        one_layer.shrink()
+        globals().update({k: getattr(one_layer, k) for k in ("CHUNK", "D", "HKV", "HQ", "SCALE")})
+        args.reps = min(args.reps, 2)
     layouts = [x.strip() for x in args.mask_layouts.split(",")]
     for x in layouts:
         if x not in MASK_LAYOUTS:
             ap.error(f"--mask-layouts: {x!r} is not one of {', '.join(MASK_LAYOUTS)}")
     args.out.mkdir(parents=True, exist_ok=True)
-    gen = torch.Generator(device="cuda").manual_seed(0)
+    gen = torch.Generator(device=one_layer.DEVICE).manual_seed(0)
     presets = [p.strip() for p in args.presets.split(",")]
-    results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+    results = {"device": tiny.gpu_name(), "torch": torch.__version__,
                "triton": __import__("triton").__version__, "mask_layouts": layouts, "contexts": {}}
     rows = []
-    for n in [parse_len(c) for c in args.contexts.split(",")]:
+    for n in sorted({tiny.cap(parse_len(c), args.smoke) for c in args.contexts.split(",")}):
         ctx = PagedContext(n, gen)
         r = {"sdpa_decode": sdpa_decode_us(ctx, args.reps, gen)}
         print(f"[{n}] SDPA decode {r['sdpa_decode']}", flush=True)
@@ -299,12 +305,14 @@ def main() -> None:
             print(f"[{n}] SDPA prefill {r['sdpa_prefill']}", flush=True)
         decode_by_stages = {}
         for name in presets:
-            cfg = infinitehip_config(name)
+            cfg = (infinitehip_config(name, tiny.TINY_IH, trained_window=one_layer.TRAINED_WINDOW) if args.smoke
+                   else infinitehip_config(name))
             for layout in layouts:
                 measure_preset(args, ctx, cfg, name, layout, r, rows, decode_by_stages, gen)
         results["contexts"][n] = r
         del ctx
-        torch.cuda.empty_cache()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
     (args.out / "bench_infinitehip.json").write_text(json.dumps(results, indent=1, default=str))
     print("\n| keys | preset | phase | infhip µs/layer | SDPA µs/layer | speedup | vs shared (time) | "
           "P99/med synced | P99/med staggered |")
@@ -327,7 +335,8 @@ def measure_preset(args, ctx: PagedContext, cfg, name: str, layout: str, r: dict
     key = (tuple(cfg.stages), layout)
     if not args.no_decode and key not in decode_by_stages:  # 3k / -fast / -flash: time once
         decode_by_stages[key] = decode_step_types(ctx, cfg, 1, args.reps, gen,
-                                                  args.out if name == "3k" and layout == "shared" else None,
+                                                  args.out if name == "3k" and layout == "shared"
+                                                  and not args.smoke else None,  # (a CUDA profile)
                                                   mask_layout=layout)
         print(f"[{n}] {label0} decode step types (us): {decode_by_stages[key]}", flush=True)
     if not args.no_decode:

@@ -18,6 +18,10 @@ Per context, in one process:
    of an n-token request (3k-flash), resident, and offloaded with the chunk's host pages staged
    to the GPU a layer ahead (runtime/offload/staging.py) and read in place.
 
+`--smoke` (benchmarks/speed/tiny.py): the same steps on the CPU, a tiny Llama, contexts cut to
+200 tokens, chunks of 64, a few steps per config, the "GPU" cache 320 tokens (what the runtime
+asks of a 712-token engine).
+
 Reports median step time, P99, fused tok/s, GPU KV bytes (the pool, and the request's pages in
 it), and ratios against the resident run of the same config and against dense, all timed in
 this run. Prints tables last; JSON to --out.
@@ -34,6 +38,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.speed import tiny
 from benchmarks.speed.bench_decode_e2e import build, fill_random, fused_tok_s, p99, step_times_ms
 
 GiB = 1 << 30
@@ -80,28 +85,28 @@ def prefill_ms(llm, n: int, chunk: int = 32768) -> float:
     depend on the context, so a shorter warm-up would not do)."""
     times = []
     for _ in range(2):
-        seq = grown_request(llm, n, computed=n - chunk)
-        torch.cuda.synchronize()
+        seq = grown_request(llm, n, chunk=chunk, computed=n - chunk)
+        tiny.sync()
         t = time.perf_counter()
         llm.core.step()  # the chunk (32 layers of pruning + block-sparse attention), then its sampled token
-        torch.cuda.synchronize()
+        tiny.sync()
         times.append((time.perf_counter() - t) * 1e3)
         llm.scheduler.finish(seq, "abort")
     return times[-1]
 
 
-def measure(llm, configs: list[str], plan, with_dense: bool) -> dict:
+def measure(llm, configs: list[str], plan, with_dense: bool, smoke: bool = False) -> dict:
     rows = {}
     todo = ([("dense", dict(dense_threshold=1 << 40))] if with_dense else []) + [(c, config_knobs(c)) for c in configs]
     for name, knobs in todo:
         ih = plan.at_load({"infinitehip": knobs}).knobs_of("infinitehip")
         llm.runner.set_backend("infinitehip", ih)
         cycle = ih.refresh_intervals[0] if name != "dense" else 8
-        step_times_ms(llm, cycle + 8)  # warm-up: every refresh pattern's graph
-        times = step_times_ms(llm, max(64, 2 * cycle))  # whole cycles: the mean is the amortized step
+        step_times_ms(llm, 2 if smoke else cycle + 8)  # warm-up: every refresh pattern's graph
+        times = step_times_ms(llm, 4 if smoke else max(64, 2 * cycle))  # whole cycles: the mean is the amortized step
         med = statistics.median(times)
         rows[name] = {"median_ms": med, "mean_ms": statistics.fmean(times), "p99_ms": p99(times),
-                      "fused8_tok_s": fused_tok_s(llm, 96), "step_ms": times}
+                      "fused8_tok_s": fused_tok_s(llm, 8 if smoke else 96), "step_ms": times}
         print(f"  {name:<13} median {med:7.2f} ms  mean {rows[name]['mean_ms']:7.2f}  P99 {p99(times):7.2f}  "
               f"fused {rows[name]['fused8_tok_s']:7.1f} tok/s", flush=True)
     return rows
@@ -137,23 +142,27 @@ def main() -> None:
     p.add_argument("--resident-max", type=int, default=None,
                    help="contexts above this get no resident run (it would not fit the GPU); their "
                         "ratios are against the resident run of the largest context at or below it")
+    p.add_argument("--smoke", action="store_true", help="tiny engine on the CPU: the code path, not speed")
     args = p.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    contexts = [int(x) for x in args.contexts.split(",")]
+    contexts = sorted({tiny.cap(int(x), args.smoke) for x in args.contexts.split(",")})
+    chunk = min(args.prefill_chunk, 64) if args.smoke else args.prefill_chunk  # 64: the tiny engine's chunk
+    grow = 64 if args.smoke else 32768
     configs = args.configs.split(",")
 
     import triton
 
     from infhip import LLM
 
-    res = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+    res = {"gpu": tiny.gpu_name(), "torch": torch.__version__, "triton": triton.__version__,
            "kv_dtype": args.kv_dtype, "contexts": {}}
     # The resident runs get an engine whose max_seq_len its GPU can hold (one sequence's pages are
     # reserved); the offloaded ones one for the largest context.
     resident_max = max(n for n in contexts if args.resident_max is None or n <= args.resident_max)
-    engine = build(args.work, max(contexts) + 8192, args.kv_dtype)
+    room = 512 if args.smoke else 8192
+    engine = build(args.work, max(contexts) + room, args.kv_dtype, smoke=args.smoke)
     resident_engine = engine if resident_max == max(contexts) else build(
-        args.work / "resident", resident_max + 8192, args.kv_dtype)
+        args.work / "resident", resident_max + room, args.kv_dtype, smoke=args.smoke)
     per_token = None
     for n in contexts:
         out = res["contexts"][str(n)] = {}
@@ -162,11 +171,13 @@ def main() -> None:
         for mode in offloaded if too_big else ["resident"] + offloaded:
             t0 = time.perf_counter()
             if mode == "resident":
-                llm = LLM(resident_engine, max_num_seqs=1, kv_cache_memory_bytes=None, prefix_caching=False)
+                llm = LLM(resident_engine, max_num_seqs=1, kv_cache_memory_bytes=(64 << 20) if args.smoke else None,
+                          prefix_caching=False)
             elif per_token is None:
                 raise SystemExit("the first context needs a resident run (it sizes the host pool)")
             else:  # "offloaded": the sparse kernels read host pages in place
-                llm = LLM(engine, max_num_seqs=1, kv_cache_memory_bytes=int(args.gpu_kv_gib * GiB),
+                gpu_kv = 320 * per_token if args.smoke else int(args.gpu_kv_gib * GiB)
+                llm = LLM(engine, max_num_seqs=1, kv_cache_memory_bytes=gpu_kv,
                           kv_offload_bytes=int(1.03 * n * per_token))
             for layer in llm.engine.model.layers:
                 fill_random(layer.self_attn)
@@ -176,11 +187,11 @@ def main() -> None:
                 a = llm.engine.model.layers[0].self_attn
                 per_token = len(llm.engine.model.layers) * 2 * (a.kv.k[0, 0].numel() * a.kv.k.element_size()
                                                                 + (4 * a.kv.k.shape[2] if a.kv.k_scale is not None else 0))
-            seq = grown_request(llm, n) if mode != "resident" else grown_request(llm, n, chunk=n)
+            seq = grown_request(llm, n, chunk=grow) if mode != "resident" else grown_request(llm, n, chunk=n)
             print(f"{n} {mode}: GPU KV {gpu_b / GiB:.1f} GiB, host KV {host_b / GiB:.1f} GiB, "
                   f"set-up {time.perf_counter() - t0:.0f} s", flush=True)
-            rows = measure(llm, configs, plan, with_dense=mode == "resident")
-            gpu_used = torch.cuda.memory_allocated() / GiB
+            rows = measure(llm, configs, plan, with_dense=mode == "resident", smoke=args.smoke)
+            gpu_used = torch.cuda.memory_allocated() / GiB if torch.cuda.is_available() else 0.0
             on_gpu = sum(p >= 0 for p in llm.runner.kv.page_list(seq.seq_id, "global"))
             request_gib = on_gpu * per_token * llm.runner.page_size / GiB  # its pages in the GPU pool
             llm.scheduler.finish(seq, "abort")
@@ -193,11 +204,12 @@ def main() -> None:
                 for name, staged in variants.items():
                     if llm.runner.staging is not None:
                         llm.runner.staging.enabled = staged
-                    ms = out[mode]["prefill_ms"][name] = prefill_ms(llm, n, args.prefill_chunk)
-                    print(f"  prefill {args.prefill_chunk} at {n}, {name}: {ms:.0f} ms", flush=True)
+                    ms = out[mode]["prefill_ms"][name] = prefill_ms(llm, n, chunk)
+                    print(f"  prefill {chunk} at {n}, {name}: {ms:.0f} ms", flush=True)
             del llm, seq
             gc.collect()
-            torch.cuda.empty_cache()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
 
     (args.out / "bench_offload.json").write_text(json.dumps(res, indent=2))
     print(f"\n{res['gpu']}  torch {res['torch']}  triton {res['triton']}; Llama-3.1-8B shapes, random weights, "
@@ -216,7 +228,7 @@ def main() -> None:
                       f"{r['mean_ms']:>9.2f}{r['p99_ms'] / r['median_ms']:>8.2f}{tok_s:>8.1f}"
                       f"{tok_s / base['fused8_tok_s']:>11.2f}{tok_s / dense['fused8_tok_s']:>8.2f}")
     if args.prefill_chunk:
-        print(f"\nprefill of one {args.prefill_chunk}-token chunk (3k-flash, all layers, wall ms; "
+        print(f"\nprefill of one {chunk}-token chunk (3k-flash, all layers, wall ms; "
               "x resident = resident time / this time)")
         resident = None
         for n, modes in res["contexts"].items():

@@ -19,6 +19,7 @@ passes, each dropping from its own last 128 queries).
 Fewer layers: --llama-layers / --gemma-layers (the same 5:1 sliding/global pattern; fewer layers
 after the first anchor means a smaller speedup, so a truncated run understates it); the output
 says when a model ran truncated. Prints a ratio table last and writes JSON to --out.
+`--smoke` (benchmarks/speed/tiny.py): the same runs on the CPU, tiny models, prompts cut to 200.
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ import argparse
 import json
 import time
 from pathlib import Path
+
+from benchmarks.speed import tiny
 
 MODELS = ("llama-3.1-8b", "gemma-3-12b")
 
@@ -55,6 +58,7 @@ def make_parser() -> argparse.ArgumentParser:
                    "forced rho compounds over the anchors)")
     p.add_argument("--reps", type=int, default=2, help="best of this many runs below 128K")
     p.add_argument("--dry-run", action="store_true", help="print the plan and exit (no GPU needed)")
+    p.add_argument("--smoke", action="store_true", help="tiny models on the CPU: the code path, not speed")
     return p
 
 
@@ -64,7 +68,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     bad = [m for m in args.models if m not in MODELS]
     if bad:
         raise SystemExit(f"bench_token_drop: unknown model(s) {bad}; choose from {MODELS}")
-    args.lengths = [parse_len(x) for x in args.lengths.split(",") if x.strip()]
+    args.lengths = list(dict.fromkeys(tiny.cap(parse_len(x), args.smoke) for x in args.lengths.split(",") if x.strip()))
     args.retention = [float(x) for x in args.retention.split(",") if x.strip()]
     if any(not 0.0 <= r <= 1.0 for r in args.retention):
         raise SystemExit(f"bench_token_drop: every retention must be in [0, 1], got {args.retention}")
@@ -87,20 +91,22 @@ def layers_of(args, model: str) -> int | None:
     return args.llama_layers if model.startswith("llama") else args.gemma_layers
 
 
-def build(model: str, num_layers: int | None, max_len: int, work: Path) -> Path:
-    """A random-weight bf16 engine of `model`'s shape (optionally truncated), built on the GPU."""
+def build(model: str, num_layers: int | None, max_len: int, work: Path, smoke: bool = False) -> Path:
+    """A random-weight bf16 engine of `model`'s shape (optionally truncated), built on the GPU
+    (smoke: the tiny shape in float32 on the CPU)."""
     from infhip.builder.build import build_engine
     from infhip.builder.registry import bundled_config
 
-    cfg = json.loads(bundled_config(model).read_text())
+    cfg = tiny.tiny_config(model) if smoke else json.loads(bundled_config(model).read_text())
     if num_layers:
         cfg["num_hidden_layers"] = num_layers
         cfg.pop("layer_types", None)  # re-derived from the sliding-window pattern
     src = work / model / "config.json"
     src.parent.mkdir(parents=True, exist_ok=True)
     src.write_text(json.dumps(cfg))
-    return build_engine(checkpoint=src, output_dir=work / model / "engine", dtype="bfloat16", device="cuda",
-                        random_weights=True, max_seq_len=max_len, max_batch_size=1, force=True,
+    kw = tiny.BUILD if smoke else dict(dtype="bfloat16", device="cuda")
+    return build_engine(checkpoint=src, output_dir=work / model / "engine", **kw, random_weights=True,
+                        max_seq_len=max_len, max_batch_size=1, force=True,
                         progress=False, token_drop=True)  # token drop's kernels in the engine: none compile while timed
 
 
@@ -111,10 +117,10 @@ def ttft_s(llm, ids: list[int], reps: int) -> float:
     sp = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     best = float("inf")
     for _ in range(reps):
-        torch.cuda.synchronize()
+        tiny.sync()
         t = time.perf_counter()
         llm.generate(prompt_token_ids=[ids], sampling_params=sp)
-        torch.cuda.synchronize()
+        tiny.sync()
         best = min(best, time.perf_counter() - t)
     return best
 
@@ -128,8 +134,8 @@ def run_model(args, model: str, res: dict) -> None:
 
     t0 = time.perf_counter()
     max_len = max(args.lengths)
-    engine = build(model, layers_of(args, model), max_len, args.work)
-    llm = LLM(engine, max_num_seqs=1, kv_cache_memory_bytes=28 << 30, enforce_eager=True,
+    engine = build(model, layers_of(args, model), max_len, args.work, args.smoke)
+    llm = LLM(engine, max_num_seqs=1, kv_cache_memory_bytes=(64 << 20) if args.smoke else 28 << 30, enforce_eager=True,
               prefix_caching=False)
     cfg = llm.engine.config
     num_layers = cfg.model.num_layers
@@ -143,7 +149,7 @@ def run_model(args, model: str, res: dict) -> None:
     configs = [("dense", None, None)] + [
         (name, TokenDropConfig(min_prompt_len=0, spare_anchors=n, drop_layers=d, **args.knobs), r)
         for name, r, n, d in drop_configs(args)]
-    warm = [(i * 7919) % (vocab - 10) + 10 for i in range(4096)]
+    warm = [(i * 7919) % (vocab - 10) + 10 for i in range(tiny.cap(4096, args.smoke))]
     for _, td, rho in configs:  # compile the Triton kernels of every path once
         llm.runner.set_transform("token_drop", td)
         set_forced_retention(llm, rho)
@@ -165,7 +171,8 @@ def run_model(args, model: str, res: dict) -> None:
                   + (f" (kept {row[name + ' kept']:.3f} of tokens per anchor)" if kept else ""), flush=True)
         info["runs"].append(row)
     del llm
-    torch.cuda.empty_cache()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def drop_configs(args) -> list[tuple[str, float, int, str]]:
@@ -196,7 +203,7 @@ def main(argv=None) -> None:
     import torch
     import triton
     args.out.mkdir(parents=True, exist_ok=True)
-    res = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+    res = {"gpu": tiny.gpu_name(), "torch": torch.__version__, "triton": triton.__version__,
            "lengths": args.lengths, "retention": args.retention, "spare_anchors": args.spare_anchors,
            "knobs": args.knobs}
     t = time.perf_counter()

@@ -17,6 +17,15 @@ TRAINED_WINDOW = 131072
 NUM_LAYERS = 32
 CHUNK = 32768
 SCALE = D ** -0.5
+DEVICE = "cuda"
+
+
+def shrink() -> None:
+    """A --smoke run's layer (benchmarks/speed/tiny.py): 4 q / 2 kv heads of 16 on the CPU, chunks
+    of 64, a 128-token trained window; importers of the constants re-read them after this."""
+    global HQ, HKV, D, TRAINED_WINDOW, CHUNK, SCALE, DEVICE
+    HQ, HKV, D, TRAINED_WINDOW, CHUNK, DEVICE = 4, 2, 16, 128, 64, "cpu"
+    SCALE = D ** -0.5
 
 
 def parse_len(s: str) -> int:
@@ -31,16 +40,16 @@ class PagedContext:
     def __init__(self, n: int, gen: torch.Generator):
         num_pages = math.ceil(n / PAGE) + 1
         self.n = n
-        self.k_cache = torch.randn(num_pages, PAGE, HKV, D, device="cuda", dtype=torch.bfloat16, generator=gen)
-        self.v_cache = torch.randn(num_pages, PAGE, HKV, D, device="cuda", dtype=torch.bfloat16, generator=gen)
-        perm = torch.randperm(num_pages - 1, device="cuda", generator=gen) + 1  # page 0 = null page
+        self.k_cache = torch.randn(num_pages, PAGE, HKV, D, device=DEVICE, dtype=torch.bfloat16, generator=gen)
+        self.v_cache = torch.randn(num_pages, PAGE, HKV, D, device=DEVICE, dtype=torch.bfloat16, generator=gen)
+        perm = torch.randperm(num_pages - 1, device=DEVICE, generator=gen) + 1  # page 0 = null page
         self.table = perm[:math.ceil(n / PAGE)].to(torch.int32)[None, :].contiguous()
-        self.inv_freq = 1.0 / (500000.0 ** (torch.arange(0, D, 2, device="cuda", dtype=torch.float32) / D))
+        self.inv_freq = 1.0 / (500000.0 ** (torch.arange(0, D, 2, device=DEVICE, dtype=torch.float32) / D))
         self.paged = PagedKV(self.k_cache, self.v_cache)  # what the launchers take
 
     def contiguous_kv(self, first: int, last: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K, V of tokens [first, last) as [1, Hkv, L, D] (for SDPA)."""
-        rows = torch.arange(first, last, device="cuda")
+        rows = torch.arange(first, last, device=DEVICE)
         pages = self.table[0, rows // PAGE].long()
         k = self.k_cache[pages, rows % PAGE].permute(1, 0, 2)[None].contiguous()
         v = self.v_cache[pages, rows % PAGE].permute(1, 0, 2)[None].contiguous()
@@ -49,18 +58,19 @@ class PagedContext:
 
 # -- SDPA baselines --------------------------------------------------------------------------
 def sdpa_decode_us(ctx: PagedContext, reps: int, gen) -> dict:
-    q = torch.randn(1, HQ, 1, D, device="cuda", dtype=torch.bfloat16, generator=gen)
+    q = torch.randn(1, HQ, 1, D, device=DEVICE, dtype=torch.bfloat16, generator=gen)
     k, v = ctx.contiguous_kv(0, ctx.n)
     gqa = timing.graph_time_us(lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True), reps)
     ke, ve = k.repeat_interleave(HQ // HKV, 1), v.repeat_interleave(HQ // HKV, 1)
     expanded = timing.graph_time_us(lambda: F.scaled_dot_product_attention(q, ke, ve), reps)
     del ke, ve, k, v
-    torch.cuda.empty_cache()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
     return {"gqa_us": gqa, "expanded_us": expanded, "us": min(gqa, expanded)}
 
 
 def sdpa_prefill_ms(ctx: PagedContext, gen) -> dict:
-    q = torch.randn(1, HQ, CHUNK, D, device="cuda", dtype=torch.bfloat16, generator=gen)
+    q = torch.randn(1, HQ, CHUNK, D, device=DEVICE, dtype=torch.bfloat16, generator=gen)
     k, v = ctx.contiguous_kv(0, ctx.n)
     ke, ve = k.repeat_interleave(HQ // HKV, 1), v.repeat_interleave(HQ // HKV, 1)
     del k, v
@@ -68,7 +78,8 @@ def sdpa_prefill_ms(ctx: PagedContext, gen) -> dict:
     t_past = timing.event_ms(lambda: F.scaled_dot_product_attention(q, ke[:, :, :past], ve[:, :, :past]), reps=3)
     t_self = timing.event_ms(lambda: F.scaled_dot_product_attention(q, ke[:, :, past:], ve[:, :, past:], is_causal=True))
     del ke, ve
-    torch.cuda.empty_cache()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
     return {"past_ms": t_past, "self_ms": t_self, "ms": t_past + t_self}
 
 

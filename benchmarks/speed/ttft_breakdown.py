@@ -274,7 +274,7 @@ def main(argv=None) -> int:
     ap.add_argument("--weights", default="bf16,fp8", help="weight dtypes, one engine each")
     ap.add_argument("--prompt-lens", default=None, help="default 1040000 (GPU), 200 (--cpu)")
     ap.add_argument("--no-plain", action="store_true", help="skip the uninstrumented TTFT (saves one prefill)")
-    ap.add_argument("--cpu", action="store_true", help="a tiny engine on the CPU (the code path, not speed)")
+    ap.add_argument("--cpu", "--smoke", action="store_true", help="a tiny engine on the CPU (the code path, not speed)")
     ap.add_argument("--interpret", action="store_true",
                     help="--cpu with TRITON_INTERPRET=1: the Triton launchers, interpreted (minutes), "
                          "instead of the plugins' torch references")
