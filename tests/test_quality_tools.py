@@ -82,7 +82,8 @@ def test_window_suspects_suite_runs_on_cpu(tmp_path):
     for r in rows.values():  # one prompt each at 1K, answered or not, timed
         assert r["niah_1024"]["n"] == 1 and r["seconds_1024"] > 0
     # every replanned variant of the suite is a loadable plan (evaluated on the GPU only)
-    for variant in ("5k", "3k-flash", "3k-nobank", "3k-k4096", "3k-s1c64", "3k-nospecial", "3k-sink512-stream2k"):
+    for variant in ("5k", "3k-s1c64", "3k-s3c16", "3k-nobank", "3k-flash", "3k-s2k16k", "3k-k4096", "3k-nospecial",
+                    "3k-sink512-stream2k"):
         assert EngineConfig.load(tmp_path / "engines" / f"w-{variant}").plan.knobs_of("infinitehip") is not None
     parity = json.loads((out / "parity_infinitehip.json").read_text())
     layer = parity["runs"][0]["layers"]["5"]

@@ -86,9 +86,10 @@ IH="--preset 3k --infinitehip-overrides dense_threshold=$THRESH"
 case $MODE in
 suspects)
   # 3k at 4x the window answers 3 of 20 needles where 5k answers 16 and dense + YaRN 9. One change
-  # each, the rest 3k: decode (refresh every step; 3k-flash's (96, 24, 8); no rotated key bank),
-  # stage sizes (stage 1 in chunks of 64 as 5k; a last stage of 4096 keys in chunks of 8), the
-  # special layers (none), sink/window (512 / 2048).
+  # each, the rest 3k, in the order run (a deadline cuts the last): 5k's three differences one at a
+  # time (stage 1 in chunks of 64; the last stage 4096 keys in chunks of 16; stage 2 keeping 16K),
+  # decode (refresh every step; no rotated key bank; 3k-flash's (96, 24, 8)), a last stage of 4096
+  # keys in chunks of 8, no special layers, sink/window 512 / 2048.
   HIP_WHEEL=${HIP_ATTN_WHEEL:-.whl/hip_attn-1.2.9-py3-none-any.whl}
   if [ -f "$HIP_WHEEL" ]; then
     rm -rf $W/hip-attn && python3 -m zipfile -e "$HIP_WHEEL" $W/hip-attn && mkdir -p $W/parity
@@ -102,11 +103,14 @@ suspects)
   replan 3k-flash --sparse all --preset 3k-flash
   replan 3k-r1 --sparse all --set 'refresh_intervals=[1,1,1]'
   replan 3k-nobank --sparse all --set key_bank=false
-  replan 3k-k4096 --sparse all --set 'stages=[[64,256,32768],[64,32,8192],[64,8,4096]]'
   replan 3k-s1c64 --sparse all --set 'stages=[[64,64,32768],[64,32,8192],[64,8,2048]]'
+  replan 3k-s3c16 --sparse all --set 'stages=[[64,256,32768],[64,32,8192],[64,16,4096]]'
+  replan 3k-s2k16k --sparse all --set 'stages=[[64,256,32768],[64,32,16384],[64,8,2048]]'
+  replan 3k-k4096 --sparse all --set 'stages=[[64,256,32768],[64,32,8192],[64,8,4096]]'
   replan 3k-nospecial --sparse all --set 'special_layers=[]'
   replan 3k-sink512-stream2k --sparse all --set n_sink=512,n_stream=2048
-  for e in 3k 5k yarn4 3k-flash 3k-r1 3k-nobank 3k-k4096 3k-s1c64 3k-nospecial 3k-sink512-stream2k; do
+  for e in 3k 5k yarn4 3k-s1c64 3k-s3c16 3k-r1 3k-nobank 3k-flash 3k-s2k16k 3k-k4096 3k-nospecial \
+           3k-sink512-stream2k; do
     wanted $e || continue
     pool; niah $e $DIAG_LEN $((NIAH_N / 2 > 0 ? NIAH_N / 2 : 1)) &
   done
