@@ -60,14 +60,6 @@ def ints(spec: str) -> list[int]:
 
 def time_ms(fn, reps: int = 3) -> float:
     """Median ms of one fn() call after a warm-up: CUDA events on a GPU, wall clock on the CPU."""
-    fn()
-    if not torch.cuda.is_available():
-        times = []
-        for _ in range(reps):
-            t = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t) * 1e3)
-        return statistics.median(times)
     from benchmarks.speed import timing
     return timing.event_ms(fn, reps)
 
