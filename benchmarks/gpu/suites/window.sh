@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # suite: past the trained window (Qwen2.5-0.5B, 32K window): 3k's suspects, every preset vs dense + YaRN, hip-attn parity
-#   bash benchmarks/gpu/run.sh window suspects      3k and one change each (decode refresh, key bank, stage sizes,
-#        special layers, sink/window) beside 5k and dense + YaRN x4 at 128K, RULER NIAH (5 tasks x 4); the
+#   bash benchmarks/gpu/run.sh window suspects      3k and one change each (5k's stage sizes one at a time, decode
+#        refresh, key bank, special layers, sink/window) beside 5k and dense + YaRN x4 at 128K, RULER NIAH (5 x 4); the
 #        hip-attn parity (benchmarks/parity/infinitehip.py) at 128K and 32K in the background; ~9 min
 #   bash benchmarks/gpu/run.sh window presets LEN   every preset and dense + YaRN x4 at LEN (32k: also dense, the
 #        InfiniteHiP presets forced on): RULER NIAH (5 tasks x 8, n = 40) and PG passkey (5 depths x 4, n = 20);
@@ -9,8 +9,8 @@
 # Carry: the GGUF parts (benchmarks/gpu/stage/qwen.sh), each part call copying its part to $QWEN_STAGE
 #   (default /tmp/qwen05); .stage/qwen-pylib.tar.gz; for `suspects` .whl/hip_attn-1.2.9-py3-none-any.whl.
 # Writes under $OUT: window_summary.md (printed last), window_raw.tar.gz (every JSON and log), parity table.
-# WINDOW_SCALE=tiny runs the same steps on the CPU with SmolLM2-135M at 1K-2K tokens and one prompt per
-# cell (tests/test_quality_suites.py, in CI): a suite that breaks on our own Python breaks CI first.
+# WINDOW_SCALE=tiny runs the same steps on the CPU with SmolLM2-135M at 512-1K tokens (the parity at 2K) and
+# one prompt per cell (tests/test_quality_tools.py, in CI): a suite that breaks on our own Python breaks CI first.
 set -eo pipefail
 OUT=${OUT:-/tmp/infhip-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
