@@ -44,6 +44,9 @@ PLANS = {
     # fp8 weights (plugins/fp8_skinny_gemm.py, plugins/fp8_linear.py)
     "llama8b-fp8w": dict(model="llama-3.1-8b", weight_dtype="fp8", kv_dtype="fp8"),
     "gemma3-12b-fp8w-lm-head": dict(model="gemma-3-12b", weight_dtype="fp8", quantize_lm_head=True),
+    # the linear/full hybrid: the delta rule, the causal conv and the fused MoE (plugins/gated_delta*.py,
+    # plugins/causal_conv.py, plugins/moe.py), with token drop carried through its linear layers
+    "qwen3-next-token-drop": dict(model="qwen3-next-80b-a3b", token_drop=True),
 }
 
 
