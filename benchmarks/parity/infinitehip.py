@@ -8,7 +8,7 @@ given) and ours (plugins/infinitehip pruning) on the same real Q/K, per head and
     TRITON_INTERPRET=1 python -m benchmarks.parity.infinitehip --hip-attn ~/hip-attn-1.2.9 \
         --lengths 8192 --layers 3,9,15,21 --query-blocks 2
     # H200 (one device call, with the GGUF and the hip-attn wheel staged):
-    bash benchmarks/gpu/run.sh quality qwen-parity
+    bash benchmarks/gpu/run.sh window suspects   (beside the suspects' runs; CI: tests/test_quality_tools.py)
 
 Per (length, prompt): one prefill of Qwen2.5-Coder-0.5B (transformers, GGUF of the `real-qwen`
 extra) captures the rotated q and k of every layer (an attention function registered with

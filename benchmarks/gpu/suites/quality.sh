@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# suite: real-model quality from staged engines: CASE = smol | gemma | qwen | qwen-knobs | qwen-parity | ... (default smol)
+# suite: real-model quality from staged engines: CASE = smol | gemma | qwen | qwen-knobs | ... (default smol)
 # Real-model quality on the H200 (issues 3 and 5) from engines staged on this machine
 # (python -m infhip.eval.stage split ENGINE; one part per device call, the KJV package copied to
 # .stage/pylib), joined here. See docs/quality.md for the staging calls.
@@ -17,7 +17,7 @@
 #                                           layers (NIAH, passkey), recall of 5k and 5k-8k
 #   bash benchmarks/gpu/run.sh quality qwen-rope           5k: pruning RoPE chunk_indexed / none, stage 1 of 64K keys
 #   bash benchmarks/gpu/run.sh quality qwen-special        5k and 5k-8k with special_final_k 16384
-#   bash benchmarks/gpu/run.sh quality qwen-parity         the authors' InfiniteHiP mask vs ours, 32K/128K (issue 32)
+#   (the hip-attn parity at 32K/128K: bash benchmarks/gpu/run.sh window suspects)
 set -eo pipefail
 OUT=${OUT:-/tmp/infhip-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD/.stage/pylib:$PYTHONPATH
@@ -265,15 +265,5 @@ qwen-special)  # after qwen-budget: layer 0 has the lowest final-mask recall in 
   wait
   qwen_finish
   ;;
-qwen-parity)  # issue 32: the authors' InfiniteHiP mask (hip-attn 1.2.9, the wheel carried as
-  # .whl/hip_attn-1.2.9-py3-none-any.whl: pip download hip-attn==1.2.9 --no-deps -d .whl) beside
-  # ours on Qwen 0.5B's Q/K at 32K and 128K, every layer, 4 query blocks; table printed last,
-  # raw JSON in $OUT. Needs the GGUF staged as for `qwen` (benchmarks/gpu/stage/qwen.sh).
-  qwen_setup
-  python3 -m zipfile -e .whl/hip_attn-1.2.9-py3-none-any.whl /tmp/hip-attn-1.2.9
-  python3 -m benchmarks.parity.infinitehip --hip-attn /tmp/hip-attn-1.2.9 --lengths 32768,131072 \
-      --prompts niah_single_2:0,niah_single_2:1,passkey:0.5 --template chat --layers all --query-blocks 4 --ref-per-head \
-      --out $OUT
-  ;;
-*) echo "usage: bash benchmarks/gpu/run.sh quality smol|gemma|smol-chunk-score|smol-query-stride|smol-stage3-stride|smol-layer-bisect|qwen|qwen-knobs|qwen-knobs-passkey|qwen-budget|qwen-rope|qwen-special|qwen-parity" >&2; exit 2 ;;
+*) echo "usage: bash benchmarks/gpu/run.sh quality smol|gemma|smol-chunk-score|smol-query-stride|smol-stage3-stride|smol-layer-bisect|qwen|qwen-knobs|qwen-knobs-passkey|qwen-budget|qwen-rope|qwen-special" >&2; exit 2 ;;
 esac

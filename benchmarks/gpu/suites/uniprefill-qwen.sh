@@ -3,8 +3,8 @@
 # Issue 32's GPU measurements on Qwen2.5-Coder-0.5B, each in one device call, side by side on the
 # H200 (a 0.5B model leaves it mostly idle). ruler-parity: UniPrefill RULER (9 tasks x 5 prompts
 # per length at 8K/16K/32K: dense, the authors' Llama schedule by depth, our earlier schedule) and
-# InfiniteHiP mask parity with hip-attn 1.2.9 at 32K then 128K (the qwen-parity case of
-# benchmarks/gpu/suites/quality.sh). ttft: time to first token of dense and token-drop schedules on real
+# InfiniteHiP mask parity with hip-attn 1.2.9 at 32K then 128K (as `window suspects` runs it,
+# benchmarks/gpu/suites/window.sh). ttft: time to first token of dense and token-drop schedules on real
 # prompts at the retention each reaches (benchmarks/speed/uniprefill_ttft.py). Staged first, here:
 #   bash benchmarks/gpu/stage/qwen.sh; pip download hip-attn==1.2.9 --no-deps -d .whl
 # and carried by the calls as benchmarks/gpu/stage/qwen.sh says (the last call adds .whl/hip_attn-1.2.9-py3-none-any.whl).
