@@ -71,7 +71,7 @@ They load with the value they ran with: no `query_strides` = 1 per stage (the pa
 
 # (module, name, what it decides, measurement); the values are read from the modules
 CONSTANTS = [
-    ("infhip.runtime.attention.infinitehip.planner", "RAW_KEYS_MIN_BLOCKS",
+    ("infhip.methods.infinitehip.runtime.planner", "RAW_KEYS_MIN_BLOCKS",
      "prefill steps with at least this many sparse query blocks prune from un-rotated keys",
      "H200, 3k stages: raw keys / rotating 0.88× (192K keys), 0.96× (1M) at 32 blocks, 1.19× at 16 (1M), "
      "0.68× at 128; the smallest count no slower at both (`benchmarks/speed/bench_constants.py`, "

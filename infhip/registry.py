@@ -5,17 +5,25 @@ step transforms' (runtime/step_transform.py). Torch-free: the builder and the ru
 from __future__ import annotations
 
 import importlib
+from typing import Callable
 
 
 class Registry:
     """``kind`` names a member in errors ("an attention backend"); ``builtin`` are the modules
-    that register the built-in members on import, loaded on first use, so that they come first
-    whoever registers first."""
+    that register the built-in members on import (or a function that lists them), loaded on first
+    use, so that they come first whoever registers first."""
 
-    def __init__(self, kind: str, builtin: tuple[str, ...]):
-        self.kind, self.builtin = kind, builtin
+    def __init__(self, kind: str, builtin: tuple[str, ...] | Callable[[], tuple[str, ...]]):
+        self.kind, self._builtin = kind, builtin
         self._classes: dict[str, type] = {}
         self._loaded = False
+
+    @property
+    def builtin(self) -> tuple[str, ...]:
+        """The built-in modules (a callable given: asked once, e.g. the built-in methods' runtime modules)."""
+        if callable(self._builtin):
+            self._builtin = tuple(self._builtin())
+        return self._builtin
 
     def _load_builtins(self) -> None:
         # once; a built-in module being imported (the one whose registration called this) is left

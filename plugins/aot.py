@@ -321,6 +321,27 @@ class LaunchSpace:
         from .dtypes import KV_DTYPES
         return KV_DTYPES[self.build.kv_dtype]
 
+    # -- what the plan's methods declare (infhip/methods/): shared kernels ask these, never a name --
+    def methods(self, kind: str | None = None) -> list[tuple[type, object]]:
+        """(method, its knobs) of every registered method (of ``kind``) the plan uses."""
+        from infhip.methods import methods
+
+        return [(m, knobs) for m in methods(kind) if (knobs := self.plan.knobs_of(m.name)) is not None]
+
+    @property
+    def has_backend_layers(self) -> bool:
+        """Whether some layer runs a registered attention backend (its steps' dense decode rows may be
+        bounded by the block-table width: runtime/cuda_graphs.py step_len_bucket)."""
+        from infhip.methods import BACKEND
+
+        return bool(self.methods(BACKEND))
+
+    @property
+    def moves_pages(self) -> bool:
+        """Whether a load with ``kv_offload_bytes`` may move KV pages to the host: some method of the
+        plan says so (``Method.moves_pages``)."""
+        return any(m.moves_pages(knobs, self.build) for m, knobs in self.methods())
+
     @staticmethod
     def fake(*shape: int, dtype) -> "torch.Tensor":  # noqa: F821
         """A tensor of this shape and dtype on the meta device (16-byte aligned like the GPU's)."""

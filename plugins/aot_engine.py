@@ -23,25 +23,31 @@ from infhip.plugins.aot import KernelVariant, LaunchSpace, Target, compile_varia
 
 def _block_modules() -> tuple[str, ...]:
     """The plugin modules of the model blocks, the dense attention, every registered step transform
-    method (token drop) and the sampler (plugins/catalog.py)."""
+    method (token drop) and the sampler (plugins/catalog.py), as full module names."""
     from infhip.methods import TRANSFORM, methods
     from infhip.plugins.catalog import DENSE_ATTENTION, MODEL_BLOCKS, SAMPLER
 
     steps = tuple(m for cls in methods(TRANSFORM) for m in cls.plugin_modules)
-    return tuple(dict.fromkeys(MODEL_BLOCKS + DENSE_ATTENTION + steps + SAMPLER))
+    return tuple(dict.fromkeys(_full(MODEL_BLOCKS + DENSE_ATTENTION) + steps + _full(SAMPLER)))
 
 
 def _backend_modules() -> tuple[str, ...]:
-    """The plugin modules of every registered attention-backend method (infhip/methods/)."""
+    """The plugin modules of every registered attention-backend method (infhip/methods/), then the
+    KV offload's page copies (they ask the plan's methods whether pages move)."""
     from infhip.methods import BACKEND, methods
+    from infhip.plugins.catalog import OFFLOAD
 
-    return tuple(dict.fromkeys(m for cls in methods(BACKEND) for m in cls.plugin_modules))
+    return tuple(dict.fromkeys(tuple(m for cls in methods(BACKEND) for m in cls.plugin_modules) + _full(OFFLOAD)))
+
+
+def _full(names: tuple[str, ...]) -> tuple[str, ...]:
+    return tuple(f"infhip.plugins.{n}" for n in names)
 
 
 def plugin_modules() -> tuple[str, ...]:
-    """Every plugin module with Triton kernels (each defines aot_launches(space), which enumerates
-    what the engine's plan lets it launch): the model blocks' and every plan method's. Imported
-    here, not at module level: compile workers import this module before they drop
+    """Every module with Triton kernels, by full name (each defines aot_launches(space), which
+    enumerates what the engine's plan lets it launch): the model blocks' and every plan method's.
+    Imported here, not at module level: compile workers import this module before they drop
     TRITON_INTERPRET, and importing the kernels first would make them interpreted functions."""
     return tuple(dict.fromkeys(_block_modules() + _backend_modules()))
 
@@ -51,8 +57,8 @@ def enumerate_variants(config, target: Target) -> dict[KernelVariant, tuple]:
     blocks' plugins' aot_launches, then each registered backend method's plugins'."""
     space = LaunchSpace(config, target)
     with record(target, launch=False) as rec:
-        for name in _block_modules() + _backend_modules():
-            launches = getattr(importlib.import_module(f"infhip.plugins.{name}"), "aot_launches", None)
+        for name in plugin_modules():
+            launches = getattr(importlib.import_module(name), "aot_launches", None)
             if launches is not None:
                 launches(space)
     return rec.packed

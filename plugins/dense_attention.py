@@ -398,11 +398,11 @@ def paged_decode_attention(q, kv: PagedKV, block_tables, context_lens, scale: fl
 
 def aot_launches(space) -> None:
     """Every decode launch the runtime makes (plugins/aot.py; prefill is torch SDPA): decode rows
-    of eager steps (runtime/models/common.py, InfiniteHiP steps' dense rows, token drop's dense
-    rows) and of CUDA graphs, for every decode batch B the engine allows and every bound on the
+    of eager steps (runtime/models/common.py, the dense rows of a backend's steps, token drop's
+    dense rows) and of CUDA graphs, for every decode batch B the engine allows and every bound on the
     context lengths that sizes the split count — the short-context buckets some context of the
     engine can fall in, and the table width (always for the graphs captured at start-up; for
-    eager steps when contexts can pass the last bucket or InfiniteHiP steps use it:
+    eager steps when contexts can pass the last bucket or the steps of a backend's rows use it:
     runtime/cuda_graphs.decode_len_bound, plugins/plan_rules.py) — with each layer's window (sliding layers cap the keys).
     NUM_SPLITS = choose_num_splits(B, Hkv, blocks of the bound, 132 SMs) is the only
     step-dependent constexpr; q is a slice of the step's q (qkv view or q-norm output), out of
@@ -416,7 +416,7 @@ def aot_launches(space) -> None:
     kv = paged_kv(space)
     table_tokens = math.ceil(b.max_seq_len / b.page_size) * b.page_size
     buckets = reachable_len_buckets(b.max_seq_len)
-    eager_table = b.max_seq_len > DECODE_LEN_BUCKETS[-1] or space.plan.knobs_of("infinitehip") is not None
+    eager_table = b.max_seq_len > DECODE_LEN_BUCKETS[-1] or space.has_backend_layers
     eager_bounds = set(buckets) | ({table_tokens} if eager_table else set())
     graph_sizes = {s for s in b.cuda_graph_batch_sizes if s <= b.max_batch_size}
     windows = sorted({lp.window or 0 for lp in space.plan.layers})

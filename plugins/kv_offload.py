@@ -130,13 +130,12 @@ def merged_kv(k_cache, v_cache, k_scale, v_scale, block_tables, offload: HostKV 
 
 def aot_launches(space) -> None:
     """copy_pages' variants (plugins/aot.py) for an engine that may be loaded with
-    ``kv_offload_bytes`` and move pages (plan_rules.sparse_reachable): K and V pages in the
-    cache dtype and, for fp8 caches, their float32 scale pages. The page counts only size the
-    grid."""
+    ``kv_offload_bytes`` and move pages (a method of its plan says so: ``space.moves_pages``): K
+    and V pages in the cache dtype and, for fp8 caches, their float32 scale pages. The page
+    counts only size the grid."""
     from ._aot_shapes import paged_kv
-    from .plan_rules import sparse_reachable
 
-    if not sparse_reachable(space.plan.knobs_of("infinitehip"), space.build.max_seq_len):
+    if not space.moves_pages:
         return
     copy_pages(paged_kv(space, offload=True), space.fake(1, dtype=torch.int32), space.fake(1, dtype=torch.int32))
 

@@ -277,13 +277,13 @@ def rope_and_write_kv(q, k, v, positions, inv_freq, attention_scaling: float, kv
 
 
 def aot_launches(space) -> None:
-    """Every launch the runtime makes (plugins/aot.py): rope + KV write of every attention layer
-    (runtime/models/common.py, and token drop's sliding layers between anchors) on q, k, v as
-    Attention.forward makes them (qkv slices, or the q/k norms' outputs: _aot_shapes); with token
-    drop in the plan, its anchors' separate rotation of all rows and KV writes, of all rows and of
-    the kept rows (fresh [n, Hkv, D] gathers) (runtime/token_drop.py). Positions and slots are
-    int64; the token count is only the grid; page size, head counts and the KV dtype (fp8:
-    quantized rows with scales) come from the plan."""
+    """Every fused launch the attention layers make (plugins/aot.py): rope + KV write of every
+    attention layer (runtime/models/common.py, and token drop's sliding layers between anchors) on
+    q, k, v as Attention.forward makes them (qkv slices, or the q/k norms' outputs: _aot_shapes).
+    A method that calls the separate rotation or KV write enumerates those launches itself (token
+    drop's anchors: plugins/token_drop/anchors.py). Positions and slots are int64;
+    the token count is only the grid; page size, head counts and the KV dtype (fp8: quantized rows
+    with scales) come from the plan."""
     from ._aot_shapes import TOKEN_CLASSES, attention_qkv, paged_kv
 
     m = space.model
@@ -295,9 +295,3 @@ def aot_launches(space) -> None:
         positions = space.fake(T, dtype=torch.int64)
         slots = space.fake(T, dtype=torch.int64)
         rope_and_write_kv(q, k, v, positions, inv_freq, scaling, kv, slots)
-        if space.plan.knobs_of("token_drop") is not None:
-            apply_rope_(q, k, positions, inv_freq, scaling)
-            write_kv(k, v, kv, slots)
-            kept_k = space.fake(T, m.num_kv_heads, m.head_dim, dtype=k.dtype)
-            kept_v = space.fake(T, m.num_kv_heads, m.head_dim, dtype=v.dtype)
-            write_kv(kept_k, kept_v, kv, slots)

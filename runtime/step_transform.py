@@ -1,5 +1,5 @@
 """Step transforms: features that reshape a step around the attention backends instead of being
-one (UniPrefill token drop, runtime/token_drop_transform.py, is the built-in one), and their
+one (UniPrefill token drop, infhip/methods/token_drop/runtime/transform.py, is the built-in one), and their
 registry, which mirrors the attention backends' (runtime/attention/backend.py).
 
 A transform may (a) route rows through the layer loop (drop some after a layer's attention, bring
@@ -31,7 +31,7 @@ Life of a transform:
   name: what tests and debugging read instead of the transform's attributes.
 
 Registration: ``register(cls)`` (a decorator) under ``cls.name``; the registry imports the
-built-in transforms' modules (BUILTIN) on first use; registration order is the order in which the
+built-in transforms' modules (their methods' ``runtime_module``) on first use; registration order is the order in which the
 runner attaches them and the layer loop calls their steps.
 """
 
@@ -42,10 +42,15 @@ from typing import Any, ClassVar
 
 import torch
 
+from infhip.methods import TRANSFORM, runtime_modules
 from infhip.registry import Registry
 
-# the modules of the built-in transforms, each of which registers its transform on import
-BUILTIN = ("infhip.runtime.token_drop_transform",)
+
+
+def _builtin() -> tuple[str, ...]:
+    """The modules of the built-in transforms, each of which registers its transform on import: the
+    ``runtime_module`` of each built-in transform method (infhip/methods/<name>/)."""
+    return runtime_modules(TRANSFORM)
 
 
 class TransformStep:
@@ -168,7 +173,7 @@ class StepTransform:
         raise NotImplementedError
 
 
-_REGISTRY = Registry("a step transform", BUILTIN)
+_REGISTRY = Registry("a step transform", _builtin)
 register = _REGISTRY.register  # a decorator: the class under its ``name``; the built-in ones come first
 unregister = _REGISTRY.unregister  # (tests)
 

@@ -19,7 +19,7 @@ import re
 
 import pytest
 
-from infhip.builder.compile_matrix import engine_config
+from infhip.builder.matrix_configs import engine_config
 from infhip.builder.kernels import enumerate_variants, plugin_modules
 from infhip.plugins.aot import Target
 
@@ -28,7 +28,7 @@ DENSE_FAMILY = ("rms_norm", "activation", "rope", "skinny_gemm", "fp8_skinny_gem
                 "kv_quant")
 # Modules whose aot_launches are written on another branch (aot-sparse): until it lands, a module
 # of these that has no aot_launches yet is an expected failure; once it has one, it is checked.
-PENDING = frozenset(m for m in plugin_modules() if m not in DENSE_FAMILY)
+PENDING = frozenset(m for m in plugin_modules() if m.removeprefix("infhip.plugins.") not in DENSE_FAMILY)
 
 
 PLANS = {
@@ -39,14 +39,14 @@ PLANS = {
     "llama8b-3k": dict(model="llama-3.1-8b", preset="3k"),
     # past the trained window: dynamic RoPE, the key bank and raw keys
     "llama8b-3k-flash-fp8kv": dict(model="llama-3.1-8b", preset="3k-flash", kv_dtype="fp8", max_seq_len=1048576),
-    "llama8b-token-drop": dict(model="llama-3.1-8b", token_drop=True),
-    "gemma3-12b-3k-token-drop": dict(model="gemma-3-12b", preset="3k", token_drop=True),
+    "llama8b-token-drop": dict(model="llama-3.1-8b", transforms=["token_drop"]),
+    "gemma3-12b-3k-token-drop": dict(model="gemma-3-12b", preset="3k", transforms=["token_drop"]),
     # fp8 weights (plugins/fp8_skinny_gemm.py, plugins/fp8_linear.py)
     "llama8b-fp8w": dict(model="llama-3.1-8b", weight_dtype="fp8", kv_dtype="fp8"),
     "gemma3-12b-fp8w-lm-head": dict(model="gemma-3-12b", weight_dtype="fp8", quantize_lm_head=True),
     # the linear/full hybrid: the delta rule, the causal conv and the fused MoE (plugins/gated_delta*.py,
     # plugins/causal_conv.py, plugins/moe.py), with token drop carried through its linear layers
-    "qwen3-next-token-drop": dict(model="qwen3-next-80b-a3b", token_drop=True),
+    "qwen3-next-token-drop": dict(model="qwen3-next-80b-a3b", transforms=["token_drop"]),
 }
 
 
@@ -150,7 +150,7 @@ def _launched_kernels() -> dict[str, list[str]]:
     from triton.runtime.interpreter import InterpretedFunction
     from triton.runtime.jit import JITFunction
 
-    modules = {m: importlib.import_module(f"infhip.plugins.{m}") for m in plugin_modules()}
+    modules = {m: importlib.import_module(m) for m in plugin_modules()}
     sources = "\n".join(inspect.getsource(mod) for mod in modules.values())
     out = {}
     for m, mod in modules.items():
@@ -164,11 +164,12 @@ def _launched_kernels() -> dict[str, list[str]]:
 @pytest.mark.parametrize("module", plugin_modules())
 def test_every_launched_kernel_is_enumerated(enumerated, module):
     launched = _launched_kernels()[module]
-    mod = importlib.import_module(f"infhip.plugins.{module}")
+    mod = importlib.import_module(module)
     if launched and module in PENDING and not hasattr(mod, "aot_launches"):
         pytest.xfail(f"plugins/{module}: aot_launches is written on the aot-sparse branch")
     if launched:
         assert hasattr(mod, "aot_launches"), f"plugins/{module} launches {launched} but has no aot_launches"
-    names = {v.name for variants in enumerated.values() for v in variants if _module_of(v) == module}
+    names = {v.name for variants in enumerated.values() for v in variants
+             if _module_of(v) == module.removeprefix("infhip.plugins.")}
     missing = sorted(set(launched) - names)
     assert not missing, f"plugins/{module}: {missing} launched but enumerated for none of {sorted(PLANS)}"

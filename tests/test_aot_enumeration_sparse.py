@@ -69,7 +69,7 @@ def sparse_variants(config: EngineConfig) -> set:
 
 
 def test_modules_are_enumerated_by_the_builder():
-    assert set(SPARSE_MODULES) <= set(plugin_modules())
+    assert {f"infhip.plugins.{m}" for m in SPARSE_MODULES} <= set(plugin_modules())
 
 
 @pytest.mark.parametrize("preset", ["3k", "3k-flash", "5k"])

@@ -153,7 +153,7 @@ def test_aot_enumeration_asks_its_methods_plugin_modules(engine, toy, monkeypatc
     fake = types.ModuleType("infhip.plugins.toy_kernels")
     fake.aot_launches = asked.append
     monkeypatch.setitem(sys.modules, fake.__name__, fake)
-    monkeypatch.setattr(SinkWindow, "plugin_modules", ("toy_kernels",))
+    monkeypatch.setattr(SinkWindow, "plugin_modules", ("infhip.plugins.toy_kernels",))
     config = EngineConfig.load(engine)
     variants = enumerate_variants(config, Target())
     assert len(asked) == 1 and asked[0].plan == config.plan and variants

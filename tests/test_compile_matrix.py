@@ -1,4 +1,4 @@
-"""builder/compile_matrix.py, CI's GPU compile check: the covering subset it compiles holds every
+"""builder/compile_matrix.py (with builder/matrix_*.py), CI's GPU compile check: the covering subset it compiles holds every
 constexpr value and every pair of code-path settings of the variants it stands for; the presets
 it leaves out launch exactly the variants of the one that stands for them; a kernel that does not
 compile for a target is reported by name, variant and Triton version (through TTGIR and to cubin).
@@ -13,7 +13,9 @@ import torch
 import triton
 import triton.language as tl
 
-from infhip.builder import compile_matrix as cm
+from infhip.builder import matrix_compile as mc
+from infhip.builder import matrix_configs as mcfg
+from infhip.builder import matrix_launches as ml
 from infhip.builder.kernels import enumerate_variants
 from infhip.plugins.aot import record
 
@@ -32,7 +34,7 @@ def _bad_kernel(x_ptr, N, BLOCK: tl.constexpr):
 
 def _variants(kernel, blocks):
     x = torch.empty(64, dtype=torch.bfloat16, device="meta")
-    with record(cm.TARGETS["sm_90"], launch=False) as rec:
+    with record(mcfg.TARGETS["sm_90"], launch=False) as rec:
         for block in blocks:
             kernel[(1,)](x, 64, BLOCK=block)
     return sorted(rec.variants, key=lambda v: v.key)
@@ -42,27 +44,33 @@ def _variants(kernel, blocks):
 def test_a_kernel_that_does_not_compile_is_named(stage):
     pytest.importorskip("triton.backends.nvidia.compiler")
     good, bad = _variants(_good_kernel, [16])[0], _variants(_bad_kernel, [3])[0]
-    errors = cm.compile_all([good, bad], cm.TARGETS["sm_90"], jobs=1, stage=stage)
+    errors = mc.compile_all([good, bad], mcfg.TARGETS["sm_90"], jobs=1, stage=stage)
     assert set(errors) == {bad.key}, errors
     assert "power of 2" in errors[bad.key] or "power of two" in errors[bad.key], errors[bad.key]
     assert "_bad_kernel" in bad.describe() and "BLOCK=3" in bad.describe()
 
 
 def test_the_refresh_presets_launch_what_3k_launches():
-    """3k-fast and 3k-flash change refresh intervals only, so the matrix enumerates 3k for them."""
-    target = cm.TARGETS["sm_90"]
-    got = {p: {v.key for v in enumerate_variants(cm.engine_config("smollm2-135m", preset=p, kv_dtype="fp8",
+    """3k-fast and 3k-flash change refresh intervals only, so the matrix enumerates 3k for them
+    (InfiniteHiP's ``matrix_presets``; the matrix's presets come from the registered methods)."""
+    from infhip.methods import method
+
+    ih = method("infinitehip")
+    assert set(ih.presets) - set(ih.matrix_presets) == {"3k-fast", "3k-flash"}
+    assert mcfg.presets() == ("dense", "3k", "5k")
+    target = mcfg.TARGETS["sm_90"]
+    got = {p: {v.key for v in enumerate_variants(mcfg.engine_config("smollm2-135m", preset=p, kv_dtype="fp8",
                                                                   max_seq_len=1 << 20), target)}
            for p in ("3k", "3k-fast", "3k-flash")}
     assert got["3k"] and got["3k-fast"] == got["3k"] == got["3k-flash"]
 
 
 def test_representatives_cover_every_value_and_every_pair_of_settings():
-    target = cm.TARGETS["sm_89"]
-    configs = {k: kw for k, kw in cm.configurations(target, ("smollm2-135m",)).items()
+    target = mcfg.TARGETS["sm_89"]
+    configs = {k: kw for k, kw in mcfg.configurations(target, ("smollm2-135m",)).items()
                if "tp=" not in k and "w=fp8-lm-head" not in k}
-    seen = cm.union_variants(target, configs, jobs=1)
-    chosen = cm.representatives(seen)
+    seen = ml.union_variants(target, configs, jobs=1)
+    chosen = mc.representatives(seen)
     assert len(chosen) < len(seen) / 2, (len(chosen), len(seen))  # it is a reduction
     for kernel in {v.kernel for v in seen}:
         group = [v for v in seen if v.kernel == kernel]
@@ -72,7 +80,7 @@ def test_representatives_cover_every_value_and_every_pair_of_settings():
         for v in group:
             for n, x in v.constants:
                 values.setdefault(n, set()).add(x)
-        sizes = {n for n, vals in values.items() if cm._is_size(n, vals)}
+        sizes = {n for n, vals in values.items() if mc._is_size(n, vals)}
 
         def pairs(v):
             path = sorted([c for c in v.constants if c[0] not in sizes]
@@ -83,8 +91,8 @@ def test_representatives_cover_every_value_and_every_pair_of_settings():
 
 
 def test_no_fp8_cache_configurations_on_sm80():
-    assert not [k for k in cm.configurations(cm.TARGETS["sm_80"], ("llama-3.1-8b",)) if "kv=fp8" in k]
-    assert [k for k in cm.configurations(cm.TARGETS["sm_89"], ("llama-3.1-8b",)) if "kv=fp8" in k]
+    assert not [k for k in mcfg.configurations(mcfg.TARGETS["sm_80"], ("llama-3.1-8b",)) if "kv=fp8" in k]
+    assert [k for k in mcfg.configurations(mcfg.TARGETS["sm_89"], ("llama-3.1-8b",)) if "kv=fp8" in k]
 
 
 def test_memoized_and_replayed_enumerations_equal_the_plain_one(tmp_path, capsys):
@@ -94,26 +102,26 @@ def test_memoized_and_replayed_enumerations_equal_the_plain_one(tmp_path, capsys
     record whose launches a fresh enumeration contradicts is not used."""
     import json
 
-    target = cm.TARGETS["sm_89"]
-    configs = {k: kw for k, kw in cm.configurations(target, ("smollm2-135m",)).items()
+    target = mcfg.TARGETS["sm_89"]
+    configs = {k: kw for k, kw in mcfg.configurations(target, ("smollm2-135m",)).items()
                if k.endswith(("dense kv=bfloat16 w=fp8", "3k kv=fp8 1M"))}
     assert len(configs) == 2, configs
-    with cm._pool(1) as pool:
-        plain = cm.union_variants(target, configs, 1, pool, memo=False)
-        memo = cm.union_variants(target, configs, 1, pool, launch_cache=tmp_path)  # records
+    with mc.worker_pool(1) as pool:
+        plain = ml.union_variants(target, configs, 1, pool, memo=False)
+        memo = ml.union_variants(target, configs, 1, pool, launch_cache=tmp_path)  # records
         [path] = tmp_path.iterdir()
         replays = []
-        original = cm._replayed
-        cm._replayed = lambda *a: replays.append(original(*a)) or replays[-1]
+        original = ml._replayed
+        ml._replayed = lambda *a: replays.append(original(*a)) or replays[-1]
         try:
-            replayed = cm.union_variants(target, configs, 1, pool, launch_cache=tmp_path)
+            replayed = ml.union_variants(target, configs, 1, pool, launch_cache=tmp_path)
             record = json.loads(path.read_text())
             for name, keys in record["launches"].items():  # a record that lies: no RMSNorm launches
                 record["launches"][name] = [k for k in keys if "rms_norm" not in k[0]]
             path.write_text(json.dumps(record))
-            redone = cm.union_variants(target, configs, 1, pool, launch_cache=tmp_path)
+            redone = ml.union_variants(target, configs, 1, pool, launch_cache=tmp_path)
         finally:
-            cm._replayed = original
+            ml._replayed = original
     assert plain and any("rms_norm" in v.kernel for v in plain)
     assert memo == plain
     assert replayed == plain

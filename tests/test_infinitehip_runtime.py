@@ -12,8 +12,8 @@ import shutil
 
 import pytest
 
-import infhip.runtime.attention.infinitehip.layer as sa
-import infhip.runtime.attention.infinitehip.planner as sparse_plan
+import infhip.methods.infinitehip.runtime.layer as sa
+import infhip.methods.infinitehip.runtime.planner as sparse_plan
 from infhip.runtime import kv_budget
 from infhip import LLM, SamplingParams
 from infhip.config import EngineConfig

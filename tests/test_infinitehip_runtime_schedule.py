@@ -8,11 +8,11 @@ import pytest
 import torch
 
 from infhip.methods.infinitehip import infinitehip_config
-from infhip.runtime.attention.infinitehip.mask_cache import MaskSlots, refresh_from, refresh_schedule
+from infhip.methods.infinitehip.runtime.mask_cache import MaskSlots, refresh_from, refresh_schedule
 from infhip.runtime.sampling_params import SamplingParams
 from infhip.runtime.sequence import Sequence, SequenceStatus
-from infhip.runtime.attention.infinitehip import planner as sparse_plan
-from infhip.runtime.attention.infinitehip.planner import SparseGraphKey, SparsePlanner
+from infhip.methods.infinitehip.runtime import planner as sparse_plan
+from infhip.methods.infinitehip.runtime.planner import SparseGraphKey, SparsePlanner
 
 
 def stage_steps(intervals, num_steps, clock=0):

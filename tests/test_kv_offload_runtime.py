@@ -75,7 +75,7 @@ def test_offloaded_decode_reads_the_value_bank(engines, small_batches, monkeypat
     """Dynamic RoPE on (the key bank's case): with offloading, last-stage refreshes also copy the
     selected values into a value bank and decode reads both banks; the tokens equal the
     resident run's (interpreted kernels: the banks are a kernel path; pruning by its reference)."""
-    import infhip.runtime.attention.infinitehip.layer as sa
+    import infhip.methods.infinitehip.runtime.layer as sa
 
     seen = []
     real = sa.sparse_decode_attention

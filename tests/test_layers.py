@@ -2,8 +2,9 @@
 and imports neither side.
 
 The rule. The shared layer is the package root `infhip/__init__.py`, every module directly in
-`infhip/` and every module in `infhip/methods/` (found from the tree, so a new module there is under
-the rule at once; `infhip/eval/` is a client of the runtime, not shared). Importing any of them, and
+`infhip/` and every module in `infhip/methods/`, a method's folder included except its `runtime/`
+subfolder, the method's runtime side (found from the tree, so a new module there is under the rule
+at once; `infhip/eval/` is a client of the runtime, not shared). Importing any of them, and
 loading the plan methods' registry (`infhip.methods.methods()`), in a fresh interpreter loads none of
 `torch`, `triton`, `numpy`, `infhip.runtime`, `infhip.builder`, `infhip.plugins`, `infhip.eval`.
 And no shared module imports those anywhere in its code, function bodies included, except the
@@ -30,7 +31,10 @@ DEFERRED = {
 
 def shared_modules() -> dict[str, Path]:
     out = {"infhip": ROOT / "infhip" / "__init__.py"}
-    for folder, package in ((ROOT / "infhip", "infhip"), (ROOT / "infhip" / "methods", "infhip.methods")):
+    methods = ROOT / "infhip" / "methods"
+    folders = [(ROOT / "infhip", "infhip"), (methods, "infhip.methods")]
+    folders += [(d, f"infhip.methods.{d.name}") for d in sorted(methods.iterdir()) if (d / "__init__.py").is_file()]
+    for folder, package in folders:
         for path in sorted(folder.glob("*.py")):
             out[package if path.stem == "__init__" else f"{package}.{path.stem}"] = path
     return out
@@ -56,8 +60,9 @@ def imports_of(module: str, path: Path) -> set[tuple[str, str]]:
 
 def test_the_shared_layer_is_what_the_rule_says():
     found = shared_modules()
-    assert {"infhip", "infhip.config", "infhip.methods", "infhip.methods.method", "infhip.knobs_doc"} <= set(found)
-    assert not any(m.startswith("infhip.eval") for m in found)
+    assert {"infhip", "infhip.config", "infhip.methods", "infhip.methods.method", "infhip.knobs_doc",
+            "infhip.methods.infinitehip", "infhip.methods.token_drop.knobs"} <= set(found)
+    assert not any(m.startswith("infhip.eval") or ".runtime" in m for m in found)
 
 
 def test_no_shared_module_imports_torch_or_a_side():

@@ -90,7 +90,7 @@ def test_decode_fp8_cache_validates_scales():
 
 
 def test_gather_kv_fp8_dequantizes():
-    """gather_kv (also used by runtime/token_drop.py): without scales it returns the cache's own
+    """gather_kv (also used by infhip/methods/token_drop/runtime/step.py): without scales it returns the cache's own
     rows as before; with them, rows dequantized to the requested dtype."""
     contexts = [37]
     kv = PagedSeqs(contexts, 2, 16, 4, torch.float32, seed=7)

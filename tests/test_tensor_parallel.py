@@ -26,7 +26,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import infhip.runtime.attention.infinitehip.layer as sa
+import infhip.methods.infinitehip.runtime.layer as sa
 import infhip.runtime.offload.policy as offload_policy
 from infhip import LLM, SamplingParams
 from infhip.builder.build import build_engine

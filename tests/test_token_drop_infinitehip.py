@@ -1,4 +1,4 @@
-"""UniPrefill token drop composed with InfiniteHiP (runtime/token_drop.py, "With InfiniteHiP
+"""UniPrefill token drop composed with InfiniteHiP (infhip/methods/token_drop/runtime/step.py, "With InfiniteHiP
 layers"): token-drop prefill, then sparse prefill/decode over each layer's compacted KV.
 
 The exactness check uses covering InfiniteHiP stages (every candidate kept, refreshed every
@@ -16,7 +16,7 @@ import pytest
 from infhip import LLM, SamplingParams
 from infhip.methods.infinitehip import infinitehip_config
 from infhip.eval.common import set_forced_retention
-from infhip.runtime.attention.infinitehip.planner import SparsePlanner
+from infhip.methods.infinitehip.runtime.planner import SparsePlanner
 from tests._graph_sim import simulate_graphs
 from infhip.eval.token_drop_reference import td_view
 from tests.test_infinitehip_runtime import COVER, TINY

@@ -14,7 +14,7 @@ def tb():
 
 def test_breakdown_rows_add_up_and_restore(tb, tmp_path, monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")  # torch references: the interpreter takes minutes here
-    import infhip.runtime.attention.infinitehip.layer as ih
+    import infhip.methods.infinitehip.runtime.layer as ih
     from infhip import LLM
     from infhip.runtime.attention.dense import DENSE
 

@@ -229,7 +229,7 @@ def main() -> None:
     ap.add_argument("--template", default="chat")
     ap.add_argument("--column", action="append", default=[], help="dense | authors | NAME=token-drop knobs (repeat)")
     ap.add_argument("--authors-layers", default="auto", help="drop layers of the authors column: comma list, or "
-                    "auto = the authors' Llama-3.1-8B list as a depth rule (infhip/methods/token_drop.py AUTHORS_LLAMA_EIGHTHS)")
+                    "auto = the authors' Llama-3.1-8B list as a depth rule (infhip/methods/token_drop/ AUTHORS_LLAMA_EIGHTHS)")
     ap.add_argument("--p", type=float, default=0.99, help="the authors column's top-p")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--json", type=Path, help="write the records here (rewritten after every cell)")

@@ -73,7 +73,7 @@ def main() -> None:
         llm.scheduler.finish(seq, "abort")
         return sum(lps), all(hits), seq.seq_id
 
-    import infhip.runtime.token_drop as tdmod
+    import infhip.methods.token_drop.runtime.step as tdmod
     captured: list[torch.Tensor] = []  # block scores of each anchor's importance call, in layer order
     _bi = tdmod.block_importance
 

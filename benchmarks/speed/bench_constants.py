@@ -1,5 +1,5 @@
 """Measure what decides two constants of the runtime that were set without a measurement:
-RAW_KEYS_MIN_BLOCKS (runtime/attention/infinitehip/planner.py) and OFFLOAD_BATCH_TOKENS
+RAW_KEYS_MIN_BLOCKS (infhip/methods/infinitehip/runtime/planner.py) and OFFLOAD_BATCH_TOKENS
 (runtime/offload/policy.py). Llama-3.1-8B shapes (32 q / 8 kv heads, d 128, bf16, page 16, 32
 layers), random keys and values, preset 3k's stages; one device call, a few minutes (most of it
 Triton compiling).

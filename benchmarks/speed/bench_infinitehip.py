@@ -55,7 +55,7 @@ from infhip.plugins.kv_offload import HostKV, copy_pages
 from infhip.plugins.paged_kv import PagedKV
 from infhip.plugins.infinitehip import (MASK_LAYOUTS, plan_query_blocks, pruning_stage, sparse_decode_attention,
                                         sparse_prefill_attention, unrotate_keys, write_key_bank)
-from infhip.runtime.attention.infinitehip.mask_cache import refresh_from
+from infhip.methods.infinitehip.runtime.mask_cache import refresh_from
 
 from benchmarks.speed import one_layer, tiny
 from benchmarks.speed.one_layer import (CHUNK, D, HKV, HQ, NUM_LAYERS, PAGE, SCALE, PagedContext, parse_len, sdpa_decode_us,

@@ -125,7 +125,7 @@ class Breakdown:
 def instrument(llm, bd: Breakdown):
     """Wrap the runtime's calls in this process (module globals, the DENSE instance, a class
     method, hooks, the engine core's step and the runner). Returns a function that undoes all of it."""
-    import infhip.runtime.attention.infinitehip.layer as ih
+    import infhip.methods.infinitehip.runtime.layer as ih
     from infhip.runtime.attention.dense import DENSE
     from infhip.runtime.models.common import Attention, GatedMLP, RMSNorm
     from infhip.runtime.offload.staging import StagedStep

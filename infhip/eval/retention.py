@@ -1,5 +1,5 @@
 """UniPrefill retention per anchor layer on real text: the share of a prompt's tokens each
-full-attention layer keeps (runtime/token_drop.py records it per sequence in
+full-attention layer keeps (infhip/methods/token_drop/runtime/step.py records it per sequence in
 ``runner.transforms["token_drop"].stats.retention``: anchor layer -> [kept, total] summed over the prompt's chunks).
 
     python -m infhip.eval.retention --engine engines/smollm2-135m-td99 --lengths 4k --samples 2

@@ -2,7 +2,7 @@
 check of the engine; not used by the engine): the whole sequence (prompt + generated
 tokens) in one causal pass, with no paging, no compaction, no kernels, dropping expressed as
 masks only. It reads the engine's weights (the runtime modules' tensors) and the kept prompt
-positions each drop layer chose, and applies the semantics of runtime/token_drop.py under a
+positions each drop layer chose, and applies the semantics of infhip/methods/token_drop/runtime/step.py under a
 schedule (TokenDropConfig's drop_layers / drop_point / reenter):
 
 * drop layers: the layers in ``schedule["layers"]`` (default: every full-attention layer);

@@ -7,15 +7,22 @@ A method is a class registered under its ``name`` (``@register``), which is its 
   transform is off); a backend's layers say ``"backend": name``;
 * the builder: a backend's ``presets`` (preset name -> knob changes from ``knobs()``), which layers
   a plan may name it at (``runs``) and a preset gives it (``claims``), the flag ``--<name>-overrides KEY=VALUE,...``; a transform's
-  flag ``--<name> [KEY=VALUE,...]``; the plugin modules whose kernels it launches (AOT:
-  builder/kernels.py compiles what their ``aot_launches(space)`` enumerate);
+  flag ``--<name> [KEY=VALUE,...]``; the modules whose kernels it launches (``plugin_modules``, AOT:
+  plugins/aot_engine.py compiles what their ``aot_launches(space)`` enumerate);
+* the kernels shared by every method ask it, never its name: whether an engine with its knobs may
+  move KV pages to the host (``moves_pages``: the page copies' AOT launches, plugins/kv_offload.py);
+  the compile matrix builds its ``matrix_presets`` (builder/compile_matrix.py);
 * a load: ``LoadOptions(overrides={name: ...})`` (alias keywords ``<name>_overrides=`` for a
   backend, ``<name>=`` for a transform; the same flags as the build's) changes the knobs its
   ``knobs`` dataclass marks ``runtime`` (:func:`knob`);
 * docs/knobs.md: a table per method from the same field metadata (infhip/knobs_doc.py).
 
 The runtime's side of a method (its attention backend or step transform class) registers
-separately under the same name (runtime/attention/backend.py, runtime/step_transform.py).
+separately under the same name (runtime/attention/backend.py, runtime/step_transform.py), in its
+``runtime_module``, which those registries import for the built-in methods (:func:`runtime_modules`).
+A built-in method is a folder, the same shape for each (infhip/methods/infinitehip/,
+infhip/methods/token_drop/): its declaration in ``__init__.py``, ``knobs.py``, its runtime side in
+``runtime/``, its kernels under plugins/ (docs/design/adding.md).
 
     >>> from infhip.methods import method
     >>> method("infinitehip").kind, method("token_drop").kind
@@ -67,7 +74,13 @@ class Method:
     title: ClassVar[str]  # as docs/knobs.md names it ("InfiniteHiP": the section "InfiniteHiP knobs")
     summary: ClassVar[str] = ""  # one line: --help and docs/knobs.md
     knobs_doc: ClassVar[str] = ""  # docs/knobs.md: the paragraph above its knob table
-    plugin_modules: ClassVar[tuple[str, ...]] = ()  # plugins/ modules whose kernels it launches
+    # the module that registers its runtime side (AttentionBackend / StepTransform of the same name)
+    runtime_module: ClassVar[str] = ""
+    # modules (full dotted names) whose ``aot_launches(space)`` enumerate the kernels it launches
+    plugin_modules: ClassVar[tuple[str, ...]] = ()
+    # backends: the presets the compile matrix builds (None: every one); a preset that differs from
+    # another only in knobs no kernel specializes on may be left to that one
+    matrix_presets: ClassVar[tuple[str, ...] | None] = None
     presets: ClassVar[dict[str, dict[str, Any]]] = {}  # backends: preset -> changes from knobs()
     preset_measured: ClassVar[dict[str, str]] = {}  # docs/knobs.md: the measurement behind a preset
     # how to get an engine that has it (the error of a load that overrides a method the engine lacks)
@@ -160,6 +173,13 @@ class Method:
                             f"{cls.knobs.__name__}; got {type(value).__name__}")
         return cls.replace(cls.knobs(), value)
 
+    @classmethod
+    def moves_pages(cls, knobs, build) -> bool:
+        """Whether an engine with these knobs and BuildConfig ``build``, loaded with
+        ``kv_offload_bytes``, may move KV pages to the host (its layers read them in place: its
+        runtime side's ``offload_window``). The default: never."""
+        return False
+
     # -- load ----------------------------------------------------------------------------------------
     @classmethod
     def check_load_value(cls, value) -> None:
@@ -209,6 +229,14 @@ def method(name: str) -> type[Method]:
         raise ValueError(f"no plan method {name!r} is registered (registered: "
                          f"{', '.join(m.name for m in methods())}); import the module that registers it first")
     return found
+
+
+def runtime_modules(kind: str) -> tuple[str, ...]:
+    """The runtime modules of the built-in methods of ``kind``, in BUILTIN's order: what the runtime's
+    registries (attention backends, step transforms) import on first use."""
+    rank = {module: i for i, module in enumerate(BUILTIN)}
+    return tuple(m.runtime_module for m in sorted(methods(kind), key=lambda m: rank.get(m.__module__, len(rank)))
+                 if m.__module__ in rank and m.runtime_module)
 
 
 def presets() -> dict[str, type[Method] | None]:

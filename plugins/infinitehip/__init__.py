@@ -12,7 +12,7 @@ attention over the paged KV cache, plus a recall measurement.
 Dispatch: `pruning_stage` and the sparse attention entry points launch Triton on CUDA tensors
 (and on CPU tensors under TRITON_INTERPRET=1, as the tests do); other CPU tensors take the
 torch references (pruning_ref.py, sparse_attention_ref), same contract. The runtime wires them
-in runtime/attention/infinitehip/.
+in infhip/methods/infinitehip/runtime/.
 
 A decode step with the "3k" stages, without mask caching:
 

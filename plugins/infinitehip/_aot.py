@@ -1,7 +1,7 @@
 """The InfiniteHiP launch space of one engine, for the plugins' ``aot_launches`` (plugins/aot.py).
 
-runtime/attention/infinitehip/planner.py decides per step what the sparse kernels see, by the
-rules of plugins/plan_rules.py; this module applies the same rules to list the *classes* of
+infhip/methods/infinitehip/runtime/planner.py decides per step what the sparse kernels see, by the
+rules of infhip/methods/infinitehip/rules.py; this module applies the same rules to list the *classes* of
 launches an engine's plan and build limits allow, so that
 pruning.py, sparse_attention.py, key_bank.py and raw_keys.py enumerate exactly
 what serving launches, on fake (meta) tensors shaped as the runtime shapes them:
@@ -12,7 +12,7 @@ what serving launches, on fake (meta) tensors shaped as the runtime shapes them:
   pruning style, ``attention_rope`` in attention). Dynamic steps exist when
   ``rope_off_in_trained_window`` is off or ``max_seq_len`` exceeds the trained window; static
   ones when some sparse context fits the window with ``rope_off_in_trained_window`` on;
-* stage-1 candidate capacities (plan_rules.candidate_capacity: powers of two >= 1024) per
+* stage-1 candidate capacities (rules.candidate_capacity: powers of two >= 1024) per
   mode: a dynamic step's longest sparse context is past the window (with
   ``rope_off_in_trained_window``), a static step's inside it;
 * batch shapes: sparse decode rows 1..max_batch_size (CUDA graphs pad to a captured size, which
@@ -40,14 +40,14 @@ from typing import Callable
 
 import torch
 
-from infhip.methods.infinitehip import InfiniteHipConfig, PruningStage
+from infhip.methods.infinitehip.knobs import InfiniteHipConfig, PruningStage
+from infhip.methods.infinitehip.rules import candidate_capacity, rope_modes, sparse_reachable, uses_key_bank
 
-from ..plan_rules import candidate_capacity, rope_modes, sparse_reachable, uses_key_bank
 
 def mask_layout_of(cfg: InfiniteHipConfig) -> str:
     """The mask layout an engine's InfiniteHiP layers select with: the config's ``mask_layout``
     where it has one (issue 32: the runtime gains the knob in its own refactor), else "shared",
-    the only layout runtime/attention/infinitehip/ launches today."""
+    the only layout infhip/methods/infinitehip/runtime/ launches today."""
     return getattr(cfg, "mask_layout", "shared")
 
 
@@ -92,7 +92,7 @@ class SparseSpace:
     kinds: tuple[LayerKind, ...]
     modes: tuple[Mode, ...]
     mask_layout: str  # blocks.MASK_LAYOUTS
-    bank: bool  # the layers keep a rotated key bank (plan_rules.uses_key_bank)
+    bank: bool  # the layers keep a rotated key bank (rules.uses_key_bank)
     bank_for_all: bool  # every decode row can own a bank row (max_batch_size <= key_bank_slots)
     offload: tuple[bool, ...]  # without / with a host twin
     max_decode_rows: int

@@ -113,7 +113,7 @@ def write_key_bank(kv: PagedKV, block_tables: torch.Tensor, ends: torch.Tensor,
     cache kv, whose row scales then dequantize the keys). rope_group: the selection's run length
     (the last stage's chunk size), as in block_sparse_attention. skip_row: rows b with
     bank_rows[b] == skip_row load and write nothing: requests without a bank row of their own,
-    pointed at a scratch row that no step reads (runtime/attention/infinitehip/mask_cache.py).
+    pointed at a scratch row that no step reads (infhip/methods/infinitehip/runtime/mask_cache.py).
     Table entries < 0 name pages of kv's host twin (kv_offload.py).
     value_bank (kv with its values): also copy the same entries' values, as they
     are (dequantized), into value_bank [slots, >= K, Hkv, D] (the key bank's layout), for decode
@@ -194,7 +194,7 @@ def write_key_bank_ref(k_cache, block_tables, ends, selected, bank, bank_rows, *
 
 def aot_launches(space) -> None:
     """The bank writer's variants (plugins/aot.py): for engines whose layers keep a key bank
-    (plugins/plan_rules.uses_key_bank), per layer kind (the last stage's k and chunk size),
+    (infhip/methods/infinitehip/rules.uses_key_bank), per layer kind (the last stage's k and chunk size),
     without and with a host twin; with one the runtime keeps a value bank beside the keys
     (VALUES). Written at every refresh of the last stage, dynamic RoPE or not; the row count
     only sizes the grid."""

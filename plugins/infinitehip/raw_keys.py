@@ -126,7 +126,7 @@ def unrotate_keys(kv: PagedKV, seq_tables: torch.Tensor, seq_lens: list[int],
 
 def aot_launches(space) -> None:
     """The un-rotation pass's variants (plugins/aot.py): prefill steps under dynamic RoPE prune
-    from raw keys (runtime/attention/infinitehip/planner.py, RAW_KEYS_MIN_BLOCKS or offloading) in layers
+    from raw keys (infhip/methods/infinitehip/runtime/planner.py, RAW_KEYS_MIN_BLOCKS or offloading) in layers
     whose pruning style is dynamic; without and with a host twin. One launch per sequence, its
     length unspecialized."""
     from ._aot import sparse_space

@@ -228,12 +228,12 @@ __all__ = ["kept_attention", "kept_attention_ref", "kept_attention_triton", "que
 
 def aot_launches(space) -> None:
     """kept_attention's variants (plugins/aot.py): with a token-drop plan, the sliding-window
-    layers between two anchors attend with it (runtime/token_drop.py _compact) — none on models
+    layers between two anchors attend with it (infhip/methods/token_drop/runtime/step.py _compact) — none on models
     without sliding layers. The queries are the layer's q (contiguous after a q norm, else a view
     of the fused qkv projection), the keys and values the layer's own rows (views of the same
     projection) or, past a chunk's first, those rows concatenated after the cache's (contiguous)."""
-    td, m = space.plan.knobs_of("token_drop"), space.model
-    if td is None:
+    m = space.model
+    if space.plan.knobs_of("token_drop") is None:
         return
     windows = sorted({m.window_of(i) for i in range(m.num_layers)} - {None})
     Hq, Hkv, D = m.num_heads, m.num_kv_heads, m.head_dim
@@ -247,3 +247,4 @@ def aot_launches(space) -> None:
     for window in windows:
         for k, v in ((k_view, v_view), (cat, cat)):
             kept_attention(q, pos, k, v, pos, m.attention_scale, window)
+

@@ -332,7 +332,7 @@ def block_importance(q: torch.Tensor, k: torch.Tensor, cu_seqlens: torch.Tensor,
 
 def drop_bounds(space) -> tuple[int, int, int]:
     """(kept tail, most dropping chunks of a step, fewest tokens of a dropping chunk) of the
-    engine's token-drop plan (runtime/token_drop.py: keep_tail, plan_drops): a dropping chunk
+    engine's token-drop plan (infhip/methods/token_drop/runtime/step.py: keep_tail, plan_drops): a dropping chunk
     has at least G droppable tokens besides the kept tail, and the step's chunks share
     max_num_batched_tokens."""
     td, model, build = space.plan.knobs_of("token_drop"), space.model, space.build

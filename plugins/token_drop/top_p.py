@@ -269,7 +269,7 @@ def force_retention(scores: torch.Tensor, cu_blocks: torch.Tensor, cu_seqlens: t
 
 def aot_launches(space) -> None:
     """The block selection's variants (plugins/aot.py) for an engine with a token-drop plan
-    (runtime/token_drop.py _select): top-p with the plan's p (p >= 1: keep all) and the forced
+    (infhip/methods/token_drop/runtime/step.py _select): top-p with the plan's p (p >= 1: keep all) and the forced
     retention of benchmarks (infhip.eval.common.set_forced_retention; the keep-all variant, not an engine
     knob, so every token-drop engine holds it). A selection "sequence" is a dropping chunk
     G-aligned in its key list: tail + G to max_num_batched_tokens + G - 1 tokens; the scan and

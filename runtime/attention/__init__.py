@@ -10,7 +10,7 @@ registered backends (``backends()``) and name none.
 The dense backend (dense.py, ``DENSE``) serves every layer no registered backend claims and the
 dense rows of the others. Which backend runs a layer is decided in one place,
 ``ForwardContext.run_attention``: in a step that drops tokens, token drop's at the layers it
-handles (runtime/token_drop.py); else the layer's own (``layer.backend``) when the step planned
+handles (infhip/methods/token_drop/runtime/step.py); else the layer's own (``layer.backend``) when the step planned
 it, else the dense backend.
 """
 

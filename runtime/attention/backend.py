@@ -33,7 +33,7 @@ Life of a backend (every method below; the default does nothing or says "none"):
   KV, as token drop, rely on it);
 * ahead of time: the builder (builder/kernels.py) asks its method's ``plugin_modules`` for their
   ``aot_launches(space)``, which launch every kernel variant the engine's plan allows on fake
-  tensors;
+  tensors; its method's ``moves_pages`` says whether page copies may run (the offload's kernels);
 * serving: ``request_counters(config)`` — Prometheus counters of finished requests
   (runtime/serving/metrics.py);
 * read-outs: ``debug_view()``, a JSON-able dict of the instance's state now, which
@@ -41,7 +41,7 @@ Life of a backend (every method below; the default does nothing or says "none"):
   instead of the backend's attributes; the default shows nothing).
 
 Registration: ``register(cls)`` (a decorator) under ``cls.name``; the registry imports the
-built-in backends' modules (BUILTIN) on first use. Registration order is the order in which
+built-in backends' modules (their methods' ``runtime_module``) on first use. Registration order is the order in which
 backends attach (a later one may claim a layer an earlier one took).
 """
 
@@ -52,10 +52,15 @@ from typing import Any, Callable, ClassVar, Hashable
 
 import torch
 
+from infhip.methods import BACKEND, runtime_modules
 from infhip.registry import Registry
 
-# the modules of the built-in backends, each of which registers its backend on import
-BUILTIN = ("infhip.runtime.attention.infinitehip",)
+
+
+def _builtin() -> tuple[str, ...]:
+    """The modules of the built-in backends, each of which registers its backend on import: the
+    ``runtime_module`` of each built-in backend method (infhip/methods/<name>/)."""
+    return runtime_modules(BACKEND)
 
 
 @dataclass(frozen=True)
@@ -204,7 +209,7 @@ class AttentionBackend:
         return {}
 
 
-_REGISTRY = Registry("an attention backend", BUILTIN)
+_REGISTRY = Registry("an attention backend", _builtin)
 register = _REGISTRY.register  # a decorator: the class under its ``name``; the built-in ones come first
 unregister = _REGISTRY.unregister  # (tests)
 

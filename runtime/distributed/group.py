@@ -6,7 +6,7 @@ CPU), over two groups:
 * ``dev`` — the step's tensors: the all-reduce after o_proj and after down_proj (sum of the
   row-parallel partial outputs), InfiniteHiP's chunk scores (max over every rank's kv heads,
   plugins/infinitehip/pruning.py), token drop's block scores (sum over every rank's query heads,
-  runtime/token_drop.py), the tokens sampled between back-to-back decode steps, and the KV page
+  infhip/methods/token_drop/runtime/step.py), the tokens sampled between back-to-back decode steps, and the KV page
   count all ranks agree on. Short timeout: a step that waits this long has lost a rank.
 * ``ctrl`` — gloo, the step's plan from rank 0 (``publish`` / ``receive``: pickled host data);
   workers wait here between requests, so its timeout is effectively unbounded.

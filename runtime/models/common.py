@@ -187,7 +187,7 @@ class DecoderLayer(nn.Module):
     attention is ``self_attn`` (an Attention), which the runner reads too.
 
     The seam between the halves is where step transforms that route rows act
-    (runtime/step_transform.py TransformStep; UniPrefill token drop, runtime/token_drop.py): before
+    (runtime/step_transform.py TransformStep; UniPrefill token drop, infhip/methods/token_drop/runtime/step.py): before
     the layer (``enter_layer``: dropped rows may come back) and after its attention
     (``after_attention``: the rows attention returned; the residual may lose rows to match), so
     ``feed_forward`` runs on the rows kept. Without routers the layer is its two halves, back to
@@ -248,7 +248,7 @@ class CausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         # Step transforms that route rows (runtime/step_transform.py; e.g. UniPrefill token drop,
-        # runtime/token_drop.py) act only here and in DecoderLayer.forward: a router may keep
+        # infhip/methods/token_drop/runtime/step.py) act only here and in DecoderLayer.forward: a router may keep
         # fewer rows after a layer's attention and bring them back before a later layer, and at
         # the end (reconstitute).
         routers = [t for t in get_forward_context().transforms.values() if t.routes]

@@ -32,7 +32,7 @@ def _param(*shape) -> nn.Parameter:
 
 def rows_flowing(ctx) -> tuple[torch.Tensor, list[int]]:
     """(cu [B + 1] int32 on the device, its host copy) of the rows flowing through the layer now:
-    the step's, or after a token drop (runtime/token_drop.py) the kept rows' compact offsets, so
+    the step's, or after a token drop (infhip/methods/token_drop/runtime/step.py) the kept rows' compact offsets, so
     a linear layer runs each sequence's kept tokens in order and its state is theirs. Decode rows
     never drop: they stay the first num_decodes rows."""
     for step in ctx.transforms.values():

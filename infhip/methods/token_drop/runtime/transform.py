@@ -1,12 +1,12 @@
 """UniPrefill token drop as a step transform (runtime/step_transform.py, registered under
-"token_drop"; what a drop does: runtime/token_drop.py).
+"token_drop"; what a drop does: infhip/methods/token_drop/runtime/step.py).
 
 Callers set it through the runner by name, ``runner.set_transform("token_drop", cfg)``, and read
 it through ``debug_view()`` (``llm.debug_view()["transforms"]["token_drop"]``: the knobs in force,
 the drop layers, the tail, the context limit and the retention per request and anchor).
 
 Per-sequence state: the drop histories (per layer, tokens a sequence's layers hold no KV for)
-live here, in ``stats`` (DropStats) by seq_id, not on the sequences: ``release(seq)`` ends one
+live here, in ``stats`` (DropRecords) by seq_id, not on the sequences: ``release(seq)`` ends one
 when the sequence's KV is freed (finished or preempted; the scheduler tells the engine core,
 which tells every transform), and a prefill from 0 starts afresh. ``drop_history(seq_id)``
 reads one (also of a recently finished sequence: /metrics).
@@ -14,7 +14,7 @@ reads one (also of a recently finished sequence: /metrics).
 Per step: ``plan`` picks the chunks that drop (plan_drops) and lists the drop histories of the
 step's sequences (drop_histories) -> ``TokenDropHost``; ``upload`` makes the step's
 ``TokenDropStep`` (its drops, and the per-layer KV of the sequences with a history); after an
-eager step ``after_step`` records what the drops leave (``stats``, DropStats). Decode graphs
+eager step ``after_step`` records what the drops leave (``stats``, DropRecords). Decode graphs
 with drop histories compute the per-layer KV from ``kv_shift`` inside the graph.
 
 The selection of the kept blocks is ``keep_blocks`` (top-p) unless ``set_selection`` installs
@@ -27,15 +27,14 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from infhip.methods.token_drop import TokenDropConfig
-from infhip.methods.token_drop import resolve_drop_layers
+from infhip.methods.token_drop.knobs import TokenDropConfig, resolve_drop_layers
 from infhip.plugins.token_drop import top_p_select
 from infhip.runtime.attention.backend import RequestCounter
-from infhip.runtime.drop_stats import DropStats
 from infhip.runtime.forward_context import LayerKV
 from infhip.runtime.step_transform import StepTransform, TransformEnv, register
-from infhip.runtime.token_drop import (DropChunk, TokenDropStep, drop_histories, keep_tail, never_drops,
-                                      plan_drops)
+
+from .drop_records import DropRecords
+from .step import DropChunk, TokenDropStep, drop_histories, keep_tail, never_drops, plan_drops
 
 
 @dataclass
@@ -62,7 +61,7 @@ class TokenDrop(StepTransform):
         self.full = frozenset(i for i, w in enumerate(windows) if w is None and i not in linear)
         self.global_layers = sorted(self.full)  # the layers that hold compacted KV after a drop
         self.windows, self.page_size = windows, page_size
-        self.stats = DropStats()  # drop histories of the sequences (by seq_id), retention per anchor
+        self.stats = DropRecords()  # drop histories of the sequences (by seq_id), retention per anchor
         self.selection = None  # set_selection's block selection; None: keep_blocks (top-p)
         self._set(None, None)
 
@@ -74,7 +73,7 @@ class TokenDrop(StepTransform):
     def configure(self, cfg: TokenDropConfig | None, env: TransformEnv) -> None:
         """Token drop on (cfg) or off (None) from the next step on. Only requests whose context
         stays within every backend's stored_rotation_context drop: a dropped layer's cache index
-        is no longer the key's position (runtime/token_drop.py says why for InfiniteHiP)."""
+        is no longer the key's position (infhip/methods/token_drop/runtime/step.py says why for InfiniteHiP)."""
         if cfg is not None and env.offloading:
             raise ValueError("token drop cannot be turned on while KV pages are offloaded")
         limits = [c for b in env.backends.values() if (c := b.stored_rotation_context(env.config)) is not None]
@@ -126,7 +125,7 @@ class TokenDrop(StepTransform):
         drop (sorted; spared anchors excluded); tail: tokens a dropping chunk always keeps at its
         end; max_context: the longest context a dropping request may reach (None: any);
         retention: {seq_id: {full-attention layer: [kept, total]}} of the latest 256 sequences
-        that dropped, oldest first (DropStats.retention, copied); selection: None (top-p) or the
+        that dropped, oldest first (DropRecords.retention, copied); selection: None (top-p) or the
         repr of the selection set_selection installed."""
         knobs = None
         if self.cfg is not None:

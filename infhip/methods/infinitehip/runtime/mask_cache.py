@@ -37,7 +37,7 @@ import heapq
 
 import torch
 
-from infhip.methods.infinitehip import PruningStage
+from infhip.methods.infinitehip.knobs import PruningStage
 from infhip.plugins.infinitehip import PAD
 
 

@@ -38,7 +38,7 @@ KV, per layer:
   attention, none at l; after attention, at l and not after (until it re-enters). A
   full-attention layer stores the keys it holds contiguously in the sequence's page table
   (compact slot = position - tokens that layer dropped before), so each (sequence, layer) has
-  its own length. The transform keeps each sequence's drop history (per layer, DropStats
+  its own length. The transform keeps each sequence's drop history (per layer, DropRecords
   ``histories`` by seq_id, while the sequence holds its KV), and steps with such a
   sequence carry per-layer context lengths and slots of the full-attention layers in the
   forward context (`forward_context.LayerKV`, computed in one vectorised pass); layers read
@@ -81,7 +81,7 @@ from typing import Callable
 import torch
 import triton
 
-from infhip.methods.token_drop import TokenDropConfig
+from infhip.methods.token_drop.knobs import TokenDropConfig
 from infhip.plugins.dense_attention import gather_kv
 from infhip.plugins.rope import apply_rope_, write_kv
 from infhip.plugins.token_drop import block_importance

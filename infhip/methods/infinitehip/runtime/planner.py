@@ -11,7 +11,7 @@ refreshing the same stages (every request past its first sparse step: one refres
 ``graph_key`` (refresh pattern, stage-1 candidate capacity, dynamic RoPE, bank); with the batch
 size it selects the CUDA graph that replays the step (runtime/cuda_graphs.py). Other steps run
 eagerly. The run side is layer.py; the rules the plugins' AOT enumeration shares (capacity,
-RoPE modes, key bank) are plugins/plan_rules.py.
+RoPE modes, key bank) are infhip/methods/infinitehip/rules.py.
 """
 
 from __future__ import annotations
@@ -21,10 +21,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from infhip.methods.infinitehip import InfiniteHipConfig
+from infhip.methods.infinitehip.knobs import InfiniteHipConfig
 from infhip.plugins.infinitehip import plan_query_blocks
-from infhip.plugins.plan_rules import (candidate_capacity, dynamic_rope_possible, static_rope_possible,
-                                       step_dynamic_rope, uses_key_bank)
+from infhip.methods.infinitehip.rules import (candidate_capacity, dynamic_rope_possible, static_rope_possible,
+                                              step_dynamic_rope, uses_key_bank)
 
 from .mask_cache import MaskSlots, layer_offsets, refresh_from
 

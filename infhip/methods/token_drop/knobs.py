@@ -1,7 +1,6 @@
-"""UniPrefill token drop, the engine format's side (a step transform: runtime/token_drop_transform.py):
-its knobs (:class:`TokenDropConfig`, stored under ``plan.knobs["token_drop"]``), the rule that
-resolves ``drop_layers``, the command-line form of its knobs, and its registration
-(:class:`TokenDrop`). Each knob is described once, in its field's metadata (:func:`knob`).
+"""Token drop's knobs (:class:`TokenDropConfig`, stored under ``plan.knobs["token_drop"]``), the rule
+that resolves ``drop_layers`` and the command-line form of its knobs; the method's declaration is
+this folder's ``__init__.py``. Each knob is described once, in its field's metadata (:func:`knob`).
 
     --token-drop                                     the defaults (p=0.99,obs_window=128,block_size=64,
                                                      num_sink=128,min_prompt_len=8192,drop_layers=auto,
@@ -10,7 +9,7 @@ resolves ``drop_layers``, the command-line form of its knobs, and its registrati
     --token-drop p=0.98,block_size=32                some knobs changed
     --token-drop off | on                            (at load) off, or as built / the defaults
 
-    >>> TokenDrop.build_knobs("p=0.98,block_size=32").block_size
+    >>> parse_token_drop("p=0.98,block_size=32").block_size
     32
 """
 
@@ -20,7 +19,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from infhip.methods.method import NOT_MEASURED, TRANSFORM, Method, knob, register, require
+from infhip.methods.method import NOT_MEASURED, knob, require
 
 
 # Short names the token-drop knobs once had besides their field names: naming one is an error
@@ -109,13 +108,13 @@ _PARITY = ("[H200 RULER](quality.md#uniprefill-on-the-h200-ruler-at-8k32k-and-th
 
 @dataclass(frozen=True)
 class TokenDropConfig:
-    """UniPrefill token dropping in prefill (paper 004; runtime/token_drop.py).
+    """UniPrefill token dropping in prefill (paper 004; runtime/step.py in this folder).
 
     At each *drop layer* (``drop_layers``: full-attention layers) of a prefill pass, the pass's
     last ``obs_window`` queries score blocks of ``block_size`` of its current tokens; the smallest
     set of blocks holding fraction ``p`` of the attention mass is kept, plus the first
     ``num_sink`` tokens and the pass's last ``obs_window`` tokens (more on models with sliding
-    layers: see runtime/token_drop.py). ``drop_point`` says whether the drop layer's own
+    layers: see infhip/methods/token_drop/runtime/step.py). ``drop_point`` says whether the drop layer's own
     attention runs over all current tokens first (``after_attention``, the authors' code) or
     over the kept ones only (``before_attention``, the paper's Eq. 8). With ``reenter`` the
     dropped tokens come back at the next drop layer with their saved stream (the paper's
@@ -251,38 +250,6 @@ def parse_token_drop(text: str) -> TokenDropConfig:
     return TokenDropConfig(**parse_token_drop_knobs(text))
 
 
-@register
-class TokenDrop(Method):
-    """UniPrefill token dropping in prefill at full-attention layers (paper 004)."""
-
-    name = "token_drop"
-    kind = TRANSFORM
-    knobs = TokenDropConfig
-    title = "Token-drop"
-    knobs_doc = ("`TokenDropConfig` in `infhip/methods/token_drop.py`, stored under `plan.knobs.token_drop` (absent = "
-                 "off). Set with `--token-drop KEY=VALUE,...` or per load `LLM(engine, token_drop={...})` (`False` "
-                 "turns it off); every knob may be changed per load. Engines with InfiniteHiP layers drop only for "
-                 "requests whose prompt + max_tokens stay inside the trained window. The short keys once accepted ("
-                 + ", ".join(f"`{k}`" for k in RENAMED_TOKEN_DROP_KNOBS) + ", `rho`) are errors that name the field. "
-                 "`retention` (a fixed share of blocks kept instead of top-p) is a benchmark setting, not a knob: "
-                 "`infhip-eval --retention RHO`, `infhip.eval.common.set_forced_retention(llm, rho)`.")
-    summary = ("UniPrefill token dropping in prefill at the full-attention layers: bare for the defaults, or "
-               "key=value,... with the knobs' names (e.g. p=0.98,block_size=32 or drop_layers=5:8:11); "
-               "composes with --preset")
-    plugin_modules = ("token_drop.importance", "token_drop.top_p", "token_drop.attention", "token_drop.gather")
-    build_hint = "rebuild with --token-drop"
-
-    @classmethod
-    def parse(cls, text: str) -> dict[str, Any]:
-        return parse_token_drop_knobs(text)
-
-    @classmethod
-    def check(cls, knobs: TokenDropConfig, plan) -> None:
-        """Drops need a full-attention layer, and an explicit drop_layers list names such layers."""
-        full = [lp.index for lp in plan.layers if lp.window is None and lp.attention != "linear"]
-        require(bool(full), "--token-drop needs full-attention layers (its anchors); this model has none")
-        resolve_drop_layers(knobs, full, len(plan.layers))
-
-
-__all__ = ["AUTHORS_LLAMA_EIGHTHS", "DROP_POINTS", "TokenDrop", "TokenDropConfig", "check_token_drop_keys",
-           "default_drop_layers", "parse_token_drop", "parse_token_drop_knobs", "resolve_drop_layers"]
+__all__ = ["AUTHORS_LLAMA_EIGHTHS", "DROP_POINTS", "RENAMED_TOKEN_DROP_KNOBS", "TokenDropConfig",
+           "check_token_drop_keys", "default_drop_layers", "parse_token_drop", "parse_token_drop_knobs",
+           "resolve_drop_layers"]

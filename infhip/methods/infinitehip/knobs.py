@@ -1,6 +1,5 @@
-"""InfiniteHiP, the engine format's side (an attention backend: runtime/attention/infinitehip/): its
-knobs (:class:`InfiniteHipConfig`, stored under ``plan.knobs["infinitehip"]``), its presets and its
-registration (:class:`InfiniteHip`).
+"""InfiniteHiP's knobs (:class:`InfiniteHipConfig`, stored under ``plan.knobs["infinitehip"]``) and
+its presets; the method's declaration is this folder's ``__init__.py``.
 
 Each knob is a dataclass field whose metadata is its one description (:func:`knob`): meaning,
 whether a load may change it (``runtime``), and the measurement behind its value. From it come
@@ -29,7 +28,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from infhip.methods.method import BACKEND, NOT_MEASURED, Method, knob, register, require
+from infhip.methods.method import NOT_MEASURED, knob, require
 
 
 PRUNING_ROPE_STYLES = ("none", "relative", "chunk_indexed")
@@ -85,7 +84,7 @@ class InfiniteHipConfig:
     read (plugins/infinitehip/key_bank.py; memory: (min(max_num_seqs, key_bank_slots) + 1) x
     layers x final k x kv heads x head_dim in the KV dtype, about 1.2 GiB for Llama-8B with 8 + 1
     rows, reserved only when max_seq_len exceeds the trained window); a decode step whose
-    request owns no bank row (runtime/attention/infinitehip/mask_cache.py) rotates keys instead:
+    request owns no bank row (infhip/methods/infinitehip/runtime/mask_cache.py) rotates keys instead:
     the same tokens, slower.
     """
 
@@ -266,51 +265,5 @@ def infinitehip_config(preset: str, overrides: dict[str, Any] | None = None,
     return cfg.replace(dense_threshold=min(cap, cfg.n_sink + cfg.n_stream + cfg.stages[0].k))
 
 
-# one layer at 1M keys, decode vs SDPA, per preset (docs/benchmarks.md): docs/knobs.md's preset table
-PRESET_MEASURED = {"3k": "28.8× with the bank (`e913143`)", "3k-fast": "31.7× without the bank (`4e4b22f`)",
-                   "3k-flash": "47.0× with the bank (`4e4b22f`)", "5k": "8.9× without the bank (`e895854`)"}
-
-
-@register
-class InfiniteHip(Method):
-    """InfiniteHiP (paper 000) on the full-attention layers: hierarchical chunk pruning, then
-    block-sparse attention over sink + survivors + stream; dynamic RoPE past the trained window."""
-
-    name = "infinitehip"
-    kind = BACKEND
-    knobs = InfiniteHipConfig
-    title = "InfiniteHiP"
-    knobs_doc = ("`InfiniteHipConfig` in `infhip/methods/infinitehip.py`, stored under `plan.knobs.infinitehip`. Its "
-                 "defaults are preset `3k`; \"=\" where another preset keeps the `3k` value. `dense_threshold` as built "
-                 "is at most the trained window + 1. *load* = may be changed per `LLM(..., infinitehip_overrides=...)` "
-                 "/ `--infinitehip-overrides`; *build* needs a rebuild.")
-    preset_measured = PRESET_MEASURED
-    summary = ("InfiniteHiP on the full-attention layers (hierarchical chunk pruning + block-sparse attention, "
-               "dynamic RoPE past the trained window)")
-    plugin_modules = ("infinitehip.pruning", "infinitehip.sparse_attention", "infinitehip.key_bank",
-                      "infinitehip.raw_keys", "kv_offload")
-    presets = PRESET_CHANGES
-    build_hint = "rebuild with --preset 3k (or another InfiniteHiP preset)"
-    renamed_flags = {"--infinitehip": "use --infinitehip-overrides KEY=VALUE,..."}
-
-    @classmethod
-    def presets_doc(cls) -> str:
-        base = InfiniteHipConfig()
-        return (f"Every InfiniteHiP preset: stages are (block_q, chunk size, k kept); sink {base.n_sink}, stream "
-                f"{base.n_stream}, query blocks of {base.block_q}, special layers "
-                f"{', '.join(map(str, base.special_layers))} (0-based) keeping {base.special_final_k} keys in the "
-                f"last stage, prefill query strides {', '.join(map(str, base.query_strides))}, key bank on.")
-
-    @classmethod
-    def preset_knobs(cls, preset: str, model, changes: dict[str, Any] | None = None) -> InfiniteHipConfig:
-        """The preset's knobs, ``dense_threshold`` capped at the model's trained window + 1, and
-        special layers within the model."""
-        cfg = infinitehip_config(preset, changes, trained_window=model.max_position_embeddings)
-        past = [i for i in cfg.special_layers if i >= model.num_layers]
-        require(not past, f"special_layers {past} are past the model's {model.num_layers} layers "
-                f"(0-based indices, 0..{model.num_layers - 1})")
-        return cfg
-
-
-__all__ = ["CHUNK_SCORES", "PRESET_CHANGES", "RUNTIME_KNOBS", "InfiniteHip", "InfiniteHipConfig", "PruningStage",
+__all__ = ["CHUNK_SCORES", "PRESET_CHANGES", "RUNTIME_KNOBS", "InfiniteHipConfig", "PruningStage",
            "infinitehip_config"]

@@ -1,20 +1,20 @@
-"""What the drops of UniPrefill steps leave behind (runtime/token_drop.py makes them): each
+"""What the drops of UniPrefill steps leave behind (infhip/methods/token_drop/runtime/step.py makes them): each
 sequence's drop history and per-layer retention, recorded after each dropping step and kept by
-the transform (runtime/token_drop_transform.py), by seq_id, not on the sequences."""
+the transform (infhip/methods/token_drop/runtime/transform.py), by seq_id, not on the sequences."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from infhip.runtime.token_drop import TokenDropStep
+    from .step import TokenDropStep
 
 # sequences whose records outlive them: the latest ones that dropped (retention) or finished
 # with a drop history (ended), for read-outs after the end (/metrics, evaluations)
 KEEP_ENDED = 256
 
 
-class DropStats:
+class DropRecords:
     """What the drops of the steps so far leave behind, recorded after each dropping step:
 
     * ``histories``: seq_id -> per layer, tokens of the sequence's computed ones that layer

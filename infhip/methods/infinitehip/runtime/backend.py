@@ -12,7 +12,7 @@ import dataclasses
 
 import torch
 
-from infhip.methods.infinitehip import InfiniteHipConfig
+from infhip.methods.infinitehip.knobs import InfiniteHipConfig
 from infhip.plugins.dtypes import DTYPES
 from infhip.runtime.attention.backend import AttachEnv, AttentionBackend, Limits, RequestCounter, register
 from infhip.runtime.attention.dense import DENSE
@@ -25,7 +25,7 @@ from .planner import GraphBuffers, SparseGraphKey, SparsePlanner, SparseStep, Sp
 
 @register
 class InfiniteHipBackend(AttentionBackend):
-    name = "infinitehip"  # its plan method: infhip/methods/infinitehip.py (knobs, presets, plugin modules)
+    name = "infinitehip"  # its plan method: infhip/methods/infinitehip/ (knobs, presets, plugin modules)
 
     def __init__(self, planner: SparsePlanner, device: torch.device, staging=None):
         self.planner, self.device, self.staging = planner, device, staging
@@ -159,7 +159,7 @@ class InfiniteHipBackend(AttentionBackend):
     @classmethod
     def stored_rotation_context(cls, config) -> int:
         """Inside the trained window keys keep their stored rotations; past it dynamic RoPE
-        rotates them by their index in the layer's cache (runtime/token_drop.py says what that
+        rotates them by their index in the layer's cache (infhip/methods/token_drop/runtime/step.py says what that
         means for token drop)."""
         return config.model.max_position_embeddings
 

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from infhip.methods.infinitehip import InfiniteHipConfig
+from infhip.methods.infinitehip.knobs import InfiniteHipConfig
 from infhip.plugins._triton_utils import triton_on
 from infhip.plugins.infinitehip import (pruning_stage, sparse_decode_attention, sparse_prefill_attention,
                                         unrotate_keys, write_key_bank)

@@ -1,0 +1,76 @@
+"""InfiniteHiP's plan rules, stated once: its runtime planner (runtime/planner.py here), its
+backend's memory (runtime/backend.py) and its kernels' AOT launch space
+(plugins/infinitehip/_aot.py) call the same functions, so the kernels compiled ahead of time are
+the ones a step launches. No imports (torch-free, plugin-free): ``cfg`` below is an
+InfiniteHipConfig (knobs.py), read by attribute only.
+"""
+
+from __future__ import annotations
+
+# -- sparse contexts and KV offloading ------------------------------------------------------
+
+def sparse_reachable(cfg, max_seq_len: int) -> bool:
+    """Whether some context of an engine serving max_seq_len tokens goes sparse: it has
+    InfiniteHiP layers (``cfg`` their knobs, None without) whose ``dense_threshold`` it reaches.
+    Only such an engine keeps KV pages on the host when loaded with ``kv_offload_bytes``: pages
+    move once a context passes its backend's offload window, which starts at the threshold
+    (runtime/offload/policy.py). Read by the sparse launch space (plugins/infinitehip/_aot.py)
+    and by the method's ``moves_pages`` (the page copies' enumeration, plugins/kv_offload.py)."""
+    return cfg is not None and cfg.dense_threshold <= max_seq_len
+
+
+# -- stage-1 candidate capacity --------------------------------------------------
+
+MIN_CAPACITY = 1024  # candidate_capacity: a power of two >= 1024
+
+
+def candidate_capacity(end: int, n_sink: int, n_stream: int) -> int:
+    """Stage-1 candidate capacity for contexts up to ``end`` tokens: the middle (neither sink
+    nor stream) rounded up to a power of two >= 1024, so that it, and with it the kernels' grid
+    and a CUDA graph's key, changes only when the context doubles.
+
+        >>> candidate_capacity(100, 4, 8), candidate_capacity(5000, 256, 1024)
+        (1024, 4096)
+    """
+    middle = max(0, max(min(n_sink, end), end - n_stream) - n_sink)
+    return 1 << max(MIN_CAPACITY.bit_length() - 1, (middle - 1).bit_length())
+
+
+# -- RoPE modes and the key bank -------------------------------------------------
+
+def step_dynamic_rope(cfg, max_sparse_end: int, trained_window: int) -> bool:
+    """Whether a step whose longest sparse context is max_sparse_end tokens applies the dynamic
+    RoPE styles: always unless ``rope_off_in_trained_window``, else only past the trained window."""
+    return not cfg.rope_off_in_trained_window or max_sparse_end > trained_window
+
+
+def static_rope_possible(cfg, max_seq_len: int, trained_window: int) -> bool:
+    """Whether some sparse step runs with stored rotations only (a sparse context fits the window)."""
+    return cfg.rope_off_in_trained_window and cfg.dense_threshold <= min(trained_window, max_seq_len)
+
+
+def dynamic_rope_possible(cfg, max_seq_len: int, trained_window: int) -> bool:
+    """Whether some sparse step of an engine serving max_seq_len tokens applies dynamic RoPE."""
+    return not cfg.rope_off_in_trained_window or max_seq_len > trained_window
+
+
+def rope_modes(cfg, max_seq_len: int, trained_window: int) -> list[tuple[bool, int, int]]:
+    """(dynamic, lo, hi): each RoPE mode a sparse step can run in and the range of its longest
+    sparse context (static first)."""
+    modes = []
+    if static_rope_possible(cfg, max_seq_len, trained_window):
+        modes.append((False, cfg.dense_threshold, min(trained_window, max_seq_len)))
+    if not cfg.rope_off_in_trained_window:
+        modes.append((True, cfg.dense_threshold, max_seq_len))
+    elif max_seq_len > trained_window:
+        modes.append((True, max(trained_window + 1, cfg.dense_threshold), max_seq_len))
+    return modes
+
+
+def uses_key_bank(cfg, max_seq_len: int, trained_window: int, mask_layout: str = "shared") -> bool:
+    """Whether the layers keep a rotated key bank: it serves the streaming attention style, and
+    only steps with dynamic RoPE read it, so a runner whose sequences all fit the trained window
+    (with ``rope_off_in_trained_window``) does not spend the memory. It holds one selection per
+    block: the shared mask layout only."""
+    return (cfg.key_bank and cfg.attention_rope == "streaming" and mask_layout == "shared"
+            and dynamic_rope_possible(cfg, max_seq_len, trained_window))
