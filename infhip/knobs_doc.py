@@ -145,12 +145,21 @@ def _methods() -> str:
     from infhip.methods import methods
 
     rows = [[f"`{m.name}`", m.kind, m.summary, f"`{m.keyword()}=`", f"`{m.flag()}`",
-             ", ".join(f"`{p}`" for p in m.presets) or "—", ", ".join(f"`{x}`" for x in m.plugin_modules) or "—"]
+             ", ".join(f"`{p}`" for p in m.presets) or "—", ", ".join(f"`{x.removeprefix('infhip.plugins.')}`" for x in m.plugin_modules) or "—"]
             for m in methods()]
-    intro = ("Registered in `infhip/methods/` (a module per method: its knobs, presets, flags and plugin modules; "
+    intro = ("Registered in `infhip/methods/` (a folder per method: its knobs, presets, flags, runtime side and plugin "
+             "modules; "
              "[design/adding.md](design/adding.md) adds one). A plan stores each method's knobs under its name; "
              "a backend's layers name it.")
     return _section("Plan methods", intro, ["method", "kind", "what", "keyword", "flag", "presets", "plugins"], rows)
+
+
+def _source(module: str) -> str:
+    """The file of an infhip module: under runtime/ (builder/, plugins/) for infhip.runtime (...), under
+    infhip/ for the package root's own subpackages (methods, eval)."""
+    path = module.replace(".", "/") + ".py"
+    top = module.split(".")[1]
+    return path if top in ("methods", "eval") else path.removeprefix("infhip/")
 
 
 def _presets() -> str:
@@ -198,7 +207,7 @@ def _load_options() -> str:
 
 
 def _constants() -> str:
-    rows = [[f"`{mod.removeprefix('infhip.').replace('.', '/')}.py` `{name}`",
+    rows = [[f"`{_source(mod)}` `{name}`",
              _value(getattr(importlib.import_module(mod), name)), what, measured]
             for mod, name, what, measured in CONSTANTS]
     return _section("Constants in the code", "Not knobs, but they decide behaviour:",

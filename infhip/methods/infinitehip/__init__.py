@@ -5,7 +5,7 @@
                   tells offload and the compile matrix
     knobs.py      its knobs (:class:`InfiniteHipConfig`, ``plan.knobs["infinitehip"]``) and presets
     rules.py      plan rules its runtime planner and its kernels' launch space both apply
-    runtime/      the attention backend (runtime/backend.py: planner, mask cache, one layer's run)
+    runtime/      the attention backend (backend.py there; planner, mask cache, one layer's run)
     plugins/infinitehip/   its Triton kernels, torch references and AOT launch space (_aot.py),
                   named by ``plugin_modules``
 

@@ -1,5 +1,5 @@
-"""InfiniteHiP's plan rules, stated once: its runtime planner (runtime/planner.py here), its
-backend's memory (runtime/backend.py) and its kernels' AOT launch space
+"""InfiniteHiP's plan rules, stated once: its runtime planner and its backend's memory
+(infhip/methods/infinitehip/runtime/) and its kernels' AOT launch space
 (plugins/infinitehip/_aot.py) call the same functions, so the kernels compiled ahead of time are
 the ones a step launches. No imports (torch-free, plugin-free): ``cfg`` below is an
 InfiniteHipConfig (knobs.py), read by attribute only.

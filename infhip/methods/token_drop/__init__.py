@@ -5,8 +5,8 @@
                   launches
     knobs.py      its knobs (:class:`TokenDropConfig`, ``plan.knobs["token_drop"]``), the drop-layer
                   schedule (``resolve_drop_layers``) and the ``--token-drop KEY=VALUE,...`` parser
-    runtime/      the step transform (runtime/transform.py), what one step's drops do
-                  (runtime/step.py) and what they leave per sequence (runtime/drop_records.py)
+    runtime/      the step transform (transform.py there), what one step's drops do (step.py)
+                  and what they leave per sequence (drop_records.py)
     plugins/token_drop/   its Triton kernels, torch references and AOT launches, named by
                   ``plugin_modules``
 

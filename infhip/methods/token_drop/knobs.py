@@ -108,7 +108,7 @@ _PARITY = ("[H200 RULER](quality.md#uniprefill-on-the-h200-ruler-at-8k32k-and-th
 
 @dataclass(frozen=True)
 class TokenDropConfig:
-    """UniPrefill token dropping in prefill (paper 004; runtime/step.py in this folder).
+    """UniPrefill token dropping in prefill (paper 004; infhip/methods/token_drop/runtime/step.py).
 
     At each *drop layer* (``drop_layers``: full-attention layers) of a prefill pass, the pass's
     last ``obs_window`` queries score blocks of ``block_size`` of its current tokens; the smallest
