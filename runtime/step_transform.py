@@ -84,6 +84,19 @@ class TransformStep:
         compacted its KV: the key ranges end that much earlier); None: it holds them all."""
         return None
 
+    # -- rows for layers that keep per-sequence state (runtime/models/qwen3_next.py's linear layers)
+    def flowing_rows(self) -> tuple[torch.Tensor, list[int]] | None:
+        """(cu [B + 1] int32 on the device, its host copy) of the rows flowing through the layers
+        now when the transform narrowed them (after a token drop: each sequence's kept rows, in
+        order; decode rows stay the first ones); None: the step's own rows."""
+        return None
+
+    def attended_rows(self) -> torch.Tensor | None:
+        """int64 [M]: the rows of the current ones that this layer's attention returns when the
+        transform narrows them at its attention (token drop before attention), so a gate computed
+        on every row narrows alike; None: every row."""
+        return None
+
 
 @dataclass(frozen=True)
 class TransformEnv:

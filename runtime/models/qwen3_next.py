@@ -36,8 +36,9 @@ def rows_flowing(ctx) -> tuple[torch.Tensor, list[int]]:
     a linear layer runs each sequence's kept tokens in order and its state is theirs. Decode rows
     never drop: they stay the first num_decodes rows."""
     for step in ctx.transforms.values():
-        if getattr(step, "idx", None) is not None:
-            return step.cu_t, step.cu
+        rows = step.flowing_rows()
+        if rows is not None:
+            return rows
     return ctx.cu_seqlens_q, ctx.cu_seqlens_q_list
 
 
@@ -45,9 +46,9 @@ def _pending_selection(ctx) -> torch.Tensor | None:
     """The rows a token drop before attention keeps at this layer (its attention returns only
     those), to narrow the output gate alike; None when none is pending."""
     for step in ctx.transforms.values():
-        pending = getattr(step, "pending", None)
-        if pending is not None:
-            return pending[0]
+        rows = step.attended_rows()
+        if rows is not None:
+            return rows
     return None
 
 

@@ -202,6 +202,12 @@ class TokenDropStep(TransformStep):
         lk = self.layer_kv
         return lk.key_shift[lk.rows[layer]] if lk is not None and layer in lk.rows else None
 
+    def flowing_rows(self) -> tuple[torch.Tensor, list[int]] | None:
+        return (self.cu_t, self.cu) if self.idx is not None else None
+
+    def attended_rows(self) -> torch.Tensor | None:
+        return self.pending[0] if self.pending is not None and not self.after else None
+
     # -- the stream -------------------------------------------------------------------------
     def enter_layer(self, i: int, hidden: torch.Tensor, residual: torch.Tensor | None):
         """Before layer i: with re-entry, the dropped rows come back at a drop layer (Eq. 8).
