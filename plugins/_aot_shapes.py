@@ -16,6 +16,7 @@ class.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -60,6 +61,26 @@ def paged_kv(space, num_pages: int = 4, offload: bool = False):
         return k, v, space.fake(*scale, dtype=torch.float32), space.fake(*scale, dtype=torch.float32)
 
     return PagedKV(*caches(), host=HostKV(*caches()) if offload else None)
+
+
+def representatives(lo: int, hi: int, key: Callable[[int], object]) -> list[int]:
+    """The first v in [lo, hi] of each distinct ``key(v)``, for a key constant on intervals (a
+    monotone choice such as a tile or split count): one launch per class of a run-time quantity
+    whose only effect on the variant is ``key``. Bisection: O(classes x log(hi - lo)) keys.
+
+        >>> representatives(1, 100, lambda n: min(n // 10, 3))
+        [1, 10, 20, 30]
+    """
+    out, v = [], lo
+    while v <= hi:
+        k = key(v)
+        out.append(v)
+        a, b = v, hi + 1  # key(a) == k; the next class starts in (a, b]
+        while b - a > 1:
+            m = (a + b) // 2
+            a, b = (m, b) if key(m) == k else (a, m)
+        v = b
+    return out
 
 
 @dataclass(frozen=True)

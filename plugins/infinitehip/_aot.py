@@ -36,9 +36,9 @@ then JIT-compile as before).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
+
 
 from infhip.methods.infinitehip.knobs import InfiniteHipConfig, PruningStage
 from infhip.methods.infinitehip.rules import candidate_capacity, rope_modes, sparse_reachable, uses_key_bank
@@ -49,26 +49,6 @@ def mask_layout_of(cfg: InfiniteHipConfig) -> str:
     where it has one (issue 32: the runtime gains the knob in its own refactor), else "shared",
     the only layout infhip/methods/infinitehip/runtime/ launches today."""
     return getattr(cfg, "mask_layout", "shared")
-
-
-def representatives(lo: int, hi: int, key: Callable[[int], object]) -> list[int]:
-    """The first v in [lo, hi] of each distinct ``key(v)``, for a key constant on intervals (a
-    monotone choice such as a tile or split count): one launch per class of a run-time quantity
-    whose only effect on the variant is ``key``. Bisection: O(classes x log(hi - lo)) keys.
-
-        >>> representatives(1, 100, lambda n: min(n // 10, 3))
-        [1, 10, 20, 30]
-    """
-    out, v = [], lo
-    while v <= hi:
-        k = key(v)
-        out.append(v)
-        a, b = v, hi + 1  # key(a) == k; the next class starts in (a, b]
-        while b - a > 1:
-            m = (a + b) // 2
-            a, b = (m, b) if key(m) == k else (a, m)
-        v = b
-    return out
 
 
 @dataclass(frozen=True)

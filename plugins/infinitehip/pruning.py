@@ -694,7 +694,7 @@ def aot_launches(space) -> None:
 
 
 def _aot_stages(ss, kind, mode, rope, G, Hkv, kv, raw, kw, *, block_q, strides, max_blocks) -> None:
-    from ._aot import representatives
+    from .._aot_shapes import representatives
 
     style = rope_style_id(rope)
     D = ss.dims[2]

@@ -582,7 +582,8 @@ def aot_launches(space) -> None:
       key bank, from the bank (and its value bank when offloading) and, where a row may own no
       bank row (max_batch_size > key_bank_slots) or there is no bank, rotating;
     * prefill (_prefill): query blocks of block_q over the step's whole q, one split."""
-    from ._aot import representatives, sparse_space
+    from .._aot_shapes import representatives
+    from ._aot import sparse_space
 
     ss = sparse_space(space)
     if ss is None:

@@ -335,10 +335,10 @@ def drop_bounds(space) -> tuple[int, int, int]:
     engine's token-drop plan (infhip/methods/token_drop/runtime/step.py: keep_tail, plan_drops): a dropping chunk
     has at least G droppable tokens besides the kept tail, and the step's chunks share
     max_num_batched_tokens."""
-    td, model, build = space.plan.knobs_of("token_drop"), space.model, space.build
+    knobs, model, build = space.plan.knobs_of("token_drop"), space.model, space.build
     windows = [model.window_of(i) for i in range(model.num_layers)]
-    tail = max([td.obs_window] + [w for w in windows if w is not None])
-    min_chunk = tail + td.block_size
+    tail = max([knobs.obs_window] + [w for w in windows if w is not None])
+    min_chunk = tail + knobs.block_size
     return tail, max(1, min(build.max_batch_size, build.max_num_batched_tokens // min_chunk)), min_chunk
 
 
@@ -348,14 +348,14 @@ def aot_launches(space) -> None:
     key their layer holds (a key list of at least one dropping chunk's tokens, up to
     max_seq_len). Pass 1's split count depends on the chunk count and the longest key list: one
     launch per distinct count; everything else is fixed by the model and the plan."""
-    td = space.plan.knobs_of("token_drop")
-    if td is None:
+    knobs = space.plan.knobs_of("token_drop")
+    if knobs is None:
         return
-    from ..infinitehip._aot import representatives
+    from .._aot_shapes import representatives
 
     m = space.model
     _, max_chunks, min_keys = drop_bounds(space)
-    n, G = td.obs_window, td.block_size
+    n, G = knobs.obs_window, knobs.block_size
     block_m = min(64, max(16, next_pow2(n)))  # min(n, longest list) = n: a list holds >= tail + G > n keys
     row_tiles = triton.cdiv(n, block_m)
     seen = set()

@@ -274,19 +274,19 @@ def aot_launches(space) -> None:
     knob, so every token-drop engine holds it). A selection "sequence" is a dropping chunk
     G-aligned in its key list: tail + G to max_num_batched_tokens + G - 1 tokens; the scan and
     expansion widths follow the longest one (one launch per distinct pair of widths)."""
-    td = space.plan.knobs_of("token_drop")
-    if td is None:
+    knobs = space.plan.knobs_of("token_drop")
+    if knobs is None:
         return
-    from ..infinitehip._aot import representatives
+    from .._aot_shapes import representatives
     from .importance import drop_bounds
 
     tail, _, min_chunk = drop_bounds(space)
-    G = td.block_size
+    G = knobs.block_size
     widths = lambda n: (min(_SCAN_BLOCK, next_pow2(triton.cdiv(n, G))), min(_EXPAND_BLOCK, next_pow2(n)))  # noqa: E731
     for n in representatives(min_chunk, space.build.max_num_batched_tokens + G - 1, widths):
         nb = triton.cdiv(n, G)
         args = (space.fake(nb, dtype=torch.float32), space.fake(2, dtype=torch.int32), space.fake(2, dtype=torch.int32))
         kw = dict(num_tokens=n, max_seqlen=n, block_size=G, num_sink=0, obs_window=tail)
-        top_p_select(*args, td.p, **kw)
-        if td.p < 1.0:  # p >= 1 already launched the variant forced retention uses
+        top_p_select(*args, knobs.p, **kw)
+        if knobs.p < 1.0:  # p >= 1 already launched the variant forced retention uses
             force_retention(*args, 0.5, **kw)

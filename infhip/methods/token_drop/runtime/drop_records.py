@@ -55,12 +55,12 @@ class DropRecords:
         if h is not None and seq.is_finished:
             _keep_newest(self.ended, seq.seq_id, h)
 
-    def record(self, seqs: list, td: TokenDropStep, num_layers: int) -> None:
-        """seqs: the step's sequences in batch order; td: the step's drop state (TokenDropStep)."""
-        for d in td.drops:
+    def record(self, seqs: list, step: TokenDropStep, num_layers: int) -> None:
+        """seqs: the step's sequences in batch order; step: the step's drop state (TokenDropStep)."""
+        for d in step.drops:
             seq = seqs[d.b]
             h = self.histories.get(seq.seq_id) or [0] * num_layers
-            for layer, rec in td.records:
+            for layer, rec in step.records:
                 h[layer] += rec[d.b][2] - rec[d.b][0]  # tokens that wrote no KV there
             if any(h):
                 self.histories[seq.seq_id] = h
@@ -68,13 +68,13 @@ class DropRecords:
                 self.histories.pop(seq.seq_id, None)
             per_layer = self.retention.pop(seq.seq_id, {}) if d.start else {}
             _keep_newest(self.retention, seq.seq_id, per_layer)
-            for layer, rec in td.records:
+            for layer, rec in step.records:
                 _, kept, total, _ = rec[d.b]
                 acc = per_layer.setdefault(layer, [0, 0])
                 acc[0] += kept
                 acc[1] += total
             if self.kept_positions is not None:
-                for layer, rec in td.records:
+                for layer, rec in step.records:
                     if rec[d.b][3] is not None:
                         self.kept_positions.setdefault(seq.seq_id, {}).setdefault(layer, []).append(rec[d.b][3])
 
