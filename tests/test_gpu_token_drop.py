@@ -42,14 +42,14 @@ def test_kept_attention_8b_heads(window):
 def test_engine_on_gpu_equals_masked_reference(arch, tmp_path):
     """Every full-attention layer drops (the default k = 6..7 eighths of a 3-layer model is its
     last layer only, whose drop no later row reads)."""
-    td = dict(TINY, drop_layers="every")
+    knobs = dict(TINY, drop_layers="every")
     extra = dict(num_hidden_layers=6, layer_types=GEMMA_TYPES) if arch == "gemma3" else {}
     write_tiny_hf_checkpoint(tmp_path / "hf", arch, **extra)
     engine = build_engine(checkpoint=tmp_path / "hf", output_dir=tmp_path / "e", dtype="float32",
-                          device="cuda", max_seq_len=256, max_batch_size=4, token_drop=td,
+                          device="cuda", max_seq_len=256, max_batch_size=4, token_drop=knobs,
                           progress=False)
     ids = prompt(2, 200)
-    llm = set_forced_retention(LLM(engine, max_num_batched_tokens=100, token_drop=td, enforce_eager=True), 0.3)
+    llm = set_forced_retention(LLM(engine, max_num_batched_tokens=100, token_drop=knobs, enforce_eager=True), 0.3)
     kept_positions = record_kept_positions(llm)
     tokens, logits, sid = run_greedy(llm, ids, 5)
     kept = {layer: torch.cat(c) for layer, c in kept_positions[sid].items()}
