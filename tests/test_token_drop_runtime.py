@@ -3,10 +3,10 @@
 * p = 1 keeps everything and reproduces the dense engine (logits, greedy tokens), whole and
   chunked prefill (a chunk starting mid-block included);
 * with a forced retention, prefill + decode logits equal a plain-torch reference that masks the
-  dropped keys per layer (infhip/eval/token_drop_reference.py), and that reference is sensitive: the same
+  dropped keys per layer (eval/token_drop_reference.py), and that reference is sensitive: the same
   logits differ from a reference without the drop;
 * with top-p, the engine's kept sets at every drop layer and its logits equal the reference
-  choosing its own sets by the spec (infhip/eval/token_drop_reference.reference_select) from its own stream;
+  choosing its own sets by the spec (eval/token_drop_reference.reference_select) from its own stream;
 * both checks for each drop schedule that matters (SCHEDULES: the paper's, the authors' code,
   and the two mixes of drop point and re-entry), whole and chunked prefill;
 * a batch (two dropping prompts, one too short to drop, mixed with decodes) equals each alone;

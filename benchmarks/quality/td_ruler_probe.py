@@ -13,7 +13,7 @@ occurrence of the gold answer string) was dropped; --layers adds the retention p
 the needle block's share of the observation window's mass (and its rank) at each anchor.
 Used in docs/results/2026-12-02-qwen/uniprefill-investigation.md; an 8K prompt takes ~5 min a pass on 2 cores.
 
---reference: also the float64 plain-torch reference (infhip/eval/token_drop_reference.py) of the first --td
+--reference: also the float64 plain-torch reference (eval/token_drop_reference.py) of the first --td
 with the engine's kept sets: its gold log-prob must equal the engine's (a kernel/runtime bug
 check on this model), plus the keys-only / rows-only variants of
 benchmarks/quality/token_drop_ablation.py (where the loss comes from).
@@ -145,7 +145,7 @@ def main() -> None:
                     if name in edits:
                         code = src
                         for old, new in edits[name]:
-                            assert old in code, f"infhip/eval/token_drop_reference.py changed: {old!r} not found"
+                            assert old in code, f"eval/token_drop_reference.py changed: {old!r} not found"
                             code = code.replace(old, new)
                         ns: dict = {}
                         exec(compile(code, "td_reference_variant", "exec"), ns)

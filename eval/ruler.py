@@ -6,7 +6,7 @@ scores them.
 
 Our own code, written from the task definitions, templates and generators that
 `nvidia-long-context-eval` 26.3 ships (`long_context_eval/synthetic.yaml`, `data/synthetic/*.py`,
-`data/synthetic/constants.py`, `eval/synthetic/constants.py`), and reading only its data files
+`data/synthetic/constants.py`, `long_context_eval/eval/synthetic/constants.py`), and reading only its data files
 (PG essays, SQuAD, HotpotQA) and the word lists of `wonderwords` (its `assets/*.txt`; RULER
 calls it for the same files). Neither package is imported.
 
