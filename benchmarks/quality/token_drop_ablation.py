@@ -97,7 +97,7 @@ def main() -> None:
             assert old in code, f"eval/token_drop_reference.py changed: {old!r} not found"
             code = code.replace(old, new)
         ns: dict = {}
-        exec(compile(code, "td_reference_variant", "exec"), ns)
+        exec(compile(code, "token_drop_reference_variant", "exec"), ns)
         return ns
 
     # keys-only: every row takes every layer's update; rows-only: every key stays visible; nested:

@@ -115,8 +115,8 @@ def time_ttft(args, engine: Path, res: dict) -> None:
     for length in args.lengths:
         ids = torch.randint(10, vocab, (length,), generator=torch.Generator().manual_seed(length)).tolist()
         row = {"length": length}
-        for name, td, rho in columns:
-            llm.runner.set_transform("token_drop", td)
+        for name, drop_config, rho in columns:
+            llm.runner.set_transform("token_drop", drop_config)
             set_forced_retention(llm, rho)
             llm.generate(prompt_token_ids=[ids[:16]], sampling_params=sp)  # the path's kernels loaded
             row[name] = best_of(lambda: llm.generate(prompt_token_ids=[ids], sampling_params=sp),

@@ -175,8 +175,8 @@ qwen)  # the baselines (issue 21): dense RULER/passkey to 32K, 3k / 3k-flash / 5
   step passkey_ih infhip-eval passkey $IH --haystack pg --lengths 32k,64k,128k --depths $DEPTHS --samples 1 \
       --json $W/passkey_ih.json --markdown $W/passkey_ih.md &
   for p in 0.99 0.98; do  # min_prompt_len 4096: the default 8192 would leave the "8K" prompts (8192 - generated) whole
-    step ruler_td$p infhip-eval ruler --engine engines/q05-dense $G --token-drop p=$p,min_prompt_len=4096 --template chat --tasks $ALL \
-        --lengths 8k,16k,32k --samples 2 --json $W/ruler_td$p.json --markdown $W/ruler_td$p.md &
+    step ruler_drop$p infhip-eval ruler --engine engines/q05-dense $G --token-drop p=$p,min_prompt_len=4096 --template chat --tasks $ALL \
+        --lengths 8k,16k,32k --samples 2 --json $W/ruler_drop$p.json --markdown $W/ruler_drop$p.md &
   done
   wait
   step ppl_ih infhip-eval ppl $IH --haystack pg --lengths 32k,64k,128k --chunk 256 --samples 1 \
