@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Stage vLLM 0.20.0 onto the H200 machine for benchmarks/peers/bench_vs_vllm.py (issue 35). Run it here,
+# Stage vLLM 0.20.0 onto the H200 machine for benchmarks/peers/bench_vs_vllm.py. Run it here,
 # in the checkout whose tree the device calls send, with the project's venv active (it needs pip
 # and `packaging`; vLLM is not a project dependency and is never installed here).
 #

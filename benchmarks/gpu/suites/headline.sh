@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # suite: re-measure the README's headline rows, each beside its same-run baseline (~9.5 min; needs_h200)
 # One device call (under 9.5 minutes on an H200): re-measure the README's headline figures after a
-# refactor (issue 23), each against its baseline in the same run, most important first; a step
+# refactor, each against its baseline in the same run, most important first; a step
 # that would pass the deadline is skipped and named. Logs and JSON under $OUT.
 #   bash benchmarks/gpu/run.sh headline            (on the H200, repo root)
 set -o pipefail

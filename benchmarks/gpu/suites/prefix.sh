@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # suite: prefix caching on a 1M-token document, token drop's 128K TTFT, 3k-flash decode at 512K per chunk score
-# One device call (under 9 minutes on an H200): prefix caching on a 1M-token document (issue 24),
+# One device call (under 9 minutes on an H200): prefix caching on a 1M-token document,
 # then token drop's 128K TTFT with its kernels in the engine, then 3k-flash decode at 512K under
 # each chunk score (the default's speed side). Logs and JSON under $OUT.
 #   bash benchmarks/gpu/run.sh prefix            (on the H200, repo root)
