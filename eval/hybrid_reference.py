@@ -1,4 +1,4 @@
-"""Plain-torch float64 reference of UniPrefill token dropping on Qwen3-Next (linear-attention
+"""Plain-torch float64 reference of token dropping (UniPrefill) on Qwen3-Next (linear-attention
 layers between the full-attention anchors; MoE feed-forward), for the tests: the whole sequence
 (prompt + generated tokens) in one pass, no paging, no kernels, dropping as masks, with the
 semantics of eval/token_drop_reference.py (which it follows for the schedule: drop

@@ -1,4 +1,4 @@
-"""UniPrefill retention per anchor layer on real text: the share of a prompt's tokens each
+"""Token-drop retention per anchor layer on real text: the share of a prompt's tokens each
 full-attention layer keeps (runtime/token_drop.py records it per sequence in
 ``runner.transforms["token_drop"].stats.retention``: anchor layer -> [kept, total] summed over the prompt's chunks).
 

@@ -1,4 +1,4 @@
-"""Plain-torch reference of UniPrefill token dropping (the tests' and benchmarks/quality/'s float64
+"""Plain-torch reference of token dropping (UniPrefill; the tests' and benchmarks/quality/'s float64
 check of the engine; not used by the engine): the whole sequence (prompt + generated
 tokens) in one causal pass, with no paging, no compaction, no kernels, dropping expressed as
 masks only. It reads the engine's weights (the runtime modules' tensors) and the kept prompt

@@ -1,5 +1,5 @@
 """Qwen3-Next (3:1 linear/full-attention hybrid, 512-expert MoE): time to first token, dense vs
-UniPrefill token drop, random weights at the 80B-A3B layer shapes cut in depth; and its MoE
+token drop (UniPrefill), random weights at the 80B-A3B layer shapes cut in depth; and its MoE
 layer, fused expert kernels vs the per-expert loop, in the same run.
 
     python -m benchmarks.speed.bench_qwen3_next_ttft --out $OUT --layers 12 --lengths 32k,128k   # one GPU

@@ -1,4 +1,4 @@
-"""UniPrefill token drop vs the dense engine: time to first token, random weights, bf16, one GPU.
+"""Token drop (UniPrefill) vs the dense engine: time to first token, random weights, bf16, one GPU.
 
     python -m benchmarks.speed.bench_token_drop --out $OUT                      # ~4 min on an H200
     python -m benchmarks.speed.bench_token_drop --out /tmp/x --dry-run          # the plan, no GPU

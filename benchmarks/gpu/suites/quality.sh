@@ -164,7 +164,7 @@ qwen)  # the baselines: dense RULER/passkey to 32K, 3k / 3k-flash / 5k to 128K, 
   ALL=$NIAH,vt,cwe,fwe,qa_1
   # (RULER in the model's chat template: an instruct model; the answer prefix opens its turn.)
   # Three groups of three concurrent steps (the first run: ruler_ih alone took 171 s, the
-  # UniPrefill pair 81 s and the ppl/recall trio 66 s when run side by side).
+  # token-drop pair 81 s and the ppl/recall trio 66 s when run side by side).
   step ruler_ih infhip-eval ruler $IH --template chat --tasks $NIAH --lengths 32k,64k,128k --samples 2 \
       --json $W/ruler_ih.json --markdown $W/ruler_ih.md &
   step ruler_dense infhip-eval ruler --engine engines/q05-dense $G --template chat --tasks $ALL --lengths 8k,16k,32k \
