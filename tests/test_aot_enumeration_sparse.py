@@ -77,10 +77,10 @@ def test_bounded_and_deterministic(preset):
     """Per preset: bf16 and fp8 KV in the window, fp8 with token drop past it; the same set twice
     (and the builder's own enumeration holds it)."""
     seen = set()
-    for kv, td, msl, bound in (("bfloat16", False, K, BOUND_IN_WINDOW), ("fp8", True, M, BOUND_PAST_WINDOW)):
-        config = engine_config(preset=preset, kv_dtype=kv, token_drop=td, max_seq_len=msl)
+    for kv, drop, msl, bound in (("bfloat16", False, K, BOUND_IN_WINDOW), ("fp8", True, M, BOUND_PAST_WINDOW)):
+        config = engine_config(preset=preset, kv_dtype=kv, token_drop=drop, max_seq_len=msl)
         first = sparse_variants(config)
-        assert 0 < len(first) <= bound, f"{preset} {kv} token_drop={td} max_seq_len={msl}: {len(first)} variants"
+        assert 0 < len(first) <= bound, f"{preset} {kv} token_drop={drop} max_seq_len={msl}: {len(first)} variants"
         assert sparse_variants(config) == first
         assert {v.kernel for v in first} <= KERNELS
         seen |= {v.kernel for v in first}

@@ -323,19 +323,19 @@ def test_cached_pages_cause_no_preemption(engines, small_batches, offload):
 # ---- token drop -------------------------------------------------------------------------------
 # drop_layers "every": all 3 layers of the tiny Llama (what "auto" gave before 2026-12-05; the
 # deeper default skips layer 0)
-TD = dict(obs_window=8, block_size=8, num_sink=8, min_prompt_len=0, spare_anchors=0, drop_layers="every")
+DROP = dict(obs_window=8, block_size=8, num_sink=8, min_prompt_len=0, spare_anchors=0, drop_layers="every")
 
 
 @pytest.fixture(scope="module")
-def td_engine(tiny_engine):
+def token_drop_engine(tiny_engine):
     return tiny_engine("llama", max_seq_len=256, max_batch_size=2)
 
 
-def test_token_drop_history_depends_on_the_suffix(td_engine):
+def test_token_drop_history_depends_on_the_suffix(token_drop_engine):
     """Why a request that drops never shares or names pages: the blocks a chunk keeps are chosen
     by the observation window at the chunk's end (here the prompt's: one chunk), so two prompts
     with the same first 160 tokens keep different positions of them (their compacted pages differ)."""
-    llm = set_forced_retention(LLM(td_engine, token_drop=TD), 0.3)  # keep the top 30 % of blocks by importance
+    llm = set_forced_retention(LLM(token_drop_engine, token_drop=DROP), 0.3)  # keep the top 30 % of blocks by importance
     kept_positions = record_kept_positions(llm)
     doc = ids(60, 160)
     for i in range(2):
@@ -349,12 +349,12 @@ def test_token_drop_history_depends_on_the_suffix(td_engine):
     assert llm.stats().kv_pages_cached == {"global": 0}, "pages of a dropping request are never named"
 
 
-def test_token_drop_engine_reuses_prompts_that_never_drop(td_engine):
+def test_token_drop_engine_reuses_prompts_that_never_drop(token_drop_engine):
     """min_prompt_len 100: prompts shorter than that never drop and share pages as on a dense
     engine (same tokens as no cache); longer ones drop, and neither take nor name cached pages."""
-    knobs = dict(TD, min_prompt_len=100)
-    on = set_forced_retention(LLM(td_engine, token_drop=knobs, max_num_batched_tokens=32), 0.3)
-    off = set_forced_retention(LLM(td_engine, token_drop=knobs, max_num_batched_tokens=32, prefix_caching=False), 0.3)
+    knobs = dict(DROP, min_prompt_len=100)
+    on = set_forced_retention(LLM(token_drop_engine, token_drop=knobs, max_num_batched_tokens=32), 0.3)
+    off = set_forced_retention(LLM(token_drop_engine, token_drop=knobs, max_num_batched_tokens=32, prefix_caching=False), 0.3)
     assert on.prefix_caching
     doc = ids(62, 160)
     prompts = [doc[:64] + ids(63, 6), doc[:64] + ids(64, 9),  # short: reuse

@@ -3,10 +3,10 @@
 * p = 1 keeps everything and reproduces the dense engine (logits, greedy tokens), whole and
   chunked prefill (a chunk starting mid-block included);
 * with a forced retention, prefill + decode logits equal a plain-torch reference that masks the
-  dropped keys per layer (infhip/eval/token_drop_reference.py), and that reference is sensitive: the same
+  dropped keys per layer (eval/token_drop_reference.py), and that reference is sensitive: the same
   logits differ from a reference without the drop;
 * with top-p, the engine's kept sets at every drop layer and its logits equal the reference
-  choosing its own sets by the spec (infhip/eval/token_drop_reference.reference_select) from its own stream;
+  choosing its own sets by the spec (eval/token_drop_reference.reference_select) from its own stream;
 * both checks for each drop schedule that matters (SCHEDULES: the paper's, the authors' code,
   and the two mixes of drop point and re-entry), whole and chunked prefill;
 * a batch (two dropping prompts, one too short to drop, mixed with decodes) equals each alone;
@@ -28,7 +28,7 @@ from infhip.builder.build import build_engine
 from infhip.builder.cli import main as build_main
 from infhip.config import EngineConfig, EngineFormatError
 from infhip.eval.common import forced_retention, record_kept_positions, set_forced_retention
-from infhip.eval.token_drop_reference import reference_logits, reference_schedule, run_greedy, td_view
+from infhip.eval.token_drop_reference import reference_logits, reference_schedule, run_greedy, token_drop_view
 from infhip.methods.token_drop import AUTHORS_LLAMA_EIGHTHS, TokenDropConfig, default_drop_layers, parse_token_drop
 
 TINY = dict(obs_window=8, block_size=8, num_sink=8, min_prompt_len=0, spare_anchors=0)  # knobs scaled to ~200-token prompts
@@ -70,12 +70,12 @@ def prompt(seed: int, n: int) -> list[int]:
 def test_p_one_reproduces_dense(engine, budget):
     ids = prompt(1, 200)
     dense = LLM(engine, max_num_batched_tokens=budget)
-    td = LLM(engine, max_num_batched_tokens=budget, token_drop=dict(p=1.0, **TINY))
+    dropping = LLM(engine, max_num_batched_tokens=budget, token_drop=dict(p=1.0, **TINY))
     tok_d, log_d, _ = run_greedy(dense, ids, 6)
-    tok_t, log_t, sid = run_greedy(td, ids, 6)
+    tok_t, log_t, sid = run_greedy(dropping, ids, 6)
     assert tok_t == tok_d
     assert (log_t - log_d).abs().max() < 1e-4
-    per_layer = td_view(td)["retention"][sid]
+    per_layer = token_drop_view(dropping)["retention"][sid]
     assert per_layer and all(kept == total for kept, total in per_layer.values())  # drop path ran
 
 
@@ -124,7 +124,7 @@ def test_top_p_selection_equals_reference(engine, p, spare, schedule):
     tokens, logits, sid = run_greedy(llm, ids, 4)
     kept = {layer: torch.cat(chunks) for layer, chunks in kept_positions[sid].items()}
     layers = llm.engine.config.plan.layers
-    view = td_view(llm)
+    view = token_drop_view(llm)
     cfg = view["knobs"]
     chosen: dict[int, torch.Tensor] = {}
     sched = reference_schedule(llm)
@@ -147,7 +147,7 @@ def test_batch_equals_each_alone(engine):
     sp = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     llm = LLM(engine, token_drop=knobs, max_num_batched_tokens=256)
     batch = [o.token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=sp)]
-    batch_ret = list(td_view(llm)["retention"].values())
+    batch_ret = list(token_drop_view(llm)["retention"].values())
     assert len(batch_ret) == 2  # the short prompt never dropped
     alone = []
     for p in prompts:
@@ -172,18 +172,18 @@ def test_drop_histories_live_with_the_kv_and_go_with_it(engine):
     (drop_history)."""
     knobs = dict(TINY, **schedule_knobs(engine, "paper"))  # dropped rows write no KV at drop layers
     llm = set_forced_retention(LLM(engine, token_drop=knobs, max_num_batched_tokens=400), 0.3)
-    td = llm.runner.transforms["token_drop"]
+    transform = llm.runner.transforms["token_drop"]
     sp = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     done, aborted = (llm.core.add_request(None, prompt(s, 200), sp) for s in (6, 7))
     llm.core.step()  # both prompts whole, both drop
-    live = {sid: list(h) for sid, h in td.stats.histories.items()}
+    live = {sid: list(h) for sid, h in transform.stats.histories.items()}
     assert set(live) == {done.seq.seq_id, aborted.seq.seq_id} and all(any(h) for h in live.values())
     llm.core.abort(aborted)
-    assert set(td.stats.histories) == {done.seq.seq_id}
+    assert set(transform.stats.histories) == {done.seq.seq_id}
     while not done.seq.is_finished:
         llm.core.step()
-    assert td.stats.histories == {}
-    assert td.drop_history(done.seq.seq_id) == live[done.seq.seq_id]
+    assert transform.stats.histories == {}
+    assert transform.drop_history(done.seq.seq_id) == live[done.seq.seq_id]
 
 
 def test_metrics_count_the_requests_that_dropped(engine):
@@ -208,7 +208,7 @@ def test_metrics_count_the_requests_that_dropped(engine):
 
 
 def test_build_flag_config_round_trip_and_old_engines(engine, tmp_path):
-    out = tmp_path / "td"
+    out = tmp_path / "token_drop"
     src = EngineConfig.load(engine)
     assert src.plan.knobs_of("token_drop") is None
     shutil.copytree(engine, out)
@@ -222,8 +222,8 @@ def test_build_flag_config_round_trip_and_old_engines(engine, tmp_path):
     rc = build_main(["--checkpoint", str(hf), "--output", str(tmp_path / "b"), "--dtype", "float32",
                      "--device", "cpu", "--quiet", "--token-drop", "p=0.98,block_size=32,min_prompt_len=0"])
     assert rc == 0
-    td = EngineConfig.load(tmp_path / "b").plan.knobs_of("token_drop")
-    assert td == TokenDropConfig(p=0.98, block_size=32, min_prompt_len=0)
+    knobs = EngineConfig.load(tmp_path / "b").plan.knobs_of("token_drop")
+    assert knobs == TokenDropConfig(p=0.98, block_size=32, min_prompt_len=0)
     rc = build_main(["--checkpoint", str(hf), "--output", str(tmp_path / "c"), "--dtype", "float32",
                      "--device", "cpu", "--quiet", "--token-drop"])
     assert rc == 0 and EngineConfig.load(tmp_path / "c").plan.knobs_of("token_drop") == TokenDropConfig()
@@ -243,7 +243,7 @@ def test_build_flag_config_round_trip_and_old_engines(engine, tmp_path):
     del cfg["plan"]["knobs"]["token_drop"]["spare_anchors"]
     (tmp_path / "c" / "config.json").write_text(json.dumps(cfg))
     assert EngineConfig.load(tmp_path / "c").plan.knobs_of("token_drop") == TokenDropConfig(spare_anchors=0, **old["paper"])
-    assert td_view(LLM(tmp_path / "c", token_drop=False))["knobs"] is None
+    assert token_drop_view(LLM(tmp_path / "c", token_drop=False))["knobs"] is None
     # an explicit list round-trips through config.json as a list (Llama: layers 0 and 2; Gemma: its globals)
     full = [lp.index for lp in src.plan.layers if lp.window is None][-2:]
     rc = build_main(["--checkpoint", str(hf), "--output", str(tmp_path / "d"), "--dtype", "float32", "--device",
@@ -258,25 +258,25 @@ def test_retention_is_a_benchmark_setting_not_an_engine_knob(engine, tmp_path):
     the right name, and benchmarks force it on the runner (set_forced_retention, range-checked)."""
     from infhip.eval.common import EvalError
 
-    rc = build_main(["--checkpoint", str(engine.parent / "hf"), "--output", str(tmp_path / "td"), "--dtype",
+    rc = build_main(["--checkpoint", str(engine.parent / "hf"), "--output", str(tmp_path / "token_drop"), "--dtype",
                      "float32", "--device", "cpu", "--quiet", "--token-drop", "min_prompt_len=0"])
     assert rc == 0
-    cfg = json.loads((tmp_path / "td" / "config.json").read_text())
+    cfg = json.loads((tmp_path / "token_drop" / "config.json").read_text())
     assert "retention" not in cfg["plan"]["knobs"]["token_drop"]
     cfg["plan"]["knobs"]["token_drop"]["retention"] = 0.3  # as engines built before wrote it
-    (tmp_path / "td" / "config.json").write_text(json.dumps(cfg))
-    assert EngineConfig.load(tmp_path / "td").plan.knobs_of("token_drop") == TokenDropConfig(min_prompt_len=0)
+    (tmp_path / "token_drop" / "config.json").write_text(json.dumps(cfg))
+    assert EngineConfig.load(tmp_path / "token_drop").plan.knobs_of("token_drop") == TokenDropConfig(min_prompt_len=0)
     with pytest.raises(ValueError, match="benchmark setting"):
         LLM(engine, token_drop=dict(retention=0.3))
     with pytest.raises(ValueError, match="'G' is now called 'block_size'"):
         LLM(engine, token_drop=dict(G=8))
-    llm = LLM(tmp_path / "td")
+    llm = LLM(tmp_path / "token_drop")
     with pytest.raises(EvalError, match=r"retention must be in \[0, 1\]"):
         set_forced_retention(llm, 2.0)
     assert forced_retention(set_forced_retention(llm, 0.3)) == 0.3
-    assert td_view(llm)["selection"] == "forced_retention(rho=0.3)"  # TokenDrop.set_selection's read-out
+    assert token_drop_view(llm)["selection"] == "forced_retention(rho=0.3)"  # TokenDrop.set_selection's read-out
     assert forced_retention(set_forced_retention(llm, None)) is None  # top-p again
-    assert td_view(llm)["selection"] is None
+    assert token_drop_view(llm)["selection"] is None
     with pytest.raises(EvalError, match="needs token drop"):
         set_forced_retention(LLM(engine), 0.3)
 
@@ -310,7 +310,7 @@ def test_drop_layers_must_be_full_attention_layers(engine):
     with pytest.raises(ValueError, match="drop_layers is empty"):
         LLM(engine, token_drop=dict(TINY, drop_layers=[]))
     one = LLM(engine, token_drop=dict(TINY, drop_layers=[full[-1]]))
-    assert td_view(one)["drop_layers"] == [full[-1]]
+    assert token_drop_view(one)["drop_layers"] == [full[-1]]
 
 
 def test_prompt_logprobs_of_a_dropping_prompt_are_refused_with_the_way_out(engine):
@@ -342,9 +342,9 @@ def test_drop_over_fp8_cache_tracks_the_float32_one(engine, tmp_path):
     # after more random layers, where fp8's error has moved more of this random model's near-tied scores.
     plan = EngineConfig.load(engine).plan
     full = [lp.index for lp in plan.layers if lp.window is None]
-    td = dict(TINY, drop_layers=list(default_drop_layers(full, len(plan.layers), AUTHORS_LLAMA_EIGHTHS)))
+    drop = dict(TINY, drop_layers=list(default_drop_layers(full, len(plan.layers), AUTHORS_LLAMA_EIGHTHS)))
     for e in (engine, fp8):
-        llm = set_forced_retention(LLM(e, max_num_batched_tokens=100, token_drop=td), 0.3)
+        llm = set_forced_retention(LLM(e, max_num_batched_tokens=100, token_drop=drop), 0.3)
         kept_positions = record_kept_positions(llm)
         _, lg, sid = run_greedy(llm, ids, 1)
         logits.append(lg[0])
