@@ -236,8 +236,8 @@ def test_document_cached_in_host_memory(engines, small_batches, engine):
     kv = on.runner.kv
     cached_host = on.stats().host_pages_cached["global"]
     assert cached_host >= 3, "the document's middle pages are cached on the host"
-    metrics = ServerMetrics(on)
-    metrics.sample(on)
+    metrics = ServerMetrics(on.core.info())
+    metrics.sample(on.stats())
     assert f'infhip_host_pages_cached{{group="global"}} {float(cached_host)}' in metrics.render().decode()
     poison_unused_pages(on)
     shared = []

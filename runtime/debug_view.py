@@ -1,0 +1,46 @@
+"""`EngineCore.debug_view()` (runtime/engine_core.py documents what it shows): a JSON-able copy of
+what a core holds, for tests and debugging; read between steps, never on the step path."""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+def core_view(core) -> dict:
+    """EngineCore ``core``'s debug view."""
+    kv, runner = core.runner.kv, core.runner
+
+    def seq_view(seq) -> dict:
+        return {"seq_id": seq.seq_id, "status": seq.status.value, "prompt_tokens": seq.num_prompt_tokens,
+                "computed_tokens": seq.num_computed_tokens, "cached_tokens": seq.num_cached_tokens or 0,
+                "output_tokens": len(seq.output_token_ids), "finish_reason": seq.finish_reason,
+                "kv_pages": {g: kv.num_pages_held(seq.seq_id, g) for g in kv.groups}}
+
+    graphs = None
+    if runner.graphs is not None:
+        graphs = {"captured": [{"batch_size": bs, "backends": {n: _jsonable(k) for n, k in key.backends},
+                                "kv_shift": key.kv_shift, "len_bucket": key.len_bucket}
+                               for bs, key in runner.graphs.graphs],
+                  "report": dict(runner.graphs.report)}
+    return {"requests": {rid: {"finished": r.is_finished, "error": r.error,
+                               "completions": [seq_view(f.seq) for f in r.forks]}
+                         for rid, r in core._requests.items()},
+            "running": [seq.seq_id for seq in core.scheduler.running],
+            "waiting": [seq.seq_id for seq in core.scheduler.waiting],
+            "stats": dataclasses.asdict(core.stats()),
+            "transforms": {name: t.debug_view() for name, t in runner.transforms.items()},
+            "backends": {name: b.debug_view() for name, b in runner.backends.items()},
+            "graphs": graphs, "grammar_compiler": core._grammars is not None,
+            "tp_worker_pids": [p.pid for p in core._tp.procs] if core._tp is not None else []}
+
+
+def _jsonable(value):
+    """A graph key part as JSON can hold it: dataclasses as dicts, tuples as lists, other objects
+    by repr."""
+    if value is None or isinstance(value, (str, int, float, bool)):
+        return value
+    if dataclasses.is_dataclass(value):
+        return {f.name: _jsonable(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, (tuple, list)):
+        return [_jsonable(v) for v in value]
+    return repr(value)
