@@ -56,7 +56,7 @@ def test_greedy_equal_to_no_cache(arch, request):
     engine = request.getfixturevalue(arch)
     on = LLM(engine, max_num_batched_tokens=24)
     off = LLM(engine, max_num_batched_tokens=24, prefix_caching=False)
-    assert on.prefix_caching and not off.prefix_caching
+    assert on.core.prefix_caching and not off.core.prefix_caching
     prompts = _workload()
     batch = on.generate(prompt_token_ids=prompts, sampling_params=GREEDY)
     want = off.generate(prompt_token_ids=prompts, sampling_params=GREEDY)

@@ -92,7 +92,7 @@ def same(a, b) -> bool:
 def pair(engine, overrides, budget=32, **kw) -> tuple[LLM, LLM]:
     on = LLM(engine, max_num_batched_tokens=budget, infinitehip_overrides=overrides, **kw)
     off = LLM(engine, max_num_batched_tokens=budget, infinitehip_overrides=overrides, prefix_caching=False, **kw)
-    assert on.prefix_caching and not off.prefix_caching
+    assert on.core.prefix_caching and not off.core.prefix_caching
     return on, off
 
 
@@ -355,7 +355,7 @@ def test_token_drop_engine_reuses_prompts_that_never_drop(td_engine):
     knobs = dict(TD, min_prompt_len=100)
     on = set_forced_retention(LLM(td_engine, token_drop=knobs, max_num_batched_tokens=32), 0.3)
     off = set_forced_retention(LLM(td_engine, token_drop=knobs, max_num_batched_tokens=32, prefix_caching=False), 0.3)
-    assert on.prefix_caching
+    assert on.core.prefix_caching
     doc = ids(62, 160)
     prompts = [doc[:64] + ids(63, 6), doc[:64] + ids(64, 9),  # short: reuse
                doc + ids(65, 20), doc + ids(66, 20),  # long: drop, no reuse
