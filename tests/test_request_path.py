@@ -39,3 +39,26 @@ def test_dense_chat_request_path_is_the_documented_one():
         f"a dense streaming chat request now runs {len(found)} files (docs/design/request_path.md: {count}); "
         f"not on the page: {new}. Keep features that are off out of the step path, or document the file "
         "and the count there")
+
+
+def test_step_plan_length_bucket_is_the_plan_rule():
+    """The step plan's decode length bucket (computed per step without leaving the plan, so an eager
+    step does not call runtime/cuda_graphs.py) is plugins/plan_rules.len_bucket's, capped below the
+    block-table width, and the split bound falls back to that width."""
+    from infhip.plugins.plan_rules import DECODE_LEN_BUCKETS, len_bucket
+    from infhip.runtime.step_plan import StepPlan
+
+    def plan(ctx_lens, num_decodes, backends=None):
+        return StepPlan(input_ids=[], positions=[], cu=[], ctx_lens=ctx_lens, logits_rows=[], slots={}, tables={},
+                        num_decodes=num_decodes, backends=backends or {})
+
+    for table in (300, 512, 513, 4096, 10_000):
+        for n in (1, 299, 511, 512, 513, 2047, 2048, 2049, 8192, 8193, 9999):
+            rule = len_bucket(n)
+            want = rule if rule is not None and rule < table else None
+            p = plan([7, n, 3], num_decodes=3)
+            assert p.len_bucket(table) == want, (table, n)
+            assert p.decode_len_bound(table) == (want or table)
+    assert plan([5], 0).len_bucket(4096) is None  # no decode row
+    assert plan([5], 1, backends={"infinitehip": object()}).len_bucket(4096) is None  # a backend's rows
+    assert DECODE_LEN_BUCKETS[0] == 512  # (the cases above straddle each bucket)
