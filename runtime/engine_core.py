@@ -43,7 +43,6 @@ from pathlib import Path
 from infhip.runtime.distributed import start_ranks
 from infhip.runtime.load import load_rank, load_report, make_runner, prefix_caching_rule
 from infhip.runtime.options import LoadOptions
-from infhip.runtime.attention import backends
 from infhip.runtime.outputs import EngineInfo, EngineStats, RequestOutput, StreamDelta
 from infhip.runtime.penalty_slots import PenaltySlots
 from infhip.runtime.requests import Fork, Request, prompt_ids
@@ -166,16 +165,8 @@ class EngineCore:
 
     def info(self) -> EngineInfo:
         """The engine's limits, KV capacity and methods' request counters (fixed at load)."""
-        kv, config = self.runner.kv, self.engine.config
-        counters = [rc for cls in backends() if cls.knobs_of(config) is not None for rc in cls.request_counters(config)]
-        counters += [rc for t in self.runner.transforms.values() if type(t).knobs_of(config) is not None
-                     for rc in t.request_counters()]
-        return EngineInfo(vocab_size=config.model.vocab_size, max_seq_len=self.scheduler.max_seq_len,
-                          max_num_seqs=self.max_num_seqs, kv_capacity_tokens=kv_capacity_tokens(kv),
-                          kv_pages_total={g: spec.num_pages - 1 for g, spec in kv.groups.items()},
-                          host_pages_total={g: spec.offload.host_pages for g, spec in kv.groups.items()
-                                            if spec.offload is not None},
-                          request_counters=tuple(counters))
+        from infhip.runtime.core_readouts import core_info
+        return core_info(self)
 
     def debug_view(self) -> dict:
         """What the core holds now, JSON-able, for tests and debugging (read between steps; a
@@ -194,7 +185,7 @@ class EngineCore:
         - tp_worker_pids: the worker processes this core started (tensor parallelism; else []).
 
         Idle: no requests, nothing running or waiting."""
-        from infhip.runtime.debug_view import core_view
+        from infhip.runtime.core_readouts import core_view
         return core_view(self)
 
     def reset_prefix_cache(self) -> None:
@@ -415,11 +406,3 @@ def _host_each_step(p: SamplingParams) -> bool:
     matched against the committed output on the host. (A grammar advances on the host too, but
     inside the run: `StepSampler.decode_steps`, runtime/step_sampling.py.)"""
     return any(len(q) > 1 for q in p.bad_words_token_ids or ())
-
-
-def kv_capacity_tokens(kv) -> int:
-    """Tokens a KVCacheManager holds: the smallest full-attention group's pages x page size (a
-    sliding-window group's pages are reused along the sequence, so they do not bound it)."""
-    full = [spec.num_pages - 1 for spec in kv.groups.values() if spec.window is None]
-    pages = min(full) if full else min(spec.num_pages - 1 for spec in kv.groups.values())
-    return pages * kv.page_size

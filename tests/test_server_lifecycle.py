@@ -17,7 +17,7 @@ import openai
 import pytest
 
 from infhip import LLM, SamplingParams
-from infhip.runtime.engine_core import kv_capacity_tokens
+from infhip.runtime.core_readouts import kv_capacity_tokens
 from infhip.runtime.outputs import EngineInfo
 from infhip.runtime.serving.lifecycle import Lifecycle, Refused, ServingPolicy
 from tests._serving import (counter, engine_is_idle, error_of, kv_free_pages, post, request, running_server,

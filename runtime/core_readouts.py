@@ -1,9 +1,38 @@
-"""`EngineCore.debug_view()` (runtime/engine_core.py documents what it shows): a JSON-able copy of
-what a core holds, for tests and debugging; read between steps, never on the step path."""
+"""What an `EngineCore` (runtime/engine_core.py) tells of itself outside its steps: `info()`,
+read once by the frontends at load (EngineLoop.info), and `debug_view()`, a JSON-able copy of
+what it holds for tests and debugging (the core's docstring of it says what it shows). Neither
+runs per request."""
 
 from __future__ import annotations
 
 import dataclasses
+
+from infhip.runtime.attention import backends
+from infhip.runtime.outputs import EngineInfo
+
+
+def core_info(core) -> EngineInfo:
+    """EngineCore ``core``'s EngineInfo: its limits, KV capacity, and the request counters of the
+    attention backends and step transforms it loaded with (those /metrics adds)."""
+    kv, config = core.runner.kv, core.engine.config
+    counters = [rc for cls in backends() if cls.knobs_of(config) is not None for rc in cls.request_counters(config)]
+    counters += [rc for t in core.runner.transforms.values() if type(t).knobs_of(config) is not None
+                 for rc in t.request_counters()]
+    return EngineInfo(vocab_size=config.model.vocab_size, max_seq_len=core.scheduler.max_seq_len,
+                      max_num_seqs=core.max_num_seqs, kv_capacity_tokens=kv_capacity_tokens(kv),
+                      kv_pages_total={g: spec.num_pages - 1 for g, spec in kv.groups.items()},
+                      host_pages_total={g: spec.offload.host_pages for g, spec in kv.groups.items()
+                                        if spec.offload is not None},
+                      request_counters=tuple(counters))
+
+
+def kv_capacity_tokens(kv) -> int:
+    """Tokens a KVCacheManager holds: the smallest full-attention group's pages x page size (a
+    sliding-window group's pages are reused along the sequence, so they do not bound it)."""
+    full = [spec.num_pages - 1 for spec in kv.groups.values() if spec.window is None]
+    pages = min(full) if full else min(spec.num_pages - 1 for spec in kv.groups.values())
+    return pages * kv.page_size
+
 
 
 def core_view(core) -> dict:
