@@ -24,13 +24,13 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def trace() -> list[str]:
     """The repository-relative paths of the files the second request ran, sorted."""
-    files, recording = set(), [False]
+    files, recording, root = set(), [False], str(ROOT) + "/"
 
     def tracer(frame, event, arg):
         if recording[0] and event == "call":
             f = frame.f_code.co_filename
-            if f.startswith(str(ROOT)) and "/.venv/" not in f and "/tests/" not in f:
-                files.add(str(Path(f).relative_to(ROOT)))
+            if f.startswith(root) and not f.startswith((root + "tests/", root + ".venv/", root + ".cache/")):
+                files.add(f[len(root):])
 
     threading.settrace(tracer)
     sys.settrace(tracer)
