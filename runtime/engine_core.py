@@ -67,10 +67,11 @@ class StepHooks:
 class EngineCore:
     """Load an engine (rank 0 of a tensor-parallel one) and run its requests step by step.
 
-    Public: `add_request`, `step`, `deltas` / `delta`, `output`, `abort`; `stats()`,
+    Public: `add_request`, `step`, `deltas` / `delta`, `output`, `abort`; `stats()`, `info()`,
     `debug_view()`, `num_running`, `num_waiting`, `num_requests`, `reset_prefix_cache()`;
-    `hooks`; the loaded parts `engine`, `runner`, `scheduler`, `tokenizer`, `options`,
-    `load_report`; `close()`."""
+    `hooks`; the loaded parts `engine`, `runner`, `scheduler`, `sampling` (the step's
+    StepSampler, runtime/step_sampling.py), `tokenizer`, `options`, `load_report`; `close()`.
+    Frontends drive it through `EngineLoop` (runtime/engine_loop.py) only."""
 
     def __init__(self, engine_dir: str | Path, options: LoadOptions):
         t0 = time.perf_counter()
