@@ -92,7 +92,7 @@ def same(a, b) -> bool:
 def pair(engine, overrides, budget=32, **kw) -> tuple[LLM, LLM]:
     on = LLM(engine, max_num_batched_tokens=budget, infinitehip_overrides=overrides, **kw)
     off = LLM(engine, max_num_batched_tokens=budget, infinitehip_overrides=overrides, prefix_caching=False, **kw)
-    assert on.prefix_caching and not off.prefix_caching
+    assert on.core.prefix_caching and not off.core.prefix_caching
     return on, off
 
 
@@ -236,8 +236,8 @@ def test_document_cached_in_host_memory(engines, small_batches, engine):
     kv = on.runner.kv
     cached_host = on.stats().host_pages_cached["global"]
     assert cached_host >= 3, "the document's middle pages are cached on the host"
-    metrics = ServerMetrics(on)
-    metrics.sample(on)
+    metrics = ServerMetrics(on.core.info())
+    metrics.sample(on.stats())
     assert f'infhip_host_pages_cached{{group="global"}} {float(cached_host)}' in metrics.render().decode()
     poison_unused_pages(on)
     shared = []
@@ -355,7 +355,7 @@ def test_token_drop_engine_reuses_prompts_that_never_drop(token_drop_engine):
     knobs = dict(DROP, min_prompt_len=100)
     on = set_forced_retention(LLM(token_drop_engine, token_drop=knobs, max_num_batched_tokens=32), 0.3)
     off = set_forced_retention(LLM(token_drop_engine, token_drop=knobs, max_num_batched_tokens=32, prefix_caching=False), 0.3)
-    assert on.prefix_caching
+    assert on.core.prefix_caching
     doc = ids(62, 160)
     prompts = [doc[:64] + ids(63, 6), doc[:64] + ids(64, 9),  # short: reuse
                doc + ids(65, 20), doc + ids(66, 20),  # long: drop, no reuse

@@ -194,7 +194,7 @@ def test_metrics_count_the_requests_that_dropped(engine):
 
     knobs = dict(TINY, **schedule_knobs(engine, "paper"))
     llm = set_forced_retention(LLM(engine, token_drop=knobs, max_num_batched_tokens=400), 0.3)
-    metrics = ServerMetrics(llm)
+    metrics = ServerMetrics(llm.core.info())
     req = llm.core.add_request(None, prompt(8, 200), SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
     while not req.seq.is_finished:
         llm.core.step()
@@ -204,7 +204,7 @@ def test_metrics_count_the_requests_that_dropped(engine):
     assert history and any(history)
     assert "infhip_token_drop_requests_total 1.0" in text
     assert f"infhip_token_drop_skipped_kv_total {float(sum(history))}" in text
-    assert "infhip_token_drop" not in ServerMetrics(LLM(engine, token_drop=False)).render().decode()
+    assert "infhip_token_drop" not in ServerMetrics(LLM(engine, token_drop=False).core.info()).render().decode()
 
 
 def test_build_flag_config_round_trip_and_old_engines(engine, tmp_path):

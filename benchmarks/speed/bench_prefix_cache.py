@@ -205,7 +205,7 @@ def main() -> None:
         vocab = llm.engine.config.model.vocab_size
         doc = tokens(doc_len, 1, vocab)
         questions = [tokens(q_len, 100 + i, vocab) for i in range(1 + args.follow_ups)]
-        print(f"{name}: loaded in {time.perf_counter() - t0:.1f} s, prefix caching {llm.prefix_caching}", flush=True)
+        print(f"{name}: loaded in {time.perf_counter() - t0:.1f} s, prefix caching {llm.core.prefix_caching}", flush=True)
         rows = conversation(llm, doc, questions, args.max_tokens, deadline)
         staging = llm.runner.staging
         if staging is not None and args.in_place_follow_ups and len(rows) == len(questions) \
@@ -220,7 +220,7 @@ def main() -> None:
             staging.enabled = True
         kv = llm.runner.kv
         stats = llm.stats()
-        out = {"doc_tokens": doc_len, "prefix_caching": llm.prefix_caching, "load_s": round(time.perf_counter() - t0, 1),
+        out = {"doc_tokens": doc_len, "prefix_caching": llm.core.prefix_caching, "load_s": round(time.perf_counter() - t0, 1),
                "requests": rows, "kv_pages_cached": stats.kv_pages_cached,
                "host_pages_used": stats.host_pages_used, "prefix_cache_hits": stats.prefix_cache_hits,
                "host_pages_cached": {g: kv.num_cached_host_pages(g) for g in kv.groups},
