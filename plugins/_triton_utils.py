@@ -14,6 +14,7 @@ import tempfile
 import torch
 import triton
 
+from infhip.plugins import aot
 from infhip.plugins.aot import recording_target
 
 
@@ -41,7 +42,7 @@ _ensure_writable_cache()
 def use_triton(*tensors: torch.Tensor) -> bool:
     """True when the fused Triton path should run (all given tensors on CUDA; any tensors while
     plugins/aot.py records launches for a GPU target)."""
-    return all(t.is_cuda for t in tensors) or recording_target() is not None
+    return all(t.is_cuda for t in tensors) or (aot.ACTIVE > 0 and recording_target() is not None)
 
 
 def triton_on(*tensors: torch.Tensor) -> bool:

@@ -163,6 +163,10 @@ class Recorder:
 
 
 _active = threading.local()
+# Recorders active in any thread: while 0, `use_triton` (plugins/_triton_utils.py) skips the
+# per-thread lookup, so AOT recording is off the request path of a serving engine.
+ACTIVE = 0
+_active_lock = threading.Lock()
 
 
 def recording_target() -> Target | None:
@@ -195,7 +199,10 @@ def record(target: Target = Target(), launch: bool = False):
             return None
         return run
 
+    global ACTIVE
     _active.recorder = rec
+    with _active_lock:
+        ACTIVE += 1
     for cls in originals:
         cls.run = wrap(cls)
     try:
@@ -204,6 +211,8 @@ def record(target: Target = Target(), launch: bool = False):
         for cls, run in originals.items():
             cls.run = run
         _active.recorder = None
+        with _active_lock:
+            ACTIVE -= 1
 
 
 # -- compiling ---------------------------------------------------------------------------------

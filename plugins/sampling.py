@@ -20,7 +20,7 @@ or more eager [B, V] ops.
            strictly greater than the chosen one) and the top k (tl.topk of each tile on int64
            keys holding the logit and its index, then of the tiles' candidates: the top k of
            the logits are those of the logprobs); out [R, 2 + 2k] float32, the layout the
-           host reads (runtime/logprobs.py).
+           host reads (runtime/step_sampling.py).
 
 Each has a plain-torch reference (`*_ref`: the sampler's eager code, the CPU path) and is
 tested against it under TRITON_INTERPRET=1 (tests/test_sampling_kernels.py). Unused inputs are
@@ -280,7 +280,7 @@ def logprobs_ref(x: torch.Tensor, rows: torch.Tensor, tokens: torch.Tensor, k: i
 def logprobs(x: torch.Tensor, rows: torch.Tensor, tokens: torch.Tensor, k: int) -> torch.Tensor:
     """[R, 2 + 2k] float32 per asked row: the chosen token's raw logprob, its rank (1 + the
     logits strictly above it), the top k logprobs, their token ids (exact in float32 below
-    2**24): the layout the host reads in one copy (runtime/logprobs.py)."""
+    2**24): the layout the host reads in one copy (runtime/step_sampling.py)."""
     x = x if x.dtype == torch.float32 and x.is_contiguous() else x.float().contiguous()
     return (logprobs_triton if use_triton(x) else logprobs_ref)(x, rows, tokens, k)
 

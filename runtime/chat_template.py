@@ -46,8 +46,6 @@ def render_chat(tokenizer, messages, tools: list[dict] | None = None,
 
     ``chat_template_kwargs``: extra keywords of the template (``add_generation_prompt``,
     ``enable_thinking``, ...), as vLLM's ``chat_template_kwargs``."""
-    from infhip.runtime.serving.tool_calls import template_messages
-
     if tokenizer is None or not getattr(tokenizer, "chat_template", None):
         raise ChatTemplateError("this engine's tokenizer has no chat template; send a plain prompt "
                                 "(LLM.generate, POST /v1/completions)")
@@ -56,7 +54,10 @@ def render_chat(tokenizer, messages, tools: list[dict] | None = None,
     if bad:
         raise ChatTemplateError(f"chat_template_kwargs may not set {', '.join(map(str, bad))}")
     kwargs.setdefault("add_generation_prompt", True)
-    conversation = template_messages(check_messages(messages))
+    conversation = check_messages(messages)
+    if any(m.get("tool_calls") for m in conversation):  # no tool calls: serving/tool_calls.py stays off
+        from infhip.runtime.serving.tool_calls import template_messages
+        conversation = template_messages(conversation)
     try:
         text = tokenizer.apply_chat_template(conversation, tools=tools, tokenize=False, **kwargs)
     except Exception as e:  # noqa: BLE001 - jinja's errors ("roles must alternate") are the caller's

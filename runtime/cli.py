@@ -121,21 +121,21 @@ class _Drain:
 
 
 def _stream(llm, prompt: str, params, drain: _Drain, prompt_ids: list[int] | None = None):
-    """LLM.generate_stream, one step at a time, stopping with a last "abort" delta when the
-    drain is due (looked at between steps, prefill chunks included)."""
-    core = llm.core
-    req = core.add_request(prompt, prompt_ids, params)
+    """The request's deltas through the engine thread (`EngineLoop`, as infhip-serve's), ended
+    with a last "abort" delta once the drain is due (looked at every 50 ms)."""
+    from infhip.runtime.engine_loop import EngineLoop
+
+    loop = EngineLoop(llm).start()
+    ended = False
     try:
-        while not req.seq.is_finished:
-            if drain.due:
-                core.abort(req)  # finish_reason "abort"; pages freed
-            else:
-                core.step()
-            delta = core.delta(req)
+        for delta in loop.stream(loop.submit(prompt, prompt_ids, params), wait_s=0.05):
             if delta is not None:
                 yield delta
+            if drain.due and not ended:
+                loop.end_all()  # finish_reason "abort"; pages freed
+                ended = True
     finally:
-        core.abort(req)
+        loop.close()
 
 
 if __name__ == "__main__":

@@ -70,20 +70,13 @@ class GraphKey:
 
 
 def step_len_bucket(p, table_tokens: int) -> int | None:
-    """The short-context bucket of a StepPlan's decode rows (None: a backend's rows, too long, or a
-    bucket no shorter than the block-table width of table_tokens: the start-up graphs are that
-    bound)."""
-    if p.has_backend_rows or not p.num_decodes:
-        return None
-    bucket = len_bucket(max(p.ctx_lens[:p.num_decodes]))
-    return bucket if bucket is not None and bucket < table_tokens else None
+    """A StepPlan's short-context bucket (StepPlan.len_bucket, which the eager steps use too)."""
+    return p.len_bucket(table_tokens)
 
 
 def decode_len_bound(p, table_tokens: int) -> int:
-    """The bound that sizes dense decode's split count for a StepPlan: its length bucket, else
-    the table width — the same for an eager step and the graph that would replay it
-    (DecodeGraphs._context), so both split (and round) alike."""
-    return step_len_bucket(p, table_tokens) or table_tokens
+    """The bound that sizes dense decode's split count for a StepPlan (StepPlan.decode_len_bound)."""
+    return p.decode_len_bound(table_tokens)
 
 
 @dataclass(frozen=True)

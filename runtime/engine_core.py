@@ -32,7 +32,6 @@ Faults stay with the request that has them:
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import logging
 import threading
@@ -42,17 +41,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from infhip.runtime.distributed import start_ranks
-from infhip.runtime.kernel_store import serving
 from infhip.runtime.load import load_rank, load_report, make_runner, prefix_caching_rule
 from infhip.runtime.options import LoadOptions
-from infhip.runtime.outputs import EngineStats, RequestOutput, StreamDelta
+from infhip.runtime.outputs import EngineInfo, EngineStats, RequestOutput, StreamDelta
 from infhip.runtime.penalty_slots import PenaltySlots
 from infhip.runtime.requests import Fork, Request, prompt_ids
-from infhip.runtime.sample_commit import SampleAndCommit
 from infhip.runtime.sampler import Sampler
 from infhip.runtime.sampling_params import SamplingParams
-from infhip.runtime.scheduler import Scheduler, SchedulerOutput
-from infhip.runtime.sequence import Sequence
+from infhip.runtime.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
+from infhip.runtime.sequence import Sequence, SequenceStatus
+from infhip.runtime.step_sampling import StepSampler
 from infhip.runtime.structured_output import GrammarRuntime
 
 _log = logging.getLogger(__name__)
@@ -69,10 +67,11 @@ class StepHooks:
 class EngineCore:
     """Load an engine (rank 0 of a tensor-parallel one) and run its requests step by step.
 
-    Public: `add_request`, `step`, `deltas` / `delta`, `output`, `abort`; `stats()`,
+    Public: `add_request`, `step`, `deltas` / `delta`, `output`, `abort`; `stats()`, `info()`,
     `debug_view()`, `num_running`, `num_waiting`, `num_requests`, `reset_prefix_cache()`;
-    `hooks`; the loaded parts `engine`, `runner`, `scheduler`, `tokenizer`, `options`,
-    `load_report`; `close()`."""
+    `hooks`; the loaded parts `engine`, `runner`, `scheduler`, `sampling` (the step's
+    StepSampler, runtime/step_sampling.py), `tokenizer`, `options`, `load_report`; `close()`.
+    Frontends drive it through `EngineLoop` (runtime/engine_loop.py) only."""
 
     def __init__(self, engine_dir: str | Path, options: LoadOptions):
         t0 = time.perf_counter()
@@ -111,12 +110,9 @@ class EngineCore:
         self._requests: dict[int, Request] = {}  # fork 0's seq_id -> request
         self._forks: dict[int, Fork] = {}  # seq_id -> fork, every live fork
         self.hooks = StepHooks()
-        # the step's forward, sampling and commit (runtime/sample_commit.py)
-        self._sample_commit = SampleAndCommit(
-            runner=self.runner, scheduler=self.scheduler, sampler=Sampler(), penalty_slots=self.penalty_slots,
-            kernels=self.engine.kernels, vocab_size=self.engine.config.model.vocab_size,
-            eos_token_ids=self.eos_token_ids, forks=self._forks, grammars=lambda: self._grammars,
-            fail=self._fail, spawn=self._spawn)
+        # the step's batched half: forward and sampling (runtime/step_sampling.py)
+        self.sampling = StepSampler(self.runner, Sampler(), self.penalty_slots, self.engine.kernels,
+                                    self.engine.config.model.vocab_size, self.eos_token_ids)
 
     def close(self) -> None:
         """Stop a tensor-parallel engine's worker processes (also at interpreter exit); a no-op
@@ -127,11 +123,11 @@ class EngineCore:
     @property
     def sampler(self) -> Sampler:
         """The Sampler (runtime/sampler.py) the steps sample with."""
-        return self._sample_commit.sampler
+        return self.sampling.sampler
 
     @sampler.setter
     def sampler(self, sampler: Sampler) -> None:
-        self._sample_commit.sampler = sampler
+        self.sampling.sampler = sampler
 
     # -- read-outs ------------------------------------------------------------------------------
     @property
@@ -166,7 +162,12 @@ class EngineCore:
             kv_pages_cached={g: kv.num_cached_pages(g) for g in kv.groups},
             host_pages_cached={g: kv.num_cached_host_pages(g) for g in host},
             prefix_cache_queries=kv.prefix_cache_queries, prefix_cache_hits=kv.prefix_cache_hits,
-            prefix_cache_evictions=kv.prefix_cache_evictions)
+            prefix_cache_evictions=kv.prefix_cache_evictions, num_preemptions=self.scheduler.num_preemptions)
+
+    def info(self) -> EngineInfo:
+        """The engine's limits, KV capacity and methods' request counters (fixed at load)."""
+        from infhip.runtime.core_readouts import core_info
+        return core_info(self)
 
     def debug_view(self) -> dict:
         """What the core holds now, JSON-able, for tests and debugging (read between steps; a
@@ -185,30 +186,8 @@ class EngineCore:
         - tp_worker_pids: the worker processes this core started (tensor parallelism; else []).
 
         Idle: no requests, nothing running or waiting."""
-        kv, runner = self.runner.kv, self.runner
-
-        def seq_view(seq: Sequence) -> dict:
-            return {"seq_id": seq.seq_id, "status": seq.status.value, "prompt_tokens": seq.num_prompt_tokens,
-                    "computed_tokens": seq.num_computed_tokens, "cached_tokens": seq.num_cached_tokens or 0,
-                    "output_tokens": len(seq.output_token_ids), "finish_reason": seq.finish_reason,
-                    "kv_pages": {g: kv.num_pages_held(seq.seq_id, g) for g in kv.groups}}
-
-        graphs = None
-        if runner.graphs is not None:
-            graphs = {"captured": [{"batch_size": bs, "backends": {n: _jsonable(k) for n, k in key.backends},
-                                    "kv_shift": key.kv_shift, "len_bucket": key.len_bucket}
-                                   for bs, key in runner.graphs.graphs],
-                      "report": dict(runner.graphs.report)}
-        return {"requests": {rid: {"finished": r.is_finished, "error": r.error,
-                                   "completions": [seq_view(f.seq) for f in r.forks]}
-                             for rid, r in self._requests.items()},
-                "running": [seq.seq_id for seq in self.scheduler.running],
-                "waiting": [seq.seq_id for seq in self.scheduler.waiting],
-                "stats": dataclasses.asdict(self.stats()),
-                "transforms": {name: t.debug_view() for name, t in runner.transforms.items()},
-                "backends": {name: b.debug_view() for name, b in runner.backends.items()},
-                "graphs": graphs, "grammar_compiler": self._grammars is not None,
-                "tp_worker_pids": [p.pid for p in self._tp.procs] if self._tp is not None else []}
+        from infhip.runtime.core_readouts import core_view
+        return core_view(self)
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix page (pages held by requests stay theirs)."""
@@ -242,7 +221,7 @@ class EngineCore:
         req = Request(prompt, params, spawned=params.num_forks == 1)
         fork = self._new_fork(req, 0, token_ids)
         if params.prompt_logprobs is not None:
-            for name, t in self.runner.transforms.items():
+            for name, t in self.runner.stepping.items():
                 if not t.keeps_prompt(fork.seq):
                     raise ValueError(f"prompt_logprobs needs every prompt position computed, and step transform "
                                      f"{name!r} would not compute all of this prompt's: {t.prompt_hint}")
@@ -256,10 +235,10 @@ class EngineCore:
     def _keeps_prompt(self, seq) -> bool:
         """Whether every step transform computes seq's whole prompt as a plan without it would
         (StepTransform.keeps_prompt; token drop: a prompt that never drops)."""
-        return all(t.keeps_prompt(seq) for t in self.runner.transforms.values())
+        return all(t.keeps_prompt(seq) for t in self.runner.stepping.values())
 
     def _release(self, seq) -> None:
-        for t in self.runner.transforms.values():
+        for t in self.runner.stepping.values():
             t.release(seq)
 
     def _new_fork(self, req: Request, index: int, token_ids: list[int]) -> Fork:
@@ -315,27 +294,76 @@ class EngineCore:
             raise RuntimeError("scheduler made no progress although requests are pending (KV cache too small?)")
         touched: dict[int, Request] = {}
         out = self._per_request_checks(out, touched)
-        steps = self._sample_commit
         if not out.chunks:
             return list(touched.values())
+        steps, forks = self.sampling, [self._forks[ch.seq.seq_id] for ch in out.chunks]
         try:  # the batched part: a fault here is every scheduled request's
-            with serving(self.engine.kernels):  # the engine's JIT policy (runtime/kernel_store.py)
-                num_steps = steps.num_decode_steps(out, self.num_decode_steps)
+            with steps.launches():  # the engine's JIT policy (runtime/kernel_store.py serving)
+                num_steps = self._num_decode_steps(out)
                 if num_steps > 1:
-                    tokens, logprobs = steps.decode_steps(out, num_steps)
+                    tokens, logprobs = steps.decode_steps(out, forks, num_steps, self._grammars)
                 else:
-                    logits = steps.forward(out)
+                    logits = steps.forward(out, forks)
         except Exception as e:  # noqa: BLE001 - these requests fail, the engine goes on
             _log.error("a step of %d request(s) failed; failing them all", len(out.chunks), exc_info=e)
             self.engine.tp.abandon(e)  # tensor-parallel: the other ranks are mid-step, later steps refuse
-            for ch in out.chunks:
-                self._fail(self._forks[ch.seq.seq_id], "in the batched forward of its step", e, touched, log=False)
+            for fork in forks:
+                self._fail(fork, "in the batched forward of its step", e, touched, log=False)
             return list(touched.values())
         if num_steps > 1:
-            steps.commit_decode_steps(out, tokens, logprobs, touched)
-        else:
-            steps.commit(out, *steps.sample(logits, out, touched), touched)
+            self._commit_decode_steps(out, tokens, logprobs, touched)
+            return list(touched.values())
+        sampled, logprobs, failed = steps.sample(logits, [f for f, ch in zip(forks, out.chunks) if ch.needs_logits],
+                                                 self._grammars)
+        for fork, e in failed:
+            self._fail(fork, "while sampling its token", e, touched)
+        self._commit(out, sampled, logprobs, touched)
         return list(touched.values())
+
+    def _commit(self, out: SchedulerOutput, sampled: dict[int, int], logprobs: dict, touched: dict[int, Request]) -> None:
+        """Hand one executed step to the scheduler and apply stop strings to the new text, request
+        by request: a fault in one request's bookkeeping or detokenizing fails it alone."""
+        for ch in out.chunks:
+            seq = ch.seq
+            if seq.is_finished:  # failed while sampling
+                continue
+            fork = self._forks[seq.seq_id]
+            try:
+                self.scheduler.update(SchedulerOutput(chunks=[ch]), sampled, self.eos_token_ids)
+                if ch.needs_logits:
+                    lp = logprobs.get(seq.seq_id)
+                    if lp is not None:
+                        fork.logprobs.append(lp)
+                        fork.cumulative_logprob += lp.logprob
+                    if fork.detok.update(seq.output_token_ids) and not seq.is_finished:
+                        self.scheduler.finish(seq, "stop")
+                    if not fork.req.spawned:  # fork 0's prompt is computed: the others start on it
+                        self._spawn(fork.req)
+                    touched[fork.req.seq.seq_id] = fork.req
+            except Exception as e:  # noqa: BLE001 - this request fails alone
+                self._fail(fork, "while taking its new token (stop checks, detokenizing)", e, touched)
+
+    def _num_decode_steps(self, out: SchedulerOutput) -> int:
+        """How many decode steps to run back to back for this step, at most num_decode_steps (read
+        live: benchmarks change it); 1 = an ordinary step."""
+        k = self.num_decode_steps
+        if (k <= 1 or out.num_decodes != len(out.chunks) or out.preempted or self.scheduler.num_waiting
+                or any(ch.start + k > self.runner.max_seq_len for ch in out.chunks)
+                or any(_host_each_step(ch.seq.params) for ch in out.chunks)):
+            return 1
+        return k if self.scheduler.reserve_decode_steps(out, k) else 1
+
+    def _commit_decode_steps(self, out: SchedulerOutput, tokens: list[list[int]], logprobs: list[dict],
+                             touched: dict[int, Request]) -> None:
+        """Commit back-to-back decode steps one by one; a sequence that stops (or fails) takes no more."""
+        seqs = [ch.seq for ch in out.chunks]
+        for j, row in enumerate(tokens):
+            live = [(b, seq) for b, seq in enumerate(seqs) if seq.status is SequenceStatus.RUNNING]
+            if not live:
+                break
+            step_out = out if j == 0 else SchedulerOutput(
+                chunks=[ScheduledChunk(seq, seq.num_computed_tokens, 1) for _, seq in live])
+            self._commit(step_out, {seq.seq_id: row[b] for b, seq in live}, logprobs[j], touched)
 
     def _per_request_checks(self, out: SchedulerOutput, touched: dict[int, Request]) -> SchedulerOutput:
         """The step without the sequences that fail before the forward: hooks.before_forward
@@ -373,13 +401,9 @@ class EngineCore:
         touched[fork.req.seq.seq_id] = fork.req
 
 
-def _jsonable(value):
-    """A graph key part as JSON can hold it: dataclasses as dicts, tuples as lists, other objects
-    by repr."""
-    if value is None or isinstance(value, (str, int, float, bool)):
-        return value
-    if dataclasses.is_dataclass(value):
-        return {f.name: _jsonable(getattr(value, f.name)) for f in dataclasses.fields(value)}
-    if isinstance(value, (tuple, list)):
-        return [_jsonable(v) for v in value]
-    return repr(value)
+def _host_each_step(p: SamplingParams) -> bool:
+    """Whether a request's sampling needs the host between decode steps in a way back-to-back
+    steps cannot give it (then the engine runs one at a time): a multi-token bad word is
+    matched against the committed output on the host. (A grammar advances on the host too, but
+    inside the run: `StepSampler.decode_steps`, runtime/step_sampling.py.)"""
+    return any(len(q) > 1 for q in p.bad_words_token_ids or ())

@@ -1,27 +1,28 @@
-"""The engine thread shared by `infhip-serve` (runtime/serving/) and the Triton model
-(runtime/serving/triton/model.py): one thread owns the `EngineCore` (runtime/engine_core.py) and steps
-it; other threads hand it requests and read each request's messages from its outbox.
+"""The engine as every frontend sees it (`infhip-serve`, runtime/serving/; the Triton model,
+runtime/serving/triton/; `infhip-run`, runtime/cli.py): one thread owns the `EngineCore`
+(runtime/engine_core.py) and steps it; other threads hand it requests and read each request's
+messages from its outbox. Its surface (docs/design/engine_interface.md) is all a frontend calls:
 
-    loop = EngineLoop(llm.core).start()
-    outbox = loop.submit("Once upon a time", None, SamplingParams(max_tokens=8))
-    first = outbox.get()            # _Accepted(prompt_tokens), or an Exception (ValueError: bad input)
-    while (msg := outbox.get()) is not None:
-        ...                         # StreamDelta (the last one has finish_reason), or an Exception
-    loop.cancel(outbox)             # a client that left: abort the request, free its KV pages
+    loop = EngineLoop(llm).start()   # an LLM (runtime/llm.py) or an EngineCore; the thread owns it now
+    outbox = loop.submit("Once upon a time", None, SamplingParams(max_tokens=8))          # submit
+    for delta in loop.stream(outbox): ...      # stream: StreamDelta, the last with finish_reason
+    loop.cancel(outbox)                        # abort: the client left, its KV pages are freed
+    loop.end_all()                             # abort every live request with a last "abort" delta
+    loop.stats(), loop.info                    # stats: EngineStats after the last turn; EngineInfo
+    loop.alive, loop.death, loop.turn_started  # health
+    loop.tokenizer, loop.compile_grammar(spec) # tokenizer (None: a --random-weights engine)
     loop.close()
 
-A request may carry a deadline (``submit(..., deadline=time.monotonic() + s)``): once it passes,
-whether the request is still queued or generating, the engine thread aborts it (its KV pages
-freed) and sends its last `StreamDelta` with finish_reason "abort", then None, as for a request
-that ended by itself. `end_all()` does the same to every live request at once (a server's drain
-that ran out of time).
+Each outbox receives `_Accepted(prompt_tokens)`, then `StreamDelta`s, then None; or one exception
+(ValueError: bad input, refused). A request may carry a deadline (``submit(...,
+deadline=time.monotonic() + s)``): once it passes, queued or generating, the engine thread aborts
+it and sends its last `StreamDelta` with finish_reason "abort", then None.
 
 An outbox is anything with ``put(message)`` called from the engine thread (default a
 `queue.Queue`; the HTTP server passes one that forwards into an asyncio queue). A request that
-fails alone (the core finished it with finish_reason "error") gets its final `StreamDelta` like any
-other, whose ``error`` attribute says why; when `EngineCore.step` itself raises, every live request gets
-that exception and the loop keeps serving. If the thread dies anyway, every live and later request
-gets the reason at once (`alive` turns False).
+fails alone gets its final `StreamDelta` with ``error`` set; when `EngineCore.step` itself raises,
+every live request gets that exception and the loop keeps serving. If the thread dies anyway,
+every live and later request gets the reason at once (`alive` turns False).
 """
 
 from __future__ import annotations
@@ -32,10 +33,12 @@ import threading
 import time
 from typing import TYPE_CHECKING, Protocol
 
+from infhip.runtime.outputs import EngineInfo, EngineStats, StreamDelta
 from infhip.runtime.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from infhip.runtime.engine_core import EngineCore
+    from infhip.runtime.llm import LLM
 
 _log = logging.getLogger("infhip.engine_loop")
 
@@ -55,24 +58,26 @@ class EngineObserver(Protocol):
     """Told what the engine thread does, on that thread (runtime/serving/metrics.py): a request
     accepted (with the monotonic time it was submitted), each delta, a request gone (finished or
     aborted, with the cause of an abort: "client" left, "deadline" passed, "shutdown"), a whole
-    step that failed, and the state after every loop turn."""
+    step that failed, and the engine's stats after every loop turn."""
 
     def accepted(self, req, submitted: float) -> None: ...
     def delta(self, req, delta) -> None: ...
     def gone(self, req, aborted: bool, cause: str = "client") -> None: ...
     def step_failed(self, num_requests: int) -> None: ...
-    def sample(self, core) -> None: ...
+    def sample(self, stats: EngineStats) -> None: ...
 
 
 class EngineLoop:
-    """The engine thread: takes requests from other threads, steps the core, hands out deltas.
+    """The engine thread: takes requests from other threads, steps the core, hands out deltas
+    (the module docstring gives its surface). ``engine``: an LLM or an EngineCore, which this
+    loop's thread owns from `start()` on (nothing else may step it)."""
 
-    Each request's outbox receives `_Accepted`, then `StreamDelta`s (the last with its finish
-    reason), then None; or one exception if the engine refused the request."""
-
-    def __init__(self, core: EngineCore, observer: EngineObserver | None = None):
-        self.core = core
+    def __init__(self, engine: LLM | EngineCore, observer: EngineObserver | None = None):
+        self.core = core = getattr(engine, "core", engine)
         self.observer = observer
+        self.info: EngineInfo = core.info()
+        self.tokenizer = core.tokenizer
+        self._stats = core.stats()  # after the last turn (replaced whole: readable from any thread)
         self._inbox: queue.Queue = queue.Queue()
         self._live: dict[int, tuple[object, Outbox]] = {}  # id(outbox) -> (request, outbox)
         self._deadlines: dict[int, float] = {}  # id(outbox) -> monotonic deadline, for live requests that have one
@@ -118,6 +123,32 @@ class EngineLoop:
     def end_all(self) -> None:
         """End every live request now: each gets its last delta (finish_reason "abort") and None."""
         self._inbox.put(("end_all",))
+
+    def stream(self, outbox: queue.Queue, wait_s: float | None = None):
+        """Yield the StreamDeltas of a request `submit` queued into a queue.Queue (the default
+        outbox), until its last; raises what the engine sent instead (ValueError: refused).
+        wait_s: also yield None whenever nothing came for that long (the caller may end it then)."""
+        while True:
+            try:
+                msg = outbox.get(timeout=wait_s)
+            except queue.Empty:
+                yield None
+                continue
+            if msg is None:
+                return
+            if isinstance(msg, BaseException):
+                raise msg
+            if isinstance(msg, StreamDelta):
+                yield msg
+
+    def stats(self) -> EngineStats:
+        """Requests and KV pages after the engine thread's last turn (any thread)."""
+        return self._stats
+
+    def compile_grammar(self, spec) -> None:
+        """Compile a request's grammar (StructuredOutputsParams) into the engine's cache, on the
+        caller's thread, so that `submit` finds it compiled (ValueError: it does not compile)."""
+        self.core.grammars.compile(spec)
 
     @property
     def num_live(self) -> int:
@@ -195,8 +226,9 @@ class EngineLoop:
         self._expire()
         mail, self._ended = self._ended, []
         mail += self._step() if self._live and not self._stop.is_set() else []
+        self._stats = self.core.stats()
         if self.observer is not None:
-            self.observer.sample(self.core)
+            self.observer.sample(self._stats)
         for outbox, message in mail:
             outbox.put(message)
 

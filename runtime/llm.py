@@ -10,8 +10,9 @@
 
 `LLM` is a thin wrapper for one caller over `llm.core`, the `EngineCore`
 (runtime/engine_core.py: requests, steps, deltas, and the rule that a fault stays with the
-request that has it). `infhip-serve` and the Triton model drive the same core from their one
-engine thread (runtime/engine_loop.py). Not thread-safe.
+request that has it). Frontends (`infhip-serve`, the Triton model, `infhip-run`) drive the same
+core from one engine thread, `EngineLoop(llm)` (runtime/engine_loop.py), and reach nothing
+else (docs/design/engine_interface.md). Not thread-safe.
 """
 
 from __future__ import annotations
@@ -25,11 +26,6 @@ from infhip.runtime.options import LoadOptions
 from infhip.runtime.outputs import EngineStats, RequestOutput, StreamDelta
 from infhip.runtime.requests import normalise
 from infhip.runtime.sampling_params import SamplingParams
-
-
-def _of_core(name: str, doc: str) -> property:
-    """LLM.<name> reads (and sets) llm.core.<name>."""
-    return property(lambda self: getattr(self.core, name), lambda self, v: setattr(self.core, name, v), doc=doc)
 
 
 class LLM:
@@ -47,22 +43,12 @@ class LLM:
 
     def __init__(self, engine_dir: str | Path, options: LoadOptions | None = None, **kwargs):
         self.options = LoadOptions.of(options, **kwargs)
-        self.core = EngineCore(engine_dir, self.options)
-
-    # The loaded parts, the core's (EngineCore documents them).
-    engine = _of_core("engine", "The LoadedEngine (runtime/engine.py): config, model, kernels, tokenizer.")
-    runner = _of_core("runner", "The ModelRunner (runtime/model_runner.py).")
-    scheduler = _of_core("scheduler", "The Scheduler (runtime/scheduler.py).")
-    tokenizer = _of_core("tokenizer", "The engine's tokenizer (None for a --random-weights engine).")
-    load_report = _of_core("load_report", "Where LLM() spent its time (runtime/load.py `load_report`).")
-    eos_token_ids = _of_core("eos_token_ids", "The model's end-of-sequence token ids.")
-    max_num_seqs = _of_core("max_num_seqs", "Most sequences in one step.")
-    num_decode_steps = _of_core("num_decode_steps", "Decode steps run back to back when a step allows it.")
-    sampler = _of_core("sampler", "The Sampler (runtime/sampler.py).")
-    grammars = _of_core("grammars", "The structured-output compiler (runtime/structured_output.py).")
-    prefix_caching = _of_core("prefix_caching", "Whether prefix caching is on (the option and an exact plan).")
-    num_running = _of_core("num_running", "Requests holding KV pages.")
-    num_waiting = _of_core("num_waiting", "Requests queued.")
+        self.core = core = EngineCore(engine_dir, self.options)
+        self.tokenizer = core.tokenizer  # the engine's (a transformers tokenizer); None: --random-weights
+        self.load_report = core.load_report  # where LLM() spent its time (runtime/load.py)
+        # The core's loaded parts, for tests, benchmarks and eval probes (EngineCore documents
+        # them): the LoadedEngine (runtime/engine.py), the ModelRunner, the Scheduler.
+        self.engine, self.runner, self.scheduler = core.engine, core.runner, core.scheduler
 
     def stats(self) -> EngineStats:
         """Requests and KV pages now (read-only; safe to call between steps)."""

@@ -21,7 +21,7 @@ import torch
 
 from infhip.runtime import kv_budget
 from infhip.runtime.attention import AttachEnv, AttentionBackend, Limits, backend_class, backends
-from infhip.runtime.cuda_graphs import DecodeGraphs, GraphShape, decode_len_bound
+from infhip.runtime.cuda_graphs import DecodeGraphs, GraphShape
 from infhip.runtime.engine import LoadedEngine
 from infhip.runtime.forward_context import ForwardContext, KVGroupMetadata, forward_context, upload, upload_tables
 from infhip.runtime.kv_cache import KVCacheManager
@@ -68,7 +68,8 @@ class ModelRunner:
         self.offload_layers = kv_budget.allocate_layers(attn_layers, layout, self.page_size, self.device)
         self.staging = (PrefillStaging(self.offload_layers, layout.staging_pages, self.device)
                         if layout.offload else None)
-        self.page_mover = PageMover(self.kv, self.offload_layers, self._tensor)
+        # KV offloading is chosen at load: without host pools no mover exists and no step plans moves
+        self.page_mover = PageMover(self.kv, self.offload_layers, self._tensor) if self.offload_layers else None
         self.groups = sorted(layout.specs)
 
         # name -> the attached backend of each registered one the engine's plan uses, in
@@ -80,9 +81,12 @@ class ModelRunner:
             if knobs is not None:
                 self.set_backend(cls.name, knobs)
 
-        # name -> every registered step transform (runtime/step_transform.py), attached even
-        # when off (what earlier knobs left must stay honoured), under the engine's knobs
+        # name -> every registered step transform (runtime/step_transform.py), attached at load
+        # under the engine's knobs; `stepping`: those on the step path, each that has been on (and
+        # stays: what it did under earlier knobs must be honoured, token drop's drop histories).
+        # One never on is not called per step or per request (docs/design/request_path.md).
         self.transforms: dict[str, StepTransform] = {}
+        self.stepping: dict[str, StepTransform] = {}
         for cls in transforms():
             self.transforms[cls.name] = cls.attach(engine.config)
             self.set_transform(cls.name, cls.knobs_of(engine.config))
@@ -157,6 +161,8 @@ class ModelRunner:
         shifted = t.shifts_kv
         t.configure(knobs, TransformEnv(self.engine.config, self.backends, bool(self.offload_layers)))
         self._mirror("set_transform", name, knobs)
+        if knobs is not None and name not in self.stepping:  # registration order, as the layer loop calls them
+            self.stepping = {n: x for n, x in self.transforms.items() if n in self.stepping or n == name}
         if t.shifts_kv and self.kv.prefix_caching:
             self.kv.disable_prefix_caching()
         if t.shifts_kv and not shifted and self.graphs is not None:
@@ -167,7 +173,7 @@ class ModelRunner:
         p = StepPlan.of_chunks(out.chunks, self.kv, self.groups)
         if self.recurrent is not None:
             p.recurrent_slots = self.recurrent.plan(out.chunks)
-        hosts = {name: t.plan(p, out.chunks) for name, t in self.transforms.items()}
+        hosts = {name: t.plan(p, out.chunks) for name, t in self.stepping.items()}
         p.transforms = {name: h for name, h in hosts.items() if h is not None}
         dense = any(self.transforms[name].runs_dense(h) for name, h in p.transforms.items())
         p.backends = self._plan_backends(p, [ch.seq for ch in out.chunks], dense=dense)
@@ -205,7 +211,7 @@ class ModelRunner:
             num_decodes=p.num_decodes,
             groups={g: KVGroupMetadata(self._tensor(p.slots[g], torch.int64), tables[g]) for g in self.groups},
             cu_seqlens_q_list=p.cu, context_lens_list=p.ctx_lens,
-            decode_len_bound=decode_len_bound(p, self.table_tokens) if p.num_decodes else None,
+            decode_len_bound=p.decode_len_bound(self.table_tokens) if p.num_decodes else None,
             recurrent=None if p.recurrent_slots is None else RecurrentMeta(
                 self._tensor(p.recurrent_slots, torch.int64), p.recurrent_slots))
 
@@ -223,7 +229,8 @@ class ModelRunner:
         logits, steps = self.forward_plan(p)
         for name, step in steps.items():
             self.transforms[name].after_step([ch.seq for ch in out.chunks], step)
-        self.move_pages(*self.page_mover.plan((ch.seq, ch.end) for ch in out.chunks))
+        if self.page_mover is not None:
+            self.move_pages(*self.page_mover.plan((ch.seq, ch.end) for ch in out.chunks))
         return logits
 
     @torch.inference_mode()
@@ -231,7 +238,8 @@ class ModelRunner:
         """The forward of one planned step, on every TP rank (rank 0 publishes the plan first;
         runtime/distributed/worker.py runs it on the others): (logits as execute returns them,
         None off rank 0 in eager steps; the step's transform steps by name, none in a graph)."""
-        self.tp.publish("forward_plan", p)
+        if self.tp.size > 1:  # one GPU: no other rank to tell (group.py stays off the step path)
+            self.tp.publish("forward_plan", p)
         if self._uses_graph(p, len(p.ctx_lens)):
             bs = self.graphs.load([p])
             # a decode chunk always samples
@@ -239,7 +247,7 @@ class ModelRunner:
         with forward_context(self._context(p)) as ctx:
             hidden = self.model(self._tensor(p.input_ids, torch.int64))
         self.hidden_out = hidden[self._tensor(p.hidden_rows, torch.int64)] if p.hidden_rows else None
-        if not self.tp.is_driver:  # the LM head is replicated: only rank 0 needs logits
+        if self.tp.rank != 0:  # not the driver (TPGroup.is_driver): the LM head is replicated: only rank 0 needs logits
             return None, ctx.transforms
         return self.model.compute_logits(hidden[self._tensor(p.logits_rows, torch.int64)]), ctx.transforms
 
@@ -256,14 +264,16 @@ class ModelRunner:
             p.backends = self._plan_backends(p, seqs)
             plans.append(p)
         tokens = self.run_decode_plans(plans, sample)
-        self.move_pages(*self.page_mover.plan((seq, ctx) for seq, ctx in zip(seqs, plans[-1].ctx_lens)))
+        if self.page_mover is not None:
+            self.move_pages(*self.page_mover.plan((seq, ctx) for seq, ctx in zip(seqs, plans[-1].ctx_lens)))
         return tokens
 
     @torch.inference_mode()
     def run_decode_plans(self, plans: list[StepPlan], sample=None) -> list[torch.Tensor]:
         """The forwards of back-to-back decode steps, on every TP rank (as forward_plan). sample:
         rank 0's sampler; None on the other ranks, which take rank 0's tokens (a broadcast)."""
-        self.tp.publish("run_decode_plans", plans)
+        if self.tp.size > 1:
+            self.tp.publish("run_decode_plans", plans)
         n, tokens = len(plans[0].ctx_lens), []
 
         def take(logits: torch.Tensor) -> torch.Tensor:
@@ -288,5 +298,6 @@ class ModelRunner:
     def move_pages(self, src: list[int], dst: list[int]) -> None:
         """KV offloading: copy the step's departing pages to the host, on every TP rank."""
         if src:
-            self.tp.publish("move_pages", src, dst)
+            if self.tp.size > 1:
+                self.tp.publish("move_pages", src, dst)
             self.page_mover.copy(src, dst)

@@ -85,3 +85,19 @@ class EngineStats:
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
     prefix_cache_evictions: int = 0
+    num_preemptions: int = 0  # requests preempted (their KV freed, recomputed later) since start
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """What a frontend may know of a loaded engine (fixed at load; EngineLoop.info): its limits,
+    the KV capacity that admission counts prompts against, and the counters of finished requests
+    that the attention backends and step transforms it loaded with add to /metrics."""
+
+    vocab_size: int
+    max_seq_len: int
+    max_num_seqs: int  # sequences in one step (the batch)
+    kv_capacity_tokens: int  # tokens the smallest full-attention KV group holds
+    kv_pages_total: dict[str, int] = field(default_factory=dict)  # per group, the null page left out
+    host_pages_total: dict[str, int] = field(default_factory=dict)  # groups with a host pool only
+    request_counters: tuple = ()  # RequestCounter (runtime/attention/backend.py) of each method on

@@ -48,13 +48,15 @@ class HttpServer:
         from infhip.runtime.serving.metrics import ServerMetrics
 
         access_log = _access_log_choice(access_log)  # before anything binds or starts
-        self.metrics = ServerMetrics(llm)
-        self.engine = AsyncEngine(llm, self.metrics)
-        self.loop: EngineLoop = self.engine.loop
+        # the engine thread: all the app reaches of the engine (runtime/engine_loop.py)
+        self.loop = EngineLoop(llm)
+        self.metrics = ServerMetrics(self.loop.info)
+        self.loop.observer = self.metrics
+        self.engine = AsyncEngine(self.loop.start())
         self.limits = limits or HttpLimits()
         self.policy = policy or ServingPolicy()
-        self.lifecycle = Lifecycle(self.policy, llm, self.loop, self.metrics)
-        self.metrics.meter = WorkMeter(self.lifecycle.throughput, lambda: self.loop.turn_started)
+        self.lifecycle = Lifecycle(self.policy, self.loop.info, self.loop, self.metrics)
+        self.metrics.meter = WorkMeter(self.lifecycle.throughput, self.loop)
         self.app = make_app(self.engine, self.metrics, model_name, self.limits, self.lifecycle)
         self._socket = _listen(host, port, backlog)
         self.server_address = self._socket.getsockname()[:2]

@@ -8,10 +8,12 @@ runner uploads a plan into a ForwardContext (eager) or DecodeGraphs loads it (gr
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 from dataclasses import dataclass
-
 from typing import Any
+
+from infhip.plugins.plan_rules import DECODE_LEN_BUCKETS
 
 
 @dataclass
@@ -42,6 +44,22 @@ class StepPlan:
     def has_backend_rows(self) -> bool:
         """Whether some registered backend serves rows of this step (else every layer runs dense)."""
         return bool(self.backends)
+
+    def len_bucket(self, table_tokens: int) -> int | None:
+        """The short-context bucket of the decode rows (the smallest of DECODE_LEN_BUCKETS that
+        holds their longest context, plugins/plan_rules.len_bucket; bisect here: the runner asks
+        every step). None: a backend's rows, no decode row, or a bucket no shorter than the
+        block-table width of table_tokens (the start-up graphs are that bound)."""
+        if self.backends or not self.num_decodes:
+            return None
+        i = bisect.bisect_left(DECODE_LEN_BUCKETS, max(self.ctx_lens[:self.num_decodes]))
+        return DECODE_LEN_BUCKETS[i] if i < len(DECODE_LEN_BUCKETS) and DECODE_LEN_BUCKETS[i] < table_tokens else None
+
+    def decode_len_bound(self, table_tokens: int) -> int:
+        """The bound that sizes dense decode's split count: the length bucket, else the table
+        width; the same for an eager step and the graph that would replay it (DecodeGraphs), so
+        both split (and round) alike."""
+        return self.len_bucket(table_tokens) or table_tokens
 
     @classmethod
     def of_chunks(cls, chunks, kv, groups: list[str]) -> "StepPlan":

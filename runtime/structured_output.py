@@ -23,7 +23,7 @@ never builds the tokenizer's grammar view):
     masks the logits with it (`SamplingBatch.token_bitmask`, runtime/sampler.py). A step with
     no grammar row calls none of this.
   - after the step: `runtime.accept(matcher, token)` advances the matcher with the sampled token.
-  - back-to-back decode steps (SampleAndCommit.decode_steps, runtime/sample_commit.py) run for grammar rows too: each step's
+  - back-to-back decode steps (StepSampler.decode_steps, runtime/step_sampling.py) run for grammar rows too: each step's
     tokens go to the host in a small pinned copy right after their draw, and while the GPU
     runs the next step's forward (already queued), the host waits for that copy, advances the
     matchers (`runtime.advance`) and fills the next bitmask; the draw queues behind the
@@ -225,7 +225,7 @@ class GrammarRuntime:
         batch.host_each_step = True
 
     def advance(self, batch, seqs: list, tokens: list[int]) -> None:
-        """Between back-to-back decode steps (SampleAndCommit.decode_steps, runtime/sample_commit.py): advance each grammar
+        """Between back-to-back decode steps (StepSampler.decode_steps, runtime/step_sampling.py): advance each grammar
         row's matcher with the token it just drew (``tokens``: the batch's, on the host), counted
         as consumed (the engine commits exactly these, or finishes the sequence), and refill the
         batch's bitmask for the next draw. A batch `apply` left unconstrained is left as is."""

@@ -25,7 +25,7 @@ from pathlib import Path
 from tests._repo_files import repo_files
 
 ROOT = Path(__file__).resolve().parent.parent
-TOPS = ("docs", "runtime", "plugins", "builder", "infhip", "benchmarks", "tests", "examples", ".ci")
+TOPS = ("docs", "runtime", "plugins", "builder", "infhip", "eval", "benchmarks", "tests", "examples", ".ci")
 EXEMPT_SOURCES = ("docs/results/",)
 
 PATH = re.compile(r"(?<![\w./:-])(?:%s)/(?:[\w.*-]|<[\w-]+>|\{[^{}\n]*\})*" % "|".join(map(re.escape, TOPS)))

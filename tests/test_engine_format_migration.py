@@ -20,7 +20,7 @@ from tests._tiny import write_tiny_hf_checkpoint
 STORED = Path(__file__).parent / "data" / "engine_v1_3k_token_drop.json"
 IH = dict(n_sink=4, n_stream=8, stages=[(8, 4, 32), (8, 2, 16), (8, 1, 8)], special_layers=[0], special_final_k=16,
           dense_threshold=30)
-TD = dict(obs_window=8, block_size=8, num_sink=8, min_prompt_len=0)
+DROP = dict(obs_window=8, block_size=8, num_sink=8, min_prompt_len=0)
 
 
 def test_a_stored_v1_engine_loads_as_todays_build_and_serves_its_tokens(tmp_path):
@@ -29,7 +29,7 @@ def test_a_stored_v1_engine_loads_as_todays_build_and_serves_its_tokens(tmp_path
     write_tiny_hf_checkpoint(tmp_path / "hf", "llama", tokenizer=True)
     new = build_engine(checkpoint=tmp_path / "hf", output_dir=tmp_path / "new", dtype="float32", device="cpu",
                        max_seq_len=256, max_batch_size=4, progress=False, preset="3k", infinitehip_overrides=IH,
-                       token_drop=TD)
+                       token_drop=DROP)
     old = tmp_path / "old"
     shutil.copytree(new, old)
     (old / "config.json").write_text(STORED.read_text())

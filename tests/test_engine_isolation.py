@@ -245,7 +245,7 @@ def test_stats_count_requests_and_pages(engine):
     assert (idle.num_running, idle.num_waiting) == (0, 0) and set(idle.kv_pages_used.values()) == {0}
     assert idle.host_pages_used == idle.host_pages_free == {}  # no host pool without kv_offload_bytes
     reqs = [llm.core.add_request(None, [5] * 40, GREEDY), llm.core.add_request(None, PROMPTS[0], GREEDY)]
-    assert (llm.num_running, llm.num_waiting) == (0, 2)
+    assert (llm.stats().num_running, llm.stats().num_waiting) == (0, 2)
     llm.core.step()
     busy = llm.stats()
     assert (busy.num_running, busy.num_waiting) == (1, 1)

@@ -207,7 +207,7 @@ def test_token_drop_flag(tiny, tmp_path):
 
 
 def test_ruler_with_token_drop_records_retention(tiny, tmp_path):
-    """RULER under --token-drop: each record carries UniPrefill's measured retention (forced to
+    """RULER under --token-drop: each record carries token drop's measured retention (forced to
     30 % here, so below 1) and the table gets a retention row (random weights: scores ~0)."""
     import importlib.util
     if importlib.util.find_spec("wonderwords") is None:

@@ -1,4 +1,4 @@
-"""RULER in infhip-eval (infhip/eval/ruler.py), on a tiny byte-level tokenizer (seconds): every
+"""RULER in infhip-eval (eval/ruler.py), on a tiny byte-level tokenizer (seconds): every
 task's prompt fills its length (prompt + tokens to generate <= length, and one more haystack unit
 would not fit), holds its references, is deterministic per (task, seed, length, sample), and has
 the shape RULER's generator gives it; the scorer scores known answers 100 and wrong ones 0 as

@@ -44,7 +44,7 @@ TINY: dict[str, tuple[list[str], dict]] = {
     "benchmarks.speed.bench_infinitehip": SMOKE,  # one layer, 4 q / 2 kv heads: every step type, variant, prefill
     "benchmarks.speed.bench_dense_llama8b": SMOKE,  # beside transformers; no graph replay / profile / split sweep
     # NOT_RUN below (argparse only)
-    "benchmarks.speed.uniprefill_ttft": SMOKE,
+    "benchmarks.speed.token_drop_ttft": SMOKE,
     "benchmarks.peers.bench_vs_vllm": SMOKE,
     "benchmarks.speed.bench_constants": SMOKE,  # torch references: interpreted, its kernels take ~60 s CPU
     # checks each GEMV launch configuration: the interpreter on the CPU (asserted by its --smoke)
@@ -63,8 +63,8 @@ ONCE = {"benchmarks.speed.bench_fp8_weights": "fp8-decode"}
 # (suite, module) -> why that command does not run here
 # Those get only the import and the suite's flags through their argparse parser (parse_only).
 NOT_RUN = {
-    ("uniprefill-qwen", "benchmarks.parity.infinitehip"): "the parity harness: tested with the quality tools",
-    ("uniprefill-qwen", "benchmarks.speed.uniprefill_ttft"): "needs the staged Qwen engine and RULER data",
+    ("token-drop-qwen", "benchmarks.parity.infinitehip"): "the parity harness: tested with the quality tools",
+    ("token-drop-qwen", "benchmarks.speed.token_drop_ttft"): "needs the staged Qwen engine and RULER data",
     ("vllm", "benchmarks.peers.bench_vs_vllm"): "needs vLLM; its --dry-run (our side only) takes 43 s CPU",
 }
 

@@ -16,7 +16,7 @@ from infhip.builder.build import build_engine
 from infhip.eval.common import record_kept_positions, set_forced_retention
 from infhip.plugins.dense_attention import dense_attention_ref
 from infhip.plugins.token_drop.attention import kept_attention_triton
-from infhip.eval.token_drop_reference import reference_logits, reference_schedule, run_greedy, td_view
+from infhip.eval.token_drop_reference import reference_logits, reference_schedule, run_greedy, token_drop_view
 from tests._tiny import write_tiny_hf_checkpoint
 from tests.test_token_drop_attention import kept_positions
 from tests.test_token_drop_runtime import GEMMA_TYPES, TINY, prompt
@@ -42,14 +42,14 @@ def test_kept_attention_8b_heads(window):
 def test_engine_on_gpu_equals_masked_reference(arch, tmp_path):
     """Every full-attention layer drops (the default k = 6..7 eighths of a 3-layer model is its
     last layer only, whose drop no later row reads)."""
-    knobs = dict(TINY, drop_layers="every")
+    drop = dict(TINY, drop_layers="every")
     extra = dict(num_hidden_layers=6, layer_types=GEMMA_TYPES) if arch == "gemma3" else {}
     write_tiny_hf_checkpoint(tmp_path / "hf", arch, **extra)
     engine = build_engine(checkpoint=tmp_path / "hf", output_dir=tmp_path / "e", dtype="float32",
-                          device="cuda", max_seq_len=256, max_batch_size=4, token_drop=knobs,
+                          device="cuda", max_seq_len=256, max_batch_size=4, token_drop=drop,
                           progress=False)
     ids = prompt(2, 200)
-    llm = set_forced_retention(LLM(engine, max_num_batched_tokens=100, token_drop=knobs, enforce_eager=True), 0.3)
+    llm = set_forced_retention(LLM(engine, max_num_batched_tokens=100, token_drop=drop, enforce_eager=True), 0.3)
     kept_positions = record_kept_positions(llm)
     tokens, logits, sid = run_greedy(llm, ids, 5)
     kept = {layer: torch.cat(c) for layer, c in kept_positions[sid].items()}
@@ -102,7 +102,7 @@ def graphed_and_eager(engine, prompts, retention, **llm_kwargs):
     for eager in (False, True):
         llm = set_forced_retention(LLM(engine, enforce_eager=eager, **llm_kwargs), retention)
         outs[eager] = [o.token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=sp)]
-        assert td_view(llm)["retention"]
+        assert token_drop_view(llm)["retention"]
         if not eager:
             keys = llm.debug_view()["graphs"]["captured"]
     return outs[False], outs[True], keys

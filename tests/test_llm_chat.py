@@ -73,7 +73,7 @@ def test_chat_and_generate_share_one_path(llm):
 def test_bad_chat_input_is_a_value_error(llm, messages, kwargs, match):
     with pytest.raises(ValueError, match=match):
         llm.chat(messages, GREEDY, **kwargs)
-    assert llm.num_running == llm.num_waiting == 0
+    assert llm.stats().num_running == llm.stats().num_waiting == 0
 
 
 def test_chat_needs_a_template(llm, monkeypatch):

@@ -27,7 +27,7 @@ from infhip.runtime.kernel_store import JitForbidden, KernelStore, compile_at_lo
 
 TINY_3K = dict(n_sink=4, n_stream=8, stages=[(8, 16, 32), (8, 2, 16), (8, 1, 8)], special_layers=[0],
                special_final_k=16, dense_threshold=30)
-TINY_TD = dict(p=0.9, min_prompt_len=32, obs_window=8, block_size=8, num_sink=8)
+TINY_DROP = dict(p=0.9, min_prompt_len=32, obs_window=8, block_size=8, num_sink=8)
 SM90 = dict(target="sm_90", dtype="bfloat16", max_seq_len=256, max_batch_size=4, hf=dict(num_hidden_layers=2))
 
 # (method, knob) -> a valid value other than the engine's: every load key of every method
@@ -64,7 +64,7 @@ def engines(tiny_engine):
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(builder_kernels, "compile_variants", _index_only)
         return (tiny_engine("llama", **SM90),
-                tiny_engine("llama", **SM90, preset="3k", infinitehip_overrides=TINY_3K, token_drop=TINY_TD))
+                tiny_engine("llama", **SM90, preset="3k", infinitehip_overrides=TINY_3K, token_drop=TINY_DROP))
 
 
 def _store(engine, mode: str = "warn") -> KernelStore:
@@ -152,9 +152,9 @@ def test_gpu_token_drop_on_a_dense_engine_compiles_at_load_not_while_serving(tmp
     engine = build_engine(checkpoint=tmp_path / "hf", output_dir=tmp_path / "e", dtype="bfloat16", device="cuda",
                           max_seq_len=256, max_batch_size=4, progress=False)
     with pytest.raises(JitForbidden, match="this load's options need"):
-        LLM(engine, token_drop=TINY_TD, jit="forbid")
+        LLM(engine, token_drop=TINY_DROP, jit="forbid")
     caplog.set_level(logging.WARNING, logger="infhip.kernels")
-    llm = LLM(engine, token_drop=TINY_TD, jit="warn")
+    llm = LLM(engine, token_drop=TINY_DROP, jit="warn")
     assert any("at load" in r.getMessage() for r in caplog.records)
     caplog.clear()
     prompt = [(7 * j) % 250 + 3 for j in range(120)]  # past min_prompt_len: it drops

@@ -56,7 +56,7 @@ def test_greedy_equal_to_no_cache(arch, request):
     engine = request.getfixturevalue(arch)
     on = LLM(engine, max_num_batched_tokens=24)
     off = LLM(engine, max_num_batched_tokens=24, prefix_caching=False)
-    assert on.prefix_caching and not off.prefix_caching
+    assert on.core.prefix_caching and not off.core.prefix_caching
     prompts = _workload()
     batch = on.generate(prompt_token_ids=prompts, sampling_params=GREEDY)
     want = off.generate(prompt_token_ids=prompts, sampling_params=GREEDY)
@@ -201,7 +201,7 @@ def test_token_drop_turned_on_at_runtime_forgets_the_cache(llama):
     llm.generate(prompt_token_ids=[ids(80, 40)], sampling_params=GREEDY)
     assert llm.stats().kv_pages_cached == {"global": 2}
     llm.runner.set_transform("token_drop", LLM(llama, token_drop=True).engine.config.plan.knobs_of("token_drop"))  # turned on at runtime
-    assert not llm.prefix_caching and llm.stats().kv_pages_cached == {"global": 0}
+    assert not llm.core.prefix_caching and llm.stats().kv_pages_cached == {"global": 0}
     assert llm.generate(prompt_token_ids=[ids(80, 40)], sampling_params=GREEDY)[0].num_cached_tokens == 0
 
 

@@ -92,7 +92,7 @@ def same(a, b) -> bool:
 def pair(engine, overrides, budget=32, **kw) -> tuple[LLM, LLM]:
     on = LLM(engine, max_num_batched_tokens=budget, infinitehip_overrides=overrides, **kw)
     off = LLM(engine, max_num_batched_tokens=budget, infinitehip_overrides=overrides, prefix_caching=False, **kw)
-    assert on.prefix_caching and not off.prefix_caching
+    assert on.core.prefix_caching and not off.core.prefix_caching
     return on, off
 
 
@@ -236,8 +236,8 @@ def test_document_cached_in_host_memory(engines, small_batches, engine):
     kv = on.runner.kv
     cached_host = on.stats().host_pages_cached["global"]
     assert cached_host >= 3, "the document's middle pages are cached on the host"
-    metrics = ServerMetrics(on)
-    metrics.sample(on)
+    metrics = ServerMetrics(on.core.info())
+    metrics.sample(on.stats())
     assert f'infhip_host_pages_cached{{group="global"}} {float(cached_host)}' in metrics.render().decode()
     poison_unused_pages(on)
     shared = []
@@ -323,7 +323,7 @@ def test_cached_pages_cause_no_preemption(engines, small_batches, offload):
 # ---- token drop -------------------------------------------------------------------------------
 # drop_layers "every": all 3 layers of the tiny Llama (what "auto" gave before 2026-12-05; the
 # deeper default skips layer 0)
-DROP_KNOBS = dict(obs_window=8, block_size=8, num_sink=8, min_prompt_len=0, spare_anchors=0, drop_layers="every")
+DROP = dict(obs_window=8, block_size=8, num_sink=8, min_prompt_len=0, spare_anchors=0, drop_layers="every")
 
 
 @pytest.fixture(scope="module")
@@ -335,7 +335,7 @@ def test_token_drop_history_depends_on_the_suffix(token_drop_engine):
     """Why a request that drops never shares or names pages: the blocks a chunk keeps are chosen
     by the observation window at the chunk's end (here the prompt's: one chunk), so two prompts
     with the same first 160 tokens keep different positions of them (their compacted pages differ)."""
-    llm = set_forced_retention(LLM(token_drop_engine, token_drop=DROP_KNOBS), 0.3)  # keep the top 30 % of blocks by importance
+    llm = set_forced_retention(LLM(token_drop_engine, token_drop=DROP), 0.3)  # keep the top 30 % of blocks by importance
     kept_positions = record_kept_positions(llm)
     doc = ids(60, 160)
     for i in range(2):
@@ -352,10 +352,10 @@ def test_token_drop_history_depends_on_the_suffix(token_drop_engine):
 def test_token_drop_engine_reuses_prompts_that_never_drop(token_drop_engine):
     """min_prompt_len 100: prompts shorter than that never drop and share pages as on a dense
     engine (same tokens as no cache); longer ones drop, and neither take nor name cached pages."""
-    knobs = dict(DROP_KNOBS, min_prompt_len=100)
+    knobs = dict(DROP, min_prompt_len=100)
     on = set_forced_retention(LLM(token_drop_engine, token_drop=knobs, max_num_batched_tokens=32), 0.3)
     off = set_forced_retention(LLM(token_drop_engine, token_drop=knobs, max_num_batched_tokens=32, prefix_caching=False), 0.3)
-    assert on.prefix_caching
+    assert on.core.prefix_caching
     doc = ids(62, 160)
     prompts = [doc[:64] + ids(63, 6), doc[:64] + ids(64, 9),  # short: reuse
                doc + ids(65, 20), doc + ids(66, 20),  # long: drop, no reuse

@@ -74,7 +74,7 @@ def test_prefix_caching_is_refused(tiny, caplog):
     _, engine, _ = tiny
     with caplog.at_level(logging.WARNING, logger="infhip"):
         llm = LLM(engine)
-    assert not llm.prefix_caching
+    assert not llm.core.prefix_caching
     assert "recurrent state" in caplog.text
 
 

@@ -2,7 +2,7 @@
 float32): with a forced retention, the drops at the full-attention layers carry only the kept
 tokens through the following linear-attention layers (their conv and delta-rule state are those
 of the kept tokens) and the MoE, then decode; the logits equal a float64 reference that runs
-each layer over its active rows (infhip/eval/hybrid_reference.py), and differ from the
+each layer over its active rows (eval/hybrid_reference.py), and differ from the
 undropped model's. The authors' schedule in chunks of 100 (a later chunk resumes the kept
 tokens' state) and the paper's (before attention, re-entry) whole. And the TTFT benchmark
 (benchmarks/speed/bench_qwen3_next_ttft.py) at tiny size on the CPU (--smoke)."""

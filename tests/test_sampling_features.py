@@ -200,7 +200,7 @@ def test_penalties_and_bias_on_the_engine(llm):
     rep = llm.generate(prompt_token_ids=[PROMPT],
                        sampling_params=SamplingParams(presence_penalty=2, frequency_penalty=2, **greedy))[0]
     assert len(set(rep.token_ids)) >= len(set(plain.token_ids))
-    eos = llm.eos_token_ids[0]
+    eos = llm.core.eos_token_ids[0]
     early = llm.generate(prompt_token_ids=[PROMPT], sampling_params=SamplingParams(
         max_tokens=12, temperature=0, logit_bias={eos: 100}, min_tokens=3))[0]
     # EOS held back while fewer than 3 tokens are out (vLLM's rule): it comes 4th
@@ -265,7 +265,7 @@ def test_back_to_back_decode_steps_equal_single_steps(engine, llm):
     multi = LLM(engine, num_decode_steps=4)
     sps = [SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, logprobs=2, repetition_penalty=1.4,
                           frequency_penalty=0.6, presence_penalty=0.3),
-           SamplingParams(max_tokens=10, temperature=0.8, seed=9, min_tokens=6, logit_bias={llm.eos_token_ids[0]: 50},
+           SamplingParams(max_tokens=10, temperature=0.8, seed=9, min_tokens=6, logit_bias={llm.core.eos_token_ids[0]: 50},
                           logprobs=0),
            SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)]
     prompts = [PROMPT, PROMPT[:20], PROMPT[5:30]]

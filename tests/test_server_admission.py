@@ -18,14 +18,14 @@ from infhip.runtime.serving.lifecycle import Lifecycle, Refused, ServingPolicy
 from infhip.runtime.server import make_parser
 from tests._serving import counter, post, request, running_server, wait_for
 from tests._tiny import API_ENGINE
-from tests.test_server_lifecycle import GREEDY, _FakeLLM, _FakeMetrics, raw_request, slowed
+from tests.test_server_lifecycle import GREEDY, _INFO, _FakeMetrics, raw_request, slowed
 
 
 def test_time_rule_admits_the_floor_then_refuses_past_the_bound():
-    lc = Lifecycle(ServingPolicy(max_queue_wait_s=10), _FakeLLM, None, _FakeMetrics())
+    lc = Lifecycle(ServingPolicy(max_queue_wait_s=10), _INFO, None, _FakeMetrics())
     assert lc.throughput.tokens_per_s == 3 and not lc.throughput.measured  # cold: batch 3, one step a second
-    assert Lifecycle(ServingPolicy(), _FakeLLM, None, _FakeMetrics()).max_queue_wait_s == 600
-    assert Lifecycle(ServingPolicy(request_timeout_s=30), _FakeLLM, None, _FakeMetrics()).max_queue_wait_s == 30
+    assert Lifecycle(ServingPolicy(), _INFO, None, _FakeMetrics()).max_queue_wait_s == 600
+    assert Lifecycle(ServingPolicy(request_timeout_s=30), _INFO, None, _FakeMetrics()).max_queue_wait_s == 30
     lc.throughput.observe(1000, 1.0)  # measured: 1000 tokens/s
     assert lc.throughput.measured and lc.throughput.tokens_per_s == pytest.approx(1000)
     tickets = [lc.admit() for _ in range(A.FLOOR)]  # 25.6 s of work, past the bound: the floor admits them all

@@ -17,7 +17,9 @@ import openai
 import pytest
 
 from infhip import LLM, SamplingParams
-from infhip.runtime.serving.lifecycle import Lifecycle, Refused, ServingPolicy, kv_capacity_tokens
+from infhip.runtime.core_readouts import kv_capacity_tokens
+from infhip.runtime.outputs import EngineInfo
+from infhip.runtime.serving.lifecycle import Lifecycle, Refused, ServingPolicy
 from tests._serving import (counter, engine_is_idle, error_of, kv_free_pages, post, request, running_server,
                             server_thread, sse_events, wait_for)
 from tests._tiny import API_ENGINE
@@ -109,12 +111,8 @@ class _FakeKV:
         self.groups = {"global": KVGroupSpec(num_pages=11, window=None), "sliding": KVGroupSpec(3, window=8)}
 
 
-class _FakeLLM:
-    class scheduler:
-        max_num_seqs = 3
-
-    class runner:
-        kv = _FakeKV()
+# a batch of 3; 10 full-attention pages of 16 tokens (the sliding group's do not bound it)
+_INFO = EngineInfo(vocab_size=300, max_seq_len=64, max_num_seqs=3, kv_capacity_tokens=kv_capacity_tokens(_FakeKV()))
 
 
 class _FakeMetrics:
@@ -126,12 +124,12 @@ class _FakeMetrics:
 def test_admission_limits_and_deadlines_by_rule():
     """The rule without a server: defaults derived from the engine, the prompt-token budget (a
     request alone always gets in), the deadline's cap."""
-    assert kv_capacity_tokens(_FakeLLM) == 10 * 16  # the full-attention group's 10 pages, not the window's
-    lc = Lifecycle(ServingPolicy(), _FakeLLM, None, _FakeMetrics())
+    assert _INFO.kv_capacity_tokens == 10 * 16  # the full-attention group's 10 pages, not the window's
+    lc = Lifecycle(ServingPolicy(), _INFO, None, _FakeMetrics())
     # no count limit by default (the time rule: tests/test_server_admission.py); queued prompts
     # may hold 16M tokens past the cache (host memory only)
     assert (lc.max_requests, lc.max_prompt_tokens) == (None, 160 + (1 << 24))
-    lc = Lifecycle(ServingPolicy(max_waiting_requests=1, max_waiting_tokens=40, request_timeout_s=5), _FakeLLM,
+    lc = Lifecycle(ServingPolicy(max_waiting_requests=1, max_waiting_tokens=40, request_timeout_s=5), _INFO,
                    None, _FakeMetrics())
     assert (lc.max_requests, lc.max_prompt_tokens) == (4, 200)
     big = lc.admit()
@@ -156,7 +154,7 @@ def test_admission_limits_and_deadlines_by_rule():
     assert counter(lc.metrics.rejected, reason="queue_full") == 1
     t = second.arrived
     assert second.deadline(None) == t + 5 and second.deadline(2) == t + 2 and second.deadline(60) == t + 5
-    no_cap = Lifecycle(ServingPolicy(), _FakeLLM, None, _FakeMetrics()).admit()
+    no_cap = Lifecycle(ServingPolicy(), _INFO, None, _FakeMetrics()).admit()
     assert no_cap.deadline(None) is None and no_cap.deadline(60) == no_cap.arrived + 60
     for bad in (dict(drain_timeout_s=-1), dict(max_waiting_requests=-1), dict(request_timeout_s=float("inf")),
                 dict(retry_after_s=0), dict(api_key=""), dict(max_queue_wait_s=0), dict(max_queue_wait_s=True)):

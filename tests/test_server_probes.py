@@ -16,7 +16,7 @@ from infhip.runtime.serving import admission as A
 from infhip.runtime.serving.lifecycle import Lifecycle, Refused, ServingPolicy
 from tests._serving import post, running_server, wait_for
 from tests._tiny import API_ENGINE
-from tests.test_server_lifecycle import _FakeLLM, _FakeMetrics, raw_request
+from tests.test_server_lifecycle import _INFO, _FakeMetrics, raw_request
 
 PROBES = ("/health", "/health/live", "/health/ready", "/metrics", "/version", "/v1/models")
 
@@ -64,7 +64,7 @@ def _says_its_retry_after(e: Refused) -> int:
 
 def test_429_body_and_retry_after_agree():
     # the count limit, with 4 running requests 0.3 s from their end: header 1, body "1 s" (was "0.3 s")
-    lc = Lifecycle(ServingPolicy(max_waiting_requests=1), _FakeLLM, None, _FakeMetrics())
+    lc = Lifecycle(ServingPolicy(max_waiting_requests=1), _INFO, None, _FakeMetrics())
     lc.throughput.observe(1000, 1.0)
     tickets = [lc.admit() for _ in range(4)]
     for t in tickets:
@@ -74,14 +74,14 @@ def test_429_body_and_retry_after_agree():
         lc.admit()
     assert e.value.status == 429 and _says_its_retry_after(e.value) == A.retry_after(lc.first_leave_s()) == 1
     # the prompt-token budget (was "retry later")
-    lc = Lifecycle(ServingPolicy(max_waiting_tokens=40), _FakeLLM, None, _FakeMetrics())
+    lc = Lifecycle(ServingPolicy(max_waiting_tokens=40), _INFO, None, _FakeMetrics())
     first, second = lc.admit(), lc.admit()
     first.add_prompt(500)
     with pytest.raises(Refused) as e:
         second.add_prompt(1)
     assert _says_its_retry_after(e.value) >= 1
     # the expected-wait bound: 25.6 s of work, bound 10 s -> 16 s in both
-    lc = Lifecycle(ServingPolicy(max_queue_wait_s=10), _FakeLLM, None, _FakeMetrics())
+    lc = Lifecycle(ServingPolicy(max_queue_wait_s=10), _INFO, None, _FakeMetrics())
     lc.throughput.observe(1000, 1.0)
     for t in [lc.admit() for _ in range(A.FLOOR)]:
         t.start(10, 90)

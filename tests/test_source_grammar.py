@@ -1,4 +1,5 @@
-"""Every .py file in the repository parses under the oldest Python the README supports (3.11).
+"""Every .py file in the repository parses under the oldest Python infhip supports: pyproject's
+`requires-python`, which the README states too (both checked here).
 
 `ast.parse(src, feature_version=(3, 11))` rejects newer syntax on the interpreter running the test,
 except PEP 701's f-strings (Python 3.12): from 3.12 on the parser accepts them whatever
@@ -8,8 +9,10 @@ one, a line break in a single-quoted one.
 """
 import ast
 import io
+import re
 import sys
 import tokenize
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -17,7 +20,13 @@ import pytest
 from tests._repo_files import repo_files
 
 ROOT = Path(__file__).resolve().parent.parent
-OLDEST = (3, 11)  # README: "Python 3.11+"
+_REQUIRES = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["requires-python"]  # ">=3.11"
+OLDEST = tuple(int(x) for x in re.fullmatch(r">=\s*(\d+)\.(\d+)", _REQUIRES).groups())
+
+
+def test_the_readme_states_the_oldest_python_pyproject_requires():
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    assert f"Python {OLDEST[0]}.{OLDEST[1]}+" in readme, f"README should say Python {OLDEST[0]}.{OLDEST[1]}+ ({_REQUIRES})"
 
 
 def _quote(token: str) -> str:

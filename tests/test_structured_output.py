@@ -117,8 +117,8 @@ def test_rows_without_a_grammar_pay_nothing(engine, monkeypatch):
                            plain + [SamplingParams(max_tokens=80, temperature=1.0, seed=1, structured_outputs=spec)])
     assert [o.token_ids for o in mixed[:2]] == alone  # their rows are all-ones in the bitmask
     assert matches_schema(json.loads(mixed[2].text))
-    batches, sample = [], fresh.sampler.sample  # the batches the sampler gets from now on
-    monkeypatch.setattr(fresh.sampler, "sample", lambda logits, batch: batches.append(batch) or sample(logits, batch))
+    batches, sample = [], fresh.core.sampler.sample  # the batches the sampler gets from now on
+    monkeypatch.setattr(fresh.core.sampler, "sample", lambda logits, batch: batches.append(batch) or sample(logits, batch))
     assert fresh.debug_view()["grammar_compiler"]
     assert [o.token_ids for o in fresh.generate(["In the beginning"] * 2, plain)] == alone
     # batches without grammar rows get no bitmask, though the compiler exists now

@@ -37,10 +37,10 @@ from infhip.runtime.distributed import check_resources
 from infhip.runtime.engine import load_engine
 from infhip.runtime.model_runner import ModelRunner
 from tests._offload import count_moves
-from infhip.eval.token_drop_reference import td_view
+from infhip.eval.token_drop_reference import token_drop_view
 from tests._tiny import write_tiny_hf_checkpoint
 
-TD = dict(p=0.5, obs_window=8, block_size=8, num_sink=8, min_prompt_len=0, spare_anchors=0)  # top-p low enough to drop on random weights
+DROP = dict(p=0.5, obs_window=8, block_size=8, num_sink=8, min_prompt_len=0, spare_anchors=0)  # top-p low enough to drop on random weights
 IH = dict(n_sink=4, n_stream=8, stages=[(8, 4, 32), (8, 2, 16), (8, 1, 8)], special_layers=[0], special_final_k=16)
 LOW = {"dense_threshold": 30}  # the long prompts below go sparse, the short one stays dense
 # KV offloading: pages move from the threshold on (RoPE on in the tiny model's whole window)
@@ -113,7 +113,7 @@ def generate(engine, live_token_drop=None, **load):
             llm.runner.set_transform("token_drop", TokenDropConfig(**live_token_drop))
         moved = count_moves(llm)
         tokens = [o.token_ids for o in llm.generate(prompt_token_ids=PROMPTS, sampling_params=GREEDY)]
-        return tokens, td_view(llm)["retention"], len(moved)
+        return tokens, token_drop_view(llm)["retention"], len(moved)
 
 
 @pytest.mark.parametrize("case", ["dense", "3k", "token_drop", "3k_offload"])
@@ -127,11 +127,11 @@ def test_tp2_generates_the_tp1_tokens(engines, case, monkeypatch):
     # dense: 4 decode steps per host sync, so rank 0 broadcasts each step's sampled tokens
     monkeypatch.setattr(offload_policy, "OFFLOAD_BATCH_TOKENS", 16)  # pages move one at a time (rank 0 decides)
     preset, load = {"dense": ("dense", {"num_decode_steps": 4}), "3k": ("3k", {"infinitehip_overrides": LOW}),
-                    "token_drop": ("dense", {"token_drop": TD}), "3k_offload": ("3k", OFFLOAD)}[case]
+                    "token_drop": ("dense", {"token_drop": DROP}), "3k_offload": ("3k", OFFLOAD)}[case]
     one, kept_one, moved_one = generate(engines[preset, 1], **load)
     calls_one = len(sparse_calls)
     if case == "token_drop":  # tp 2: turned on in the live runner, which publishes it to rank 1
-        load = {"live_token_drop": TD}
+        load = {"live_token_drop": DROP}
     two, kept_two, moved_two = generate(engines[preset, 2], **load)
     assert two == one
     if case == "3k_offload":  # pages moved to the host, the same ones (each rank copies its heads' part)

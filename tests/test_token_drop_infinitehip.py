@@ -18,15 +18,15 @@ from infhip.methods.infinitehip import infinitehip_config
 from infhip.eval.common import set_forced_retention
 from infhip.methods.infinitehip.runtime.planner import SparsePlanner
 from tests._graph_sim import simulate_graphs
-from infhip.eval.token_drop_reference import td_view
+from infhip.eval.token_drop_reference import token_drop_view
 from tests.test_infinitehip_runtime import COVER, TINY
 from tests.test_infinitehip_runtime import calls  # noqa: F401 (fixture: sparse attention launch counts)
 from tests.test_infinitehip_runtime_schedule import seq
-from tests.test_token_drop_runtime import TINY as TD_TINY
+from tests.test_token_drop_runtime import TINY as TINY_DROP
 from tests.test_token_drop_runtime import prompt
 
 # drop at every full layer of the tiny model (the deeper default rule leaves it one or none)
-DROP, RHO = dict(TD_TINY, drop_layers="every"), 0.4  # a forced retention of 40 % (set_forced_retention)
+DROP, RHO = dict(TINY_DROP, drop_layers="every"), 0.4  # a forced retention of 40 % (set_forced_retention)
 LOW = {"dense_threshold": 30}
 PROMPTS = [prompt(11, 150), prompt(12, 97), prompt(13, 181)]
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
@@ -49,11 +49,11 @@ def run(engine, overrides=None, budget=64, prompts=PROMPTS, params=GREEDY):
 @pytest.mark.parametrize("budget", [64, 512])  # chunked prefill mixing drops and decodes; one pass each
 def test_covering_sparse_over_compacted_kv_equals_dense(engines, calls, budget):
     dense, dense_llm = run(engines["dense"], budget=budget)
-    assert td_view(dense_llm)["retention"]  # tokens were dropped
+    assert token_drop_view(dense_llm)["retention"]  # tokens were dropped
     composed, llm = run(engines["cover"], LOW, budget=budget)
     assert calls["decode"] > 0
     assert composed == dense
-    assert td_view(llm)["retention"] == td_view(dense_llm)["retention"]  # the same drops
+    assert token_drop_view(llm)["retention"] == token_drop_view(dense_llm)["retention"]  # the same drops
 
 
 @pytest.mark.parametrize("engine", ["dense", "cover"])
@@ -82,7 +82,7 @@ def test_decode_graphs_with_drop_histories_equal_eager(engines, monkeypatch, eng
 def test_pruning_presets_run_after_drops(engines, calls):
     out, llm = run(engines["3k"], LOW)
     assert all(len(t) == GREEDY.max_tokens for t in out)
-    assert td_view(llm)["retention"] and calls["decode"] > 0
+    assert token_drop_view(llm)["retention"] and calls["decode"] > 0
 
 
 def test_requests_that_may_pass_the_trained_window_do_not_drop(engines, monkeypatch):
@@ -92,9 +92,9 @@ def test_requests_that_may_pass_the_trained_window_do_not_drop(engines, monkeypa
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     ids = prompt(14, 200)
     _, llm = run(engines["3k"], LOW, prompts=[ids], params=SamplingParams(max_tokens=57, ignore_eos=True))
-    assert not td_view(llm)["retention"]
+    assert not token_drop_view(llm)["retention"]
     _, llm = run(engines["3k"], LOW, prompts=[ids], params=SamplingParams(max_tokens=10, ignore_eos=True))
-    assert td_view(llm)["retention"]
+    assert token_drop_view(llm)["retention"]
 
 
 def test_a_step_without_sparse_attention_invalidates_cached_masks():

@@ -3,10 +3,10 @@
 * p = 1 keeps everything and reproduces the dense engine (logits, greedy tokens), whole and
   chunked prefill (a chunk starting mid-block included);
 * with a forced retention, prefill + decode logits equal a plain-torch reference that masks the
-  dropped keys per layer (infhip/eval/token_drop_reference.py), and that reference is sensitive: the same
+  dropped keys per layer (eval/token_drop_reference.py), and that reference is sensitive: the same
   logits differ from a reference without the drop;
 * with top-p, the engine's kept sets at every drop layer and its logits equal the reference
-  choosing its own sets by the spec (infhip/eval/token_drop_reference.reference_select) from its own stream;
+  choosing its own sets by the spec (eval/token_drop_reference.reference_select) from its own stream;
 * both checks for each drop schedule that matters (SCHEDULES: the paper's, the authors' code,
   and the two mixes of drop point and re-entry), whole and chunked prefill;
 * a batch (two dropping prompts, one too short to drop, mixed with decodes) equals each alone;
@@ -28,7 +28,7 @@ from infhip.builder.build import build_engine
 from infhip.builder.cli import main as build_main
 from infhip.config import EngineConfig, EngineFormatError
 from infhip.eval.common import forced_retention, record_kept_positions, set_forced_retention
-from infhip.eval.token_drop_reference import reference_logits, reference_schedule, run_greedy, td_view
+from infhip.eval.token_drop_reference import reference_logits, reference_schedule, run_greedy, token_drop_view
 from infhip.methods.token_drop import AUTHORS_LLAMA_EIGHTHS, TokenDropConfig, default_drop_layers, parse_token_drop
 
 TINY = dict(obs_window=8, block_size=8, num_sink=8, min_prompt_len=0, spare_anchors=0)  # knobs scaled to ~200-token prompts
@@ -75,7 +75,7 @@ def test_p_one_reproduces_dense(engine, budget):
     tok_t, log_t, sid = run_greedy(dropping, ids, 6)
     assert tok_t == tok_d
     assert (log_t - log_d).abs().max() < 1e-4
-    per_layer = td_view(dropping)["retention"][sid]
+    per_layer = token_drop_view(dropping)["retention"][sid]
     assert per_layer and all(kept == total for kept, total in per_layer.values())  # drop path ran
 
 
@@ -124,7 +124,7 @@ def test_top_p_selection_equals_reference(engine, p, spare, schedule):
     tokens, logits, sid = run_greedy(llm, ids, 4)
     kept = {layer: torch.cat(chunks) for layer, chunks in kept_positions[sid].items()}
     layers = llm.engine.config.plan.layers
-    view = td_view(llm)
+    view = token_drop_view(llm)
     cfg = view["knobs"]
     chosen: dict[int, torch.Tensor] = {}
     sched = reference_schedule(llm)
@@ -147,7 +147,7 @@ def test_batch_equals_each_alone(engine):
     sp = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     llm = LLM(engine, token_drop=knobs, max_num_batched_tokens=256)
     batch = [o.token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=sp)]
-    batch_ret = list(td_view(llm)["retention"].values())
+    batch_ret = list(token_drop_view(llm)["retention"].values())
     assert len(batch_ret) == 2  # the short prompt never dropped
     alone = []
     for p in prompts:
@@ -166,7 +166,7 @@ def test_batch_equals_each_alone(engine):
 
 
 def test_drop_histories_live_with_the_kv_and_go_with_it(engine):
-    """The transform keeps the drop histories by seq_id (its DropStats' histories) while a
+    """The transform keeps the drop histories by seq_id (its DropRecords' histories) while a
     sequence holds its KV: a dropping prefill starts one, finishing (or aborting) ends it;
     nothing is left behind. A finished request's history stays readable for /metrics
     (drop_history)."""
@@ -194,7 +194,7 @@ def test_metrics_count_the_requests_that_dropped(engine):
 
     knobs = dict(TINY, **schedule_knobs(engine, "paper"))
     llm = set_forced_retention(LLM(engine, token_drop=knobs, max_num_batched_tokens=400), 0.3)
-    metrics = ServerMetrics(llm)
+    metrics = ServerMetrics(llm.core.info())
     req = llm.core.add_request(None, prompt(8, 200), SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
     while not req.seq.is_finished:
         llm.core.step()
@@ -204,7 +204,7 @@ def test_metrics_count_the_requests_that_dropped(engine):
     assert history and any(history)
     assert "infhip_token_drop_requests_total 1.0" in text
     assert f"infhip_token_drop_skipped_kv_total {float(sum(history))}" in text
-    assert "infhip_token_drop" not in ServerMetrics(LLM(engine, token_drop=False)).render().decode()
+    assert "infhip_token_drop" not in ServerMetrics(LLM(engine, token_drop=False).core.info()).render().decode()
 
 
 def test_build_flag_config_round_trip_and_old_engines(engine, tmp_path):
@@ -243,7 +243,7 @@ def test_build_flag_config_round_trip_and_old_engines(engine, tmp_path):
     del cfg["plan"]["knobs"]["token_drop"]["spare_anchors"]
     (tmp_path / "c" / "config.json").write_text(json.dumps(cfg))
     assert EngineConfig.load(tmp_path / "c").plan.knobs_of("token_drop") == TokenDropConfig(spare_anchors=0, **old["paper"])
-    assert td_view(LLM(tmp_path / "c", token_drop=False))["knobs"] is None
+    assert token_drop_view(LLM(tmp_path / "c", token_drop=False))["knobs"] is None
     # an explicit list round-trips through config.json as a list (Llama: layers 0 and 2; Gemma: its globals)
     full = [lp.index for lp in src.plan.layers if lp.window is None][-2:]
     rc = build_main(["--checkpoint", str(hf), "--output", str(tmp_path / "d"), "--dtype", "float32", "--device",
@@ -274,9 +274,9 @@ def test_retention_is_a_benchmark_setting_not_an_engine_knob(engine, tmp_path):
     with pytest.raises(EvalError, match=r"retention must be in \[0, 1\]"):
         set_forced_retention(llm, 2.0)
     assert forced_retention(set_forced_retention(llm, 0.3)) == 0.3
-    assert td_view(llm)["selection"] == "forced_retention(rho=0.3)"  # TokenDrop.set_selection's read-out
+    assert token_drop_view(llm)["selection"] == "forced_retention(rho=0.3)"  # TokenDrop.set_selection's read-out
     assert forced_retention(set_forced_retention(llm, None)) is None  # top-p again
-    assert td_view(llm)["selection"] is None
+    assert token_drop_view(llm)["selection"] is None
     with pytest.raises(EvalError, match="needs token drop"):
         set_forced_retention(LLM(engine), 0.3)
 
@@ -310,7 +310,7 @@ def test_drop_layers_must_be_full_attention_layers(engine):
     with pytest.raises(ValueError, match="drop_layers is empty"):
         LLM(engine, token_drop=dict(TINY, drop_layers=[]))
     one = LLM(engine, token_drop=dict(TINY, drop_layers=[full[-1]]))
-    assert td_view(one)["drop_layers"] == [full[-1]]
+    assert token_drop_view(one)["drop_layers"] == [full[-1]]
 
 
 def test_prompt_logprobs_of_a_dropping_prompt_are_refused_with_the_way_out(engine):
@@ -342,9 +342,9 @@ def test_drop_over_fp8_cache_tracks_the_float32_one(engine, tmp_path):
     # after more random layers, where fp8's error has moved more of this random model's near-tied scores.
     plan = EngineConfig.load(engine).plan
     full = [lp.index for lp in plan.layers if lp.window is None]
-    knobs = dict(TINY, drop_layers=list(default_drop_layers(full, len(plan.layers), AUTHORS_LLAMA_EIGHTHS)))
+    drop = dict(TINY, drop_layers=list(default_drop_layers(full, len(plan.layers), AUTHORS_LLAMA_EIGHTHS)))
     for e in (engine, fp8):
-        llm = set_forced_retention(LLM(e, max_num_batched_tokens=100, token_drop=knobs), 0.3)
+        llm = set_forced_retention(LLM(e, max_num_batched_tokens=100, token_drop=drop), 0.3)
         kept_positions = record_kept_positions(llm)
         _, lg, sid = run_greedy(llm, ids, 1)
         logits.append(lg[0])

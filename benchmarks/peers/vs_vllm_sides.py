@@ -45,7 +45,7 @@ class InfhipSide:
         return min(s.kv_pages_used[g] + s.kv_pages_free[g] for g in s.kv_pages_free) * page
 
     def capacity_capped(self, tokens: int) -> bool:
-        return tokens >= self.llm.max_num_seqs * self.llm.engine.config.build.max_seq_len
+        return tokens >= self.llm.core.max_num_seqs * self.llm.engine.config.build.max_seq_len
 
     def info(self) -> dict:
         import torch

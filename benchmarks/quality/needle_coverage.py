@@ -2,9 +2,9 @@
 
     python -m benchmarks.quality.needle_coverage --engine engines/smollm2-135m-3k --length 8192 --depth 0.5 [--haystack pg]
 
-Prefills one passkey prompt (infhip/eval/passkey.py, seed 0, sample 0) densely, then, at every
+Prefills one passkey prompt (eval/passkey.py, seed 0, sample 0) densely, then, at every
 sparse layer, runs the layer's pruning stages on the last query block (64 queries) exactly as
-the engine would (infhip/eval/recall.py's parameters, the engine's query strides unless
+the engine would (eval/recall.py's parameters, the engine's query strides unless
 --query-stride) with both chunk scores — the paper's raw max over heads and "head_normalized" —
 and, as an experiment, the mask the kv head that reads the needle most would choose alone (one
 mask per kv head; the engine shares one across heads), and prints per layer: the share of the

@@ -1,11 +1,11 @@
-"""The short table of `bash benchmarks/gpu/run.sh quality qwen` from the JSON files it wrote (issue 21).
+"""The short table of `bash benchmarks/gpu/run.sh quality qwen` from the JSON files it wrote.
 
     python3 -m benchmarks.quality.qwen_summary /tmp/qwen-results
 
 Prints the per-task RULER tables the runs wrote (`*.md`), then one row per (measure, engine),
 one column per length: RULER means (every task has the same samples, so the mean over records
 is the mean over tasks), passkey accuracy, PG-essay perplexity, mean attention recall of the
-final masks, and UniPrefill's RULER mean with its measured retention ρ next to the dense
+final masks, and token drop's RULER mean with its measured retention ρ next to the dense
 engine's mean on the same samples; any other JSON (the `qwen-knobs` runs) as one row per engine
 under its file name. A file a step did not write (cut at the deadline) is skipped.
 """
@@ -45,7 +45,7 @@ def rows(name: str, records: list[dict], fmt: str, keep=lambda r: True, geometri
 def retention_row(p: str, records: list[dict]) -> str:
     cells = [_cell([r["extra"]["retention"] for r in records if r["length"] == n and "retention" in r["extra"]],
                    "{:.3f}") for n in LENGTHS]
-    return f"| UniPrefill p={p}: retention ρ | dense + drop | " + " | ".join(cells) + " |"
+    return f"| token drop p={p}: retention ρ | dense + drop | " + " | ".join(cells) + " |"
 
 
 def main(folder: str) -> None:
@@ -62,14 +62,14 @@ def main(folder: str) -> None:
     lines += rows("PG perplexity, last 256 tokens", _records(w / "ppl_ih.json"), "{:.2f}", geometric=True)
     lines += rows("attention recall, final mask (mean over layers, heads)", _records(w / "recall_3k.json"), "{:.3f}")
     for p in ("0.99", "0.98"):
-        td = _records(w / f"ruler_td{p}.json")
-        if td:
-            samples = {r["sample"] for r in td}
+        drop = _records(w / f"ruler_drop{p}.json")
+        if drop:
+            samples = {r["sample"] for r in drop}
             lines += rows(f"RULER mean, dense, samples {sorted(samples)}", dense, "{:.1f}", lambda r: r["sample"] in samples)
-            lines += rows(f"RULER mean, UniPrefill p={p}", td, "{:.1f}")
-            lines.append(retention_row(p, td))
+            lines += rows(f"RULER mean, token drop p={p}", drop, "{:.1f}")
+            lines.append(retention_row(p, drop))
     known = {"ruler_dense", "passkey_dense", "ppl_dense", "ruler_ih", "passkey_ih", "ppl_ih", "recall_3k",
-             "ruler_td0.99", "ruler_td0.98"}
+             "ruler_drop0.99", "ruler_drop0.98"}
     for other in sorted(f for f in w.glob("*.json") if f.stem not in known):  # the knob runs (qwen-knobs)
         lines += rows(f"{other.stem} (score mean)", _records(other), "{:.2f}")
     skipped = w / "skipped.txt"

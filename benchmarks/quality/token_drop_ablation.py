@@ -6,7 +6,7 @@
 
 The engine prefills one KJV window (the `ppl` window of that sample: the first length - chunk
 tokens) with token drop and records the positions each anchor kept; the plain-torch reference
-(infhip/eval/token_drop_reference.py, which the engine matches) then scores the last `chunk` tokens under
+(eval/token_drop_reference.py, which the engine matches) then scores the last `chunk` tokens under
 these semantics with those same kept sets, under the engine's drop schedule (drop layers, drop
 point, re-entry: TokenDropConfig; the engine's own unless --knobs changes them, e.g. the paper's
 schedule above, the one the variants below were written for; the default since 2026-12-04 is
@@ -94,10 +94,10 @@ def main() -> None:
     def variant(edits) -> dict:
         code = src
         for old, new in edits:
-            assert old in code, f"infhip/eval/token_drop_reference.py changed: {old!r} not found"
+            assert old in code, f"eval/token_drop_reference.py changed: {old!r} not found"
             code = code.replace(old, new)
         ns: dict = {}
-        exec(compile(code, "td_reference_variant", "exec"), ns)
+        exec(compile(code, "token_drop_reference_variant", "exec"), ns)
         return ns
 
     # keys-only: every row takes every layer's update; rows-only: every key stays visible; nested:

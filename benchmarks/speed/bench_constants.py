@@ -1,4 +1,4 @@
-"""Measure what decides two constants of the runtime that were set without a measurement:
+"""Measure what decides two constants of the runtime (the figures: docs/benchmarks.md "Constants"):
 RAW_KEYS_MIN_BLOCKS (infhip/methods/infinitehip/runtime/planner.py) and OFFLOAD_BATCH_TOKENS
 (runtime/offload/policy.py). Llama-3.1-8B shapes (32 q / 8 kv heads, d 128, bf16, page 16, 32
 layers), random keys and values, preset 3k's stages; one device call, a few minutes (most of it
@@ -22,11 +22,11 @@ Triton compiling).
    page lists went to the GPU. For each batch it times the GPU copies (CUDA events) and the host
    side (the two index uploads and 64 launches, wall clock), per move and amortized per decode
    step, as a share of a decode step (--step-ms: 3k-flash offloaded at 512K, 7.26 ms,
-   docs/benchmarks.md "KV offloading"), bf16 and fp8 caches. The constant is the smallest batch
+   docs/benchmarks.md "KV offload"), bf16 and fp8 caches. The constant is the smallest batch
    whose amortized cost stays under --budget (1 %) of a step; the price of a larger one is up to
    batch - 1 pages per request and layer left on the GPU (printed).
 
-Prints both tables and the two values the measurements pick; JSON to --out.
+Prints both tables and the two values the measurements pick beside the code's; JSON to --out.
 """
 
 from __future__ import annotations
@@ -212,7 +212,8 @@ def main(argv=None) -> None:
         for n, rows in res["raw_keys"]["per_context"].items():
             for nb, r in rows.items():
                 print(f"| {n} | {nb} | {r['rotating_ms']:.2f} | {r['raw_keys_ms']:.2f} | {r['raw_over_rotating']:.2f} |")
-        print(f"RAW_KEYS_MIN_BLOCKS (now 8) by this run: {res['raw_keys']['raw_keys_min_blocks']}")
+        from infhip.methods.infinitehip.runtime.planner import RAW_KEYS_MIN_BLOCKS
+        print(f"RAW_KEYS_MIN_BLOCKS by this run: {res['raw_keys']['raw_keys_min_blocks']} (the code's: {RAW_KEYS_MIN_BLOCKS})")
     if "offload" in res:
         print("\n| KV | batch tokens | GPU ms / move | host ms / move | µs per decode step | share of a step |\n"
               "|---|---|---|---|---|---|")
@@ -220,7 +221,8 @@ def main(argv=None) -> None:
             for t, r in rows.items():
                 print(f"| {kv} | {t} | {r['gpu_ms']:.3f} | {r['host_ms']:.3f} | {r['per_step_ms'] * 1e3:.2f} | "
                       f"{100 * r['share_of_step']:.2f} % |")
-        print(f"OFFLOAD_BATCH_TOKENS (now 256) by this run: {res['offload']['offload_batch_tokens']}")
+        from infhip.runtime.offload.policy import OFFLOAD_BATCH_TOKENS
+        print(f"OFFLOAD_BATCH_TOKENS by this run: {res['offload']['offload_batch_tokens']} (the code's: {OFFLOAD_BATCH_TOKENS})")
     print(f"total {res['total_s']:.0f} s")
 
 

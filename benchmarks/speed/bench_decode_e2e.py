@@ -21,7 +21,7 @@ Per configuration: a warm-up of one refresh cycle (captures the graph of every r
 then per-step wall times of single steps over two cycles (host planning, graph replay, sampling,
 the sync of the sampled token: what a streaming user sees) — median, P99, max — and the
 throughput of 8 steps fused per host sync (the engine default). Ratios are against dense in the
-same run, and against the same config at the shortest context (issue 22's "1M decode >= 0.9x of
+same run, and against the same config at the shortest context (the goal "1M decode >= 0.9x of
 short-context decode": `--contexts 1024,1000000`). Prints a table last and writes JSON to --out
 (after every context, so a run cut short keeps what it measured).
 
@@ -30,7 +30,7 @@ short-context decode": `--contexts 1024,1000000`). Prints a table last and write
 scheduler and the page tables, so the synthetic request and the knob switches reach every rank
 through the runtime; rank 0's pages get the random keys and values, the workers' keep the zeros
 they were allocated with (decode time depends on how many keys there are, not on what they hold).
-Run it beside a `--tp 1` run of the same contexts for the ratio (issue 25: 3k-flash at 1M):
+Run it beside a `--tp 1` run of the same contexts for the ratio (3k-flash at 1M):
 
     python -m benchmarks.speed.bench_decode_e2e --out $OUT/tp2 --contexts 1024,1000000 --configs dense,3k-flash \
         --kv-dtype fp8 --tp 2

@@ -1,4 +1,4 @@
-"""Prefix caching on a long document (issue 24): a document + question, then follow-up questions
+"""Prefix caching on a long document: a document + question, then follow-up questions
 that share the document; TTFT of each and decode speed, with the document's KV pages cached on
 the GPU, cached in pinned host memory (KV offloading), and on a dense engine.
 
@@ -23,7 +23,7 @@ about 150 s for case 1 with its build, 110 s for case 2, 80 s for case 3.
 Per case: request 0 = document + question 0 (nothing cached: the no-cache TTFT), then
 ``--follow-ups`` requests = document + question i (the document's pages reused). Per request:
 TTFT (wall, from queueing to the first sampled token on the host), cached prompt tokens, and decode
-tok/s over the next ``--max-tokens`` - 1 tokens (engine default of 8 fused decode steps). Issue 24's
+tok/s over the next ``--max-tokens`` - 1 tokens (engine default of 8 fused decode steps). The
 goal: every follow-up's TTFT <= 2 s at 1M (64.8 s uncached before), decode tok/s of the follow-ups
 equal to the first request's. Prints a table last; JSON to ``--out``/bench_prefix_cache.json.
 """
@@ -205,7 +205,7 @@ def main() -> None:
         vocab = llm.engine.config.model.vocab_size
         doc = tokens(doc_len, 1, vocab)
         questions = [tokens(q_len, 100 + i, vocab) for i in range(1 + args.follow_ups)]
-        print(f"{name}: loaded in {time.perf_counter() - t0:.1f} s, prefix caching {llm.prefix_caching}", flush=True)
+        print(f"{name}: loaded in {time.perf_counter() - t0:.1f} s, prefix caching {llm.core.prefix_caching}", flush=True)
         rows = conversation(llm, doc, questions, args.max_tokens, deadline)
         staging = llm.runner.staging
         if staging is not None and args.in_place_follow_ups and len(rows) == len(questions) \
@@ -220,7 +220,7 @@ def main() -> None:
             staging.enabled = True
         kv = llm.runner.kv
         stats = llm.stats()
-        out = {"doc_tokens": doc_len, "prefix_caching": llm.prefix_caching, "load_s": round(time.perf_counter() - t0, 1),
+        out = {"doc_tokens": doc_len, "prefix_caching": llm.core.prefix_caching, "load_s": round(time.perf_counter() - t0, 1),
                "requests": rows, "kv_pages_cached": stats.kv_pages_cached,
                "host_pages_used": stats.host_pages_used, "prefix_cache_hits": stats.prefix_cache_hits,
                "host_pages_cached": {g: kv.num_cached_host_pages(g) for g in kv.groups},

@@ -1,5 +1,5 @@
 """Qwen3-Next (3:1 linear/full-attention hybrid, 512-expert MoE): time to first token, dense vs
-UniPrefill token drop, random weights at the 80B-A3B layer shapes cut in depth; and its MoE
+token drop (UniPrefill), random weights at the 80B-A3B layer shapes cut in depth; and its MoE
 layer, fused expert kernels vs the per-expert loop, in the same run.
 
     python -m benchmarks.speed.bench_qwen3_next_ttft --out $OUT --layers 12 --lengths 32k,128k   # one GPU
@@ -115,8 +115,8 @@ def time_ttft(args, engine: Path, res: dict) -> None:
     for length in args.lengths:
         ids = torch.randint(10, vocab, (length,), generator=torch.Generator().manual_seed(length)).tolist()
         row = {"length": length}
-        for name, td, rho in columns:
-            llm.runner.set_transform("token_drop", td)
+        for name, drop_config, rho in columns:
+            llm.runner.set_transform("token_drop", drop_config)
             set_forced_retention(llm, rho)
             llm.generate(prompt_token_ids=[ids[:16]], sampling_params=sp)  # the path's kernels loaded
             row[name] = best_of(lambda: llm.generate(prompt_token_ids=[ids], sampling_params=sp),

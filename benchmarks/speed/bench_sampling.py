@@ -1,4 +1,4 @@
-"""Decode throughput with the sampling features on vs plain decode, in the same run (issue 33:
+"""Decode throughput with the sampling features on vs plain decode, in the same run (goal:
 logprobs=5 and penalties each >= 0.95x plain at batch 1 and 16).
 
     python -m benchmarks.speed.bench_sampling --engine engines/smollm2-135m [--batch-sizes 1,16] [--tokens 256] \\

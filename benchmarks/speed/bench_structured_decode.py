@@ -1,4 +1,4 @@
-"""Decode speed under a grammar against plain decode, in the same run (issue 33's "with a JSON
+"""Decode speed under a grammar against plain decode, in the same run (the goal "with a JSON
 schema >= 0.95x plain decode"): batch 1 and 16, greedy, short prompts, `--tokens` each.
 
     python -m benchmarks.speed.bench_structured_decode --engine engines/l8b [--batch 1 16] [--tokens 256] \

@@ -1,4 +1,4 @@
-"""UniPrefill token drop vs the dense engine: time to first token, random weights, bf16, one GPU.
+"""Token drop (UniPrefill) vs the dense engine: time to first token, random weights, bf16, one GPU.
 
     python -m benchmarks.speed.bench_token_drop --out $OUT                      # ~4 min on an H200
     python -m benchmarks.speed.bench_token_drop --out /tmp/x --dry-run          # the plan, no GPU
@@ -42,7 +42,7 @@ def parse_len(s: str) -> int:
 def make_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, required=True, help="folder for bench_token_drop.json")
-    p.add_argument("--work", type=Path, default=Path("/tmp/infhip-bench-td"), help="engines are built here")
+    p.add_argument("--work", type=Path, default=Path("/tmp/infhip-bench-token-drop"), help="engines are built here")
     p.add_argument("--models", default=",".join(MODELS))
     p.add_argument("--lengths", default="8k,32k,128k")
     p.add_argument("--retention", default="1,0.5,0.3,0.1", help="forced retention ratios rho")
@@ -150,8 +150,8 @@ def run_model(args, model: str, res: dict) -> None:
         (name, TokenDropConfig(min_prompt_len=0, spare_anchors=n, drop_layers=d, **args.knobs), r)
         for name, r, n, d in drop_configs(args)]
     warm = [(i * 7919) % (vocab - 10) + 10 for i in range(tiny.cap(4096, args.smoke))]
-    for _, td, rho in configs:  # compile the Triton kernels of every path once
-        llm.runner.set_transform("token_drop", td)
+    for _, drop_config, rho in configs:  # compile the Triton kernels of every path once
+        llm.runner.set_transform("token_drop", drop_config)
         set_forced_retention(llm, rho)
         ttft_s(llm, warm, 1)
     for length in args.lengths:
@@ -159,8 +159,8 @@ def run_model(args, model: str, res: dict) -> None:
         ids = torch.randint(10, vocab, (n,), generator=torch.Generator().manual_seed(length)).tolist()
         reps = 1 if n > 65536 else args.reps
         row = {"length": length, "prompt_tokens": n}
-        for name, td, rho in configs:
-            llm.runner.set_transform("token_drop", td)
+        for name, drop_config, rho in configs:
+            llm.runner.set_transform("token_drop", drop_config)
             set_forced_retention(llm, rho)
             llm.runner.transforms["token_drop"].stats.retention.clear()
             row[name] = ttft_s(llm, ids, reps)

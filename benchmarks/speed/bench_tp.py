@@ -1,4 +1,4 @@
-"""Tensor parallelism: TP = 1 vs TP = N, random weights, bf16, N GPUs of one host (issue 25).
+"""Tensor parallelism: TP = 1 vs TP = N, random weights, bf16, N GPUs of one host.
 
     python -m benchmarks.speed.bench_tp --tp 2 --out $OUT            # Llama-3.1-8B shapes, >= 2 GPUs
     python -m benchmarks.speed.bench_tp --tp 2 --layers 8 --out $OUT  # quicker: 8 of the 32 layers

@@ -1,5 +1,5 @@
 """Where a long prompt's time to first token goes, per 32K prefill chunk: `3k-flash`, fp8 KV,
-Llama-3.1-8B shapes, random weights, bf16 and fp8 weights (issue 36).
+Llama-3.1-8B shapes, random weights, bf16 and fp8 weights.
 
     python3 -m benchmarks.speed.ttft_breakdown --out $OUT                        # H200: 1,040,000 tokens
     python3 -m benchmarks.speed.ttft_breakdown --out $OUT --prompt-lens 131072 --weights bf16

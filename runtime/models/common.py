@@ -158,7 +158,8 @@ class Attention(nn.Module):
             q = self.q_norm(q.contiguous())
             k = self.k_norm(k.contiguous())
         out = ctx.run_attention(self, q, k, v)  # [rows out, Hq, D]: fewer if token drop keeps fewer
-        return self.tp.all_reduce(self.o_proj(out.view(out.shape[0], -1)))
+        out = self.o_proj(out.view(out.shape[0], -1))
+        return self.tp.all_reduce(out) if self.tp.size > 1 else out
 
 
 class GatedMLP(nn.Module):
@@ -176,7 +177,8 @@ class GatedMLP(nn.Module):
         """x [T, hidden]: the normed rows, or their fp8 form (the pre-MLP norm's, consumer=gate_up_proj)."""
         gate_up = self.gate_up_proj(x)
         act = gated_act(gate_up, self.act, quantize=quantizes_input(self.down_proj, gate_up))
-        return self.tp.all_reduce(self.down_proj(act))
+        out = self.down_proj(act)
+        return self.tp.all_reduce(out) if self.tp.size > 1 else out
 
 
 class DecoderLayer(nn.Module):

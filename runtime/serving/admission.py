@@ -24,7 +24,6 @@ from __future__ import annotations
 import math
 import threading
 import time
-from collections.abc import Callable
 
 FLOOR = 256  # requests always admitted (by the time rule) whatever the estimate says
 DEFAULT_MAX_QUEUE_WAIT_S = 600.0  # without --request-timeout: ten minutes of backlog
@@ -63,18 +62,18 @@ class Throughput:
 class WorkMeter:
     """Feeds a Throughput from the engine thread: tokens processed per loop turn (prompt tokens
     counted when a request's first token comes, output tokens as they come) over the turn's
-    length, from `turn_started()` (EngineLoop.turn_started: after an idle engine's wait for work,
+    length, from the loop's `turn_started` (EngineLoop: after an idle engine's wait for work,
     which is not busy time) to the end of the turn."""
 
-    def __init__(self, throughput: Throughput, turn_started: Callable[[], float | None]):
-        self.throughput, self._turn_started = throughput, turn_started
+    def __init__(self, throughput: Throughput, loop):
+        self.throughput, self._loop = throughput, loop
         self._tokens = 0
 
     def add(self, tokens: int) -> None:
         self._tokens += tokens
 
     def turn_done(self) -> None:
-        started = self._turn_started()
+        started = self._loop.turn_started
         if self._tokens and started is not None:
             self.throughput.observe(self._tokens, time.monotonic() - started)
         self._tokens = 0

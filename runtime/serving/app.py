@@ -171,6 +171,8 @@ def make_app(engine: AsyncEngine, metrics: ServerMetrics, model_name: str | list
 
 def _tool_plan(body: P.ChatCompletionRequest, engine: AsyncEngine, params):
     """(the request's ToolCallPlan or None, params with the grammar that forces its calls)."""
+    if not body.tools and body.tool_choice is None:  # no tools: ToolCallPlan.of would say None
+        return None, params
     template = getattr(engine.tokenizer, "chat_template", None)
     try:
         plan = ToolCallPlan.of(body.tools, body.tool_choice, template if isinstance(template, str) else None,

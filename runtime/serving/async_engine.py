@@ -14,7 +14,7 @@ import asyncio
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 
-from infhip.runtime.engine_loop import EngineLoop, EngineObserver, _Accepted
+from infhip.runtime.engine_loop import EngineLoop, _Accepted
 from infhip.runtime.serving.protocol import BadRequest, EngineLimits
 
 _GONE = object()  # put by the watcher: the client disconnected
@@ -96,22 +96,18 @@ class Generation:
 
 
 class AsyncEngine:
-    """The engine thread over `llm`, its limits, and prompt tokenization off that thread."""
+    """The engine thread (`EngineLoop`, started: the server's one way into the engine), its
+    limits, and prompt tokenization off that thread."""
 
-    def __init__(self, llm, observer: EngineObserver | None = None):
-        self.llm = llm
-        self.limits = EngineLimits(vocab_size=llm.engine.config.model.vocab_size,
-                                   max_seq_len=llm.scheduler.max_seq_len)
-        self.loop = EngineLoop(llm.core, observer).start()
+    def __init__(self, loop: EngineLoop):
+        self.loop = loop
+        self.limits = EngineLimits(vocab_size=loop.info.vocab_size, max_seq_len=loop.info.max_seq_len)
+        self.tokenizer = loop.tokenizer  # None: a --random-weights engine
         self._tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="infhip-tokenize")
 
     def close(self) -> None:
         self._tokenizer_thread.shutdown(cancel_futures=True)
         self.loop.close()
-
-    @property
-    def tokenizer(self):
-        return self.llm.tokenizer
 
     async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of a completion prompt, as `EngineCore.add_request` would tokenize it."""
@@ -146,7 +142,7 @@ class AsyncEngine:
         the engine's cache, so that EngineCore.add_request on the engine thread finds it: a new schema's
         compile (up to ~0.15 s) and the first grammar's vocabulary setup (~0.3-0.8 s) would
         stall every running request there. ValueError: it does not compile."""
-        await self._off_thread(lambda: self.llm.grammars.compile(spec))
+        await self._off_thread(lambda: self.loop.compile_grammar(spec))
 
     async def _off_thread(self, fn):
         return await asyncio.get_running_loop().run_in_executor(self._tokenizer_thread, fn)

@@ -77,15 +77,6 @@ class Refused(Exception):
         self.headers = {"Retry-After": str(retry_after_s)}
 
 
-def kv_capacity_tokens(llm) -> int:
-    """Tokens the KV cache holds: the smallest full-attention group's pages x page size (a
-    sliding-window group's pages are reused along the sequence, so they do not bound it)."""
-    kv = llm.runner.kv
-    full = [spec.num_pages - 1 for spec in kv.groups.values() if spec.window is None]
-    pages = min(full) if full else min(spec.num_pages - 1 for spec in kv.groups.values())
-    return pages * kv.page_size
-
-
 class Ticket:
     """One request's place in the server (from its handler's start to its answer's end)."""
 
@@ -139,10 +130,11 @@ class Lifecycle:
     at most kv_capacity_tokens + max_waiting_tokens (default DEFAULT_WAITING_TOKENS: host memory).
     An explicit max_waiting_requests W: at most max_num_seqs + W requests in the server."""
 
-    def __init__(self, policy: ServingPolicy, llm, loop, metrics):
-        self.policy, self.loop, self.metrics = policy, loop, metrics  # loop: the EngineLoop
-        self.batch = batch = llm.scheduler.max_num_seqs
-        kv_tokens = kv_capacity_tokens(llm)
+    def __init__(self, policy: ServingPolicy, info, loop, metrics):
+        """info: the engine's EngineInfo (runtime/outputs.py); loop: its EngineLoop."""
+        self.policy, self.loop, self.metrics = policy, loop, metrics
+        self.batch = batch = info.max_num_seqs
+        kv_tokens = info.kv_capacity_tokens
         self.max_waiting_requests = policy.max_waiting_requests  # None: no count limit (the time rule)
         self.max_waiting_tokens = (max(kv_tokens, DEFAULT_WAITING_TOKENS) if policy.max_waiting_tokens is None
                                    else policy.max_waiting_tokens)

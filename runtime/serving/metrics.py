@@ -12,7 +12,6 @@ from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from infhip.runtime.attention import backends
 from infhip.runtime.serving import metric_defs as M
 from infhip.runtime.serving.metric_defs import MetricDef
 from infhip.runtime.sequence import SequenceStatus
@@ -38,7 +37,8 @@ class _Timing:
 
 
 class ServerMetrics:
-    def __init__(self, llm):
+    def __init__(self, info):
+        """info: the engine's EngineInfo (EngineLoop.info): its methods' request counters."""
         self.registry = r = CollectorRegistry(auto_describe=True)
         self.running, self.waiting = _make(M.REQUESTS_RUNNING, r), _make(M.REQUESTS_WAITING, r)
         self.ttft, self.itl = _make(M.TTFT, r), _make(M.ITL, r)
@@ -64,13 +64,9 @@ class ServerMetrics:
         self._prefix_seen = (0, 0, 0)
         self._timing: dict[int, _Timing] = {}  # seq_id -> timing of a live request
         self.meter = None  # admission.WorkMeter: the engine's measured throughput (set by the server)
-        config = llm.engine.config
         # the attention backends' and the step transforms' own counters of finished requests, of
         # those the engine loaded with (runtime/attention/backend.py RequestCounter)
-        counters = [rc for cls in backends() if cls.knobs_of(config) is not None for rc in cls.request_counters(config)]
-        counters += [rc for t in llm.runner.transforms.values() if type(t).knobs_of(config) is not None
-                     for rc in t.request_counters()]
-        self.method_counters = [(Counter(rc.name, rc.help, registry=r), rc.counts) for rc in counters]
+        self.method_counters = [(Counter(rc.name, rc.help, registry=r), rc.counts) for rc in info.request_counters]
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -139,32 +135,31 @@ class ServerMetrics:
         self.errors.labels(scope="engine").inc(num_requests)
         self._timing.clear()
 
-    def sample(self, llm) -> None:
-        """Gauges after a loop turn: queue lengths, KV pages per group (GPU and host pools)."""
-        sched, kv = llm.scheduler, llm.runner.kv
+    def sample(self, stats) -> None:
+        """Gauges after a loop turn (stats: its EngineStats): queue lengths, KV pages per group
+        (GPU and host pools)."""
         for timing in self._timing.values():
             if timing.scheduled is None and timing.req.seq.status is not SequenceStatus.WAITING:
                 self._scheduled(timing)
         self._last_sample = time.monotonic()
         if self.meter is not None:
             self.meter.turn_done()
-        self.running.set(sched.num_running)
-        self.waiting.set(sched.num_waiting)
-        self.preemptions.inc(sched.num_preemptions - self._preemptions_seen)
-        self._preemptions_seen = sched.num_preemptions
-        now = (kv.prefix_cache_queries, kv.prefix_cache_hits, kv.prefix_cache_evictions)
+        self.running.set(stats.num_running)
+        self.waiting.set(stats.num_waiting)
+        self.preemptions.inc(stats.num_preemptions - self._preemptions_seen)
+        self._preemptions_seen = stats.num_preemptions
+        now = (stats.prefix_cache_queries, stats.prefix_cache_hits, stats.prefix_cache_evictions)
         for counter, n, seen in zip((self.prefix_queries, self.prefix_hits, self.prefix_evictions), now,
                                     self._prefix_seen):
             counter.inc(n - seen)
         self._prefix_seen = now
-        for group, spec in kv.groups.items():
-            free = kv.num_free_pages(group)
+        for group, free in stats.kv_pages_free.items():
+            used = stats.kv_pages_used[group]
             self.kv_free.labels(group=group, memory="gpu").set(free)
-            self.kv_used.labels(group=group, memory="gpu").set(spec.num_pages - 1 - free)  # page 0 is the null page
-            self.kv_usage.labels(group=group).set((spec.num_pages - 1 - free) / (spec.num_pages - 1))
-            self.kv_cached.labels(group=group).set(kv.num_cached_pages(group))
-            if spec.offload is not None:
-                host_free = kv.num_free_host_pages(group)
-                self.kv_free.labels(group=group, memory="host").set(host_free)
-                self.kv_used.labels(group=group, memory="host").set(spec.offload.host_pages - host_free)
-                self.host_cached.labels(group=group).set(kv.num_cached_host_pages(group))
+            self.kv_used.labels(group=group, memory="gpu").set(used)
+            self.kv_usage.labels(group=group).set(used / (used + free))
+            self.kv_cached.labels(group=group).set(stats.kv_pages_cached.get(group, 0))
+        for group, host_free in stats.host_pages_free.items():
+            self.kv_free.labels(group=group, memory="host").set(host_free)
+            self.kv_used.labels(group=group, memory="host").set(stats.host_pages_used[group])
+            self.host_cached.labels(group=group).set(stats.host_pages_cached.get(group, 0))

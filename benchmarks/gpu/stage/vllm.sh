@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Stage vLLM 0.20.0 onto the H200 machine for benchmarks/peers/bench_vs_vllm.py (issue 35). Run it here,
+# Stage vLLM 0.20.0 onto the H200 machine for benchmarks/peers/bench_vs_vllm.py. Run it here,
 # in the checkout whose tree the device calls send, with the project's venv active (it needs pip
 # and `packaging`; vLLM is not a project dependency and is never installed here).
 #
@@ -39,7 +39,7 @@ done
 
 if [ "$MODE" = unpack ]; then
   # On the GPU machine: python3 is the image's (torch 2.11.0+cu130); stage.py imports nothing of infhip.
-  python3 infhip/eval/stage.py join-file "$STAGE" /tmp/vllm-wheels.tar
+  python3 eval/stage.py join-file "$STAGE" /tmp/vllm-wheels.tar
   rm -rf /tmp/vllm-wheels && mkdir -p /tmp/vllm-wheels && tar -xf /tmp/vllm-wheels.tar -C /tmp/vllm-wheels
   # install prints every requirement edge the machine's versions do not meet ([kept: ...] = on purpose)
   python3 -m benchmarks.peers.vllm_wheels install --dir /tmp/vllm-wheels --target /tmp/site || echo "WARNING: unmet requirements above"

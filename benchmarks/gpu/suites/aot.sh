@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # suite: the ahead-of-time engine: AOT GPU tests, then bench_cold_start
-# One device call for the ahead-of-time engine (issue 20): install infhip into the GPU machine's
+# One device call for the ahead-of-time engine: install infhip into the GPU machine's
 # Python (offline), the AOT GPU tests, then the cold-start benchmark. Logs and JSON under $OUT.
 #   bash benchmarks/gpu/run.sh aot            (on the H200, repo root)
 set -o pipefail

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # suite: fp8 weights' open questions: kernel tests, the M = 1 GEMV sweep, 3k-flash + fp8 KV decode at 1K / 1M / largest resident
-# One device call (one H200, ends by ~530 s; TESTS_S=0: ~390 s) for fp8 weights' open questions (issue 22;
-# docs/fp8_weights.md "Speed"):
+# One device call (one H200, ends by ~530 s; TESTS_S=0: ~390 s) for fp8 weights' open questions
+# (docs/fp8_weights.md "Speed"):
 #   1. install infhip (offline); the fp8 kernel tests compiled on the GPU (every GEMV candidate,
 #      every e4m3 byte through the table's GEMV: what would show flushed subnormals);
 #   2. the M = 1 GEMV sweep: every GEMV_CANDIDATES entry against the table's config and bf16

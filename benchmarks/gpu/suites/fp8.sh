@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # suite: fp8 weights: the fp8 kernel tests, then bench_fp8_weights (kernels per shape, bf16 / fp8 engines)
-# One device call for FP8 weights (issue 22), under 8 minutes on an H200: install infhip into the
+# One device call for FP8 weights, under 8 minutes on an H200: install infhip into the
 # GPU machine's Python (offline), the fp8 kernel tests compiled on the GPU, then the benchmark
 # (kernels per shape, then bf16 / fp8 / fp8 + LM head engines side by side). Logs and JSON under $OUT.
 #   bash benchmarks/gpu/run.sh fp8            (on the H200, repo root)

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # suite: re-measure the README's headline rows, each beside its same-run baseline (~9.5 min; needs_h200)
 # One device call (under 9.5 minutes on an H200): re-measure the README's headline figures after a
-# refactor (issue 23), each against its baseline in the same run, most important first; a step
+# refactor, each against its baseline in the same run, most important first; a step
 # that would pass the deadline is skipped and named. Logs and JSON under $OUT.
 #   bash benchmarks/gpu/run.sh headline            (on the H200, repo root)
 set -o pipefail
@@ -22,7 +22,7 @@ step() {
 
 step e2e_decode_512k 170 python3 -m benchmarks.speed.bench_decode_e2e --out "$OUT/e2e" --contexts 512000 \
   --configs dense,3k-flash --kv-gib 72
-step token_drop_128k 130 python3 -m benchmarks.speed.bench_token_drop --out "$OUT/td" --models llama-3.1-8b \
+step token_drop_128k 130 python3 -m benchmarks.speed.bench_token_drop --out "$OUT/token_drop" --models llama-3.1-8b \
   --lengths 128k --retention 0.3 --spare-anchors 1 --drop-layers every \
   --knobs drop_point=before_attention,reenter=true  # the figure's schedule (every full layer, re-entry)
 step fp8_engines 175 python3 -m benchmarks.speed.bench_fp8_weights --out "$OUT/fp8" --engines bf16,fp8 \

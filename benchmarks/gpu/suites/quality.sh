@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # suite: real-model quality from staged engines: CASE = smol | gemma | qwen | qwen-knobs | ... (default smol)
-# Real-model quality on the H200 (issues 3 and 5) from engines staged on this machine
+# Real-model quality on the H200 from engines staged on this machine
 # (python -m infhip.eval.stage split ENGINE; one part per device call, the KJV package copied to
 # .stage/pylib), joined here. See docs/quality.md for the staging calls.
 #   bash benchmarks/gpu/run.sh quality smol     SmolLM2-135M bf16: dense plan vs 3k plan, 4K-32K
@@ -10,7 +10,7 @@
 #   bash benchmarks/gpu/run.sh quality smol-stage3-stride SmolLM2 3k: NIAH 8K-32K with query strides 4,4,1 vs 4,4,4
 #   bash benchmarks/gpu/run.sh quality smol-layer-bisect  SmolLM2 3k, 8K passkey: pruning in all / lower / upper layers
 #   bash benchmarks/gpu/run.sh quality qwen     Qwen2.5-Coder-0.5B from the GGUF staged by benchmarks/gpu/stage/qwen.sh
-#                                           (issue 21): RULER/passkey/ppl/recall/UniPrefill, ~9 min
+#                                           RULER/passkey/ppl/recall/token drop, ~9 min
 #   bash benchmarks/gpu/run.sh quality qwen-knobs          the same GGUF: 3k/5k x chunk_score, RULER NIAH 32K/128K
 #   bash benchmarks/gpu/run.sh quality qwen-knobs-passkey  the next call on the warm machine: PG passkey, recall
 #   bash benchmarks/gpu/run.sh quality qwen-budget         the same GGUF: 5k with 8K final keys, 3k with more special
@@ -155,7 +155,7 @@ gemma)
   infhip-eval niah $E --lengths 4k,16k,32k --variants single,multikey --depths 0.5 --samples 3 \
       --json $OUT/niah_gemma_gpu.json
   ;;
-qwen)  # the baselines (issue 21): dense RULER/passkey to 32K, 3k / 3k-flash / 5k to 128K, UniPrefill,
+qwen)  # the baselines: dense RULER/passkey to 32K, 3k / 3k-flash / 5k to 128K, token drop,
   # perplexity, recall; the summary table printed last and written to $OUT/qwen_summary.md. First
   # run (2026-12-02, docs/quality.md): builds 148 s, and one step after another did not fit 500 s.
   qwen_setup
@@ -164,7 +164,7 @@ qwen)  # the baselines (issue 21): dense RULER/passkey to 32K, 3k / 3k-flash / 5
   ALL=$NIAH,vt,cwe,fwe,qa_1
   # (RULER in the model's chat template: an instruct model; the answer prefix opens its turn.)
   # Three groups of three concurrent steps (the first run: ruler_ih alone took 171 s, the
-  # UniPrefill pair 81 s and the ppl/recall trio 66 s when run side by side).
+  # token-drop pair 81 s and the ppl/recall trio 66 s when run side by side).
   step ruler_ih infhip-eval ruler $IH --template chat --tasks $NIAH --lengths 32k,64k,128k --samples 2 \
       --json $W/ruler_ih.json --markdown $W/ruler_ih.md &
   step ruler_dense infhip-eval ruler --engine engines/q05-dense $G --template chat --tasks $ALL --lengths 8k,16k,32k \
@@ -175,8 +175,8 @@ qwen)  # the baselines (issue 21): dense RULER/passkey to 32K, 3k / 3k-flash / 5
   step passkey_ih infhip-eval passkey $IH --haystack pg --lengths 32k,64k,128k --depths $DEPTHS --samples 1 \
       --json $W/passkey_ih.json --markdown $W/passkey_ih.md &
   for p in 0.99 0.98; do  # min_prompt_len 4096: the default 8192 would leave the "8K" prompts (8192 - generated) whole
-    step ruler_td$p infhip-eval ruler --engine engines/q05-dense $G --token-drop p=$p,min_prompt_len=4096 --template chat --tasks $ALL \
-        --lengths 8k,16k,32k --samples 2 --json $W/ruler_td$p.json --markdown $W/ruler_td$p.md &
+    step ruler_drop$p infhip-eval ruler --engine engines/q05-dense $G --token-drop p=$p,min_prompt_len=4096 --template chat --tasks $ALL \
+        --lengths 8k,16k,32k --samples 2 --json $W/ruler_drop$p.json --markdown $W/ruler_drop$p.md &
   done
   wait
   step ppl_ih infhip-eval ppl $IH --haystack pg --lengths 32k,64k,128k --chunk 256 --samples 1 \
@@ -188,7 +188,7 @@ qwen)  # the baselines (issue 21): dense RULER/passkey to 32K, 3k / 3k-flash / 5
   wait
   qwen_finish
   ;;
-qwen-knobs)  # issue 21 follow-up. CPU needle coverage (docs/results/2026-12-02-qwen/needle-coverage.md): 3k loses
+qwen-knobs)  # the qwen case's follow-up. CPU needle coverage (docs/results/2026-12-02-qwen/needle-coverage.md): 3k loses
   # the needle in stage 3 at 16K and from stage 2 at 32K; head_normalized mixed. Here: 3k and 5k
   # (the 3k weights replanned; its kernels compile at load) under chunk_score head_normalized (the
   # default) and max, RULER NIAH with 4 prompts per task (20 per length; at 32K the dense

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # suite: sampling features and structured output: sampler tests, bench_sampling, bench_structured_decode (carry .whl/xg)
-# Issue 33's speed row in one device call (~5 min): the sampler kernels' tests on the GPU, then
+# The sampling features' speed row in one device call (~5 min): the sampler kernels' tests on the GPU, then
 # decode with logprobs=5 / penalties (bench_sampling.py) and under a JSON schema
 # (bench_structured_decode.py), each against plain decode in the same run, batch 1 and 16.
 # ENGINE (default: a random-weight Qwen2.5-Coder-0.5B bf16 engine built here, which holds the

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # suite: 1.04M-token TTFT of 3k-flash + fp8 KV, bf16 and fp8 weights, per 32K chunk (ttft_breakdown; ~7 min)
-# One device call of issue 36: the 1.04M-token TTFT of `3k-flash` + fp8 KV (Llama-3.1-8B shapes,
+# One device call: the 1.04M-token TTFT of `3k-flash` + fp8 KV (Llama-3.1-8B shapes,
 # random weights) with bf16 and fp8 weights, plain and broken down per 32K chunk
 # (benchmarks/speed/ttft_breakdown.py; about 7 minutes on an H200 by the figures in docs/benchmarks.md:
 # two AOT builds of ~62 s, two 1.04M prefills of ~65 s per weight dtype). Logs and JSON under $OUT.

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # suite: infhip vs vLLM 0.20.0: unpacks the staged wheels (stage/vllm.sh), then bench_vs_vllm --parts ...
-# One device call of issue 35 (infhip vs vLLM 0.20.0), after the part-carrying calls that
+# One device call (infhip vs vLLM 0.20.0), after the part-carrying calls that
 # `bash benchmarks/gpu/stage/vllm.sh` printed: unpacks vLLM into /tmp/site if this warm machine has
 # not yet (the call carrying the last part), installs infhip (offline), then
 # benchmarks/peers/bench_vs_vllm.py with the arguments given (--parts offline | serving | cold | memory;

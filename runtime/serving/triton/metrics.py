@@ -48,8 +48,9 @@ class TritonMetrics:
     records to Triton every _FLUSH_S and samples the engine's queue and KV gauges (every Triton
     metric call is a round trip to the server process, kept off the responders' path)."""
 
-    def __init__(self, llm, labels: dict[str, str]):
-        self._llm, self._labels = llm, labels
+    def __init__(self, loop, labels: dict[str, str]):
+        """loop: the model's EngineLoop, whose stats() the gauges read."""
+        self._loop, self._labels = loop, labels
         self._families: dict[str, object] = {}
         self._metrics: dict[tuple, object] = {}  # (family, label values) -> Metric
         self._lock = threading.Lock()
@@ -145,15 +146,15 @@ class TritonMetrics:
         self._sample_engine()
 
     def _sample_engine(self) -> None:
-        """Gauges read from the engine thread's objects without a lock: list lengths, which
-        may be one step old."""
-        sched, kv = self._llm.scheduler, self._llm.runner.kv
-        self._metric(M.REQUESTS_RUNNING).set(sched.num_running)
-        self._metric(M.REQUESTS_WAITING).set(sched.num_waiting)
-        for group, spec in kv.groups.items():
-            pools = [("gpu", spec.num_pages - 1, kv.num_free_pages(group))]  # page 0 is the null page
-            if spec.offload is not None:
-                pools.append(("host", spec.offload.host_pages, kv.num_free_host_pages(group)))
+        """Gauges of the engine's stats after its last turn (EngineLoop.stats: any thread)."""
+        stats = self._loop.stats()
+        self._metric(M.REQUESTS_RUNNING).set(stats.num_running)
+        self._metric(M.REQUESTS_WAITING).set(stats.num_waiting)
+        for group, free in stats.kv_pages_free.items():
+            pools = [("gpu", stats.kv_pages_used[group] + free, free)]
+            if group in stats.host_pages_free:
+                host_free = stats.host_pages_free[group]
+                pools.append(("host", stats.host_pages_used[group] + host_free, host_free))
             for memory, total, free in pools:
                 self._metric(M.KV_USED, group=group, memory=memory).set(total - free)
                 self._metric(M.KV_FREE, group=group, memory=memory).set(free)

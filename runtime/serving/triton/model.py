@@ -210,9 +210,9 @@ class TritonPythonModel:
             kwargs["device"] = params["device"]
         if params.get("max_num_seqs"):
             kwargs["max_num_seqs"] = int(params["max_num_seqs"])
-        llm = LLM(params["engine_dir"], **kwargs)
-        self.loop = EngineLoop(llm.core).start()
-        self.metrics = metrics.TritonMetrics(llm, {"model": args["model_name"], "version": args["model_version"]})
+        self._llm = LLM(params["engine_dir"], **kwargs)
+        self.loop = EngineLoop(self._llm).start()  # all the model reaches of the engine
+        self.metrics = metrics.TritonMetrics(self.loop, {"model": args["model_name"], "version": args["model_version"]})
         self._clock = metrics.Clock
         self._closing = threading.Event()
         self._ending = threading.Event()  # the launcher's drain ran out: every request ends now
@@ -259,7 +259,7 @@ class TritonPythonModel:
         self._closing.set()
         self.loop.close()
         self.metrics.close()
-        self.loop.core.close()  # a tensor-parallel engine's worker processes (a no-op otherwise)
+        self._llm.close()  # a tensor-parallel engine's worker processes (a no-op otherwise)
 
     # -- one request ------------------------------------------------------------------------------
     def _sender(self, request):

@@ -1,4 +1,4 @@
-"""UniPrefill retention per anchor layer on real text: the share of a prompt's tokens each
+"""Token-drop retention per anchor layer on real text: the share of a prompt's tokens each
 full-attention layer keeps (infhip/methods/token_drop/runtime/step.py records it per sequence in
 ``runner.transforms["token_drop"].stats.retention``: anchor layer -> [kept, total] summed over the prompt's chunks).
 
@@ -41,8 +41,8 @@ def anchor_retention(llm, prompts: list[list[int]]) -> list[dict[int, float]]:
 def run_retention(engine: str, lengths: list[int], samples: int = 2, seed: int = 0,
                   device: str | None = None, **llm_kwargs) -> dict:
     llm = load_llm(engine, device, **llm_kwargs)
-    td = llm.runner.transforms["token_drop"].cfg
-    result = {"engine": engine_name(engine), "token_drop": None if td is None else vars(td), "lengths": {}}
+    knobs = llm.runner.transforms["token_drop"].cfg
+    result = {"engine": engine_name(engine), "token_drop": None if knobs is None else vars(knobs), "lengths": {}}
     for length in lengths:
         check_fits(llm, length)
         prompts = [ctx + tgt for ctx, tgt in ppl_items(llm.tokenizer, length, 1, samples, seed)]

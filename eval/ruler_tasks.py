@@ -1,4 +1,4 @@
-"""RULER's tasks (infhip/eval/ruler.py says whose and how we differ): the task families
+"""RULER's tasks (eval/ruler.py says whose and how we differ): the task families
 (`KINDS`: template, answer prefix, tokens to generate, metric), the 13 tasks (`TASKS`, RULER's
 synthetic.yaml), the data they read (PG essays, SQuAD / HotpotQA, wonderwords' word lists) and
 one generator per family (`GENERATORS`): (rng, haystack size n, Ctx) -> (prompt body, answer
@@ -23,7 +23,7 @@ from infhip.eval.text import NOISE_SENTENCES, TextUnavailable, pg_text, ruler_da
 
 @dataclass(frozen=True)
 class Kind:
-    """One of RULER's task families (data/synthetic/constants.py, eval/synthetic/constants.py)."""
+    """One of RULER's task families (data/synthetic/constants.py, long_context_eval/eval/synthetic/constants.py)."""
 
     tokens_to_generate: int
     template: str  # with {context} and {query} (and NIAH's {type_needle_v})

@@ -98,7 +98,7 @@ def forced_retention(llm) -> float | None:
 def record_kept_positions(llm) -> dict:
     """Benchmarks and tests (production keeps no positions): from now on, collect per sequence id
     and full-attention layer the prompt positions each dropping chunk kept there (int64 tensors,
-    one per chunk), as the runner's DropStats records each dropping step (DropStats.keep_positions).
+    one per chunk), as the runner's DropRecords records each dropping step (DropRecords.keep_positions).
     Returns the live dict ``{seq_id: {layer: [positions, ...]}}``; a second call on the same
     engine returns the same dict. Single-rank engines (as set_forced_retention)."""
     return llm.runner.transforms["token_drop"].stats.keep_positions()

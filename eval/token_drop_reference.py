@@ -1,4 +1,4 @@
-"""Plain-torch reference of UniPrefill token dropping (the tests' and benchmarks/quality/'s float64
+"""Plain-torch reference of token dropping (UniPrefill; the tests' and benchmarks/quality/'s float64
 check of the engine; not used by the engine): the whole sequence (prompt + generated
 tokens) in one causal pass, with no paging, no compaction, no kernels, dropping expressed as
 masks only. It reads the engine's weights (the runtime modules' tensors) and the kept prompt
@@ -160,7 +160,7 @@ def reference_logits(model, ids: list[int], num_prompt: int, kept: dict[int, tor
     return logits
 
 
-def td_view(llm) -> dict:
+def token_drop_view(llm) -> dict:
     """Token drop's read-out of a loaded engine (TokenDrop.debug_view: knobs, drop_layers, tail,
     max_context, retention per sequence and anchor)."""
     return llm.debug_view()["transforms"]["token_drop"]
@@ -170,7 +170,7 @@ def reference_schedule(llm) -> dict:
     """The reference's schedule of a loaded engine's token drop (drop layers with the spared ones):
     what reference_logits(schedule=...) needs to drop as the engine does."""
     from infhip.methods.token_drop import TokenDropConfig, resolve_drop_layers
-    cfg = TokenDropConfig(**td_view(llm)["knobs"])
+    cfg = TokenDropConfig(**token_drop_view(llm)["knobs"])
     plan = llm.engine.config.plan.layers
     layers = resolve_drop_layers(dataclasses.replace(cfg, spare_anchors=0),
                                  [lp.index for lp in plan if lp.window is None and lp.attention != "linear"],
@@ -183,7 +183,7 @@ def run_greedy(llm, ids: list[int], steps: int) -> tuple[list[int], torch.Tensor
     seq_id) where logits[j] produced tokens[j] (benchmarks/quality/token_drop_ablation.py uses it too)."""
     from infhip import SamplingParams
     from infhip.runtime.sequence import Sequence
-    seq = Sequence(seq_id=10_000 + len(td_view(llm)["retention"]), prompt_token_ids=list(ids),
+    seq = Sequence(seq_id=10_000 + len(token_drop_view(llm)["retention"]), prompt_token_ids=list(ids),
                    params=SamplingParams(max_tokens=steps, ignore_eos=True))
     llm.scheduler.add(seq)
     tokens, logits = [], []

@@ -1,9 +1,9 @@
-"""UniPrefill on a real model: time to first token vs dense at the retention top-p reaches (GPU).
+"""Token drop on a real model: time to first token vs dense at the retention top-p reaches (GPU).
 
-    python -m benchmarks.speed.uniprefill_ttft --engine engines/q05-dense --device cuda --lengths 8k,16k,32k \
-        --tasks niah_single_2,qa_1 --samples 2 --td "default=p=0.99,min_prompt_len=4096" \
-        --td "old=p=0.99,min_prompt_len=4096,drop_layers=every,drop_point=before_attention,reenter=true,spare_anchors=1" \
-        --json $OUT/uniprefill_ttft.json
+    python -m benchmarks.speed.token_drop_ttft --engine engines/q05-dense --device cuda --lengths 8k,16k,32k \
+        --tasks niah_single_2,qa_1 --samples 2 --token-drop "default=p=0.99,min_prompt_len=4096" \
+        --token-drop "old=p=0.99,min_prompt_len=4096,drop_layers=every,drop_point=before_attention,reenter=true,spare_anchors=1" \
+        --json $OUT/token_drop_ttft.json
 
 benchmarks/speed/bench_token_drop.py times random-weight engines at a *forced* share of blocks; this
 one times the real engine on real RULER prompts (chat template), so each schedule keeps what
@@ -34,7 +34,8 @@ def main() -> None:
     ap.add_argument("--tasks", default="niah_single_2,qa_1")
     ap.add_argument("--samples", type=int, default=2)
     ap.add_argument("--template", default="chat")
-    ap.add_argument("--td", action="append", default=[], help="NAME=token-drop knobs (repeat); dense always runs")
+    ap.add_argument("--token-drop", action="append", default=[], metavar="NAME=KNOBS",
+                    help="a column: its name and token-drop knobs (repeat); dense always runs")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
@@ -50,7 +51,7 @@ def main() -> None:
     lengths = [int(float(x[:-1]) * 1024) if x.lower().endswith("k") else int(x) for x in args.lengths.split(",")]
     prompts = {n: [ruler_prompt(tok, t, n, s, template=args.template).ids for t in args.tasks.split(",")
                    for s in range(args.samples)] for n in lengths}
-    columns = [("dense", None)] + [tuple(spec.split("=", 1)) for spec in args.td]
+    columns = [("dense", None)] + [tuple(spec.split("=", 1)) for spec in args.token_drop]
     sp = SamplingParams(max_tokens=1, temperature=0.0)
     rows = []
     for name, knobs in columns:

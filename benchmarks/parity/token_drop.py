@@ -1,6 +1,6 @@
-"""UniPrefill parity on CPU: the authors' token selection and schedule beside our engine, same prompts.
+"""Token-drop parity on CPU: the UniPrefill authors' token selection and schedule beside our engine, same prompts.
 
-    python -m benchmarks.parity.uniprefill --peer /path/to/UniPrefill --engine engines/q05-dense \
+    python -m benchmarks.parity.token_drop --peer /path/to/UniPrefill --engine engines/q05-dense \
         --tasks niah_single_2,niah_multikey_1 --length 8192 --samples 0 \
         --column dense --column "ours-old=p=0.99,min_prompt_len=0,drop_layers=every,drop_point=before_attention,reenter=true" \
         --column "ours-authors=p=0.99,min_prompt_len=0,drop_layers=5:8:11:14:17:20" --column authors --json out.json
@@ -62,7 +62,7 @@ def load_authors_selection(peer: Path):
     cands = [peer / SELECTION] + sorted(peer.glob(f"*/{SELECTION}"))
     path = next((c for c in cands if c.is_file()), None)
     if path is None:
-        raise SystemExit(f"parity_uniprefill: no {SELECTION} under {peer} (pass the UniPrefill checkout)")
+        raise SystemExit(f"benchmarks.parity.token_drop: no {SELECTION} under {peer} (pass the UniPrefill checkout)")
     stubs = {
         "fla": types.ModuleType("fla"), "fla.utils": types.ModuleType("fla.utils"),
         "vllm": types.ModuleType("vllm"), "vllm.distributed": types.ModuleType("vllm.distributed"),
@@ -77,7 +77,7 @@ def load_authors_selection(peer: Path):
     saved = {k: sys.modules.get(k) for k in stubs}
     sys.modules.update(stubs)
     try:
-        spec = importlib.util.spec_from_file_location("uniprefill_selection", path)
+        spec = importlib.util.spec_from_file_location("authors_selection", path)
         mod = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(mod)
     finally:
@@ -235,7 +235,7 @@ def main() -> None:
     ap.add_argument("--json", type=Path, help="write the records here (rewritten after every cell)")
     args = ap.parse_args()
     if not args.column:
-        raise SystemExit("parity_uniprefill: give at least one --column (dense, authors, NAME=knobs)")
+        raise SystemExit("benchmarks.parity.token_drop: give at least one --column (dense, authors, NAME=knobs)")
     torch.set_num_threads(args.threads)
 
     from infhip import LLM
@@ -269,7 +269,7 @@ def main() -> None:
                 columns.append((name, engine, TokenDropConfig().replace(**parse_token_drop_knobs(knobs))))
         elif spec == "authors":
             if args.peer is None:
-                raise SystemExit("parity_uniprefill: the authors column needs --peer (a UniPrefill checkout)")
+                raise SystemExit("benchmarks.parity.token_drop: the authors column needs --peer (a UniPrefill checkout)")
             select, path = load_authors_selection(args.peer)
             from infhip.builder import registry
             from transformers import AutoModelForCausalLM
@@ -279,7 +279,7 @@ def main() -> None:
             columns.append(("authors", AuthorsModel(hf, select, authors_layers, cfg), None))
             print(f"authors: {path}, drop layers {authors_layers}, {cfg}", flush=True)
         else:
-            raise SystemExit(f"parity_uniprefill: --column {spec!r}: dense, authors or NAME=knobs")
+            raise SystemExit(f"benchmarks.parity.token_drop: --column {spec!r}: dense, authors or NAME=knobs")
 
     records = []
     meta = {"engine": str(args.engine), "model": args.model, "length": args.length, "template": args.template,
@@ -296,7 +296,7 @@ def main() -> None:
             authors_sets = None  # the authors column's rows per layer (compared when it ran first)
             print(f"\n== {task} {args.length} sample {s}: {len(ids)} tokens, answer {ans!r}, needle tokens "
                   f"{needle[:1]}..{needle[-1:]}", flush=True)
-            for name, runner, td in columns:
+            for name, runner, drop_config in columns:
                 t0 = time.time()
                 if name == "authors":
                     last, kept_l, cache = runner.prefill(ids)
@@ -305,7 +305,7 @@ def main() -> None:
                     arg = logits.argmax(-1).tolist()
                     kept = dict(enumerate(kept_l))
                 else:
-                    runner.runner.set_transform("token_drop", td)
+                    runner.runner.set_transform("token_drop", drop_config)
                     lps, arg, kept = engine_forced(runner, ids, gold)
                 cell, sets = summarize(lps, arg, gold, kept, len(ids), needle, num_layers, tok)
                 if name == "authors":

