@@ -12,7 +12,7 @@
 Layering: ``__init__.py``, knobs.py and rules.py are the engine format's side, torch-free (the
 builder and the runtime both read them); ``runtime/`` is the runtime's side and imports the
 runtime (tests/test_layers.py holds both). Its quality references (recall of the final masks)
-are infhip/eval/recall.py.
+are eval/recall.py.
 
     >>> from infhip.methods import method
     >>> method("infinitehip").presets["3k-fast"]

@@ -12,8 +12,8 @@
 
 Layering: ``__init__.py`` and knobs.py are the engine format's side, torch-free (the builder and
 the runtime both read them); ``runtime/`` is the runtime's side (tests/test_layers.py holds both).
-Its quality references are infhip/eval/token_drop_reference.py (the paper's algorithm in float64)
-and infhip/eval/hybrid_reference.py (Qwen3-Next).
+Its quality references are eval/token_drop_reference.py (the paper's algorithm in float64)
+and eval/hybrid_reference.py (Qwen3-Next).
 
     --token-drop                                     the defaults
     --token-drop drop_layers=5:8:11,reenter=true     layer lists joined by ':' (commas split knobs)
