@@ -91,7 +91,7 @@ def variants_of(model: str, preset: str, token_drop: bool, target_name: str, ker
     from infhip.builder.compile_matrix import TARGETS, union_variants
 
     target = TARGETS[target_name]
-    configs = {f"{model} {preset}": dict(model=model, preset=preset, token_drop=token_drop)}
+    configs = {f"{model} {preset}": dict(model=model, preset=preset, transforms=["token_drop"] if token_drop else [])}
     seen = union_variants(target, configs, jobs=1, launch_cache=None)
     chosen = [v for v in sorted(seen, key=lambda v: v.key) if not kernels or any(k in v.kernel for k in kernels)]
     return target, chosen
