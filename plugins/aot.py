@@ -38,6 +38,9 @@ from pathlib import Path
 
 # Launch options that select a binary (the rest of Triton's options are left at their defaults).
 _OPTION_NAMES = ("num_warps", "num_stages", "num_ctas")
+# The most shared memory one block may take, by compute capability (CUDA programming guide,
+# "Technical specifications per compute capability"): a binary over it compiles but never launches.
+MAX_SHARED_BYTES = {80: 166912, 86: 101376, 87: 166912, 89: 101376, 90: 232448}
 
 
 @dataclass(frozen=True)
@@ -233,6 +236,11 @@ def compile_variant(variant: KernelVariant, packed: tuple | None, target: Target
                                 options=options.__dict__)
         if load:
             kernel._init_handles()
+    limit = MAX_SHARED_BYTES.get(target.capability)
+    if limit is not None and kernel.metadata.shared > limit:
+        raise ValueError(f"{variant.describe()} needs {kernel.metadata.shared} bytes of shared memory on {target.name}, "
+                         f"over the {limit} a block may take there: it would never launch; make its tiles, "
+                         "num_stages or num_warps smaller (benchmarks/speed/kernel_resources.py shows each variant's)")
     folder = Path(cache_dir) / Path(next(iter(kernel.metadata_group.values()))).parent.name
     files = folder_files(folder)  # the binaries, the metadata and Triton's group file
     return {"kernel": variant.kernel, "variant": variant.key, "hash": kernel.hash, "target": target.name,

@@ -2,7 +2,7 @@
 math and the references; its recurrent kernel serves decode rows), and the q/k/v preparation
 both share.
 
-Two parts per sequence, C = 64 tokens a chunk (the last one padded with g = 0, beta = 0 rows,
+Two parts per sequence, C = 32 tokens a chunk (the last one padded with g = 0, beta = 0 rows,
 which leave the state alone):
 
 1. Everything parallel over chunks, in torch (a few batched launches whatever the length):
@@ -26,7 +26,14 @@ import triton.language as tl
 
 from ._triton_utils import next_pow2
 
-C = 64  # tokens per chunk
+C = 32  # tokens per chunk
+# The scan's launch: float32 "ieee" dots hold S [Dk, BV] and four [C, Dk] tiles per program. At
+# C = 64, BV = 64, 4 warps and Triton's 3 stages, Qwen3-Next's scan (Dk = Dv = 128) needed 263 KB
+# of shared memory, over every GPU's limit (227 KB on sm_90, 99 KB on sm_89: it could not launch),
+# and a 17 KB stack of spills; at C = 32, BV = 32, 8 warps, 1 stage: 48 KB and a 5 KB stack, and
+# twice the programs (Hv * Dv / 32). Measured with `python -m benchmarks.speed.kernel_resources
+# --model qwen3-next-80b-a3b --kernels chunk_scan` (sm_90a, Triton 3.9); speed not yet on a GPU.
+_BV_MAX, _WARPS, _STAGES = 32, 8, 1
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -106,9 +113,10 @@ def chunked_triton(q, k, v, g, beta, state: torch.Tensor) -> torch.Tensor:
     qf, kf, w, u, G = chunk_prepare(q, k, v, g, beta)
     tp = qf.shape[1]
     out = torch.empty(hv, tp, dv, dtype=torch.float32, device=q.device)
-    bv = min(max(next_pow2(dv), 16), 64)
+    bv = min(max(next_pow2(dv), 16), _BV_MAX)
     _chunk_scan_kernel[(hv, triton.cdiv(dv, bv))](qf, kf, w, u, G, out, state, tp, DK=dk, DV=dv,
-                                                   BK=max(next_pow2(dk), 16), BV=bv, CH=C, DOT="ieee")
+                                                   BK=max(next_pow2(dk), 16), BV=bv, CH=C, DOT="ieee",
+                                                   num_warps=_WARPS, num_stages=_STAGES)
     return out[:, :t].transpose(0, 1)
 
 
@@ -120,8 +128,8 @@ def aot_launches(space) -> None:
         return
     hv, dk, dv = la.num_value_heads, la.key_head_dim, la.value_head_dim
     qkw = [space.fake(hv, C, dk, dtype=torch.float32) for _ in range(3)]
-    bv = min(max(next_pow2(dv), 16), 64)
+    bv = min(max(next_pow2(dv), 16), _BV_MAX)
     _chunk_scan_kernel[(hv, triton.cdiv(dv, bv))](
         *qkw, space.fake(hv, C, dv, dtype=torch.float32), space.fake(hv, C, dtype=torch.float32),
         space.fake(hv, C, dv, dtype=torch.float32), space.fake(hv, dk, dv, dtype=torch.float32), C * 16,
-        DK=dk, DV=dv, BK=max(next_pow2(dk), 16), BV=bv, CH=C, DOT="ieee")
+        DK=dk, DV=dv, BK=max(next_pow2(dk), 16), BV=bv, CH=C, DOT="ieee", num_warps=_WARPS, num_stages=_STAGES)
