@@ -154,13 +154,16 @@ def gated_act(gate_up: torch.Tensor, kind: str, quantize: bool = False):
 
 def aot_launches(space) -> None:
     """The launches the runtime makes (plugins/aot.py): the MLP's act(gate) * up on the fused
-    gate_up projection output [T, 2 I] (contiguous; the token count is only the grid), and for
+    gate_up projection output [T, 2 I] of each MLP width (contiguous; the token count is only the grid), and for
     fp8-weight engines whose down_proj reaches torch._scaled_mm (plugins/fp8_linear.py
     scaled_mm_reachable) its fp8-output form."""
     from .fp8_linear import scaled_mm_reachable
 
     m = space.model
-    gate_up = space.fake(1, 2 * m.intermediate_size, dtype=space.act_dtype)
-    gated_act(gate_up, m.hidden_act)
-    if scaled_mm_reachable(space, "down_proj"):
-        gated_act(gate_up, m.hidden_act, quantize=True)
+    # every MLP width: the dense MLP's, and an MoE model's shared expert's (runtime/models/qwen3_next.py)
+    widths = {m.intermediate_size} | ({m.moe.shared_intermediate_size} if m.moe is not None else set())
+    for width in sorted(widths):
+        gate_up = space.fake(1, 2 * width, dtype=space.act_dtype)
+        gated_act(gate_up, m.hidden_act)
+        if scaled_mm_reachable(space, "down_proj"):
+            gated_act(gate_up, m.hidden_act, quantize=True)

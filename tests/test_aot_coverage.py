@@ -61,6 +61,12 @@ SCENARIOS = {
                                                          spare_anchors=0)),
                           {}, dict(prompts=PROMPTS[:2])),
     "3k-past-window": ("llama", dict(hf=L2, preset="3k", infinitehip_overrides=PAST), {}),
+    # Qwen3-Next: linear-attention layers (causal conv, the gated delta rule's chunked scan and
+    # recurrent decode), MoE experts and the shared expert's MLP (its own width: the strict GPU
+    # suite found its activation launch missing, 2026-12-08), token drop through all of them
+    "qwen3-next": ("qwen3_next", {}, {}),
+    "qwen3-next-token-drop": ("qwen3_next", dict(token_drop=dict(p=0.9, min_prompt_len=32, obs_window=8, block_size=8,
+                                                                 num_sink=8)), {}),
     # a 150-token prompt in 48-token chunks: its pages move after its second chunk, and its third
     # and fourth prefill from staged copies
     "3k-past-window-offload-fp8": ("llama", dict(hf=L2, preset="3k", infinitehip_overrides=PAST, kv_dtype="fp8"),
