@@ -116,7 +116,8 @@ def _section(title: str, intro: str, head: list[str], rows: list[list]) -> str:
 
 
 # what a preset's knobs are read against here: no model (no trained-window cap, any layer count)
-ANY_MODEL = SimpleNamespace(max_position_embeddings=None, num_layers=1 << 30)
+ANY_MODEL = SimpleNamespace(max_position_embeddings=None, num_layers=1 << 30,
+                            num_heads=32, num_kv_heads=8, head_dim=128)  # Llama-8B's heads: tiles that fit
 
 
 def _anchor(title: str) -> str:

@@ -185,3 +185,21 @@ def test_engine_with_another_kv_dtype_is_refused_at_load(hf, tmp_path):
     (out / "config.json").write_text(json.dumps(d))
     with pytest.raises(EngineFormatError, match="differs from dtype"):
         EngineConfig.load(out)
+
+
+def test_presets_fit_selectrep_query_tiles_into_shared_memory():
+    """Under relative pruning RoPE a stride-1 stage's query tile of GQA 7 x head_dim 128
+    (Qwen2.5-7B) or GQA 4 x 256 (Gemma-3-270m) does not fit an sm_90 block's shared memory (the
+    compile matrix refuses it): the preset takes stride 2 there; Llama-8B and Qwen2.5-0.5B keep
+    4, 4, 1, and strides a user gives are kept (the build then names the kernel that cannot fit)."""
+    from infhip.builder.matrix_configs import _model_config
+    from infhip.methods.infinitehip import InfiniteHip
+
+    strides = {m: InfiniteHip.preset_knobs("3k", _model_config(m)).query_strides
+               for m in ("qwen2.5-7b", "gemma-3-270m", "llama-3.1-8b", "qwen2.5-coder-0.5b")}
+    assert strides == {"qwen2.5-7b": (4, 4, 2), "gemma-3-270m": (4, 4, 2), "llama-3.1-8b": (4, 4, 1),
+                       "qwen2.5-coder-0.5b": (4, 4, 1)}
+    given = InfiniteHip.preset_knobs("3k", _model_config("qwen2.5-7b"), {"query_strides": (4, 4, 1)})
+    assert given.query_strides == (4, 4, 1)
+    inside = InfiniteHip.preset_knobs("3k", _model_config("qwen2.5-7b"), {"pruning_rope": "chunk_indexed"})
+    assert inside.query_strides == (4, 4, 1)  # chunk-indexed: one query tile, it fits

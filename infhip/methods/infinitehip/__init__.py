@@ -27,11 +27,11 @@ from infhip.methods.method import BACKEND, Method, register, require
 
 from .knobs import (CHUNK_SCORES, PRESET_CHANGES, RUNTIME_KNOBS, InfiniteHipConfig, PruningStage,
                     infinitehip_config)
-from .rules import sparse_reachable
+from .rules import fitting_query_strides, sparse_reachable
 
 # one layer at 1M keys, decode vs SDPA, per preset (docs/benchmarks.md): docs/knobs.md's preset table
 PRESET_MEASURED = {"3k": "28.8× with the bank (`e913143`)", "3k-fast": "31.7× without the bank (`4e4b22f`)",
-                   "3k-flash": "47.0× with the bank (`4e4b22f`)", "5k": "8.9× without the bank (`e895854`)"}
+                   "3k-flash": "45.6× with the bank (run H)", "5k": "8.9× without the bank (`e895854`)"}
 
 
 @register
@@ -70,12 +70,16 @@ class InfiniteHip(Method):
 
     @classmethod
     def preset_knobs(cls, preset: str, model, changes: dict[str, Any] | None = None) -> InfiniteHipConfig:
-        """The preset's knobs, ``dense_threshold`` capped at the model's trained window + 1, and
-        special layers within the model."""
+        """The preset's knobs, ``dense_threshold`` capped at the model's trained window + 1,
+        special layers within the model, and (unless given) query strides whose SelectRep query
+        tiles fit a GPU's shared memory (rules.fitting_query_strides)."""
         cfg = infinitehip_config(preset, changes, trained_window=model.max_position_embeddings)
         past = [i for i in cfg.special_layers if i >= model.num_layers]
         require(not past, f"special_layers {past} are past the model's {model.num_layers} layers "
                 f"(0-based indices, 0..{model.num_layers - 1})")
+        if "query_strides" not in (changes or {}):
+            cfg = cfg.replace(query_strides=fitting_query_strides(cfg, model.num_heads // model.num_kv_heads,
+                                                                  model.head_dim))
         return cfg
 
     @classmethod

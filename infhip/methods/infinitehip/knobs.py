@@ -99,8 +99,9 @@ class InfiniteHipConfig:
         measured=f"{_ONE_LAYER}, {_WHOLE_MODEL}")
     query_strides: tuple[int, ...] = knob(
         (4, 4, 1), "prefill: stage i scores a block's chunks with every s-th query (1 = the paper's formula; "
-        "4, 4, 1 = the paper's public code)", runtime=True,
-        measured="1M prefill: 1,1,1 6.0×, 4,4,1 20.2×, 4,4,4 25.6× SDPA "
+        "4, 4, 1 = the paper's public code); a preset doubles a stage's stride where its query tile would not fit "
+        "shared memory under relative pruning RoPE (GQA 7-8 at head_dim 128, 4 at 256: 4, 4, 2)", runtime=True,
+        measured="1M prefill: 1,1,1 6.0×, 4,4,1 19.9×, 4,4,4 25.6× SDPA "
         "([benchmarks](benchmarks.md#prefill-infinitehip-one-layer-vs-sdpa)). SmolLM2 retrieval: 24 / 23 / 21 of "
         "81 prompts for 1,1,1 / 4,4,1 / 4,4,4, perplexity equal; NIAH 51 (4,4,1) vs 49 (4,4,4) of 90 "
         "([quality](quality.md#query-strides-and-stage-3-at-stride-4))")
@@ -146,7 +147,7 @@ class InfiniteHipConfig:
     key_bank: bool = knob(
         True, "past the window, a last-stage refresh rotates its keys once into a per-request bank that "
         "cached decode steps read", runtime=True,
-        measured="1M keys, one layer: `3k-flash` 47.0× SDPA with, 35.3× without; whole model 512K: 166.4 vs "
+        measured="1M keys, one layer: `3k-flash` 45.6× SDPA with, 34.1× without (run H); whole model 512K: 166.4 vs "
         f"155.6 tok/s ({_WHOLE_MODEL}). Memory: 4 MiB per row and layer for Llama-8B, about 1.2 GiB for "
         "8 + 1 rows, reserved only when max_seq_len passes the window")
     key_bank_slots: int = knob(

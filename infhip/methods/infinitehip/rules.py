@@ -19,6 +19,48 @@ def sparse_reachable(cfg, max_seq_len: int) -> bool:
     return cfg is not None and cfg.dense_threshold <= max_seq_len
 
 
+# -- query tiles that fit shared memory ------------------------------------------
+
+# SelectRep (plugins/infinitehip/pruning.py) scores a block's chunks with one query tile of
+# next_pow2(block_q / stride * G) rows (G query heads per kv head) x next_pow2(head_dim); under
+# relative pruning RoPE it holds two such tiles (each branch's rotation). At 64K elements, GQA
+# groups of 7-8 at head_dim 128 (Qwen2.5-7B) or 4 at 256 (Gemma-3-270m) with stride 1, that took
+# 270-280 KB of shared memory (Triton 3.6 and 3.9), over an sm_90 block's 227 KB: it could not
+# launch. Half of it (stride 2) takes ~140 KB.
+MAX_RELATIVE_TILE = 32768  # query-tile elements (rows x head dims) under relative pruning RoPE
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def query_tile(block_q: int, stride: int, group: int, head_dim: int) -> int:
+    """Elements of SelectRep's query tile (as pruning.py's _tiling sizes it)."""
+    return max(16, _pow2(-(-block_q // stride) * group)) * max(16, _pow2(head_dim))
+
+
+def fitting_query_strides(cfg, group: int, head_dim: int) -> tuple[int, ...]:
+    """``cfg.query_strides`` with each stage's stride doubled until its query tile fits
+    MAX_RELATIVE_TILE, where some layer prunes with relative RoPE (no change otherwise, or for
+    models whose tiles already fit: every model measured for quality so far).
+
+        >>> from types import SimpleNamespace as NS
+        >>> cfg = NS(query_strides=(4, 4, 1), pruning_rope="relative", special_pruning_rope="chunk_indexed",
+        ...          stages=(NS(block_q=64),))
+        >>> fitting_query_strides(cfg, 7, 128), fitting_query_strides(cfg, 7, 64)
+        ((4, 4, 2), (4, 4, 1))
+    """
+    if "relative" not in (cfg.pruning_rope, cfg.special_pruning_rope):
+        return tuple(cfg.query_strides)
+    block_q = cfg.stages[0].block_q
+    strides = []
+    for s in cfg.query_strides:
+        while s < block_q and query_tile(block_q, s, group, head_dim) > MAX_RELATIVE_TILE:
+            s *= 2
+        strides.append(s)
+    return tuple(strides)
+
+
 # -- stage-1 candidate capacity --------------------------------------------------
 
 MIN_CAPACITY = 1024  # candidate_capacity: a power of two >= 1024
