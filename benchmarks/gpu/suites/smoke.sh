@@ -8,7 +8,13 @@
 #   bash benchmarks/gpu/run.sh smoke            (on the GPU machine, repo root)
 OUT=${OUT:-/tmp/infhip-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/serve/*.whl && export PYTHONPATH=/tmp/site
+# the serving wheels: carried (.whl/serve), or already in /tmp/site from an earlier call on this warm
+# machine (a call that carries a Qwen part instead has no room for them)
+if ls .whl/serve/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/serve/*.whl
+fi
+[ -d /tmp/site/fastapi ] || { echo "no serving wheels: carry .whl/serve (benchmarks/gpu/stage/serving_wheels.sh)"; exit 2; }
+export PYTHONPATH=/tmp/site
 python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . 2>&1 | tail -2
 python3 -c "import torch,triton;print(torch.__version__,triton.__version__)"
 timeout 420 python3 -m benchmarks.gpu.smoke --out $OUT "$@" 2>&1 | grep -v -E "Writing model|Warning" | tee $OUT/smoke.log

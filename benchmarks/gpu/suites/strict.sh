@@ -8,7 +8,13 @@
 set -o pipefail
 OUT=${OUT:-/tmp/infhip-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/serve/*.whl && export PYTHONPATH=/tmp/site
+# the serving wheels: carried (.whl/serve), or already in /tmp/site from an earlier call on this warm
+# machine (a call that carries a Qwen part instead has no room for them)
+if ls .whl/serve/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/serve/*.whl
+fi
+[ -d /tmp/site/fastapi ] || { echo "no serving wheels: carry .whl/serve (benchmarks/gpu/stage/serving_wheels.sh)"; exit 2; }
+export PYTHONPATH=/tmp/site
 python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . 2>&1 | tail -3
 INFHIP_JIT=forbid TRITON_CACHE_DIR=/proc/infhip-no-triton-cache timeout ${GPU_TESTS_S:-480} \
   python3 -m pytest -q -m gpu tests -p no:cacheprovider 2>&1 | tail -25 | tee "$OUT/gpu_tests_strict.log"
