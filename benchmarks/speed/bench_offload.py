@@ -57,7 +57,7 @@ def config_knobs(name: str) -> dict:
 
 def grown_request(llm, n: int, chunk: int = 32768, computed: int | None = None):
     """bench_decode_e2e.synthetic_request, but its pages are appended a chunk at a time and
-    offloaded after each (runner.page_mover, as ModelRunner.execute ends a step). ``computed`` (default
+    offloaded after each (runner.page_mover, as ModelRunner.execute ends a step; none without host memory). ``computed`` (default
     n - 1) tokens count as computed: the next step prefills the rest."""
     from infhip import SamplingParams
     from infhip.runtime.sequence import SequenceStatus
@@ -68,10 +68,12 @@ def grown_request(llm, n: int, chunk: int = 32768, computed: int | None = None):
     seq, sched = req.seq, llm.scheduler
     sched.waiting.remove(seq)
     computed = n - 1 if computed is None else computed
+    mover = llm.runner.page_mover  # None on an engine loaded without host memory (resident): nothing moves
     for start in range(0, computed, chunk):
         end = min(computed, start + chunk)
         sched.kv.append(seq.seq_id, start, end)
-        llm.runner.page_mover.move([(seq, end)])
+        if mover is not None:
+            mover.move([(seq, end)])
     seq.status = SequenceStatus.RUNNING
     sched.running.append(seq)
     seq.num_computed_tokens = computed
